@@ -1,0 +1,32 @@
+"""jdp: data-parallel training for JAX.
+
+Write the training step for ONE replica; `jdp.parallelize` runs it on every device
+(and host), with replicated state, a sharded batch and averaged gradients. A
+JAX-native, purely functional take on Caffe2's `data_parallel_model`.
+
+Everything public is listed in `__all__` (and in the public subpackages'
+`__init__`); modules whose names start with `_` are private and may change.
+"""
+
+from jdp._checks import assert_replicas_in_sync, replicas_in_sync
+from jdp._collectives import all_reduce_gradients, broadcast, sync_batch_stats
+from jdp._hlo import Collective
+from jdp._parallel import Parallel, parallelize
+from jdp._train_step import TrainState, make_train_step
+from jdp._transforms import sync_gradients
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Collective",
+    "Parallel",
+    "TrainState",
+    "all_reduce_gradients",
+    "assert_replicas_in_sync",
+    "broadcast",
+    "make_train_step",
+    "parallelize",
+    "replicas_in_sync",
+    "sync_batch_stats",
+    "sync_gradients",
+]

@@ -1,0 +1,102 @@
+"""Private, pure packing of pytree leaves into flat communication buckets.
+
+Gradients are communicated as a few large flat buffers instead of one collective per
+leaf: leaves are taken in reverse pytree order (the backward pass produces the last
+layers' gradients first, as Caffe2's `_GetReverseOrderedGrads` and PyTorch DDP's
+buckets assume) and packed, per dtype, into buckets of at most `bucket_bytes`. This
+module only plans and (un)packs; it issues no collective, so it is testable without
+devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+    """One flat buffer: the leaf indices it holds, in packing order, and its dtype."""
+
+    indices: tuple[int, ...]
+    dtype: np.dtype
+    sizes: tuple[int, ...]
+
+    @property
+    def num_elements(self) -> int:
+        """Total number of elements in the bucket."""
+        return sum(self.sizes)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the bucket in its wire dtype."""
+        return self.num_elements * np.dtype(self.dtype).itemsize
+
+
+def plan_buckets(
+    shapes: Sequence[tuple[int, ...]],
+    dtypes: Sequence[np.dtype],
+    *,
+    bucket_bytes: int | None,
+    reverse: bool = True,
+) -> list[Bucket]:
+    """Groups leaves into buckets, in the order the buckets should be issued.
+
+    Args:
+      shapes: Shape of each leaf (in pytree order).
+      dtypes: Wire dtype of each leaf (leaves of different dtypes never share a bucket).
+      bucket_bytes: Largest bucket size in bytes; `None` puts every leaf of a dtype in
+        one bucket. A leaf larger than `bucket_bytes` gets a bucket of its own.
+      reverse: Take leaves last-first (the order the backward pass produces them).
+
+    Returns:
+      The buckets, in issue order (a bucket is issued when it is full, so with
+      `reverse=True` the first bucket holds the last leaves).
+    """
+    order = range(len(shapes) - 1, -1, -1) if reverse else range(len(shapes))
+    open_buckets: dict[np.dtype, tuple[list[int], list[int]]] = {}
+    done: list[Bucket] = []
+
+    def close(dtype):
+        idx, sizes = open_buckets.pop(dtype)
+        done.append(Bucket(tuple(idx), np.dtype(dtype), tuple(sizes)))
+
+    for i in order:
+        size = int(np.prod(shapes[i], dtype=np.int64))
+        if size == 0:
+            continue
+        dtype = np.dtype(dtypes[i])
+        leaf_bytes = size * dtype.itemsize
+        if dtype in open_buckets and bucket_bytes is not None:
+            current = sum(open_buckets[dtype][1]) * dtype.itemsize
+            if current + leaf_bytes > bucket_bytes:
+                close(dtype)
+        idx, sizes = open_buckets.setdefault(dtype, ([], []))
+        idx.append(i)
+        sizes.append(size)
+    for dtype in list(open_buckets):
+        close(dtype)
+    return done
+
+
+def pack(leaves: Sequence[jnp.ndarray], bucket: Bucket) -> jnp.ndarray:
+    """Concatenates the bucket's leaves, flattened and cast to its dtype."""
+    parts = [jnp.ravel(leaves[i]).astype(bucket.dtype) for i in bucket.indices]
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+
+
+def unpack(
+    flat: jnp.ndarray, bucket: Bucket, like: Sequence[jnp.ndarray]
+) -> dict[int, jnp.ndarray]:
+    """Splits a flat bucket back into leaves shaped and typed like `like`."""
+    out = {}
+    offset = 0
+    for i, size in zip(bucket.indices, bucket.sizes, strict=True):
+        ref = like[i]
+        piece = flat[offset : offset + size] if len(bucket.indices) > 1 else flat
+        out[i] = piece.reshape(jnp.shape(ref)).astype(jnp.result_type(ref))
+        offset += size
+    return out

@@ -1,0 +1,107 @@
+"""`jdp.replicas_in_sync` / `jdp.assert_replicas_in_sync`: catch a forgotten sync.
+
+The functional form of Caffe2's `_AnalyzeOperators` sanity check and of the
+cross-replica comparisons users of DDP and fairseq write by hand: every replica of
+a replicated state should hold the same values after a synchronous step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jdp._tree import format_problems, keystr
+
+PyTree = Any
+
+
+@jax.jit
+def _replica_differences(leaves):
+    """Per leaf, the largest |x[r] - x[0]| for each replica r (inf where NaNs disagree)."""
+    out = []
+    for x in leaves:
+        ref = x[:1]
+        if jnp.issubdtype(x.dtype, jnp.inexact):
+            diff = jnp.abs(x - ref).astype(jnp.float32)
+            both_nan = jnp.isnan(x) & jnp.isnan(ref)
+            one_nan = jnp.isnan(x) ^ jnp.isnan(ref)
+            diff = jnp.where(both_nan, 0.0, jnp.where(one_nan, jnp.inf, diff))
+        else:
+            diff = jnp.where(x != ref, jnp.inf, 0.0).astype(jnp.float32)
+        out.append(diff.reshape(x.shape[0], -1).max(axis=1, initial=0.0))
+    return out
+
+
+def _differences(state: PyTree, atol: float):
+    flat = [
+        (path, x)
+        for path, x in jax.tree_util.tree_flatten_with_path(state)[0]
+        if isinstance(x, jax.Array) and x.ndim >= 1 and x.shape[0] > 1
+    ]
+    if not flat:
+        return []
+    diffs = jax.device_get(_replica_differences([x for _, x in flat]))
+    problems = []
+    for (path, _), d in zip(flat, diffs, strict=True):
+        d = np.asarray(d)
+        worst = int(np.argmax(d))
+        if d[worst] > atol:
+            problems.append((path, worst, float(d[worst])))
+    return problems
+
+
+def replicas_in_sync(state: PyTree, *, atol: float = 0.0) -> bool:
+    """Whether every replica of a replicated pytree holds the same values.
+
+    Compares each array leaf's replicas (its leading axis, as `step.replicate`
+    lays it out) with replica 0. Synchronous steps keep replicas bit-identical, so
+    the default tolerance is exact; NaNs in the same places count as equal.
+
+    Args:
+      state: A pytree replicated by a `jdp.Parallel` step.
+      atol: Largest absolute difference tolerated (0 by default).
+
+    Returns:
+      True if no leaf differs by more than `atol` between replicas.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jdp
+      >>> step = jdp.parallelize(lambda s, b: (s, {}), devices=jax.devices()[:2])
+      >>> jdp.replicas_in_sync(step.replicate({"w": jnp.ones(3)}))
+      True
+    """
+    return not _differences(state, atol)
+
+
+def assert_replicas_in_sync(state: PyTree, *, atol: float = 0.0) -> None:
+    """Raises if replicas of a replicated pytree differ, naming the leaves.
+
+    Args:
+      state: A pytree replicated by a `jdp.Parallel` step.
+      atol: Largest absolute difference tolerated (0 by default).
+
+    Raises:
+      AssertionError: Naming the first diverging leaf paths, the replica that
+        differs most from replica 0, and the largest difference.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jdp
+      >>> step = jdp.parallelize(lambda s, b: (s, {}), devices=jax.devices()[:2])
+      >>> jdp.assert_replicas_in_sync(step.replicate({"w": jnp.ones(3)}))
+    """
+    problems = _differences(state, atol)
+    if problems:
+        lines = [
+            f"{keystr(path)}: replica {r} differs from replica 0 by up to {d:.6g}"
+            for path, r, d in problems
+        ]
+        raise AssertionError(
+            f"[jdp] Replicas are out of sync in {len(problems)} leaves (atol={atol}):"
+            f"{format_problems(lines)}\nA step that updates the state without "
+            "averaging its gradients (`jdp.all_reduce_gradients`) or syncing "
+            "computed state (`jdp.sync_batch_stats`) lets replicas drift; "
+            "`step.broadcast(state)` resets every replica to replica 0."
+        )

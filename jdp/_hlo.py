@@ -1,0 +1,204 @@
+"""Private: reads the collectives out of an HLO module's text.
+
+`Parallel.collectives` uses it to report what a step communicates: kind, dtype,
+bytes, replica groups, program order, and whether the collective sits inside a
+conditional branch (such as BMUF's block sync). It parses HLO text, which both the
+lowered module (`Lowered.as_text(dialect="hlo")`, before XLA's optimisations, so one
+entry per `psum` issued) and the compiled module (`Compiled.as_text()`, after XLA
+has combined and possibly retyped them) print.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import numpy as np
+
+_KINDS = {
+    "all-reduce": "all-reduce",
+    "all-reduce-start": "all-reduce",
+    "all-gather": "all-gather",
+    "all-gather-start": "all-gather",
+    "reduce-scatter": "reduce-scatter",
+    "all-to-all": "all-to-all",
+    "ragged-all-to-all": "all-to-all",
+    "collective-permute": "collective-permute",
+    "collective-permute-start": "collective-permute",
+    "collective-broadcast": "collective-broadcast",
+}
+
+_DTYPE_BYTES = {
+    "pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
+    "f8e4m3": 1, "f8e3m4": 1, "f8e4m3b11fnuz": 1, "f8e4m3fnuz": 1, "f8e5m2fnuz": 1,
+    "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+    "s32": 4, "u32": 4, "f32": 4,
+    "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+}  # fmt: skip
+
+_SHAPE = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*\)\s*->\s*.*)?\{\s*$")
+_CALLED = re.compile(
+    r"\b(?:to_apply|calls|body|condition|true_computation|false_computation)"
+    r"=%?([\w.\-]+)"
+)
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_GROUPS_EXPLICIT = re.compile(r"replica_groups=\{((?:\{[0-9,]*\},?)*)\}")
+_GROUPS_IOTA = re.compile(
+    r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?"
+)
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{[0-9,]*\},?)*)\}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective operation of a compiled (or lowered) step.
+
+    Attributes:
+      kind: `"all-reduce"`, `"all-gather"`, `"reduce-scatter"`, `"all-to-all"`,
+        `"collective-permute"` or `"collective-broadcast"`.
+      dtype: Element type(s) as XLA names them (`"f32"`, `"bf16"`, or
+        `"f32,s32"` for a tuple of mixed types).
+      bytes: Size of the full logical buffer per device, the size NCCL's
+        benchmarks quote: the all-reduced buffer, the gathered result of an
+        all-gather, the input of a reduce-scatter.
+      result_bytes: Bytes of the operation's result on each device.
+      shapes: Result shapes, one per tuple element.
+      replica_groups: The groups of devices that communicate, as tuples of
+        device indices (empty when XLA means "all devices").
+      order: Position in program order among the step's collectives.
+      in_conditional: Whether the op sits inside a `conditional` branch (it then
+        runs only when that branch is taken, e.g. on BMUF's sync steps).
+      name: The HLO instruction name.
+    """
+
+    kind: str
+    dtype: str
+    bytes: int
+    result_bytes: int
+    shapes: tuple[tuple[int, ...], ...]
+    replica_groups: tuple[tuple[int, ...], ...]
+    order: int
+    in_conditional: bool
+    name: str
+
+
+def _split_type(rest: str) -> tuple[str, str]:
+    """Splits `TYPE opcode(...)...` into the type and the remainder."""
+    rest = rest.lstrip()
+    if rest.startswith("("):
+        depth = 0
+        for i, ch in enumerate(rest):
+            depth += ch == "("
+            depth -= ch == ")"
+            if depth == 0:
+                return rest[: i + 1], rest[i + 1 :].lstrip()
+    head, _, tail = rest.partition(" ")
+    return head, tail.lstrip()
+
+
+def _groups(text: str) -> tuple[tuple[int, ...], ...]:
+    m = _GROUPS_EXPLICIT.search(text) or _PAIRS.search(text)
+    if m:
+        return tuple(
+            tuple(int(v) for v in g.split(",") if v)
+            for g in re.findall(r"\{([0-9,]*)\}", m.group(1))
+        )
+    m = _GROUPS_IOTA.search(text)
+    if m:
+        out_shape = [int(v) for v in m.group(1).split(",")]
+        reshape = [int(v) for v in m.group(2).split(",")]
+        ids = np.arange(int(np.prod(reshape))).reshape(reshape)
+        if m.group(3):
+            ids = ids.transpose([int(v) for v in m.group(3).split(",")])
+        ids = ids.reshape(out_shape)
+        return tuple(tuple(int(v) for v in row) for row in ids.reshape(ids.shape[0], -1))
+    return ()
+
+
+def _parse_computations(hlo_text: str):
+    comps: dict[str, list[str]] = {}
+    entry = None
+    current = None
+    for line in hlo_text.splitlines():
+        if current is None:
+            m = _HEADER.match(line)
+            if m and not line.startswith(" "):
+                current = m.group(2)
+                comps[current] = []
+                if m.group(1):
+                    entry = current
+            continue
+        if line.startswith("}"):
+            current = None
+            continue
+        comps[current].append(line)
+    return comps, entry
+
+
+def parse_collectives(hlo_text: str) -> list[Collective]:
+    """Lists the collectives of an HLO module in program order.
+
+    Args:
+      hlo_text: HLO text of one module (compiled or lowered).
+
+    Returns:
+      One `Collective` per collective instruction, nested computations (while
+      bodies, calls, conditional branches) expanded at their call sites.
+    """
+    comps, entry = _parse_computations(hlo_text)
+    if entry is None:
+        return []
+    found: list[Collective] = []
+
+    def visit(name: str, in_cond: bool, stack: tuple[str, ...]):
+        if name not in comps or name in stack:
+            return
+        for line in comps[name]:
+            m = _INSTR.match(line)
+            if not m:
+                continue
+            inst, rest = m.groups()
+            typ, rest = _split_type(rest)
+            opcode = rest.split("(", 1)[0].strip()
+            if opcode in _KINDS:
+                shapes, sizes, dts = [], [], []
+                for dt, dims in _SHAPE.findall(typ):
+                    shape = tuple(int(d) for d in dims.split(",") if d)
+                    shapes.append(shape)
+                    dts.append(dt)
+                    sizes.append(int(np.prod(shape, dtype=np.int64)) * _DTYPE_BYTES.get(dt, 4))
+                kind = _KINDS[opcode]
+                groups = _groups(rest)
+                if opcode.endswith("-start") and kind in ("all-gather", "collective-permute") and len(sizes) > 1:
+                    # Async start ops return (operand, result[, scratch]).
+                    shapes, sizes, dts = shapes[1:2], sizes[1:2], dts[1:2]
+                result = sum(sizes)
+                full = result
+                if kind == "reduce-scatter":
+                    full = result * (len(groups[0]) if groups and groups[0] else 1)
+                found.append(
+                    Collective(
+                        kind=kind,
+                        dtype=",".join(dict.fromkeys(dts)),
+                        bytes=full,
+                        result_bytes=result,
+                        shapes=tuple(shapes),
+                        replica_groups=groups,
+                        order=len(found),
+                        in_conditional=in_cond,
+                        name=inst,
+                    )
+                )
+                continue
+            callees = _CALLED.findall(rest)
+            b = _BRANCHES.search(rest)
+            if b:
+                callees += [c.strip().lstrip("%") for c in b.group(1).split(",") if c.strip()]
+            is_cond = opcode == "conditional"
+            for callee in callees:
+                visit(callee, in_cond or is_cond, stack + (name,))
+
+    visit(entry, False, ())
+    return found

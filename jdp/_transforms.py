@@ -1,0 +1,62 @@
+"""`jdp.sync_gradients`: the gradient all-reduce as an optax transform."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optax
+
+from jdp import _collectives
+
+
+def sync_gradients(
+    *,
+    axis_name: _collectives.AxisName = "data",
+    bucket_bytes: int | None = _collectives.DEFAULT_BUCKET_BYTES,
+    reverse: bool = True,
+    dtype: Any = None,
+) -> optax.GradientTransformation:
+    """Averages updates over replicas; put it first in an `optax.chain`.
+
+    The optax form of `jdp.all_reduce_gradients` (same options), in the spirit of
+    `optax.contrib.sam(batch_axis_name=...)`: a step that does not average its
+    gradients itself gets synchronous data parallelism from its optimizer alone.
+    Stateless (`optax.EmptyState`).
+
+    Args:
+      axis_name: Replica axis bound by `jdp.parallelize`.
+      bucket_bytes: Largest bucket in bytes (25 MiB); None for one bucket per dtype.
+      reverse: Pack leaves last-first.
+      dtype: Optional wire dtype (e.g. `jnp.bfloat16`).
+
+    Returns:
+      An `optax.GradientTransformation`.
+
+    Example:
+      >>> import optax, jdp
+      >>> tx = optax.chain(jdp.sync_gradients(), optax.clip_by_global_norm(1.0),
+      ...                  optax.adam(1e-3))
+      >>> # use it with `jdp.make_train_step(loss_fn, tx, all_reduce=False)`
+    """
+    if bucket_bytes is not None and bucket_bytes <= 0:
+        raise ValueError(
+            f"`bucket_bytes` must be a positive number of bytes or None, got "
+            f"{bucket_bytes}."
+        )
+
+    def init_fn(params):
+        del params
+        return optax.EmptyState()
+
+    def update_fn(updates, state, params=None):
+        del params
+        synced = _collectives.all_reduce_gradients(
+            updates,
+            axis_name=axis_name,
+            bucket_bytes=bucket_bytes,
+            reverse=reverse,
+            dtype=dtype,
+        )
+        return synced, state
+
+    return optax.GradientTransformation(init_fn, update_fn)

@@ -1,0 +1,101 @@
+"""Shared oracles and models for the tests."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+
+def assert_trees_close(actual, expected, *, rtol=1e-5, atol=1e-6):
+    """Same structure, then every leaf close; the message names the leaf path."""
+    a_def = jax.tree_util.tree_structure(actual)
+    e_def = jax.tree_util.tree_structure(expected)
+    assert a_def == e_def, f"tree structures differ:\n{a_def}\n{e_def}"
+    for (path, a), (_, e) in zip(
+        jax.tree_util.tree_flatten_with_path(actual)[0],
+        jax.tree_util.tree_flatten_with_path(expected)[0],
+        strict=True,
+    ):
+        np.testing.assert_allclose(
+            np.asarray(a),
+            np.asarray(e),
+            rtol=rtol,
+            atol=atol,
+            err_msg=f"leaf {jax.tree_util.keystr(path)}",
+        )
+
+
+def init_mlp(key, sizes=(8, 16, 16, 4)):
+    params = {}
+    for i, (m, n) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
+        key, sub = jax.random.split(key)
+        params[f"layer{i}"] = {
+            "w": jax.random.normal(sub, (m, n)) / np.sqrt(m),
+            "b": jnp.zeros(n),
+        }
+    return params
+
+
+def mlp_apply(params, x):
+    n = len(params)
+    for i in range(n):
+        layer = params[f"layer{i}"]
+        x = x @ layer["w"] + layer["b"]
+        if i < n - 1:
+            x = jnp.tanh(x)
+    return x
+
+
+def mlp_loss(params, batch):
+    pred = mlp_apply(params, batch["x"])
+    return jnp.mean((pred - batch["y"]) ** 2)
+
+
+def make_batches(num_steps, batch_size, *, in_dim=8, out_dim=4, seed=0):
+    rng = np.random.default_rng(seed)
+    return [
+        {
+            "x": rng.normal(size=(batch_size, in_dim)).astype(np.float32),
+            "y": rng.normal(size=(batch_size, out_dim)).astype(np.float32),
+        }
+        for _ in range(num_steps)
+    ]
+
+
+def single_device_train(loss_fn, params, tx, batches):
+    """The oracle: plain `jax.jit` + optax on the whole global batch."""
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        grads = jax.grad(loss_fn)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    opt_state = tx.init(params)
+    for batch in batches:
+        params, opt_state = step(params, opt_state, batch)
+    return params, opt_state
+
+
+class CompileCounter:
+    """Counts XLA backend compilations while active (jax.monitoring events)."""
+
+    EVENT = "/jax/core/compile/backend_compile_duration"
+
+    def __init__(self):
+        self.count = 0
+        self._active = False
+
+    def _listener(self, event, duration, **kwargs):
+        if self._active and event == self.EVENT:
+            self.count += 1
+
+    def __enter__(self):
+        jax.monitoring.register_event_duration_secs_listener(self._listener)
+        self._active = True
+        return self
+
+    def __exit__(self, *exc):
+        self._active = False

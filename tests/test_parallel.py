@@ -1,0 +1,255 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import (
+    CompileCounter,
+    assert_trees_close,
+    init_mlp,
+    make_batches,
+    mlp_apply,
+    mlp_loss,
+    single_device_train,
+)
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jdp
+
+GLOBAL_BATCH = 32
+
+
+def train(step, params, tx, batches):
+    state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
+    losses = []
+    for batch in batches:
+        state, metrics = step(state, step.shard(batch))
+        losses.append(float(metrics["loss"]))
+    return state, losses
+
+
+@pytest.mark.parametrize(
+    "tx_name", ["sgd_momentum", "adam"], ids=["sgd_momentum", "adam"]
+)
+def test_matches_single_device(backend, devices, tx_name):
+    tx = {"sgd_momentum": optax.sgd(0.05, momentum=0.9), "adam": optax.adam(1e-2)}[
+        tx_name
+    ]
+    params = init_mlp(jax.random.key(0))
+    batches = make_batches(20, GLOBAL_BATCH)
+    step = jdp.parallelize(
+        jdp.make_train_step(mlp_loss, tx), backend=backend, devices=devices
+    )
+    state, losses = train(step, params, tx, batches)
+    expected, _ = single_device_train(mlp_loss, params, tx, batches)
+    assert_trees_close(step.unreplicate(state).params, expected, rtol=1e-5)
+    assert int(step.unreplicate(state).step) == 20
+    jdp.assert_replicas_in_sync(state)
+    # Metrics come back averaged: one value equal to the loss on the global batch.
+    assert np.shape(losses[0]) == ()
+    np.testing.assert_allclose(losses[0], mlp_loss(params, batches[0]), rtol=1e-5)
+
+
+def test_gradients_are_the_global_mean_not_scaled_by_replicas(backend):
+    """Catches the check_vma pitfall: grads summed implicitly, then pmean'd on top."""
+    params = init_mlp(jax.random.key(1))
+    batch = make_batches(1, GLOBAL_BATCH)[0]
+
+    def grad_step(state, batch):
+        grads = jax.grad(mlp_loss)(state, batch)
+        return state, {"g": jdp.all_reduce_gradients(grads)["layer0"]["w"].sum()}
+
+    step = jdp.parallelize(grad_step, backend=backend)
+    _, metrics = step(step.replicate(params), step.shard(batch))
+    expected = jax.grad(mlp_loss)(params, batch)["layer0"]["w"].sum()
+    np.testing.assert_allclose(metrics["g"], expected, rtol=1e-5)
+
+
+def test_the_pitfall_this_layout_avoids_is_real():
+    """With check_vma=True and a P() param, a pmean on top multiplies grads by N."""
+    mesh = Mesh(np.asarray(jax.devices()), ("data",))
+    w = jax.device_put(jnp.float32(1.0), NamedSharding(mesh, P()))
+    x = jax.device_put(jnp.arange(1.0, 9.0), NamedSharding(mesh, P("data")))
+
+    def body(w, x):
+        g = jax.grad(lambda w: jnp.mean(w * x))(w)
+        return lax.pmean(g, "data")
+
+    naive = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(P(), P("data")), out_specs=P())
+    )(w, x)
+    # The true gradient of mean(w * x) over all 8 examples is mean(x) = 4.5.
+    assert float(naive) == pytest.approx(8 * 4.5)
+
+    def step_fn(state, batch):
+        g = jax.grad(lambda w: jnp.mean(w * batch))(state)
+        return state, {"g": jdp.all_reduce_gradients(g)}
+
+    step = jdp.parallelize(step_fn)
+    _, metrics = step(step.replicate(jnp.float32(1.0)), step.shard(np.arange(1.0, 9.0)))
+    assert float(metrics["g"]) == pytest.approx(4.5)
+
+
+def test_compiles_once_in_a_loop(backend):
+    traces = []
+
+    def loss_fn(params, batch):
+        traces.append(1)
+        return mlp_loss(params, batch)
+
+    tx = optax.sgd(0.1)
+    step = jdp.parallelize(jdp.make_train_step(loss_fn, tx), backend=backend)
+    state = step.replicate(jdp.TrainState.create(params=init_mlp(jax.random.key(0)), tx=tx))
+    batches = [step.shard(b) for b in make_batches(6, GLOBAL_BATCH)]
+    with CompileCounter() as first:
+        state, _ = step(state, batches[0])
+    with CompileCounter() as rest:
+        for batch in batches[1:]:
+            state, _ = step(state, batch)
+    assert first.count >= 1
+    assert rest.count == 0, "the step recompiled on the state it returned"
+    assert len(traces) == 1
+
+
+def test_donation_deletes_old_state_and_loops(backend):
+    tx = optax.adam(1e-3)
+    step = jdp.parallelize(jdp.make_train_step(mlp_loss, tx), backend=backend)
+    state = step.replicate(jdp.TrainState.create(params=init_mlp(jax.random.key(0)), tx=tx))
+    batch = step.shard(make_batches(1, GLOBAL_BATCH)[0])
+    old = state
+    for _ in range(3):
+        state, _ = step(state, batch)
+    assert all(x.is_deleted() for x in jax.tree.leaves(old))
+    assert not any(x.is_deleted() for x in jax.tree.leaves(state))
+
+
+def test_no_donation_keeps_old_state(backend):
+    tx = optax.sgd(0.1)
+    step = jdp.parallelize(
+        jdp.make_train_step(mlp_loss, tx), backend=backend, donate_state=False
+    )
+    state = step.replicate(jdp.TrainState.create(params=init_mlp(jax.random.key(0)), tx=tx))
+    new, _ = step(state, step.shard(make_batches(1, GLOBAL_BATCH)[0]))
+    assert not any(x.is_deleted() for x in jax.tree.leaves(state))
+
+
+def test_shard_layouts(backend):
+    step = jdp.parallelize(lambda s, b: (s, {}), backend=backend, devices=jax.devices()[:4])
+    batch = step.shard({"x": np.zeros((8, 3), np.float32)})
+    expected = (4, 2, 3) if backend == "pmap" else (8, 3)
+    assert batch["x"].shape == expected
+    assert len(batch["x"].addressable_shards) == 4
+    state = step.replicate({"w": np.ones((5,), np.float32), "n": 3})
+    assert state["w"].shape == (4, 5)
+    assert state["n"].dtype == jnp.int32
+    one = step.unreplicate(state)
+    assert one["w"].shape == (5,)
+    assert len(one["w"].devices()) == 1
+
+
+def test_shard_not_divisible_names_leaf_and_sizes():
+    step = jdp.parallelize(lambda s, b: (s, {}))
+    with pytest.raises(ValueError, match=r"\['y'\] has leading size 10.*num_replicas=8"):
+        step.shard({"x": np.zeros((16, 2)), "y": np.zeros((10,))})
+    with pytest.raises(ValueError, match=r"\['s'\] is a scalar"):
+        step.shard({"s": 1.0})
+
+
+def test_state_not_replicated_error(backend):
+    step = jdp.parallelize(lambda s, b: (s, {}), backend=backend)
+    batch = step.shard(np.zeros((8,), np.float32))
+    with pytest.raises(ValueError, match=r"\['w'\].*call|step\.replicate"):
+        step({"w": np.ones(3, np.float32)}, batch)
+    other = jdp.parallelize(lambda s, b: (s, {}), devices=jax.devices()[:4])
+    with pytest.raises(ValueError, match=r"step\.replicate\(other\.unreplicate"):
+        step(other.replicate({"w": np.ones(3, np.float32)}), batch)
+
+
+def test_batch_not_sharded_error():
+    step = jdp.parallelize(lambda s, b: (s, {}))
+    state = step.replicate({"w": 1.0})
+    with pytest.raises(ValueError, match=r"(?s)\['x'\].*step\.shard"):
+        step(state, {"x": np.zeros((8,), np.float32)})
+
+
+def test_forward_only_step_keeps_state(backend):
+    params = init_mlp(jax.random.key(0))
+
+    def eval_step(params, batch):
+        return {"mse": jnp.mean((mlp_apply(params, batch["x"]) - batch["y"]) ** 2)}
+
+    step = jdp.parallelize(eval_step, backend=backend)
+    state = step.replicate(params)
+    batch = make_batches(1, GLOBAL_BATCH)[0]
+    metrics = step(state, step.shard(batch))
+    assert set(metrics) == {"mse"}
+    np.testing.assert_allclose(metrics["mse"], mlp_loss(params, batch), rtol=1e-5)
+    assert not any(x.is_deleted() for x in jax.tree.leaves(state))
+    metrics = step(state, step.shard(batch))  # still usable
+
+
+def test_padded_eval_ignores_padding(backend):
+    params = init_mlp(jax.random.key(0))
+    batch = make_batches(1, 13)[0]
+
+    def eval_step(params, batch):
+        data, mask = batch
+        err = jnp.sum((mlp_apply(params, data["x"]) - data["y"]) ** 2, axis=-1)
+        return {"sum": jnp.sum(err * mask), "count": jnp.sum(mask)}
+
+    step = jdp.parallelize(eval_step, backend=backend)
+    data, mask = step.shard(batch, pad=True)
+    assert int(np.asarray(mask).sum()) == 13 and mask.size == 16
+    m = step(step.replicate(params), (data, mask))
+    expected = np.mean(np.sum((mlp_apply(params, batch["x"]) - batch["y"]) ** 2, -1))
+    np.testing.assert_allclose(m["sum"] / m["count"], expected, rtol=1e-5)
+
+
+def test_shard_pad_needs_one_batch_size():
+    step = jdp.parallelize(lambda s, b: (s, {}))
+    with pytest.raises(ValueError, match="one leading batch size"):
+        step.shard({"x": np.zeros((5,)), "y": np.zeros((6,))}, pad=True)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="`backend` must be one of"):
+        jdp.parallelize(lambda s, b: (s, {}), backend="vmap")
+    with pytest.raises(ValueError, match="`devices` is empty"):
+        jdp.parallelize(lambda s, b: (s, {}), devices=[])
+    step = jdp.parallelize(lambda s, b: 3.0)
+    with pytest.raises(TypeError, match=r"must return `\(state, metrics\)`"):
+        step(step.replicate({}), step.shard(np.zeros(8)))
+
+
+def test_step_broadcast_outside_a_step(backend):
+    step = jdp.parallelize(lambda s, b: (s, {}), backend=backend, devices=jax.devices()[:4])
+    state = step.replicate({"w": jnp.zeros(3), "i": jnp.int32(0)})
+    local = jax.device_put(
+        np.arange(4 * 3, dtype=np.float32).reshape(4, 3), step.sharding
+    )
+    state = {"w": local, "i": state["i"]}
+    assert not jdp.replicas_in_sync(state)
+    synced = step.broadcast(state, root=2)
+    jdp.assert_replicas_in_sync(synced)
+    np.testing.assert_array_equal(step.unreplicate(synced)["w"], [6.0, 7.0, 8.0])
+
+
+def test_collectives_report(backend):
+    tx = optax.sgd(0.1)
+    step = jdp.parallelize(jdp.make_train_step(mlp_loss, tx), backend=backend)
+    params = init_mlp(jax.random.key(0))
+    state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
+    batch = step.shard(make_batches(1, GLOBAL_BATCH)[0])
+    grad_bytes = sum(x.size * 4 for x in jax.tree.leaves(params))
+    compiled = step.collectives(state, batch)
+    assert {c.kind for c in compiled} == {"all-reduce"}
+    # Gradients (one bucket) plus the loss metric; XLA:CPU may combine them.
+    assert sum(c.bytes for c in compiled) == grad_bytes + 4
+    assert all(not c.in_conditional for c in compiled)
+    assert compiled[0].replica_groups == (tuple(range(8)),)
+    lowered = step.collectives(state, batch, stage="lowered")
+    assert [c.bytes for c in lowered] == [grad_bytes, 4]
+    with pytest.raises(ValueError, match="`stage`"):
+        step.collectives(state, batch, stage="optimized")
