@@ -213,13 +213,13 @@ class Parallel:
             from jax.experimental import multihost_utils
 
             host = multihost_utils.broadcast_one_to_all(host)
-
-        def place(x: np.ndarray) -> jax.Array:
-            stacked = (self.num_replicas,) + x.shape
-            view = np.broadcast_to(x, stacked)  # no copy until a device takes a slice
-            return jax.make_array_from_callback(stacked, self._sharding, view.__getitem__)
-
-        return jax.tree.map(place, host)
+        like = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(
+                (self.num_replicas,) + x.shape, x.dtype, sharding=self._sharding
+            ),
+            host,
+        )
+        return place_like(host, like)
 
     def unreplicate(self, tree: PyTree) -> PyTree:
         """Returns one replica's copy of a replicated pytree (replica 0 on process 0).
@@ -233,14 +233,7 @@ class Parallel:
         Returns:
           The pytree without its replica axis, on one device.
         """
-
-        def first(x):
-            if isinstance(x, jax.Array) and x.ndim >= 1:
-                data = x.addressable_shards[0].data
-                return data.reshape(data.shape[1:])
-            return x
-
-        return jax.tree.map(first, tree)
+        return logical_copy(tree)
 
     def shard(self, batch: PyTree, *, pad: bool = False):
         """Splits a global batch across replicas along every leaf's leading axis.
@@ -471,3 +464,42 @@ def parallelize(
         axis_name=axis_name,
         donate_state=donate_state,
     )
+
+
+def logical_copy(tree: PyTree) -> PyTree:
+    """One logical copy of a replicated pytree: replica 0's value of every leaf.
+
+    The inverse of `place_like`; what `step.unreplicate` returns and what
+    checkpoints save. Array leaves with a leading replica axis give this process's
+    first replica (`addressable_shards[0]`, no gather); other leaves pass through.
+    """
+
+    def first(x):
+        if isinstance(x, jax.Array) and x.ndim >= 1:
+            data = x.addressable_shards[0].data
+            return data.reshape(data.shape[1:])
+        return x
+
+    return jax.tree.map(first, tree)
+
+
+def place_like(host_tree: PyTree, like: PyTree) -> PyTree:
+    """Replicates one logical copy into the layout of `like` (the inverse of `logical_copy`).
+
+    Args:
+      host_tree: One copy of every leaf (NumPy or JAX arrays) without replica axis.
+      like: A replicated pytree of the same structure: `jax.Array`s or
+        `jax.ShapeDtypeStruct`s whose `shape` has the leading replica axis and
+        whose `sharding` says where the replicas live.
+
+    Returns:
+      `jax.Array`s shaped and placed like `like`, every replica equal to
+      `host_tree`.
+    """
+
+    def place(x, ref):
+        x = _host_value(x).astype(ref.dtype, copy=False)
+        view = np.broadcast_to(x, ref.shape)  # no copy until a device takes a slice
+        return jax.make_array_from_callback(ref.shape, ref.sharding, view.__getitem__)
+
+    return jax.tree.map(place, host_tree, like)
