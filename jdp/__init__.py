@@ -8,6 +8,7 @@ Everything public is listed in `__all__` (and in the public subpackages'
 `__init__`); modules whose names start with `_` are private and may change.
 """
 
+from jdp._bmuf import BMUFState, bmuf, bmuf_global_params
 from jdp._checks import assert_replicas_in_sync, replicas_in_sync
 from jdp._collectives import all_reduce_gradients, broadcast, sync_batch_stats
 from jdp._hlo import Collective
@@ -18,11 +19,14 @@ from jdp._transforms import sync_gradients
 __version__ = "0.1.0"
 
 __all__ = [
+    "BMUFState",
     "Collective",
     "Parallel",
     "TrainState",
     "all_reduce_gradients",
     "assert_replicas_in_sync",
+    "bmuf",
+    "bmuf_global_params",
     "broadcast",
     "make_train_step",
     "parallelize",

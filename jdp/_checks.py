@@ -20,7 +20,7 @@ PyTree = Any
 
 @jax.jit
 def _replica_differences(leaves):
-    """Per leaf, the largest |x[r] - x[0]| for each replica r (inf where NaNs disagree)."""
+    """Per leaf and replica r, the largest |x[r] - x[0]| (inf where NaNs disagree)."""
     out = []
     for x in leaves:
         ref = x[:1]

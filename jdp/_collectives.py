@@ -92,7 +92,18 @@ def all_reduce_gradients(
       Li et al., "PyTorch Distributed: Experiences on Accelerating Data Parallel
       Training", VLDB 2020, https://arxiv.org/abs/2006.15704.
     """
-    num = axis_size(axis_name, "jdp.all_reduce_gradients")
+    return _all_reduce(
+        grads,
+        axis_name=axis_name,
+        bucket_bytes=bucket_bytes,
+        reverse=reverse,
+        dtype=dtype,
+        api="jdp.all_reduce_gradients",
+    )
+
+
+def _all_reduce(grads, *, axis_name, bucket_bytes, reverse, dtype, api):
+    num = axis_size(axis_name, api)
     if bucket_bytes is not None and bucket_bytes <= 0:
         raise ValueError(
             f"`bucket_bytes` must be a positive number of bytes or None, got "
@@ -214,10 +225,6 @@ def sync_batch_stats(
     if mode == "broadcast":
         return broadcast(tree, root=0, axis_name=axis_name)
     if mode != "mean":
-        raise ValueError(
-            f"`mode` must be one of 'mean', 'broadcast'; got {mode!r}."
-        )
+        raise ValueError(f"`mode` must be one of 'mean', 'broadcast'; got {mode!r}.")
     axis_size(axis_name, "jdp.sync_batch_stats")
-    return jax.tree.map(
-        lambda x: lax.pmean(x, axis_name) if is_float(x) else x, tree
-    )
+    return jax.tree.map(lambda x: lax.pmean(x, axis_name) if is_float(x) else x, tree)

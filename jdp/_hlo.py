@@ -113,7 +113,9 @@ def _groups(text: str) -> tuple[tuple[int, ...], ...]:
         if m.group(3):
             ids = ids.transpose([int(v) for v in m.group(3).split(",")])
         ids = ids.reshape(out_shape)
-        return tuple(tuple(int(v) for v in row) for row in ids.reshape(ids.shape[0], -1))
+        return tuple(
+            tuple(int(v) for v in row) for row in ids.reshape(ids.shape[0], -1)
+        )
     return ()
 
 
@@ -168,10 +170,16 @@ def parse_collectives(hlo_text: str) -> list[Collective]:
                     shape = tuple(int(d) for d in dims.split(",") if d)
                     shapes.append(shape)
                     dts.append(dt)
-                    sizes.append(int(np.prod(shape, dtype=np.int64)) * _DTYPE_BYTES.get(dt, 4))
+                    sizes.append(
+                        int(np.prod(shape, dtype=np.int64)) * _DTYPE_BYTES.get(dt, 4)
+                    )
                 kind = _KINDS[opcode]
                 groups = _groups(rest)
-                if opcode.endswith("-start") and kind in ("all-gather", "collective-permute") and len(sizes) > 1:
+                if (
+                    opcode.endswith("-start")
+                    and kind in ("all-gather", "collective-permute")
+                    and len(sizes) > 1
+                ):
                     # Async start ops return (operand, result[, scratch]).
                     shapes, sizes, dts = shapes[1:2], sizes[1:2], dts[1:2]
                 result = sum(sizes)
@@ -195,10 +203,26 @@ def parse_collectives(hlo_text: str) -> list[Collective]:
             callees = _CALLED.findall(rest)
             b = _BRANCHES.search(rest)
             if b:
-                callees += [c.strip().lstrip("%") for c in b.group(1).split(",") if c.strip()]
+                callees += [
+                    c.strip().lstrip("%") for c in b.group(1).split(",") if c.strip()
+                ]
             is_cond = opcode == "conditional"
             for callee in callees:
                 visit(callee, in_cond or is_cond, stack + (name,))
 
     visit(entry, False, ())
+    # An unscheduled module (a lowered one) prints instructions in dependency order,
+    # not in the order they were issued. Its instruction names are numbered in the
+    # order they were created from the program, so that number gives issue order.
+    scheduled = "is_scheduled=true" in hlo_text.split("\n", 1)[0]
+    if not scheduled:
+        found = [
+            dataclasses.replace(c, order=i)
+            for i, c in enumerate(sorted(found, key=_creation_index))
+        ]
     return found
+
+
+def _creation_index(c: Collective) -> tuple[int, int]:
+    m = re.search(r"\.(\d+)$", c.name)
+    return (int(m.group(1)) if m else -1, c.order)

@@ -161,7 +161,9 @@ class Parallel:
         if probs:
             raise ValueError(
                 NOT_REPLICATED_MSG.format(
-                    num=self.num_replicas, axis=self.axis_name, probs=format_problems(probs)
+                    num=self.num_replicas,
+                    axis=self.axis_name,
+                    probs=format_problems(probs),
                 )
             )
 
@@ -326,7 +328,9 @@ class Parallel:
           The pytree, replicated, with every replica equal to replica `root`.
         """
         fn = _backends.build_map(
-            functools.partial(_collectives.broadcast, root=root, axis_name=self.axis_name),
+            functools.partial(
+                _collectives.broadcast, root=root, axis_name=self.axis_name
+            ),
             backend=self.backend,
             mesh=self.mesh,
             axis_name=self.axis_name,
@@ -484,7 +488,7 @@ def logical_copy(tree: PyTree) -> PyTree:
 
 
 def place_like(host_tree: PyTree, like: PyTree) -> PyTree:
-    """Replicates one logical copy into the layout of `like` (the inverse of `logical_copy`).
+    """Replicates one logical copy into the layout of `like` (undoes `logical_copy`).
 
     Args:
       host_tree: One copy of every leaf (NumPy or JAX arrays) without replica axis.

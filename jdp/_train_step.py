@@ -1,4 +1,4 @@
-"""`jdp.TrainState` and `jdp.make_train_step`: Caffe2's `Parallelize_GPU` convenience."""
+"""`jdp.TrainState` and `jdp.make_train_step` (Caffe2's `Parallelize_GPU`)."""
 
 from __future__ import annotations
 
@@ -168,7 +168,10 @@ def make_train_step(
             new_stats, aux = rest if has_aux else (rest, None)
         if all_reduce:
             grads = _collectives.all_reduce_gradients(
-                grads, axis_name=axis_name, bucket_bytes=bucket_bytes, dtype=reduce_dtype
+                grads,
+                axis_name=axis_name,
+                bucket_bytes=bucket_bytes,
+                dtype=reduce_dtype,
             )
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         changes = dict(

@@ -50,12 +50,13 @@ def sync_gradients(
 
     def update_fn(updates, state, params=None):
         del params
-        synced = _collectives.all_reduce_gradients(
+        synced = _collectives._all_reduce(
             updates,
             axis_name=axis_name,
             bucket_bytes=bucket_bytes,
             reverse=reverse,
             dtype=dtype,
+            api="jdp.sync_gradients",
         )
         return synced, state
 

@@ -12,14 +12,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-
 NUM_DEVICES = 8
 
 
 def pytest_configure(config):
     if jax.default_backend() == "cpu" and jax.device_count() != NUM_DEVICES:
         raise pytest.UsageError(
-            f"Expected {NUM_DEVICES} simulated CPU devices, found {jax.device_count()}: "
+            f"Expected {NUM_DEVICES} simulated CPU devices, "
+            f"found {jax.device_count()}: "
             "something initialised JAX before tests/conftest.py set XLA_FLAGS."
         )
 

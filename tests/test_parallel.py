@@ -101,7 +101,9 @@ def test_compiles_once_in_a_loop(backend):
 
     tx = optax.sgd(0.1)
     step = jdp.parallelize(jdp.make_train_step(loss_fn, tx), backend=backend)
-    state = step.replicate(jdp.TrainState.create(params=init_mlp(jax.random.key(0)), tx=tx))
+    state = step.replicate(
+        jdp.TrainState.create(params=init_mlp(jax.random.key(0)), tx=tx)
+    )
     batches = [step.shard(b) for b in make_batches(6, GLOBAL_BATCH)]
     with CompileCounter() as first:
         state, _ = step(state, batches[0])
@@ -116,7 +118,9 @@ def test_compiles_once_in_a_loop(backend):
 def test_donation_deletes_old_state_and_loops(backend):
     tx = optax.adam(1e-3)
     step = jdp.parallelize(jdp.make_train_step(mlp_loss, tx), backend=backend)
-    state = step.replicate(jdp.TrainState.create(params=init_mlp(jax.random.key(0)), tx=tx))
+    state = step.replicate(
+        jdp.TrainState.create(params=init_mlp(jax.random.key(0)), tx=tx)
+    )
     batch = step.shard(make_batches(1, GLOBAL_BATCH)[0])
     old = state
     for _ in range(3):
@@ -130,13 +134,17 @@ def test_no_donation_keeps_old_state(backend):
     step = jdp.parallelize(
         jdp.make_train_step(mlp_loss, tx), backend=backend, donate_state=False
     )
-    state = step.replicate(jdp.TrainState.create(params=init_mlp(jax.random.key(0)), tx=tx))
+    state = step.replicate(
+        jdp.TrainState.create(params=init_mlp(jax.random.key(0)), tx=tx)
+    )
     new, _ = step(state, step.shard(make_batches(1, GLOBAL_BATCH)[0]))
     assert not any(x.is_deleted() for x in jax.tree.leaves(state))
 
 
 def test_shard_layouts(backend):
-    step = jdp.parallelize(lambda s, b: (s, {}), backend=backend, devices=jax.devices()[:4])
+    step = jdp.parallelize(
+        lambda s, b: (s, {}), backend=backend, devices=jax.devices()[:4]
+    )
     batch = step.shard({"x": np.zeros((8, 3), np.float32)})
     expected = (4, 2, 3) if backend == "pmap" else (8, 3)
     assert batch["x"].shape == expected
@@ -151,7 +159,9 @@ def test_shard_layouts(backend):
 
 def test_shard_not_divisible_names_leaf_and_sizes():
     step = jdp.parallelize(lambda s, b: (s, {}))
-    with pytest.raises(ValueError, match=r"\['y'\] has leading size 10.*num_replicas=8"):
+    with pytest.raises(
+        ValueError, match=r"\['y'\] has leading size 10.*num_replicas=8"
+    ):
         step.shard({"x": np.zeros((16, 2)), "y": np.zeros((10,))})
     with pytest.raises(ValueError, match=r"\['s'\] is a scalar"):
         step.shard({"s": 1.0})
@@ -224,7 +234,9 @@ def test_bad_arguments():
 
 
 def test_step_broadcast_outside_a_step(backend):
-    step = jdp.parallelize(lambda s, b: (s, {}), backend=backend, devices=jax.devices()[:4])
+    step = jdp.parallelize(
+        lambda s, b: (s, {}), backend=backend, devices=jax.devices()[:4]
+    )
     state = step.replicate({"w": jnp.zeros(3), "i": jnp.int32(0)})
     local = jax.device_put(
         np.arange(4 * 3, dtype=np.float32).reshape(4, 3), step.sharding

@@ -1,0 +1,45 @@
+import jax.numpy as jnp
+import numpy as np
+
+from jdp import _buckets
+
+
+def test_plan_reverse_and_limits():
+    shapes = [(10,), (20,), (5,), (100,)]
+    dtypes = [np.float32] * 4
+    plan = _buckets.plan_buckets(shapes, dtypes, bucket_bytes=120, reverse=True)
+    # Leaf 3 (400 B) exceeds the limit and travels alone; then [2, 1] (100 B), [0].
+    assert [b.indices for b in plan] == [(3,), (2, 1), (0,)]
+    assert [b.nbytes for b in plan] == [400, 100, 40]
+    fwd = _buckets.plan_buckets(shapes, dtypes, bucket_bytes=120, reverse=False)
+    assert [b.indices for b in fwd] == [(0, 1), (2,), (3,)]
+
+
+def test_plan_groups_by_dtype_and_skips_empty():
+    shapes = [(4,), (0,), (4,), (4,)]
+    dtypes = [np.float32, np.float32, np.float16, np.float32]
+    plan = _buckets.plan_buckets(shapes, dtypes, bucket_bytes=None)
+    assert {(b.indices, b.dtype.name) for b in plan} == {
+        ((3, 0), "float32"),
+        ((2,), "float16"),
+    }
+
+
+def test_pack_unpack_roundtrip():
+    leaves = [
+        jnp.arange(6.0).reshape(2, 3),
+        jnp.float32(7.0),
+        jnp.ones((2, 2), jnp.bfloat16),
+    ]
+    plan = _buckets.plan_buckets(
+        [x.shape for x in leaves], [np.float32] * 3, bucket_bytes=None
+    )
+    (bucket,) = plan
+    flat = _buckets.pack(leaves, bucket)
+    assert flat.shape == (11,) and flat.dtype == jnp.float32
+    out = _buckets.unpack(flat, bucket, leaves)
+    for i, x in enumerate(leaves):
+        assert out[i].shape == x.shape and out[i].dtype == x.dtype
+        np.testing.assert_array_equal(
+            np.asarray(out[i], np.float32), np.asarray(x, np.float32)
+        )

@@ -1,0 +1,182 @@
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from flax.training import train_state as flax_train_state
+from helpers import assert_trees_close, init_mlp, make_batches, mlp_loss
+
+import jdp
+
+
+class BNNet(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool):
+        x = nn.Dense(16)(x)
+        x = nn.BatchNorm(use_running_average=not train, momentum=0.9)(x)
+        return nn.Dense(4)(nn.relu(x))
+
+
+def bn_setup():
+    model = BNNet()
+    variables = model.init(jax.random.key(0), jnp.zeros((1, 8)), train=False)
+
+    def loss_fn(params, batch_stats, batch):
+        out, updates = model.apply(
+            {"params": params, "batch_stats": batch_stats},
+            batch["x"],
+            train=True,
+            mutable=["batch_stats"],
+        )
+        return jnp.mean((out - batch["y"]) ** 2), updates["batch_stats"]
+
+    return variables, loss_fn
+
+
+@pytest.mark.parametrize("mode", ["mean", "broadcast"])
+def test_batch_stats_stay_in_sync(backend, mode):
+    variables, loss_fn = bn_setup()
+    tx = optax.sgd(0.05)
+    step = jdp.parallelize(
+        jdp.make_train_step(loss_fn, tx, batch_stats_mode=mode), backend=backend
+    )
+    state = step.replicate(
+        jdp.TrainState.create(
+            params=variables["params"], tx=tx, batch_stats=variables["batch_stats"]
+        )
+    )
+    batches = make_batches(3, 32)
+    for b in batches:
+        state, _ = step(state, step.shard(b))
+    jdp.assert_replicas_in_sync(state)
+    one = step.unreplicate(state)
+    assert not np.allclose(one.batch_stats["BatchNorm_0"]["mean"], 0.0)
+
+
+def test_batch_stats_mean_matches_global_batch_statistics():
+    variables, loss_fn = bn_setup()
+    tx = optax.sgd(0.0)  # frozen params: only the statistics move
+    step = jdp.parallelize(jdp.make_train_step(loss_fn, tx))
+    state = step.replicate(
+        jdp.TrainState.create(
+            params=variables["params"], tx=tx, batch_stats=variables["batch_stats"]
+        )
+    )
+    batch = make_batches(1, 32)[0]
+    state, _ = step(state, step.shard(batch))
+    kernel = variables["params"]["Dense_0"]["kernel"]
+    bias = variables["params"]["Dense_0"]["bias"]
+    h = batch["x"] @ kernel + bias
+    expected = 0.1 * h.mean(0)  # momentum 0.9 from zeros
+    np.testing.assert_allclose(
+        step.unreplicate(state).batch_stats["BatchNorm_0"]["mean"],
+        expected,
+        rtol=1e-4,
+        atol=1e-6,
+    )
+
+
+def test_flax_train_state_and_aux_metrics(backend):
+    params = init_mlp(jax.random.key(0))
+    tx = optax.adam(1e-2)
+    state = flax_train_state.TrainState.create(apply_fn=None, params=params, tx=tx)
+
+    def loss_fn(params, batch):
+        loss = mlp_loss(params, batch)
+        return loss, {"half_loss": loss / 2}
+
+    step = jdp.parallelize(jdp.make_train_step(loss_fn, has_aux=True), backend=backend)
+    rep = step.replicate(state)
+    batches = make_batches(4, 16)
+    for b in batches:
+        rep, metrics = step(rep, step.shard(b))
+    assert set(metrics) == {"loss", "half_loss"}
+    np.testing.assert_allclose(metrics["half_loss"], metrics["loss"] / 2, rtol=1e-6)
+    # Same result as jdp.TrainState with the explicit optimizer.
+    step2 = jdp.parallelize(jdp.make_train_step(mlp_loss, tx), backend=backend)
+    rep2 = step2.replicate(jdp.TrainState.create(params=params, tx=tx))
+    for b in batches:
+        rep2, _ = step2(rep2, step2.shard(b))
+    assert_trees_close(step.unreplicate(rep).params, step2.unreplicate(rep2).params)
+
+
+def test_non_dict_aux_is_returned_under_aux():
+    params = init_mlp(jax.random.key(0))
+    tx = optax.sgd(0.1)
+    step = jdp.parallelize(
+        jdp.make_train_step(lambda p, b: (mlp_loss(p, b), 3.0), tx, has_aux=True)
+    )
+    state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
+    _, metrics = step(state, step.shard(make_batches(1, 8)[0]))
+    assert float(metrics["aux"]) == 3.0
+
+
+def test_nnx_model():
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.l1 = nnx.Linear(8, 16, rngs=rngs)
+            self.l2 = nnx.Linear(16, 4, rngs=rngs)
+
+        def __call__(self, x):
+            return self.l2(jnp.tanh(self.l1(x)))
+
+    graphdef, params = nnx.split(Model(nnx.Rngs(0)), nnx.Param)
+
+    def loss_fn(params, batch):
+        model = nnx.merge(graphdef, params)
+        return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+    tx = optax.sgd(0.1)
+    batches = make_batches(5, 16)
+    step = jdp.parallelize(jdp.make_train_step(loss_fn, tx))
+    state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
+    for b in batches:
+        state, _ = step(state, step.shard(b))
+
+    expected = params
+    opt = tx.init(expected)
+    for b in batches:
+        g = jax.grad(loss_fn)(expected, b)
+        u, opt = tx.update(g, opt, expected)
+        expected = optax.apply_updates(expected, u)
+    assert_trees_close(step.unreplicate(state).params, expected, rtol=1e-5)
+
+
+def test_bf16_reduce_dtype_trains_close():
+    params = init_mlp(jax.random.key(0))
+    tx = optax.sgd(0.1)
+    batches = make_batches(5, 32)
+
+    def run(reduce_dtype):
+        step = jdp.parallelize(
+            jdp.make_train_step(mlp_loss, tx, reduce_dtype=reduce_dtype)
+        )
+        state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
+        for b in batches:
+            state, _ = step(state, step.shard(b))
+        return step.unreplicate(state).params
+
+    assert_trees_close(run(jnp.bfloat16), run(None), rtol=2e-2, atol=2e-3)
+
+
+def test_missing_optimizer_error():
+    step = jdp.parallelize(jdp.make_train_step(mlp_loss))
+    state = step.replicate(
+        jdp.TrainState(
+            step=jnp.int32(0), params=init_mlp(jax.random.key(0)), opt_state=()
+        )
+    )
+    with pytest.raises(ValueError, match="got no optimizer"):
+        step(state, step.shard(make_batches(1, 8)[0]))
+
+
+def test_train_state_apply_gradients():
+    params = {"w": jnp.ones(3)}
+    state = jdp.TrainState.create(params=params, tx=optax.sgd(0.5))
+    new = state.apply_gradients(grads={"w": jnp.ones(3)})
+    assert int(new.step) == 1
+    np.testing.assert_allclose(new.params["w"], 0.5)
+    assert new.tx is state.tx
+    assert jax.tree.leaves(state.replace(tx=None)) == jax.tree.leaves(state)
