@@ -8,11 +8,15 @@ Everything public is listed in `__all__` (and in the public subpackages'
 `__init__`); modules whose names start with `_` are private and may change.
 """
 
+from jdp import checkpoint as checkpoint
+from jdp import distributed as distributed
+from jdp import launch as launch
 from jdp._bmuf import BMUFState, bmuf, bmuf_global_params
 from jdp._checks import assert_replicas_in_sync, replicas_in_sync
 from jdp._collectives import all_reduce_gradients, broadcast, sync_batch_stats
+from jdp._export import export_predictor, load_predictor, save_predictor
 from jdp._hlo import Collective
-from jdp._parallel import Parallel, parallelize
+from jdp._parallel import MemoryAnalysis, Parallel, parallelize
 from jdp._train_step import TrainState, make_train_step
 from jdp._transforms import sync_gradients
 
@@ -21,6 +25,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BMUFState",
     "Collective",
+    "MemoryAnalysis",
     "Parallel",
     "TrainState",
     "all_reduce_gradients",
@@ -28,9 +33,12 @@ __all__ = [
     "bmuf",
     "bmuf_global_params",
     "broadcast",
+    "export_predictor",
+    "load_predictor",
     "make_train_step",
     "parallelize",
     "replicas_in_sync",
+    "save_predictor",
     "sync_batch_stats",
     "sync_gradients",
 ]

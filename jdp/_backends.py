@@ -1,8 +1,10 @@
 """Private: the only module that calls `jax.pmap` / `jax.shard_map` or builds a Mesh.
 
-Both backends run the same per-replica body on a 1-D mesh of the chosen devices and
-use the same state layout: every state leaf carries a leading replica axis, placed
-with `NamedSharding(mesh, P(axis_name))`. They differ only in how they see it:
+Both backends run the same per-replica body on a 1-D mesh of the chosen devices
+(`"shard_map"` also on a 2-D `(host, device)` mesh, whose replica axis is the tuple
+of both mesh axes) and use the same state layout: every state leaf carries a
+leading replica axis, placed with `NamedSharding(mesh, P(axis_name))`. They differ
+only in how they see it:
 
 - `"shard_map"`: `jax.jit(jax.shard_map(body))`; the body's blocks keep a size-1
   replica axis, which this module removes on the way in and restores on the way out;
@@ -35,7 +37,25 @@ def make_mesh(devices: Sequence[jax.Device], axis_name: str) -> Mesh:
     return Mesh(np.asarray(devices, dtype=object), (axis_name,))
 
 
-def replica_sharding(mesh: Mesh, axis_name: str) -> NamedSharding:
+def host_groups(devices: Sequence[jax.Device]) -> list[list[jax.Device]]:
+    """`devices` grouped by process (host), in process order, order kept within."""
+    groups: dict[int, list[jax.Device]] = {}
+    for d in devices:
+        groups.setdefault(d.process_index, []).append(d)
+    return [groups[p] for p in sorted(groups)]
+
+
+def make_host_mesh(devices: Sequence[jax.Device], axis_names: tuple[str, str]) -> Mesh:
+    """A 2-D `(hosts, devices per host)` mesh: row h holds process h's devices.
+
+    Every process must hold the same number of `devices` (checked by the caller).
+    The replica order (row-major) is the 1-D mesh's order when `devices` are
+    listed process by process, as `jax.devices()` lists them.
+    """
+    return Mesh(np.asarray(host_groups(devices), dtype=object), tuple(axis_names))
+
+
+def replica_sharding(mesh: Mesh, axis_name: str | tuple[str, ...]) -> NamedSharding:
     """Sharding of replicated state (and of batches): leading axis over the mesh."""
     return NamedSharding(mesh, P(axis_name))
 

@@ -82,21 +82,26 @@ def plan_buckets(
     return done
 
 
-def pack(leaves: Sequence[jnp.ndarray], bucket: Bucket) -> jnp.ndarray:
-    """Concatenates the bucket's leaves, flattened and cast to its dtype."""
-    parts = [jnp.ravel(leaves[i]).astype(bucket.dtype) for i in bucket.indices]
+def pack(leaves: Sequence[jnp.ndarray], bucket: Bucket, *, cast: bool = True):
+    """Concatenates a bucket's leaves into one flat buffer (cast to its dtype).
+
+    Args:
+      leaves: The bucket's leaves in bucket order (`len(bucket.indices)` arrays).
+      bucket: The bucket.
+      cast: Cast to the bucket's dtype first.
+
+    Returns:
+      A 1-D array of `bucket.num_elements` elements.
+    """
+    parts = [jnp.ravel(x) for x in leaves]
+    if cast:
+        parts = [p.astype(bucket.dtype) for p in parts]
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
 
 
-def unpack(
-    flat: jnp.ndarray, bucket: Bucket, like: Sequence[jnp.ndarray]
-) -> dict[int, jnp.ndarray]:
-    """Splits a flat bucket back into leaves shaped and typed like `like`."""
-    out = {}
-    offset = 0
-    for i, size in zip(bucket.indices, bucket.sizes, strict=True):
-        ref = like[i]
-        piece = flat[offset : offset + size] if len(bucket.indices) > 1 else flat
-        out[i] = piece.reshape(jnp.shape(ref)).astype(jnp.result_type(ref))
-        offset += size
-    return out
+def split(flat: jnp.ndarray, bucket: Bucket) -> list[jnp.ndarray]:
+    """Splits a flat buffer back into the bucket's (flattened) leaves, in order."""
+    if len(bucket.sizes) == 1:
+        return [flat]
+    offsets = np.cumsum((0,) + bucket.sizes)
+    return [flat[a:b] for a, b in zip(offsets[:-1], offsets[1:], strict=True)]

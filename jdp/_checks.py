@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jdp import _zero
 from jdp._tree import format_problems, keystr
 
 PyTree = Any
@@ -36,14 +37,27 @@ def _replica_differences(leaves):
 
 
 def _differences(state: PyTree, atol: float):
+    # Slices of a sharded optimizer state (ZeRO) differ between replicas by design.
     flat = [
         (path, x)
-        for path, x in jax.tree_util.tree_flatten_with_path(state)[0]
+        for path, x in jax.tree_util.tree_flatten_with_path(
+            _zero.without_slices(state)
+        )[0]
         if isinstance(x, jax.Array) and x.ndim >= 1 and x.shape[0] > 1
     ]
     if not flat:
         return []
-    diffs = jax.device_get(_replica_differences([x for _, x in flat]))
+    diffs = _replica_differences([x for _, x in flat])
+    if jax.process_count() > 1:  # replicas on other processes: gather them
+        from jax.experimental import multihost_utils
+
+        diffs = [
+            d
+            if d.is_fully_addressable
+            else multihost_utils.process_allgather(d, tiled=True)
+            for d in diffs
+        ]
+    diffs = jax.device_get(diffs)
     problems = []
     for (path, _), d in zip(flat, diffs, strict=True):
         d = np.asarray(d)
@@ -58,7 +72,10 @@ def replicas_in_sync(state: PyTree, *, atol: float = 0.0) -> bool:
 
     Compares each array leaf's replicas (its leading axis, as `step.replicate`
     lays it out) with replica 0. Synchronous steps keep replicas bit-identical, so
-    the default tolerance is exact; NaNs in the same places count as equal.
+    the default tolerance is exact; NaNs in the same places count as equal. The
+    slices of a sharded optimizer state (`make_train_step(...,
+    shard_optimizer_state=True)`) differ between replicas by design and are
+    skipped; its step counts are compared.
 
     Args:
       state: A pytree replicated by a `jdp.Parallel` step.

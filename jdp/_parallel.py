@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import warnings
+import zlib
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -13,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jdp import _backends, _collectives, _hlo
+from jdp import _backends, _collectives, _hlo, _zero
 from jdp._tree import format_problems, keystr
 
 PyTree = Any
@@ -49,6 +51,51 @@ def _host_value(x: Any) -> np.ndarray:
     return arr.astype(jax.dtypes.canonicalize_dtype(arr.dtype), copy=False)
 
 
+@dataclasses.dataclass(frozen=True)
+class MemoryAnalysis:
+    """Per-device memory of one compiled step, from XLA (`step.memory_analysis`).
+
+    Attributes:
+      argument_bytes: Inputs held by one device: its replica of the state and its
+        slice of the batch.
+      output_bytes: Outputs of one device (new state, metrics).
+      alias_bytes: Output bytes written into donated input buffers
+        (`donate_state=True`); counted in both of the above but held once.
+      temp_bytes: XLA's scratch space: activations, gradients, collective buffers.
+      generated_code_bytes: Size of the compiled code.
+      peak_bytes: Estimate of the step's peak, `argument + output - alias + temp`:
+        an upper bound, since temporaries are not all live at once.
+      xla_peak_bytes: XLA's own peak figure where it reports one, else None (on
+        CPU it covers arguments and outputs but leaves out temporaries).
+    """
+
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+    generated_code_bytes: int
+    peak_bytes: int
+    xla_peak_bytes: int | None
+
+    @classmethod
+    def from_xla(cls, stats: Any) -> MemoryAnalysis:
+        """Reads a `jaxlib` `CompiledMemoryStats`."""
+        arg = int(stats.argument_size_in_bytes)
+        out = int(stats.output_size_in_bytes)
+        alias = int(stats.alias_size_in_bytes)
+        temp = int(stats.temp_size_in_bytes)
+        peak = getattr(stats, "peak_memory_in_bytes", None)
+        return cls(
+            argument_bytes=arg,
+            output_bytes=out,
+            alias_bytes=alias,
+            temp_bytes=temp,
+            generated_code_bytes=int(stats.generated_code_size_in_bytes),
+            peak_bytes=arg + out - alias + temp,
+            xla_peak_bytes=int(peak) if peak else None,
+        )
+
+
 class Parallel:
     """A per-replica step run on every device; made by `jdp.parallelize`.
 
@@ -58,9 +105,12 @@ class Parallel:
 
     Attributes:
       backend: `"shard_map"` or `"pmap"`.
-      axis_name: Name of the replica axis bound inside the step.
+      axis_name: Name of the replica axis bound inside the step (with
+        `mesh_shape`, the tuple of both mesh axis names).
       devices: The devices, one replica each, in mesh order.
-      mesh: The 1-D `jax.sharding.Mesh` over `devices`.
+      mesh: The `jax.sharding.Mesh` over `devices`: 1-D, or `(hosts, devices per
+        host)` with `mesh_shape`.
+      mesh_shape: The two mesh axis names given to `jdp.parallelize`, or None.
       num_replicas: `len(devices)`.
     """
 
@@ -70,15 +120,20 @@ class Parallel:
         *,
         devices: Sequence[jax.Device],
         backend: _backends.Backend,
-        axis_name: str,
+        axis_name: str | tuple[str, ...],
         donate_state: bool,
+        mesh_shape: tuple[str, str] | None = None,
     ):
         self.train_step = train_step
         self.backend = backend
         self.axis_name = axis_name
-        self.devices = tuple(devices)
+        self.mesh_shape = mesh_shape
+        if mesh_shape is None:
+            self.mesh = _backends.make_mesh(devices, axis_name)
+        else:
+            self.mesh = _backends.make_host_mesh(devices, mesh_shape)
+        self.devices = tuple(self.mesh.devices.flat)
         self.num_replicas = len(self.devices)
-        self.mesh = _backends.make_mesh(self.devices, axis_name)
         self.donate_state = donate_state
         self._sharding = _backends.replica_sharding(self.mesh, axis_name)
         self._local_devices = [
@@ -215,11 +270,15 @@ class Parallel:
             from jax.experimental import multihost_utils
 
             host = multihost_utils.broadcast_one_to_all(host)
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), host)
+        layout = getattr(self.train_step, _zero.LAYOUT_HOOK, None)
+        if layout is not None:  # e.g. a sharded optimizer state (ZeRO)
+            abstract = layout(abstract, self.num_replicas)
         like = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(
                 (self.num_replicas,) + x.shape, x.dtype, sharding=self._sharding
             ),
-            host,
+            abstract,
         )
         return place_like(host, like)
 
@@ -241,12 +300,19 @@ class Parallel:
         """Splits a global batch across replicas along every leaf's leading axis.
 
         With several processes, `batch` is this process's share (each process loads
-        its own slice, like Caffe2's shards).
+        its own slice, like Caffe2's shards and
+        `jax.make_array_from_process_local_data`): the global batch is the
+        processes' batches concatenated in process order. Every process must
+        pass the same number of examples; to catch a mismatch
+        (which would otherwise train on misaligned data without an error),
+        `shard` compares the sizes across processes with one small all-gather
+        per call.
 
         Args:
           batch: Pytree of arrays whose leading axis is the example axis.
           pad: If True, pad the batch (repeating its last example) to a multiple of
-            the replica count and also return a boolean mask, True for real
+            the replica count (with several processes: to the largest process's
+            padded batch) and also return a boolean mask, True for real
             examples. Weigh per-example metrics by it, e.g. return
             `{"correct": jnp.sum(ok * mask), "count": jnp.sum(mask)}` and divide
             the two averaged metrics: the ratio is then exact.
@@ -257,7 +323,9 @@ class Parallel:
         Raises:
           ValueError: If a leaf's leading size is not divisible by the replica count
             (and `pad` is False), a leaf is a scalar, or leaves disagree on the batch
-            size when padding.
+            size when padding; with several processes, if the processes' batches
+            differ in size (and `pad` is False) or in structure, trailing shapes
+            or dtypes.
         """
         num_local = len(self._local_devices)
         flat, treedef = jax.tree_util.tree_flatten_with_path(batch)
@@ -271,6 +339,9 @@ class Parallel:
                     "needs a leading example axis to split across "
                     f"num_replicas={self.num_replicas}."
                 )
+        padded_everywhere = None
+        if jax.process_count() > 1:
+            padded_everywhere = self._check_process_batches(host, pad=pad)
         mask = None
         if pad:
             sizes = {x.shape[0] for _, x in host}
@@ -281,7 +352,7 @@ class Parallel:
                     f"size to be padded; got {listed}."
                 )
             size = sizes.pop()
-            padded = max(num_local, math.ceil(size / num_local) * num_local)
+            padded = padded_everywhere or _padded_size(size, num_local)
             extra = padded - size
             if extra:
                 if size == 0:
@@ -297,8 +368,13 @@ class Parallel:
                     raise ValueError(
                         f"`step.shard`: leaf {keystr(path)} has leading size "
                         f"{x.shape[0]}, which is not divisible by "
-                        f"num_replicas={num_local}"
-                        + (" local replicas" if num_local != self.num_replicas else "")
+                        + (
+                            f"num_replicas={num_local}"
+                            if num_local == self.num_replicas
+                            else f"this process's {num_local} replicas "
+                            f"(num_replicas={self.num_replicas} over "
+                            f"{jax.process_count()} processes)"
+                        )
                         + f". Use a batch that is a multiple of {num_local}, or call "
                         "`step.shard(batch, pad=True)` to pad it and get a mask."
                     )
@@ -307,6 +383,47 @@ class Parallel:
         if pad:
             return placed, self._place_batch_leaf(mask)
         return placed
+
+    def _check_process_batches(self, host, *, pad: bool) -> int | None:
+        """Compares this process's batch with the other processes' (one all-gather).
+
+        Returns the padded per-process size every process uses when `pad`.
+        """
+        from jax.experimental import multihost_utils
+
+        num_local = len(self._local_devices)
+        rows = [x.shape[0] for _, x in host]
+        layout = "|".join(f"{keystr(p)}:{x.shape[1:]}:{x.dtype}" for p, x in host)
+        mine = np.array(
+            [min(rows), max(rows), zlib.crc32(layout.encode()) & 0x7FFFFFFF], np.int32
+        )
+        every = np.asarray(multihost_utils.process_allgather(mine))
+        if len(set(every[:, 2].tolist())) > 1:
+            odd = [p for p in range(len(every)) if every[p, 2] != every[0, 2]]
+            raise ValueError(
+                "`step.shard`: the processes passed batches of different structure, "
+                f"trailing shapes or dtypes (process {odd[0]} differs from process "
+                f"0; this is process {jax.process_index()}, whose leaves are: "
+                + ", ".join(f"{keystr(p)} {x.shape} {x.dtype}" for p, x in host[:5])
+                + "). Every process must pass the same leaves with the same shapes "
+                "(except the leading size) and dtypes."
+            )
+        if pad:
+            return max(_padded_size(int(n), num_local) for n in every[:, 1])
+        if every[:, :2].min() != every[:, :2].max():
+            listed = ", ".join(
+                f"process {p}: {lo}" + (f"-{hi}" if hi != lo else "")
+                for p, (lo, hi) in enumerate(every[:, :2].tolist())
+            )
+            raise ValueError(
+                "`step.shard`: with several processes every process must pass a "
+                "local batch of the same size (its share of the global batch); got "
+                f"{listed} examples. Give every process the same number of examples "
+                "(e.g. drop the smaller last batch of an epoch), or call "
+                "`step.shard(batch, pad=True)`, which pads every process to the "
+                "largest local batch and returns a mask."
+            )
+        return None
 
     def _place_batch_leaf(self, x: np.ndarray) -> jax.Array:
         if self.backend == "pmap":
@@ -327,10 +444,11 @@ class Parallel:
         Returns:
           The pytree, replicated, with every replica equal to replica `root`.
         """
+        bcast = functools.partial(
+            _collectives.broadcast, root=root, axis_name=self.axis_name
+        )
         fn = _backends.build_map(
-            functools.partial(
-                _collectives.broadcast, root=root, axis_name=self.axis_name
-            ),
+            functools.partial(_zero.map_unsliced, bcast),  # slices differ by design
             backend=self.backend,
             mesh=self.mesh,
             axis_name=self.axis_name,
@@ -388,6 +506,41 @@ class Parallel:
             raise ValueError(f"`stage` must be 'compiled' or 'lowered', got {stage!r}.")
         return _hlo.parse_collectives(text)
 
+    def memory_analysis(self, state: PyTree, batch: PyTree) -> MemoryAnalysis:
+        """Per-device memory of one step, from XLA's analysis of the compiled step.
+
+        Compiles the step for these arguments (nothing runs) and reads
+        `Compiled.memory_analysis()`. Use it to compare `donate_state`, `remat`
+        and `shard_optimizer_state` before committing to a run.
+
+        Args:
+          state: Replicated state, as for a call.
+          batch: Sharded batch, as for a call.
+
+        Returns:
+          A `jdp.MemoryAnalysis` with argument, output, alias and temp bytes per
+          device and a peak estimate.
+
+        Raises:
+          RuntimeError: If XLA reports no memory analysis on this platform.
+
+        Example:
+          >>> import jax, jax.numpy as jnp, jdp
+          >>> step = jdp.parallelize(lambda s, b: (s, {}), devices=jax.devices()[:2])
+          >>> mem = step.memory_analysis(
+          ...     step.replicate({"w": jnp.zeros(256)}), step.shard(jnp.zeros(2))
+          ... )
+          >>> mem.argument_bytes >= 256 * 4, mem.alias_bytes == 256 * 4
+          (True, True)
+        """
+        stats = self.lower(state, batch).compile().memory_analysis()
+        if stats is None:
+            raise RuntimeError(
+                "`step.memory_analysis`: XLA reports no memory analysis for this "
+                f"platform ({self.devices[0].platform})."
+            )
+        return MemoryAnalysis.from_xla(stats)
+
     def __repr__(self) -> str:
         return (
             f"Parallel({getattr(self.train_step, '__name__', 'step')}, "
@@ -401,8 +554,9 @@ def parallelize(
     *,
     devices: Sequence[jax.Device] | None = None,
     backend: _backends.Backend = "shard_map",
-    axis_name: str = "data",
+    axis_name: str | tuple[str, ...] = "data",
     donate_state: bool = True,
+    mesh_shape: tuple[str, str] | None = None,
 ) -> Parallel:
     """Runs a per-replica training step on every device: synchronous data parallelism.
 
@@ -429,13 +583,24 @@ def parallelize(
       donate_state: Donate the input state's buffers to the output (default), so
         a step holds one copy of params and optimizer state, not two. The state
         you pass in is deleted by the call; use the returned one.
+      mesh_shape: Two axis names, e.g. `("host", "device")`, for a 2-D mesh of
+        `(processes, devices per process)` instead of the flat 1-D mesh
+        (`"shard_map"` backend only). The replica axis inside the step is then
+        the tuple of both names: pass it as `axis_name` to your step's
+        collectives. `jdp.all_reduce_gradients` then reduces within each host
+        first (a reduce-scatter), then across hosts (an all-reduce of a
+        1/devices-per-host slice), then gathers within the host: Caffe2's
+        NCCL-then-Gloo path, with the cross-host traffic of one device per host.
+        The numbers equal the flat mesh's; the state keeps one copy per replica.
 
     Returns:
       A `jdp.Parallel`, callable as `step(state, batch)`, with `replicate`,
       `unreplicate`, `shard`, `broadcast`, `collectives` and `lower`.
 
     Raises:
-      ValueError: If `backend` is unknown or `devices` is empty.
+      ValueError: If `backend` is unknown, `devices` is empty, `mesh_shape` is
+        not two names (or used with pmap), or, with several processes, the
+        processes hold different numbers of `devices`.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, jdp
@@ -461,13 +626,67 @@ def parallelize(
         raise ValueError("`devices` is empty; pass at least one device (or None).")
     if len(set(devices)) != len(devices):
         raise ValueError(f"`devices` lists a device twice: {devices}.")
+    if mesh_shape is not None:
+        axis_name = _check_mesh_shape(mesh_shape, axis_name, backend)
+        mesh_shape = tuple(mesh_shape)
+    _check_devices_per_process(devices)
     return Parallel(
         train_step,
         devices=devices,
         backend=backend,
         axis_name=axis_name,
         donate_state=donate_state,
+        mesh_shape=mesh_shape,
     )
+
+
+def _check_mesh_shape(mesh_shape, axis_name, backend) -> tuple[str, str]:
+    """Validates `mesh_shape`; returns the step's replica axis (both mesh axes)."""
+    names = tuple(mesh_shape) if isinstance(mesh_shape, (tuple, list)) else ()
+    if (
+        len(names) != 2
+        or len(set(names)) != 2
+        or not all(isinstance(n, str) and n for n in names)
+    ):
+        raise ValueError(
+            "`mesh_shape` must name the two axes of a (hosts, devices per host) "
+            f"mesh, e.g. ('host', 'device'); got {mesh_shape!r}."
+        )
+    if backend != "shard_map":
+        raise ValueError(
+            f"`mesh_shape={names!r}` needs backend='shard_map' (pmap maps over one "
+            f"axis only); got backend={backend!r}."
+        )
+    if axis_name != "data" and tuple(np.atleast_1d(axis_name)) != names:
+        raise ValueError(
+            f"With `mesh_shape={names!r}` the step's replica axis is the tuple "
+            f"{names!r} of both mesh axes; got axis_name={axis_name!r}. Leave "
+            f"`axis_name` out and give {names!r} to the collectives in your step "
+            f"(`jdp.make_train_step(..., axis_name={names!r})`)."
+        )
+    return names
+
+
+def _check_devices_per_process(devices: Sequence[jax.Device]) -> None:
+    """With several processes, each must hold the same number (>= 1) of `devices`."""
+    if jax.process_count() == 1:
+        return
+    counts = {p: 0 for p in range(jax.process_count())}
+    for d in devices:
+        counts[d.process_index] += 1
+    if len(set(counts.values())) != 1 or counts[0] == 0:
+        listed = ", ".join(f"process {p}: {n}" for p, n in counts.items())
+        raise ValueError(
+            "`devices`: with several processes every process must hold the same "
+            f"number (at least 1) of the step's devices; got {listed}. Pass "
+            "`devices=None` (all devices) or the same number of "
+            "`jax.local_devices()` from every process."
+        )
+
+
+def _padded_size(size: int, num_local: int) -> int:
+    """`size` rounded up to a multiple of `num_local` (at least `num_local`)."""
+    return max(num_local, math.ceil(size / num_local) * num_local)
 
 
 def logical_copy(tree: PyTree) -> PyTree:
@@ -479,12 +698,35 @@ def logical_copy(tree: PyTree) -> PyTree:
     """
 
     def first(x):
+        if _zero.is_sharded(x):  # ZeRO: gather the full optimizer state
+            return _zero.logical(x)
         if isinstance(x, jax.Array) and x.ndim >= 1:
             data = x.addressable_shards[0].data
             return data.reshape(data.shape[1:])
         return x
 
-    return jax.tree.map(first, tree)
+    return jax.tree.map(first, tree, is_leaf=_zero.is_sharded)
+
+
+def logical_like(tree: PyTree) -> PyTree:
+    """Shapes and dtypes of one logical copy of a replicated pytree; reads no data.
+
+    What `logical_copy(tree)` would return, as `jax.ShapeDtypeStruct`s: leaves with
+    a leading replica axis (`jax.Array`s or `jax.ShapeDtypeStruct`s) lose it, and a
+    sharded optimizer state (ZeRO) becomes the full optimizer state's structure and
+    shapes. The target structure for restoring a checkpoint into `tree`'s layout.
+    """
+
+    def one(x):
+        if _zero.is_sharded(x):
+            return _zero.logical(
+                jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), x)
+            )
+        if hasattr(x, "shape") and hasattr(x, "dtype") and len(x.shape) >= 1:
+            return jax.ShapeDtypeStruct(tuple(x.shape[1:]), x.dtype)
+        return x
+
+    return jax.tree.map(one, tree, is_leaf=_zero.is_sharded)
 
 
 def place_like(host_tree: PyTree, like: PyTree) -> PyTree:
@@ -506,4 +748,9 @@ def place_like(host_tree: PyTree, like: PyTree) -> PyTree:
         view = np.broadcast_to(x, ref.shape)  # no copy until a device takes a slice
         return jax.make_array_from_callback(ref.shape, ref.sharding, view.__getitem__)
 
-    return jax.tree.map(place, host_tree, like)
+    def place_node(ref, x):
+        if _zero.is_sharded(ref):  # ZeRO: each replica gets its slice
+            return _zero.place(x, ref, place)
+        return place(x, ref)
+
+    return jax.tree.map(place_node, like, host_tree, is_leaf=_zero.is_sharded)

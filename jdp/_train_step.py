@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -9,9 +10,12 @@ import jax
 import optax
 from flax import struct
 
-from jdp import _collectives
+from jdp import _collectives, _zero
+from jdp._tree import is_float
 
 PyTree = Any
+
+REMAT_MODES = (None, "full")
 
 
 class TrainState(struct.PyTreeNode):
@@ -93,6 +97,9 @@ def make_train_step(
     bucket_bytes: int | None = _collectives.DEFAULT_BUCKET_BYTES,
     reduce_dtype: Any = None,
     batch_stats_mode: Literal["mean", "broadcast"] = "mean",
+    remat: Literal["full"] | Callable[..., Any] | None = None,
+    shard_optimizer_state: bool = False,
+    clip_grad_norm: float | None = None,
 ) -> Callable[[PyTree, PyTree], tuple[PyTree, dict[str, jax.Array]]]:
     """Builds the per-replica training step for `jdp.parallelize`.
 
@@ -120,13 +127,42 @@ def make_train_step(
       reduce_dtype: Wire dtype for the gradient all-reduce (e.g. `jnp.bfloat16`).
       batch_stats_mode: How `jdp.sync_batch_stats` syncs statistics: `"mean"`
         (default) or `"broadcast"`.
+      remat: Rematerialise the forward pass in the backward pass instead of
+        keeping its intermediates (`jax.checkpoint` around `loss_fn`): None
+        (default, keep them), `"full"` (save nothing but the inputs), or a
+        `jax.checkpoint_policies` policy such as
+        `jax.checkpoint_policies.dots_with_no_batch_dims_saveable`. The numbers
+        do not change. Applied to the whole loss it trades compute for memory
+        only where the policy keeps fewer values than the backward pass needs at
+        once; for per-layer savings also wrap layers in `jax.checkpoint` (or
+        `flax.linen.remat`) and compare with `step.memory_analysis`.
+      shard_optimizer_state: ZeRO stages 1 and 2 (PyTorch's
+        `ZeroRedundancyOptimizer`, DeepSpeed ZeRO-1/2): gradients are
+        reduce-scattered instead of all-reduced, each replica keeps and updates
+        only its 1/N slice of the (flattened, padded) optimizer state and
+        parameters, and the updated parameters are all-gathered. Same numbers
+        as the default for element-wise optimizers (SGD, momentum, Adam, AdamW,
+        RMSProp, Lion, Adagrad, with schedules); others are refused with a
+        message. `step.replicate` lays the optimizer state out sharded (the step
+        carries a `jdp_state_layout` hook for it); `step.unreplicate` and
+        checkpoints see one full logical copy.
+      clip_grad_norm: If set, clip the averaged gradients to this global L2 norm
+        before the optimizer (as `optax.clip_by_global_norm` would) and report
+        the norm before clipping as metric `"grad_norm"`. With
+        `shard_optimizer_state` the norm is computed across replicas (a `psum`),
+        which `optax.clip_by_global_norm` inside `tx` cannot do.
 
     Returns:
       `train_step(state, batch) -> (state, metrics)`, to give to `jdp.parallelize`.
 
     Raises:
-      ValueError: At trace time, if `all_reduce=True` and the optimizer state holds
-        BMUF state (BMUF must see each replica's own gradients).
+      ValueError: If `remat` is an unknown mode, `clip_grad_norm` is not positive,
+        or `shard_optimizer_state=True` with `all_reduce=False`. At trace time, if
+        `all_reduce=True` and the optimizer state holds BMUF state (BMUF must see
+        each replica's own gradients), or if `shard_optimizer_state=True` and the
+        optimizer is not element-wise or the state was not placed by
+        `step.replicate`.
+      TypeError: If `remat` is neither a mode nor a policy function.
 
     Example:
       >>> import jax.numpy as jnp, optax, jdp
@@ -134,7 +170,38 @@ def make_train_step(
       ...     return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
       >>> train_step = jdp.make_train_step(loss_fn, optax.sgd(0.1))
       >>> step = jdp.parallelize(train_step)
+
+      With the optimizer state sharded across replicas:
+
+      >>> tx = optax.adam(1e-3)
+      >>> zero_step = jdp.parallelize(
+      ...     jdp.make_train_step(loss_fn, tx, shard_optimizer_state=True)
+      ... )
+      >>> state = zero_step.replicate(
+      ...     jdp.TrainState.create(params={"w": jnp.zeros((3, 1))}, tx=tx)
+      ... )
+      >>> state.opt_state.chunks[0].mu["w"].shape  # (replicas, ceil(3 / 8))
+      (8, 1)
+
+    References:
+      Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion
+      Parameter Models", SC 2020, https://arxiv.org/abs/1910.02054.
+      Chen et al., "Training Deep Nets with Sublinear Memory Cost", 2016,
+      https://arxiv.org/abs/1604.06174.
     """
+    loss_fn = _apply_remat(loss_fn, remat)
+    if clip_grad_norm is not None and not clip_grad_norm > 0:
+        raise ValueError(
+            f"`clip_grad_norm` must be a positive global norm or None, got "
+            f"{clip_grad_norm!r}."
+        )
+    if shard_optimizer_state and not all_reduce:
+        raise ValueError(
+            "`jdp.make_train_step(..., shard_optimizer_state=True)` averages the "
+            "gradients itself (a reduce-scatter) and cannot be combined with "
+            "`all_reduce=False`: optimizers that keep each replica's own gradients "
+            "(`jdp.bmuf`) need a full optimizer state on every replica."
+        )
 
     def train_step(state, batch):
         optimizer = state.tx if tx is None else tx
@@ -166,24 +233,38 @@ def make_train_step(
                 state.params
             )
             new_stats, aux = rest if has_aux else (rest, None)
-        if all_reduce:
-            grads = _collectives.all_reduce_gradients(
+        grad_norm = None
+        if shard_optimizer_state:
+            new_params, opt_state, grad_norm = _zero.sharded_update(
                 grads,
+                state.opt_state,
+                state.params,
+                optimizer,
                 axis_name=axis_name,
                 bucket_bytes=bucket_bytes,
-                dtype=reduce_dtype,
+                reduce_dtype=reduce_dtype,
+                clip_grad_norm=clip_grad_norm,
             )
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        changes = dict(
-            step=state.step + 1,
-            params=optax.apply_updates(state.params, updates),
-            opt_state=opt_state,
-        )
+        else:
+            if all_reduce:
+                grads = _collectives.all_reduce_gradients(
+                    grads,
+                    axis_name=axis_name,
+                    bucket_bytes=bucket_bytes,
+                    dtype=reduce_dtype,
+                )
+            if clip_grad_norm is not None:
+                grads, grad_norm = _clip_by_global_norm(grads, clip_grad_norm)
+            updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+            new_params = optax.apply_updates(state.params, updates)
+        changes = dict(step=state.step + 1, params=new_params, opt_state=opt_state)
         if new_stats is not None:
             changes["batch_stats"] = _collectives.sync_batch_stats(
                 new_stats, mode=batch_stats_mode, axis_name=axis_name
             )
         metrics = {"loss": loss}
+        if grad_norm is not None:
+            metrics["grad_norm"] = grad_norm
         if has_aux:
             if isinstance(aux, dict):
                 metrics.update(aux)
@@ -191,4 +272,39 @@ def make_train_step(
                 metrics["aux"] = aux
         return state.replace(**changes), metrics
 
+    if shard_optimizer_state:
+        setattr(
+            train_step,
+            _zero.LAYOUT_HOOK,
+            functools.partial(_zero.state_layout, tx=tx),
+        )
     return train_step
+
+
+def _apply_remat(loss_fn: Callable[..., Any], remat: Any) -> Callable[..., Any]:
+    """`loss_fn` under `jax.checkpoint` as `remat` asks (validated here)."""
+    if remat is None:
+        return loss_fn
+    if isinstance(remat, str):
+        if remat != "full":
+            raise ValueError(
+                f"`remat` must be one of {REMAT_MODES} or a "
+                f"`jax.checkpoint_policies` policy; got {remat!r}."
+            )
+        return jax.checkpoint(loss_fn)
+    if not callable(remat):
+        raise TypeError(
+            "`remat` must be None, 'full' or a `jax.checkpoint_policies` policy "
+            f"(a function); got a {type(remat).__name__}."
+        )
+    return jax.checkpoint(loss_fn, policy=remat)
+
+
+def _clip_by_global_norm(grads: PyTree, max_norm: float) -> tuple[PyTree, jax.Array]:
+    """`optax.clip_by_global_norm` on the floating leaves; also returns the norm."""
+    floats = [g for g in jax.tree.leaves(grads) if is_float(g)]
+    norm = optax.tree.norm(floats)
+    clipped = jax.tree.map(
+        lambda g: _zero.clip_to_norm(g, norm, max_norm) if is_float(g) else g, grads
+    )
+    return clipped, norm

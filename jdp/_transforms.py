@@ -15,6 +15,7 @@ def sync_gradients(
     bucket_bytes: int | None = _collectives.DEFAULT_BUCKET_BYTES,
     reverse: bool = True,
     dtype: Any = None,
+    flatten: bool | None = None,
 ) -> optax.GradientTransformation:
     """Averages updates over replicas; put it first in an `optax.chain`.
 
@@ -28,6 +29,7 @@ def sync_gradients(
       bucket_bytes: Largest bucket in bytes (25 MiB); None for one bucket per dtype.
       reverse: Pack leaves last-first.
       dtype: Optional wire dtype (e.g. `jnp.bfloat16`).
+      flatten: Flat buffers or tuples per bucket (see `jdp.all_reduce_gradients`).
 
     Returns:
       An `optax.GradientTransformation`.
@@ -56,6 +58,7 @@ def sync_gradients(
             bucket_bytes=bucket_bytes,
             reverse=reverse,
             dtype=dtype,
+            flatten=flatten,
             api="jdp.sync_gradients",
         )
         return synced, state

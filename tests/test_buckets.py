@@ -25,21 +25,18 @@ def test_plan_groups_by_dtype_and_skips_empty():
     }
 
 
-def test_pack_unpack_roundtrip():
+def test_pack_split_roundtrip():
     leaves = [
         jnp.arange(6.0).reshape(2, 3),
         jnp.float32(7.0),
         jnp.ones((2, 2), jnp.bfloat16),
     ]
-    plan = _buckets.plan_buckets(
-        [x.shape for x in leaves], [np.float32] * 3, bucket_bytes=None
+    (bucket,) = _buckets.plan_buckets(
+        [x.shape for x in leaves], [np.float32] * 3, bucket_bytes=None, reverse=False
     )
-    (bucket,) = plan
     flat = _buckets.pack(leaves, bucket)
     assert flat.shape == (11,) and flat.dtype == jnp.float32
-    out = _buckets.unpack(flat, bucket, leaves)
-    for i, x in enumerate(leaves):
-        assert out[i].shape == x.shape and out[i].dtype == x.dtype
-        np.testing.assert_array_equal(
-            np.asarray(out[i], np.float32), np.asarray(x, np.float32)
-        )
+    parts = _buckets.split(flat, bucket)
+    assert [p.size for p in parts] == [6, 1, 4]
+    for part, x in zip(parts, leaves, strict=True):
+        np.testing.assert_array_equal(part, np.ravel(np.asarray(x, np.float32)))

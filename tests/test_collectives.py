@@ -32,12 +32,15 @@ def run_per_replica(fn, tree, backend, num):
     return jax.tree.map(np.asarray, out)
 
 
+@pytest.mark.parametrize("flatten", [False, True], ids=["tuple", "flat"])
 @pytest.mark.parametrize("bucket_bytes", [None, 16, 25 * 2**20])
-def test_all_reduce_equals_pmean(backend, bucket_bytes):
+def test_all_reduce_equals_pmean(backend, bucket_bytes, flatten):
     num = 4
     tree = per_replica_tree(num)
     got = run_per_replica(
-        lambda t: jdp.all_reduce_gradients(t, bucket_bytes=bucket_bytes),
+        lambda t: jdp.all_reduce_gradients(
+            t, bucket_bytes=bucket_bytes, flatten=flatten
+        ),
         tree,
         backend,
         num,
@@ -79,31 +82,58 @@ def lowered_all_reduces(tree, **options):
 
 
 def test_buckets_count_and_reverse_order_in_hlo():
-    # Five f32 leaves of 100 elements (400 bytes each), in pytree order l0..l4.
+    # Five f32 leaves of 400-416 bytes, in pytree order l0..l4.
     tree = {f"l{i}": jnp.full((100 + i,), float(i)) for i in range(5)}
     sizes = [4 * (100 + i) for i in range(5)]
-    _, _, _, ops = lowered_all_reduces(tree, bucket_bytes=900)
-    # Reverse order, at most 900 bytes: [l4, l3], [l2, l1], [l0].
+    _, _, _, ops = lowered_all_reduces(tree, bucket_bytes=900, flatten=True)
+    # Reverse order, at most 900 bytes: [l4, l3], [l2, l1], [l0]; one flat psum each.
     assert [c.kind for c in ops] == ["all-reduce"] * 3
+    assert [c.shapes for c in ops] == [((207,),), ((203,),), ((100,),)]
     assert [c.bytes for c in ops] == [
         sizes[4] + sizes[3],
         sizes[2] + sizes[1],
         sizes[0],
     ]
     assert [c.order for c in ops] == [0, 1, 2]
-    _, _, _, fwd = lowered_all_reduces(tree, bucket_bytes=900, reverse=False)
+    _, _, _, fwd = lowered_all_reduces(
+        tree, bucket_bytes=900, reverse=False, flatten=True
+    )
     assert [c.bytes for c in fwd] == [
         sizes[0] + sizes[1],
         sizes[2] + sizes[3],
         sizes[4],
     ]
-    _, _, _, one = lowered_all_reduces(tree, bucket_bytes=None)
+    _, _, _, one = lowered_all_reduces(tree, bucket_bytes=None, flatten=True)
     assert [c.bytes for c in one] == [sum(sizes)]
+
+
+def test_unflattened_buckets_issue_leaves_last_first():
+    tree = {f"l{i}": jnp.full((100 + i,), float(i)) for i in range(5)}
+    step, state, batch, ops = lowered_all_reduces(tree, flatten=False)
+    # One psum per leaf, last leaf first; XLA's combiner merges them when compiling.
+    assert [c.shapes for c in ops] == [
+        ((104,),),
+        ((103,),),
+        ((102,),),
+        ((101,),),
+        ((100,),),
+    ]
+    compiled = step.collectives(state, batch)
+    assert sum(c.bytes for c in compiled) == sum(c.bytes for c in ops)
+
+
+def test_default_packing_follows_the_runtime():
+    tree = {f"l{i}": jnp.ones((10,)) for i in range(3)}
+    _, _, _, ops = lowered_all_reduces(tree)
+    # One process: no flat copies (XLA combines the per-leaf all-reduces itself).
+    assert len(ops) == 3
 
 
 def test_bf16_compression_in_lowered_and_compiled_hlo():
     tree = {"w": jnp.ones((256,)), "b": jnp.ones((8,))}
-    step, state, batch, ops = lowered_all_reduces(tree, dtype=jnp.bfloat16)
+    step, state, batch, ops = lowered_all_reduces(
+        tree, dtype=jnp.bfloat16, flatten=True
+    )
     assert [(c.dtype, c.bytes) for c in ops] == [("bf16", 2 * 264)]
     compiled = step.collectives(state, batch)
     # XLA:CPU computes a bf16 all-reduce in f32; GPUs keep bf16. Report what runs.

@@ -262,6 +262,8 @@ def test_collectives_report(backend):
     assert all(not c.in_conditional for c in compiled)
     assert compiled[0].replica_groups == (tuple(range(8)),)
     lowered = step.collectives(state, batch, stage="lowered")
-    assert [c.bytes for c in lowered] == [grad_bytes, 4]
+    # One process: a psum per gradient leaf, last layer first, then the loss.
+    leaf_bytes = [x.size * 4 for x in jax.tree.leaves(params)]
+    assert [c.bytes for c in lowered] == leaf_bytes[::-1] + [4]
     with pytest.raises(ValueError, match="`stage`"):
         step.collectives(state, batch, stage="optimized")

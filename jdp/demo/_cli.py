@@ -1,0 +1,262 @@
+"""Private: the command line of `python -m jdp.demo`.
+
+Everything here runs before JAX's backend starts: the arguments are checked (bad
+ones end the program with a one-line error and exit code 2, like `argparse`), the
+number of simulated CPU devices is written to `XLA_FLAGS`, and Ctrl-C is turned
+into a request to stop after the current step (and save a checkpoint).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import sys
+import tempfile
+
+#: Simulated CPU devices when the machine has no accelerator and `--devices` is
+#: not given.
+DEFAULT_CPU_DEVICES = 8
+ALGOS = ("sync", "bmuf", "zero")
+BACKENDS = ("shard_map", "pmap")
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+_DEVICE_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
+
+
+class UsageError(Exception):
+    """A bad argument found after start-up: printed as one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, no usage block
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The demo's options."""
+    p = _Parser(
+        prog="python -m jdp.demo",
+        description=(
+            "Data-parallel training of a small CNN (BatchNorm) on scikit-learn's 8x8 "
+            "digits with jdp, on every local device (8 simulated CPU devices when "
+            "there is no accelerator). Prints a summary table and writes "
+            "metrics.json and loss_accuracy.png to --out."
+        ),
+    )
+    p.add_argument(
+        "--algo",
+        choices=ALGOS,
+        default="sync",
+        help=(
+            "sync: synchronous SGD (gradients all-reduced every step); bmuf: blockwise "
+            "model-update filtering (replicas train alone, models merged every "
+            "--sync-period steps); zero: synchronous SGD with the optimizer state "
+            "sharded across devices. Default: %(default)s."
+        ),
+    )
+    p.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default="shard_map",
+        help="How jdp maps the step over devices. Default: %(default)s.",
+    )
+    p.add_argument(
+        "--devices",
+        type=int,
+        default=None,
+        metavar="N",
+        help=(
+            "Use N devices: the first N accelerators, or N simulated CPU devices on a "
+            f"CPU-only machine. Default: all accelerators, or {DEFAULT_CPU_DEVICES} "
+            "simulated CPU devices."
+        ),
+    )
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=300,
+        help="Total training steps. Default: %(default)s.",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=128,
+        help="Global batch size, split across devices. Default: %(default)s.",
+    )
+    p.add_argument(
+        "--lr",
+        type=float,
+        default=0.05,
+        help=(
+            "Learning rate of SGD (momentum 0.9 for sync and zero; for bmuf the "
+            "block momentum replaces it). Default: %(default)s."
+        ),
+    )
+    p.add_argument(
+        "--sync-period",
+        type=int,
+        default=8,
+        metavar="K",
+        help="BMUF: steps per block (models merged every K steps). "
+        "Default: %(default)s.",
+    )
+    p.add_argument(
+        "--block-momentum",
+        type=float,
+        default=None,
+        help=("BMUF: block momentum in [0, 1). Default: 1 - 1/devices."),
+    )
+    p.add_argument(
+        "--eval-every",
+        type=int,
+        default=25,
+        metavar="STEPS",
+        help="Test accuracy is measured every STEPS steps. Default: %(default)s.",
+    )
+    p.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        metavar="DIR",
+        help=(
+            "Save checkpoints to DIR (every --checkpoint-every steps, at the end, and "
+            "on Ctrl-C)."
+        ),
+    )
+    p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=100,
+        metavar="STEPS",
+        help="Steps between checkpoints. Default: %(default)s.",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="Continue from the latest checkpoint in --checkpoint-dir.",
+    )
+    p.add_argument(
+        "--out",
+        default="demo_out",
+        metavar="DIR",
+        help="Where metrics.json and the plot go. Default: %(default)s.",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="Seed of the initial model and of the batch order. Default: %(default)s.",
+    )
+    p.add_argument(
+        "--no-progress", action="store_true", help="Do not show the progress bar."
+    )
+    return p
+
+
+def _check_writable_dir(option: str, path: str) -> str | None:
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        return f"{option} {path!r} is not a writable directory ({e.strerror or e})."
+    return None
+
+
+def check_args(args: argparse.Namespace) -> str | None:
+    """Returns a one-line complaint about the arguments, or None if they are fine."""
+    positive = {
+        "--steps": args.steps,
+        "--batch-size": args.batch_size,
+        "--sync-period": args.sync_period,
+        "--eval-every": args.eval_every,
+        "--checkpoint-every": args.checkpoint_every,
+    }
+    if args.devices is not None:
+        positive["--devices"] = args.devices
+    for option, value in positive.items():
+        if value < 1:
+            return f"{option} must be a positive integer, got {value}."
+    if not args.lr > 0:
+        return f"--lr must be positive, got {args.lr}."
+    if args.block_momentum is not None and not 0 <= args.block_momentum < 1:
+        return f"--block-momentum must be in [0, 1), got {args.block_momentum}."
+    if args.devices is not None and args.batch_size % args.devices:
+        return (
+            f"--batch-size {args.batch_size} is not divisible by --devices "
+            f"{args.devices}; use a batch size that is a multiple of {args.devices}."
+        )
+    if args.resume and not args.checkpoint_dir:
+        return "--resume needs --checkpoint-dir DIR (where to resume from)."
+    if args.resume and not os.path.isdir(args.checkpoint_dir):
+        return (
+            f"--resume: --checkpoint-dir {args.checkpoint_dir!r} does not exist; "
+            "nothing to resume from."
+        )
+    problem = _check_writable_dir("--out", args.out)
+    if problem is None and args.checkpoint_dir:
+        problem = _check_writable_dir("--checkpoint-dir", args.checkpoint_dir)
+    return problem
+
+
+def simulate_cpu_devices(num: int) -> None:
+    """Asks XLA for `num` CPU devices; must run before JAX's backend starts.
+
+    Replaces a device-count flag already in `XLA_FLAGS` rather than adding a
+    second one. Accelerators are unaffected: on a GPU machine JAX still picks the
+    GPUs.
+    """
+    flags = _DEVICE_FLAG.sub("", os.environ.get("XLA_FLAGS", ""))
+    os.environ["XLA_FLAGS"] = (
+        f"{flags} --xla_force_host_platform_device_count={num}".strip()
+    )
+    if "JAX_NUM_CPU_DEVICES" in os.environ:  # read by jax at import: overrides it
+        import jax
+
+        jax.config.update("jax_num_cpu_devices", num)
+
+
+class _StopRequest:
+    """SIGINT handler: the first Ctrl-C asks to stop cleanly, a second one aborts."""
+
+    def __init__(self):
+        self.requested = False
+
+    def __call__(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print(
+            "\nCtrl-C: stopping after this step (press Ctrl-C again to abort now).",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the demo; returns the process exit code.
+
+    Args:
+      argv: Command-line arguments (default: `sys.argv[1:]`).
+
+    Returns:
+      0 when training finished, 130 when stopped by Ctrl-C (after saving a
+      checkpoint if `--checkpoint-dir` is set), 2 for bad arguments.
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    problem = check_args(args)
+    if problem:
+        parser.error(problem)
+    stop = _StopRequest()
+    signal.signal(signal.SIGINT, stop)
+    simulate_cpu_devices(args.devices or DEFAULT_CPU_DEVICES)
+
+    from jdp.demo import _train  # imports JAX: after the device count is set
+
+    try:
+        finished = _train.run(args, stop_requested=lambda: stop.requested)
+    except UsageError as e:
+        parser.error(str(e))
+    return 0 if finished else EXIT_INTERRUPTED

@@ -1,0 +1,20 @@
+"""Multi-process training on JAX's distributed runtime (`jax.distributed`).
+
+Public, stable names:
+
+- `initialize`: join a multi-process job (call first, in every process).
+- `shutdown`: leave it (also done at interpreter exit).
+- `is_initialized`: whether this process has joined one.
+
+Once initialized, `jdp.parallelize` spans the devices of every process. Start the
+processes with `python -m jdp.launch` on one machine, or with SLURM / Open MPI /
+Kubernetes on a cluster.
+"""
+
+from jdp.distributed._runtime import initialize, is_initialized, shutdown
+
+__all__ = [
+    "initialize",
+    "is_initialized",
+    "shutdown",
+]

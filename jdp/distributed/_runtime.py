@@ -1,0 +1,358 @@
+"""Private: jdp's use of `jax.distributed`, JAX's own multi-process runtime.
+
+`initialize` wraps `jax.distributed.initialize` with what a data-parallel job needs
+around it: the configuration read from `JDP_*` environment variables (set by
+`python -m jdp.launch`), gloo collectives on CPU, arguments checked before anything
+starts, a clear error instead of a native abort when the processes cannot meet, and
+a failing process that exits at once instead of waiting for its peers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Sequence
+from typing import Literal
+
+import jax
+
+ENV_COORDINATOR_ADDRESS = "JDP_COORDINATOR_ADDRESS"
+ENV_NUM_PROCESSES = "JDP_NUM_PROCESSES"
+ENV_PROCESS_ID = "JDP_PROCESS_ID"
+
+CPU_COLLECTIVES = ("gloo", "mpi", None)
+
+#: Extra seconds JAX's own connection deadline gets over `timeout_s`, so that
+#: jdp's watchdog (a clear message) fires before JAX's native abort.
+_JAX_GRACE_S = 10
+
+_CONNECT_TIMEOUT_MSG = (
+    "jdp.distributed.initialize: process {pid} of {num} gave up after {timeout} s "
+    "waiting for all {num} processes to connect to the coordinator at {addr}. Check "
+    "that exactly num_processes={num} processes were started, each with its own "
+    "process_id in [0, {num}) and the same coordinator address, and that process 0 "
+    "(which hosts the coordinator) is running. Raise `timeout_s` if processes start "
+    "slowly."
+)
+
+_UNREACHABLE_MSG = (
+    "`jdp.distributed.initialize`: the coordinator at {addr} did not accept a "
+    "connection within {timeout} s (this is process {pid} of {num}). Process 0 "
+    "hosts the coordinator: start it, check that `coordinator_address` (or "
+    "${env}) names its host and a port it can bind, and that no firewall blocks "
+    "the port. Raise `timeout_s` if process 0 starts slowly."
+)
+
+_TOO_LATE_MSG = (
+    "`jdp.distributed.initialize` must run before JAX starts its backends, but "
+    "something already did (a call such as `jax.devices()` or the creation of an "
+    "array). Call it first, right after the imports."
+)
+
+_log = logging.getLogger("jdp.distributed")
+
+# The arguments of the successful `initialize` of this process (or None).
+_config: dict | None = None
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(
+            f"Environment variable ${name} must be an integer, got {value!r}."
+        ) from None
+
+
+def _split_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(
+            f"`coordinator_address` must look like 'host:port' (e.g. "
+            f"'127.0.0.1:1234'), got {address!r}."
+        )
+    return host.strip("[]"), int(port)
+
+
+def _backends_started() -> bool:
+    try:
+        from jax._src import xla_bridge
+    except ImportError:  # pragma: no cover - JAX moved it; JAX's own check remains
+        return False
+    return bool(xla_bridge.backends_are_initialized())
+
+
+def _wait_for_coordinator(address: str, deadline: float) -> bool:
+    """Tries TCP connections to `address` until one succeeds or `deadline` passes."""
+    host, port = _split_address(address)
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        try:
+            with socket.create_connection((host, port), timeout=min(left, 2.0)):
+                return True
+        except OSError:
+            time.sleep(min(0.2, max(deadline - time.monotonic(), 0)))
+
+
+def _exit_on_uncaught(previous):
+    """A `sys.excepthook` that prints the traceback, then exits the process now.
+
+    An uncaught exception normally ends in the interpreter's exit handlers, where
+    JAX's shutdown barrier waits for every other process (for up to its shutdown
+    timeout): the job would hang instead of failing.
+    """
+
+    def hook(exc_type, exc, tb):
+        try:
+            previous(exc_type, exc, tb)
+        except Exception:  # pragma: no cover - a broken hook must not block the exit
+            traceback.print_exception(exc_type, exc, tb)
+        code = 130 if issubclass(exc_type, KeyboardInterrupt) else 1
+        flush_and_exit(code)
+
+    hook.jdp_fail_fast = True
+    return hook
+
+
+def flush_and_exit(code: int) -> None:
+    """Flushes the standard streams and logging, then `os._exit(code)`."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # pragma: no cover
+            pass
+    logging.shutdown()
+    os._exit(code)
+
+
+def initialize(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    local_device_ids: int | Sequence[int] | None = None,
+    cpu_collectives: Literal["gloo", "mpi"] | None = "gloo",
+    timeout_s: int = 300,
+    heartbeat_timeout_s: int = 100,
+    fail_fast: bool = True,
+) -> None:
+    """Connects this process to the others of a multi-process job.
+
+    Call it once, first thing, in every process (before any other JAX call). It
+    wraps `jax.distributed.initialize`: afterwards `jax.devices()` lists the
+    devices of every process and `jdp.parallelize` spans them all (Caffe2's
+    `rendezvous`, `torch.distributed.init_process_group`, Horovod's `hvd.init`).
+
+    Where the configuration comes from, in order: the arguments; the environment
+    variables `JDP_COORDINATOR_ADDRESS`, `JDP_NUM_PROCESSES` and `JDP_PROCESS_ID`
+    (set by `python -m jdp.launch`); otherwise JAX's own detection of SLURM, Open
+    MPI, Kubernetes or Cloud TPU. With none of these, it does nothing and the
+    program runs as one process, so one script runs alone or under a launcher.
+
+    On CPU, collectives between processes use gloo over TCP. Calling it again with
+    the same (or no) arguments does nothing.
+
+    Args:
+      coordinator_address: `"host:port"` of process 0, which hosts JAX's
+        coordination service on that port; every process passes the same value.
+      num_processes: Number of processes in the job.
+      process_id: This process's index, in `[0, num_processes)`.
+      local_device_ids: Restricts this process to these local accelerator ids
+        (e.g. one GPU per process); passed to `jax.distributed.initialize`.
+      cpu_collectives: CPU collectives between processes: `"gloo"` (default),
+        `"mpi"` (needs an MPI installation), or None to leave JAX's setting.
+      timeout_s: Seconds to wait for all processes to connect (300 by default);
+        also how long a finishing process waits for the others at shutdown.
+      heartbeat_timeout_s: Seconds without a heartbeat after which the runtime
+        declares a process dead and stops the others (100 by default).
+      fail_fast: If True (default), with several processes an uncaught exception
+        prints its traceback and exits the process at once (status 1). Without
+        this, the interpreter's exit waits for the other processes at JAX's
+        shutdown barrier, for up to `timeout_s`, and the job hangs.
+
+    Raises:
+      ValueError: If an argument or `JDP_*` variable is malformed, `process_id`
+        is outside `[0, num_processes)`, or the configuration is incomplete.
+      RuntimeError: If JAX's backends already started, or this process was
+        already initialized with different arguments.
+      TimeoutError: If process 0's coordinator accepts no connection within
+        `timeout_s` (on processes other than 0).
+
+    If the coordinator is reachable but not all `num_processes` processes connect
+    within `timeout_s` (for instance a wrong process count), JAX aborts the
+    process; jdp prints which process gave up, why, and how to fix it, and exits
+    with status 1 just before.
+
+    Example:
+      >>> import jdp
+      >>> jdp.distributed.initialize("10.0.0.1:1234", 2, 0)  # doctest: +SKIP
+      >>> jdp.distributed.initialize()  # under `python -m jdp.launch` # doctest: +SKIP
+    """
+    global _config
+    if cpu_collectives not in CPU_COLLECTIVES:
+        raise ValueError(
+            f"`cpu_collectives` must be one of {CPU_COLLECTIVES}; got "
+            f"{cpu_collectives!r}."
+        )
+    for name, value in (
+        ("timeout_s", timeout_s),
+        ("heartbeat_timeout_s", heartbeat_timeout_s),
+    ):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(
+                f"`{name}` must be a positive int of seconds, got {value!r}."
+            )
+    if coordinator_address is None:
+        coordinator_address = os.environ.get(ENV_COORDINATOR_ADDRESS) or None
+    if num_processes is None:
+        num_processes = _env_int(ENV_NUM_PROCESSES)
+    if process_id is None:
+        process_id = _env_int(ENV_PROCESS_ID)
+    requested = dict(
+        coordinator_address=coordinator_address,
+        num_processes=num_processes,
+        process_id=process_id,
+    )
+
+    if num_processes is not None and (
+        not isinstance(num_processes, int) or num_processes < 1
+    ):
+        raise ValueError(f"`num_processes` must be an int >= 1, got {num_processes!r}.")
+    if process_id is not None and num_processes is not None:
+        if not isinstance(process_id, int) or not 0 <= process_id < num_processes:
+            raise ValueError(
+                f"`process_id` must be an int in [0, num_processes={num_processes}), "
+                f"got {process_id!r}."
+            )
+    if coordinator_address is not None:
+        _split_address(coordinator_address)
+
+    if _config is not None or jax.distributed.is_initialized():
+        current = _config or {}
+        clash = {
+            k: (v, current[k])
+            for k, v in requested.items()
+            if v is not None and k in current and current[k] != v
+        }
+        if clash:
+            listed = ", ".join(f"{k}={v!r} (now {c!r})" for k, (v, c) in clash.items())
+            raise RuntimeError(
+                "`jdp.distributed.initialize` was already called in this process "
+                f"with other arguments: {listed}. A process joins one job; call it "
+                "once (later calls with the same or no arguments do nothing)."
+            )
+        return
+
+    given = [k for k, v in requested.items() if v is not None]
+    if _backends_started():
+        if not given:  # nothing configured: a single process, already running
+            return
+        raise RuntimeError(_TOO_LATE_MSG)
+    if cpu_collectives is not None:
+        jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
+
+    deadline = time.monotonic() + timeout_s
+    if len(given) == 3:
+        if process_id != 0 and not _wait_for_coordinator(coordinator_address, deadline):
+            raise TimeoutError(
+                _UNREACHABLE_MSG.format(
+                    addr=coordinator_address,
+                    timeout=timeout_s,
+                    pid=process_id,
+                    num=num_processes,
+                    env=ENV_COORDINATOR_ADDRESS,
+                )
+            )
+        watchdog = threading.Timer(
+            max(deadline - time.monotonic(), 0.0),
+            _give_up,
+            args=(coordinator_address, num_processes, process_id, timeout_s),
+        )
+        watchdog.daemon = True
+        watchdog.start()
+    else:
+        watchdog = None  # JAX's cluster detection fills in the rest (or fails)
+    try:
+        jax.distributed.initialize(
+            coordinator_address,
+            num_processes,
+            process_id,
+            local_device_ids=local_device_ids,
+            initialization_timeout=timeout_s + _JAX_GRACE_S,
+            heartbeat_timeout_seconds=heartbeat_timeout_s,
+            shutdown_timeout_seconds=timeout_s,
+        )
+    except ValueError as e:
+        if not given and "coordinator_address" in str(e):
+            _log.info("No multi-process configuration found; running as one process.")
+            return
+        missing = [k for k in requested if k not in given]
+        raise ValueError(
+            "`jdp.distributed.initialize` could not complete the configuration "
+            f"(JAX said: {e}). Given: {given or 'nothing'}; missing: {missing}. Pass "
+            f"all three arguments, or set ${ENV_COORDINATOR_ADDRESS}, "
+            f"${ENV_NUM_PROCESSES} and ${ENV_PROCESS_ID} (as `python -m jdp.launch` "
+            "does), or run under SLURM / Open MPI / Kubernetes."
+        ) from e
+    except RuntimeError as e:
+        if "must be called before" in str(e):
+            raise RuntimeError(_TOO_LATE_MSG) from e
+        raise
+    finally:
+        if watchdog is not None:
+            watchdog.cancel()
+    if len(given) < 3:  # detected by JAX: ask it (this starts the backends)
+        num_processes, process_id = jax.process_count(), jax.process_index()
+    _config = dict(
+        coordinator_address=coordinator_address,
+        num_processes=num_processes,
+        process_id=process_id,
+    )
+    if fail_fast and num_processes > 1:
+        if not getattr(sys.excepthook, "jdp_fail_fast", False):
+            sys.excepthook = _exit_on_uncaught(sys.excepthook)
+
+
+def _give_up(address: str, num: int, pid: int, timeout: int) -> None:
+    print(
+        _CONNECT_TIMEOUT_MSG.format(pid=pid, num=num, timeout=timeout, addr=address),
+        file=sys.stderr,
+        flush=True,
+    )
+    flush_and_exit(1)
+
+
+def shutdown() -> None:
+    """Leaves the multi-process job (a barrier: waits for the other processes).
+
+    Called automatically when the interpreter exits; call it yourself to leave
+    earlier. Does nothing if this process is not initialized.
+
+    Example:
+      >>> import jdp
+      >>> jdp.distributed.shutdown()  # nothing to do in a single process
+    """
+    global _config
+    jax.distributed.shutdown()
+    _config = None
+
+
+def is_initialized() -> bool:
+    """Whether this process has joined a multi-process job.
+
+    Example:
+      >>> import jdp
+      >>> jdp.distributed.is_initialized()
+      False
+    """
+    return jax.distributed.is_initialized()

@@ -1,0 +1,22 @@
+"""Start a multi-process job on this machine: the JAX counterpart of `torchrun`.
+
+Public, stable names:
+
+- `run(fn, nprocs, ...)`: run a function in N fresh processes (from Python, tests).
+
+From the command line:
+
+    python -m jdp.launch --nprocs 2 [--devices-per-process 2] script.py args...
+
+starts N processes on 127.0.0.1 with a free coordinator port, sets
+`JDP_COORDINATOR_ADDRESS`, `JDP_NUM_PROCESSES` and `JDP_PROCESS_ID` (read by
+`jdp.distributed.initialize()`), prefixes every output line with its process index,
+forwards Ctrl-C / SIGTERM to every process, and, as soon as one process fails, stops
+the others and exits non-zero.
+"""
+
+from jdp.launch._launcher import run
+
+__all__ = [
+    "run",
+]

@@ -1,0 +1,82 @@
+"""`python -m jdp.launch --nprocs N [options] script.py [args...]`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from jdp.launch._launcher import launch_command
+
+_DESCRIPTION = """\
+Run a training script as N processes of one job on this machine (127.0.0.1).
+Every process runs the same script; `jdp.distributed.initialize()` in the script
+reads the job from the JDP_COORDINATOR_ADDRESS, JDP_NUM_PROCESSES and
+JDP_PROCESS_ID variables set here. Output lines are prefixed with "[process_id]".
+If one process fails, the others are stopped and the launcher exits non-zero.
+"""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m jdp.launch",
+        description=_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--nprocs", type=_positive_int, required=True, help="number of processes"
+    )
+    p.add_argument(
+        "--devices-per-process",
+        type=_positive_int,
+        default=None,
+        help="simulated CPU devices per process (default: the environment's)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="stop the job after this many seconds (exit status 124)",
+    )
+    p.add_argument(
+        "--port",
+        type=_positive_int,
+        default=None,
+        help="coordinator port on 127.0.0.1 (default: a free one)",
+    )
+    p.add_argument(
+        "-m",
+        "--module",
+        action="store_true",
+        help="run the target as a module (`python -m target`)",
+    )
+    p.add_argument("target", help="the script (or, with -m, the module) to run")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the script")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parses the command line, runs the job and returns its exit status."""
+    ns = _parser().parse_args(argv)
+    return launch_command(
+        ns.target,
+        ns.args,
+        nprocs=ns.nprocs,
+        module=ns.module,
+        devices_per_process=ns.devices_per_process,
+        timeout_s=ns.timeout,
+        port=ns.port,
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,436 @@
+"""Private: start N processes of one job on this machine, watch them, stop them.
+
+The JAX counterpart of `torchrun --standalone`: a free port on 127.0.0.1 for the
+coordinator, the `JDP_*` variables that `jdp.distributed.initialize` reads, the CPU
+device count per process, output prefixed with each line's process index, and a
+job that fails as soon as one process fails. JAX notices a dead peer only at its
+heartbeat timeout (100 s by default), and a process blocked in a collective with a
+dead peer may never return, so the launcher itself kills the others, by the PIDs
+it started.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import pickle
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from jdp.distributed._runtime import (
+    ENV_COORDINATOR_ADDRESS,
+    ENV_NUM_PROCESSES,
+    ENV_PROCESS_ID,
+)
+
+#: Seconds between SIGTERM and SIGKILL when stopping processes.
+KILL_GRACE_S = 3.0
+#: How often the launcher checks its processes.
+POLL_S = 0.05
+#: Output lines of each process kept for error messages.
+TAIL_LINES = 40
+
+_DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that nothing listens on right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def process_env(
+    base: Mapping[str, str],
+    *,
+    process_id: int,
+    num_processes: int,
+    port: int,
+    devices_per_process: int | None,
+) -> dict[str, str]:
+    """The environment of process `process_id`: `JDP_*` variables and device count."""
+    env = dict(base)
+    env[ENV_COORDINATOR_ADDRESS] = f"127.0.0.1:{port}"
+    env[ENV_NUM_PROCESSES] = str(num_processes)
+    env[ENV_PROCESS_ID] = str(process_id)
+    # The coordinator listens on loopback only (JAX's default is every address).
+    env["JAX_COORDINATOR_BIND_ADDRESS"] = f"127.0.0.1:{port}"
+    env["PYTHONUNBUFFERED"] = "1"
+    if devices_per_process is not None:
+        flags = _DEVICE_COUNT_FLAG.sub("", env.get("XLA_FLAGS", "")).strip()
+        count = f"--xla_force_host_platform_device_count={devices_per_process}"
+        env["XLA_FLAGS"] = f"{flags} {count}".strip()
+        env["JAX_NUM_CPU_DEVICES"] = str(devices_per_process)
+    return env
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"was killed by {name}"
+    return f"exited with status {code}"
+
+
+class Job:
+    """N child processes, their prefixed output, and the rule "one fails, all stop".
+
+    Args:
+      commands: One command line per process.
+      envs: One environment per process.
+      stdout, stderr: Where the prefixed lines go.
+      prefix: Prefix each line with `[process_id] `.
+    """
+
+    def __init__(
+        self,
+        commands: Sequence[Sequence[str]],
+        envs: Sequence[Mapping[str, str]],
+        *,
+        stdout=None,
+        stderr=None,
+        prefix: bool = True,
+    ):
+        self.commands = [list(c) for c in commands]
+        self.envs = [dict(e) for e in envs]
+        self.stdout = stdout
+        self.stderr = stderr
+        self.prefix = prefix
+        self.procs: list[subprocess.Popen] = []
+        self.tails = [collections.deque(maxlen=TAIL_LINES) for _ in self.commands]
+        self._pumps: list[threading.Thread] = []
+        self._write_lock = threading.Lock()
+        self.failure: tuple[int, int] | None = None  # (process_id, returncode)
+
+    @property
+    def pids(self) -> list[int]:
+        """PIDs of the processes started so far."""
+        return [p.pid for p in self.procs]
+
+    def start(self) -> None:
+        """Starts every process, each in its own session (to stop it whole)."""
+        try:
+            for rank, (cmd, env) in enumerate(
+                zip(self.commands, self.envs, strict=True)
+            ):
+                proc = subprocess.Popen(
+                    cmd,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    start_new_session=True,
+                )
+                self.procs.append(proc)
+                for pipe, name in ((proc.stdout, "stdout"), (proc.stderr, "stderr")):
+                    t = threading.Thread(
+                        target=self._pump, args=(rank, pipe, name), daemon=True
+                    )
+                    t.start()
+                    self._pumps.append(t)
+        except BaseException:
+            self.kill()
+            raise
+
+    def _pump(self, rank: int, pipe, name: str) -> None:
+        for raw in iter(pipe.readline, b""):
+            line = raw.decode("utf-8", errors="replace").rstrip("\n")
+            self.tails[rank].append(line)
+            stream = self.stdout if name == "stdout" else self.stderr
+            stream = stream or (sys.stdout if name == "stdout" else sys.stderr)
+            text = f"[{rank}] {line}\n" if self.prefix else line + "\n"
+            with self._write_lock:
+                try:
+                    stream.write(text)
+                    stream.flush()
+                except (ValueError, OSError):  # stream closed under us
+                    pass
+        pipe.close()
+
+    def send(self, sig: int) -> None:
+        """Sends `sig` to every live process (and to what it started, its session)."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+
+    def kill(self, grace_s: float = KILL_GRACE_S) -> None:
+        """SIGTERM to every live process, then SIGKILL after `grace_s` seconds."""
+        self.send(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and any(p.poll() is None for p in self.procs):
+            time.sleep(POLL_S)
+        self.send(signal.SIGKILL)
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:  # pragma: no cover - unkillable
+                pass
+        for proc in self.procs:  # reap leftovers of the sessions too
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        self._join_pumps()
+
+    def _join_pumps(self) -> None:
+        for t in self._pumps:
+            t.join(timeout=2)
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Waits until all processes succeed (True) or one fails (False).
+
+        On a failure the others are stopped at once and `self.failure` says which
+        process failed first and how. Raises `TimeoutError` (after stopping every
+        process) if the job is still running after `timeout_s` seconds.
+        """
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        try:
+            while True:
+                codes = [p.poll() for p in self.procs]
+                for rank, code in enumerate(codes):
+                    if code not in (None, 0):
+                        self.failure = (rank, code)
+                        self.kill()
+                        return False
+                if all(code == 0 for code in codes):
+                    self._join_pumps()
+                    return True
+                if deadline is not None and time.monotonic() > deadline:
+                    running = [
+                        f"{r} (pid {p.pid})"
+                        for r, p in enumerate(self.procs)
+                        if p.poll() is None
+                    ]
+                    self.kill()
+                    raise TimeoutError(
+                        f"the job did not finish within {timeout_s:g} s; stopped it "
+                        f"(processes still running: {', '.join(running)})."
+                    )
+                time.sleep(POLL_S)
+        except BaseException:
+            self.kill()
+            raise
+
+    def failure_message(self, *, with_tail: bool = True) -> str:
+        """Which process failed, how, and (optionally) its last output lines."""
+        if self.failure is None:
+            return ""
+        rank, code = self.failure
+        n = len(self.procs)
+        others = {0: "", 1: "; stopped the other process"}.get(
+            n - 1, f"; stopped the other {n - 1} processes"
+        )
+        msg = (
+            f"process {rank} of {n} (pid {self.procs[rank].pid}) "
+            f"{_describe_exit(code)}{others}."
+        )
+        if with_tail and self.tails[rank]:
+            lines = "\n    ".join(self.tails[rank])
+            msg += f"\n  Last output of process {rank}:\n    {lines}"
+        return msg
+
+
+def script_command(target: str, args: Sequence[str], *, module: bool) -> list[str]:
+    """The command line of one process running a script (or `-m module`)."""
+    mode = "--module" if module else "--script"
+    return [sys.executable, "-m", "jdp.launch._worker", mode, target, *args]
+
+
+def launch_command(
+    target: str,
+    args: Sequence[str],
+    *,
+    nprocs: int,
+    module: bool = False,
+    devices_per_process: int | None = None,
+    timeout_s: float | None = None,
+    port: int | None = None,
+) -> int:
+    """Runs `target` in `nprocs` processes; returns the job's exit status.
+
+    Installs handlers that forward SIGINT/SIGTERM to every process (a second
+    signal kills them).
+    """
+    _check_counts(nprocs, devices_per_process)
+    port = port or free_port()
+    envs = [
+        process_env(
+            os.environ,
+            process_id=r,
+            num_processes=nprocs,
+            port=port,
+            devices_per_process=devices_per_process,
+        )
+        for r in range(nprocs)
+    ]
+    job = Job([script_command(target, args, module=module)] * nprocs, envs)
+    received: list[int] = []
+
+    def forward(signum, frame):
+        received.append(signum)
+        job.send(signal.SIGKILL if len(received) > 1 else signum)
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        job.start()
+        try:
+            ok = job.wait(timeout_s)
+        except TimeoutError as e:
+            print(f"jdp.launch: {e}", file=sys.stderr, flush=True)
+            return 124
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+    if received:
+        print(
+            f"jdp.launch: stopped by {signal.Signals(received[0]).name}.",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 128 + received[0]
+    if ok:
+        return 0
+    print(
+        f"jdp.launch: {job.failure_message(with_tail=False)}",
+        file=sys.stderr,
+        flush=True,
+    )
+    code = job.failure[1]
+    return code if code > 0 else 128 - code
+
+
+def _check_counts(nprocs: Any, devices_per_process: Any) -> None:
+    if not isinstance(nprocs, int) or isinstance(nprocs, bool) or nprocs < 1:
+        raise ValueError(f"`nprocs` must be an int >= 1, got {nprocs!r}.")
+    if devices_per_process is not None and (
+        not isinstance(devices_per_process, int)
+        or isinstance(devices_per_process, bool)
+        or devices_per_process < 1
+    ):
+        raise ValueError(
+            "`devices_per_process` must be an int >= 1 (or None to keep the "
+            f"environment's device count), got {devices_per_process!r}."
+        )
+
+
+def run(
+    fn: Callable[..., Any],
+    nprocs: int,
+    *,
+    args: Sequence[Any] = (),
+    kwargs: Mapping[str, Any] | None = None,
+    devices_per_process: int | None = None,
+    initialize: bool = True,
+    timeout_s: float | None = 600.0,
+    env: Mapping[str, str] | None = None,
+) -> list[Any]:
+    """Runs `fn(*args, **kwargs)` in `nprocs` fresh processes; returns their results.
+
+    The Python form of `python -m jdp.launch` (like `torch.multiprocessing.spawn`
+    plus torchrun's rendezvous). Each process starts a new interpreter, joins the
+    job with `jdp.distributed.initialize()` (unless `initialize=False`) and calls
+    `fn`. If one process fails, the others are stopped at once and a
+    `RuntimeError` shows the failing process's last output.
+
+    `fn` is pickled by reference, so it must be importable: a module-level
+    function of an importable module (this process's `sys.path` is passed on).
+    Its arguments and return value are pickled: use NumPy arrays and Python
+    values (`jax.device_get` results), not arrays spread over processes.
+
+    Args:
+      fn: The function every process runs.
+      nprocs: Number of processes.
+      args: Positional arguments of `fn`.
+      kwargs: Keyword arguments of `fn`.
+      devices_per_process: CPU devices each process simulates
+        (`--xla_force_host_platform_device_count`); None keeps the environment's.
+      initialize: Call `jdp.distributed.initialize()` before `fn` (default).
+      timeout_s: Stop every process and raise `TimeoutError` after this many
+        seconds (600 by default; None waits forever).
+      env: Extra environment variables for the processes.
+
+    Returns:
+      The list of return values, indexed by process id.
+
+    Raises:
+      RuntimeError: If a process fails (exits non-zero or is killed).
+      TimeoutError: If the job runs longer than `timeout_s`.
+      ValueError: If `nprocs` or `devices_per_process` is not a positive int.
+
+    Example:
+      >>> import jdp.launch
+      >>> def fn():
+      ...     import jax
+      ...     return jax.process_index(), jax.device_count()
+      >>> jdp.launch.run(fn, 2, devices_per_process=2)  # doctest: +SKIP
+      [(0, 4), (1, 4)]
+    """
+    _check_counts(nprocs, devices_per_process)
+    base = dict(os.environ)
+    base.update(env or {})
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="jdp-launch-") as tmp:
+        payload = os.path.join(tmp, "payload.pkl")
+        with open(payload, "wb") as f:
+            pickle.dump(list(sys.path), f)  # read first: `fn` needs it to import
+            pickle.dump(
+                dict(
+                    fn=fn,
+                    args=tuple(args),
+                    kwargs=dict(kwargs or {}),
+                    initialize=initialize,
+                ),
+                f,
+            )
+        envs = [
+            process_env(
+                base,
+                process_id=r,
+                num_processes=nprocs,
+                port=port,
+                devices_per_process=devices_per_process,
+            )
+            for r in range(nprocs)
+        ]
+        commands = [
+            [
+                sys.executable,
+                "-m",
+                "jdp.launch._worker",
+                "--call",
+                payload,
+                os.path.join(tmp, f"result-{r}.pkl"),
+            ]
+            for r in range(nprocs)
+        ]
+        job = Job(commands, envs)
+        job.start()
+        try:
+            ok = job.wait(timeout_s)
+        except TimeoutError as e:
+            tails = "".join(
+                f"\n  Last output of process {r}:\n    " + "\n    ".join(t)
+                for r, t in enumerate(job.tails)
+                if t
+            )
+            raise TimeoutError(f"`jdp.launch.run`: {e}{tails}") from None
+        if not ok:
+            raise RuntimeError(f"`jdp.launch.run`: {job.failure_message()}")
+        results = []
+        for r in range(nprocs):
+            with open(os.path.join(tmp, f"result-{r}.pkl"), "rb") as f:
+                results.append(pickle.load(f))
+        return results

@@ -1,0 +1,86 @@
+"""Private: the entry point of every process started by `jdp.launch`.
+
+Usage (by the launcher only):
+  python -m jdp.launch._worker --script path/to/script.py [args...]
+  python -m jdp.launch._worker --module package.module [args...]
+  python -m jdp.launch._worker --call payload.pkl result.pkl
+
+It runs the target like `python script.py` / `python -m module` would, with one
+difference: if the target fails (an uncaught exception or a non-zero exit), the
+process prints the traceback and exits at once. A normal interpreter exit would run
+JAX's shutdown barrier first, which waits for the other processes (up to its
+shutdown timeout) and turns a failure into a hang.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import runpy
+import sys
+import traceback
+
+from jdp.distributed._runtime import flush_and_exit
+
+
+def _run_script(path: str, args: list[str]) -> None:
+    sys.argv = [path, *args]
+    sys.path[0] = os.path.dirname(os.path.abspath(path))
+    runpy.run_path(path, run_name="__main__")
+
+
+def _run_module(name: str, args: list[str]) -> None:
+    sys.argv = [name, *args]
+    sys.path[0] = os.getcwd()
+    runpy.run_module(name, run_name="__main__", alter_sys=True)
+
+
+def _run_call(payload_path: str, result_path: str) -> None:
+    with open(payload_path, "rb") as f:
+        # Two pickles: first the parent's import path (plain strings), then the
+        # call, whose `fn` is pickled by reference and needs that path to import.
+        for entry in pickle.load(f):
+            if entry not in sys.path:
+                sys.path.append(entry)
+        payload = pickle.load(f)
+    sys.argv = [payload_path]
+    if payload["initialize"]:
+        import jdp.distributed
+
+        jdp.distributed.initialize()
+    result = payload["fn"](*payload["args"], **payload["kwargs"])
+    tmp = result_path + ".tmp"
+    with open(tmp, "wb") as f:
+        pickle.dump(result, f)
+    os.replace(tmp, result_path)
+
+
+def main(argv: list[str]) -> None:
+    """Runs the target named by `argv`; exits at once if it fails."""
+    if len(argv) < 2 or argv[0] not in ("--script", "--module", "--call"):
+        print(__doc__, file=sys.stderr)
+        flush_and_exit(2)
+    mode, target, rest = argv[0], argv[1], argv[2:]
+    try:
+        if mode == "--script":
+            _run_script(target, rest)
+        elif mode == "--module":
+            _run_module(target, rest)
+        else:
+            _run_call(target, rest[0])
+    except SystemExit as e:
+        if e.code is None or e.code == 0:
+            return
+        if not isinstance(e.code, int):
+            print(e.code, file=sys.stderr)
+        flush_and_exit(e.code if isinstance(e.code, int) else 1)
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        flush_and_exit(130)
+    except BaseException:
+        traceback.print_exc()
+        flush_and_exit(1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,113 @@
+"""Exchanging sparse rows between replicas: the seed's Concat of GradientSlices."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jdp._collectives import AxisName, axis_size
+from jdp.sparse._lookup import IndexedRows
+
+#: Id of the padding slots that `combine_rows` leaves at the end.
+PAD_ID = -1
+
+
+def _flat(ids: Any, rows: Any, api: str) -> IndexedRows:
+    ids = jnp.asarray(ids)
+    rows = jnp.asarray(rows)
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise TypeError(f"`{api}`: ids must be integers, got dtype {ids.dtype}.")
+    if rows.shape[: ids.ndim] != ids.shape:
+        raise ValueError(
+            f"`{api}`: rows of shape {rows.shape} do not start with the ids' shape "
+            f"{ids.shape}; give one row per id, `rows.shape == ids.shape + "
+            "row_shape`."
+        )
+    n = ids.size
+    return IndexedRows(ids.reshape(n), rows.reshape((n,) + rows.shape[ids.ndim :]))
+
+
+def combine_rows(ids: Any, rows: Any) -> IndexedRows:
+    """Sums the rows of repeated ids (a coalesce with a static shape).
+
+    Args:
+      ids: Integer ids, shape `(n,)`.
+      rows: One row per id, shape `(n, ...)`.
+
+    Returns:
+      `IndexedRows` of the same shapes: each distinct id once, in increasing
+      order, with the sum of its rows, then `-1` padding slots with zero rows.
+
+    Example:
+      >>> import jax.numpy as jnp, jdp
+      >>> ids, rows = jdp.sparse.combine_rows(jnp.array([4, 1, 4]), jnp.ones((3, 2)))
+      >>> ids, rows[:, 0]
+      (Array([ 1,  4, -1], dtype=int32), Array([1., 2., 0.], dtype=float32))
+    """
+    ids, rows = _flat(ids, rows, "jdp.sparse.combine_rows")
+    n = ids.shape[0]
+    if n == 0:
+        return IndexedRows(ids, rows)
+    unique, inverse = jnp.unique(ids, size=n, fill_value=PAD_ID, return_inverse=True)
+    summed = jax.ops.segment_sum(rows, inverse.reshape(n), num_segments=n)
+    # `unique` is sorted; a real id -1 would sort first and padding -1s last:
+    # both are invalid ids, skipped by the optimizers.
+    return IndexedRows(unique, summed)
+
+
+def all_gather_rows(
+    ids: Any,
+    rows: Any,
+    *,
+    axis_name: AxisName = "data",
+    combine: bool = False,
+) -> IndexedRows:
+    """Concatenates every replica's `(ids, rows)` slices, inside a parallel step.
+
+    The seed's sparse-gradient exchange: instead of all-reducing a dense table
+    gradient, each replica all-gathers the ids it touched and their rows
+    (Caffe2 concatenates the `GradientSlice` indices and values of every device).
+    Shapes stay static: the result has `num_replicas * ids.size` slots, replica
+    0's first.
+
+    The rows are concatenated, not averaged: to get the mean over replicas that
+    `jdp.all_reduce_gradients` gives dense gradients, divide the rows by the
+    number of replicas first (`jdp.sparse.make_train_step` does).
+
+    Args:
+      ids: This replica's integer ids, any shape.
+      rows: One row per id, shape `ids.shape + row_shape`.
+      axis_name: Replica axis bound by `jdp.parallelize`.
+      combine: Sum the rows of ids that occur more than once (within a replica
+        or across replicas) with `jdp.sparse.combine_rows`: each id then appears
+        once, followed by `-1` padding slots with zero rows.
+
+    Returns:
+      `IndexedRows(ids, rows)` with shapes `(num_replicas * n,)` and
+      `(num_replicas * n,) + row_shape`, the same on every replica.
+
+    Raises:
+      RuntimeError: If `axis_name` is not bound (called outside a parallel step).
+      ValueError: If `rows` does not have one row per id.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jdp
+      >>> def step_fn(state, batch):
+      ...     ids, rows = jdp.sparse.all_gather_rows(batch, jnp.ones((2, 1)), combine=True)
+      ...     return state, {"ids": ids, "rows": rows[:, 0]}
+      >>> step = jdp.parallelize(step_fn, devices=jax.devices()[:2])
+      >>> out = step(step.replicate({}), step.shard(jnp.array([5, 7, 7, 2])))[1]
+      >>> out["ids"].astype(int), out["rows"]
+      (Array([ 2,  5,  7, -1], dtype=int32), Array([1., 1., 2., 0.], dtype=float32))
+    """
+    api = "jdp.sparse.all_gather_rows"
+    axis_size(axis_name, api)
+    ids, rows = _flat(ids, rows, api)
+    ids = lax.all_gather(ids, axis_name, tiled=True)
+    rows = lax.all_gather(rows, axis_name, tiled=True)
+    if combine:
+        return combine_rows(ids, rows)
+    return IndexedRows(ids, rows)

@@ -1,0 +1,306 @@
+"""Embedding lookups whose table gradient is kept as rows, not as a dense table."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jdp._tree import format_problems, keystr
+
+PyTree = Any
+TablePath = str | tuple[Any, ...]
+
+
+class IndexedRows(NamedTuple):
+    """Rows of a table at given ids: a sparse gradient (Caffe2's `GradientSlice`).
+
+    Row `rows[i]` belongs to table row `ids[i]`. Ids may repeat (their rows then
+    add up, as in a dense scatter-add); ids outside `[0, num_rows)`, including
+    the `-1` padding of combined slices, are skipped by `jdp.sparse`'s optimizers.
+
+    Attributes:
+      ids: Integer row ids, shape `(n,)`.
+      rows: Values, shape `(n,) + table.shape[1:]`.
+    """
+
+    ids: jax.Array
+    rows: jax.Array
+
+
+# -- table paths -----------------------------------------------------------------
+
+
+def _key_name(key: Any) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def path_name(path: Sequence[Any]) -> str:
+    """A pytree key path as `"a/b/c"`, the form `jdp.sparse` names tables by."""
+    return "/".join(_key_name(k) for k in path)
+
+
+def normalize_path(table: TablePath) -> str:
+    """`"embed"`, `"a/b"` or `("a", "b")` -> `"a/b"`."""
+    if isinstance(table, str):
+        return table.strip("/")
+    if isinstance(table, tuple):
+        return "/".join(str(k) for k in table)
+    raise TypeError(
+        f"A table is named by a '/'-separated string of keys (e.g. 'embed' or "
+        f"'tower/embedding') or a tuple of keys; got {table!r}."
+    )
+
+
+def locate_tables(
+    params: PyTree, tables: Sequence[str], *, api: str
+) -> tuple[list[Any], Any, dict[str, int]]:
+    """Flattens `params`; returns `(leaves, treedef, {table name: leaf index})`."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    names = {path_name(p): i for i, (p, _) in enumerate(flat)}
+    missing = [t for t in tables if t not in names]
+    if missing:
+        listed = format_problems(sorted(names))
+        raise ValueError(
+            f"`{api}`: no parameter leaf at table path(s) {missing}. Name a table "
+            f"by its keys joined with '/'; the parameter leaves are:{listed}"
+        )
+    index = {t: names[t] for t in tables}
+    for t, i in index.items():
+        leaf = flat[i][1]
+        if np.ndim(leaf) < 1:
+            raise ValueError(
+                f"`{api}`: table {t!r} at {keystr(flat[i][0])} is a scalar; a table "
+                "needs a leading row axis."
+            )
+    return [x for _, x in flat], treedef, index
+
+
+# -- lookup ----------------------------------------------------------------------
+
+
+def _gather(table: jax.Array, ids: Any) -> jax.Array:
+    ids = jnp.asarray(ids)
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise TypeError(
+            f"`jdp.sparse.lookup`: ids must be integers, got dtype {ids.dtype}. "
+            "Cast them with `ids.astype(jnp.int32)`."
+        )
+    if ids.dtype.itemsize < 4:
+        ids = ids.astype(jnp.int32)
+    num_rows = table.shape[0]
+    safe = jnp.where(ids < 0, num_rows, ids)  # no wrap-around: negative is invalid
+    return table.at[safe].get(mode="fill", fill_value=0)
+
+
+def lookup(table: Any, ids: Any) -> jax.Array:
+    """Looks up rows of an embedding table: `table[ids]`, with a sparse gradient.
+
+    On a plain array this is a gather whose gradient is the usual dense
+    scatter-add (so the same model trains with `jdp.make_train_step`). Inside
+    `jdp.sparse.value_and_grad` / `jdp.sparse.make_train_step`, where the table
+    arrives as a handle, the gradient is kept as `(ids, row gradients)` instead
+    (`jdp.sparse.IndexedRows`), never as a dense table.
+
+    Ids outside `[0, num_rows)` (negative ones included: there is no wrap-around)
+    read a row of zeros and receive no update, on both paths. Use
+    `jdp.sparse.make_train_step(..., check_ids=True)` to get an error instead.
+
+    Args:
+      table: The table, shape `(num_rows, ...)`: a parameter leaf (array or the
+        handle `jdp.sparse` puts in its place).
+      ids: Integer ids, any shape.
+
+    Returns:
+      The rows, shape `ids.shape + table.shape[1:]`.
+
+    Raises:
+      TypeError: If `ids` are not integers.
+
+    Example:
+      >>> import jax.numpy as jnp, jdp
+      >>> table = jnp.arange(6.0).reshape(3, 2)
+      >>> jdp.sparse.lookup(table, jnp.array([[2, 0], [5, -1]]))
+      Array([[[4., 5.],
+              [0., 1.]],
+      <BLANKLINE>
+             [[0., 0.],
+              [0., 0.]]], dtype=float32)
+    """
+    if isinstance(table, _TableHandle):
+        return table._lookup(ids)
+    return _gather(jnp.asarray(table), ids)
+
+
+class _Record(NamedTuple):
+    table: str
+    shape: tuple[int, ...]
+
+
+class _Recorder:
+    """Collects one trace's lookups: their shapes (first pass) or their ids."""
+
+    def __init__(self, perturbations: Sequence[jax.Array] | None = None, expected=None):
+        self.records: list[_Record] = []
+        self.ids: list[jax.Array] = []
+        self.perturbations = perturbations
+        self.expected = expected
+
+
+class _TableHandle:
+    """Stands in for a table inside `jdp.sparse.value_and_grad`."""
+
+    def __init__(self, name: str, table: jax.Array, recorder: _Recorder):
+        self.name = name
+        self._table = table
+        self._recorder = recorder
+        self.shape = table.shape
+        self.dtype = table.dtype
+        self.ndim = table.ndim
+
+    def _lookup(self, ids: Any) -> jax.Array:
+        rec = self._recorder
+        rows = _gather(self._table, ids)
+        k = len(rec.records)
+        rec.records.append(_Record(self.name, tuple(np.shape(ids))))
+        if rec.perturbations is None:
+            return rows
+        if k >= len(rec.expected) or rec.expected[k] != rec.records[k]:
+            raise RuntimeError(
+                "`jdp.sparse`: the loss looked up its tables differently in two "
+                f"traces (lookup {k}: {rec.records[k]} vs "
+                f"{rec.expected[k] if k < len(rec.expected) else 'none'}). The "
+                "sequence of `jdp.sparse.lookup` calls and their id shapes must "
+                "not depend on values."
+            )
+        rec.ids.append(jnp.asarray(ids))
+        return rows + rec.perturbations[k]
+
+    def _dense_use(self, *args, **kwargs):
+        raise TypeError(
+            f"Table {self.name!r} is trained sparsely here, so it can only be read "
+            "with `jdp.sparse.lookup(table, ids)` (it is a handle, not an array). "
+            "Use lookup for every read of the table, or leave it out of the sparse "
+            "tables."
+        )
+
+    __jax_array__ = _dense_use
+    __array__ = _dense_use
+
+    def __getitem__(self, index):
+        self._dense_use()
+
+    def __repr__(self) -> str:
+        return f"SparseTable({self.name!r}, shape={self.shape}, dtype={self.dtype})"
+
+
+def value_and_grad(
+    fun: Callable[..., Any],
+    tables: Sequence[TablePath],
+    *,
+    has_aux: bool = False,
+) -> Callable[..., tuple[Any, PyTree]]:
+    """Like `jax.value_and_grad`, but the gradient of each table is sparse rows.
+
+    `fun(params, *args)` reads each table in `tables` only through
+    `jdp.sparse.lookup(params[...], ids)`. The returned function gives `(value,
+    grads)` where `grads` mirrors `params` except that every table leaf holds a
+    `jdp.sparse.IndexedRows`: the ids of all its lookups (flattened, in call
+    order) and the gradient of the loss with respect to each looked-up row. A
+    dense table gradient is never formed (the two-part gradient of Caffe2's
+    `GradientSlice`).
+
+    The function is traced twice: once abstractly (`jax.eval_shape`) to learn
+    the lookups' shapes, then for the gradient, which is taken with respect to
+    the looked-up rows. So lookups must happen at the top level of `fun`, not
+    inside `jax.vmap`/`lax.scan` bodies, and their number and shapes must not
+    depend on values.
+
+    Args:
+      fun: `fun(params, *args) -> loss` (or `(loss, aux)` with `has_aux`).
+      tables: Paths of the table leaves in `params`: keys joined with `/`
+        (`"embed"`, `"tower/embedding"`) or tuples of keys.
+      has_aux: Whether `fun` returns `(loss, aux)`.
+
+    Returns:
+      `f(params, *args) -> (value, grads)`, `value` being what `fun` returns.
+
+    Raises:
+      ValueError: If a table path names no leaf of `params`.
+      TypeError: If `fun` uses a table other than through `jdp.sparse.lookup`.
+
+    Example:
+      >>> import jax.numpy as jnp, jdp
+      >>> def loss_fn(params, ids):
+      ...     return jnp.sum(jdp.sparse.lookup(params["embed"], ids) * params["w"])
+      >>> params = {"embed": jnp.zeros((1000, 2)), "w": jnp.array([1.0, 2.0])}
+      >>> loss, grads = jdp.sparse.value_and_grad(loss_fn, ["embed"])(
+      ...     params, jnp.array([7, 3, 7]))
+      >>> grads["embed"].ids, grads["embed"].rows.shape
+      (Array([7, 3, 7], dtype=int32), (3, 2))
+    """
+    names = [normalize_path(t) for t in tables]
+    if len(set(names)) != len(names):
+        raise ValueError(f"`jdp.sparse.value_and_grad`: a table is listed twice: {names}.")
+
+    def wrapped(params, *args):
+        leaves, treedef, index = locate_tables(
+            params, names, api="jdp.sparse.value_and_grad"
+        )
+        table_values = {t: jnp.asarray(leaves[i]) for t, i in index.items()}
+        dense = [None if i in index.values() else x for i, x in enumerate(leaves)]
+
+        def call(dense_leaves, recorder, args):
+            full = list(dense_leaves)
+            for t, i in index.items():
+                full[i] = _TableHandle(t, table_values[t], recorder)
+            return fun(jax.tree_util.tree_unflatten(treedef, full), *args)
+
+        shapes = _Recorder()
+        jax.eval_shape(lambda d, a: call(d, shapes, a), dense, args)
+        records = shapes.records
+        zeros = [
+            jnp.zeros(r.shape + table_values[r.table].shape[1:], table_values[r.table].dtype)
+            for r in records
+        ]
+
+        def differentiable(dense_leaves, perturbations):
+            recorder = _Recorder(perturbations, records)
+            out = call(dense_leaves, recorder, args)
+            if len(recorder.records) != len(records):
+                raise RuntimeError(
+                    "`jdp.sparse`: the loss made a different number of lookups in "
+                    f"two traces ({len(records)} then {len(recorder.records)})."
+                )
+            loss, aux = out if has_aux else (out, None)
+            return loss, (aux, recorder.ids)
+
+        (loss, (aux, ids)), (dense_grads, row_grads) = jax.value_and_grad(
+            differentiable, argnums=(0, 1), has_aux=True
+        )(dense, zeros)
+        grads = list(dense_grads)
+        for t, i in index.items():
+            table = table_values[t]
+            mine = [k for k, r in enumerate(records) if r.table == t]
+            if mine:
+                sparse = IndexedRows(
+                    jnp.concatenate([ids[k].reshape(-1) for k in mine]),
+                    jnp.concatenate(
+                        [row_grads[k].reshape((-1,) + table.shape[1:]) for k in mine]
+                    ),
+                )
+            else:
+                sparse = IndexedRows(
+                    jnp.zeros((0,), jnp.int32), jnp.zeros((0,) + table.shape[1:], table.dtype)
+                )
+            grads[i] = sparse
+        value = (loss, aux) if has_aux else loss
+        return value, jax.tree_util.tree_unflatten(treedef, grads)
+
+    return wrapped

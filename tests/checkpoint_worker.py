@@ -1,0 +1,109 @@
+"""Child process for tests/test_checkpoint.py: resume from a checkpoint, or be killed.
+
+Run by the tests with `XLA_FLAGS` (the simulated device count) set in the child's
+environment, so a resumed run really is a new process:
+
+    python tests/checkpoint_worker.py resume CASE BACKEND DIR STEP OUT
+    python tests/checkpoint_worker.py save-large DIR STEP MIB
+"""
+
+from __future__ import annotations
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from helpers import init_mlp, make_batches, mlp_loss
+
+import jdp
+
+NUM_STEPS = 10
+SAVE_AT = 5
+GLOBAL_BATCH = 32
+
+
+def _linear_loss(params, batch):
+    return jnp.mean((batch["x"] @ params["w"] + params["b"] - batch["y"]) ** 2)
+
+
+def _positive_linear_problem():
+    """A linear model whose weights stay in [1, 2): BMUF's sync is exact there.
+
+    `jdp.bmuf` moves each replica to the merged model with `p + (g - p)`, which is
+    exactly `g` when `p` and `g` are within a factor of two (Sterbenz); then every
+    replica holds the same bits after a sync and one saved copy resumes exactly.
+    """
+    rng = np.random.default_rng(0)
+    params = {
+        "w": rng.uniform(1, 2, (8, 4)).astype(np.float32),
+        "b": rng.uniform(1, 2, (4,)).astype(np.float32),
+    }
+    w_true = rng.uniform(1.2, 1.8, (8, 4)).astype(np.float32)
+    batches = []
+    for _ in range(NUM_STEPS):
+        x = rng.uniform(0, 1, (GLOBAL_BATCH, 8)).astype(np.float32)
+        batches.append({"x": x, "y": x @ w_true + np.float32(1.5)})
+    return params, batches
+
+
+def make_case(name):
+    """Returns `(tx, loss_fn, params, batches, all_reduce)` for a resume test."""
+    if name == "bmuf":
+        tx = jdp.bmuf(
+            optax.sgd(0.01, momentum=0.9),
+            sync_period=SAVE_AT,
+            block_momentum=0.5,
+            inner_state_at_sync="average",
+        )
+        params, batches = _positive_linear_problem()
+        return tx, _linear_loss, params, batches, False
+    tx = {
+        "sgd_momentum": lambda: optax.sgd(0.05, momentum=0.9),
+        "adam": lambda: optax.adam(1e-2),
+    }[name]()
+    params = init_mlp(jax.random.key(0))
+    return tx, mlp_loss, params, make_batches(NUM_STEPS, GLOBAL_BATCH), True
+
+
+def make_step(name, backend):
+    tx, loss_fn, params, batches, all_reduce = make_case(name)
+    step = jdp.parallelize(
+        jdp.make_train_step(loss_fn, tx, all_reduce=all_reduce), backend=backend
+    )
+    return step, jdp.TrainState.create(params=params, tx=tx), batches
+
+
+def flat_leaves(tree):
+    """`{path: np.ndarray}` for `np.savez` (no pickle)."""
+    return {
+        jax.tree_util.keystr(path): np.asarray(x)
+        for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+    }
+
+
+def resume(name, backend, directory, step_number, out):
+    step, init, batches = make_step(name, backend)
+    with jdp.checkpoint.CheckpointManager(directory) as manager:
+        state = manager.restore(step.replicate(init), step=int(step_number))
+    for batch in batches[int(step_number) :]:
+        state, _ = step(state, step.shard(batch))
+    np.savez(out, **flat_leaves(step.unreplicate(state)))
+
+
+def save_large(directory, step_number, mib):
+    size = int(mib) * 2**20 // 4
+    values = np.random.default_rng(0).random(size, dtype=np.float32)
+    step = jdp.parallelize(lambda s, b: (s, {}))
+    state = step.replicate({"w": values})
+    manager = jdp.checkpoint.CheckpointManager(directory)
+    print("saving", flush=True)
+    manager.save(int(step_number), state)
+    manager.close()
+    print("saved", flush=True)
+
+
+if __name__ == "__main__":
+    command, *args = sys.argv[1:]
+    {"resume": resume, "save-large": save_large}[command](*args)

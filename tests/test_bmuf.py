@@ -1,0 +1,489 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import (
+    assert_trees_close,
+    init_mlp,
+    make_batches,
+    mlp_loss,
+    single_device_train,
+)
+
+import jdp
+
+IN, OUT = 6, 3
+LR, MOMENTUM = 0.05, 0.9
+
+
+# -- a linear model whose gradients numpy can compute -------------------------
+
+
+def linear_params(seed=0):
+    rng = np.random.default_rng(seed)
+    return {
+        "w": rng.normal(size=(IN, OUT)).astype(np.float32),
+        "b": rng.normal(size=(OUT,)).astype(np.float32),
+    }
+
+
+def linear_loss(params, batch):
+    pred = batch["x"] @ params["w"] + params["b"]
+    return jnp.mean((pred - batch["y"]) ** 2)
+
+
+def linear_batches(num_steps, batch_size, seed=1):
+    rng = np.random.default_rng(seed)
+    w_true = rng.normal(size=(IN, OUT))
+    out = []
+    for _ in range(num_steps):
+        x = rng.normal(size=(batch_size, IN))
+        y = x @ w_true + 0.3 * rng.normal(size=(batch_size, OUT))
+        out.append({"x": x.astype(np.float32), "y": y.astype(np.float32)})
+    return out
+
+
+# -- the numpy reference, written from the paper's formulas -------------------
+
+
+def np_grad(p, x, y):
+    d = 2 * (x @ p["w"] + p["b"] - y) / y.size
+    return {"w": x.T @ d, "b": d.sum(0)}
+
+
+def tree(fn, *ts):
+    return {k: fn(*(t[k] for t in ts)) for k in ts[0]}
+
+
+def np_mean(ts):
+    return {k: np.mean([t[k] for t in ts], axis=0) for k in ts[0]}
+
+
+def reference_bmuf(
+    params,
+    batches,
+    *,
+    num,
+    sync_period,
+    block_momentum=None,
+    block_learning_rate=1.0,
+    nesterov=False,
+    inner_state_at_sync="keep",
+    warmup_steps=0,
+):
+    """BMUF on `num` simulated replicas, momentum-SGD inner, in float64."""
+    eta = 1 - 1 / num if block_momentum is None else block_momentum
+    zeta = block_learning_rate
+    p0 = tree(lambda a: np.asarray(a, np.float64), params)
+    local = [dict(p0) for _ in range(num)]
+    mom = [tree(np.zeros_like, p0) for _ in range(num)]
+    g = dict(p0)  # W(t), the global model
+    v = tree(np.zeros_like, p0)  # Delta(t)
+    start = dict(p0)  # W_g(t-1), where every replica began the block
+    for t, batch in enumerate(batches):
+        xs = np.split(batch["x"].astype(np.float64), num)
+        ys = np.split(batch["y"].astype(np.float64), num)
+        grads = [np_grad(local[i], xs[i], ys[i]) for i in range(num)]
+        if t < warmup_steps:
+            grads = [np_mean(grads)] * num
+        for i in range(num):
+            mom[i] = tree(lambda gr, m: gr + MOMENTUM * m, grads[i], mom[i])
+            local[i] = tree(lambda p, m: p - LR * m, local[i], mom[i])
+        if t < warmup_steps:
+            g = dict(local[0])
+            start = dict(local[0])
+            continue
+        if (t - warmup_steps + 1) % sync_period:
+            continue
+        avg = np_mean(local)  # W-bar(t)
+        delta = tree(lambda a, s: a - s, avg, start)  # G(t)
+        v = tree(lambda v, d: eta * v + zeta * d, v, delta)  # Delta(t)
+        g = tree(lambda g, v: g + v, g, v)  # W(t)
+        start = tree(lambda g, v: g + eta * v, g, v) if nesterov else dict(g)
+        local = [dict(start) for _ in range(num)]
+        if inner_state_at_sync == "reset":
+            mom = [tree(np.zeros_like, m) for m in mom]
+        elif inner_state_at_sync == "average":
+            mom = [np_mean(mom)] * num
+    stack = lambda ts: {k: np.stack([t[k] for t in ts]) for k in ts[0]}  # noqa: E731
+    return stack(local), g, v, stack(mom)
+
+
+def run_bmuf(params, batches, *, devices, backend="shard_map", **kw):
+    tx = jdp.bmuf(optax.sgd(LR, momentum=MOMENTUM), **kw)
+    step = jdp.parallelize(
+        jdp.make_train_step(linear_loss, tx, all_reduce=False),
+        devices=devices,
+        backend=backend,
+    )
+    state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
+    for batch in batches:
+        state, _ = step(state, step.shard(batch))
+    return step, state
+
+
+def check_against_reference(state, params, batches, num, **kw):
+    want_params, want_g, want_v, want_mom = reference_bmuf(
+        params, batches, num=num, **kw
+    )
+    got = jax.device_get(state)
+    bmuf_state = got.opt_state
+    assert_trees_close(got.params, want_params, rtol=1e-5, atol=1e-6)
+    for i in range(num):  # g and v are the same on every replica
+        assert_trees_close(
+            jax.tree.map(lambda x, i=i: x[i], bmuf_state.global_params),
+            want_g,
+            rtol=1e-5,
+            atol=1e-6,
+        )
+        assert_trees_close(
+            jax.tree.map(lambda x, i=i: x[i], bmuf_state.velocity),
+            want_v,
+            rtol=1e-5,
+            atol=1e-6,
+        )
+    assert_trees_close(bmuf_state.inner_state[0].trace, want_mom, rtol=1e-5, atol=1e-6)
+    assert int(bmuf_state.count[0]) == len(batches)
+
+
+OPTIONS = {
+    "default": {},
+    "nesterov": {"nesterov": True},
+    "keep": {"inner_state_at_sync": "keep", "block_momentum": 0.5},
+    "reset": {"inner_state_at_sync": "reset"},
+    "average": {"inner_state_at_sync": "average"},
+    "warmup": {"warmup_steps": 2},
+    "momentum0": {"block_momentum": 0.0},
+    "nesterov_eta_zeta": {
+        "nesterov": True,
+        "block_momentum": 0.6,
+        "block_learning_rate": 1.3,
+    },
+}
+
+
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_matches_numpy_reference(option):
+    kw = OPTIONS[option]
+    sync_period = 3
+    # Three blocks, plus one local step so the replicas differ at the end.
+    batches = linear_batches(kw.get("warmup_steps", 0) + 3 * sync_period + 1, 16)
+    params = linear_params()
+    _, state = run_bmuf(
+        params, batches, devices=jax.devices()[:4], sync_period=sync_period, **kw
+    )
+    check_against_reference(
+        state, params, batches, num=4, sync_period=sync_period, **kw
+    )
+    assert not jdp.replicas_in_sync(state.params, atol=1e-4)
+
+
+def test_matches_numpy_reference_on_every_layout(backend, devices):
+    # Two blocks of 2 steps and one more; default block momentum 1 - 1/N.
+    batches = linear_batches(5, 16)
+    params = linear_params()
+    _, state = run_bmuf(
+        params, batches, devices=devices, backend=backend, sync_period=2
+    )
+    check_against_reference(state, params, batches, num=len(devices), sync_period=2)
+
+
+def test_replicas_merge_on_sync_steps_and_differ_between():
+    batches = linear_batches(4, 16)
+    step, state = run_bmuf(
+        linear_params(), batches[:3], devices=jax.devices()[:4], sync_period=3
+    )
+    # Just synced: the global model is bit-identical on every replica; the params
+    # (params + (g - params)) agree up to float rounding.
+    jdp.assert_replicas_in_sync(jdp.bmuf_global_params(state))
+    jdp.assert_replicas_in_sync(state.params, atol=1e-6)
+    assert_trees_close(
+        step.unreplicate(state).params,
+        step.unreplicate(jdp.bmuf_global_params(state)),
+        rtol=1e-6,
+    )
+    state, _ = step(state, step.shard(batches[3]))
+    assert not jdp.replicas_in_sync(state.params, atol=1e-4)
+
+
+# -- equivalences --------------------------------------------------------------
+
+
+def test_sync_period_one_model_averaging_is_synchronous_sgd(backend, devices):
+    params, batches = linear_params(), linear_batches(3, 16)
+    sgd = optax.sgd(0.1)
+    bmuf = jdp.bmuf(sgd, sync_period=1, block_momentum=0.0, block_learning_rate=1.0)
+    step_b = jdp.parallelize(
+        jdp.make_train_step(linear_loss, bmuf, all_reduce=False),
+        devices=devices,
+        backend=backend,
+    )
+    step_s = jdp.parallelize(
+        jdp.make_train_step(linear_loss, sgd), devices=devices, backend=backend
+    )
+    state_b = step_b.replicate(jdp.TrainState.create(params=params, tx=bmuf))
+    state_s = step_s.replicate(jdp.TrainState.create(params=params, tx=sgd))
+    for batch in batches:  # step for step
+        state_b, metrics_b = step_b(state_b, step_b.shard(batch))
+        state_s, metrics_s = step_s(state_s, step_s.shard(batch))
+        np.testing.assert_allclose(metrics_b["loss"], metrics_s["loss"], rtol=1e-5)
+        assert_trees_close(
+            step_b.unreplicate(state_b).params,
+            step_s.unreplicate(state_s).params,
+            rtol=1e-5,
+        )
+        jdp.assert_replicas_in_sync(state_b.params, atol=1e-6)
+
+
+def test_one_replica_is_the_inner_optimizer_alone(backend):
+    # With one replica the default block momentum is 1 - 1/1 = 0.
+    params = init_mlp(jax.random.key(2))
+    batches = make_batches(7, 8)
+    inner = optax.adam(1e-2)
+    tx = jdp.bmuf(inner, sync_period=3)
+    step = jdp.parallelize(
+        jdp.make_train_step(mlp_loss, tx, all_reduce=False),
+        devices=jax.devices()[:1],
+        backend=backend,
+    )
+    state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
+    for batch in batches:
+        state, _ = step(state, step.shard(batch))
+    want, want_opt = single_device_train(mlp_loss, params, inner, batches)
+    got = step.unreplicate(state)
+    assert_trees_close(got.params, want, rtol=1e-5)
+    assert_trees_close(got.opt_state.inner_state, want_opt, rtol=1e-5)
+
+
+def run_generic(tx, params, batches, num=4):
+    step = jdp.parallelize(
+        jdp.make_train_step(linear_loss, tx, all_reduce=False),
+        devices=jax.devices()[:num],
+    )
+    state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
+    for batch in batches:
+        state, _ = step(state, step.shard(batch))
+    return jax.device_get(state)
+
+
+def test_outer_sgd_momentum_equals_the_block_filter():
+    params, batches = linear_params(), linear_batches(10, 16)
+    inner = optax.sgd(LR, momentum=MOMENTUM)
+    eta, zeta = 0.6, 1.3
+    default = run_generic(
+        jdp.bmuf(inner, sync_period=3, block_momentum=eta, block_learning_rate=zeta),
+        params,
+        batches,
+    )
+    outer = run_generic(
+        jdp.bmuf(inner, sync_period=3, outer=optax.sgd(zeta, momentum=eta)),
+        params,
+        batches,
+    )
+    assert_trees_close(outer.params, default.params, rtol=1e-5)
+    assert_trees_close(
+        outer.opt_state.global_params, default.opt_state.global_params, rtol=1e-5
+    )
+    # optax's trace holds -Delta / zeta.
+    assert_trees_close(
+        jax.tree.map(lambda m: -zeta * m, outer.opt_state.velocity[0].trace),
+        default.opt_state.velocity,
+        rtol=1e-5,
+        atol=1e-6,
+    )
+
+
+def test_outer_nesterov_sgd_equals_the_papers_nesterov_block_momentum():
+    params, batches = linear_params(), linear_batches(10, 16)
+    inner = optax.sgd(LR, momentum=MOMENTUM)
+    eta = 0.75
+    nbm = run_generic(
+        jdp.bmuf(inner, sync_period=3, block_momentum=eta, nesterov=True),
+        params,
+        batches,
+    )
+    outer = run_generic(
+        jdp.bmuf(
+            inner, sync_period=3, outer=optax.sgd(1.0, momentum=eta, nesterov=True)
+        ),
+        params,
+        batches,
+    )
+    assert_trees_close(outer.params, nbm.params, rtol=1e-5)
+    # The outer optimizer's model is the look-ahead point W(t) + eta * Delta(t).
+    lookahead = jax.tree.map(
+        lambda g, v: g + eta * v,
+        nbm.opt_state.global_params,
+        nbm.opt_state.velocity,
+    )
+    assert_trees_close(outer.opt_state.global_params, lookahead, rtol=1e-5)
+    # ... and it differs from classical block momentum.
+    cbm = run_generic(
+        jdp.bmuf(inner, sync_period=3, block_momentum=eta), params, batches
+    )
+    with pytest.raises(AssertionError):
+        assert_trees_close(cbm.params, nbm.params, rtol=1e-3)
+
+
+def test_composes_in_a_chain_with_clipping():
+    params, batches = linear_params(), linear_batches(7, 16)
+    sgd = optax.sgd(LR, momentum=MOMENTUM)
+    clip = optax.clip_by_global_norm(0.05)
+    chained = run_generic(
+        optax.chain(clip, jdp.bmuf(sgd, sync_period=3)), params, batches
+    )
+    inside = run_generic(
+        jdp.bmuf(optax.chain(clip, sgd), sync_period=3), params, batches
+    )
+    unclipped = run_generic(jdp.bmuf(sgd, sync_period=3), params, batches)
+    assert_trees_close(chained.params, inside.params, rtol=1e-6)
+    assert_trees_close(
+        jdp.bmuf_global_params(chained), jdp.bmuf_global_params(inside), rtol=1e-6
+    )
+    with pytest.raises(AssertionError):  # the clipping really acted
+        assert_trees_close(chained.params, unclipped.params, rtol=1e-3)
+
+
+def test_reset_zeroes_accumulators_and_keeps_counters():
+    params = linear_params()
+    tx = jdp.bmuf(optax.adam(1e-2), sync_period=3, inner_state_at_sync="reset")
+    state = run_generic(tx, params, linear_batches(3, 16))
+    adam = state.opt_state.inner_state[0]
+    assert np.all(adam.count == 3)  # schedules continue
+    for leaf in jax.tree.leaves((adam.mu, adam.nu)):
+        np.testing.assert_array_equal(leaf, 0.0)
+    state = run_generic(tx, params, linear_batches(4, 16))  # one step later
+    assert np.all(state.opt_state.inner_state[0].count == 4)
+    assert all(np.any(x != 0) for x in jax.tree.leaves(state.opt_state.inner_state))
+
+
+# -- communication -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stage", ["compiled", "lowered"])
+def test_parameter_all_reduce_runs_only_in_the_sync_branch(backend, stage):
+    params = init_mlp(jax.random.key(0))
+    param_bytes = sum(x.size * 4 for x in jax.tree.leaves(params))
+    tx = jdp.bmuf(optax.sgd(0.1, momentum=0.9), sync_period=4)
+    step = jdp.parallelize(
+        jdp.make_train_step(mlp_loss, tx, all_reduce=False), backend=backend
+    )
+    state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
+    batch = step.shard(make_batches(1, 16)[0])
+    ops = step.collectives(state, batch, stage=stage)
+    assert {c.kind for c in ops} == {"all-reduce"}
+    every_step = [c for c in ops if not c.in_conditional]
+    sync_only = [c for c in ops if c.in_conditional]
+    assert sum(c.bytes for c in every_step) == 4  # the loss metric only
+    assert sum(c.bytes for c in sync_only) == param_bytes
+
+
+def test_average_inner_state_all_reduces_it_on_sync_steps_too():
+    params = init_mlp(jax.random.key(0))
+    param_bytes = sum(x.size * 4 for x in jax.tree.leaves(params))
+    tx = jdp.bmuf(
+        optax.sgd(0.1, momentum=0.9), sync_period=4, inner_state_at_sync="average"
+    )
+    step = jdp.parallelize(jdp.make_train_step(mlp_loss, tx, all_reduce=False))
+    state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
+    ops = step.collectives(state, step.shard(make_batches(1, 16)[0]), stage="lowered")
+    assert sum(c.bytes for c in ops if c.in_conditional) == 2 * param_bytes
+    assert sum(c.bytes for c in ops if not c.in_conditional) == 4
+
+
+# -- errors and contracts -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"sync_period": 0}, "`sync_period`"),
+        ({"sync_period": 2.5}, "`sync_period`"),
+        ({"sync_period": True}, "`sync_period`"),
+        ({"sync_period": 2, "block_momentum": 1.0}, "`block_momentum`"),
+        ({"sync_period": 2, "block_momentum": -0.1}, "`block_momentum`"),
+        ({"sync_period": 2, "block_learning_rate": -1.0}, "`block_learning_rate`"),
+        ({"sync_period": 2, "block_learning_rate": 0.0}, "`block_learning_rate`"),
+        ({"sync_period": 2, "warmup_steps": -1}, "`warmup_steps`"),
+        ({"sync_period": 2, "inner_state_at_sync": "zero"}, "`inner_state_at_sync`"),
+        (
+            {"sync_period": 2, "outer": optax.sgd(0.7), "block_momentum": 0.5},
+            "`outer` replaces",
+        ),
+        ({"sync_period": 2, "outer": optax.sgd(0.7), "nesterov": True}, "`outer`"),
+    ],
+    ids=lambda x: x if isinstance(x, str) else None,
+)
+def test_bad_arguments_name_the_argument(kw, match):
+    with pytest.raises(ValueError, match=match):
+        jdp.bmuf(optax.sgd(0.1), **kw)
+
+
+def test_inner_and_outer_must_be_transforms():
+    with pytest.raises(TypeError, match="`inner` must be an optax transform"):
+        jdp.bmuf(0.1, sync_period=2)
+    with pytest.raises(TypeError, match="`outer` must be an optax transform"):
+        jdp.bmuf(optax.sgd(0.1), sync_period=2, outer="sgd")
+
+
+def test_update_needs_params_and_a_bound_axis():
+    tx = jdp.bmuf(optax.sgd(0.1), sync_period=2)
+    params = {"w": jnp.ones(3)}
+    state = tx.init(params)
+    with pytest.raises(ValueError, match="needs the current parameters"):
+        tx.update(params, state)
+    with pytest.raises(RuntimeError, match="`jdp.bmuf` needs the replica axis 'data'"):
+        tx.update(params, state, params)
+
+
+def test_all_reducing_train_step_refuses_bmuf_state():
+    tx = optax.chain(
+        optax.clip_by_global_norm(1.0), jdp.bmuf(optax.sgd(0.1), sync_period=2)
+    )
+    step = jdp.parallelize(
+        jdp.make_train_step(linear_loss, tx), devices=jax.devices()[:2]
+    )
+    state = step.replicate(jdp.TrainState.create(params=linear_params(), tx=tx))
+    with pytest.raises(ValueError, match="all_reduce=False"):
+        step(state, step.shard(linear_batches(1, 4)[0]))
+
+
+def test_contract_jittable_and_state_stable():
+    """Jit under a vmapped replica axis; state structure, shapes, dtypes stable."""
+    tx = jdp.bmuf(
+        optax.adam(1e-2), sync_period=2, warmup_steps=1, inner_state_at_sync="reset"
+    )
+    params = {"w": jnp.ones((3, 2)), "b": jnp.zeros(2, jnp.bfloat16)}
+    num = 3
+    stacked = jax.tree.map(lambda x: jnp.stack([x] * num), params)
+    state = jax.vmap(tx.init)(stacked)
+    assert state.count.dtype == jnp.int32 and state.count.shape == (num,)
+
+    @jax.jit
+    def update(grads, state, params):
+        def one(g, s, p):
+            u, s = tx.update(g, s, p)
+            return optax.apply_updates(p, u), s
+
+        return jax.vmap(one, axis_name="data")(grads, state, params)
+
+    spec = jax.tree.map(lambda x: (x.shape, x.dtype), (stacked, state))
+    p = stacked
+    for i in range(4):
+        # Different gradients on every replica, so the sync has work to do.
+        grads = jax.tree.map(lambda x, i=i: x * (i + 1.0) + 0.5, p)
+        p, state = update(grads, state, p)
+        assert jax.tree.map(lambda x: (x.shape, x.dtype), (p, state)) == spec
+    assert int(state.count[0]) == 4
+    assert update._cache_size() == 1
+
+
+def test_global_params_accessor_errors():
+    with pytest.raises(ValueError, match="found 0"):
+        jdp.bmuf_global_params(optax.sgd(0.1).init({"w": jnp.ones(2)}))
+    two = optax.chain(
+        jdp.bmuf(optax.sgd(0.1), sync_period=2), jdp.bmuf(optax.sgd(0.1), sync_period=2)
+    )
+    with pytest.raises(ValueError, match="found 2"):
+        jdp.bmuf_global_params(two.init({"w": jnp.ones(2)}))

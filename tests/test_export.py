@@ -1,0 +1,293 @@
+import os
+import subprocess
+import sys
+import textwrap
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jdp
+from jdp import _export
+
+
+class SmallCNN(nn.Module):
+    @nn.compact
+    def __call__(self, x, train=False):
+        x = nn.Conv(4, (3, 3))(x)
+        x = nn.BatchNorm(use_running_average=not train, momentum=0.5)(x)
+        x = nn.relu(x)
+        x = x.mean(axis=(1, 2))
+        return nn.Dense(3)(x)
+
+
+MODEL = SmallCNN()
+IMAGE = (6, 6, 1)
+
+
+def apply_fn(variables, x):
+    return MODEL.apply(variables, x, train=False)
+
+
+def loss_fn(params, batch_stats, batch):
+    logits, updates = MODEL.apply(
+        {"params": params, "batch_stats": batch_stats},
+        batch["x"],
+        train=True,
+        mutable=["batch_stats"],
+    )
+    labels = jax.nn.one_hot(batch["y"], 3)
+    loss = optax.softmax_cross_entropy(logits, labels).mean()
+    return loss, updates["batch_stats"]
+
+
+def images(n, seed):
+    return np.random.default_rng(seed).normal(size=(n,) + IMAGE).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """A CNN with BatchNorm trained 3 steps on 8 replicas; its replicated variables."""
+    variables = MODEL.init(jax.random.key(0), jnp.zeros((1,) + IMAGE))
+    tx = optax.sgd(0.1)
+    state = jdp.TrainState.create(
+        params=variables["params"], tx=tx, batch_stats=variables["batch_stats"]
+    )
+    step = jdp.parallelize(jdp.make_train_step(loss_fn, tx))
+    state = step.replicate(state)
+    rng = np.random.default_rng(1)
+    for i in range(3):
+        batch = {"x": images(32, i) + 0.5, "y": rng.integers(0, 3, size=32)}
+        state, _ = step(state, step.shard(batch))
+    replicated = {"params": state.params, "batch_stats": state.batch_stats}
+    return step, replicated
+
+
+@pytest.fixture(scope="module")
+def blob(trained):
+    _, replicated = trained
+    return jdp.export_predictor(apply_fn, replicated, (images(2, 0),))
+
+
+def test_batch_stats_were_trained_and_synced(trained):
+    step, replicated = trained
+    jdp.assert_replicas_in_sync(replicated)
+    init = MODEL.init(jax.random.key(0), jnp.zeros((1,) + IMAGE))["batch_stats"]
+    got = step.unreplicate(replicated)["batch_stats"]
+    assert not np.allclose(got["BatchNorm_0"]["mean"], init["BatchNorm_0"]["mean"])
+
+
+@pytest.mark.parametrize("batch_size", [1, 7, 64])
+def test_predictor_matches_apply_on_replica_0(trained, blob, batch_size):
+    step, replicated = trained
+    predict = jdp.load_predictor(blob)
+    x = images(batch_size, 10 + batch_size)
+    expected = apply_fn(step.unreplicate(replicated), x)
+    got = predict(x)
+    assert got.shape == (batch_size, 3)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_predictor_knows_its_inputs_and_platforms(blob):
+    predict = jdp.load_predictor(blob)
+    assert predict.input_specs == ("float32[batch, 6, 6, 1]",)
+    assert predict.platforms == ("cpu", "cuda")
+    assert predict.metadata["jax"] == jax.__version__
+    assert "float32[batch, 6, 6, 1]" in repr(predict)
+
+
+def test_replica_0_is_exported_not_the_stack(trained):
+    """Replicas differ here on purpose: the export must use replica 0's values."""
+    step, replicated = trained
+    one = step.unreplicate(replicated)
+    shifted = jax.tree.map(lambda x: x + 1.0, one)
+    stacked = jax.tree.map(
+        lambda a, b: jnp.stack([a] + [b] * (step.num_replicas - 1)), one, shifted
+    )
+    stacked = jax.tree.map(lambda x: jax.device_put(x, step.sharding), stacked)
+    predict = jdp.load_predictor(
+        jdp.export_predictor(apply_fn, stacked, (images(2, 0),))
+    )
+    x = images(5, 3)
+    np.testing.assert_allclose(predict(x), apply_fn(one, x), rtol=1e-5, atol=1e-6)
+    assert not np.allclose(predict(x), apply_fn(shifted, x), atol=1e-3)
+
+
+def test_plain_params_are_not_unreplicated():
+    """A plain leaf whose leading size equals the device count keeps that axis."""
+    n = jax.device_count()
+    params = {"w": jnp.arange(n * 2.0).reshape(n, 2)}
+    predict = jdp.load_predictor(
+        jdp.export_predictor(
+            lambda p, x: x @ p["w"], params, (np.ones((1, n), np.float32),)
+        )
+    )
+    x = np.ones((3, n), np.float32)
+    np.testing.assert_allclose(predict(x), x @ np.asarray(params["w"]))
+
+
+def test_own_data_sharded_params_with_replicated_false():
+    mesh = Mesh(np.asarray(jax.devices()), ("data",))
+    n = jax.device_count()
+    w = jax.device_put(
+        jnp.arange(n * 2.0).reshape(n, 2), NamedSharding(mesh, P("data"))
+    )
+    assert _export._looks_replicated(w)  # ambiguous layout: the flag decides
+    blob = jdp.export_predictor(
+        lambda p, x: x @ p, w, (np.ones((1, n), np.float32),), replicated=False
+    )
+    x = np.ones((3, n), np.float32)
+    np.testing.assert_allclose(jdp.load_predictor(blob)(x), x @ np.asarray(w))
+
+
+def test_mixed_replicated_and_plain_params_is_an_error(trained):
+    _, replicated = trained
+    mixed = {"model": replicated, "extra": jnp.ones(3)}
+    with pytest.raises(
+        ValueError, match=r"(?s)some parameter leaves are replicated.*'extra'"
+    ):
+        jdp.export_predictor(lambda v, x: x, mixed, (images(1, 0),))
+
+
+def test_replicated_true_needs_a_replica_axis():
+    with pytest.raises(ValueError, match=r"(?s)replicated=True.*\['b'\]"):
+        jdp.export_predictor(
+            lambda p, x: x, {"a": jnp.ones(2), "b": 1.0}, (np.ones(2),), replicated=True
+        )
+
+
+def test_save_and_load_in_a_process_without_the_model_code(trained, tmp_path):
+    step, replicated = trained
+    path = tmp_path / "model.jdppred"
+    jdp.save_predictor(path, apply_fn, replicated, (images(2, 0),), platforms=("cpu",))
+    x = images(7, 4)
+    np.save(tmp_path / "x.npy", x)
+    script = textwrap.dedent(
+        """
+        import sys
+        import numpy as np
+        import jdp
+        predict = jdp.load_predictor(sys.argv[1])
+        x = np.load(sys.argv[2])
+        np.save(sys.argv[3], np.asarray(predict(x)))
+        """
+    )
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    out = tmp_path / "y.npy"
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(path), str(tmp_path / "x.npy"), str(out)],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    expected = apply_fn(step.unreplicate(replicated), x)
+    np.testing.assert_allclose(np.load(out), expected, rtol=1e-5, atol=1e-6)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".jdp")] == []
+
+
+def test_truncated_file_is_a_clear_error(blob, tmp_path):
+    path = tmp_path / "cut.jdppred"
+    path.write_bytes(blob[: len(blob) // 2])
+    with pytest.raises(ValueError, match=r"cut.jdppred.* is truncated: \d+ bytes"):
+        jdp.load_predictor(path)
+    with pytest.raises(ValueError, match="is truncated: 20 bytes, shorter than"):
+        jdp.load_predictor(blob[:20])
+
+
+@pytest.mark.parametrize("where", [30, 60, -5], ids=["header", "metadata", "payload"])
+def test_corrupted_bytes_are_a_clear_error(blob, where):
+    bad = bytearray(blob)
+    bad[where] ^= 0xFF
+    with pytest.raises(ValueError, match="is corrupted: its SHA-256 checksum"):
+        jdp.load_predictor(bytes(bad))
+
+
+def test_other_damage_is_a_clear_error(blob):
+    with pytest.raises(ValueError, match="not a jdp predictor: it starts with"):
+        jdp.load_predictor(b"PK\x03\x04" + blob[4:])
+    with pytest.raises(ValueError, match="not a jdp predictor"):
+        jdp.load_predictor(b"hello")
+    with pytest.raises(ValueError, match="3 unexpected trailing bytes"):
+        jdp.load_predictor(blob + b"abc")
+    newer = bytearray(blob)
+    newer[8:12] = (_export.FORMAT_VERSION + 1).to_bytes(4, "little")
+    with pytest.raises(ValueError, match="format version 2; this jdp reads version 1"):
+        jdp.load_predictor(bytes(newer))
+
+
+def test_wrong_input_shape_dtype_or_count_names_the_expected_shapes(blob):
+    predict = jdp.load_predictor(blob)
+    expected = r"Expected inputs: args\[0\]: float32\[batch, 6, 6, 1\]"
+    with pytest.raises(ValueError, match=r"args\[0\]: got float32\[3, 6, 5, 1\]") as e:
+        predict(np.zeros((3, 6, 5, 1), np.float32))
+    assert "'batch' is the batch size" in str(e.value)
+    with pytest.raises(ValueError, match=expected):
+        predict(np.zeros((3, 6, 6, 1), np.int32))
+    with pytest.raises(ValueError, match=r"(?s)called with 2 input\(s\).*" + expected):
+        predict(images(2, 0), images(2, 0))
+    with pytest.raises(ValueError, match=expected):
+        predict(np.zeros((3, 36), np.float32))
+    # A float64 NumPy array is what JAX would make of it: accepted as float32.
+    assert predict(images(2, 0).astype(np.float64)).shape == (2, 3)
+
+
+def test_several_inputs_share_the_batch_size():
+    def fn(p, x, y):
+        return {"sum": x.sum(axis=1) * p + y}
+
+    predict = jdp.load_predictor(
+        jdp.export_predictor(
+            fn, 2.0, (np.ones((2, 3), np.float32), np.ones(2, np.float32))
+        )
+    )
+    out = predict(np.ones((4, 3), np.float32), np.arange(4, dtype=np.float32))
+    np.testing.assert_allclose(out["sum"], 6.0 + np.arange(4))
+    with pytest.raises(ValueError, match=r"args\[1\]: got float32\[5\], expected"):
+        predict(np.ones((4, 3), np.float32), np.ones(5, np.float32))
+    with pytest.raises(ValueError, match="every input's leading axis is the batch"):
+        jdp.export_predictor(fn, 2.0, (np.ones((2, 3)), np.ones(3)))
+
+
+def test_fixed_shapes_without_batch_polymorphism():
+    predict = jdp.load_predictor(
+        jdp.export_predictor(
+            lambda p, x: x + p,
+            1.0,
+            (np.ones((4, 2), np.float32),),
+            batch_polymorphic=False,
+        )
+    )
+    assert predict.input_specs == ("float32[4, 2]",)
+    np.testing.assert_allclose(predict(np.zeros((4, 2), np.float32)), np.ones((4, 2)))
+    with pytest.raises(ValueError, match=r"expected float32\[4, 2\]"):
+        predict(np.zeros((5, 2), np.float32))
+
+
+def test_platform_checks():
+    x = (np.ones((1, 2), np.float32),)
+    with pytest.raises(ValueError, match="unknown platform 'metal'"):
+        jdp.export_predictor(lambda p, x: x, 0.0, x, platforms=("cpu", "metal"))
+    cuda_only = jdp.export_predictor(lambda p, x: x * p, 2.0, x, platforms=("gpu",))
+    with pytest.raises(ValueError, match=r"exported for platforms \('cuda',\).*'cpu'"):
+        jdp.load_predictor(cuda_only)
+
+
+def test_model_needing_a_concrete_batch_gets_a_hint():
+    def needs_concrete_batch(p, x):
+        return jnp.zeros(int(x.shape[0])) + p
+
+    with pytest.raises(Exception, match="batch_polymorphic=False") as e:
+        jdp.export_predictor(needs_concrete_batch, 1.0, (np.ones((2, 3)),))
+    assert "symbolic" in str(e.value).lower()
+    blob = jdp.export_predictor(
+        needs_concrete_batch, 1.0, (np.ones((2, 3)),), batch_polymorphic=False
+    )
+    np.testing.assert_allclose(jdp.load_predictor(blob)(np.ones((2, 3))), [1.0, 1.0])
