@@ -11,6 +11,7 @@ Everything public is listed in `__all__` (and in the public subpackages'
 from jdp import checkpoint as checkpoint
 from jdp import distributed as distributed
 from jdp import launch as launch
+from jdp import sparse as sparse
 from jdp._bmuf import BMUFState, bmuf, bmuf_global_params
 from jdp._checks import assert_replicas_in_sync, replicas_in_sync
 from jdp._collectives import all_reduce_gradients, broadcast, sync_batch_stats

@@ -68,6 +68,33 @@ def _expand(x):
     return x.reshape((1,) + x.shape)
 
 
+def _global_outputs(
+    fn, mesh: Mesh, axis_name, *, mapped_outputs=None, replace=None
+) -> Callable:
+    """Keeps pmap's replicated outputs global when there are several processes.
+
+    With several processes `jax.pmap` returns host-local arrays (each process
+    sees its own replicas). jdp's layout is one global array over the mesh on both
+    backends, so the mapped outputs are rewrapped as global arrays (no copy).
+    """
+    if jax.process_count() == 1:
+        return fn
+    from jax.experimental import multihost_utils
+
+    mapped_outputs = mapped_outputs or (lambda out: out)
+    replace = replace or (lambda out, tree: tree)
+
+    def call(*args):
+        out = fn(*args)
+        tree = multihost_utils.host_local_array_to_global_array(
+            mapped_outputs(out), mesh, P(axis_name)
+        )
+        return replace(out, tree)
+
+    call.lower = fn.lower
+    return call
+
+
 def build_step(
     body: Callable[[Any, Any], tuple[Any, Any]],
     *,
@@ -83,13 +110,19 @@ def build_step(
     """
     donate_argnums = (0,) if donate else ()
     if backend == "pmap":
-        return jax.pmap(
-            body,
-            axis_name=axis_name,
-            in_axes=(0, 0),
-            out_axes=(0, None),
-            devices=list(mesh.devices.flat),
-            donate_argnums=donate_argnums,
+        return _global_outputs(
+            jax.pmap(
+                body,
+                axis_name=axis_name,
+                in_axes=(0, 0),
+                out_axes=(0, None),
+                devices=list(mesh.devices.flat),
+                donate_argnums=donate_argnums,
+            ),
+            mesh,
+            axis_name,
+            mapped_outputs=lambda out: out[0],
+            replace=lambda out, state: (state, out[1]),
         )
 
     def block_body(state, batch):
@@ -111,7 +144,11 @@ def build_map(
 ) -> Callable[[Any], Any]:
     """Runs `fn(tree) -> tree` per replica on a replicated tree (no donation)."""
     if backend == "pmap":
-        return jax.pmap(fn, axis_name=axis_name, devices=list(mesh.devices.flat))
+        return _global_outputs(
+            jax.pmap(fn, axis_name=axis_name, devices=list(mesh.devices.flat)),
+            mesh,
+            axis_name,
+        )
 
     def block_fn(tree):
         return jax.tree.map(_expand, fn(jax.tree.map(_squeeze, tree)))

@@ -174,21 +174,22 @@ def opt_state_layout(
         raise _refuse(
             "state's structure depends on the parameters' shapes (for example a "
             "mask chosen by `ndim`), or `opt_state` was not made by this `tx` "
-            f"(`tx.init` on 1-D slices gives {probe_def}, the state is {state_def})",
+            f"(`tx.init` on 1-D slices gives {probe_def.num_leaves} leaves, the "
+            f"state has {state_def.num_leaves})",
             "choose masks by parameter path, not shape; or use "
             "`shard_optimizer_state=False`.",
         )
     chunks, shapes = [], []
     for (path, leaf), ref in zip(full, probe_leaves, strict=True):
         leaf = _abstract(leaf)
-        owner = [i for i in range(len(flat_params)) if ref.shape == (_SENTINEL + i,)]
-        if owner:
-            pshape = flat_params[owner[0]][1].shape
+        owner = ref.shape[0] - _SENTINEL if len(ref.shape) == 1 else -1
+        if 0 <= owner < len(flat_params):
+            ppath, pshape = flat_params[owner][0], flat_params[owner][1].shape
             if leaf.shape != pshape:
                 raise ValueError(
                     f"`{API}`: optimizer state leaf {keystr(path)} has shape "
                     f"{leaf.shape}, but its parameter "
-                    f"{keystr(flat_params[owner[0]][0])} has shape {pshape}. Pass "
+                    f"{keystr(ppath)} has shape {pshape}. Pass "
                     "the state made by `jdp.TrainState.create(params=..., tx=...)`."
                 )
             size = math.prod(pshape)
@@ -305,7 +306,8 @@ def logical(node: ShardedOptState) -> PyTree:
     out = []
     for x, shape in zip(leaves, node.shapes, strict=True):
         if isinstance(x, jax.ShapeDtypeStruct):
-            out.append(jax.ShapeDtypeStruct(shape or x.shape[1:], x.dtype))
+            logical_shape = shape if shape is not None else x.shape[1:]
+            out.append(jax.ShapeDtypeStruct(tuple(logical_shape), x.dtype))
         elif not isinstance(x, jax.Array):
             out.append(x)
         elif shape is None:

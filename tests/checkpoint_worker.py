@@ -3,7 +3,7 @@
 Run by the tests with `XLA_FLAGS` (the simulated device count) set in the child's
 environment, so a resumed run really is a new process:
 
-    python tests/checkpoint_worker.py resume CASE BACKEND DIR STEP OUT
+    python tests/checkpoint_worker.py resume CASE STEP [BACKEND DIR OUT]...
     python tests/checkpoint_worker.py save-large DIR STEP MIB
 """
 
@@ -83,13 +83,16 @@ def flat_leaves(tree):
     }
 
 
-def resume(name, backend, directory, step_number, out):
-    step, init, batches = make_step(name, backend)
-    with jdp.checkpoint.CheckpointManager(directory) as manager:
-        state = manager.restore(step.replicate(init), step=int(step_number))
-    for batch in batches[int(step_number) :]:
-        state, _ = step(state, step.shard(batch))
-    np.savez(out, **flat_leaves(step.unreplicate(state)))
+def resume(name, step_number, *jobs):
+    """Restores `step_number` and trains to the end, once per (backend, dir, out)."""
+    step_number = int(step_number)
+    for backend, directory, out in zip(*[iter(jobs)] * 3, strict=True):
+        step, init, batches = make_step(name, backend)
+        with jdp.checkpoint.CheckpointManager(directory) as manager:
+            state = manager.restore(step.replicate(init), step=step_number)
+        for batch in batches[step_number:]:
+            state, _ = step(state, step.shard(batch))
+        np.savez(out, **flat_leaves(step.unreplicate(state)))
 
 
 def save_large(directory, step_number, mib):

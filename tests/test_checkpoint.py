@@ -216,12 +216,11 @@ def test_divergence_after_restore_is_caught_and_broadcast_repairs_it(saved):
 # -- resume in a new process ----------------------------------------------------------
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("case", ["sgd_momentum", "adam", "bmuf"])
-def test_resume_in_a_new_process_is_bit_exact(tmp_path, case, backend):
+def train_and_save(case, backend, directory):
+    """The uninterrupted run: NUM_STEPS steps, saving every SAVE_AT."""
     step, init, batches = make_step(case, backend)
     state = step.replicate(init)
-    with CheckpointManager(tmp_path, save_interval_steps=SAVE_AT) as manager:
+    with CheckpointManager(directory, save_interval_steps=SAVE_AT) as manager:
         for i, batch in enumerate(batches, start=1):
             state, _ = step(state, step.shard(batch))
             if manager.save(i, state, parallel=step) and case == "bmuf":
@@ -229,18 +228,30 @@ def test_resume_in_a_new_process_is_bit_exact(tmp_path, case, backend):
                 # same bits at the save (right after a sync, see checkpoint_worker).
                 jdp.assert_replicas_in_sync(state)
         assert manager.all_steps() == [SAVE_AT, NUM_STEPS]
-    uninterrupted = flat_leaves(step.unreplicate(state))
-    out = tmp_path / "resumed.npz"
+    return flat_leaves(step.unreplicate(state))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["sgd_momentum", "adam", "bmuf"])
+def test_resume_in_a_new_process_is_bit_exact(tmp_path, case):
+    """Train 10 steps saving at 5; a new process resumes from 5 and trains 5 more."""
+    backends = ["shard_map", "pmap"]
+    uninterrupted, jobs = {}, []
+    for backend in backends:
+        directory = tmp_path / backend
+        uninterrupted[backend] = train_and_save(case, backend, directory)
+        jobs += [backend, directory, tmp_path / f"{backend}.npz"]
     proc = subprocess.run(
-        [sys.executable, str(WORKER), "resume", case, backend, tmp_path, SAVE_AT, out],
+        [sys.executable, WORKER, "resume", case, str(SAVE_AT), *jobs],
         env=child_env(8),
         capture_output=True,
         text=True,
-        timeout=180,
+        timeout=240,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    with np.load(out, allow_pickle=False) as resumed:
-        assert_bitwise_equal(dict(resumed), uninterrupted)
+    for backend in backends:
+        with np.load(tmp_path / f"{backend}.npz", allow_pickle=False) as resumed:
+            assert_bitwise_equal(dict(resumed), uninterrupted[backend])
 
 
 def test_bmuf_state_round_trips(tmp_path):
@@ -280,7 +291,7 @@ def test_save_killed_midway_leaves_the_previous_checkpoint(tmp_path):
     with CheckpointManager(tmp_path) as manager:
         manager.save(1, small)
     proc = subprocess.Popen(
-        [sys.executable, str(WORKER), "save-large", tmp_path, 2, 192],
+        [sys.executable, WORKER, "save-large", tmp_path, "2", "128"],
         env=child_env(1),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -365,9 +376,12 @@ def test_missing_step(saved):
             r"\.opt_state\[0\]\.count: in the checkpoint with shape \(\) int32, not in",
         ),
         (
-            lambda: jax.tree.map(lambda x: x.astype(jnp.bfloat16), init_state()),
-            r"the checkpoint has shape \(16,\) float32, `like` has shape \(16,\) "
-            r"bfloat16",
+            lambda: jax.tree.map(
+                lambda x: x.astype(jnp.bfloat16) if x.dtype == jnp.float32 else x,
+                init_state(),
+            ),
+            r"\.params\['layer0'\]\['b'\]: the checkpoint has shape \(16,\) float32, "
+            r"`like` has shape \(16,\) bfloat16",
         ),
     ],
     ids=["shape", "other_optimizer", "dtype"],
@@ -426,26 +440,39 @@ def _copy_checkpoint(src, dst):
     return dst
 
 
-def _largest_data_file(directory):
-    files = [p for p in (directory / "2" / "state").rglob("*") if p.is_file()]
-    return max(files, key=lambda p: p.stat().st_size)
-
-
+# When tensorstore fails a read, orbax's pending callbacks may reach its already
+# closed event loop: harmless "Event loop is closed" noise from orbax's threads.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.parametrize("damage", ["zeroed", "truncated"])
-def test_corrupted_files_raise_instead_of_returning_garbage(saved, tmp_path, damage):
-    directory = _copy_checkpoint(saved[0], tmp_path / "copy")
-    target = _largest_data_file(directory)
-    data = target.read_bytes()
-    if damage == "zeroed":
+def test_damaged_files_raise_instead_of_returning_garbage(saved, tmp_path, damage):
+    """Damage each file of a checkpoint in turn: an error, or the exact values."""
+    source, copy = saved
+    step = make_parallel(num_devices=2)
+    like = step.replicate(init_state())
+    files = sorted(p.relative_to(source) for p in source.rglob("*") if p.is_file())
+    raised = []
+    for i, name in enumerate(files):
+        directory = _copy_checkpoint(source, tmp_path / str(i))
+        target = directory / name
+        data = target.read_bytes()
         middle = len(data) // 2
-        target.write_bytes(data[:middle] + bytes(64) + data[middle + 64 :])
-    else:
-        target.write_bytes(data[: len(data) // 2])
-    like = make_parallel(num_devices=2).replicate(init_state())
-    with CheckpointManager(directory) as manager:
-        assert manager.latest_step() == 2
-        with pytest.raises(ValueError, match="step 2 .* is corrupted or truncated"):
-            manager.restore(like)
+        if damage == "zeroed":
+            data = data[: max(middle - 32, 0)] + bytes(64) + data[middle + 32 :]
+        else:
+            data = data[:middle]
+        target.write_bytes(data)
+        with CheckpointManager(directory) as manager:
+            try:
+                restored = manager.restore(like)
+            except (ValueError, FileNotFoundError) as e:
+                assert re.search("corrupted or truncated|incomplete or damaged", str(e))
+                raised.append(str(name))
+                continue
+        # Not every file is read back (orbax keeps per-process leftovers next to
+        # the merged index); whatever restores must be exactly what was saved.
+        assert_bitwise_equal(step.unreplicate(restored), copy)
+    assert any(n.startswith("2/state/") for n in raised), raised
+    assert any(n.startswith("2/jdp_metadata/") for n in raised), raised
 
 
 def _metadata_file(directory, step=2):

@@ -183,7 +183,9 @@ class CheckpointManager:
                     + (" or None" if optional else "")
                     + f"; got {value!r}."
                 )
-        self.directory = epath.Path(os.fspath(directory))
+        path = os.fspath(directory)
+        # orbax needs absolute paths; URLs (gs://...) already are.
+        self.directory = epath.Path(path if "://" in path else os.path.abspath(path))
         self.max_to_keep = max_to_keep
         self.save_interval_steps = save_interval_steps
         self.async_save = bool(async_save)

@@ -78,23 +78,24 @@ def format_table(rows: list[list[str]]) -> str:
 
 
 def describe_communication(metrics: dict[str, Any]) -> str:
-    """One sentence on what a step sends, split into every-step and sync-step bytes."""
+    """One sentence: which collectives a step runs, how often, and their sizes."""
     comm = metrics["communication"]
-    period = metrics["config"]["sync_period"]
-    parts = []
-    if comm["bytes_every_step"]:
-        parts.append(f"{format_bytes(comm['bytes_every_step'])} every step")
-    if comm["bytes_at_sync"]:
-        parts.append(
-            f"{format_bytes(comm['bytes_at_sync'])} every {period} steps "
-            "(the block sync, inside a conditional)"
-        )
-    text = "Communication per device: " + (" + ".join(parts) or "none")
-    if metrics["config"]["algo"] != "sync":
-        text += (
-            f"; synchronous SGD sends {format_bytes(comm['sync_bytes_per_step'])} "
-            "every step"
-        )
+    groups: dict[tuple[str, int], int] = {}
+    for c in comm["collectives"]:
+        key = (c["kind"], c["runs_every"])
+        groups[key] = groups.get(key, 0) + c["bytes"]
+    parts = [
+        f"{kind} of {format_bytes(size)} "
+        + ("every step" if every == 1 else f"every {every} steps (block sync)")
+        for (kind, every), size in sorted(groups.items(), key=lambda kv: kv[0][1])
+    ]
+    text = "Communication: " + ("; ".join(parts) or "none")
+    text += (
+        f". Each device sends {format_bytes(comm['bytes_per_step'])} per step "
+        "(ring algorithms: 2(N-1)/N of an all-reduced buffer)"
+    )
+    if metrics["config"]["algo"] != "sync" and comm.get("sync_bytes_per_step"):
+        text += f"; synchronous SGD: {format_bytes(comm['sync_bytes_per_step'])}"
     return text + "."
 
 

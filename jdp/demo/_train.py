@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
 import json
-import math
 import os
 import sys
 import time
@@ -25,8 +23,10 @@ MOMENTUM = 0.9
 LOG_EVERY = 10  # steps between reads of the loss (each read waits for the device)
 METRICS_FILE = "metrics.json"
 PLOT_FILE = "loss_accuracy.png"
-HISTORY_FILE = "history.json"  # in --checkpoint-dir, next to the checkpoints
+HISTORY_FILE = "history.json"  # in --checkpoint-dir, beside the checkpoints
 STATE_SUBDIR = "state"
+#: Options a resumed run must share with the run that saved the checkpoint.
+RESUME_KEYS = ("algo", "batch_size", "seed", "sync_period")
 
 
 @dataclasses.dataclass
@@ -36,8 +36,11 @@ class Algo:
     name: str
     tx: optax.GradientTransformation
     train_step: Callable
-    sync_period: int = 1  # steps between the conditional collectives (BMUF)
-    eval_params: Callable | None = None  # replicated state -> replicated params
+    #: Steps per BMUF block: the conditional collectives run once per block, and
+    #: replicas agree (so a checkpoint is exact) only at block ends.
+    sync_period: int = 1
+    #: Replicated state -> replicated params to evaluate (None: `state.params`).
+    eval_params: Callable | None = None
 
 
 def pick_devices(num: int | None) -> list:
@@ -51,24 +54,14 @@ def pick_devices(num: int | None) -> list:
     return devices[:num] if num else devices
 
 
-def build_algo(args: argparse.Namespace, num_devices: int) -> Algo:
+def build_algo(args: argparse.Namespace) -> Algo:
     """The optimizer and the per-replica step for `--algo`."""
-    inner = optax.sgd(args.lr, momentum=MOMENTUM)
+    sgd = optax.sgd(args.lr, momentum=MOMENTUM)
     if args.algo == "sync":
-        return Algo("sync", inner, jdp.make_train_step(_model.loss_fn, inner))
+        return Algo("sync", sgd, jdp.make_train_step(_model.loss_fn, sgd))
     if args.algo == "zero":
-        params = inspect.signature(jdp.make_train_step).parameters
-        if "shard_optimizer_state" not in params:
-            raise UsageError(
-                "--algo zero needs `jdp.make_train_step(..., "
-                "shard_optimizer_state=True)`, which this version of jdp lacks."
-            )
-        step = jdp.make_train_step(_model.loss_fn, inner, shard_optimizer_state=True)
-        return Algo("zero", inner, step)
-    if not hasattr(jdp, "bmuf"):
-        raise UsageError(
-            "--algo bmuf needs `jdp.bmuf`, which this version of jdp lacks."
-        )
+        step = jdp.make_train_step(_model.loss_fn, sgd, shard_optimizer_state=True)
+        return Algo("zero", sgd, step)
     # The block momentum (1 - 1/devices by default) plays the part of momentum:
     # inner momentum on top of it overshoots, so the local optimizer is plain SGD.
     tx = jdp.bmuf(
@@ -78,33 +71,48 @@ def build_algo(args: argparse.Namespace, num_devices: int) -> Algo:
     )
     step = jdp.make_train_step(_model.loss_fn, tx, all_reduce=False)
     return Algo(
-        "bmuf", tx, step, sync_period=args.sync_period, eval_params=_bmuf_global_params
+        "bmuf",
+        tx,
+        step,
+        sync_period=args.sync_period,
+        eval_params=jdp.bmuf_global_params,
     )
 
 
-def _bmuf_global_params(state):
-    return jdp.bmuf_global_params(state)
+def _sent_fraction(kind: str, num: int) -> float:
+    """Bytes a device sends per buffer byte with ring algorithms (NCCL's busbw)."""
+    if num <= 1:
+        return 0.0
+    ring = (num - 1) / num
+    return {"all-reduce": 2 * ring}.get(
+        kind, ring if kind != "collective-permute" else 1
+    )
 
 
 def communication(step: jdp.Parallel, state, batch, *, sync_period: int) -> dict:
-    """Bytes one step communicates on average, read from the compiled step's HLO.
+    """What one step communicates on average, read from the compiled step's HLO.
 
-    Collectives inside a conditional branch run once every `sync_period` steps
-    (BMUF's block sync), so they count `1 / sync_period` of their bytes.
+    `bytes_per_step` is what each device sends per step with ring algorithms: an
+    all-reduce of a B-byte buffer sends 2 (N-1)/N B, a reduce-scatter or an
+    all-gather (N-1)/N B, so ZeRO's reduce-scatter plus all-gather costs what
+    an all-reduce does. Collectives inside a conditional branch run once every
+    `sync_period` steps (BMUF's block sync) and count `1 / sync_period`.
     """
     ops = step.collectives(state, batch)
-    every = sum(c.bytes for c in ops if not c.in_conditional)
-    cond = sum(c.bytes for c in ops if c.in_conditional)
+    num = step.num_replicas
+    sent = 0.0
+    for c in ops:
+        weight = 1 / sync_period if c.in_conditional else 1.0
+        sent += weight * _sent_fraction(c.kind, num) * c.bytes
     return {
-        "bytes_per_step": every + cond / sync_period,
-        "bytes_every_step": every,
-        "bytes_at_sync": cond,
+        "bytes_per_step": sent,
         "collectives": [
             {
                 "kind": c.kind,
                 "dtype": c.dtype,
                 "bytes": c.bytes,
                 "in_conditional": c.in_conditional,
+                "runs_every": sync_period if c.in_conditional else 1,
             }
             for c in ops
         ],
@@ -122,34 +130,29 @@ def sync_reference_bytes(devices, backend, variables, batch_host) -> float:
             params=variables["params"], tx=tx, batch_stats=variables["batch_stats"]
         )
     )
-    return communication(step, state, step.shard(batch_host), sync_period=1)[
-        "bytes_per_step"
-    ]
+    comm = communication(step, state, step.shard(batch_host), sync_period=1)
+    return comm["bytes_per_step"]
 
 
 class _Checkpoints:
     """`--checkpoint-dir`: orbax checkpoints in DIR/state, the loss history beside."""
 
     def __init__(self, directory: str):
-        try:
-            from jdp.checkpoint import CheckpointManager
-        except ImportError as e:
-            raise UsageError(
-                "--checkpoint-dir needs `jdp.checkpoint.CheckpointManager`, which "
-                f"this version of jdp lacks ({e})."
-            ) from None
+        from jdp.checkpoint import CheckpointManager
+
         self.directory = os.path.abspath(directory)
         self.manager = CheckpointManager(
             os.path.join(self.directory, STATE_SUBDIR), max_to_keep=2
         )
+        self.last_saved = self.manager.latest_step()
 
-    def save(self, step: int, state, record: dict) -> None:
-        self.manager.save(step, state)
+    def save(self, step: int, state, parallel: jdp.Parallel, record: dict) -> None:
+        self.manager.save(step, state, parallel=parallel)
+        self.last_saved = step
         _report.write_json(os.path.join(self.directory, HISTORY_FILE), record)
 
-    def restore(self, like, config: dict):
-        latest = self.manager.latest_step()
-        if latest is None:
+    def restore(self, like, config: dict) -> tuple[int, Any, dict]:
+        if self.last_saved is None:
             raise UsageError(
                 f"--resume: no checkpoint in {self.directory!r}; run once with "
                 "--checkpoint-dir to create one."
@@ -160,212 +163,286 @@ class _Checkpoints:
             with open(path) as f:
                 record = json.load(f)
         saved = record.get("config", {})
-        for key in ("algo", "batch_size", "seed"):
+        for key in RESUME_KEYS:
             if key in saved and saved[key] != config[key]:
                 raise UsageError(
                     f"--resume: the checkpoint in {self.directory!r} was made with "
-                    f"--{key.replace('_', '-')} {saved[key]}, not {config[key]}."
+                    f"--{key.replace('_', '-')} {saved[key]}, not {config[key]}; "
+                    "use the same value or another --checkpoint-dir."
                 )
-        state = self.manager.restore(like, step=latest)
-        return latest, state, record
+        state = self.manager.restore(like, step=self.last_saved)
+        return self.last_saved, state, record
 
     def close(self) -> None:
-        close = getattr(self.manager, "close", None)
-        if close is not None:
-            close()
+        self.manager.close()
 
 
-def _trim(record: dict, key: str, upto: int) -> dict[str, list]:
-    part = record.get(key) or {}
-    steps = part.get("step", [])
-    keep = [i for i, s in enumerate(steps) if s <= upto]
+def _upto(part: dict[str, list] | None, step: int) -> dict[str, list] | None:
+    """The entries of a `{"step": [...], ...}` history at or before `step`."""
+    if not part:
+        return None
+    keep = [i for i, s in enumerate(part["step"]) if s <= step]
     return {k: [v[i] for i in keep] for k, v in part.items()}
+
+
+class _Run:
+    """One training run: set-up, the loop, and the final report."""
+
+    def __init__(self, args: argparse.Namespace, stop_requested: Callable[[], bool]):
+        self.t_begin = time.perf_counter()
+        self.args = args
+        self.stop_requested = stop_requested
+        self.devices = pick_devices(args.devices)
+        num = self.num = len(self.devices)
+        if args.batch_size % num:
+            raise UsageError(
+                f"--batch-size {args.batch_size} is not divisible by the {num} "
+                f"devices; use a multiple of {num} or set the count with --devices."
+            )
+        self.config = {k: v for k, v in vars(args).items() if k != "no_progress"}
+        self.data = _data.load_digits()
+        self.variables = _model.init_variables(args.seed, self.data.x_train)
+        self.algo = build_algo(args)
+        self.step = jdp.parallelize(
+            self.algo.train_step, devices=self.devices, backend=args.backend
+        )
+        self.evaluator = jdp.parallelize(
+            _model.eval_step,
+            devices=self.devices,
+            backend=args.backend,
+            donate_state=False,
+        )
+        test = {"x": self.data.x_test, "y": self.data.y_test}
+        self.test_batch, mask = self.evaluator.shard(test, pad=True)
+        self.test_batch["mask"] = mask  # padding does not count (see eval_step)
+        self.state = self.step.replicate(
+            jdp.TrainState.create(
+                params=self.variables["params"],
+                tx=self.algo.tx,
+                batch_stats=self.variables["batch_stats"],
+            )
+        )
+        self.ckpt = _Checkpoints(args.checkpoint_dir) if args.checkpoint_dir else None
+        self.start = 0
+        self.history: dict[str, list] = {"step": [], "loss": []}
+        self.evals: dict[str, list] = {"step": [], "test_accuracy": []}
+        if args.resume:
+            self.start, self.state, record = self.ckpt.restore(self.state, self.config)
+            self.history = _upto(record.get("history"), self.start) or self.history
+            self.evals = _upto(record.get("eval"), self.start) or self.evals
+        self.i = self.start
+        self.comm: dict | None = None
+        self.train_seconds = 0.0
+        self.timed_steps = 0
+        self._pending: list[tuple[int, Any]] = []
+
+    # -- pieces --------------------------------------------------------------------
+
+    def batch(self, i: int):
+        """Training batch of step `i`, placed on the devices."""
+        host = _data.train_batch(
+            self.data, step=i, batch_size=self.args.batch_size, seed=self.args.seed
+        )
+        return self.step.shard(host)
+
+    def evaluate(self) -> float:
+        """Test accuracy of the model (BMUF: the global model `g`)."""
+        state, algo = self.state, self.algo
+        params = state.params if algo.eval_params is None else algo.eval_params(state)
+        variables = {"params": params, "batch_stats": state.batch_stats}
+        m = self.evaluator(variables, self.test_batch)
+        return float(m["correct"]) / float(m["count"])
+
+    def record(self) -> dict:
+        """What `--resume` needs besides the state: config and history."""
+        return {"config": self.config, "history": self.history, "eval": self.evals}
+
+    def read_losses(self) -> None:
+        """Moves the losses of the steps run since the last read to the history."""
+        if self._pending:
+            losses = jax.device_get([loss for _, loss in self._pending])
+            self.history["step"].extend(s for s, _ in self._pending)
+            self.history["loss"].extend(float(x) for x in losses)
+            self._pending = []
+
+    def at_block_end(self) -> bool:
+        """Whether replicas agree now (always, except inside a BMUF block)."""
+        return self.i % self.algo.sync_period == 0
+
+    # -- the loop ------------------------------------------------------------------
+
+    def train(self) -> None:
+        """Runs steps until `--steps`, or until Ctrl-C at a block end."""
+        from tqdm.auto import tqdm
+
+        args = self.args
+        bar = tqdm(
+            total=args.steps,
+            initial=self.start,
+            desc=f"{self.algo.name} x{self.num}",
+            unit="step",
+            dynamic_ncols=True,
+            disable=args.no_progress,
+            file=sys.stderr,
+        )
+        postfix: dict[str, str] = {}
+        told = False
+        with bar:
+            t_mark = time.perf_counter()
+            while self.i < args.steps:
+                if self.stop_requested():
+                    if self.at_block_end():
+                        break
+                    if not told:
+                        bar.write(
+                            f"Finishing the BMUF block first (replicas agree at "
+                            f"its end), at step {self._block_end()}."
+                        )
+                        told = True
+                self.state, metrics = self.step(self.state, self.batch(self.i))
+                self.i += 1
+                self._pending.append((self.i, metrics["loss"]))
+                bar.update(1)
+                if self.comm is None:  # compiled by now: read what it communicates
+                    jax.block_until_ready(metrics)
+                    self.comm = communication(
+                        self.step,
+                        self.state,
+                        self.batch(self.i - 1),
+                        sync_period=self.algo.sync_period,
+                    )
+                    t_mark = time.perf_counter()  # the first step (compile) is untimed
+                else:
+                    self.timed_steps += 1
+                last = self.i == args.steps
+                eval_now = self.i % args.eval_every == 0 or last
+                save_now = (
+                    self.ckpt is not None
+                    and self.i - (self.ckpt.last_saved or 0) >= args.checkpoint_every
+                    and self.at_block_end()
+                )
+                if self.i % LOG_EVERY and not (eval_now or save_now):
+                    continue
+                jax.block_until_ready(metrics)
+                self.train_seconds += time.perf_counter() - t_mark
+                self.read_losses()
+                postfix["loss"] = f"{self.history['loss'][-1]:.4f}"
+                if self.examples_per_second():
+                    postfix["ex/s"] = f"{self.examples_per_second():,.0f}"
+                if eval_now:
+                    self.evals["step"].append(self.i)
+                    self.evals["test_accuracy"].append(self.evaluate())
+                    postfix["test acc"] = (
+                        f"{100 * self.evals['test_accuracy'][-1]:.1f}%"
+                    )
+                if save_now:
+                    self.ckpt.save(self.i, self.state, self.step, self.record())
+                bar.set_postfix(postfix)
+                t_mark = time.perf_counter()
+            if self._pending:
+                jax.block_until_ready(self.state)
+                if self.comm is not None and self.timed_steps:
+                    self.train_seconds += time.perf_counter() - t_mark
+                self.read_losses()
+
+    def _block_end(self) -> int:
+        period = self.algo.sync_period
+        return min(self.args.steps, -(-self.i // period) * period)
+
+    def examples_per_second(self) -> float | None:
+        """Training throughput, without the first (compiling) step and evaluations."""
+        if not (self.timed_steps and self.train_seconds):
+            return None
+        return self.timed_steps * self.args.batch_size / self.train_seconds
+
+    # -- the end -------------------------------------------------------------------
+
+    def finish(self) -> dict:
+        """Final evaluation and checkpoint; returns the metrics written to --out."""
+        args = self.args
+        if not self.evals["step"] or self.evals["step"][-1] != self.i:
+            self.evals["step"].append(self.i)
+            self.evals["test_accuracy"].append(self.evaluate())
+        if self.ckpt:
+            if self.ckpt.last_saved != self.i:
+                self.ckpt.save(self.i, self.state, self.step, self.record())
+            self.ckpt.close()
+        comm = self.comm or communication(  # None if no step ran in this process
+            self.step,
+            self.state,
+            self.batch(self.i),
+            sync_period=self.algo.sync_period,
+        )
+        if self.algo.name == "sync":
+            comm["sync_bytes_per_step"] = comm["bytes_per_step"]
+        else:
+            comm["sync_bytes_per_step"] = sync_reference_bytes(
+                self.devices,
+                args.backend,
+                self.variables,
+                _data.train_batch(
+                    self.data, step=0, batch_size=args.batch_size, seed=0
+                ),
+            )
+        sent = comm["bytes_per_step"]
+        comm["reduction_vs_sync"] = comm["sync_bytes_per_step"] / sent if sent else None
+        tail = self.history["loss"][-LOG_EVERY:]
+        return {
+            "config": self.config,
+            "jax_version": jax.__version__,
+            "jdp_version": jdp.__version__,
+            "platform": self.devices[0].platform,
+            "device_kind": self.devices[0].device_kind,
+            "num_devices": self.num,
+            "start_step": self.start,
+            "steps": self.i,
+            "interrupted": self.i < args.steps,
+            "final_train_loss": float(np.mean(tail)) if tail else None,
+            "test_accuracy": self.evals["test_accuracy"][-1],
+            "examples_per_second": self.examples_per_second(),
+            "train_seconds": self.train_seconds,
+            "wall_seconds": time.perf_counter() - self.t_begin,
+            "communication": comm,
+            "history": self.history,
+            "eval": self.evals,
+        }
 
 
 def run(args: argparse.Namespace, *, stop_requested: Callable[[], bool]) -> bool:
     """Trains, evaluates and reports; returns False if stopped by Ctrl-C."""
-    from tqdm.auto import tqdm
-
-    t_begin = time.perf_counter()
-    devices = pick_devices(args.devices)
-    num = len(devices)
-    if args.batch_size % num:
-        raise UsageError(
-            f"--batch-size {args.batch_size} is not divisible by the {num} devices; "
-            f"use a multiple of {num} or pick the device count with --devices."
-        )
-    config = {k: v for k, v in vars(args).items() if k != "no_progress"}
-    data = _data.load_digits()
-    variables = _model.init_variables(args.seed, data.x_train)
-    algo = build_algo(args, num)
-
-    step = jdp.parallelize(algo.train_step, devices=devices, backend=args.backend)
-    evaluator = jdp.parallelize(
-        _model.eval_step, devices=devices, backend=args.backend, donate_state=False
-    )
-    state = step.replicate(
-        jdp.TrainState.create(
-            params=variables["params"], tx=algo.tx, batch_stats=variables["batch_stats"]
-        )
-    )
-    test_batch, mask = evaluator.shard({"x": data.x_test, "y": data.y_test}, pad=True)
-    test_batch["mask"] = mask
-
-    def evaluate(state) -> float:
-        params = state.params if algo.eval_params is None else algo.eval_params(state)
-        m = evaluator({"params": params, "batch_stats": state.batch_stats}, test_batch)
-        return float(m["correct"]) / float(m["count"])
-
-    ckpt = _Checkpoints(args.checkpoint_dir) if args.checkpoint_dir else None
-    start = 0
-    history: dict[str, list] = {"step": [], "loss": []}
-    evals: dict[str, list] = {"step": [], "test_accuracy": []}
-    if args.resume:
-        start, state, record = ckpt.restore(state, config)
-        history = _trim(record, "history", start) or history
-        evals = _trim(record, "eval", start) or evals
-
-    def batch_at(i: int):
-        return _data.train_batch(
-            data, step=i, batch_size=args.batch_size, seed=args.seed
-        )
-
-    platform = devices[0].platform
+    r = _Run(args, stop_requested)
     print(
-        f"jdp demo: {algo.name} on {num} {platform} device(s) "
-        f"({devices[0].device_kind}), backend {args.backend}, global batch "
-        f"{args.batch_size}, steps {start} -> {args.steps}"
-        + (f", checkpoints in {ckpt.directory} (Ctrl-C saves one)" if ckpt else ""),
+        f"jdp demo: {r.algo.name} on {r.num} {r.devices[0].platform} device(s) "
+        f"({r.devices[0].device_kind}), backend {args.backend}, global batch "
+        f"{args.batch_size}, steps {r.start} -> {args.steps}"
+        + (f"; checkpoints in {r.ckpt.directory} (Ctrl-C saves one)" if r.ckpt else ""),
         flush=True,
     )
-    comm = None
-    pending: list[tuple[int, Any]] = []
-    postfix: dict[str, str] = {}
-    train_seconds, timed_steps = 0.0, 0
-    last_eval_step = evals["step"][-1] if evals["step"] else None
-    i = start
-    bar = tqdm(
-        total=args.steps,
-        initial=start,
-        desc=f"{algo.name} x{num}",
-        unit="step",
-        dynamic_ncols=True,
-        disable=args.no_progress,
-        file=sys.stderr,
-    )
-
-    def flush():
-        nonlocal pending
-        if not pending:
-            return
-        losses = jax.device_get([loss for _, loss in pending])
-        history["step"].extend(s for s, _ in pending)
-        history["loss"].extend(float(x) for x in losses)
-        pending = []
-        postfix["loss"] = f"{history['loss'][-1]:.4f}"
-        if train_seconds:
-            postfix["ex/s"] = f"{timed_steps * args.batch_size / train_seconds:,.0f}"
-        bar.set_postfix(postfix)
-
-    def record() -> dict:
-        return {"config": config, "history": history, "eval": evals}
-
-    with bar:
-        t_mark = time.perf_counter()
-        while i < args.steps and not stop_requested():
-            batch = step.shard(batch_at(i))
-            state, metrics = step(state, batch)
-            i += 1
-            pending.append((i, metrics["loss"]))
-            if comm is None:  # first step: compiled now; read what it communicates
-                jax.block_until_ready(metrics)
-                comm = communication(
-                    step,
-                    state,
-                    step.shard(batch_at(i - 1)),
-                    sync_period=algo.sync_period,
-                )
-                t_mark = time.perf_counter()
-            else:
-                timed_steps += 1
-            bar.update(1)
-            if i % LOG_EVERY == 0 or i % args.eval_every == 0 or i == args.steps:
-                jax.block_until_ready(metrics)
-                train_seconds += time.perf_counter() - t_mark
-                flush()
-                if i % args.eval_every == 0 or i == args.steps:
-                    evals["step"].append(i)
-                    evals["test_accuracy"].append(evaluate(state))
-                    last_eval_step = i
-                    postfix["test acc"] = f"{100 * evals['test_accuracy'][-1]:.1f}%"
-                    bar.set_postfix(postfix)
-                if ckpt and i % args.checkpoint_every == 0:
-                    ckpt.save(i, state, record())
-                t_mark = time.perf_counter()
-        if pending:
-            jax.block_until_ready(state)
-            train_seconds += time.perf_counter() - t_mark
-            flush()
-    interrupted = i < args.steps
-    if last_eval_step != i:
-        evals["step"].append(i)
-        evals["test_accuracy"].append(evaluate(state))
-    if ckpt:
-        if ckpt.manager.latest_step() != i:
-            ckpt.save(i, state, record())
-        ckpt.close()
-    if comm is None:  # nothing trained in this run (resumed at the end, or stopped)
-        comm = communication(
-            step, state, step.shard(batch_at(i)), sync_period=algo.sync_period
-        )
-    if algo.name == "sync":
-        comm["sync_bytes_per_step"] = comm["bytes_per_step"]
-    else:
-        comm["sync_bytes_per_step"] = sync_reference_bytes(
-            devices, args.backend, variables, batch_at(0)
-        )
-    comm["reduction_vs_sync"] = (
-        comm["sync_bytes_per_step"] / comm["bytes_per_step"]
-        if comm["bytes_per_step"]
-        else None
-    )
-    tail = history["loss"][-LOG_EVERY:]
-    metrics = {
-        "config": config,
-        "jax_version": jax.__version__,
-        "jdp_version": jdp.__version__,
-        "platform": platform,
-        "device_kind": devices[0].device_kind,
-        "num_devices": num,
-        "start_step": start,
-        "steps": i,
-        "interrupted": interrupted,
-        "final_train_loss": float(np.mean(tail)) if tail else None,
-        "test_accuracy": evals["test_accuracy"][-1] if evals["test_accuracy"] else None,
-        "examples_per_second": (
-            timed_steps * args.batch_size / train_seconds if timed_steps else None
-        ),
-        "train_seconds": train_seconds,
-        "wall_seconds": time.perf_counter() - t_begin,
-        "communication": comm,
-        "history": history,
-        "eval": evals,
-    }
-    _report.write_json(os.path.join(args.out, METRICS_FILE), metrics)
-    _report.plot(metrics, os.path.join(args.out, PLOT_FILE))
+    r.train()
+    metrics = r.finish()
+    metrics_path = os.path.join(args.out, METRICS_FILE)
+    plot_path = os.path.join(args.out, PLOT_FILE)
+    _report.write_json(metrics_path, metrics)
+    _report.plot(metrics, plot_path)
     print(_report.format_table([_report.table_row(metrics)]))
     print(_report.describe_communication(metrics))
-    if interrupted:
+    if metrics["interrupted"]:
         where = (
-            f"checkpoint saved in {ckpt.directory}; continue with --resume"
-            if (ckpt)
+            f"checkpoint saved in {r.ckpt.directory}; continue with --resume"
+            if r.ckpt
             else "no --checkpoint-dir, so no checkpoint was saved"
         )
-        print(f"Stopped at step {i} of {args.steps} ({where}).")
+        print(f"Stopped at step {r.i} of {args.steps} ({where}).")
+    elif r.ckpt and not r.at_block_end():
+        print(
+            f"Note: step {r.i} is inside a BMUF block; the checkpoint holds replica "
+            "0's params, so resuming from it is not exact (use a multiple of "
+            "--sync-period for --steps)."
+        )
     print(
-        f"Wrote {os.path.join(args.out, METRICS_FILE)} and "
-        f"{os.path.join(args.out, PLOT_FILE)} ({time.perf_counter() - t_begin:.1f} s)."
+        f"Wrote {metrics_path} and {plot_path} "
+        f"({time.perf_counter() - r.t_begin:.1f} s)."
     )
-    if not math.isfinite(metrics["final_train_loss"] or 0.0):
+    if not np.isfinite(metrics["final_train_loss"] or 0.0):
         print("warning: the training loss is not finite; try a smaller --lr.")
-    return not interrupted
+    return not metrics["interrupted"]

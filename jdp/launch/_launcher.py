@@ -31,12 +31,18 @@ from jdp.distributed._runtime import (
     ENV_PROCESS_ID,
 )
 
-#: Seconds between SIGTERM and SIGKILL when stopping processes.
+#: Seconds between SIGTERM and SIGKILL when stopping processes after a failure.
 KILL_GRACE_S = 3.0
+#: Seconds processes get to exit after a forwarded Ctrl-C / SIGTERM (time to save a
+#: checkpoint) before SIGKILL; a second signal kills at once.
+FORWARD_GRACE_S = 30.0
 #: How often the launcher checks its processes.
 POLL_S = 0.05
 #: Output lines of each process kept for error messages.
 TAIL_LINES = 40
+
+#: The entry point of every process, run by path (see its docstring).
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_worker.py")
 
 _DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
 
@@ -111,6 +117,7 @@ class Job:
         self._pumps: list[threading.Thread] = []
         self._write_lock = threading.Lock()
         self.failure: tuple[int, int] | None = None  # (process_id, returncode)
+        self._stop_requested_at: float | None = None
 
     @property
     def pids(self) -> list[int]:
@@ -166,6 +173,12 @@ class Job:
                 except (ProcessLookupError, PermissionError):
                     pass
 
+    def request_stop(self, sig: int) -> None:
+        """Forwards `sig`; `wait` kills what still runs `FORWARD_GRACE_S` later."""
+        if self._stop_requested_at is None:
+            self._stop_requested_at = time.monotonic()
+        self.send(sig)
+
     def kill(self, grace_s: float = KILL_GRACE_S) -> None:
         """SIGTERM to every live process, then SIGKILL after `grace_s` seconds."""
         self.send(signal.SIGTERM)
@@ -208,6 +221,12 @@ class Job:
                 if all(code == 0 for code in codes):
                     self._join_pumps()
                     return True
+                if (
+                    self._stop_requested_at is not None
+                    and time.monotonic() - self._stop_requested_at > FORWARD_GRACE_S
+                ):
+                    self.kill(grace_s=0)
+                    return False
                 if deadline is not None and time.monotonic() > deadline:
                     running = [
                         f"{r} (pid {p.pid})"
@@ -246,7 +265,7 @@ class Job:
 def script_command(target: str, args: Sequence[str], *, module: bool) -> list[str]:
     """The command line of one process running a script (or `-m module`)."""
     mode = "--module" if module else "--script"
-    return [sys.executable, "-m", "jdp.launch._worker", mode, target, *args]
+    return [sys.executable, WORKER, mode, target, *args]
 
 
 def launch_command(
@@ -261,8 +280,8 @@ def launch_command(
 ) -> int:
     """Runs `target` in `nprocs` processes; returns the job's exit status.
 
-    Installs handlers that forward SIGINT/SIGTERM to every process (a second
-    signal kills them).
+    Installs handlers that forward SIGINT/SIGTERM to every process; processes
+    still running `FORWARD_GRACE_S` later, or after a second signal, are killed.
     """
     _check_counts(nprocs, devices_per_process)
     port = port or free_port()
@@ -281,7 +300,10 @@ def launch_command(
 
     def forward(signum, frame):
         received.append(signum)
-        job.send(signal.SIGKILL if len(received) > 1 else signum)
+        if len(received) > 1:
+            job.send(signal.SIGKILL)
+        else:
+            job.request_stop(signum)
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -408,8 +430,7 @@ def run(
         commands = [
             [
                 sys.executable,
-                "-m",
-                "jdp.launch._worker",
+                WORKER,
                 "--call",
                 payload,
                 os.path.join(tmp, f"result-{r}.pkl"),

@@ -1,9 +1,10 @@
 """Private: the entry point of every process started by `jdp.launch`.
 
-Usage (by the launcher only):
-  python -m jdp.launch._worker --script path/to/script.py [args...]
-  python -m jdp.launch._worker --module package.module [args...]
-  python -m jdp.launch._worker --call payload.pkl result.pkl
+Usage (by the launcher only; run by path, so that starting a process imports
+nothing but the standard library before the target does):
+  python .../jdp/launch/_worker.py --script path/to/script.py [args...]
+  python .../jdp/launch/_worker.py --module package.module [args...]
+  python .../jdp/launch/_worker.py --call payload.pkl result.pkl
 
 It runs the target like `python script.py` / `python -m module` would, with one
 difference: if the target fails (an uncaught exception or a non-zero exit), the
@@ -14,13 +15,25 @@ shutdown timeout) and turns a failure into a hang.
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import runpy
 import sys
+import threading
+import time
 import traceback
 
-from jdp.distributed._runtime import flush_and_exit
+
+def flush_and_exit(code: int) -> None:
+    """Flushes the standard streams and logging, then `os._exit(code)`."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # pragma: no cover - e.g. a closed pipe
+            pass
+    logging.shutdown()
+    os._exit(code)
 
 
 def _run_script(path: str, args: list[str]) -> None:
@@ -44,6 +57,7 @@ def _run_call(payload_path: str, result_path: str) -> None:
                 sys.path.append(entry)
         payload = pickle.load(f)
     sys.argv = [payload_path]
+    sys.path[0] = os.getcwd()
     if payload["initialize"]:
         import jdp.distributed
 
@@ -55,11 +69,29 @@ def _run_call(payload_path: str, result_path: str) -> None:
     os.replace(tmp, result_path)
 
 
+def _exit_when_orphaned(period_s: float = 1.0) -> None:
+    """Exits this process if the launcher dies (e.g. SIGKILL): no orphaned jobs."""
+    parent = os.getppid()
+
+    def watch():
+        while True:
+            time.sleep(period_s)
+            if os.getppid() != parent:
+                try:  # the launcher read our output: this may hit a closed pipe
+                    print("jdp.launch: the launcher died; exiting.", file=sys.stderr)
+                except Exception:
+                    pass
+                flush_and_exit(1)
+
+    threading.Thread(target=watch, name="jdp-orphan-watch", daemon=True).start()
+
+
 def main(argv: list[str]) -> None:
     """Runs the target named by `argv`; exits at once if it fails."""
     if len(argv) < 2 or argv[0] not in ("--script", "--module", "--call"):
         print(__doc__, file=sys.stderr)
         flush_and_exit(2)
+    _exit_when_orphaned()
     mode, target, rest = argv[0], argv[1], argv[2:]
     try:
         if mode == "--script":

@@ -96,7 +96,8 @@ def all_gather_rows(
     Example:
       >>> import jax, jax.numpy as jnp, jdp
       >>> def step_fn(state, batch):
-      ...     ids, rows = jdp.sparse.all_gather_rows(batch, jnp.ones((2, 1)), combine=True)
+      ...     ones = jnp.ones((2, 1))
+      ...     ids, rows = jdp.sparse.all_gather_rows(batch, ones, combine=True)
       ...     return state, {"ids": ids, "rows": rows[:, 0]}
       >>> step = jdp.parallelize(step_fn, devices=jax.devices()[:2])
       >>> out = step(step.replicate({}), step.shard(jnp.array([5, 7, 7, 2])))[1]

@@ -153,6 +153,12 @@ class _Recorder:
         self.expected = expected
 
 
+_DENSE_USE_NOTE = (
+    "jdp.sparse: the tables {names} are trained sparsely, so inside the loss they "
+    "are handles, not arrays: read them only with `jdp.sparse.lookup(table, ids)`."
+)
+
+
 class _TableHandle:
     """Stands in for a table inside `jdp.sparse.value_and_grad`."""
 
@@ -190,11 +196,9 @@ class _TableHandle:
             "tables."
         )
 
-    __jax_array__ = _dense_use
-    __array__ = _dense_use
-
-    def __getitem__(self, index):
-        self._dense_use()
+    __array__ = __getitem__ = _dense_use
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _dense_use
+    __matmul__ = __rmatmul__ = __truediv__ = __rtruediv__ = _dense_use
 
     def __repr__(self) -> str:
         return f"SparseTable({self.name!r}, shape={self.shape}, dtype={self.dtype})"
@@ -247,7 +251,9 @@ def value_and_grad(
     """
     names = [normalize_path(t) for t in tables]
     if len(set(names)) != len(names):
-        raise ValueError(f"`jdp.sparse.value_and_grad`: a table is listed twice: {names}.")
+        raise ValueError(
+            f"`jdp.sparse.value_and_grad`: a table is listed twice: {names}."
+        )
 
     def wrapped(params, *args):
         leaves, treedef, index = locate_tables(
@@ -263,10 +269,17 @@ def value_and_grad(
             return fun(jax.tree_util.tree_unflatten(treedef, full), *args)
 
         shapes = _Recorder()
-        jax.eval_shape(lambda d, a: call(d, shapes, a), dense, args)
+        try:
+            jax.eval_shape(lambda d, a: call(d, shapes, a), dense, args)
+        except (TypeError, ValueError) as e:
+            if "_TableHandle" in str(e):
+                e.add_note(_DENSE_USE_NOTE.format(names=names))
+            raise
         records = shapes.records
         zeros = [
-            jnp.zeros(r.shape + table_values[r.table].shape[1:], table_values[r.table].dtype)
+            jnp.zeros(
+                r.shape + table_values[r.table].shape[1:], table_values[r.table].dtype
+            )
             for r in records
         ]
 
@@ -297,7 +310,8 @@ def value_and_grad(
                 )
             else:
                 sparse = IndexedRows(
-                    jnp.zeros((0,), jnp.int32), jnp.zeros((0,) + table.shape[1:], table.dtype)
+                    jnp.zeros((0,), jnp.int32),
+                    jnp.zeros((0,) + table.shape[1:], table.dtype),
                 )
             grads[i] = sparse
         value = (loss, aux) if has_aux else loss

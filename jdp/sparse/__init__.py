@@ -1,0 +1,45 @@
+"""Sparse gradients for embedding tables (Caffe2's `GradientSlice` path).
+
+A batch touches a few thousand rows of a table that may have millions; the dense
+gradient of the table, and its all-reduce, cost the whole table every step. Here
+the gradient of a table is kept as the rows that were looked up and their
+gradients (`IndexedRows`), the replicas exchange those rows with
+`all_gather_rows`, and row-wise optimizers (`sgd`, `adagrad`) update only the
+touched rows. `make_train_step` puts it together with the usual dense path for
+the rest of the model:
+
+    tx = jdp.sparse.partition(optax.adam(1e-3), {"embed": jdp.sparse.adagrad(0.1)})
+    step = jdp.parallelize(jdp.sparse.make_train_step(loss_fn, tx))
+
+where `loss_fn` reads the table with `jdp.sparse.lookup(params["embed"], ids)`.
+"""
+
+from jdp.sparse._gather import all_gather_rows, combine_rows
+from jdp.sparse._lookup import IndexedRows, lookup, value_and_grad
+from jdp.sparse._optim import (
+    AdagradRowState,
+    PartitionState,
+    RowOptimizer,
+    SparseTransformation,
+    adagrad,
+    partition,
+    sgd,
+)
+from jdp.sparse._train_step import IdsOutOfRangeError, make_train_step
+
+__all__ = [
+    "AdagradRowState",
+    "IdsOutOfRangeError",
+    "IndexedRows",
+    "PartitionState",
+    "RowOptimizer",
+    "SparseTransformation",
+    "adagrad",
+    "all_gather_rows",
+    "combine_rows",
+    "lookup",
+    "make_train_step",
+    "partition",
+    "sgd",
+    "value_and_grad",
+]

@@ -1,0 +1,197 @@
+"""`jdp.sparse.make_train_step`: all-reduce for dense params, all-gather for tables."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+
+from jdp import _collectives
+from jdp.sparse._gather import all_gather_rows, combine_rows
+from jdp.sparse._lookup import IndexedRows, path_name, value_and_grad
+from jdp.sparse._optim import SparseTransformation, apply_sparse
+
+PyTree = Any
+
+
+class IdsOutOfRangeError(ValueError):
+    """Raised on the host by a `check_ids=True` step that saw an invalid id."""
+
+
+class _QuietIdErrors(logging.Filter):
+    """Drops JAX's per-replica log of our own check error (it is raised anyway)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not isinstance(exc, IdsOutOfRangeError)
+
+
+_FILTER = _QuietIdErrors()
+
+
+def _install_filter() -> None:
+    for name in ("jax._src.debugging", "jax._src.callback"):
+        logger = logging.getLogger(name)
+        if _FILTER not in logger.filters:
+            logger.addFilter(_FILTER)
+
+
+def _raise_if_out_of_range(count, first, *, table: str, num_rows: int) -> None:
+    if int(count):
+        raise IdsOutOfRangeError(
+            f"jdp.sparse: {int(count)} id(s) out of range [0, {num_rows}) for table "
+            f"{table!r} in this step's global batch (first: {int(first)}). Fix the "
+            "input pipeline (e.g. hash or clip ids into the table); without "
+            "`check_ids` such ids read zero rows and are never updated."
+        )
+
+
+def _check_ids(ids: jax.Array, num_rows: int, table: str) -> None:
+    bad = (ids < 0) | (ids >= num_rows)
+    count = jnp.sum(bad)
+    first = ids[jnp.argmax(bad)] if ids.size else jnp.zeros((), ids.dtype)
+    jax.debug.callback(
+        _raise_if_out_of_range, count, first, table=table, num_rows=num_rows
+    )
+
+
+def make_train_step(
+    loss_fn: Callable[..., Any],
+    tx: SparseTransformation | None = None,
+    *,
+    has_aux: bool = False,
+    axis_name: str = "data",
+    bucket_bytes: int | None = _collectives.DEFAULT_BUCKET_BYTES,
+    reduce_dtype: Any = None,
+    batch_stats_mode: Literal["mean", "broadcast"] = "mean",
+    combine: bool = False,
+    check_ids: bool = False,
+) -> Callable[[PyTree, PyTree], tuple[PyTree, dict[str, jax.Array]]]:
+    """Builds a per-replica step that trains embedding tables with sparse gradients.
+
+    Like `jdp.make_train_step`, except for the tables of `tx` (made by
+    `jdp.sparse.partition`): the dense parameters' gradients are averaged with
+    `jdp.all_reduce_gradients` and applied with `tx.dense`; each table's
+    gradient is kept as rows (`jdp.sparse.value_and_grad`), divided by the
+    number of replicas, exchanged with `jdp.sparse.all_gather_rows` and applied
+    by the table's row optimizer to the touched rows only. Communication per
+    table is `num_replicas * ids_per_replica * (row bytes + id bytes)` instead of
+    the whole table, and every replica applies the same gathered rows, so the
+    replicas stay identical. The result equals `jdp.make_train_step` with the
+    same `tx` (up to float rounding).
+
+    The loss reads each table only through `jdp.sparse.lookup(params[...], ids)`.
+
+    Args:
+      loss_fn: `loss_fn(params, batch) -> loss`, or with batch statistics
+        `loss_fn(params, batch_stats, batch) -> (loss, new_batch_stats)`; with
+        `has_aux`, as in `jdp.make_train_step`.
+      tx: A `jdp.sparse.partition(...)` optimizer; None uses the state's `tx`.
+      has_aux: Whether `loss_fn` returns auxiliary data (see
+        `jdp.make_train_step`).
+      axis_name: The replica axis given to `jdp.parallelize`.
+      bucket_bytes: Bucket size for the dense all-reduce.
+      reduce_dtype: Wire dtype for the dense all-reduce.
+      batch_stats_mode: How batch statistics are synced (`"mean"`/`"broadcast"`).
+      combine: Sum the rows of repeated ids after gathering (a sort of the
+        gathered ids). It changes no result for `sgd` (a scatter-add sums them
+        anyway); `adagrad` combines by itself.
+      check_ids: Check every gathered id against its table's size; an id out of
+        range makes the call raise a `jax.errors.JaxRuntimeError` that carries
+        an `IdsOutOfRangeError` message (table, count, first bad id). The check
+        costs a host callback per replica and step: a debugging mode. A failing
+        call consumes a donated state; use `jdp.parallelize(...,
+        donate_state=False)` to keep it. Without the check, invalid ids read
+        zero rows and never update the table.
+
+    Returns:
+      `train_step(state, batch) -> (state, metrics)` for `jdp.parallelize`.
+
+    Raises:
+      TypeError: At trace time, if the optimizer is not a
+        `jdp.sparse.partition`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, jdp
+      >>> def loss_fn(params, batch):
+      ...     x = jdp.sparse.lookup(params["embed"], batch["ids"]).sum(axis=1)
+      ...     return jnp.mean((x @ params["w"] - batch["y"]) ** 2)
+      >>> tx = jdp.sparse.partition(optax.sgd(0.1), {"embed": jdp.sparse.sgd(0.1)})
+      >>> params = {"embed": jnp.ones((100_000, 4)) / 4, "w": jnp.ones(4)}
+      >>> step = jdp.parallelize(jdp.sparse.make_train_step(loss_fn, tx))
+      >>> state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
+      >>> batch = {"ids": jnp.arange(64).reshape(16, 4), "y": jnp.zeros(16)}
+      >>> state, metrics = step(state, step.shard(batch))
+      >>> float(metrics["loss"])
+      16.0
+    """
+    if check_ids:
+        _install_filter()
+
+    def train_step(state, batch):
+        optimizer = state.tx if tx is None else tx
+        if not isinstance(optimizer, SparseTransformation):
+            raise TypeError(
+                "`jdp.sparse.make_train_step` needs an optimizer made by "
+                "`jdp.sparse.partition(dense_tx, {table_path: jdp.sparse.sgd(lr)})`"
+                f"; got {type(optimizer).__name__}. For dense table gradients use "
+                "`jdp.make_train_step`."
+            )
+        num = _collectives.axis_size(axis_name, "jdp.sparse.make_train_step")
+        names = [t for t, _ in optimizer.tables]
+        batch_stats = getattr(state, "batch_stats", None)
+        if batch_stats is None:
+            out, grads = value_and_grad(loss_fn, names, has_aux=has_aux)(
+                state.params, batch
+            )
+            new_stats = None
+            loss, aux = out if has_aux else (out, None)
+        else:
+            (loss, rest), grads = value_and_grad(loss_fn, names, has_aux=True)(
+                state.params, batch_stats, batch
+            )
+            new_stats, aux = rest if has_aux else (rest, None)
+
+        is_rows = lambda x: isinstance(x, IndexedRows)  # noqa: E731
+        leaves, treedef = jax.tree_util.tree_flatten(grads, is_leaf=is_rows)
+        rows_at = [i for i, g in enumerate(leaves) if is_rows(g)]
+        dense = jax.tree_util.tree_unflatten(
+            treedef, [None if is_rows(g) else g for g in leaves]
+        )
+        dense = _collectives.all_reduce_gradients(
+            dense, axis_name=axis_name, bucket_bytes=bucket_bytes, dtype=reduce_dtype
+        )
+        merged = jax.tree_util.tree_leaves(dense, is_leaf=lambda x: x is None)
+        param_leaves = jax.tree_util.tree_leaves(state.params)
+        for i, path in zip(rows_at, _row_paths(grads, is_rows), strict=True):
+            ids, rows = leaves[i]
+            gathered = all_gather_rows(ids, rows / num, axis_name=axis_name)
+            if check_ids:
+                _check_ids(gathered.ids, param_leaves[i].shape[0], path)
+            merged[i] = combine_rows(*gathered) if combine else gathered
+        grads = jax.tree_util.tree_unflatten(treedef, merged)
+        params, opt_state = apply_sparse(
+            optimizer, grads, state.opt_state, state.params
+        )
+        changes = dict(step=state.step + 1, params=params, opt_state=opt_state)
+        if new_stats is not None:
+            changes["batch_stats"] = _collectives.sync_batch_stats(
+                new_stats, mode=batch_stats_mode, axis_name=axis_name
+            )
+        metrics = {"loss": loss}
+        if has_aux:
+            if isinstance(aux, dict):
+                metrics.update(aux)
+            else:
+                metrics["aux"] = aux
+        return state.replace(**changes), metrics
+
+    return train_step
+
+
+def _row_paths(grads: PyTree, is_rows) -> list[str]:
+    flat = jax.tree_util.tree_flatten_with_path(grads, is_leaf=is_rows)[0]
+    return [path_name(p) for p, g in flat if is_rows(g)]

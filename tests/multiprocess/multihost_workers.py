@@ -1,0 +1,243 @@
+"""What each process of the multi-process tests runs (through `jdp.launch.run`).
+
+Kept apart from the test modules so that a child process imports only this (and
+tests/helpers.py), never pytest's collection. Every function returns NumPy / Python
+values, pickled back to the test.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from helpers import init_mlp, make_batches, mlp_loss
+from jax import lax
+
+import jdp
+
+NUM_STEPS = 20
+GLOBAL_BATCH = 32
+HOST_MESH = ("host", "device")
+CHECKPOINT_STEP = 5
+
+
+def local_share(batch):
+    """This process's contiguous share of a global batch (process order)."""
+    n, r = jax.process_count(), jax.process_index()
+    return jax.tree.map(lambda x: x[r * len(x) // n : (r + 1) * len(x) // n], batch)
+
+
+def local_replicas(tree):
+    """This process's replicas of a replicated tree, stacked in replica order."""
+
+    def stack(x):
+        shards = sorted(x.addressable_shards, key=lambda s: s.index[0].start or 0)
+        return np.concatenate([np.asarray(s.data) for s in shards])
+
+    return jax.tree.map(stack, tree)
+
+
+def _guarded(results, name, fn):
+    """Runs one check; records its traceback instead of stopping the others."""
+    try:
+        results[name] = fn()
+    except Exception:
+        results[name] = {"error": traceback.format_exc()}
+
+
+def train(backend, *, mesh_shape=None, batches, params, tx, devices=None):
+    """20 steps of the MLP; used by the processes and by the 1-process oracle."""
+    axis_name = mesh_shape or "data"
+    step = jdp.parallelize(
+        jdp.make_train_step(mlp_loss, tx, axis_name=axis_name),
+        backend=backend,
+        devices=devices,
+        mesh_shape=mesh_shape,
+    )
+    state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
+    losses = []
+    for batch in batches:
+        state, metrics = step(state, step.shard(batch))
+        losses.append(float(metrics["loss"]))
+    return step, state, losses
+
+
+def _train_check(backend, mesh_shape=None):
+    tx = optax.adam(1e-2)
+    # Different initial params per process: `replicate` must take process 0's.
+    params = init_mlp(jax.random.key(jax.process_index()))
+    batches = [local_share(b) for b in make_batches(NUM_STEPS, GLOBAL_BATCH)]
+    step, state, losses = train(
+        backend, mesh_shape=mesh_shape, batches=batches, params=params, tx=tx
+    )
+    out = {
+        "params": jax.device_get(step.unreplicate(state).params),
+        "losses": losses,
+        "in_sync": jdp.replicas_in_sync(state),
+        "num_replicas": step.num_replicas,
+        "mesh": dict(step.mesh.shape),
+    }
+    if mesh_shape is not None:
+        ops = step.collectives(state, step.shard(batches[0]))
+        out["collectives"] = [(c.kind, c.replica_groups) for c in ops]
+    return out
+
+
+def _replicate_check():
+    own = init_mlp(jax.random.key(jax.process_index()))
+    step = jdp.parallelize(lambda s, b: (s, {}))
+    replicated = step.replicate(own)
+    return {
+        "own": jax.device_get(own),
+        "local_replicas": local_replicas(replicated),
+        "unreplicated": jax.device_get(step.unreplicate(replicated)),
+    }
+
+
+def _shard_checks():
+    step = jdp.parallelize(lambda s, b: {"n": jnp.sum(b)})
+    r = jax.process_index()
+    out = {}
+    try:  # process 0 passes 8 examples, process 1 passes 6
+        step.shard(np.ones(8 if r == 0 else 6, np.float32))
+        out["sizes"] = None
+    except ValueError as e:
+        out["sizes"] = str(e)
+    try:  # same size, different dtype on process 1
+        step.shard(np.ones(8, np.float32 if r == 0 else np.int32))
+        out["layout"] = None
+    except ValueError as e:
+        out["layout"] = str(e)
+    # With pad=True every process pads to the largest local batch; the mask
+    # counts the real examples (8 + 5).
+    pad_step = jdp.parallelize(
+        lambda s, b: {"count": jnp.sum(b[1]), "total": jnp.sum(b[0] * b[1])}
+    )
+    local = np.arange(8 if r == 0 else 5, dtype=np.float32) + 100 * r
+    placed, mask = pad_step.shard(local, pad=True)
+    metrics = pad_step(pad_step.replicate({}), (placed, mask))
+    out["pad_global_shape"] = placed.shape
+    out["pad_count"] = float(metrics["count"]) * pad_step.num_replicas
+    out["pad_total"] = float(metrics["total"]) * pad_step.num_replicas
+    return out
+
+
+def _in_sync_check():
+    step = jdp.parallelize(
+        lambda s, b: (s + lax.axis_index("data").astype(s.dtype), {}),
+        donate_state=False,
+    )
+    state = step.replicate(jnp.zeros(3))
+    before = jdp.replicas_in_sync(state)
+    drifted, _ = step(state, step.shard(np.zeros(2, np.float32)))
+    try:
+        jdp.assert_replicas_in_sync(drifted)
+        message = None
+    except AssertionError as e:
+        message = str(e)
+    return {"before": before, "after": jdp.replicas_in_sync(drifted), "msg": message}
+
+
+def bmuf_train(*, batches, params, devices=None):
+    tx = jdp.bmuf(optax.sgd(0.05), sync_period=4, block_momentum=0.5)
+    step = jdp.parallelize(
+        jdp.make_train_step(mlp_loss, tx, all_reduce=False), devices=devices
+    )
+    state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
+    for batch in batches:
+        state, _ = step(state, step.shard(batch))
+    return step, state
+
+
+def _bmuf_check():
+    batches = [local_share(b) for b in make_batches(10, GLOBAL_BATCH)]
+    step, state = bmuf_train(batches=batches, params=init_mlp(jax.random.key(0)))
+    return {
+        "local_replicas": local_replicas(state.params),
+        "global": jax.device_get(
+            step.unreplicate(jdp.bmuf_global_params(state.opt_state))
+        ),
+    }
+
+
+def _checkpoint_check(restore_dir, save_dir):
+    tx = optax.adam(1e-2)
+    batches = [local_share(b) for b in make_batches(NUM_STEPS, GLOBAL_BATCH)]
+    params = init_mlp(jax.random.key(0))
+    step = jdp.parallelize(jdp.make_train_step(mlp_loss, tx))
+    out = {}
+    # 1 process x 4 devices saved CHECKPOINT_STEP steps: resume here on 2 x 2.
+    like = step.replicate(jdp.TrainState.create(params=params, tx=tx))
+    with jdp.checkpoint.CheckpointManager(restore_dir) as manager:
+        state = manager.restore(like)
+    out["restored_step"] = int(step.unreplicate(state).step)
+    for batch in batches[CHECKPOINT_STEP:]:
+        state, _ = step(state, step.shard(batch))
+    out["resumed_params"] = jax.device_get(step.unreplicate(state).params)
+    # Save from 2 x 2 after CHECKPOINT_STEP steps (restored on 1 x 4 by the test).
+    state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
+    for batch in batches[:CHECKPOINT_STEP]:
+        state, _ = step(state, step.shard(batch))
+    with jdp.checkpoint.CheckpointManager(save_dir) as manager:
+        manager.save(CHECKPOINT_STEP, state, parallel=step)
+    out["saved_params"] = jax.device_get(step.unreplicate(state).params)
+    return out
+
+
+def _initialize_again():
+    jdp.distributed.initialize()  # same job: nothing to do
+    try:
+        jdp.distributed.initialize(num_processes=5)
+        return None
+    except RuntimeError as e:
+        return str(e)
+
+
+def scenario(restore_dir, save_dir):
+    """Every correctness check of one 2-process job (the test reads each part)."""
+    results = {
+        "process_index": jax.process_index(),
+        "process_count": jax.process_count(),
+        "device_count": jax.device_count(),
+        "local_device_count": jax.local_device_count(),
+        "is_initialized": jdp.distributed.is_initialized(),
+    }
+    _guarded(results, "replicate", _replicate_check)
+    _guarded(results, "train_shard_map", lambda: _train_check("shard_map"))
+    _guarded(results, "train_pmap", lambda: _train_check("pmap"))
+    _guarded(results, "train_host_mesh", lambda: _train_check("shard_map", HOST_MESH))
+    _guarded(results, "shard", _shard_checks)
+    _guarded(results, "in_sync", _in_sync_check)
+    _guarded(results, "bmuf", _bmuf_check)
+    _guarded(results, "checkpoint", lambda: _checkpoint_check(restore_dir, save_dir))
+    _guarded(results, "initialize_again", _initialize_again)
+    return results
+
+
+def initialize_only(**kwargs):
+    """Joins a job with explicit arguments (the bad-input tests)."""
+    start = time.monotonic()
+    jdp.distributed.initialize(**kwargs)
+    return time.monotonic() - start
+
+
+def pid_and_env():
+    import jdp.distributed._runtime as rt
+
+    return {
+        "pid": os.getpid(),
+        "env": {
+            k: os.environ.get(k)
+            for k in (
+                rt.ENV_COORDINATOR_ADDRESS,
+                rt.ENV_NUM_PROCESSES,
+                rt.ENV_PROCESS_ID,
+            )
+        },
+        "local_device_count": jax.local_device_count(),
+    }

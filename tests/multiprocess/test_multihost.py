@@ -1,0 +1,217 @@
+"""2 real processes x 2 CPU devices (gloo, 127.0.0.1) against 1 process x 4 devices.
+
+One job runs every check (starting JAX processes costs seconds each); the tests
+below read its parts. The 1-process oracles run here, on 4 of this process's 8
+simulated devices, on the same global batches.
+"""
+
+import jax
+import multihost_workers as mw
+import numpy as np
+import optax
+import pytest
+from helpers import assert_trees_close, init_mlp, make_batches, mlp_loss
+
+import jdp
+
+pytestmark = [
+    pytest.mark.multiprocess,
+    pytest.mark.xdist_group("multihost"),
+    pytest.mark.timeout(240),
+]
+
+NUM_PROCESSES = 2
+DEVICES_PER_PROCESS = 2
+ORACLE_DEVICES = NUM_PROCESSES * DEVICES_PER_PROCESS
+
+
+def oracle_devices():
+    return jax.devices()[:ORACLE_DEVICES]
+
+
+def global_batches():
+    return make_batches(mw.NUM_STEPS, mw.GLOBAL_BATCH)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("multihost")
+    return {"restore": root / "saved_by_1x4", "save": root / "saved_by_2x2"}
+
+
+@pytest.fixture(scope="module")
+def job(dirs):
+    # A checkpoint written by 1 process x 4 devices, for the job to resume from.
+    tx = optax.adam(1e-2)
+    step = jdp.parallelize(
+        jdp.make_train_step(mlp_loss, tx), devices=oracle_devices()
+    )
+    state = step.replicate(
+        jdp.TrainState.create(params=init_mlp(jax.random.key(0)), tx=tx)
+    )
+    for batch in global_batches()[: mw.CHECKPOINT_STEP]:
+        state, _ = step(state, step.shard(batch))
+    with jdp.checkpoint.CheckpointManager(dirs["restore"]) as manager:
+        manager.save(mw.CHECKPOINT_STEP, state, parallel=step)
+    return jdp.launch.run(
+        mw.scenario,
+        NUM_PROCESSES,
+        args=(str(dirs["restore"]), str(dirs["save"])),
+        devices_per_process=DEVICES_PER_PROCESS,
+        timeout_s=200,
+    )
+
+
+def part(job, name):
+    """Each process's result for one check; a check that raised fails here."""
+    out = []
+    for p, results in enumerate(job):
+        value = results[name]
+        if isinstance(value, dict) and "error" in value:
+            pytest.fail(f"process {p} failed in {name!r}:\n{value['error']}")
+        out.append(value)
+    return out
+
+
+@pytest.fixture(scope="module")
+def oracle_adam():
+    """1 process x 4 devices, 20 steps, from process 0's initial params."""
+    step, state, losses = mw.train(
+        "shard_map",
+        batches=global_batches(),
+        params=init_mlp(jax.random.key(0)),
+        tx=optax.adam(1e-2),
+        devices=oracle_devices(),
+    )
+    return jax.device_get(step.unreplicate(state).params), losses
+
+
+def test_job_spans_every_process(job):
+    assert [r["process_index"] for r in job] == [0, 1]
+    for r in job:
+        assert r["is_initialized"]
+        assert r["process_count"] == NUM_PROCESSES
+        assert r["device_count"] == ORACLE_DEVICES
+        assert r["local_device_count"] == DEVICES_PER_PROCESS
+
+
+def test_replicate_gives_process_0_params_everywhere(job):
+    results = part(job, "replicate")
+    own0, own1 = results[0]["own"], results[1]["own"]
+    assert not np.allclose(own0["layer0"]["w"], own1["layer0"]["w"])
+    for r in results:
+        for i in range(DEVICES_PER_PROCESS):
+            local = jax.tree.map(lambda x, i=i: x[i], r["local_replicas"])
+            assert_trees_close(local, own0, rtol=0, atol=0)
+        assert_trees_close(r["unreplicated"], own0, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", ["shard_map", "pmap"])
+def test_two_processes_match_one_process(job, oracle_adam, backend):
+    expected, expected_losses = oracle_adam
+    for r in part(job, f"train_{backend}"):
+        assert r["num_replicas"] == ORACLE_DEVICES
+        assert r["in_sync"]
+        assert_trees_close(r["params"], expected, rtol=1e-5)
+        np.testing.assert_allclose(r["losses"], expected_losses, rtol=1e-5)
+
+
+def test_host_mesh_matches_flat_mesh(job, oracle_adam):
+    expected, expected_losses = oracle_adam
+    for r in part(job, "train_host_mesh"):
+        assert r["mesh"] == {"host": NUM_PROCESSES, "device": DEVICES_PER_PROCESS}
+        assert r["in_sync"]
+        assert_trees_close(r["params"], expected, rtol=1e-5)
+        np.testing.assert_allclose(r["losses"], expected_losses, rtol=1e-5)
+        # Within each host first (devices 0,1 | 2,3), then across (0,2 | 1,3).
+        kinds = [(k, tuple(map(tuple, g))) for k, g in r["collectives"]]
+        within, across = ((0, 1), (2, 3)), ((0, 2), (1, 3))
+        assert ("reduce-scatter", within) in kinds
+        assert ("all-reduce", across) in kinds
+        assert ("all-gather", within) in kinds
+        first = kinds.index(("reduce-scatter", within))
+        assert kinds.index(("all-reduce", across)) > first
+
+
+def test_shard_rejects_different_local_batch_sizes(job):
+    for r in part(job, "shard"):
+        with pytest.raises(ValueError, match=r"process 0: 8, process 1: 6 examples"):
+            raise ValueError(r["sizes"])
+        assert "pad=True" in r["sizes"]
+
+
+def test_shard_rejects_different_layouts(job):
+    for r in part(job, "shard"):
+        with pytest.raises(ValueError, match=r"different structure, trailing shapes"):
+            raise ValueError(r["layout"])
+
+
+def test_shard_pad_pads_every_process_to_the_largest_batch(job):
+    expected_total = np.arange(8).sum() + (np.arange(5) + 100).sum()
+    for r in part(job, "shard"):
+        assert r["pad_global_shape"] == (2 * 8,)
+        assert r["pad_count"] == pytest.approx(13)
+        assert r["pad_total"] == pytest.approx(expected_total)
+
+
+def test_replicas_in_sync_compares_replicas_of_every_process(job):
+    for r in part(job, "in_sync"):
+        assert r["before"] and not r["after"]
+        # Replica 3 (on process 1) differs most from replica 0 (on process 0).
+        with pytest.raises(AssertionError, match=r"replica 3 differs from replica 0"):
+            raise AssertionError(r["msg"])
+
+
+def test_bmuf_across_processes_matches_one_process(job):
+    step, state = mw.bmuf_train(
+        batches=make_batches(10, mw.GLOBAL_BATCH),
+        params=init_mlp(jax.random.key(0)),
+        devices=oracle_devices(),
+    )
+    replicas = mw.local_replicas(state.params)
+    expected_global = jax.device_get(
+        step.unreplicate(jdp.bmuf_global_params(state.opt_state))
+    )
+    # 10 steps with sync_period=4: replicas differ (mid-block), so compare each.
+    assert not jdp.replicas_in_sync(state)
+    for p, r in enumerate(part(job, "bmuf")):
+        mine = slice(p * DEVICES_PER_PROCESS, (p + 1) * DEVICES_PER_PROCESS)
+        assert_trees_close(
+            r["local_replicas"], jax.tree.map(lambda x: x[mine], replicas), rtol=1e-5
+        )
+        assert_trees_close(r["global"], expected_global, rtol=1e-5)
+
+
+def test_checkpoint_from_1x4_resumes_on_2x2(job, oracle_adam):
+    expected, _ = oracle_adam
+    for r in part(job, "checkpoint"):
+        assert r["restored_step"] == mw.CHECKPOINT_STEP
+        assert_trees_close(r["resumed_params"], expected, rtol=1e-5)
+
+
+def test_checkpoint_from_2x2_resumes_on_1x4(job, dirs, oracle_adam):
+    expected, _ = oracle_adam
+    saved = part(job, "checkpoint")[0]["saved_params"]
+    tx = optax.adam(1e-2)
+    step = jdp.parallelize(
+        jdp.make_train_step(mlp_loss, tx), devices=oracle_devices()
+    )
+    like = step.replicate(
+        jdp.TrainState.create(params=init_mlp(jax.random.key(1)), tx=tx)
+    )
+    with jdp.checkpoint.CheckpointManager(dirs["save"]) as manager:
+        assert manager.latest_step() == mw.CHECKPOINT_STEP
+        state = manager.restore(like)
+    assert int(step.unreplicate(state).step) == mw.CHECKPOINT_STEP
+    assert_trees_close(step.unreplicate(state).params, saved, rtol=0, atol=0)
+    for batch in global_batches()[mw.CHECKPOINT_STEP :]:
+        state, _ = step(state, step.shard(batch))
+    assert_trees_close(step.unreplicate(state).params, expected, rtol=1e-5)
+
+
+def test_initialize_is_idempotent_and_rejects_another_job(job):
+    for message in part(job, "initialize_again"):
+        with pytest.raises(
+            RuntimeError, match=r"already called .* num_processes=5 \(now 2\)"
+        ):
+            raise RuntimeError(message)

@@ -1,0 +1,380 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import assert_trees_close
+
+import jdp
+
+FEATURES = 3  # ids per example
+
+
+def init_params(seed, num_rows, dim, hidden=16):
+    rng = np.random.default_rng(seed)
+
+    def normal(*shape, scale=1.0):
+        return (scale * rng.normal(size=shape)).astype(np.float32)
+
+    return {
+        "embed": normal(num_rows, dim, scale=0.1),
+        "mlp": {
+            "w1": normal(FEATURES * dim, hidden, scale=1 / np.sqrt(FEATURES * dim)),
+            "b1": np.zeros(hidden, np.float32),
+            "w2": normal(hidden, 1, scale=1 / np.sqrt(hidden)),
+            "b2": np.zeros(1, np.float32),
+        },
+    }
+
+
+def loss_fn(params, batch):
+    emb = jdp.sparse.lookup(params["embed"], batch["ids"])  # (B, FEATURES, dim)
+    x = emb.reshape(emb.shape[0], -1)
+    mlp = params["mlp"]
+    h = jnp.tanh(x @ mlp["w1"] + mlp["b1"])
+    pred = (h @ mlp["w2"] + mlp["b2"])[:, 0]
+    return jnp.mean((pred - batch["y"]) ** 2)
+
+
+def make_batches(num_steps, batch_size, num_rows, *, seed=0, hot=10):
+    """Ids with many repeats: half from `hot` popular rows, half from anywhere."""
+    rng = np.random.default_rng(seed)
+    batches = []
+    for _ in range(num_steps):
+        ids = rng.integers(0, num_rows, size=(batch_size, FEATURES))
+        popular = rng.random(ids.shape) < 0.5
+        ids = np.where(popular, rng.integers(0, hot, size=ids.shape), ids)
+        batches.append(
+            {
+                "ids": ids.astype(np.int32),
+                "y": rng.normal(size=batch_size).astype(np.float32),
+            }
+        )
+    return batches
+
+
+def train(train_step, params, tx, batches, *, backend="shard_map", **kwargs):
+    step = jdp.parallelize(train_step, backend=backend, **kwargs)
+    state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
+    for batch in batches:
+        state, _ = step(state, step.shard(batch))
+    return step, state
+
+
+LR = 0.5
+BIG_ROWS, BIG_DIM = 100_000, 32
+
+
+@pytest.fixture(scope="module")
+def big_problem():
+    params = init_params(0, BIG_ROWS, BIG_DIM)
+    batches = make_batches(20, 64, BIG_ROWS)
+    step, state = train(
+        jdp.make_train_step(loss_fn, optax.sgd(LR)), params, optax.sgd(LR), batches
+    )
+    return params, batches, step.unreplicate(state).params
+
+
+@pytest.mark.parametrize("combine", [False, True], ids=["concat", "combine"])
+def test_sparse_sgd_matches_dense_sgd_on_a_100k_table(big_problem, combine):
+    params, batches, dense = big_problem
+    tx = jdp.sparse.partition(optax.sgd(LR), {"embed": jdp.sparse.sgd(LR)})
+    step, state = train(
+        jdp.sparse.make_train_step(loss_fn, tx, combine=combine), params, tx, batches
+    )
+    jdp.assert_replicas_in_sync(state)
+    got = step.unreplicate(state).params
+    assert_trees_close(got, dense, rtol=1e-5, atol=1e-7)
+    # Non-trivial: the touched rows moved, the others did not.
+    touched = np.unique(np.concatenate([b["ids"].ravel() for b in batches]))
+    moved = np.flatnonzero(
+        np.any(np.asarray(got["embed"]) != np.asarray(params["embed"]), axis=1)
+    )
+    assert set(moved) <= set(touched) and len(moved) > 0.9 * len(touched)
+
+
+SMALL_ROWS, SMALL_DIM = 1000, 8
+
+
+def test_sparse_adagrad_matches_optax_adagrad():
+    params = init_params(1, SMALL_ROWS, SMALL_DIM)
+    batches = make_batches(6, 32, SMALL_ROWS, seed=1, hot=4)
+    oracle_tx = optax.adagrad(0.3)
+    step, state = train(
+        jdp.make_train_step(loss_fn, oracle_tx),
+        params,
+        oracle_tx,
+        batches,
+        backend="pmap",
+    )
+    expected = step.unreplicate(state).params
+    tx = jdp.sparse.partition(optax.adagrad(0.3), {"embed": jdp.sparse.adagrad(0.3)})
+    step, state = train(
+        jdp.sparse.make_train_step(loss_fn, tx), params, tx, batches, backend="pmap"
+    )
+    assert_trees_close(step.unreplicate(state).params, expected, rtol=1e-5, atol=1e-7)
+    acc = np.asarray(step.unreplicate(state).opt_state.tables["embed"].sum_of_squares)
+    assert acc.shape == (SMALL_ROWS, SMALL_DIM) and np.count_nonzero(acc != 0.1) > 0
+    # The same optimizer under `jdp.make_train_step` (dense table gradients).
+    step, state = train(jdp.make_train_step(loss_fn, tx), params, tx, batches)
+    assert_trees_close(step.unreplicate(state).params, expected, rtol=1e-5, atol=1e-7)
+    # No dense optimizer state was allocated for the table.
+    assert step.unreplicate(state).opt_state.dense[0].sum_of_squares["embed"] is None
+
+
+def gather_step(combine):
+    def step_fn(state, batch):
+        ids, rows = jdp.sparse.all_gather_rows(
+            batch["ids"], batch["rows"], combine=combine
+        )
+        return state, {"ids": ids.astype(jnp.float32), "rows": rows}
+
+    return step_fn
+
+
+def test_all_gather_rows_concatenates_replicas_in_order():
+    devices = jax.devices()[:4]
+    ids = np.array([[3, 1], [1, 1], [7, 3], [0, 9]], np.int32)  # 2 ids per replica
+    rows = np.arange(8 * 3, dtype=np.float32).reshape(4, 2, 3)
+    step = jdp.parallelize(gather_step(False), devices=devices)
+    out = step(step.replicate({}), step.shard({"ids": ids, "rows": rows}))[1]
+    np.testing.assert_array_equal(out["ids"], ids.ravel())
+    np.testing.assert_array_equal(out["rows"], rows.reshape(8, 3))
+
+
+def test_all_gather_rows_combines_duplicates_within_and_across_replicas():
+    devices = jax.devices()[:4]
+    ids = np.array([[3, 1], [1, 1], [7, 3], [0, 9]], np.int32)
+    rows = np.arange(8 * 3, dtype=np.float32).reshape(4, 2, 3)
+    step = jdp.parallelize(gather_step(True), devices=devices)
+    out = step(step.replicate({}), step.shard({"ids": ids, "rows": rows}))[1]
+    flat_ids, flat_rows = ids.ravel(), rows.reshape(8, 3)
+    unique = np.unique(flat_ids)
+    expected_rows = np.stack([flat_rows[flat_ids == u].sum(0) for u in unique])
+    pad = 8 - len(unique)
+    np.testing.assert_array_equal(out["ids"], np.concatenate([unique, [-1] * pad]))
+    np.testing.assert_allclose(out["rows"][: len(unique)], expected_rows)
+    np.testing.assert_array_equal(out["rows"][len(unique) :], 0)
+
+
+def test_all_gather_rows_errors():
+    with pytest.raises(RuntimeError, match="jdp.sparse.all_gather_rows.*not bound"):
+        jdp.sparse.all_gather_rows(jnp.arange(2), jnp.ones((2, 3)))
+    with pytest.raises(ValueError, match=r"rows of shape \(3, 4\) do not start"):
+        jdp.sparse.combine_rows(jnp.arange(2), jnp.ones((3, 4)))
+    with pytest.raises(TypeError, match="ids must be integers"):
+        jdp.sparse.combine_rows(jnp.ones(2), jnp.ones((2, 4)))
+
+
+def test_value_and_grad_rows_scatter_to_the_dense_gradient():
+    params = init_params(3, 50, 4)
+    batch = make_batches(1, 8, 50, seed=3, hot=3)[0]
+
+    def two_lookups(params, batch):  # the same table read twice
+        extra = jdp.sparse.lookup(params["embed"], batch["ids"][:, 0]).sum()
+        return loss_fn(params, batch) + 0.1 * extra
+
+    loss, grads = jax.jit(jdp.sparse.value_and_grad(two_lookups, ["embed"]))(
+        params, batch
+    )
+    dense_loss, dense = jax.jit(jax.value_and_grad(two_lookups))(params, batch)
+    np.testing.assert_allclose(loss, dense_loss, rtol=1e-6)
+    sparse = grads["embed"]
+    assert isinstance(sparse, jdp.sparse.IndexedRows)
+    assert sparse.ids.shape == (8 * FEATURES + 8,)
+    scattered = jnp.zeros_like(params["embed"]).at[sparse.ids].add(sparse.rows)
+    np.testing.assert_allclose(scattered, dense["embed"], rtol=1e-5, atol=1e-7)
+    assert_trees_close(grads["mlp"], dense["mlp"], rtol=1e-5)
+
+
+def test_value_and_grad_with_aux_and_nested_table_path():
+    params = {"tower": {"emb": jnp.ones((10, 2))}, "w": jnp.ones(2)}
+
+    def fn(p, ids):
+        x = jdp.sparse.lookup(p["tower"]["emb"], ids) @ p["w"]
+        return x.sum(), {"n": ids.size}
+
+    (loss, aux), grads = jdp.sparse.value_and_grad(
+        fn, [("tower", "emb")], has_aux=True
+    )(params, jnp.array([1, 1, 4]))
+    assert float(loss) == 6.0 and aux["n"] == 3
+    np.testing.assert_array_equal(grads["tower"]["emb"].ids, [1, 1, 4])
+    np.testing.assert_allclose(grads["tower"]["emb"].rows, np.ones((3, 2)))
+    np.testing.assert_allclose(grads["w"], [3.0, 3.0])
+
+
+def test_value_and_grad_errors():
+    params = {"embed": jnp.ones((10, 2)), "w": jnp.ones(2)}
+    with pytest.raises(
+        ValueError, match=r"(?s)no parameter leaf at table path\(s\) \['emb'\].*embed"
+    ):
+        jdp.sparse.value_and_grad(lambda p, i: p["w"].sum(), ["emb"])(params, 0)
+
+    def dense_read(p, ids):
+        return jnp.take(p["embed"], ids, axis=0).sum()
+
+    with pytest.raises(TypeError, match=r"tables \['embed'\] are trained sparsely"):
+        jdp.sparse.value_and_grad(dense_read, ["embed"])(params, jnp.arange(2))
+    with pytest.raises(TypeError, match="'embed' is trained sparsely here"):
+        jdp.sparse.value_and_grad(lambda p, i: (p["embed"] * 2).sum(), ["embed"])(
+            params, 0
+        )
+    with pytest.raises(TypeError, match="ids must be integers"):
+        jdp.sparse.lookup(params["embed"], jnp.ones(2))
+    # A table the loss does not read gets an empty gradient, not an error.
+    _, grads = jdp.sparse.value_and_grad(lambda p, i: p["w"].sum(), ["embed"])(
+        params, 0
+    )
+    assert grads["embed"].ids.shape == (0,) and grads["embed"].rows.shape == (0, 2)
+
+
+def test_out_of_range_ids_read_zeros_and_never_update_on_both_paths():
+    params = init_params(4, SMALL_ROWS, SMALL_DIM)
+    batches = make_batches(3, 16, SMALL_ROWS, seed=4)
+    for b in batches:  # keep the last row unused: -1 must not wrap around to it
+        b["ids"][b["ids"] == SMALL_ROWS - 1] = 0
+    batches[1]["ids"][0, 0] = SMALL_ROWS + 5
+    batches[2]["ids"][3, 1] = -1
+    rows = jdp.sparse.lookup(params["embed"], jnp.array([SMALL_ROWS, -1, 2]))
+    np.testing.assert_array_equal(rows[:2], 0)
+    np.testing.assert_array_equal(rows[2], params["embed"][2])
+    step, state = train(
+        jdp.make_train_step(loss_fn, optax.sgd(LR)), params, optax.sgd(LR), batches
+    )
+    dense = step.unreplicate(state).params
+    tx = jdp.sparse.partition(optax.sgd(LR), {"embed": jdp.sparse.sgd(LR)})
+    step, state = train(
+        jdp.sparse.make_train_step(loss_fn, tx, combine=True), params, tx, batches
+    )
+    sparse = step.unreplicate(state).params
+    assert_trees_close(sparse, dense, rtol=1e-5, atol=1e-7)
+    np.testing.assert_array_equal(sparse["embed"][-1], params["embed"][-1])
+
+
+def test_check_ids_raises_a_clear_error():
+    params = init_params(5, SMALL_ROWS, SMALL_DIM)
+    good, bad = make_batches(2, 16, SMALL_ROWS, seed=5)
+    bad["ids"][2, 0] = SMALL_ROWS + 7
+    bad["ids"][9, 2] = -3
+    tx = jdp.sparse.partition(optax.sgd(LR), {"embed": jdp.sparse.sgd(LR)})
+    step = jdp.parallelize(
+        jdp.sparse.make_train_step(loss_fn, tx, check_ids=True), donate_state=False
+    )
+    state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
+    state, _ = step(state, step.shard(good))
+    with pytest.raises(
+        jax.errors.JaxRuntimeError,
+        match=r"2 id\(s\) out of range \[0, 1000\) for table 'embed'.*first: 1007",
+    ):
+        jax.block_until_ready(step(state, step.shard(bad)))
+    state, metrics = step(state, step.shard(good))  # the state survived
+    assert int(step.unreplicate(state).step) == 2 and np.isfinite(metrics["loss"])
+
+
+def test_sparse_step_communicates_rows_not_the_table():
+    rows, dim, batch = 20_000, 16, 64
+    params = init_params(6, rows, dim)
+    data = make_batches(1, batch, rows)[0]
+    tx = jdp.sparse.partition(optax.sgd(LR), {"embed": jdp.sparse.sgd(LR)})
+    sparse_step = jdp.parallelize(jdp.sparse.make_train_step(loss_fn, tx))
+    dense_step = jdp.parallelize(jdp.make_train_step(loss_fn, optax.sgd(LR)))
+    table_bytes = rows * dim * 4
+
+    def collectives(step, tx):
+        state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
+        return step.collectives(state, step.shard(data), stage="lowered")
+
+    dense_ops = collectives(dense_step, optax.sgd(LR))
+    sparse_ops = collectives(sparse_step, tx)
+    assert sum(c.bytes for c in dense_ops if c.kind == "all-reduce") >= table_bytes
+    gathers = [c for c in sparse_ops if c.kind == "all-gather"]
+    assert sorted(c.bytes for c in gathers) == sorted(
+        [batch * FEATURES * 4, batch * FEATURES * dim * 4]
+    )
+    assert sum(c.bytes for c in sparse_ops) < table_bytes / 20
+
+
+def test_sparse_step_with_batch_stats_matches_dense():
+    params = init_params(7, SMALL_ROWS, SMALL_DIM)
+    batches = make_batches(3, 16, SMALL_ROWS, seed=7)
+
+    def stats_loss(params, stats, batch):
+        emb = jdp.sparse.lookup(params["embed"], batch["ids"])
+        new = {"mean": 0.9 * stats["mean"] + 0.1 * emb.mean(axis=(0, 1))}
+        return loss_fn(params, batch), new
+
+    def run(make, tx):
+        step = jdp.parallelize(make(stats_loss, tx))
+        state = jdp.TrainState.create(
+            params=params, tx=tx, batch_stats={"mean": jnp.zeros(SMALL_DIM)}
+        )
+        state = step.replicate(state)
+        for b in batches:
+            state, _ = step(state, step.shard(b))
+        return step.unreplicate(state)
+
+    tx = jdp.sparse.partition(optax.sgd(LR), {"embed": jdp.sparse.sgd(LR)})
+    got = run(jdp.sparse.make_train_step, tx)
+    expected = run(jdp.make_train_step, optax.sgd(LR))
+    assert_trees_close(got.params, expected.params, rtol=1e-5, atol=1e-7)
+    assert_trees_close(got.batch_stats, expected.batch_stats, rtol=1e-5, atol=1e-7)
+
+
+def test_optimizer_errors():
+    params = {"embed": jnp.ones((10, 2)), "w": jnp.ones(2)}
+    step = jdp.parallelize(jdp.sparse.make_train_step(loss_fn, optax.sgd(0.1)))
+    state = step.replicate(jdp.TrainState.create(params=params, tx=optax.sgd(0.1)))
+    with pytest.raises(
+        TypeError, match="needs an optimizer made by `jdp.sparse.partition"
+    ):
+        step(
+            state,
+            step.shard({"ids": np.zeros((8, FEATURES), np.int32), "y": np.zeros(8)}),
+        )
+    with pytest.raises(TypeError, match="table 'embed' needs a row optimizer"):
+        jdp.sparse.partition(optax.sgd(0.1), {"embed": optax.sgd(0.1)})
+    with pytest.raises(
+        ValueError, match=r"no parameter leaf at table path\(s\) \['table'\]"
+    ):
+        jdp.sparse.partition(optax.sgd(0.1), {"table": jdp.sparse.sgd(0.1)}).init(
+            params
+        )
+    tx = jdp.sparse.partition(optax.sgd(0.1), {"embed": jdp.sparse.sgd(0.1)})
+    sparse_grads = {
+        "embed": jdp.sparse.IndexedRows(jnp.arange(2), jnp.ones((2, 2))),
+        "w": jnp.ones(2),
+    }
+    with pytest.raises(TypeError, match="got sparse `IndexedRows` gradients"):
+        tx.update(sparse_grads, tx.init(params), params)
+    with pytest.raises(
+        ValueError, match=r"rows of shape \(2, 3\) for a table of shape \(10, 2\)"
+    ):
+        jdp.sparse.sgd(0.1).update(
+            jdp.sparse.IndexedRows(jnp.arange(2), jnp.ones((2, 3))),
+            None,
+            params["embed"],
+        )
+
+
+def test_lookup_inside_a_flax_module():
+    import flax.linen as nn
+
+    class Recommender(nn.Module):
+        @nn.compact
+        def __call__(self, ids):
+            table = self.param("embedding", nn.initializers.normal(0.1), (100, 4))
+            return nn.Dense(1)(jdp.sparse.lookup(table, ids)).sum()
+
+    model = Recommender()
+    ids = jnp.array([5, 2, 5, 99])
+    params = model.init(jax.random.key(0), ids)["params"]
+
+    def fn(p, ids):
+        return model.apply({"params": p}, ids)
+
+    _, grads = jax.jit(jdp.sparse.value_and_grad(fn, ["embedding"]))(params, ids)
+    dense = jax.jit(jax.grad(fn))(params, ids)
+    rows = grads["embedding"]
+    scattered = jnp.zeros((100, 4)).at[rows.ids].add(rows.rows)
+    np.testing.assert_allclose(scattered, dense["embedding"], rtol=1e-6)
+    assert_trees_close(grads["Dense_0"], dense["Dense_0"])
