@@ -245,20 +245,20 @@ def bmuf(
                 updates,
             )
         inner_updates, inner_state = inner.update(updates, state.inner_state, params)
-        local = optax.apply_updates(params, inner_updates)
-
+        # The locally updated params are only materialised inside the branches
+        # that need them, so a plain step costs what `inner` alone costs.
         global_params = state.global_params
         if warmup_steps:
             global_params = lax.cond(
                 count < warmup_steps,
-                lambda g: _cast_like(local, g),
+                lambda g: _cast_like(optax.apply_updates(params, inner_updates), g),
                 lambda g: g,
                 global_params,
             )
 
         def sync(operands):
             g, v, inner_state = operands
-            avg = _mean(local, axis_name)
+            avg = _mean(optax.apply_updates(params, inner_updates), axis_name)
             if outer is None:
                 start = _lookahead(g, v, eta) if nesterov else g
                 v = _float_map(

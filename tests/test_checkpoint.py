@@ -86,6 +86,11 @@ def saved(tmp_path_factory):
 # -- save and restore ---------------------------------------------------------------
 
 
+def test_public_names():
+    assert jdp.checkpoint.__all__ == ["CheckpointManager"]
+    assert jdp.checkpoint.CheckpointManager is CheckpointManager
+
+
 def test_restore_gives_every_replica_the_saved_copy(saved, backend):
     directory, copy = saved
     step = make_parallel(backend)
@@ -542,7 +547,7 @@ def test_save_rejects_what_it_cannot_restore(tmp_path):
         with pytest.raises(ValueError, match="`step` must be a non-negative integer"):
             manager.save(-1, state)
         assert manager.all_steps() == []
-        assert manager.save(jnp.int32(4), state)  # e.g. `state.step`
+        assert manager.save(step.unreplicate(state).step + 4, state)  # a 0-d array
         assert manager.all_steps() == [4]
 
 

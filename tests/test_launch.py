@@ -15,6 +15,7 @@ import time
 import pytest
 
 import jdp
+from jdp.launch import __main__ as launch_main
 from jdp.launch import _launcher
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
@@ -107,9 +108,7 @@ def test_cli_runs_the_script_in_every_process_with_prefixed_output(tmp_path):
     out, err = finish(proc)
     assert proc.returncode == 0, err
     for rank in (0, 1):
-        assert (
-            f"[{rank}] hello from {rank} of 2 args=['a', '--b'] name=__main__" in out
-        )
+        assert f"[{rank}] hello from {rank} of 2 args=['a', '--b'] name=__main__" in out
         assert f"[{rank}] to stderr from {rank}" in err
 
 
@@ -182,11 +181,11 @@ def test_cli_timeout_stops_the_job(tmp_path):
     ],
     ids=["zero", "not-an-int", "missing"],
 )
-def test_cli_rejects_bad_arguments(args, message):
-    proc = launcher(args)
-    _, err = finish(proc)
-    assert proc.returncode == 2
-    assert message in err
+def test_cli_rejects_bad_arguments(args, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        launch_main.main(args)  # the code `python -m jdp.launch` runs
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
 
 
 # -- jdp.launch.run -------------------------------------------------------------

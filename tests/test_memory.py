@@ -82,7 +82,6 @@ def test_sharded_optimizer_state_shrinks_the_arguments():
 POLICIES = {
     "full": "full",
     "dots_saveable": jax.checkpoint_policies.dots_saveable,
-    "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
 }
 
 

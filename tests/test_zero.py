@@ -200,6 +200,21 @@ def test_small_buckets_give_one_collective_pair_per_bucket():
     assert_trees_close(step.unreplicate(state).params, expected, rtol=1e-5)
 
 
+def test_reduce_dtype_sets_the_reduce_scatter_wire_type():
+    tx = optax.adam(1e-2)
+    init = jdp.TrainState.create(params=params0(), tx=tx)
+    step = zero_step(tx, devices=jax.devices()[:2], reduce_dtype=jnp.bfloat16)
+    batches = make_batches(3, 8)
+    ops = step.collectives(
+        step.replicate(init), step.shard(batches[0]), stage="lowered"
+    )
+    assert [c.dtype for c in ops if c.kind == "reduce-scatter"] == ["bf16"]
+    assert [c.dtype for c in ops if c.kind == "all-gather"] == ["f32"]
+    state, _ = run(step, step.replicate(init), batches)
+    expected, _ = single_device_train(mlp_loss, params0(), tx, batches)
+    assert_trees_close(step.unreplicate(state).params, expected, rtol=2e-2, atol=2e-3)
+
+
 def test_logical_copy_restores_into_another_replica_count():
     """Save one logical copy on 8 replicas, resume on 3 (sharded) or 2 (plain)."""
     tx = optax.adam(1e-2)

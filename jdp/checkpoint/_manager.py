@@ -286,9 +286,9 @@ class CheckpointManager:
     def metadata(self, step: int | None = None) -> dict[str, Any]:
         """The JSON record saved with a step (the newest complete one by default).
 
-        Keys: `format`, `step`, `jdp_version`, `jax_version`, `num_replicas`,
-        `backend`, `axis_name` (None when `save` was not given `parallel`),
-        `process_count`, `state_type`, and `leaves`: one
+        Keys: `format`, `step`, `jdp_version`, `jax_version`, `python_version`,
+        `num_replicas`, `backend` and `axis_name` (None when `save` was not given
+        `parallel`), `process_count`, `state_type`, and `leaves`: one
         `{"path", "shape", "dtype", "crc32"}` per leaf of the saved copy, in
         pytree order.
 
@@ -315,13 +315,21 @@ class CheckpointManager:
         """Saves one copy of a replicated state under a step number.
 
         Writes replica 0's value of every leaf (`step.unreplicate`'s copy), so the
-        checkpoint is the size of one model whatever the replica count. Under
-        `jdp.bmuf` that copy includes the global model and block momentum; since
-        replicas differ between syncs, save right after a sync for an exact
-        resume.
+        checkpoint is the size of one model whatever the replica count. The
+        copy is taken before `save` returns, so the next step may donate
+        `state` even while an async save is still writing.
+
+        Under `jdp.bmuf` the copy includes the global model, the block velocity
+        and the step count, but the replicas' local models differ between syncs:
+        save right after a sync (`step % sync_period == 0`). A resume is then
+        bit-exact when every replica holds the same bits at the save
+        (`jdp.replicas_in_sync(state)`); when the sync left them a rounding
+        error apart, the resumed run starts every replica from replica 0's
+        values.
 
         Args:
-          step: The step number (a non-negative int; `state.step` works).
+          step: The step number, a non-negative integer (a Python int or a 0-d
+            integer array such as `step.unreplicate(state).step`).
           state: A state replicated by a `jdp.Parallel` step, e.g. the one it
             returned.
           parallel: Optionally the `jdp.Parallel` that runs `state`: its backend
@@ -360,6 +368,7 @@ class CheckpointManager:
             return False
         host = jax.tree.map(_host_copy, logical_copy(state))
         meta = self._make_metadata(step, state, host, flat, parallel)
+        self._complete.pop(step, None)
         manager.save(
             step,
             args=ocp.args.Composite(

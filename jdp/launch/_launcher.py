@@ -96,6 +96,7 @@ class Job:
       envs: One environment per process.
       stdout, stderr: Where the prefixed lines go.
       prefix: Prefix each line with `[process_id] `.
+      echo: Print the processes' output (else only keep its tail for errors).
     """
 
     def __init__(
@@ -106,12 +107,14 @@ class Job:
         stdout=None,
         stderr=None,
         prefix: bool = True,
+        echo: bool = True,
     ):
         self.commands = [list(c) for c in commands]
         self.envs = [dict(e) for e in envs]
         self.stdout = stdout
         self.stderr = stderr
         self.prefix = prefix
+        self.echo = echo
         self.procs: list[subprocess.Popen] = []
         self.tails = [collections.deque(maxlen=TAIL_LINES) for _ in self.commands]
         self._pumps: list[threading.Thread] = []
@@ -153,6 +156,8 @@ class Job:
         for raw in iter(pipe.readline, b""):
             line = raw.decode("utf-8", errors="replace").rstrip("\n")
             self.tails[rank].append(line)
+            if not self.echo:
+                continue
             stream = self.stdout if name == "stdout" else self.stderr
             stream = stream or (sys.stdout if name == "stdout" else sys.stderr)
             text = f"[{rank}] {line}\n" if self.prefix else line + "\n"
@@ -358,6 +363,7 @@ def run(
     initialize: bool = True,
     timeout_s: float | None = 600.0,
     env: Mapping[str, str] | None = None,
+    quiet: bool = False,
 ) -> list[Any]:
     """Runs `fn(*args, **kwargs)` in `nprocs` fresh processes; returns their results.
 
@@ -383,6 +389,8 @@ def run(
       timeout_s: Stop every process and raise `TimeoutError` after this many
         seconds (600 by default; None waits forever).
       env: Extra environment variables for the processes.
+      quiet: Do not print the processes' output (it still appears in errors).
+        By default each line is printed with its process index, `[0] ...`.
 
     Returns:
       The list of return values, indexed by process id.
@@ -437,7 +445,7 @@ def run(
             ]
             for r in range(nprocs)
         ]
-        job = Job(commands, envs)
+        job = Job(commands, envs, echo=not quiet)
         job.start()
         try:
             ok = job.wait(timeout_s)

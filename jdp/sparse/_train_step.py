@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jdp import _collectives
 from jdp.sparse._gather import all_gather_rows, combine_rows
@@ -18,7 +20,11 @@ PyTree = Any
 
 
 class IdsOutOfRangeError(ValueError):
-    """Raised on the host by a `check_ids=True` step that saw an invalid id."""
+    """An id out of its table's range, seen by a `check_ids=True` step.
+
+    Raised by the step's host check; it reaches the caller inside the
+    `jax.errors.JaxRuntimeError` that reading the failed step's outputs raises.
+    """
 
 
 class _QuietIdErrors(logging.Filter):
@@ -33,13 +39,13 @@ _FILTER = _QuietIdErrors()
 
 
 def _install_filter() -> None:
-    for name in ("jax._src.debugging", "jax._src.callback"):
+    for name in ("jax._src.callback", "jax._src.debugging"):
         logger = logging.getLogger(name)
         if _FILTER not in logger.filters:
             logger.addFilter(_FILTER)
 
 
-def _raise_if_out_of_range(count, first, *, table: str, num_rows: int) -> None:
+def _raise_if_out_of_range(count, first, *, table: str, num_rows: int) -> np.ndarray:
     if int(count):
         raise IdsOutOfRangeError(
             f"jdp.sparse: {int(count)} id(s) out of range [0, {num_rows}) for table "
@@ -47,15 +53,26 @@ def _raise_if_out_of_range(count, first, *, table: str, num_rows: int) -> None:
             "input pipeline (e.g. hash or clip ids into the table); without "
             "`check_ids` such ids read zero rows and are never updated."
         )
+    return np.asarray(True)
 
 
-def _check_ids(ids: jax.Array, num_rows: int, table: str) -> None:
+def _check_ids(ids: jax.Array, num_rows: int, table: str) -> jax.Array:
+    """Returns `ids`, made to depend on a host check that raises if any is invalid.
+
+    The check is a `pure_callback` whose result feeds the ids, so it runs before
+    the table update; its failure fails the step, whose outputs then raise when
+    read. Every replica checks the same gathered ids and fails at the same point.
+    """
     bad = (ids < 0) | (ids >= num_rows)
     count = jnp.sum(bad)
     first = ids[jnp.argmax(bad)] if ids.size else jnp.zeros((), ids.dtype)
-    jax.debug.callback(
-        _raise_if_out_of_range, count, first, table=table, num_rows=num_rows
+    ok = jax.pure_callback(
+        functools.partial(_raise_if_out_of_range, table=table, num_rows=num_rows),
+        jax.ShapeDtypeStruct((), jnp.bool_),
+        count,
+        first,
     )
+    return jnp.where(ok, ids, -1)
 
 
 def make_train_step(
@@ -99,13 +116,18 @@ def make_train_step(
       combine: Sum the rows of repeated ids after gathering (a sort of the
         gathered ids). It changes no result for `sgd` (a scatter-add sums them
         anyway); `adagrad` combines by itself.
-      check_ids: Check every gathered id against its table's size; an id out of
-        range makes the call raise a `jax.errors.JaxRuntimeError` that carries
-        an `IdsOutOfRangeError` message (table, count, first bad id). The check
-        costs a host callback per replica and step: a debugging mode. A failing
-        call consumes a donated state; use `jdp.parallelize(...,
-        donate_state=False)` to keep it. Without the check, invalid ids read
-        zero rows and never update the table.
+      check_ids: Check every gathered id against its table's size (a debugging
+        mode: one host callback per replica and step). An id out of range fails
+        the step on every replica at the same point (the ids are the gathered
+        ones, identical everywhere, so no replica is left waiting in a
+        collective): reading the step's outputs raises a
+        `jax.errors.JaxRuntimeError` carrying the `IdsOutOfRangeError` message
+        (table, count, first bad id). JAX dispatches asynchronously, so the
+        error appears when the outputs are read (`float(metrics["loss"])`,
+        `jax.block_until_ready`), and JAX may report it once more at interpreter
+        exit. A failed call consumes a donated state; use
+        `jdp.parallelize(..., donate_state=False)` to keep it. Without the
+        check, invalid ids read zero rows and never update the table.
 
     Returns:
       `train_step(state, batch) -> (state, metrics)` for `jdp.parallelize`.
@@ -170,7 +192,8 @@ def make_train_step(
             ids, rows = leaves[i]
             gathered = all_gather_rows(ids, rows / num, axis_name=axis_name)
             if check_ids:
-                _check_ids(gathered.ids, param_leaves[i].shape[0], path)
+                checked = _check_ids(gathered.ids, param_leaves[i].shape[0], path)
+                gathered = IndexedRows(checked, gathered.rows)
             merged[i] = combine_rows(*gathered) if combine else gathered
         grads = jax.tree_util.tree_unflatten(treedef, merged)
         params, opt_state = apply_sparse(

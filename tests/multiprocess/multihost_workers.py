@@ -140,7 +140,14 @@ def _in_sync_check():
         message = None
     except AssertionError as e:
         message = str(e)
-    return {"before": before, "after": jdp.replicas_in_sync(drifted), "msg": message}
+    synced = step.broadcast(drifted, root=0)
+    return {
+        "before": before,
+        "after": jdp.replicas_in_sync(drifted),
+        "msg": message,
+        "after_broadcast": jdp.replicas_in_sync(synced),
+        "broadcast_values": local_replicas(synced),
+    }
 
 
 def bmuf_train(*, batches, params, devices=None):

@@ -24,7 +24,6 @@ from jdp.launch._launcher import free_port
 
 pytestmark = [
     pytest.mark.multiprocess,
-    pytest.mark.xdist_group("multihost"),
     pytest.mark.timeout(180),
 ]
 
@@ -87,9 +86,7 @@ def test_killed_process_stops_the_job_and_keeps_the_last_checkpoint(tmp_path):
 
     # The last checkpoint (step 10) is complete and equals 10 steps on 1 x 4.
     tx = optax.adam(1e-2)
-    step = jdp.parallelize(
-        jdp.make_train_step(mlp_loss, tx), devices=jax.devices()[:4]
-    )
+    step = jdp.parallelize(jdp.make_train_step(mlp_loss, tx), devices=jax.devices()[:4])
     state = step.replicate(
         jdp.TrainState.create(params=init_mlp(jax.random.key(0)), tx=tx)
     )

@@ -1,9 +1,15 @@
 """2 real processes x 2 CPU devices (gloo, 127.0.0.1) against 1 process x 4 devices.
 
 One job runs every check (starting JAX processes costs seconds each); the tests
-below read its parts. The 1-process oracles run here, on 4 of this process's 8
-simulated devices, on the same global batches.
+below read its parts. The job runs once per test session: under xdist, the first
+worker to need it runs it and the others wait for its pickled results.
+The 1-process oracles run here, on 4 of this process's 8 simulated devices, on the
+same global batches.
 """
+
+import fcntl
+import os
+import pickle
 
 import jax
 import multihost_workers as mw
@@ -16,7 +22,6 @@ import jdp
 
 pytestmark = [
     pytest.mark.multiprocess,
-    pytest.mark.xdist_group("multihost"),
     pytest.mark.timeout(240),
 ]
 
@@ -33,19 +38,39 @@ def global_batches():
     return make_batches(mw.NUM_STEPS, mw.GLOBAL_BATCH)
 
 
-@pytest.fixture(scope="module")
-def dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("multihost")
-    return {"restore": root / "saved_by_1x4", "save": root / "saved_by_2x2"}
+@pytest.fixture(scope="session")
+def shared_dir(tmp_path_factory):
+    """A directory shared by this session's xdist workers (the session's own)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
 
-@pytest.fixture(scope="module")
-def job(dirs):
+@pytest.fixture(scope="session")
+def dirs(shared_dir):
+    return {
+        "restore": shared_dir / "multihost_saved_by_1x4",
+        "save": shared_dir / "multihost_saved_by_2x2",
+    }
+
+
+@pytest.fixture(scope="session")
+def job(shared_dir, dirs):
+    """The job's results; with xdist, the first worker runs it, the others wait."""
+    with open(shared_dir / "multihost.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = shared_dir / "multihost_results.pkl"
+        if not done.exists():
+            results = run_job(dirs)
+            tmp = done.with_suffix(".tmp")
+            tmp.write_bytes(pickle.dumps(results))
+            tmp.rename(done)
+        return pickle.loads(done.read_bytes())
+
+
+def run_job(dirs):
     # A checkpoint written by 1 process x 4 devices, for the job to resume from.
     tx = optax.adam(1e-2)
-    step = jdp.parallelize(
-        jdp.make_train_step(mlp_loss, tx), devices=oracle_devices()
-    )
+    step = jdp.parallelize(jdp.make_train_step(mlp_loss, tx), devices=oracle_devices())
     state = step.replicate(
         jdp.TrainState.create(params=init_mlp(jax.random.key(0)), tx=tx)
     )
@@ -73,7 +98,7 @@ def part(job, name):
     return out
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def oracle_adam():
     """1 process x 4 devices, 20 steps, from process 0's initial params."""
     step, state, losses = mw.train(
@@ -162,6 +187,13 @@ def test_replicas_in_sync_compares_replicas_of_every_process(job):
             raise AssertionError(r["msg"])
 
 
+def test_step_broadcast_spans_every_process(job):
+    for r in part(job, "in_sync"):
+        assert r["after_broadcast"]
+        # Replica 0 (on process 0) added its index 0 to zeros: zeros everywhere.
+        np.testing.assert_array_equal(r["broadcast_values"], np.zeros((2, 3)))
+
+
 def test_bmuf_across_processes_matches_one_process(job):
     step, state = mw.bmuf_train(
         batches=make_batches(10, mw.GLOBAL_BATCH),
@@ -177,7 +209,9 @@ def test_bmuf_across_processes_matches_one_process(job):
     for p, r in enumerate(part(job, "bmuf")):
         mine = slice(p * DEVICES_PER_PROCESS, (p + 1) * DEVICES_PER_PROCESS)
         assert_trees_close(
-            r["local_replicas"], jax.tree.map(lambda x: x[mine], replicas), rtol=1e-5
+            r["local_replicas"],
+            jax.tree.map(lambda x, mine=mine: x[mine], replicas),
+            rtol=1e-5,
         )
         assert_trees_close(r["global"], expected_global, rtol=1e-5)
 
@@ -193,9 +227,7 @@ def test_checkpoint_from_2x2_resumes_on_1x4(job, dirs, oracle_adam):
     expected, _ = oracle_adam
     saved = part(job, "checkpoint")[0]["saved_params"]
     tx = optax.adam(1e-2)
-    step = jdp.parallelize(
-        jdp.make_train_step(mlp_loss, tx), devices=oracle_devices()
-    )
+    step = jdp.parallelize(jdp.make_train_step(mlp_loss, tx), devices=oracle_devices())
     like = step.replicate(
         jdp.TrainState.create(params=init_mlp(jax.random.key(1)), tx=tx)
     )

@@ -45,7 +45,8 @@ def main():
     with jdp.checkpoint.CheckpointManager(args.checkpoint_dir) as manager:
         for i in range(1, args.steps + 1):
             batch = batches[(i - 1) % len(batches)]
-            local = jax.tree.map(lambda x: x[r * len(x) // n : (r + 1) * len(x) // n], batch)
+            share = slice(r * len(batch["x"]) // n, (r + 1) * len(batch["x"]) // n)
+            local = jax.tree.map(lambda x, share=share: x[share], batch)
             state, metrics = step(state, step.shard(local))
             print(f"step {i} loss {float(metrics['loss']):.6f}", flush=True)
             if i % SAVE_EVERY == 0:

@@ -1,0 +1,188 @@
+"""`jdp.distributed` checks and the 2-D `(host, device)` mesh, in one process.
+
+Real multi-process jobs live in tests/multiprocess/. Here the 8 simulated devices of
+this process are split into 2 pretend hosts of 4 (by patching how devices are
+grouped), which exercises the same hierarchical program on one machine.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import (
+    assert_trees_close,
+    init_mlp,
+    make_batches,
+    mlp_loss,
+    single_device_train,
+)
+
+import jdp
+from jdp import _backends
+
+HOST_MESH = ("host", "device")
+
+
+@pytest.fixture
+def two_hosts(monkeypatch):
+    """Groups the 8 local devices as 2 hosts of 4, as 2 processes would be."""
+
+    def host_groups(devices):
+        devices = list(devices)
+        half = len(devices) // 2
+        return [devices[:half], devices[half:]]
+
+    monkeypatch.setattr(_backends, "host_groups", host_groups)
+
+
+# -- jdp.distributed.initialize ------------------------------------------------
+
+
+@pytest.fixture
+def no_job_env(monkeypatch):
+    for name in (
+        "JDP_COORDINATOR_ADDRESS",
+        "JDP_NUM_PROCESSES",
+        "JDP_PROCESS_ID",
+        "JAX_COORDINATOR_ADDRESS",
+    ):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "message"),
+    [
+        ((), {"cpu_collectives": "nccl"}, r"`cpu_collectives` must be one of"),
+        ((), {"timeout_s": 0}, r"`timeout_s` must be a positive int of seconds"),
+        ((), {"heartbeat_timeout_s": 1.5}, r"`heartbeat_timeout_s` must be"),
+        (("127.0.0.1:1234", 2, 2), {}, r"`process_id` must be an int in \[0, "),
+        (("127.0.0.1:1234", 0, 0), {}, r"`num_processes` must be an int >= 1, got 0"),
+        (("localhost", 2, 0), {}, r"`coordinator_address` must look like 'host:port'"),
+    ],
+    ids=["collectives", "timeout", "heartbeat", "process-id", "num", "address"],
+)
+def test_initialize_rejects_bad_arguments(no_job_env, args, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        jdp.distributed.initialize(*args, **kwargs)
+    assert not jdp.distributed.is_initialized()
+
+
+def test_initialize_names_a_malformed_environment_variable(no_job_env, monkeypatch):
+    monkeypatch.setenv("JDP_NUM_PROCESSES", "two")
+    with pytest.raises(
+        ValueError, match=r"\$JDP_NUM_PROCESSES must be an integer, got 'two'"
+    ):
+        jdp.distributed.initialize()
+
+
+def test_initialize_after_jax_started_says_to_call_it_first(no_job_env):
+    jax.devices()  # this test process started JAX long ago
+    with pytest.raises(RuntimeError, match=r"must run before JAX starts its backends"):
+        jdp.distributed.initialize("127.0.0.1:1234", 2, 0)
+    with pytest.raises(RuntimeError, match=r"must run before JAX starts"):
+        jdp.distributed.initialize(process_id=0)  # partly from arguments
+    assert not jdp.distributed.is_initialized()
+
+
+def test_initialize_without_any_configuration_runs_one_process(no_job_env):
+    assert jdp.distributed.initialize() is None
+    assert not jdp.distributed.is_initialized()
+    assert jax.process_count() == 1
+    jdp.distributed.shutdown()  # nothing to leave: no error
+
+
+# -- parallelize(..., mesh_shape=("host", "device")) ----------------------------
+
+
+def test_host_mesh_training_matches_single_device(two_hosts):
+    tx = optax.adam(1e-2)
+    params = init_mlp(jax.random.key(0))
+    batches = make_batches(10, 32)
+    step = jdp.parallelize(
+        jdp.make_train_step(mlp_loss, tx, axis_name=HOST_MESH), mesh_shape=HOST_MESH
+    )
+    assert dict(step.mesh.shape) == {"host": 2, "device": 4}
+    assert step.axis_name == HOST_MESH
+    assert step.num_replicas == 8
+    state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
+    # One copy per replica, over both mesh axes.
+    assert state.params["layer0"]["w"].shape == (8, 8, 16)
+    for batch in batches:
+        state, _ = step(state, step.shard(batch))
+    expected, _ = single_device_train(mlp_loss, params, tx, batches)
+    assert_trees_close(step.unreplicate(state).params, expected, rtol=1e-5)
+    jdp.assert_replicas_in_sync(state)
+
+
+@pytest.mark.parametrize("flatten", [True, False], ids=["flat", "tuple"])
+def test_host_mesh_gradients_equal_the_flat_mean(two_hosts, flatten):
+    # Leaf sizes 5 and 3 are not multiples of 4 devices per host: padding path.
+    def grads_step(state, batch):
+        g = {"a": batch.sum() * jnp.arange(5.0), "b": batch[0] * jnp.ones(3)}
+        out = jdp.all_reduce_gradients(g, axis_name=HOST_MESH, flatten=flatten)
+        return state, {"a": out["a"], "b": out["b"]}
+
+    step = jdp.parallelize(grads_step, mesh_shape=HOST_MESH)
+    x = np.arange(16.0, dtype=np.float32)
+    _, metrics = step(step.replicate({}), step.shard(x))
+    per_replica = x.reshape(8, 2)
+    np.testing.assert_allclose(
+        metrics["a"], per_replica.sum(1).mean() * np.arange(5.0), rtol=1e-6
+    )
+    np.testing.assert_allclose(metrics["b"], per_replica[:, 0].mean() * np.ones(3))
+
+
+def test_host_mesh_reduces_within_hosts_then_across(two_hosts):
+    def grads_step(state, batch):
+        g = jdp.all_reduce_gradients(
+            {"w": batch.sum() * jnp.ones(12)}, axis_name=HOST_MESH, flatten=True
+        )
+        return state, {"w": g["w"].sum()}
+
+    step = jdp.parallelize(grads_step, mesh_shape=HOST_MESH)
+    ops = step.collectives(step.replicate({}), step.shard(np.ones(8, np.float32)))
+    within = ((0, 1, 2, 3), (4, 5, 6, 7))
+    across = ((0, 4), (1, 5), (2, 6), (3, 7))
+    kinds = [(c.kind, c.replica_groups, c.result_bytes) for c in ops]
+    # 48 bytes scattered within each host, 1/4 of them (12 bytes) sent across.
+    assert kinds[:3] == [
+        ("reduce-scatter", within, 12),
+        ("all-reduce", across, 12),
+        ("all-gather", within, 48),
+    ]
+
+
+def test_host_mesh_on_one_process_is_a_single_row():
+    step = jdp.parallelize(lambda s, b: (s, {}), mesh_shape=HOST_MESH)
+    assert dict(step.mesh.shape) == {"host": 1, "device": jax.device_count()}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"mesh_shape": ("host",)}, r"`mesh_shape` must name the two axes"),
+        ({"mesh_shape": ("a", "a")}, r"`mesh_shape` must name the two axes"),
+        (
+            {"mesh_shape": HOST_MESH, "backend": "pmap"},
+            r"needs backend='shard_map' \(pmap maps over one axis only\)",
+        ),
+        (
+            {"mesh_shape": HOST_MESH, "axis_name": "batch"},
+            r"replica axis is the tuple \('host', 'device'\).*got axis_name='batch'",
+        ),
+    ],
+    ids=["one-name", "same-names", "pmap", "axis-name"],
+)
+def test_mesh_shape_rejects_bad_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        jdp.parallelize(lambda s, b: (s, {}), **kwargs)
+
+
+def test_parallelize_needs_devices_of_every_process(monkeypatch):
+    # Pretend to be one of 2 processes: all 8 devices belong to process 0.
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(
+        ValueError, match=r"every process must hold the same number.*process 1: 0"
+    ):
+        jdp.parallelize(lambda s, b: (s, {}))

@@ -1,0 +1,131 @@
+"""The notebooks run top to bottom in a fresh kernel, so they cannot rot.
+
+The kernel is this interpreter (`sys.executable`, i.e. the project's virtual
+environment), declared through a kernelspec written to a temporary directory: an
+installed "python3" kernelspec may point at another Python.
+"""
+
+import json
+import pathlib
+import re
+import sys
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+from jupyter_client.kernelspec import KernelSpecManager  # noqa: E402
+from jupyter_client.manager import KernelManager  # noqa: E402
+
+NOTEBOOKS = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
+KERNEL = "jdp-tests"
+CELL_TIMEOUT_S = 240
+
+
+@pytest.fixture(scope="module")
+def kernel_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("kernels")
+    spec = root / KERNEL
+    spec.mkdir()
+    argv = [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
+    (spec / "kernel.json").write_text(
+        json.dumps({"argv": argv, "display_name": "jdp tests", "language": "python"})
+    )
+    return [str(root)]
+
+
+def execute(name, kernel_dirs, tmp_path):
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    km = KernelManager(
+        kernel_name=KERNEL,
+        kernel_spec_manager=KernelSpecManager(kernel_dirs=kernel_dirs),
+    )
+    client = nbclient.NotebookClient(
+        nb,
+        km=km,
+        timeout=CELL_TIMEOUT_S,
+        resources={"metadata": {"path": str(tmp_path)}},  # the kernel's cwd
+    )
+    client.execute()
+    return nb
+
+
+def outputs(nb):
+    """Text each code cell printed, as one string per cell."""
+    texts = []
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        parts = []
+        for out in cell.get("outputs", []):
+            if out.output_type == "stream":
+                parts.append(out.text)
+            elif "text/plain" in out.get("data", {}):
+                parts.append(out.data["text/plain"])
+        texts.append("".join(parts))
+    return texts
+
+
+def images(nb):
+    return sum(
+        "image/png" in out.get("data", {})
+        for cell in nb.cells
+        for out in cell.get("outputs", [])
+    )
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["01_quickstart.ipynb", "02_bmuf_vs_sync.ipynb", "03_checkpoint_and_export.ipynb"],
+)
+def test_committed_without_outputs(name):
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    nbformat.validate(nb)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert all(not c.outputs and c.execution_count is None for c in code)
+    # The device count is set before JAX starts: in the first code cell, above
+    # any `import jax`.
+    first = code[0].source
+    assert "--xla_force_host_platform_device_count=8" in first
+    assert (
+        first.index('os.environ["XLA_FLAGS"]')
+        < re.search(r"^import jax", first, re.M).start()
+    )
+    # Public API only.
+    assert not any(re.search(r"jdp\._[a-z]", c.source) for c in code)
+
+
+def test_quickstart(kernel_dirs, tmp_path):
+    nb = execute("01_quickstart.ipynb", kernel_dirs, tmp_path)
+    text = outputs(nb)
+    assert "8 cpu devices" in text[0]
+    assert images(nb) >= 1
+    joined = "\n".join(text)
+    assert "same parameters as the single-device run" in joined
+    assert "in sync: True" in joined
+    assert "Replicas are out of sync" in joined
+
+
+def test_bmuf_vs_sync(kernel_dirs, tmp_path):
+    nb = execute("02_bmuf_vs_sync.ipynb", kernel_dirs, tmp_path)
+    text = outputs(nb)
+    table = next(t for t in text if t.startswith("variant"))
+    # One row per variant, with its measured bytes per step relative to sync SGD.
+    rows = {line[:31].strip(): line[31:].split() for line in table.splitlines()[1:]}
+    assert rows["sync SGD"][1] == "1.0x"
+    assert rows["BMUF K=16, bm=0.875"][1] == "16.0x"
+    assert len(rows) == 7
+    assert text[-1].strip() == "checked"  # the notebook's own checks of its claims
+    assert images(nb) >= 1
+
+
+def test_checkpoint_and_export(kernel_dirs, tmp_path):
+    nb = execute("03_checkpoint_and_export.ipynb", kernel_dirs, tmp_path)
+    joined = "\n".join(outputs(nb))
+    assert "saved from 8 replicas" in joined
+    assert "restored w: (4, 64, 128)" in joined
+    assert "every one of the 4 replicas holds exactly the saved state" in joined
+    fresh = re.search(r"fresh process: (\[.*\])", joined).group(1)
+    here = re.search(r"this notebook: (\[.*\])", joined).group(1)
+    assert fresh == here
+    assert images(nb) >= 1
