@@ -39,7 +39,7 @@ export MPLBACKEND=Agg
 if [ $dry_run = 1 ]; then
     export JAX_PLATFORMS=cpu
 else
-    export JAX_PLATFORMS=cuda
+    export JAX_PLATFORMS=cuda,cpu # CUDA first: jax.devices() are the GPUs
 fi
 cd "$root" || exit 2
 

@@ -10,6 +10,7 @@ it runs and to `OUT/NAME.txt`, headed by the command, the machine and the date;
 
     python benchmarks/run_all.py [--full] [--only NAME ...] [--out DIR]
                                  [--budget SECONDS] [--update-readme]
+    python benchmarks/run_all.py --paste DIR   # README blocks from saved outputs
 
 Exits non-zero if a benchmark fails or runs out of time.
 """
@@ -41,6 +42,8 @@ QUICK_ARGS = {
     "overhead": ["--quick"],
     "sparse": ["--rows", "100000", "--steps", "2"],
 }
+#: Third line of a saved output: date, duration, status, load when it started.
+HEADER = re.compile(r"# (.+?); (\d+) s; (.+?); load average ([\d.]+) at start")
 #: Seconds the whole quick run may take (`make bench` promises 10 minutes).
 QUICK_BUDGET_S = 600
 
@@ -120,6 +123,47 @@ def run_one(cmd: list[str], timeout: float) -> tuple[int | None, str, float]:
     return code, "".join(lines), time.monotonic() - t0
 
 
+def readme_block(
+    shown: str, where: str, date: str, mode: str, seconds: float, load: str, output: str
+) -> str:
+    """The README text for one benchmark's run."""
+    output = output.strip("\n")
+    return (
+        f"Last run: {date}, {mode} mode (`{shown}`), {seconds:.0f} s, on {where}; "
+        f"load average {load} when it started.\n\n```\n{output}\n```\n"
+    )
+
+
+def paste(directory: str) -> int:
+    """Updates the README from the `NAME.txt` files a previous run saved."""
+    pasted = 0
+    for path in sorted(pathlib.Path(directory).glob("*.txt")):
+        lines = path.read_text().split("\n", 3)
+        head = HEADER.fullmatch(lines[2]) if len(lines) > 3 else None
+        if not (lines[0].startswith("$ ") and lines[1].startswith("# ") and head):
+            print(f"{path}: not an output of run_all.py; skipped")
+            continue
+        date, seconds, status, load = head.groups()
+        if status != "ok":
+            print(f"{path}: {status}; skipped")
+            continue
+        shown = lines[0][2:]
+        mode = (
+            "quick"
+            if shown.split()[2:] == quick_args(HERE / f"{path.stem}.py")
+            else ("full" if len(shown.split()) == 2 else "custom")
+        )
+        block = readme_block(
+            shown, lines[1][2:], date, mode, float(seconds), load, lines[3]
+        )
+        if update_readme(path.stem, block):
+            pasted += 1
+            print(f"README.md: {path.stem} updated")
+        else:
+            print(f"README.md has no block for {path.stem}; skipped")
+    return 0 if pasted else 1
+
+
 def update_readme(name: str, block: str) -> bool:
     """Replaces the README block of `name`; False if its markers are missing."""
     text = README.read_text()
@@ -147,7 +191,12 @@ def main(argv: list[str] | None = None) -> int:
         help=f"seconds for the whole run (quick: {QUICK_BUDGET_S}; full: none)",
     )
     parser.add_argument("--update-readme", action="store_true")
+    parser.add_argument(
+        "--paste", metavar="DIR", help="only update the README from DIR's outputs"
+    )
     args = parser.parse_args(argv)
+    if args.paste:
+        return paste(args.paste)
 
     scripts = benchmarks()
     if args.only:
@@ -181,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
         print(f"\n=== {path.stem}: {shown}", flush=True)
         date = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
+        load = f"{os.getloadavg()[0]:.1f}"
         code, output, seconds = run_one(cmd, timeout)
         status = (
             "ok"
@@ -190,13 +240,13 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
         summary.append((path.stem, status, seconds))
-        header = f"$ {shown}\n# {where}\n# {date}; {seconds:.0f} s; {status}\n"
+        header = (
+            f"$ {shown}\n# {where}\n# {date}; {seconds:.0f} s; {status}; "
+            f"load average {load} at start\n"
+        )
         (pathlib.Path(args.out) / f"{path.stem}.txt").write_text(header + output)
         if args.update_readme and code == 0:
-            block = (
-                f"Last run: {date}, {mode} mode (`{shown}`), {seconds:.0f} s, on "
-                f"{where}.\n\n```\n{output.rstrip()}\n```\n"
-            )
+            block = readme_block(shown, where, date, mode, seconds, load, output)
             if not update_readme(path.stem, block):
                 print(f"(README.md has no block for {path.stem}; not updated)")
 

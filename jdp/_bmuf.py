@@ -245,8 +245,8 @@ def bmuf(
                 updates,
             )
         inner_updates, inner_state = inner.update(updates, state.inner_state, params)
-        # The locally updated params are only materialised inside the branches
-        # that need them, so a plain step costs what `inner` alone costs.
+        # The locally updated params are built only inside the branches that
+        # need them, which saves a pass over the params on plain steps.
         global_params = state.global_params
         if warmup_steps:
             global_params = lax.cond(

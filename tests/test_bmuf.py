@@ -449,16 +449,32 @@ def test_all_reducing_train_step_refuses_bmuf_state():
         step(state, step.shard(linear_batches(1, 4)[0]))
 
 
-def test_contract_jittable_and_state_stable():
+def find_bmuf_state(state):
+    found = [
+        x
+        for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, jdp.BMUFState))
+        if isinstance(x, jdp.BMUFState)
+    ]
+    assert len(found) == 1
+    return found[0]
+
+
+@pytest.mark.parametrize("wrapper", ["plain", "multi_steps"])
+def test_contract_jittable_and_state_stable(wrapper):
     """Jit under a vmapped replica axis; state structure, shapes, dtypes stable."""
     tx = jdp.bmuf(
         optax.adam(1e-2), sync_period=2, warmup_steps=1, inner_state_at_sync="reset"
     )
+    every = 1
+    if wrapper == "multi_steps":  # gradient accumulation around BMUF
+        every = 2
+        tx = optax.MultiSteps(tx, every_k_schedule=every).gradient_transformation()
     params = {"w": jnp.ones((3, 2)), "b": jnp.zeros(2, jnp.bfloat16)}
     num = 3
     stacked = jax.tree.map(lambda x: jnp.stack([x] * num), params)
     state = jax.vmap(tx.init)(stacked)
-    assert state.count.dtype == jnp.int32 and state.count.shape == (num,)
+    count = find_bmuf_state(state).count
+    assert count.dtype == jnp.int32 and count.shape == (num,)
 
     @jax.jit
     def update(grads, state, params):
@@ -472,11 +488,22 @@ def test_contract_jittable_and_state_stable():
     p = stacked
     for i in range(4):
         # Different gradients on every replica, so the sync has work to do.
-        grads = jax.tree.map(lambda x, i=i: x * (i + 1.0) + 0.5, p)
+        grads = jax.tree.map(
+            lambda x, i=i: (
+                (x + i)
+                * jnp.arange(1.0, num + 1, dtype=x.dtype)[
+                    (slice(None),) + (None,) * (x.ndim - 1)
+                ]
+            ),
+            p,
+        )
         p, state = update(grads, state, p)
         assert jax.tree.map(lambda x: (x.shape, x.dtype), (p, state)) == spec
-    assert int(state.count[0]) == 4
+    assert int(find_bmuf_state(state).count[0]) == 4 // every
     assert update._cache_size() == 1
+    # The last BMUF update was a sync: replicas agree up to float rounding.
+    jdp.assert_replicas_in_sync(p, atol=1e-2)
+    assert not jdp.replicas_in_sync(grads, atol=1e-2)
 
 
 def test_global_params_accessor_errors():

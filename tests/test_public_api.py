@@ -7,19 +7,39 @@ def test_public_names_are_pinned():
     # Changing the public surface is deliberate: update this list with it.
     assert PUBLIC == sorted(
         [
+            "BMUFState",
             "Collective",
+            "MemoryAnalysis",
             "Parallel",
             "TrainState",
             "all_reduce_gradients",
             "assert_replicas_in_sync",
+            "bmuf",
+            "bmuf_global_params",
             "broadcast",
+            "export_predictor",
+            "load_predictor",
             "make_train_step",
             "parallelize",
             "replicas_in_sync",
+            "save_predictor",
             "sync_batch_stats",
             "sync_gradients",
         ]
     )
+
+
+def test_public_subpackages_are_pinned():
+    import jdp.checkpoint
+    import jdp.distributed
+    import jdp.launch
+    import jdp.sparse
+
+    assert jdp.checkpoint.__all__ == ["CheckpointManager"]
+    for module in (jdp.distributed, jdp.launch, jdp.sparse):
+        assert module.__all__, module.__name__
+        for name in module.__all__:
+            assert getattr(module, name).__doc__, f"{module.__name__}.{name}"
 
 
 def test_every_public_name_exists_and_is_documented():

@@ -8,3 +8,5 @@ writes `metrics.json` and a loss/accuracy plot. On a CPU-only machine it simulat
 
 The modules of this package are private: the demo is a program, not a library.
 """
+
+__all__: list[str] = []

@@ -99,14 +99,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=8,
         metavar="K",
-        help="BMUF: steps per block (models merged every K steps). "
-        "Default: %(default)s.",
+        help="BMUF: steps per block (models merged every K). Default: %(default)s.",
     )
     p.add_argument(
         "--block-momentum",
         type=float,
         default=None,
-        help=("BMUF: block momentum in [0, 1). Default: 1 - 1/devices."),
+        help="BMUF: block momentum in [0, 1). Default: 1 - 1/devices.",
     )
     p.add_argument(
         "--eval-every",
@@ -129,7 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=100,
         metavar="STEPS",
-        help="Steps between checkpoints. Default: %(default)s.",
+        help=(
+            "Steps between checkpoints (BMUF saves at the end of a block, when the "
+            "replicas agree). Default: %(default)s."
+        ),
     )
     p.add_argument(
         "--resume",
@@ -250,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         parser.error(problem)
     stop = _StopRequest()
-    signal.signal(signal.SIGINT, stop)
+    previous = signal.signal(signal.SIGINT, stop)
     simulate_cpu_devices(args.devices or DEFAULT_CPU_DEVICES)
 
     from jdp.demo import _train  # imports JAX: after the device count is set
@@ -259,4 +261,9 @@ def main(argv: list[str] | None = None) -> int:
         finished = _train.run(args, stop_requested=lambda: stop.requested)
     except UsageError as e:
         parser.error(str(e))
+    except KeyboardInterrupt:  # the second Ctrl-C
+        print("Aborted: nothing saved since the last checkpoint.", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    finally:
+        signal.signal(signal.SIGINT, previous)
     return 0 if finished else EXIT_INTERRUPTED
