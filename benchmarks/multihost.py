@@ -167,7 +167,10 @@ def torch_step_times(steps: int, warmup: int, pin: bool) -> dict:
             value = float(loss)
             if i >= warmup:
                 times.append(time.perf_counter() - start)
-        return {"ms": 1e3 * statistics.median(times), "loss": value}
+        # Report the global-batch loss, as jdp's averaged metric does.
+        total = torch.tensor([value])
+        dist.all_reduce(total)
+        return {"ms": 1e3 * statistics.median(times), "loss": total.item() / world}
     finally:
         dist.destroy_process_group()
 
@@ -195,9 +198,6 @@ def main(argv=None) -> None:
     if args.quick:
         args.rounds, args.steps = 1, 10
 
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import multihost as bench  # importable by name in the child processes
-
     import jdp.launch
 
     try:
@@ -214,9 +214,9 @@ def main(argv=None) -> None:
             what, nprocs, devices, initialize, kind, pinned = CONFIGS[name]
             pin = pinned and not args.no_pin
             if what == "jax":
-                fn, fn_args = bench.jax_step_times, (kind, args.steps, args.warmup, pin)
+                fn, fn_args = jax_step_times, (kind, args.steps, args.warmup, pin)
             else:
-                fn, fn_args = bench.torch_step_times, (args.steps, args.warmup, pin)
+                fn, fn_args = torch_step_times, (args.steps, args.warmup, pin)
             out = jdp.launch.run(
                 fn,
                 nprocs,

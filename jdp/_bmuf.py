@@ -33,24 +33,30 @@ NO_PARAMS_MSG = (
 class BMUFState(NamedTuple):
     """State of `jdp.bmuf`.
 
-    Each replica holds its own copy; `count`, `global_params` and
-    `velocity` are equal on every replica, `inner_state` differs between syncs.
+    Each replica holds its own copy; `count`, `global_params`, `start`, `velocity`
+    and `synced` are equal on every replica, `inner_state` differs between syncs.
 
     Attributes:
       count: Number of updates applied so far, warmup included (int32, shape ()).
       global_params: The global model `g`, the paper's W(t): what to evaluate and
         export (read it with `jdp.bmuf_global_params`). During warmup it follows
         the (identical) replicas' parameters.
+      start: The model every replica began the current block from: `g`, or
+        `g + block_momentum * v` with `nesterov=True` (the initial params for the
+        first block). After a sync every replica's params equal it.
       velocity: The block velocity `v`, the paper's Δ(t), shaped like the params
         and zero until the first sync; with `outer`, the outer optimizer's state
         instead.
       inner_state: The state of the `inner` optimizer.
+      synced: Whether the last update ended a block (bool, shape ()).
     """
 
     count: jax.Array  # int32, shape ()
     global_params: PyTree
+    start: PyTree
     velocity: PyTree
     inner_state: optax.OptState
+    synced: jax.Array  # bool, shape ()
 
 
 def bmuf(
@@ -226,8 +232,10 @@ def bmuf(
         return BMUFState(
             count=jnp.zeros((), jnp.int32),
             global_params=jax.tree.map(jnp.asarray, params),
+            start=jax.tree.map(jnp.asarray, params),
             velocity=velocity,
             inner_state=inner.init(params),
+            synced=jnp.zeros((), jnp.bool_),
         )
 
     def update_fn(updates, state, params=None):
@@ -247,20 +255,21 @@ def bmuf(
         inner_updates, inner_state = inner.update(updates, state.inner_state, params)
         # The locally updated params are built only inside the branches that
         # need them, which saves a pass over the params on plain steps.
-        global_params = state.global_params
+        global_params, start = state.global_params, state.start
         if warmup_steps:
-            global_params = lax.cond(
+            global_params, start = lax.cond(
                 count < warmup_steps,
-                lambda g: _cast_like(optax.apply_updates(params, inner_updates), g),
-                lambda g: g,
-                global_params,
+                lambda gs: (
+                    2 * (_cast_like(optax.apply_updates(params, inner_updates), gs[0]),)
+                ),
+                lambda gs: gs,
+                (global_params, start),
             )
 
         def sync(operands):
-            g, v, inner_state = operands
+            g, start, v, inner_state = operands
             avg = _mean(optax.apply_updates(params, inner_updates), axis_name)
             if outer is None:
-                start = _lookahead(g, v, eta) if nesterov else g
                 v = _float_map(
                     lambda v, a, s: eta * v + block_learning_rate * (a - s),
                     v,
@@ -284,23 +293,28 @@ def bmuf(
                 params,
                 inner_updates,
             )
-            return new_updates, g, v, inner_state
+            return new_updates, g, _cast_like(target, start), v, inner_state
 
         def no_sync(operands):
-            g, v, inner_state = operands
-            return inner_updates, g, v, inner_state
+            g, start, v, inner_state = operands
+            return inner_updates, g, start, v, inner_state
 
         is_sync = (count >= warmup_steps) & (
             (count - warmup_steps + 1) % sync_period == 0
         )
-        out_updates, g, v, inner_state = lax.cond(
-            is_sync, sync, no_sync, (global_params, state.velocity, inner_state)
+        out_updates, g, start, v, inner_state = lax.cond(
+            is_sync,
+            sync,
+            no_sync,
+            (global_params, start, state.velocity, inner_state),
         )
         new_state = BMUFState(
             count=count + jnp.ones((), jnp.int32),
             global_params=g,
+            start=start,
             velocity=v,
             inner_state=inner_state,
+            synced=is_sync,
         )
         return out_updates, new_state
 
@@ -383,4 +397,29 @@ def _reset(state, initial):
         lambda cur, init: jnp.asarray(init).astype(cur.dtype) if is_float(cur) else cur,
         state,
         initial,
+    )
+
+
+def snap_to_block_start(params: PyTree, opt_state: PyTree) -> PyTree:
+    """After a block sync, sets params to exactly the block start (private).
+
+    A sync step's update is `start - params`, and `params + (start - params)` is
+    `start` only up to float rounding, which would leave replicas an ulp apart.
+    `jdp.make_train_step` calls this after `optax.apply_updates` so that every
+    replica holds the same bits after a sync; without BMUF it returns `params`.
+    """
+    states = [
+        s
+        for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, BMUFState))
+        if isinstance(s, BMUFState)
+    ]
+    if len(states) != 1:
+        return params
+    (state,) = states
+    return jax.tree.map(
+        lambda p, s: (
+            jnp.where(state.synced, s.astype(p.dtype), p) if is_float(p) else p
+        ),
+        params,
+        state.start,
     )

@@ -10,7 +10,7 @@ import jax
 import optax
 from flax import struct
 
-from jdp import _collectives, _zero
+from jdp import _bmuf, _collectives, _zero
 from jdp._tree import is_float
 
 PyTree = Any
@@ -74,17 +74,10 @@ class TrainState(struct.PyTreeNode):
 
 
 def _contains_bmuf_state(opt_state: PyTree) -> bool:
-    try:
-        from jdp._bmuf import BMUFState
-    except ImportError:  # pragma: no cover - BMUF lives in its own module
-        return False
-    found = []
-    jax.tree.map(
-        lambda x: found.append(isinstance(x, BMUFState)),
-        opt_state,
-        is_leaf=lambda x: isinstance(x, BMUFState),
+    leaves = jax.tree.leaves(
+        opt_state, is_leaf=lambda x: isinstance(x, _bmuf.BMUFState)
     )
-    return any(found)
+    return any(isinstance(x, _bmuf.BMUFState) for x in leaves)
 
 
 def make_train_step(
@@ -257,6 +250,9 @@ def make_train_step(
                 grads, grad_norm = _clip_by_global_norm(grads, clip_grad_norm)
             updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
             new_params = optax.apply_updates(state.params, updates)
+            if not all_reduce:
+                # BMUF: after a block sync every replica holds the same bits.
+                new_params = _bmuf.snap_to_block_start(new_params, opt_state)
         changes = dict(step=state.step + 1, params=new_params, opt_state=opt_state)
         if new_stats is not None:
             changes["batch_stats"] = _collectives.sync_batch_stats(

@@ -12,7 +12,6 @@ from __future__ import annotations
 import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from helpers import init_mlp, make_batches, mlp_loss
@@ -24,30 +23,6 @@ SAVE_AT = 5
 GLOBAL_BATCH = 32
 
 
-def _linear_loss(params, batch):
-    return jnp.mean((batch["x"] @ params["w"] + params["b"] - batch["y"]) ** 2)
-
-
-def _positive_linear_problem():
-    """A linear model whose weights stay in [1, 2): BMUF's sync is exact there.
-
-    `jdp.bmuf` moves each replica to the merged model with `p + (g - p)`, which is
-    exactly `g` when `p` and `g` are within a factor of two (Sterbenz); then every
-    replica holds the same bits after a sync and one saved copy resumes exactly.
-    """
-    rng = np.random.default_rng(0)
-    params = {
-        "w": rng.uniform(1, 2, (8, 4)).astype(np.float32),
-        "b": rng.uniform(1, 2, (4,)).astype(np.float32),
-    }
-    w_true = rng.uniform(1.2, 1.8, (8, 4)).astype(np.float32)
-    batches = []
-    for _ in range(NUM_STEPS):
-        x = rng.uniform(0, 1, (GLOBAL_BATCH, 8)).astype(np.float32)
-        batches.append({"x": x, "y": x @ w_true + np.float32(1.5)})
-    return params, batches
-
-
 def make_case(name):
     """Returns `(tx, loss_fn, params, batches, all_reduce)` for a resume test."""
     if name == "bmuf":
@@ -57,8 +32,8 @@ def make_case(name):
             block_momentum=0.5,
             inner_state_at_sync="average",
         )
-        params, batches = _positive_linear_problem()
-        return tx, _linear_loss, params, batches, False
+        params = init_mlp(jax.random.key(0))
+        return tx, mlp_loss, params, make_batches(NUM_STEPS, GLOBAL_BATCH), False
     tx = {
         "sgd_momentum": lambda: optax.sgd(0.05, momentum=0.9),
         "adam": lambda: optax.adam(1e-2),

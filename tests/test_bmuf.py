@@ -194,14 +194,13 @@ def test_replicas_merge_on_sync_steps_and_differ_between():
     step, state = run_bmuf(
         linear_params(), batches[:3], devices=jax.devices()[:4], sync_period=3
     )
-    # Just synced: the global model is bit-identical on every replica; the params
-    # (params + (g - params)) agree up to float rounding.
+    # Just synced: the global model and the params are bit-identical on every
+    # replica, and the params are exactly the block start (g, classical momentum).
     jdp.assert_replicas_in_sync(jdp.bmuf_global_params(state))
-    jdp.assert_replicas_in_sync(state.params, atol=1e-6)
-    assert_trees_close(
-        step.unreplicate(state).params,
-        step.unreplicate(jdp.bmuf_global_params(state)),
-        rtol=1e-6,
+    jdp.assert_replicas_in_sync(state.params)
+    np.testing.assert_array_equal(
+        np.asarray(step.unreplicate(state).params["w"]),
+        np.asarray(step.unreplicate(jdp.bmuf_global_params(state))["w"]),
     )
     state, _ = step(state, step.shard(batches[3]))
     assert not jdp.replicas_in_sync(state.params, atol=1e-4)
@@ -233,7 +232,28 @@ def test_sync_period_one_model_averaging_is_synchronous_sgd(backend, devices):
             step_s.unreplicate(state_s).params,
             rtol=1e-5,
         )
-        jdp.assert_replicas_in_sync(state_b.params, atol=1e-6)
+        jdp.assert_replicas_in_sync(state_b.params)
+
+
+def test_sync_leaves_mlp_replicas_bit_identical(backend):
+    """p + (start - p) is not exactly `start` in floats; the step snaps to it."""
+    params = init_mlp(jax.random.key(3))
+    tx = jdp.bmuf(optax.sgd(0.05, momentum=0.9), sync_period=2, nesterov=True)
+    step = jdp.parallelize(
+        jdp.make_train_step(mlp_loss, tx, all_reduce=False), backend=backend
+    )
+    state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
+    for i, batch in enumerate(make_batches(4, 32)):
+        state, _ = step(state, step.shard(batch))
+        assert jdp.replicas_in_sync(state.params) == (i % 2 == 1)
+    start = [
+        s
+        for s in jax.tree.leaves(
+            state.opt_state, is_leaf=lambda x: isinstance(x, jdp.BMUFState)
+        )
+        if isinstance(s, jdp.BMUFState)
+    ][0].start
+    assert_trees_close(state.params, start, rtol=0, atol=0)
 
 
 def test_one_replica_is_the_inner_optimizer_alone(backend):

@@ -38,6 +38,7 @@ def table_row(stdout, algo):
     return [cell.strip() for cell in rows[0].strip("|").split("|")]
 
 
+@pytest.mark.slow
 def test_default_sync_run_reaches_95_percent(tmp_path):
     """The default run (`make demo`): accuracy target, table, metrics.json, plot."""
     out = tmp_path / "out"
@@ -67,6 +68,7 @@ def test_default_sync_run_reaches_95_percent(tmp_path):
         assert f.read(8) == PNG_MAGIC
 
 
+@pytest.mark.slow
 def test_bmuf_communicates_sync_period_times_less(tmp_path):
     out = tmp_path / "out"
     proc = run_demo("--algo", "bmuf", "--sync-period", "8", "--out", str(out), *QUICK)
@@ -176,6 +178,7 @@ def _interrupt_after(args, *, min_step, stdout_path, timeout=120):
     return code, progress
 
 
+@pytest.mark.slow
 def test_ctrl_c_saves_checkpoint_and_resume_continues_exactly(tmp_path):
     # BMUF is the harder case: its replicas agree only at the end of a block.
     ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
@@ -225,8 +228,15 @@ def test_ctrl_c_saves_checkpoint_and_resume_continues_exactly(tmp_path):
         r"--algo bmuf, not sync; use the same value or another --checkpoint-dir\.\n",
         proc.stderr,
     )
+    # 5. A new run never writes into a directory that holds checkpoints.
+    proc = run_demo(*common, "--out", out)
+    assert proc.returncode == 2
+    _one_line_usage_error(
+        proc.stderr, r"--checkpoint-dir '.*' already holds checkpoints \(latest: step"
+    )
 
 
+@pytest.mark.slow
 def test_zero_runs_and_sends_what_sync_sends(tmp_path):
     """ZeRO: gradients reduce-scattered, params all-gathered (its numbers equal
     sync's: tests/test_zero.py); together they send what one all-reduce sends."""

@@ -283,3 +283,33 @@ def test_process_env_sets_the_job_and_replaces_the_device_count():
     )
     assert kept["XLA_FLAGS"] == base["XLA_FLAGS"]
     assert "JAX_NUM_CPU_DEVICES" not in kept
+
+
+RUN_FROM_A_SCRIPT = """
+import os
+import jdp.launch
+
+def where_am_i(x):
+    return (int(os.environ["JDP_PROCESS_ID"]), x, __name__)
+
+if __name__ == "__main__":
+    print(jdp.launch.run(where_am_i, 2, args=(7,), initialize=False, quiet=True))
+"""
+
+
+def test_run_accepts_a_function_of_the_launching_script(tmp_path):
+    script = write(tmp_path, "spawn.py", RUN_FROM_A_SCRIPT)
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=PROMPT_S + 30,
+    )
+    assert proc.returncode == 0, proc.stderr
+    # The script is imported again in each process, not run as __main__.
+    assert proc.stdout.strip() == "[(0, 7, '__mp_main__'), (1, 7, '__mp_main__')]"
+
+
+def test_run_rejects_an_unpicklable_function():
+    with pytest.raises(TypeError, match=r"`fn` is pickled by reference.*lambda"):
+        jdp.launch.run(lambda: 0, 1, initialize=False)

@@ -49,8 +49,14 @@ def test_memory_analysis_reports_per_device_bytes(backend):
 def test_donation_removes_the_second_copy():
     donated, state, batch = make(donate_state=True)
     kept, kept_state, _ = make(donate_state=False)
+    import os
+    if os.environ.get("SKIPMEM"):
+        new_state = jax.block_until_ready(donated(state, batch))[0]
+        return
     on = donated.memory_analysis(state, batch)
     off = kept.memory_analysis(kept_state, batch)
+    if os.environ.get("ONLYMEM"):
+        return
     state_bytes = per_device_bytes(state)
     assert off.alias_bytes == 0
     assert on.alias_bytes >= state_bytes  # every state buffer is reused
@@ -58,10 +64,12 @@ def test_donation_removes_the_second_copy():
     resident_off = off.argument_bytes + off.output_bytes
     assert resident_off - resident_on >= state_bytes
     # And the call really consumes the input state.
-    new_state, _ = donated(state, batch)
+    # (Block on each call: on XLA:CPU two multi-device programs in flight at once
+    # may run in different orders on different devices, deadlocking collectives.)
+    new_state = jax.block_until_ready(donated(state, batch))[0]
     assert state.params["layer0"]["w"].is_deleted()
     assert not new_state.params["layer0"]["w"].is_deleted()
-    kept(kept_state, batch)
+    jax.block_until_ready(kept(kept_state, batch))
     assert not kept_state.params["layer0"]["w"].is_deleted()
 
 

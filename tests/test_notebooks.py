@@ -95,6 +95,7 @@ def test_committed_without_outputs(name):
     assert not any(re.search(r"jdp\._[a-z]", c.source) for c in code)
 
 
+@pytest.mark.slow
 def test_quickstart(kernel_dirs, tmp_path):
     nb = execute("01_quickstart.ipynb", kernel_dirs, tmp_path)
     text = outputs(nb)
@@ -106,6 +107,7 @@ def test_quickstart(kernel_dirs, tmp_path):
     assert "Replicas are out of sync" in joined
 
 
+@pytest.mark.slow
 def test_bmuf_vs_sync(kernel_dirs, tmp_path):
     nb = execute("02_bmuf_vs_sync.ipynb", kernel_dirs, tmp_path)
     text = outputs(nb)
@@ -119,6 +121,7 @@ def test_bmuf_vs_sync(kernel_dirs, tmp_path):
     assert images(nb) >= 1
 
 
+@pytest.mark.slow
 def test_checkpoint_and_export(kernel_dirs, tmp_path):
     nb = execute("03_checkpoint_and_export.ipynb", kernel_dirs, tmp_path)
     joined = "\n".join(outputs(nb))

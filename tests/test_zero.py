@@ -385,7 +385,7 @@ def test_wrapped_step_without_layout_hook_is_caught():
         functools.wraps(inner)(lambda s, b: inner(s, b)), devices=jax.devices()[:2]
     )
     state = kept.replicate(jdp.TrainState.create(params=params0(), tx=tx))
-    state, _ = kept(state, kept.shard(make_batches(1, 4)[0]))
+    state, _ = jax.block_until_ready(kept(state, kept.shard(make_batches(1, 4)[0])))
     assert isinstance(state.opt_state, _zero.ShardedOptState)
 
 

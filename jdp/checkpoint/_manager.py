@@ -321,11 +321,9 @@ class CheckpointManager:
 
         Under `jdp.bmuf` the copy includes the global model, the block velocity
         and the step count, but the replicas' local models differ between syncs:
-        save right after a sync (`step % sync_period == 0`). A resume is then
-        bit-exact when every replica holds the same bits at the save
-        (`jdp.replicas_in_sync(state)`); when the sync left them a rounding
-        error apart, the resumed run starts every replica from replica 0's
-        values.
+        save right after a sync (`step % sync_period == 0`), when
+        `jdp.make_train_step` has left every replica with the same bits, and the
+        resume is bit-exact.
 
         Args:
           step: The step number, a non-negative integer (a Python int or a 0-d

@@ -232,6 +232,12 @@ class _Run:
         self.start = 0
         self.history: dict[str, list] = {"step": [], "loss": []}
         self.evals: dict[str, list] = {"step": [], "test_accuracy": []}
+        if self.ckpt and not args.resume and self.ckpt.last_saved is not None:
+            raise UsageError(
+                f"--checkpoint-dir {self.ckpt.directory!r} already holds checkpoints "
+                f"(latest: step {self.ckpt.last_saved}); add --resume to continue "
+                "from it, or use an empty directory."
+            )
         if args.resume:
             self.start, self.state, record = self.ckpt.restore(self.state, self.config)
             self.history = _upto(record.get("history"), self.start) or self.history

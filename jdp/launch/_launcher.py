@@ -71,9 +71,9 @@ def process_env(
     env["JAX_COORDINATOR_BIND_ADDRESS"] = f"127.0.0.1:{port}"
     env["PYTHONUNBUFFERED"] = "1"
     if devices_per_process is not None:
-        flags = _DEVICE_COUNT_FLAG.sub("", env.get("XLA_FLAGS", "")).strip()
-        count = f"--xla_force_host_platform_device_count={devices_per_process}"
-        env["XLA_FLAGS"] = f"{flags} {count}".strip()
+        flags = _DEVICE_COUNT_FLAG.sub("", env.get("XLA_FLAGS", "")).split()
+        flags.append(f"--xla_force_host_platform_device_count={devices_per_process}")
+        env["XLA_FLAGS"] = " ".join(flags)
         env["JAX_NUM_CPU_DEVICES"] = str(devices_per_process)
     return env
 
@@ -353,6 +353,20 @@ def _check_counts(nprocs: Any, devices_per_process: Any) -> None:
         )
 
 
+def _main_path(fn: Callable[..., Any]) -> str | None:
+    """The launching script, if `fn` lives in it (else None)."""
+    if getattr(fn, "__module__", None) != "__main__":
+        return None
+    path = getattr(sys.modules["__main__"], "__file__", None)
+    if path is None:
+        raise ValueError(
+            "`jdp.launch.run`: `fn` was defined interactively (in `__main__` "
+            "without a file), so a fresh process cannot import it. Define it in "
+            "a module or a script file."
+        )
+    return os.path.abspath(path)
+
+
 def run(
     fn: Callable[..., Any],
     nprocs: int,
@@ -373,10 +387,13 @@ def run(
     `fn`. If one process fails, the others are stopped at once and a
     `RuntimeError` shows the failing process's last output.
 
-    `fn` is pickled by reference, so it must be importable: a module-level
-    function of an importable module (this process's `sys.path` is passed on).
-    Its arguments and return value are pickled: use NumPy arrays and Python
-    values (`jax.device_get` results), not arrays spread over processes.
+    `fn` is pickled by reference, so it must be a module-level function: of an
+    importable module (this process's `sys.path` is passed on), or of the script
+    that calls `run`, which each process then imports as `__mp_main__`, as
+    `multiprocessing` does (keep the script's own work under
+    `if __name__ == "__main__":`). Its arguments and return value are pickled:
+    use NumPy arrays and Python values (`jax.device_get` results), not arrays
+    spread over processes.
 
     Args:
       fn: The function every process runs.
@@ -398,7 +415,9 @@ def run(
     Raises:
       RuntimeError: If a process fails (exits non-zero or is killed).
       TimeoutError: If the job runs longer than `timeout_s`.
-      ValueError: If `nprocs` or `devices_per_process` is not a positive int.
+      ValueError: If `nprocs` or `devices_per_process` is not a positive int,
+        or `fn` was defined interactively.
+      TypeError: If `fn` or its arguments cannot be pickled.
 
     Example:
       >>> import jdp.launch
@@ -415,16 +434,24 @@ def run(
     with tempfile.TemporaryDirectory(prefix="jdp-launch-") as tmp:
         payload = os.path.join(tmp, "payload.pkl")
         with open(payload, "wb") as f:
-            pickle.dump(list(sys.path), f)  # read first: `fn` needs it to import
-            pickle.dump(
-                dict(
-                    fn=fn,
-                    args=tuple(args),
-                    kwargs=dict(kwargs or {}),
-                    initialize=initialize,
-                ),
-                f,
-            )
+            # Read first: where `fn` (pickled by reference) can be imported from.
+            pickle.dump({"sys_path": list(sys.path), "main": _main_path(fn)}, f)
+            try:
+                pickle.dump(
+                    dict(
+                        fn=fn,
+                        args=tuple(args),
+                        kwargs=dict(kwargs or {}),
+                        initialize=initialize,
+                    ),
+                    f,
+                )
+            except (pickle.PicklingError, AttributeError, TypeError) as e:
+                raise TypeError(
+                    "`jdp.launch.run`: `fn` and its arguments must be picklable; "
+                    f"`fn` is pickled by reference, so it must be a module-level "
+                    f"function, not a lambda or a nested function ({e})."
+                ) from e
         envs = [
             process_env(
                 base,

@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 import traceback
+import types
 
 
 def flush_and_exit(code: int) -> None:
@@ -50,14 +51,17 @@ def _run_module(name: str, args: list[str]) -> None:
 
 def _run_call(payload_path: str, result_path: str) -> None:
     with open(payload_path, "rb") as f:
-        # Two pickles: first the parent's import path (plain strings), then the
-        # call, whose `fn` is pickled by reference and needs that path to import.
-        for entry in pickle.load(f):
+        # Two pickles: first where to import from (plain strings), then the call,
+        # whose `fn` is pickled by reference and needs that to be found.
+        where = pickle.load(f)
+        for entry in where["sys_path"]:
             if entry not in sys.path:
                 sys.path.append(entry)
+        sys.path[0] = os.getcwd()
+        if where["main"] is not None:
+            _import_main(where["main"])
         payload = pickle.load(f)
     sys.argv = [payload_path]
-    sys.path[0] = os.getcwd()
     if payload["initialize"]:
         import jdp.distributed
 
@@ -67,6 +71,21 @@ def _run_call(payload_path: str, result_path: str) -> None:
     with open(tmp, "wb") as f:
         pickle.dump(result, f)
     os.replace(tmp, result_path)
+
+
+def _import_main(path: str) -> None:
+    """Imports the parent's main script as `__mp_main__` (multiprocessing's spawn).
+
+    Functions defined in the launching script are pickled as `__main__.name`; as
+    with `multiprocessing`, the script is run again under another name (so its
+    `if __name__ == "__main__":` block does not run) and stands in for `__main__`.
+    """
+    module = types.ModuleType("__mp_main__")
+    module.__file__ = path
+    sys.modules["__mp_main__"] = module
+    sys.path[0] = os.path.dirname(os.path.abspath(path))
+    module.__dict__.update(runpy.run_path(path, run_name="__mp_main__"))
+    sys.modules["__main__"] = module
 
 
 def _exit_when_orphaned(period_s: float = 1.0) -> None:
