@@ -120,6 +120,7 @@ class Job:
         self._pumps: list[threading.Thread] = []
         self._write_lock = threading.Lock()
         self.failure: tuple[int, int] | None = None  # (process_id, returncode)
+        self.also_failed: list[tuple[int, int]] = []  # failed before being stopped
         self._stop_requested_at: float | None = None
 
     @property
@@ -218,11 +219,14 @@ class Job:
         try:
             while True:
                 codes = [p.poll() for p in self.procs]
-                for rank, code in enumerate(codes):
-                    if code not in (None, 0):
-                        self.failure = (rank, code)
-                        self.kill()
-                        return False
+                failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+                if failed:
+                    # A peer of a killed process fails soon after it (a closed
+                    # connection): report a death by signal first, then by rank.
+                    failed.sort(key=lambda rc: (rc[1] >= 0, rc[0]))
+                    self.failure, self.also_failed = failed[0], failed[1:]
+                    self.kill()
+                    return False
                 if all(code == 0 for code in codes):
                     self._join_pumps()
                     return True
@@ -254,13 +258,16 @@ class Job:
             return ""
         rank, code = self.failure
         n = len(self.procs)
-        others = {0: "", 1: "; stopped the other process"}.get(
-            n - 1, f"; stopped the other {n - 1} processes"
-        )
-        msg = (
-            f"process {rank} of {n} (pid {self.procs[rank].pid}) "
-            f"{_describe_exit(code)}{others}."
-        )
+        pid = self.procs[rank].pid
+        msg = f"process {rank} of {n} (pid {pid}) {_describe_exit(code)}"
+        for r, c in self.also_failed:
+            msg += f"; then process {r} {_describe_exit(c)}"
+        stopped = n - 1 - len(self.also_failed)
+        if stopped:
+            msg += "; stopped the other " + (
+                "process" if stopped == 1 else f"{stopped} processes"
+            )
+        msg += "."
         if with_tail and self.tails[rank]:
             lines = "\n    ".join(self.tails[rank])
             msg += f"\n  Last output of process {rank}:\n    {lines}"

@@ -77,8 +77,9 @@ def test_killed_process_stops_the_job_and_keeps_the_last_checkpoint(tmp_path):
     pids = {int(p): int(q) for p, q in re.findall(r"^\[(\d)\] pid (\d+)$", out, re.M)}
     assert code != 0, out + err
     assert "[1] step 12 " in out, out
+    # Reported as the cause even when the survivor's own error (a connection
+    # reset by the dead peer) ends it first.
     assert re.search(r"process 1 of 2 \(pid \d+\) was killed by SIGKILL", err), err
-    assert "stopped the other process" in err
     assert elapsed < BOUND_S, f"the job took {elapsed:.0f} s to fail"
     # The survivor is gone too (the launcher reaped it: no zombie either).
     assert sorted(pids) == [0, 1]
