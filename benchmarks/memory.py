@@ -85,6 +85,7 @@ CONFIGS = {
     "remat dots_saveable": {"remat": jax.checkpoint_policies.dots_saveable},
     "ZeRO": {"shard_optimizer_state": True},
     "ZeRO + remat full": {"shard_optimizer_state": True, "remat": "full"},
+    "ZeRO, no donation": {"shard_optimizer_state": True, "donate_state": False},
 }
 
 

@@ -140,6 +140,10 @@ class Parallel:
             d for d in self.devices if d.process_index == jax.process_index()
         ]
         self._forward_only: bool | None = None
+        self._one_in_flight = self.num_replicas > 1 and all(
+            d.platform == "cpu" for d in self.devices
+        )
+        self._in_flight: list[jax.Array] = []
         self._fn = _backends.build_step(
             self._body,
             backend=backend,
@@ -189,15 +193,30 @@ class Parallel:
         """
         self._check_state(state)
         self._check_batch(batch)
+        if self._one_in_flight:
+            self._wait_for_previous_step()
         if self._forward_only is False:
             new_state, metrics = self._fn(state, batch)
         else:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=_DONATION_WARNING)
                 new_state, metrics = self._fn(state, batch)
+        if self._one_in_flight:
+            self._in_flight = jax.tree.leaves(metrics) or jax.tree.leaves(new_state)[:1]
         if self._forward_only:
             return metrics
         return new_state, metrics
+
+    def _wait_for_previous_step(self) -> None:
+        # XLA:CPU runs each simulated device's program on a shared thread pool.
+        # With several steps queued, the devices' threads can block in different
+        # steps' collective rendezvous and never meet (XLA aborts after 40 s:
+        # "Expected N threads to join the rendezvous, but only N-1 arrived").
+        # Waiting for the previous step before dispatching the next avoids it,
+        # for about one dispatch latency per step.
+        pending = [x for x in self._in_flight if not x.is_deleted()]
+        self._in_flight = []
+        jax.block_until_ready(pending)
 
     def _check_state(self, state: PyTree) -> None:
         probs = []

@@ -267,3 +267,15 @@ def test_collectives_report(backend):
     assert [c.bytes for c in lowered] == leaf_bytes[::-1] + [4]
     with pytest.raises(ValueError, match="`stage`"):
         step.collectives(state, batch, stage="optimized")
+
+
+def test_back_to_back_steps_without_reading_results(backend):
+    """XLA:CPU can deadlock on queued collective steps; jdp keeps one in flight."""
+    step = jdp.parallelize(
+        lambda s, b: (s + jax.lax.pmean(b.sum(), "data"), {}), backend=backend
+    )
+    state = step.replicate(jnp.float32(0.0))
+    batch = step.shard(np.ones(8, np.float32))
+    for _ in range(300):
+        state, _ = step(state, batch)
+    np.testing.assert_allclose(step.unreplicate(state), 300.0)

@@ -244,11 +244,6 @@ def test_logical_copy_restores_into_another_replica_count():
         assert_trees_close(got.opt_state, expected_opt, rtol=1e-5)
 
 
-@pytest.mark.skip(
-    reason="CheckpointManager.restore derives each leaf's logical shape from `like` "
-    "leaf by leaf (shape[1:]); for a sharded optimizer state it must use "
-    "`jdp._parallel.logical_like(like)` as its target structure"
-)
 def test_checkpoint_manager_roundtrip_into_another_replica_count(tmp_path):
     tx = optax.adam(1e-2)
     init = jdp.TrainState.create(params=params0(), tx=tx)

@@ -28,7 +28,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from jdp._parallel import logical_copy, place_like
+from jdp._parallel import logical_copy, logical_like, place_like
 from jdp._tree import format_problems, keystr
 
 PyTree = Any
@@ -99,15 +99,6 @@ def _host_copy(x: Any) -> Any:
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
         return x
     return np.array(x, copy=True)
-
-
-def _logical_like(ref: Any) -> tuple[tuple[int, ...], str]:
-    """Shape and dtype of one logical copy of a replicated `like` leaf.
-
-    Mirrors `place_like`: a replicated leaf holds one copy per replica along its
-    leading axis.
-    """
-    return tuple(ref.shape[1:]), _dtype_name(ref.dtype)
 
 
 class CheckpointManager:
@@ -407,10 +398,13 @@ class CheckpointManager:
         if manager is not None:
             manager.wait_until_finished()
         step = self._resolve_step(step)
-        flat_like, treedef = jax.tree_util.tree_flatten_with_path(like)
+        flat_like = jax.tree_util.tree_flatten_with_path(like)[0]
         self._check_like(flat_like)
+        # One logical copy of `like`: what was saved (ZeRO-sharded optimizer
+        # state appears as the full optimizer state).
+        flat_logical, treedef = jax.tree_util.tree_flatten_with_path(logical_like(like))
         meta = self._complete.get(step) or self._read_metadata(step)
-        self._check_matches(step, meta, flat_like)
+        self._check_matches(step, meta, flat_logical, flat_like)
         records = meta["leaves"]
         item = jax.tree_util.tree_unflatten(
             treedef,
@@ -548,12 +542,19 @@ class CheckpointManager:
                 )
 
     def _check_matches(
-        self, step: int, meta: dict[str, Any], flat_like: Sequence[tuple[Any, Any]]
+        self,
+        step: int,
+        meta: dict[str, Any],
+        flat_logical: Sequence[tuple[Any, Any]],
+        flat_like: Sequence[tuple[Any, Any]],
     ) -> None:
         saved = {
             r["path"]: (tuple(r["shape"]), r["dtype"]) for r in meta.get("leaves", [])
         }
-        wanted = {keystr(path): _logical_like(ref) for path, ref in flat_like}
+        wanted = {
+            keystr(path): (tuple(ref.shape), _dtype_name(ref.dtype))
+            for path, ref in flat_logical
+        }
         # (position in pytree order, checkpoint side first, message): the first
         # entry is the first leaf where the two trees part.
         found = []
