@@ -20,19 +20,10 @@ interconnects, where the all-reduce BMUF avoids costs far more than a memcpy.
 from __future__ import annotations
 
 import argparse
-import os
-import re
 import sys
 import time
 
-
-def _set_devices(n: int) -> None:
-    flags = re.sub(
-        r"--xla_force_host_platform_device_count=\d+",
-        "",
-        os.environ.get("XLA_FLAGS", ""),
-    )
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}"
+from _common import set_devices
 
 
 def main(argv=None) -> None:
@@ -42,7 +33,7 @@ def main(argv=None) -> None:
     parser.add_argument("--quick", action="store_true", help="~1M params, fewer steps")
     args = parser.parse_args(argv)
     if "jax" not in sys.modules:
-        _set_devices(args.devices)
+        set_devices(args.devices)
 
     import jax
     import jax.numpy as jnp

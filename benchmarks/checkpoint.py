@@ -25,21 +25,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import shutil
 import statistics
 import sys
 import tempfile
 import time
 
-
-def _set_devices(n: int) -> None:
-    flags = re.sub(
-        r"--xla_force_host_platform_device_count=\d+",
-        "",
-        os.environ.get("XLA_FLAGS", ""),
-    )
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}"
+from _common import set_devices
 
 
 def main(argv=None) -> None:
@@ -49,7 +41,7 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(argv)
     if "jax" not in sys.modules:
-        _set_devices(args.devices)
+        set_devices(args.devices)
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
     import jax

@@ -222,19 +222,7 @@ class Parallel:
             pass  # the failed step's outputs raise for whoever reads them
 
     def _check_state(self, state: PyTree) -> None:
-        probs = []
-        for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
-            if (
-                isinstance(x, jax.Array)
-                and x.ndim >= 1
-                and x.shape[0] == self.num_replicas
-                and (
-                    x.sharding == self._sharding
-                    or x.sharding.is_equivalent_to(self._sharding, x.ndim)
-                )
-            ):
-                continue
-            probs.append(f"{keystr(path)}: {_describe(x)}")
+        probs = self._misplaced(state, leading=self.num_replicas)
         if probs:
             raise ValueError(
                 NOT_REPLICATED_MSG.format(
@@ -245,11 +233,18 @@ class Parallel:
             )
 
     def _check_batch(self, batch: PyTree) -> None:
+        probs = self._misplaced(batch, leading=None)
+        if probs:
+            raise ValueError(NOT_SHARDED_MSG.format(probs=format_problems(probs)))
+
+    def _misplaced(self, tree: PyTree, *, leading: int | None) -> list[str]:
+        """Leaves that are not arrays sharded by this step's replica sharding."""
         probs = []
-        for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
             if (
                 isinstance(x, jax.Array)
                 and x.ndim >= 1
+                and (leading is None or x.shape[0] == leading)
                 and (
                     x.sharding == self._sharding
                     or x.sharding.is_equivalent_to(self._sharding, x.ndim)
@@ -257,8 +252,7 @@ class Parallel:
             ):
                 continue
             probs.append(f"{keystr(path)}: {_describe(x)}")
-        if probs:
-            raise ValueError(NOT_SHARDED_MSG.format(probs=format_problems(probs)))
+        return probs
 
     # -- placement helpers ------------------------------------------------------
 

@@ -1,0 +1,16 @@
+"""Shared by the benchmark scripts (run as `python benchmarks/NAME.py`)."""
+
+from __future__ import annotations
+
+import os
+import re
+
+
+def set_devices(n: int) -> None:
+    """Simulates `n` CPU devices; must run before JAX is first imported."""
+    flags = re.sub(
+        r"--xla_force_host_platform_device_count=\d+",
+        "",
+        os.environ.get("XLA_FLAGS", ""),
+    )
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}"
