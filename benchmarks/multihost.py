@@ -36,6 +36,8 @@ import statistics
 import sys
 import time
 
+from _common import mlp_loss
+
 WIDTH, DEPTH, GLOBAL_BATCH = 512, 4, 256
 LR = 1e-3
 
@@ -65,7 +67,6 @@ def jax_step_times(kind: str, steps: int, warmup: int, pin: bool) -> dict:
     """Runs in every process: median step time (ms) of one JAX configuration."""
     _pin(pin)
     import jax
-    import jax.numpy as jnp
     import numpy as np
     import optax
     from jax import lax
@@ -73,13 +74,7 @@ def jax_step_times(kind: str, steps: int, warmup: int, pin: bool) -> dict:
 
     import jdp
 
-    def loss_fn(params, batch):
-        x = batch["x"]
-        for i, layer in enumerate(params):
-            x = x @ layer["w"] + layer["b"]
-            if i < len(params) - 1:
-                x = jax.nn.relu(x)
-        return jnp.mean((x - batch["y"]) ** 2)
+    loss_fn = mlp_loss
 
     x, y, weights = _data()
     params = [{"w": w, "b": np.zeros(WIDTH, np.float32)} for w in weights]

@@ -17,7 +17,7 @@ import statistics
 import sys
 import time
 
-from _common import set_devices
+from _common import mlp_loss, set_devices
 
 
 def main(argv=None) -> None:
@@ -59,13 +59,7 @@ def main(argv=None) -> None:
             )
         return params
 
-    def loss_fn(params, batch):
-        x = batch["x"]
-        for i, layer in enumerate(params):
-            x = x @ layer["w"] + layer["b"]
-            if i < len(params) - 1:
-                x = jax.nn.relu(x)
-        return jnp.mean((x - batch["y"]) ** 2)
+    loss_fn = mlp_loss
 
     tx = optax.sgd(1e-3, momentum=0.9)
     mesh = Mesh(np.asarray(devices), ("data",))

@@ -346,11 +346,7 @@ def bmuf_global_params(state: PyTree) -> PyTree:
       >>> jdp.bmuf_global_params(state)["w"]
       Array([1., 1.], dtype=float32)
     """
-    found = [
-        x
-        for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, BMUFState))
-        if isinstance(x, BMUFState)
-    ]
+    found = find_states(state)
     if len(found) != 1:
         raise ValueError(
             "`jdp.bmuf_global_params` expects a state holding exactly one "
@@ -408,11 +404,7 @@ def snap_to_block_start(params: PyTree, opt_state: PyTree) -> PyTree:
     `jdp.make_train_step` calls this after `optax.apply_updates` so that every
     replica holds the same bits after a sync; without BMUF it returns `params`.
     """
-    states = [
-        s
-        for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, BMUFState))
-        if isinstance(s, BMUFState)
-    ]
+    states = find_states(opt_state)
     if len(states) != 1:
         return params
     (state,) = states
@@ -423,3 +415,9 @@ def snap_to_block_start(params: PyTree, opt_state: PyTree) -> PyTree:
         params,
         state.start,
     )
+
+
+def find_states(tree: PyTree) -> list[BMUFState]:
+    """Every `BMUFState` inside `tree` (an optimizer or training state), in order."""
+    is_state = lambda x: isinstance(x, BMUFState)  # noqa: E731
+    return [x for x in jax.tree.leaves(tree, is_leaf=is_state) if is_state(x)]

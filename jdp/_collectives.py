@@ -30,6 +30,15 @@ UNBOUND_AXIS_MSG = (
 )
 
 
+def check_bucket_bytes(bucket_bytes: int | None) -> None:
+    """A clear `ValueError` unless `bucket_bytes` is None or positive."""
+    if bucket_bytes is not None and bucket_bytes <= 0:
+        raise ValueError(
+            f"`bucket_bytes` must be a positive number of bytes or None, got "
+            f"{bucket_bytes}."
+        )
+
+
 def axis_size(axis_name: AxisName, api: str) -> int:
     """Number of replicas along `axis_name`; a clear `RuntimeError` if it is unbound."""
     try:
@@ -120,11 +129,7 @@ def all_reduce_gradients(
 
 def _all_reduce(grads, *, axis_name, bucket_bytes, reverse, dtype, flatten, api):
     num = axis_size(axis_name, api)
-    if bucket_bytes is not None and bucket_bytes <= 0:
-        raise ValueError(
-            f"`bucket_bytes` must be a positive number of bytes or None, got "
-            f"{bucket_bytes}."
-        )
+    check_bucket_bytes(bucket_bytes)
     leaves, treedef = jax.tree_util.tree_flatten(grads)
     leaves = [jnp.asarray(x) for x in leaves]
     float_idx = [i for i, x in enumerate(leaves) if is_float(x)]

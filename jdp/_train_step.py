@@ -74,10 +74,7 @@ class TrainState(struct.PyTreeNode):
 
 
 def _contains_bmuf_state(opt_state: PyTree) -> bool:
-    leaves = jax.tree.leaves(
-        opt_state, is_leaf=lambda x: isinstance(x, _bmuf.BMUFState)
-    )
-    return any(isinstance(x, _bmuf.BMUFState) for x in leaves)
+    return bool(_bmuf.find_states(opt_state))
 
 
 def make_train_step(

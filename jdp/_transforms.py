@@ -40,11 +40,7 @@ def sync_gradients(
       ...                  optax.adam(1e-3))
       >>> # use it with `jdp.make_train_step(loss_fn, tx, all_reduce=False)`
     """
-    if bucket_bytes is not None and bucket_bytes <= 0:
-        raise ValueError(
-            f"`bucket_bytes` must be a positive number of bytes or None, got "
-            f"{bucket_bytes}."
-        )
+    _collectives.check_bucket_bytes(bucket_bytes)
 
     def init_fn(params):
         del params

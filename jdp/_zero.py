@@ -542,11 +542,7 @@ def sharded_update(
     num = _collectives.axis_size(axis_name, API)
     if not is_sharded(opt_state):
         raise ValueError(NOT_LAID_OUT_MSG)
-    if bucket_bytes is not None and bucket_bytes <= 0:
-        raise ValueError(
-            f"`bucket_bytes` must be a positive number of bytes or None, got "
-            f"{bucket_bytes}."
-        )
+    _collectives.check_bucket_bytes(bucket_bytes)
     _check_params(params)
     p_leaves, p_def = jax.tree.flatten(params)
     p_leaves = [jnp.asarray(x) for x in p_leaves]
