@@ -43,8 +43,16 @@ def _describe(x: Any) -> str:
     return f"a {type(x).__name__} of shape {np.shape(x)} (not a placed jax.Array)"
 
 
+def _is_key(x: Any) -> bool:
+    """Whether `x` (an array or a `ShapeDtypeStruct`) holds typed PRNG keys."""
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
+
+
 def _host_value(x: Any) -> np.ndarray:
-    """A leaf as a NumPy array in the dtype JAX would give it."""
+    """A leaf as a NumPy array in the dtype JAX would give it (keys: their data)."""
+    if _is_key(x):
+        return np.asarray(jax.device_get(jax.random.key_data(x)))
     if isinstance(x, jax.Array):
         return np.asarray(jax.device_get(x))
     arr = np.asarray(x)
@@ -281,12 +289,16 @@ class Parallel:
           >>> step.replicate({"w": jnp.ones(3)})["w"].shape
           (4, 3)
         """
-        host = jax.tree.map(_host_value, tree)
+        host = jax.tree.map(_host_value, tree)  # PRNG keys as their key data
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
             host = multihost_utils.broadcast_one_to_all(host)
-        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), host)
+        abstract = jax.tree.map(
+            lambda x, h: jax.eval_shape(lambda: x) if _is_key(x) else h,
+            tree,
+            jax.tree.map(lambda h: jax.ShapeDtypeStruct(h.shape, h.dtype), host),
+        )
         layout = getattr(self.train_step, _zero.LAYOUT_HOOK, None)
         if layout is not None:  # e.g. a sharded optimizer state (ZeRO)
             abstract = layout(abstract, self.num_replicas)
@@ -760,6 +772,12 @@ def place_like(host_tree: PyTree, like: PyTree) -> PyTree:
     """
 
     def place(x, ref):
+        if _is_key(ref):  # typed PRNG keys: place their data, then wrap it
+            data = _host_value(x)
+            shape = tuple(ref.shape) + data.shape[len(ref.shape) - 1 :]
+            view = np.broadcast_to(data, shape)
+            placed = jax.make_array_from_callback(shape, ref.sharding, view.__getitem__)
+            return jax.random.wrap_key_data(placed, impl=ref.dtype._impl)
         x = _host_value(x).astype(ref.dtype, copy=False)
         view = np.broadcast_to(x, ref.shape)  # no copy until a device takes a slice
         return jax.make_array_from_callback(ref.shape, ref.sharding, view.__getitem__)

@@ -141,6 +141,82 @@ def test_no_donation_keeps_old_state(backend):
     assert not any(x.is_deleted() for x in jax.tree.leaves(state))
 
 
+def test_donated_shard_map_step_updates_buffers_in_place():
+    """The donated state is updated where it lies: no whole-buffer copies."""
+    tx = optax.sgd(0.1, momentum=0.9)
+    step = jdp.parallelize(jdp.make_train_step(mlp_loss, tx), backend="shard_map")
+    state = step.replicate(
+        jdp.TrainState.create(params=init_mlp(jax.random.key(0)), tx=tx)
+    )
+    batch = step.shard(make_batches(1, GLOBAL_BATCH)[0])
+    text = step.lower(state, batch).compile().as_text()
+    assert text.count(" copy(") == 0, "XLA copies the donated state every step"
+
+    def pointers(tree):
+        return [
+            x.addressable_shards[0].data.unsafe_buffer_pointer()
+            for x in jax.tree.leaves(tree)
+            if x.ndim > 1
+        ]
+
+    state, _ = step(state, batch)  # the first step moves out of `replicate`'s buffers
+    before = pointers((state.params, state.opt_state))
+    state, _ = step(state, batch)
+    assert pointers((state.params, state.opt_state)) == before
+
+
+SHAPES = {
+    "scalar": (),
+    "one": (1,),
+    "row": (1, 4),
+    "vec": (3,),
+    "empty": (0, 3),
+    "cube": (2, 1, 5),
+    "unit": (1, 1),
+}
+
+
+def test_donated_step_keeps_every_leaf_shape(backend):
+    """Leaves of every per-replica shape come back as a non-donated step gives."""
+    tree = {
+        k: np.arange(np.prod(s), dtype=np.float32).reshape(s) for k, s in SHAPES.items()
+    }
+    tree["count"] = np.int32(3)
+    tree["key"] = jax.random.key(0)
+
+    def step_fn(state, batch):
+        new = {k: v * 2 + batch.sum() for k, v in state.items() if k in SHAPES}
+        new["count"] = state["count"] + 1
+        new["key"] = jax.random.split(state["key"])[0]
+        new["extra"] = state["extra"] + lax.axis_index("data")
+        return new, {}
+
+    def run(donate):
+        step = jdp.parallelize(
+            step_fn, backend=backend, devices=jax.devices()[:4], donate_state=donate
+        )
+        state = step.replicate(dict(tree, extra=np.zeros((2, 3), np.float32)))
+        batch = step.shard(np.arange(8.0, dtype=np.float32))
+        for _ in range(2):
+            old = state
+            state, _ = step(state, batch)
+        return old, state
+
+    old, got = run(True)
+    _, want = run(False)
+    assert [k for k, x in old.items() if not x.is_deleted()] == []
+    for path, x in jax.tree_util.tree_leaves_with_path(want):
+        y = got
+        for p in path:
+            y = y[p.key]
+        assert y.shape == x.shape and y.dtype == x.dtype, path
+        assert y.sharding.is_equivalent_to(x.sharding, x.ndim), path
+        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x, y = jax.random.key_data(x), jax.random.key_data(y)
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(x), err_msg=str(path))
+    assert np.asarray(got["extra"])[:, 0, 0].tolist() == [0, 2, 4, 6]
+
+
 def test_shard_layouts(backend):
     step = jdp.parallelize(
         lambda s, b: (s, {}), backend=backend, devices=jax.devices()[:4]
