@@ -8,7 +8,9 @@ only in how they see it:
 
 - `"shard_map"`: `jax.jit(jax.shard_map(body))`; the body's blocks keep a size-1
   replica axis, which this module removes on the way in and restores on the way out;
-  the batch stays `(B, ...)`, sharded on its leading axis.
+  the batch stays `(B, ...)`, sharded on its leading axis. A donating training step
+  runs on a concatenated view of the same buffers instead, so that XLA updates the
+  donated state in place (see `_DonatingShardMapStep`).
 - `"pmap"`: `jax.pmap(body)`, which is rank-reducing; the batch is laid out as
   `(num_replicas, B / num_replicas, ...)`, the layout pmap users know.
 
@@ -20,6 +22,7 @@ varying along the axis, so gradients of it are never summed implicitly (the
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -174,18 +177,32 @@ def _place_empty_leaves(tree, sharding: NamedSharding):
 # donated jits whose reshapes are bitcasts of the same buffers (no copy, no
 # collective); the caller only ever sees the `(N, ...)` layout.
 #
-# Leaves whose per-replica shape is `()` or starts with 0 or 1 keep the stacked
-# layout (their view would be ambiguous, or lose its sharding) and are squeezed in
-# the block as before. The rules below are exact inverses, without side
-# information:
-#   view:      (N, d0, ...) -> (N * d0, ...)        when d0 > 1 (else unchanged)
+# Leaves whose per-replica shape is `()`, starts with 0 or 1 (their view would be
+# ambiguous, or lose its sharding), or holds under `VIEW_MIN_BYTES` keep the
+# stacked layout and are squeezed in the block as before. The rules below are
+# exact inverses, without side information ("viewable": see `_viewable`):
+#   view:      (N, d0, ...) -> (N * d0, ...)        when viewable (else unchanged)
 #   block in:  (1, ...) -> squeezed                 (else the replica's shape)
-#   block out: (), (0, ...) or (1, ...) -> (1, ...)  (else unchanged)
+#   block out: unchanged when viewable              (else expanded to (1, ...))
 #   unview:    (N * d0, ...) -> (N, d0, ...)        when the leading size is not N
 
 
-def _needs_view(shape: tuple[int, ...]) -> bool:
-    return len(shape) >= 2 and shape[1] > 1
+# Leaves smaller than this (per replica) stay stacked: XLA's copy of a small leaf
+# costs less than dispatching its buffers through the two views.
+VIEW_MIN_BYTES = 1 << 16
+
+
+def _viewable(shape: tuple[int, ...], itemsize: int) -> bool:
+    """Whether a leaf of per-replica `shape` runs on the concatenated view."""
+    return (
+        len(shape) >= 1
+        and shape[0] > 1
+        and math.prod(shape) * itemsize >= VIEW_MIN_BYTES
+    )
+
+
+def _needs_view(x) -> bool:
+    return _viewable(x.shape[1:], x.dtype.itemsize)
 
 
 def _view_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -197,7 +214,7 @@ def _block_in(x):
 
 
 def _block_out(x):
-    return _expand(x) if x.ndim == 0 or x.shape[0] <= 1 else x
+    return x if _viewable(x.shape, x.dtype.itemsize) else _expand(x)
 
 
 class _DonatingShardMapStep:
@@ -243,7 +260,7 @@ class _DonatingShardMapStep:
 
     def _view_specs(self, state):
         def spec(x):
-            shape = _view_shape(x.shape) if _needs_view(x.shape) else x.shape
+            shape = _view_shape(x.shape) if _needs_view(x) else x.shape
             return jax.ShapeDtypeStruct(
                 shape,
                 x.dtype,
@@ -264,7 +281,7 @@ class _DonatingShardMapStep:
         if not self._returns_state:
             return self._stacked(state, batch)
         leaves, treedef = jax.tree.flatten(state)
-        idx = [i for i, x in enumerate(leaves) if _needs_view(x.shape)]
+        idx = [i for i, x in enumerate(leaves) if _needs_view(x)]
         if idx:
             for i, v in zip(idx, self._view([leaves[i] for i in idx]), strict=True):
                 leaves[i] = v

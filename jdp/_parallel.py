@@ -247,9 +247,9 @@ class Parallel:
 
     def _misplaced(self, tree: PyTree, *, leading: int | None) -> list[str]:
         """Leaves that are not arrays sharded by this step's replica sharding."""
-        probs = []
-        for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
-            if (
+
+        def placed(x):
+            return (
                 isinstance(x, jax.Array)
                 and x.ndim >= 1
                 and (leading is None or x.shape[0] == leading)
@@ -257,10 +257,15 @@ class Parallel:
                     x.sharding == self._sharding
                     or x.sharding.is_equivalent_to(self._sharding, x.ndim)
                 )
-            ):
-                continue
-            probs.append(f"{keystr(path)}: {_describe(x)}")
-        return probs
+            )
+
+        if all(map(placed, jax.tree.leaves(tree))):  # the per-call fast path
+            return []
+        return [
+            f"{keystr(path)}: {_describe(x)}"
+            for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+            if not placed(x)
+        ]
 
     # -- placement helpers ------------------------------------------------------
 

@@ -141,8 +141,9 @@ def test_no_donation_keeps_old_state(backend):
     assert not any(x.is_deleted() for x in jax.tree.leaves(state))
 
 
-def test_donated_shard_map_step_updates_buffers_in_place():
+def test_donated_shard_map_step_updates_buffers_in_place(monkeypatch):
     """The donated state is updated where it lies: no whole-buffer copies."""
+    monkeypatch.setattr(jdp._backends, "VIEW_MIN_BYTES", 0)  # small leaves, too
     tx = optax.sgd(0.1, momentum=0.9)
     step = jdp.parallelize(jdp.make_train_step(mlp_loss, tx), backend="shard_map")
     state = step.replicate(
@@ -173,21 +174,28 @@ SHAPES = {
     "empty": (0, 3),
     "cube": (2, 1, 5),
     "unit": (1, 1),
+    "big": (64, 512),  # 128 KiB: above the size from which the step uses views
+    "big_row": (1, 64, 512),
 }
 
 
-def test_donated_step_keeps_every_leaf_shape(backend):
+@pytest.mark.parametrize("view_min_bytes", [0, None], ids=["all_views", "default"])
+def test_donated_step_keeps_every_leaf_shape(backend, view_min_bytes, monkeypatch):
     """Leaves of every per-replica shape come back as a non-donated step gives."""
+    if view_min_bytes is not None:  # every leaf that can be viewed is
+        monkeypatch.setattr(jdp._backends, "VIEW_MIN_BYTES", view_min_bytes)
     tree = {
         k: np.arange(np.prod(s), dtype=np.float32).reshape(s) for k, s in SHAPES.items()
     }
     tree["count"] = np.int32(3)
     tree["key"] = jax.random.key(0)
+    tree["keys"] = jax.random.split(jax.random.key(1), 3)
 
     def step_fn(state, batch):
         new = {k: v * 2 + batch.sum() for k, v in state.items() if k in SHAPES}
         new["count"] = state["count"] + 1
         new["key"] = jax.random.split(state["key"])[0]
+        new["keys"] = jax.vmap(lambda k: jax.random.split(k)[1])(state["keys"])
         new["extra"] = state["extra"] + lax.axis_index("data")
         return new, {}
 
