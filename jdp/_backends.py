@@ -128,22 +128,25 @@ def build_step(
             replace=lambda out, state: (state, out[1]),
         )
 
-    def block_body(state, batch):
-        new_state, metrics = body(jax.tree.map(_squeeze, state), batch)
-        return jax.tree.map(_expand, new_state), metrics
+    def shard_map_step(block_in, block_out, donate_argnums):
+        def block_body(state, batch):
+            new_state, metrics = body(jax.tree.map(block_in, state), batch)
+            return jax.tree.map(block_out, new_state), metrics
 
-    stacked = jax.jit(
-        jax.shard_map(
+        mapped = jax.shard_map(
             block_body,
             mesh=mesh,
             in_specs=(P(axis_name), P(axis_name)),
             out_specs=(P(axis_name), P()),
             check_vma=False,
         )
-    )
+        return jax.jit(mapped, donate_argnums=donate_argnums)
+
+    stacked = shard_map_step(_squeeze, _expand, ())
     sharding = replica_sharding(mesh, axis_name)
     if donate:
-        return _DonatingShardMapStep(body, stacked, mesh=mesh, axis_name=axis_name)
+        core = shard_map_step(_block_in, _block_out, (0,))
+        return _DonatingShardMapStep(core, stacked, mesh=mesh, sharding=sharding)
 
     def call(state, batch):
         new_state, metrics = stacked(state, batch)
@@ -218,33 +221,19 @@ def _block_out(x):
 
 
 class _DonatingShardMapStep:
-    """`jit(shard_map(body))` that donates the state and updates it in place.
+    """A donating `jit(shard_map(body))` step that updates the state in place.
 
     Calls run three executables: a view of the state's buffers as concatenated
-    blocks (donated, a bitcast), the step on that view (donated), and the view
-    back (donated, a bitcast). A step that returns no state (forward-only) never
-    donates: it runs `stacked`, the plain step.
+    blocks (donated, a bitcast), `core`, the step on that view (donated), and the
+    view back (donated, a bitcast). A step that returns no state (forward-only)
+    never donates: it runs `stacked`, the step on the stacked layout.
     """
 
-    def __init__(self, body, stacked, *, mesh: Mesh, axis_name):
+    def __init__(self, core, stacked, *, mesh: Mesh, sharding: NamedSharding):
+        self._core = core
         self._stacked = stacked
         self._n = mesh.size
-        self._sharding = replica_sharding(mesh, axis_name)
-
-        def block_body(state, batch):
-            new_state, metrics = body(jax.tree.map(_block_in, state), batch)
-            return jax.tree.map(_block_out, new_state), metrics
-
-        self._core = jax.jit(
-            jax.shard_map(
-                block_body,
-                mesh=mesh,
-                in_specs=(P(axis_name), P(axis_name)),
-                out_specs=(P(axis_name), P()),
-                check_vma=False,
-            ),
-            donate_argnums=(0,),
-        )
+        self._sharding = sharding
         n = self._n
         self._view = jax.jit(
             lambda xs: [x.reshape(_view_shape(x.shape)) for x in xs],
