@@ -537,9 +537,6 @@ def test_save_rejects_what_it_cannot_restore(tmp_path):
             manager.save(1, {"w": np.ones(3)})
         with pytest.raises(ValueError, match=r"\['n'\]: a 0-d jax.Array"):
             manager.save(1, {"n": jnp.ones(())})
-        keys = {"k": jax.device_put(jax.random.split(jax.random.key(0)), step.sharding)}
-        with pytest.raises(ValueError, match=r"leaf \['k'\] is a typed PRNG key"):
-            manager.save(1, keys)
         with pytest.raises(ValueError, match="was not replicated by this step"):
             manager.save(1, state, parallel=make_parallel(num_devices=4))
         with pytest.raises(TypeError, match="must be an integer step number"):
@@ -549,6 +546,52 @@ def test_save_rejects_what_it_cannot_restore(tmp_path):
         assert manager.all_steps() == []
         assert manager.save(step.unreplicate(state).step + 4, state)  # a 0-d array
         assert manager.all_steps() == [4]
+
+
+def test_prng_keys_resume_bit_for_bit(tmp_path, backend):
+    """Typed PRNG keys in the state are saved as key data and rebuilt on restore."""
+
+    def step_fn(state, batch):
+        key, sub = jax.random.split(state["key"])
+        noise = jax.random.normal(sub, state["w"].shape)
+        return {"key": key, "w": state["w"] + noise + batch.mean()}, {}
+
+    def parallel(n):
+        return jdp.parallelize(step_fn, backend=backend, devices=jax.devices()[:n])
+
+    def run(step, state, num_steps):
+        for _ in range(num_steps):
+            state, _ = step(state, step.shard(np.ones(8, np.float32)))
+        return state
+
+    init = {"key": jax.random.key(42), "w": np.zeros(5, np.float32)}
+    eight = parallel(8)
+    straight = eight.unreplicate(run(eight, eight.replicate(init), 4))
+    state = run(eight, eight.replicate(init), 2)
+    with CheckpointManager(tmp_path) as manager:
+        manager.save(2, state)
+        meta = manager.metadata(2)
+        four = parallel(4)
+        resumed = run(four, manager.restore(four.replicate(init)), 2)
+        assert [r.get("key_impl") for r in meta["leaves"]] == ["threefry2x32", None]
+        assert resumed["key"].dtype == init["key"].dtype
+        jdp.assert_replicas_in_sync(resumed)
+        resumed = four.unreplicate(resumed)
+        assert_bitwise_equal(
+            jax.random.key_data(resumed["key"]), jax.random.key_data(straight["key"])
+        )
+        assert_bitwise_equal(resumed["w"], straight["w"])
+        # Raw uint32 key data where the checkpoint has keys: named, not guessed.
+        raw = dict(init, key=np.zeros(2, np.uint32))
+        with pytest.raises(
+            ValueError,
+            match=r"\['key'\]: the checkpoint has shape \(2,\) uint32 "
+            r"\(threefry2x32 key data\), `like` has shape \(2,\) uint32",
+        ):
+            manager.restore(four.replicate(raw))
+        other = dict(init, key=jax.random.key(0, impl="rbg"))
+        with pytest.raises(ValueError, match=r"\['key'\].*`like` has shape \(4,\)"):
+            manager.restore(four.replicate(other))
 
 
 @pytest.mark.parametrize(

@@ -28,7 +28,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from jdp._parallel import logical_copy, logical_like, place_like
+from jdp._parallel import _is_key, logical_copy, logical_like, place_like
 from jdp._tree import format_problems, keystr
 
 PyTree = Any
@@ -88,14 +88,29 @@ def _crc32(x: np.ndarray) -> int:
     return zlib.crc32(memoryview(np.ascontiguousarray(x)).cast("B"))
 
 
+def _key_impl_name(x: Any) -> str | None:
+    """The PRNG implementation of a typed-key leaf (array or struct), else None."""
+    return x.dtype._impl.name if _is_key(x) else None
+
+
+def _as_key_data(x: Any) -> Any:
+    """Typed PRNG keys as their raw key data (an array or a struct), else `x`."""
+    if not _is_key(x):
+        return x
+    if isinstance(x, jax.Array):
+        return jax.random.key_data(x)
+    return jax.eval_shape(jax.random.key_data, x)
+
+
 def _host_copy(x: Any) -> Any:
     """A leaf of the logical copy as a fresh NumPy array this process owns.
 
     Copying (rather than viewing device memory) keeps an async save correct when
     the next step donates the state's buffers. A leaf that is not fully
     addressable (one logical copy spread over several hosts) stays a `jax.Array`:
-    orbax writes each host's part.
+    orbax writes each host's part. Typed PRNG keys are saved as their key data.
     """
+    x = _as_key_data(x)
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
         return x
     return np.array(x, copy=True)
@@ -332,9 +347,9 @@ class CheckpointManager:
 
         Raises:
           TypeError: If `step` is not an integer.
-          ValueError: If `state` is not replicated, a leaf is a typed PRNG key,
-            `step` already has a checkpoint, or `step` is older than the latest
-            checkpoint (nothing is overwritten).
+          ValueError: If `state` is not replicated, `step` already has a
+            checkpoint, or `step` is older than the latest checkpoint (nothing is
+            overwritten).
         """
         step = _check_step_number(step, "step")
         flat, _ = jax.tree_util.tree_flatten_with_path(state)
@@ -355,8 +370,9 @@ class CheckpointManager:
             )
         if not force and not manager.should_save(step):
             return False
-        host = jax.tree.map(_host_copy, logical_copy(state))
-        meta = self._make_metadata(step, state, host, flat, parallel)
+        logical = logical_copy(state)
+        host = jax.tree.map(_host_copy, logical)
+        meta = self._make_metadata(step, state, logical, host, flat, parallel)
         self._complete.pop(step, None)
         manager.save(
             step,
@@ -403,6 +419,9 @@ class CheckpointManager:
         # One logical copy of `like`: what was saved (ZeRO-sharded optimizer
         # state appears as the full optimizer state).
         flat_logical, treedef = jax.tree_util.tree_flatten_with_path(logical_like(like))
+        flat_logical = [
+            (path, _as_key_data(x), _key_impl_name(x)) for path, x in flat_logical
+        ]
         meta = self._complete.get(step) or self._read_metadata(step)
         self._check_matches(step, meta, flat_logical, flat_like)
         records = meta["leaves"]
@@ -509,13 +528,6 @@ class CheckpointManager:
             if not isinstance(x, jax.Array) or x.ndim == 0:
                 kind = "0-d jax.Array" if isinstance(x, jax.Array) else type(x).__name__
                 probs.append(f"{keystr(path)}: a {kind} of shape {np.shape(x)}")
-            elif jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-                raise ValueError(
-                    f"`CheckpointManager.save`: leaf {keystr(path)} is a typed PRNG "
-                    f"key ({x.dtype}), which has no portable on-disk form. Store "
-                    "`jax.random.key_data(key)` in the state instead and rebuild "
-                    "the key with `jax.random.wrap_key_data` after restoring."
-                )
         if probs:
             raise ValueError(NOT_REPLICATED_MSG.format(probs=format_problems(probs)))
         if parallel is not None:
@@ -548,12 +560,16 @@ class CheckpointManager:
         flat_logical: Sequence[tuple[Any, Any]],
         flat_like: Sequence[tuple[Any, Any]],
     ) -> None:
+        def describe(dtype, key_impl):
+            return dtype if key_impl is None else f"{dtype} ({key_impl} key data)"
+
         saved = {
-            r["path"]: (tuple(r["shape"]), r["dtype"]) for r in meta.get("leaves", [])
+            r["path"]: (tuple(r["shape"]), describe(r["dtype"], r.get("key_impl")))
+            for r in meta.get("leaves", [])
         }
         wanted = {
-            keystr(path): (tuple(ref.shape), _dtype_name(ref.dtype))
-            for path, ref in flat_logical
+            keystr(path): (tuple(ref.shape), describe(_dtype_name(ref.dtype), impl))
+            for path, ref, impl in flat_logical
         }
         # (position in pytree order, checkpoint side first, message): the first
         # entry is the first leaf where the two trees part.
@@ -635,6 +651,7 @@ class CheckpointManager:
     def _make_metadata(
         step: int,
         state: PyTree,
+        logical: PyTree,
         host: PyTree,
         flat: Sequence[tuple[Any, Any]],
         parallel: Any,
@@ -642,15 +659,20 @@ class CheckpointManager:
         from jdp import __version__
 
         leaves = []
-        for path, x in jax.tree_util.tree_flatten_with_path(host)[0]:
-            leaves.append(
-                {
-                    "path": keystr(path),
-                    "shape": list(x.shape),
-                    "dtype": _dtype_name(x.dtype),
-                    "crc32": _crc32(x) if isinstance(x, np.ndarray) else None,
-                }
-            )
+        for (path, x), one in zip(
+            jax.tree_util.tree_flatten_with_path(host)[0],
+            jax.tree.leaves(logical),
+            strict=True,
+        ):
+            record = {
+                "path": keystr(path),
+                "shape": list(x.shape),
+                "dtype": _dtype_name(x.dtype),
+                "crc32": _crc32(x) if isinstance(x, np.ndarray) else None,
+            }
+            if _is_key(one):  # saved as its key data
+                record["key_impl"] = _key_impl_name(one)
+            leaves.append(record)
         num_replicas = (
             parallel.num_replicas if parallel is not None else int(flat[0][1].shape[0])
         )
