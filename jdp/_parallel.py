@@ -29,6 +29,14 @@ NOT_REPLICATED_MSG = (
     "from another `Parallel`, use `step.replicate(other.unreplicate(state))`)."
 )
 
+SHARED_LEAVES_MSG = (
+    "`step`: the state holds the same array in more than one leaf, and a step that "
+    "donates its state (`donate_state=True`) cannot hand one buffer to XLA twice. "
+    "Shared leaves:{probs}\nFix: keep one copy of a tied array in the state (and "
+    "look it up in both places in your step), give each leaf its own array "
+    "(`step.replicate` does), or pass `donate_state=False` to `jdp.parallelize`."
+)
+
 NOT_SHARDED_MSG = (
     "`step`: the batch passed in was not placed by this step's `step.shard`. "
     "Offending leaves:{probs}\nFix: `step(state, step.shard(global_batch))`."
@@ -201,6 +209,8 @@ class Parallel:
         """
         self._check_state(state)
         self._check_batch(batch)
+        if self.donate_state and self._forward_only is not True:
+            self._check_distinct(state)
         if self._one_in_flight:
             self._wait_for_previous_step()
         if self._forward_only is False:
@@ -239,6 +249,22 @@ class Parallel:
                     probs=format_problems(probs),
                 )
             )
+
+    @staticmethod
+    def _check_distinct(state: PyTree) -> None:
+        # Donating one buffer twice crashes the process (PjRt rejects it, then
+        # jax segfaults), so shared leaves are refused here.
+        leaves = jax.tree.leaves(state)
+        if len({id(x) for x in leaves}) == len(leaves):
+            return
+        first: dict[int, str] = {}
+        probs = []
+        for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
+            if id(x) in first:
+                probs.append(f"{keystr(path)} is the same array as {first[id(x)]}")
+            else:
+                first[id(x)] = keystr(path)
+        raise ValueError(SHARED_LEAVES_MSG.format(probs=format_problems(probs)))
 
     def _check_batch(self, batch: PyTree) -> None:
         probs = self._misplaced(batch, leading=None)

@@ -225,6 +225,21 @@ def test_donated_step_keeps_every_leaf_shape(backend, view_min_bytes, monkeypatc
     assert np.asarray(got["extra"])[:, 0, 0].tolist() == [0, 2, 4, 6]
 
 
+def test_donating_a_state_with_a_shared_leaf_is_refused(backend):
+    """One array in two leaves would be donated twice (PjRt then crashes)."""
+    step = jdp.parallelize(lambda s, b: (s, {}), backend=backend)
+    placed = step.replicate({"w": np.ones((64, 64), np.float32)})["w"]
+    batch = step.shard(np.zeros(8, np.float32))
+    with pytest.raises(
+        ValueError, match=r"\['w_tied'\]\['b'\] is the same array as \['w'\]"
+    ):
+        step({"w": placed, "w_tied": {"b": placed}}, batch)
+    assert not placed.is_deleted()
+    keep = jdp.parallelize(lambda s, b: (s, {}), backend=backend, donate_state=False)
+    new, _ = keep({"w": placed, "w_tied": {"b": placed}}, batch)
+    np.testing.assert_array_equal(np.asarray(new["w_tied"]["b"]), np.asarray(placed))
+
+
 def test_shard_layouts(backend):
     step = jdp.parallelize(
         lambda s, b: (s, {}), backend=backend, devices=jax.devices()[:4]
