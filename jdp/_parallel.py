@@ -641,7 +641,10 @@ def parallelize(
       axis_name: Name of the replica axis inside the step (`"data"`).
       donate_state: Donate the input state's buffers to the output (default), so
         a step holds one copy of params and optimizer state, not two. The state
-        you pass in is deleted by the call; use the returned one.
+        you pass in is deleted by the call; use the returned one. Under
+        `"shard_map"` the donated state is updated in place (leaves of 64 KiB
+        and more per replica; see the README's "How it works"). A state that
+        holds one array in two leaves is refused: it cannot be donated twice.
       mesh_shape: Two axis names, e.g. `("host", "device")`, for a 2-D mesh of
         `(processes, devices per process)` instead of the flat 1-D mesh
         (`"shard_map"` backend only). The replica axis inside the step is then
