@@ -50,7 +50,10 @@ QUICK_BUDGET_S = 600
 
 def benchmarks() -> list[pathlib.Path]:
     """Every benchmark script here, in name order."""
-    return sorted(p for p in HERE.glob("*.py") if p.name != pathlib.Path(__file__).name)
+    this = pathlib.Path(__file__).name
+    return sorted(
+        p for p in HERE.glob("*.py") if p.name != this and not p.name.startswith("_")
+    )
 
 
 def quick_args(path: pathlib.Path) -> list[str]:
