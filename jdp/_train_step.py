@@ -207,22 +207,9 @@ def make_train_step(
                 "trains each replica on its own gradients and syncs the models "
                 "itself. Use `jdp.make_train_step(loss_fn, tx, all_reduce=False)`."
             )
-        batch_stats = getattr(state, "batch_stats", None)
-        if batch_stats is None:
-            grad_fn = jax.value_and_grad(loss_fn, has_aux=has_aux)
-            out, grads = grad_fn(state.params, batch)
-            new_stats = None
-            loss, aux = out if has_aux else (out, None)
-        else:
-
-            def wrapped(params):
-                loss, rest = loss_fn(params, batch_stats, batch)
-                return loss, rest
-
-            (loss, rest), grads = jax.value_and_grad(wrapped, has_aux=True)(
-                state.params
-            )
-            new_stats, aux = rest if has_aux else (rest, None)
+        loss, aux, new_stats, grads = loss_and_grads(
+            _dense_value_and_grad, loss_fn, state, batch, has_aux=has_aux
+        )
         grad_norm = None
         if shard_optimizer_state:
             new_params, opt_state, grad_norm = _zero.sharded_update(
@@ -250,20 +237,18 @@ def make_train_step(
             if not all_reduce:
                 # BMUF: after a block sync every replica holds the same bits.
                 new_params = _bmuf.snap_to_block_start(new_params, opt_state)
-        changes = dict(step=state.step + 1, params=new_params, opt_state=opt_state)
-        if new_stats is not None:
-            changes["batch_stats"] = _collectives.sync_batch_stats(
-                new_stats, mode=batch_stats_mode, axis_name=axis_name
-            )
-        metrics = {"loss": loss}
-        if grad_norm is not None:
-            metrics["grad_norm"] = grad_norm
-        if has_aux:
-            if isinstance(aux, dict):
-                metrics.update(aux)
-            else:
-                metrics["aux"] = aux
-        return state.replace(**changes), metrics
+        return finish_step(
+            state,
+            new_params,
+            opt_state,
+            new_stats,
+            loss,
+            aux,
+            has_aux=has_aux,
+            batch_stats_mode=batch_stats_mode,
+            axis_name=axis_name,
+            extra_metrics={} if grad_norm is None else {"grad_norm": grad_norm},
+        )
 
     if shard_optimizer_state:
         setattr(
@@ -272,6 +257,64 @@ def make_train_step(
             functools.partial(_zero.state_layout, tx=tx),
         )
     return train_step
+
+
+def _dense_value_and_grad(fun, *, has_aux):
+    return jax.value_and_grad(fun, has_aux=has_aux)
+
+
+def loss_and_grads(value_and_grad, loss_fn, state, batch, *, has_aux):
+    """`(loss, aux, new_batch_stats, grads)` of one replica's `loss_fn`.
+
+    `value_and_grad(fun, has_aux=...)` differentiates `fun` with respect to its
+    first argument (`jax.value_and_grad`, or `jdp.sparse.value_and_grad` bound to
+    its tables). A state with `batch_stats` calls
+    `loss_fn(params, batch_stats, batch) -> (loss, new_batch_stats)` (or
+    `(loss, (new_batch_stats, aux))` with `has_aux`); otherwise
+    `loss_fn(params, batch)`. `aux` and `new_batch_stats` are None when absent.
+    """
+    batch_stats = getattr(state, "batch_stats", None)
+    if batch_stats is None:
+        out, grads = value_and_grad(loss_fn, has_aux=has_aux)(state.params, batch)
+        loss, aux = out if has_aux else (out, None)
+        return loss, aux, None, grads
+    (loss, rest), grads = value_and_grad(loss_fn, has_aux=True)(
+        state.params, batch_stats, batch
+    )
+    new_stats, aux = rest if has_aux else (rest, None)
+    return loss, aux, new_stats, grads
+
+
+def finish_step(
+    state,
+    params,
+    opt_state,
+    new_stats,
+    loss,
+    aux,
+    *,
+    has_aux: bool,
+    batch_stats_mode: str,
+    axis_name,
+    extra_metrics: dict[str, Any] | None = None,
+):
+    """The step's new state (step + 1, synced batch stats) and its metrics.
+
+    Metrics are `{"loss": loss}`, then `extra_metrics`, then `aux` (merged when
+    it is a dict, else under `"aux"`).
+    """
+    changes = dict(step=state.step + 1, params=params, opt_state=opt_state)
+    if new_stats is not None:
+        changes["batch_stats"] = _collectives.sync_batch_stats(
+            new_stats, mode=batch_stats_mode, axis_name=axis_name
+        )
+    metrics = {"loss": loss, **(extra_metrics or {})}
+    if has_aux:
+        if isinstance(aux, dict):
+            metrics.update(aux)
+        else:
+            metrics["aux"] = aux
+    return state.replace(**changes), metrics
 
 
 def _apply_remat(loss_fn: Callable[..., Any], remat: Any) -> Callable[..., Any]:

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jdp import _collectives
+from jdp._train_step import finish_step, loss_and_grads
 from jdp.sparse._gather import all_gather_rows, combine_rows
 from jdp.sparse._lookup import IndexedRows, path_name, value_and_grad
 from jdp.sparse._optim import SparseTransformation, apply_sparse
@@ -164,18 +165,13 @@ def make_train_step(
             )
         num = _collectives.axis_size(axis_name, "jdp.sparse.make_train_step")
         names = [t for t, _ in optimizer.tables]
-        batch_stats = getattr(state, "batch_stats", None)
-        if batch_stats is None:
-            out, grads = value_and_grad(loss_fn, names, has_aux=has_aux)(
-                state.params, batch
-            )
-            new_stats = None
-            loss, aux = out if has_aux else (out, None)
-        else:
-            (loss, rest), grads = value_and_grad(loss_fn, names, has_aux=True)(
-                state.params, batch_stats, batch
-            )
-            new_stats, aux = rest if has_aux else (rest, None)
+        loss, aux, new_stats, grads = loss_and_grads(
+            functools.partial(value_and_grad, tables=names),
+            loss_fn,
+            state,
+            batch,
+            has_aux=has_aux,
+        )
 
         is_rows = lambda x: isinstance(x, IndexedRows)  # noqa: E731
         leaves, treedef = jax.tree_util.tree_flatten(grads, is_leaf=is_rows)
@@ -199,18 +195,17 @@ def make_train_step(
         params, opt_state = apply_sparse(
             optimizer, grads, state.opt_state, state.params
         )
-        changes = dict(step=state.step + 1, params=params, opt_state=opt_state)
-        if new_stats is not None:
-            changes["batch_stats"] = _collectives.sync_batch_stats(
-                new_stats, mode=batch_stats_mode, axis_name=axis_name
-            )
-        metrics = {"loss": loss}
-        if has_aux:
-            if isinstance(aux, dict):
-                metrics.update(aux)
-            else:
-                metrics["aux"] = aux
-        return state.replace(**changes), metrics
+        return finish_step(
+            state,
+            params,
+            opt_state,
+            new_stats,
+            loss,
+            aux,
+            has_aux=has_aux,
+            batch_stats_mode=batch_stats_mode,
+            axis_name=axis_name,
+        )
 
     return train_step
 
