@@ -123,28 +123,24 @@ def main(argv=None) -> None:
 
         variants = {}
 
-        def hand_pmap():
-            state = [stack(params), stack(tx.init(params))]
+        def hand_runner(fn, state, batch):
+            """A step closure over `[params, opt_state]`, and the compiled HLO."""
 
             def run():
-                p, o, loss = pmapped(state[0], state[1], pmap_batch)
-                state[0], state[1] = p, o
+                state[0], state[1], loss = fn(state[0], state[1], batch)
                 return loss
 
-            text = pmapped.lower(state[0], state[1], pmap_batch).compile().as_text()
-            return run, text
+            return run, fn.lower(state[0], state[1], batch).compile().as_text()
+
+        def hand_pmap():
+            return hand_runner(
+                pmapped, [stack(params), stack(tx.init(params))], pmap_batch
+            )
 
         def hand_sm():
             host = jax.tree.map(np.asarray, (params, tx.init(params)))
             state = list(jax.device_put(host, replicated))  # fresh buffers to donate
-
-            def run():
-                p, o, loss = sm(state[0], state[1], sm_batch)
-                state[0], state[1] = p, o
-                return loss
-
-            text = sm.lower(state[0], state[1], sm_batch).compile().as_text()
-            return run, text
+            return hand_runner(sm, state, sm_batch)
 
         def jdp_variant(backend):
             def make():
