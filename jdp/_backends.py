@@ -158,14 +158,11 @@ def build_step(
 
 def _place_empty_leaves(tree, sharding: NamedSharding):
     """Gives zero-size outputs the replica sharding (jit returns them replicated)."""
-    leaves, treedef = jax.tree.flatten(tree)
-    if not any(x.size == 0 and x.sharding != sharding for x in leaves):
-        return tree
-    leaves = [
-        jax.device_put(x, sharding) if x.size == 0 and x.sharding != sharding else x
-        for x in leaves
-    ]
-    return jax.tree.unflatten(treedef, leaves)
+    return _map_some(
+        lambda xs: jax.device_put(xs, sharding),
+        lambda x: x.size == 0 and x.sharding != sharding,
+        tree,
+    )
 
 
 # -- the donating shard_map step ---------------------------------------------------
@@ -210,6 +207,16 @@ def _needs_view(x) -> bool:
 
 def _view_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
     return (shape[0] * shape[1],) + tuple(shape[2:])
+
+
+def _map_some(fn, pick, tree):
+    """`tree` with the leaves `pick` selects replaced by `fn(list of them)`."""
+    leaves, treedef = jax.tree.flatten(tree)
+    idx = [i for i, x in enumerate(leaves) if pick(x)]
+    if idx:
+        for i, y in zip(idx, fn([leaves[i] for i in idx]), strict=True):
+            leaves[i] = y
+    return jax.tree.unflatten(treedef, leaves)
 
 
 def _block_in(x):
@@ -269,18 +276,9 @@ class _DonatingShardMapStep:
             self._trace(state, batch)
         if not self._returns_state:
             return self._stacked(state, batch)
-        leaves, treedef = jax.tree.flatten(state)
-        idx = [i for i, x in enumerate(leaves) if _needs_view(x)]
-        if idx:
-            for i, v in zip(idx, self._view([leaves[i] for i in idx]), strict=True):
-                leaves[i] = v
-        new_state, metrics = self._core(jax.tree.unflatten(treedef, leaves), batch)
-        leaves, treedef = jax.tree.flatten(new_state)
-        idx = [i for i, x in enumerate(leaves) if x.shape[0] != self._n]
-        if idx:
-            for i, v in zip(idx, self._unview([leaves[i] for i in idx]), strict=True):
-                leaves[i] = v
-        new_state = jax.tree.unflatten(treedef, leaves)
+        view = _map_some(self._view, _needs_view, state)
+        new_state, metrics = self._core(view, batch)
+        new_state = _map_some(self._unview, lambda x: x.shape[0] != self._n, new_state)
         return _place_empty_leaves(new_state, self._sharding), metrics
 
     def lower(self, state, batch) -> jax.stages.Lowered:
