@@ -25,6 +25,9 @@ import time
 
 from _common import set_devices
 
+#: `make_train_step`'s `grad_sync` for a run that does / does not all-reduce.
+SYNC = {True: "all_reduce", False: "none"}
+
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -93,7 +96,7 @@ def main(argv=None) -> None:
     runners, comm, times, layout = {}, {}, {}, {}
     for name, (tx, all_reduce, k) in variants.items():
         step = jdp.parallelize(
-            jdp.make_train_step(xent, tx, all_reduce=all_reduce), devices=devices
+            jdp.make_train_step(xent, tx, grad_sync=SYNC[all_reduce]), devices=devices
         )
         state = [step.replicate(jdp.TrainState.create(params=params, tx=tx))]
         batch = step.shard(host_batch)
@@ -190,7 +193,7 @@ def main(argv=None) -> None:
     results = {}
     for name, (tx, all_reduce) in runs.items():
         step = jdp.parallelize(
-            jdp.make_train_step(xent, tx, all_reduce=all_reduce), devices=devices
+            jdp.make_train_step(xent, tx, grad_sync=SYNC[all_reduce]), devices=devices
         )
         state = step.replicate(jdp.TrainState.create(params=small, tx=tx))
         data = batches()

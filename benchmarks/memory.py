@@ -83,9 +83,9 @@ CONFIGS = {
     "no donation": {"donate_state": False},
     "remat full": {"remat": "full"},
     "remat dots_saveable": {"remat": jax.checkpoint_policies.dots_saveable},
-    "ZeRO": {"shard_optimizer_state": True},
-    "ZeRO + remat full": {"shard_optimizer_state": True, "remat": "full"},
-    "ZeRO, no donation": {"shard_optimizer_state": True, "donate_state": False},
+    "ZeRO": {"grad_sync": "zero"},
+    "ZeRO + remat full": {"grad_sync": "zero", "remat": "full"},
+    "ZeRO, no donation": {"grad_sync": "zero", "donate_state": False},
 }
 
 

@@ -171,7 +171,7 @@ def torch_step_times(steps: int, warmup: int, pin: bool) -> dict:
 
 
 CONFIGS = {
-    # name: (function, nprocs, devices per process, initialize, kind, pinned)
+    # name: (function, num_processes, devices per process, initialize, kind, pinned)
     "1 proc x 2 dev (jdp)": ("jax", 1, 2, False, "jdp", False),
     "2 proc x 1 dev, jdp": ("jax", 2, 1, True, "jdp", True),
     "2 proc x 1 dev, jdp + step.shard": ("jax", 2, 1, True, "jdp+shard", True),
@@ -206,7 +206,7 @@ def main(argv=None) -> None:
     extra = {}
     for rnd in range(args.rounds):
         for name in names:
-            what, nprocs, devices, initialize, kind, pinned = CONFIGS[name]
+            what, num_processes, devices, initialize, kind, pinned = CONFIGS[name]
             pin = pinned and not args.no_pin
             if what == "jax":
                 fn, fn_args = jax_step_times, (kind, args.steps, args.warmup, pin)
@@ -214,7 +214,7 @@ def main(argv=None) -> None:
                 fn, fn_args = torch_step_times, (args.steps, args.warmup, pin)
             out = jdp.launch.run(
                 fn,
-                nprocs,
+                num_processes,
                 args=fn_args,
                 devices_per_process=devices,
                 initialize=initialize,

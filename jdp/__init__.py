@@ -16,12 +16,11 @@ from jdp._bmuf import BMUFState, bmuf, bmuf_global_params
 from jdp._checks import assert_replicas_in_sync, replicas_in_sync
 from jdp._collectives import all_reduce_gradients, broadcast, sync_batch_stats
 from jdp._export import export_predictor, load_predictor, save_predictor
-from jdp._hlo import Collective
-from jdp._parallel import MemoryAnalysis, Parallel, parallelize
+from jdp._hlo import Collective, MemoryAnalysis
+from jdp._parallel import Parallel, parallelize
 from jdp._train_step import TrainState, make_train_step
 from jdp._transforms import sync_gradients
-
-__version__ = "0.1.0"
+from jdp._version import __version__ as __version__
 
 __all__ = [
     "BMUFState",

@@ -1,18 +1,20 @@
-"""Private: the only module that calls `jax.pmap` / `jax.shard_map` or builds a Mesh.
+"""Private: the only module that calls `jax.pmap` / `jax.shard_map`.
 
-Both backends run the same per-replica body on a 1-D mesh of the chosen devices
-(`"shard_map"` also on a 2-D `(host, device)` mesh, whose replica axis is the tuple
-of both mesh axes) and use the same state layout: every state leaf carries a
-leading replica axis, placed with `NamedSharding(mesh, P(axis_name))`. They differ
-only in how they see it:
+Both backends run the same per-replica body and use the same state layout
+(`jdp._layout`): every state leaf carries a leading replica axis sharded over the
+mesh. They differ only in how they see it:
 
 - `"shard_map"`: `jax.jit(jax.shard_map(body))`; the body's blocks keep a size-1
   replica axis, which this module removes on the way in and restores on the way out;
   the batch stays `(B, ...)`, sharded on its leading axis. A donating training step
   runs on a concatenated view of the same buffers instead, so that XLA updates the
-  donated state in place (see `_DonatingShardMapStep`).
+  donated state in place (see `_DonatingShardMapStep`). Works on 1-D and 2-D meshes.
 - `"pmap"`: `jax.pmap(body)`, which is rank-reducing; the batch is laid out as
-  `(num_replicas, B / num_replicas, ...)`, the layout pmap users know.
+  `(num_replicas, B / num_replicas, ...)`, the layout pmap users know. 1-D only.
+
+A backend offers three things (`Backend`): build a step, build a map over the
+replicas, and place a batch leaf. A built `Step` decides once, by tracing, whether
+the body returns a state: a forward-only step never donates its input.
 
 `check_vma=False` gives `shard_map` pmap's semantics: the per-replica state is
 varying along the axis, so gradients of it are never summed implicitly (the
@@ -23,7 +25,8 @@ varying along the axis, so gradients of it are never summed implicitly (the
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable
 from typing import Any, Literal
 
 import jax
@@ -31,36 +34,23 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-Backend = Literal["pmap", "shard_map"]
+from jdp._layout import mesh_axis, replica_sharding
+from jdp._tree import format_problems, keystr
+
+PyTree = Any
+BackendName = Literal["pmap", "shard_map"]
 BACKENDS = ("pmap", "shard_map")
+Body = Callable[[Any, Any], tuple[Any, Any]]
 
+SHARED_LEAVES_MSG = (
+    "`step`: the state holds the same array in more than one leaf, and a step that "
+    "donates its state (`donate_state=True`) cannot hand one buffer to XLA twice. "
+    "Shared leaves:{probs}\nFix: keep one copy of a tied array in the state (and "
+    "look it up in both places in your step), give each leaf its own array "
+    "(`step.replicate` does), or pass `donate_state=False` to `jdp.parallelize`."
+)
 
-def make_mesh(devices: Sequence[jax.Device], axis_name: str) -> Mesh:
-    """A 1-D mesh over `devices`; pmap's outputs live on the same mesh (same name)."""
-    return Mesh(np.asarray(devices, dtype=object), (axis_name,))
-
-
-def host_groups(devices: Sequence[jax.Device]) -> list[list[jax.Device]]:
-    """`devices` grouped by process (host), in process order, order kept within."""
-    groups: dict[int, list[jax.Device]] = {}
-    for d in devices:
-        groups.setdefault(d.process_index, []).append(d)
-    return [groups[p] for p in sorted(groups)]
-
-
-def make_host_mesh(devices: Sequence[jax.Device], axis_names: tuple[str, str]) -> Mesh:
-    """A 2-D `(hosts, devices per host)` mesh: row h holds process h's devices.
-
-    Every process must hold the same number of `devices` (checked by the caller).
-    The replica order (row-major) is the 1-D mesh's order when `devices` are
-    listed process by process, as `jax.devices()` lists them.
-    """
-    return Mesh(np.asarray(host_groups(devices), dtype=object), tuple(axis_names))
-
-
-def replica_sharding(mesh: Mesh, axis_name: str | tuple[str, ...]) -> NamedSharding:
-    """Sharding of replicated state (and of batches): leading axis over the mesh."""
-    return NamedSharding(mesh, P(axis_name))
+_DONATION_WARNING = "Some donated buffers were not usable"
 
 
 def _squeeze(x):
@@ -71,89 +61,261 @@ def _expand(x):
     return x.reshape((1,) + x.shape)
 
 
-def _global_outputs(
-    fn, mesh: Mesh, axis_name, *, mapped_outputs=None, replace=None
-) -> Callable:
-    """Keeps pmap's replicated outputs global when there are several processes.
+def _map_some(fn, pick, tree):
+    """`tree` with the leaves `pick` selects replaced by `fn(list of them)`."""
+    leaves, treedef = jax.tree.flatten(tree)
+    idx = [i for i, x in enumerate(leaves) if pick(x)]
+    if idx:
+        for i, y in zip(idx, fn([leaves[i] for i in idx]), strict=True):
+            leaves[i] = y
+    return jax.tree.unflatten(treedef, leaves)
 
-    With several processes `jax.pmap` returns host-local arrays (each process
-    sees its own replicas). jdp's layout is one global array over the mesh on both
-    backends, so the mapped outputs are rewrapped as global arrays (no copy).
+
+def check_distinct(state: PyTree) -> None:
+    """Refuses a state that holds one array in two leaves (it cannot be donated).
+
+    Donating one buffer twice crashes the process (PjRt rejects it, then jax
+    segfaults).
     """
-    if jax.process_count() == 1:
-        return fn
-    from jax.experimental import multihost_utils
+    leaves = jax.tree.leaves(state)
+    if len({id(x) for x in leaves}) == len(leaves):
+        return
+    first: dict[int, str] = {}
+    probs = []
+    for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
+        if id(x) in first:
+            probs.append(f"{keystr(path)} is the same array as {first[id(x)]}")
+        else:
+            first[id(x)] = keystr(path)
+    raise ValueError(SHARED_LEAVES_MSG.format(probs=format_problems(probs)))
 
-    mapped_outputs = mapped_outputs or (lambda out: out)
-    replace = replace or (lambda out, tree: tree)
 
-    def call(*args):
-        out = fn(*args)
-        tree = multihost_utils.host_local_array_to_global_array(
-            mapped_outputs(out), mesh, P(axis_name)
+class Step:
+    """A built step: `(replicated state, placed batch) -> (state or None, metrics)`.
+
+    `train` donates its state argument (when asked to), `forward` never does.
+    Whether the body returns a state is decided once, by tracing `train` (the
+    trace is the one the first call uses), so that a forward-only step runs
+    `forward` and never deletes its input.
+
+    On simulated CPU devices one step is kept in flight: XLA:CPU runs every
+    device's program on one thread pool, and with several steps queued the
+    devices' threads can block in different steps' collective rendezvous and
+    never meet (XLA aborts after 40 s). Waiting for the previous step before
+    dispatching the next costs about one dispatch latency per step.
+    """
+
+    def __init__(self, train, forward, *, donate: bool, returns_state, mesh: Mesh):
+        self._train = train
+        self._forward = forward
+        self._donate = donate
+        self._trace_returns_state = returns_state
+        self.returns_state: bool | None = None
+        devices = list(mesh.devices.flat)
+        self._throttle = len(devices) > 1 and all(d.platform == "cpu" for d in devices)
+        self._in_flight: list[jax.Array] = []
+
+    def _pick(self, state, batch):
+        if not self._donate:
+            return self._forward
+        if self.returns_state is None:
+            self.returns_state = self._trace_returns_state(state, batch)
+        if not self.returns_state:
+            return self._forward
+        check_distinct(state)
+        return self._train
+
+    def __call__(self, state, batch):
+        fn = self._pick(state, batch)
+        if self._throttle:
+            self._wait_for_previous_step()
+        new_state, metrics = fn(state, batch)
+        if self.returns_state is None:
+            self.returns_state = new_state is not None
+        if self._throttle:
+            self._in_flight = jax.tree.leaves(metrics) or jax.tree.leaves(new_state)[:1]
+        return new_state, metrics
+
+    def _wait_for_previous_step(self) -> None:
+        pending = [x for x in self._in_flight if not x.is_deleted()]
+        self._in_flight = []
+        try:
+            jax.block_until_ready(pending)
+        except jax.errors.JaxRuntimeError:
+            pass  # the failed step's outputs raise for whoever reads them
+
+    def lower(self, state, batch) -> jax.stages.Lowered:
+        """Lowers what a call with these arguments runs."""
+        fn = self._pick(state, batch)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_DONATION_WARNING)
+            return fn.lower(state, batch)
+
+
+class Backend:
+    """How a step runs on a mesh: build a step or a map, place a batch leaf."""
+
+    name: BackendName
+
+    def __init__(self, mesh: Mesh):
+        self.mesh = mesh
+        self.axis_name = mesh_axis(mesh)
+        self.sharding = replica_sharding(mesh)
+
+    def build_step(self, body: Body, *, donate: bool) -> Step:
+        """Compiles-on-call `body(state, batch) -> (state | None, metrics)` per replica.
+
+        The built step takes (replicated state, placed batch) and returns
+        (replicated state or None, metrics replicated as one value).
+        """
+        raise NotImplementedError
+
+    def build_map(self, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """Runs `fn(tree) -> tree` per replica on a replicated tree (no donation)."""
+        raise NotImplementedError
+
+    def place_batch_leaf(self, x: np.ndarray) -> jax.Array:
+        """Places one process-local batch leaf (leading axis: examples)."""
+        raise NotImplementedError
+
+
+def make_backend(name: BackendName, mesh: Mesh) -> Backend:
+    """The backend called `name` on `mesh`."""
+    return {"pmap": _Pmap, "shard_map": _ShardMap}[name](mesh)
+
+
+# -- pmap --------------------------------------------------------------------------
+
+
+class _Pmap(Backend):
+    name = "pmap"
+
+    def _pmap(self, fn, **kwargs):
+        return jax.pmap(
+            fn,
+            axis_name=self.axis_name,
+            devices=list(self.mesh.devices.flat),
+            **kwargs,
         )
-        return replace(out, tree)
 
-    call.lower = fn.lower
-    return call
+    def _global(self, fn, *, mapped_outputs=None, replace=None):
+        """Keeps pmap's replicated outputs global when there are several processes.
 
+        With several processes `jax.pmap` returns host-local arrays (each process
+        sees its own replicas). jdp's layout is one global array over the mesh on
+        both backends, so the mapped outputs are rewrapped as global arrays (no
+        copy).
+        """
+        if jax.process_count() == 1:
+            return fn
+        from jax.experimental import multihost_utils
 
-def build_step(
-    body: Callable[[Any, Any], tuple[Any, Any]],
-    *,
-    backend: Backend,
-    mesh: Mesh,
-    axis_name: str,
-    donate: bool,
-) -> Callable[[Any, Any], tuple[Any, Any]]:
-    """Compiles-on-call `body(state, batch) -> (state | None, metrics)` per replica.
+        mapped_outputs = mapped_outputs or (lambda out: out)
+        replace = replace or (lambda out, tree: tree)
 
-    Returns a function of (replicated state, sharded batch) returning (replicated
-    state or None, metrics replicated as one value).
-    """
-    donate_argnums = (0,) if donate else ()
-    if backend == "pmap":
-        return _global_outputs(
-            jax.pmap(
+        def call(*args):
+            out = fn(*args)
+            tree = multihost_utils.host_local_array_to_global_array(
+                mapped_outputs(out), self.mesh, P(self.axis_name)
+            )
+            return replace(out, tree)
+
+        call.lower = fn.lower
+        return call
+
+    def build_step(self, body: Body, *, donate: bool) -> Step:
+        def build(donate_argnums):
+            return self._pmap(
                 body,
-                axis_name=axis_name,
                 in_axes=(0, 0),
                 out_axes=(0, None),
-                devices=list(mesh.devices.flat),
                 donate_argnums=donate_argnums,
-            ),
-            mesh,
-            axis_name,
-            mapped_outputs=lambda out: out[0],
-            replace=lambda out, state: (state, out[1]),
+            )
+
+        def global_step(fn):
+            return self._global(
+                fn,
+                mapped_outputs=lambda out: out[0],
+                replace=lambda out, state: (state, out[1]),
+            )
+
+        forward = build(())
+        train = build((0,)) if donate else forward
+
+        def returns_state(state, batch):
+            # pmap shares this trace with its first call.
+            return jax.eval_shape(train, state, batch)[0] is not None
+
+        return Step(
+            global_step(train),
+            global_step(forward),
+            donate=donate,
+            returns_state=returns_state,
+            mesh=self.mesh,
         )
 
-    def shard_map_step(block_in, block_out, donate_argnums):
+    def build_map(self, fn):
+        return self._global(self._pmap(fn))
+
+    def place_batch_leaf(self, x: np.ndarray) -> jax.Array:
+        num_local = len(self.mesh.local_devices)
+        x = x.reshape((num_local, x.shape[0] // num_local) + x.shape[1:])
+        return jax.make_array_from_process_local_data(self.sharding, x)
+
+
+# -- shard_map ---------------------------------------------------------------------
+
+
+class _ShardMap(Backend):
+    name = "shard_map"
+
+    def _jit_step(self, body, block_in, block_out, donate_argnums):
         def block_body(state, batch):
             new_state, metrics = body(jax.tree.map(block_in, state), batch)
             return jax.tree.map(block_out, new_state), metrics
 
         mapped = jax.shard_map(
             block_body,
-            mesh=mesh,
-            in_specs=(P(axis_name), P(axis_name)),
-            out_specs=(P(axis_name), P()),
+            mesh=self.mesh,
+            in_specs=(P(self.axis_name), P(self.axis_name)),
+            out_specs=(P(self.axis_name), P()),
             check_vma=False,
         )
         return jax.jit(mapped, donate_argnums=donate_argnums)
 
-    stacked = shard_map_step(_squeeze, _expand, ())
-    sharding = replica_sharding(mesh, axis_name)
-    if donate:
-        core = shard_map_step(_block_in, _block_out, (0,))
-        return _DonatingShardMapStep(core, stacked, mesh=mesh, sharding=sharding)
+    def build_step(self, body: Body, *, donate: bool) -> Step:
+        stacked = self._jit_step(body, _squeeze, _expand, ())
+        forward = _PlaceEmptyLeaves(stacked, self.sharding)
+        if not donate:
+            return Step(
+                forward, forward, donate=False, returns_state=None, mesh=self.mesh
+            )
+        core = self._jit_step(body, _block_in, _block_out, (0,))
+        train = _DonatingShardMapStep(core, mesh=self.mesh, sharding=self.sharding)
+        return Step(
+            train,
+            forward,
+            donate=True,
+            returns_state=train.returns_state,
+            mesh=self.mesh,
+        )
 
-    def call(state, batch):
-        new_state, metrics = stacked(state, batch)
-        return _place_empty_leaves(new_state, sharding), metrics
+    def build_map(self, fn):
+        def block_fn(tree):
+            return jax.tree.map(_expand, fn(jax.tree.map(_squeeze, tree)))
 
-    call.lower = stacked.lower
-    return call
+        return jax.jit(
+            jax.shard_map(
+                block_fn,
+                mesh=self.mesh,
+                in_specs=P(self.axis_name),
+                out_specs=P(self.axis_name),
+                check_vma=False,
+            )
+        )
+
+    def place_batch_leaf(self, x: np.ndarray) -> jax.Array:
+        return jax.make_array_from_process_local_data(self.sharding, x)
 
 
 def _place_empty_leaves(tree, sharding: NamedSharding):
@@ -163,6 +325,19 @@ def _place_empty_leaves(tree, sharding: NamedSharding):
         lambda x: x.size == 0 and x.sharding != sharding,
         tree,
     )
+
+
+class _PlaceEmptyLeaves:
+    """A jitted shard_map step whose empty state leaves keep the replica sharding."""
+
+    def __init__(self, fn, sharding: NamedSharding):
+        self._fn = fn
+        self._sharding = sharding
+        self.lower = fn.lower
+
+    def __call__(self, state, batch):
+        new_state, metrics = self._fn(state, batch)
+        return _place_empty_leaves(new_state, self._sharding), metrics
 
 
 # -- the donating shard_map step ---------------------------------------------------
@@ -209,16 +384,6 @@ def _view_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
     return (shape[0] * shape[1],) + tuple(shape[2:])
 
 
-def _map_some(fn, pick, tree):
-    """`tree` with the leaves `pick` selects replaced by `fn(list of them)`."""
-    leaves, treedef = jax.tree.flatten(tree)
-    idx = [i for i, x in enumerate(leaves) if pick(x)]
-    if idx:
-        for i, y in zip(idx, fn([leaves[i] for i in idx]), strict=True):
-            leaves[i] = y
-    return jax.tree.unflatten(treedef, leaves)
-
-
 def _block_in(x):
     return x.reshape(x.shape[1:]) if x.shape[0] == 1 else x
 
@@ -232,27 +397,23 @@ class _DonatingShardMapStep:
 
     Calls run three executables: a view of the state's buffers as concatenated
     blocks (donated, a bitcast), `core`, the step on that view (donated), and the
-    view back (donated, a bitcast). A step that returns no state (forward-only)
-    never donates: it runs `stacked`, the step on the stacked layout.
+    view back (donated, a bitcast).
     """
 
-    def __init__(self, core, stacked, *, mesh: Mesh, sharding: NamedSharding):
+    def __init__(self, core, *, mesh: Mesh, sharding: NamedSharding):
         self._core = core
-        self._stacked = stacked
-        self._n = mesh.size
+        self._n = n = mesh.size
         self._sharding = sharding
-        n = self._n
         self._view = jax.jit(
             lambda xs: [x.reshape(_view_shape(x.shape)) for x in xs],
             donate_argnums=0,
-            out_shardings=self._sharding,
+            out_shardings=sharding,
         )
         self._unview = jax.jit(
             lambda xs: [x.reshape((n, x.shape[0] // n) + x.shape[1:]) for x in xs],
             donate_argnums=0,
-            out_shardings=self._sharding,
+            out_shardings=sharding,
         )
-        self._returns_state: bool | None = None
 
     def _view_specs(self, state):
         def spec(x):
@@ -266,49 +427,16 @@ class _DonatingShardMapStep:
 
         return jax.tree.map(spec, state)
 
-    def _trace(self, state, batch):
-        traced = self._core.trace(self._view_specs(state), batch)
-        self._returns_state = traced.out_info[0] is not None
-        return traced
+    def returns_state(self, state, batch) -> bool:
+        """Traces the step (the trace its first call reuses); True if it has a state."""
+        return self._core.trace(self._view_specs(state), batch).out_info[0] is not None
 
     def __call__(self, state, batch):
-        if self._returns_state is None:
-            self._trace(state, batch)
-        if not self._returns_state:
-            return self._stacked(state, batch)
         view = _map_some(self._view, _needs_view, state)
         new_state, metrics = self._core(view, batch)
         new_state = _map_some(self._unview, lambda x: x.shape[0] != self._n, new_state)
         return _place_empty_leaves(new_state, self._sharding), metrics
 
     def lower(self, state, batch) -> jax.stages.Lowered:
-        """Lowers the step these arguments run (on the view, for a train step)."""
-        traced = self._trace(state, batch)
-        if not self._returns_state:
-            return self._stacked.lower(state, batch)
-        return traced.lower()
-
-
-def build_map(
-    fn: Callable[[Any], Any], *, backend: Backend, mesh: Mesh, axis_name: str
-) -> Callable[[Any], Any]:
-    """Runs `fn(tree) -> tree` per replica on a replicated tree (no donation)."""
-    if backend == "pmap":
-        return _global_outputs(
-            jax.pmap(fn, axis_name=axis_name, devices=list(mesh.devices.flat)),
-            mesh,
-            axis_name,
-        )
-
-    def block_fn(tree):
-        return jax.tree.map(_expand, fn(jax.tree.map(_squeeze, tree)))
-
-    return jax.jit(
-        jax.shard_map(
-            block_fn,
-            mesh=mesh,
-            in_specs=P(axis_name),
-            out_specs=P(axis_name),
-            check_vma=False,
-        )
-    )
+        """Lowers the step on the view these arguments give."""
+        return self._core.trace(self._view_specs(state), batch).lower()

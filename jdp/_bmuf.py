@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jdp import _collectives
+from jdp import _collectives, _validate
 from jdp._tree import is_float
 
 PyTree = Any
@@ -41,9 +41,10 @@ class BMUFState(NamedTuple):
       global_params: The global model `g`, the paper's W(t): what to evaluate and
         export (read it with `jdp.bmuf_global_params`). During warmup it follows
         the (identical) replicas' parameters.
-      start: The model every replica began the current block from: `g`, or
-        `g + block_momentum * v` with `nesterov=True` (the initial params for the
-        first block). After a sync every replica's params equal it.
+      start: With `nesterov=True`, the model every replica began the current
+        block from, `g + block_momentum * v` (the initial params for the first
+        block); after a sync every replica's params equal it. None otherwise:
+        the block start is then `g` itself.
       velocity: The block velocity `v`, the paper's Δ(t), shaped like the params
         and zero until the first sync; with `outer`, the outer optimizer's state
         instead.
@@ -74,7 +75,7 @@ def bmuf(
     r"""Blockwise model-update filtering: local training, periodic filtered merge.
 
     Every step, each replica applies `inner` to its OWN gradients (no all-reduce:
-    use `jdp.make_train_step(loss_fn, tx, all_reduce=False)`). Every
+    use `jdp.make_train_step(loss_fn, tx, grad_sync="none")`). Every
     `sync_period`-th step, after that local update, the block update runs. With
     `start` the model every replica began the block from (the initial params for
     the first block), in the notation of Chen & Huo:
@@ -94,8 +95,10 @@ def bmuf(
     `lax.cond`: the parameter all-reduce runs on sync steps only (see
     `step.collectives`, field `in_conditional`).
 
-    `start` is not stored: it is `g`, or `g + block_momentum * v` with
-    `nesterov=True` (with `outer`, `g`), which saves one parameter copy.
+    The state holds `g` and `v`, and `start` only where it differs from `g`
+    (`nesterov=True`): classical block momentum and `outer` keep no third copy
+    of the parameters. `start` is stored rather than recomputed from `g` and `v`
+    so that every replica lands on exactly the same bits after a sync.
 
     Other implementations' "Nesterov" variants are NOT the paper's NBM. Caffe2's
     `nesterov=True` sets the next block's start to `W(t) - block_momentum * Δ(t)`
@@ -151,6 +154,7 @@ def bmuf(
       `update(updates, state, params)` requires `params`.
 
     Raises:
+      TypeError: If `sync_period` or `warmup_steps` is not an int.
       ValueError: At construction, for a `sync_period` < 1, a
         `block_momentum` outside [0, 1), a `block_learning_rate` <= 0, a
         negative `warmup_steps`, an unknown `inner_state_at_sync`, or `outer`
@@ -165,7 +169,7 @@ def bmuf(
       >>> tx = jdp.bmuf(optax.sgd(0.2), sync_period=4, block_momentum=0.5)
       >>> def loss_fn(params, batch):
       ...     return jnp.mean((batch["x"] * params["w"] - batch["y"]) ** 2)
-      >>> train_step = jdp.make_train_step(loss_fn, tx, all_reduce=False)
+      >>> train_step = jdp.make_train_step(loss_fn, tx, grad_sync="none")
       >>> step = jdp.parallelize(train_step, devices=jax.devices()[:4])
       >>> state = step.replicate(jdp.TrainState.create(params={"w": 0.0}, tx=tx))
       >>> batch = step.shard({"x": jnp.ones(16), "y": 2 * jnp.ones(16)})
@@ -185,14 +189,7 @@ def bmuf(
       Language Models", 2023, https://arxiv.org/abs/2311.08105.
     """
     _check_transform(inner, "inner")
-    if (
-        isinstance(sync_period, bool)
-        or not isinstance(sync_period, int)
-        or sync_period < 1
-    ):
-        raise ValueError(
-            f"`sync_period` must be an int >= 1 (steps per block), got {sync_period!r}."
-        )
+    _validate.positive_int("sync_period", sync_period, note="steps per block")
     if not block_learning_rate > 0:
         raise ValueError(
             f"`block_learning_rate` must be > 0, got {block_learning_rate!r} "
@@ -203,12 +200,7 @@ def bmuf(
             f"`block_momentum` must be in [0, 1), got {block_momentum!r}; pass None "
             "for the default 1 - 1 / num_replicas."
         )
-    if (
-        isinstance(warmup_steps, bool)
-        or not isinstance(warmup_steps, int)
-        or warmup_steps < 0
-    ):
-        raise ValueError(f"`warmup_steps` must be an int >= 0, got {warmup_steps!r}.")
+    _validate.non_negative_int("warmup_steps", warmup_steps)
     if inner_state_at_sync not in get_args(InnerStateAtSync):
         raise ValueError(
             "`inner_state_at_sync` must be one of 'keep', 'reset', 'average'; got "
@@ -224,6 +216,8 @@ def bmuf(
                 "momentum=block_momentum, nesterov=True)`."
             )
 
+    stores_start = nesterov and outer is None  # else the block start is `g`
+
     def init_fn(params):
         if outer is None:
             velocity = jax.tree.map(jnp.zeros_like, params)
@@ -232,7 +226,7 @@ def bmuf(
         return BMUFState(
             count=jnp.zeros((), jnp.int32),
             global_params=jax.tree.map(jnp.asarray, params),
-            start=jax.tree.map(jnp.asarray, params),
+            start=jax.tree.map(jnp.asarray, params) if stores_start else None,
             velocity=velocity,
             inner_state=inner.init(params),
             synced=jnp.zeros((), jnp.bool_),
@@ -257,11 +251,14 @@ def bmuf(
         # need them, which saves a pass over the params on plain steps.
         global_params, start = state.global_params, state.start
         if warmup_steps:
+
+            def follow_replicas(gs):
+                g = _cast_like(optax.apply_updates(params, inner_updates), gs[0])
+                return g, (g if stores_start else None)
+
             global_params, start = lax.cond(
                 count < warmup_steps,
-                lambda gs: (
-                    2 * (_cast_like(optax.apply_updates(params, inner_updates), gs[0]),)
-                ),
+                follow_replicas,
                 lambda gs: gs,
                 (global_params, start),
             )
@@ -274,7 +271,7 @@ def bmuf(
                     lambda v, a, s: eta * v + block_learning_rate * (a - s),
                     v,
                     avg,
-                    start,
+                    start if stores_start else g,
                 )
                 g = _float_map(lambda g, v: g + v, g, v)
                 target = _lookahead(g, v, eta) if nesterov else g
@@ -293,7 +290,8 @@ def bmuf(
                 params,
                 inner_updates,
             )
-            return new_updates, g, _cast_like(target, start), v, inner_state
+            start = _cast_like(target, start) if stores_start else None
+            return new_updates, g, start, v, inner_state
 
         def no_sync(operands):
             g, start, v, inner_state = operands
@@ -408,12 +406,13 @@ def snap_to_block_start(params: PyTree, opt_state: PyTree) -> PyTree:
     if len(states) != 1:
         return params
     (state,) = states
+    start = state.global_params if state.start is None else state.start
     return jax.tree.map(
         lambda p, s: (
             jnp.where(state.synced, s.astype(p.dtype), p) if is_float(p) else p
         ),
         params,
-        state.start,
+        start,
     )
 
 

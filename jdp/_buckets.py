@@ -25,16 +25,6 @@ class Bucket:
     dtype: np.dtype
     sizes: tuple[int, ...]
 
-    @property
-    def num_elements(self) -> int:
-        """Total number of elements in the bucket."""
-        return sum(self.sizes)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the bucket in its wire dtype."""
-        return self.num_elements * np.dtype(self.dtype).itemsize
-
 
 def plan_buckets(
     shapes: Sequence[tuple[int, ...]],
@@ -46,7 +36,8 @@ def plan_buckets(
     """Groups leaves into buckets, in the order the buckets should be issued.
 
     Args:
-      shapes: Shape of each leaf (in pytree order).
+      shapes: Shape of each leaf (in pytree order); its size counts against
+        `bucket_bytes`.
       dtypes: Wire dtype of each leaf (leaves of different dtypes never share a bucket).
       bucket_bytes: Largest bucket size in bytes; `None` puts every leaf of a dtype in
         one bucket. A leaf larger than `bucket_bytes` gets a bucket of its own.
@@ -82,26 +73,14 @@ def plan_buckets(
     return done
 
 
-def pack(leaves: Sequence[jnp.ndarray], bucket: Bucket, *, cast: bool = True):
-    """Concatenates a bucket's leaves into one flat buffer (cast to its dtype).
-
-    Args:
-      leaves: The bucket's leaves in bucket order (`len(bucket.indices)` arrays).
-      bucket: The bucket.
-      cast: Cast to the bucket's dtype first.
-
-    Returns:
-      A 1-D array of `bucket.num_elements` elements.
-    """
-    parts = [jnp.ravel(x) for x in leaves]
-    if cast:
-        parts = [p.astype(bucket.dtype) for p in parts]
-    return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+def pack(parts: Sequence[jnp.ndarray]) -> jnp.ndarray:
+    """Concatenates 2-D blocks of equal height along their columns (one buffer)."""
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
 
 
-def split(flat: jnp.ndarray, bucket: Bucket) -> list[jnp.ndarray]:
-    """Splits a flat buffer back into the bucket's (flattened) leaves, in order."""
-    if len(bucket.sizes) == 1:
-        return [flat]
-    offsets = np.cumsum((0,) + bucket.sizes)
-    return [flat[a:b] for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
+def unpack(packed: jnp.ndarray, widths: Sequence[int]) -> list[jnp.ndarray]:
+    """Splits a packed buffer back into its blocks of `widths` columns, in order."""
+    if len(widths) == 1:
+        return [packed]
+    offsets = np.cumsum((0,) + tuple(widths))
+    return [packed[:, a:b] for a, b in zip(offsets[:-1], offsets[1:], strict=True)]

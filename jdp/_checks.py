@@ -7,19 +7,21 @@ a replicated state should hold the same values after a synchronous step.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from jdp import _zero
+from jdp import _layout
 from jdp._tree import format_problems, keystr
 
 PyTree = Any
 
 
-@jax.jit
 def _replica_differences(leaves):
     """Per leaf and replica r, the largest |x[r] - x[0]| (inf where NaNs disagree)."""
     out = []
@@ -36,28 +38,32 @@ def _replica_differences(leaves):
     return out
 
 
+@functools.cache
+def _differences_fn(mesh: Mesh | None):
+    """`_replica_differences`, compiled once per mesh (and leaf structure).
+
+    With several processes the per-replica differences come back replicated on
+    `mesh`, so that every process reads all of them without another gather.
+    """
+    if mesh is None:
+        return jax.jit(_replica_differences)
+    return jax.jit(_replica_differences, out_shardings=NamedSharding(mesh, P()))
+
+
 def _differences(state: PyTree, atol: float):
-    # Slices of a sharded optimizer state (ZeRO) differ between replicas by design.
+    # Parts of a custom layout (ZeRO's slices) differ between replicas by design.
     flat = [
         (path, x)
-        for path, x in jax.tree_util.tree_flatten_with_path(
-            _zero.without_slices(state)
-        )[0]
+        for path, x in jax.tree_util.tree_flatten_with_path(_layout.agreed(state))[0]
         if isinstance(x, jax.Array) and x.ndim >= 1 and x.shape[0] > 1
     ]
     if not flat:
         return []
-    diffs = _replica_differences([x for _, x in flat])
-    if jax.process_count() > 1:  # replicas on other processes: gather them
-        from jax.experimental import multihost_utils
-
-        diffs = [
-            d
-            if d.is_fully_addressable
-            else multihost_utils.process_allgather(d, tiled=True)
-            for d in diffs
-        ]
-    diffs = jax.device_get(diffs)
+    arrays = [x for _, x in flat]
+    mesh = None
+    if not all(x.is_fully_addressable for x in arrays):  # replicas on other hosts
+        mesh = arrays[0].sharding.mesh
+    diffs = jax.device_get(_differences_fn(mesh)(arrays))
     problems = []
     for (path, _), d in zip(flat, diffs, strict=True):
         d = np.asarray(d)
@@ -74,7 +80,7 @@ def replicas_in_sync(state: PyTree, *, atol: float = 0.0) -> bool:
     lays it out) with replica 0. Synchronous steps keep replicas bit-identical, so
     the default tolerance is exact; NaNs in the same places count as equal. The
     slices of a sharded optimizer state (`make_train_step(...,
-    shard_optimizer_state=True)`) differ between replicas by design and are
+    grad_sync="zero")`) differ between replicas by design and are
     skipped; its step counts are compared.
 
     Args:

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jdp import _buckets
+from jdp import _buckets, _validate
 from jdp._tree import is_float
 
 PyTree = Any
@@ -31,12 +31,10 @@ UNBOUND_AXIS_MSG = (
 
 
 def check_bucket_bytes(bucket_bytes: int | None) -> None:
-    """A clear `ValueError` unless `bucket_bytes` is None or positive."""
-    if bucket_bytes is not None and bucket_bytes <= 0:
-        raise ValueError(
-            f"`bucket_bytes` must be a positive number of bytes or None, got "
-            f"{bucket_bytes}."
-        )
+    """A clear error unless `bucket_bytes` is None or a positive int."""
+    _validate.positive_int(
+        "bucket_bytes", bucket_bytes, allow_none=True, note="bytes, or None"
+    )
 
 
 def axis_size(axis_name: AxisName, api: str) -> int:
@@ -53,7 +51,7 @@ def all_reduce_gradients(
     axis_name: AxisName = "data",
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
     reverse: bool = True,
-    dtype: Any = None,
+    reduce_dtype: Any = None,
     flatten: bool | None = None,
 ) -> PyTree:
     """Averages a gradient pytree over replicas using a few large collectives.
@@ -87,7 +85,7 @@ def all_reduce_gradients(
         `bucket_cap_mb`). `None` packs all leaves of a dtype into one bucket. A leaf
         larger than the limit travels alone.
       reverse: Pack leaves last-first (default) rather than in pytree order.
-      dtype: Optional wire dtype, e.g. `jnp.bfloat16` to halve the bytes sent
+      reduce_dtype: Optional wire dtype, e.g. `jnp.bfloat16` to halve the bytes sent
         (gradient compression); results keep each leaf's original dtype. The
         gradients are divided by the replica count before the cast, so the sum
         cannot overflow a narrow type.
@@ -121,69 +119,126 @@ def all_reduce_gradients(
         axis_name=axis_name,
         bucket_bytes=bucket_bytes,
         reverse=reverse,
-        dtype=dtype,
+        reduce_dtype=reduce_dtype,
         flatten=flatten,
         api="jdp.all_reduce_gradients",
     )
 
 
-def _all_reduce(grads, *, axis_name, bucket_bytes, reverse, dtype, flatten, api):
-    num = axis_size(axis_name, api)
+def _all_reduce(grads, *, axis_name, bucket_bytes, reverse, reduce_dtype, flatten, api):
     check_bucket_bytes(bucket_bytes)
+    num = axis_size(axis_name, api)
     leaves, treedef = jax.tree_util.tree_flatten(grads)
     leaves = [jnp.asarray(x) for x in leaves]
     float_idx = [i for i, x in enumerate(leaves) if is_float(x)]
-    wire = [
-        np.dtype(dtype) if dtype is not None else np.dtype(leaves[i].dtype)
-        for i in float_idx
-    ]
-    plan = _buckets.plan_buckets(
-        [leaves[i].shape for i in float_idx],
-        wire,
-        bucket_bytes=bucket_bytes,
-        reverse=reverse,
-    )
-    sub = [leaves[i] for i in float_idx]
     if flatten is None:
         # Flat buffers pay a concatenate and a split; they win where each array of
         # a collective costs a fixed latency (gloo between processes). Elsewhere
         # one tuple all-reduce per bucket moves the same bytes with no copies.
         flatten = jax.process_count() > 1 and jax.default_backend() == "cpu"
+    if reduce_dtype is None:
+        wire = [leaves[i] for i in float_idx]
+    else:  # divide first, so that a narrow wire type cannot overflow
+        wire = [(leaves[i] / num).astype(reduce_dtype) for i in float_idx]
+    summed = bucketed(
+        "psum",
+        wire,
+        axis_name=axis_name,
+        bucket_bytes=bucket_bytes,
+        reverse=reverse,
+        flatten=flatten,
+    )
     out = list(leaves)
-    for bucket in plan:
-        if dtype is not None:
-            parts = [(sub[i] / num).astype(bucket.dtype) for i in bucket.indices]
-        else:
-            parts = [sub[i] for i in bucket.indices]
-        if flatten:
-            flat = _hierarchical_psum(
-                _buckets.pack(parts, bucket, cast=False), axis_name
-            )
-            parts = _buckets.split(flat, bucket)
-        else:
-            parts = _hierarchical_psum(parts, axis_name)
-        for i, part in zip(bucket.indices, parts, strict=True):
-            ref = sub[i]
-            value = part.reshape(ref.shape).astype(ref.dtype)
-            out[float_idx[i]] = value if dtype is not None else value / num
+    for i, total in zip(float_idx, summed, strict=True):
+        ref = leaves[i]
+        value = total.reshape(ref.shape).astype(ref.dtype)
+        out[i] = value if reduce_dtype is not None else value / num
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+# -- the bucketed-collective engine -------------------------------------------------
+
+BucketedOp = Literal["psum", "psum_scatter", "all_gather"]
+
+
+def bucketed(
+    op: BucketedOp,
+    arrays: list[jax.Array],
+    *,
+    axis_name: AxisName,
+    bucket_bytes: int | None,
+    reverse: bool = True,
+    flatten: bool = True,
+) -> list[jax.Array]:
+    """Runs one collective per bucket of `arrays`: every bucketed collective of jdp.
+
+    - `"psum"`: sums each array over replicas; returns `(1, size)` rows.
+    - `"psum_scatter"`: each array holds one row per replica, `(num, n)` (or as
+      many elements); returns this replica's row of the sum, `(1, n)`.
+    - `"all_gather"`: each array is this replica's row, `(n,)` or `(1, n)`;
+      returns every replica's row in replica order, `(num, n)`.
+
+    Arrays are grouped per dtype into buckets of at most `bucket_bytes` (counting
+    the larger of input and output), last array first when `reverse`. With
+    `flatten`, a bucket's arrays are packed side by side into one buffer and
+    travel as ONE collective; otherwise their collectives are issued back to back
+    (for `"psum"`, one tuple `psum`), which XLA's combiner may merge. On a 2-D
+    host mesh (`axis_name` a tuple of mesh axes, last one within a host) every
+    collective runs within hosts first and then across them, so that the
+    cross-host traffic is that of one device per host. Empty arrays communicate
+    nothing.
+    """
+    num = lax.axis_size(axis_name)
+    rows_in = num if op == "psum_scatter" else 1
+    rows_out = num if op == "all_gather" else 1
+    widths = [x.size // rows_in for x in arrays]
+    out = [
+        jnp.zeros((rows_out, w), x.dtype) for x, w in zip(arrays, widths, strict=True)
+    ]
+    plan = _buckets.plan_buckets(
+        [(max(rows_in, rows_out), w) for w in widths],
+        [np.dtype(x.dtype) for x in arrays],
+        bucket_bytes=bucket_bytes,
+        reverse=reverse,
+    )
+    for bucket in plan:
+        blocks = [arrays[i].reshape(rows_in, widths[i]) for i in bucket.indices]
+        if flatten:
+            packed = _COLLECTIVE[op](_buckets.pack(blocks), axis_name)
+            results = _buckets.unpack(packed, [widths[i] for i in bucket.indices])
+        elif op == "psum":
+            summed = _hierarchical_psum([arrays[i] for i in bucket.indices], axis_name)
+            results = [x.reshape(1, -1) for x in summed]
+        else:
+            results = [_COLLECTIVE[op](b, axis_name) for b in blocks]
+        for i, result in zip(bucket.indices, results, strict=True):
+            out[i] = result
+    return out
+
+
+def _split_axes(axis_name: AxisName):
+    """`(outer, inner)` of a host-mesh axis tuple, or None for a single axis."""
+    if isinstance(axis_name, str) or len(axis_name) < 2:
+        return None
+    *outer, inner = axis_name
+    return (outer[0] if len(outer) == 1 else tuple(outer)), inner
 
 
 def _hierarchical_psum(x, axis_name: AxisName):
     """`lax.psum` of a flat buffer (or a list of arrays), host by host.
 
     For a tuple of mesh axes `(outer..., inner)`, e.g. `("host", "device")` from
-    `jdp.parallelize(..., mesh_shape=...)`, it sums within `inner` first. A flat
-    buffer is reduce-scattered within `inner`, all-reduced across the outer axes
-    (every device sends 1/size(inner) of the buffer: the cross-host bytes of one
-    device per host, like Caffe2's reduce-to-master, all-reduce, broadcast), then
-    all-gathered within `inner`. A list of arrays is summed within, then across.
-    A single axis name is a plain `psum`.
+    `jdp.parallelize(..., axis_name=("host", "device"))`, it sums within `inner`
+    first. A flat buffer is reduce-scattered within `inner`, all-reduced across
+    the outer axes (every device sends 1/size(inner) of the buffer: the cross-host
+    bytes of one device per host, like Caffe2's reduce-to-master, all-reduce,
+    broadcast), then all-gathered within `inner`. A list of arrays is summed
+    within, then across. A single axis name is a plain `psum`.
     """
-    if isinstance(axis_name, str) or len(axis_name) < 2:
+    axes = _split_axes(axis_name)
+    if axes is None:
         return lax.psum(x, axis_name)
-    *outer, inner = axis_name
-    outer = tuple(outer)
+    outer, inner = axes
     size = lax.axis_size(inner)
     if isinstance(x, list) or size == 1:
         return lax.psum(lax.psum(x, inner), outer)
@@ -192,6 +247,63 @@ def _hierarchical_psum(x, axis_name: AxisName):
     x = lax.psum_scatter(x, inner, scatter_dimension=0, tiled=True)
     x = lax.psum(x, outer)
     return lax.all_gather(x, inner, axis=0, tiled=True)[:n]
+
+
+def _psum_rows(m, axis_name: AxisName):
+    return _hierarchical_psum(m.reshape(-1), axis_name).reshape(m.shape)
+
+
+def _scatter_rows(m, axis_name: AxisName):
+    """Row r of the sum of `(num, n)` rows, on replica r (within hosts first)."""
+    axes = _split_axes(axis_name)
+    if axes is not None:
+        outer, inner = axes
+        per_host = lax.axis_size(inner)
+        num, n = m.shape
+        # Order rows (host, device) -> (device, host): the scatter within a host
+        # hands device d the rows of every host's device d, summed over the host;
+        # the scatter across hosts then hands host h its own row.
+        m = m.reshape(num // per_host, per_host, n).transpose(1, 0, 2)
+        x = lax.psum_scatter(m.reshape(-1), inner, scatter_dimension=0, tiled=True)
+        axis_name = outer
+    else:
+        x = m.reshape(-1)
+    return lax.psum_scatter(x, axis_name, scatter_dimension=0, tiled=True)[None]
+
+
+def _gather_rows(m, axis_name: AxisName):
+    """Every replica's row, `(num, n)`, from each replica's `(1, n)` row."""
+    axes = _split_axes(axis_name)
+    if axes is None:
+        return lax.all_gather(m.reshape(-1), axis_name, axis=0, tiled=True).reshape(
+            -1, m.shape[-1]
+        )
+    outer, inner = axes
+    n = m.shape[-1]
+    x = lax.all_gather(m.reshape(-1), outer, axis=0, tiled=True)  # rows by host
+    x = lax.all_gather(x, inner, axis=0, tiled=True)  # then by device
+    per_host = lax.axis_size(inner)
+    x = x.reshape(per_host, -1, n).transpose(1, 0, 2)
+    return x.reshape(-1, n)
+
+
+_COLLECTIVE = {
+    "psum": _psum_rows,
+    "psum_scatter": _scatter_rows,
+    "all_gather": _gather_rows,
+}
+
+
+def mean_metrics(metrics: PyTree, axis_name: AxisName) -> PyTree:
+    """Metrics averaged over replicas (integer counts average to floats)."""
+
+    def mean(m):
+        m = jnp.asarray(m)
+        if not jnp.issubdtype(m.dtype, jnp.inexact):
+            m = m.astype(jnp.result_type(float))
+        return lax.pmean(m, axis_name)
+
+    return jax.tree.map(mean, metrics)
 
 
 def broadcast(tree: PyTree, *, root: int = 0, axis_name: AxisName = "data") -> PyTree:
@@ -225,11 +337,7 @@ def broadcast(tree: PyTree, *, root: int = 0, axis_name: AxisName = "data") -> P
       True
     """
     num = axis_size(axis_name, "jdp.broadcast")
-    if not 0 <= root < num:
-        raise ValueError(
-            f"`root` must be a replica index in [0, {num}), got {root} "
-            f"(num_replicas={num})."
-        )
+    _validate.index("root", root, num, size_name="num_replicas")
     is_root = lax.axis_index(axis_name) == root
 
     def one(x):

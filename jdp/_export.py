@@ -30,10 +30,10 @@ from typing import Any
 import jax
 import numpy as np
 from jax import export as jax_export
-from jax.sharding import NamedSharding
 
-from jdp._parallel import logical_copy
+from jdp._layout import is_replicated, logical_copy
 from jdp._tree import format_problems, keystr
+from jdp._version import __version__
 
 PyTree = Any
 
@@ -47,29 +47,12 @@ _BATCH = "batch"
 # -- parameters ------------------------------------------------------------------
 
 
-def _looks_replicated(x: Any) -> bool:
-    """True for a leaf laid out by `step.replicate`: leading axis over a 1-D mesh."""
-    if not isinstance(x, jax.Array) or x.ndim < 1:
-        return False
-    sharding = x.sharding
-    if not isinstance(sharding, NamedSharding) or len(sharding.mesh.axis_names) != 1:
-        return False
-    spec = tuple(sharding.spec)
-    (axis,) = sharding.mesh.axis_names
-    return (
-        len(spec) >= 1
-        and spec[0] == axis
-        and all(s is None for s in spec[1:])
-        and x.shape[0] == sharding.mesh.shape[axis]
-    )
-
-
 def _one_copy(params: PyTree, replicated: bool | None) -> PyTree:
     """Host (NumPy) copy of `params`, replica 0's when they are replicated."""
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
     arrays = [(p, x) for p, x in flat if isinstance(x, (jax.Array, np.ndarray))]
     if replicated is None:
-        marks = [_looks_replicated(x) for _, x in arrays]
+        marks = [is_replicated(x) for _, x in arrays]
         if any(marks) and not all(marks):
             probs = [
                 f"{keystr(p)}: shape {np.shape(x)}"
@@ -78,7 +61,7 @@ def _one_copy(params: PyTree, replicated: bool | None) -> PyTree:
             ]
             raise ValueError(
                 "`jdp.export_predictor`: some parameter leaves are replicated by "
-                "`step.replicate` (a leading replica axis sharded over a 1-D mesh) "
+                "`step.replicate` (a leading replica axis sharded over the mesh) "
                 "and others are not:"
                 f"{format_problems(probs)}\nPass one logical copy "
                 "(`step.unreplicate(state.params)`) or the replicated state as it "
@@ -250,6 +233,7 @@ def export_predictor(
         raise
     meta = {
         "jdp_format": FORMAT_VERSION,
+        "jdp": __version__,
         "jax": jax.__version__,
         "fun_name": exported.fun_name,
         "platforms": list(exported.platforms),

@@ -1,4 +1,6 @@
-"""Private: reads the collectives out of an HLO module's text.
+"""Private: what XLA says about a compiled step: its collectives and its memory.
+
+Collectives are read out of an HLO module's text.
 
 `Parallel.collectives` uses it to report what a step communicates: kind, dtype,
 bytes, replica groups, program order, and whether the collective sits inside a
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from typing import Any
 
 import numpy as np
 
@@ -226,3 +229,48 @@ def parse_collectives(hlo_text: str) -> list[Collective]:
 def _creation_index(c: Collective) -> tuple[int, int]:
     m = re.search(r"\.(\d+)$", c.name)
     return (int(m.group(1)) if m else -1, c.order)
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryAnalysis:
+    """Per-device memory of one compiled step, from XLA (`step.memory_analysis`).
+
+    Attributes:
+      argument_bytes: Inputs held by one device: its replica of the state and its
+        slice of the batch.
+      output_bytes: Outputs of one device (new state, metrics).
+      alias_bytes: Output bytes written into donated input buffers
+        (`donate_state=True`); counted in both of the above but held once.
+      temp_bytes: XLA's scratch space: activations, gradients, collective buffers.
+      generated_code_bytes: Size of the compiled code.
+      peak_bytes: Estimate of the step's peak, `argument + output - alias + temp`:
+        an upper bound, since temporaries are not all live at once.
+      xla_peak_bytes: XLA's own peak figure where it reports one, else None (on
+        CPU it covers arguments and outputs but leaves out temporaries).
+    """
+
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+    generated_code_bytes: int
+    peak_bytes: int
+    xla_peak_bytes: int | None
+
+    @classmethod
+    def from_xla(cls, stats: Any) -> MemoryAnalysis:
+        """Reads a `jaxlib` `CompiledMemoryStats`."""
+        arg = int(stats.argument_size_in_bytes)
+        out = int(stats.output_size_in_bytes)
+        alias = int(stats.alias_size_in_bytes)
+        temp = int(stats.temp_size_in_bytes)
+        peak = getattr(stats, "peak_memory_in_bytes", None)
+        return cls(
+            argument_bytes=arg,
+            output_bytes=out,
+            alias_bytes=alias,
+            temp_bytes=temp,
+            generated_code_bytes=int(stats.generated_code_size_in_bytes),
+            peak_bytes=arg + out - alias + temp,
+            xla_peak_bytes=int(peak) if peak else None,
+        )

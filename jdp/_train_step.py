@@ -1,20 +1,33 @@
-"""`jdp.TrainState` and `jdp.make_train_step` (Caffe2's `Parallelize_GPU`)."""
+"""`jdp.TrainState` and `jdp.make_train_step` (Caffe2's `Parallelize_GPU`).
+
+A train step is composed of pieces rather than switched by flags:
+
+- how gradients are taken (`jax.value_and_grad`, or `jdp.sparse`'s row
+  gradients), with `remat` wrapped around the loss;
+- how they are synchronised and applied, ONE choice (`grad_sync`): averaged by an
+  all-reduce, kept local (for optimizers that communicate themselves, such as
+  `jdp.bmuf`), or reduce-scattered onto a sharded optimizer state (ZeRO);
+- how the state is laid out across replicas, declared as data (`state_layout`
+  of the returned `TrainStep`), which `step.replicate` follows.
+"""
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import jax
 import optax
 from flax import struct
 
 from jdp import _bmuf, _collectives, _zero
+from jdp._layout import StateLayout
 from jdp._tree import is_float
 
 PyTree = Any
-
+GradSync = Literal["all_reduce", "none", "zero"]
+GRAD_SYNCS = ("all_reduce", "none", "zero")
 REMAT_MODES = (None, "full")
 
 
@@ -73,8 +86,35 @@ class TrainState(struct.PyTreeNode):
         )
 
 
-def _contains_bmuf_state(opt_state: PyTree) -> bool:
-    return bool(_bmuf.find_states(opt_state))
+@dataclasses.dataclass(frozen=True)
+class TrainStep:
+    """A per-replica train step and the layout of the state it expects.
+
+    What `jdp.make_train_step` returns: call it as `step_fn(state, batch)`.
+    `state_layout`, when set, maps the abstract logical state and the replica
+    count to the per-replica layout; `step.replicate` follows it.
+    """
+
+    step_fn: Callable[[PyTree, PyTree], tuple[PyTree, dict[str, jax.Array]]]
+    state_layout: StateLayout | None = None
+
+    def __call__(self, state: PyTree, batch: PyTree):
+        return self.step_fn(state, batch)
+
+    @property
+    def __name__(self) -> str:
+        return getattr(self.step_fn, "__name__", "train_step")
+
+
+class Update(NamedTuple):
+    """How a step synchronises and applies gradients (one `grad_sync` choice).
+
+    `apply(grads, state, tx) -> (params, opt_state, metrics)` runs inside the
+    step on one replica's gradients; `state_layout` is the layout it needs.
+    """
+
+    apply: Callable[[PyTree, PyTree, optax.GradientTransformation], tuple]
+    state_layout: StateLayout | None = None
 
 
 def make_train_step(
@@ -82,15 +122,14 @@ def make_train_step(
     tx: optax.GradientTransformation | None = None,
     *,
     has_aux: bool = False,
-    all_reduce: bool = True,
-    axis_name: str = "data",
+    grad_sync: GradSync = "all_reduce",
+    axis_name: _collectives.AxisName = "data",
     bucket_bytes: int | None = _collectives.DEFAULT_BUCKET_BYTES,
     reduce_dtype: Any = None,
     batch_stats_mode: Literal["mean", "broadcast"] = "mean",
     remat: Literal["full"] | Callable[..., Any] | None = None,
-    shard_optimizer_state: bool = False,
     clip_grad_norm: float | None = None,
-) -> Callable[[PyTree, PyTree], tuple[PyTree, dict[str, jax.Array]]]:
+) -> TrainStep:
     """Builds the per-replica training step for `jdp.parallelize`.
 
     The step computes `loss_fn` and its gradients on the replica's slice of the
@@ -99,7 +138,7 @@ def make_train_step(
     state has them, and returns `{"loss": ...}` plus the auxiliary metrics. Because
     every replica's loss is a mean over its slice and the gradients are averaged,
     N replicas on a global batch of B examples take the same step as one device on
-    all B (the seed's loss scale `1 / (devices * shards)`, written as a mean).
+    all B (Caffe2's loss scale `1 / (devices * shards)`, written as a mean).
 
     Args:
       loss_fn: `loss_fn(params, batch) -> loss` (or `-> (loss, aux)` with
@@ -109,12 +148,22 @@ def make_train_step(
       tx: The optax optimizer; None uses the state's own `tx` (flax `TrainState`).
       has_aux: Whether `loss_fn` returns auxiliary data; a dict of scalars becomes
         extra metrics, anything else is returned under `"aux"`.
-      all_reduce: Average gradients across replicas (default). False keeps each
-        replica's own gradients, for optimizers that communicate themselves
-        (`jdp.bmuf`).
+      grad_sync: How gradients are synchronised across replicas:
+        `"all_reduce"` (default) averages them before `tx` (PyTorch DDP);
+        `"none"` keeps each replica's own gradients, for optimizers that
+        communicate themselves (`jdp.bmuf`, `jdp.sync_gradients` inside
+        `optax.MultiSteps`) or local SGD; `"zero"` is ZeRO stages 1 and 2
+        (PyTorch's `ZeroRedundancyOptimizer`, DeepSpeed ZeRO-1/2): gradients are
+        reduce-scattered, each replica keeps and updates only its 1/N slice of
+        the (flattened, padded) optimizer state, and the updated parameters are
+        all-gathered. `"zero"` gives the same numbers as `"all_reduce"` for
+        element-wise optimizers (SGD, momentum, Adam, AdamW, RMSProp, Lion,
+        Adagrad, with schedules); others are refused with a message.
+        `step.replicate` lays its optimizer state out sharded; `step.unreplicate`
+        and checkpoints see one full logical copy.
       axis_name: The replica axis given to `jdp.parallelize`.
-      bucket_bytes: Bucket size for `jdp.all_reduce_gradients` (25 MiB).
-      reduce_dtype: Wire dtype for the gradient all-reduce (e.g. `jnp.bfloat16`).
+      bucket_bytes: Largest bucket of the gradient collectives (25 MiB).
+      reduce_dtype: Wire dtype of the gradient collectives (e.g. `jnp.bfloat16`).
       batch_stats_mode: How `jdp.sync_batch_stats` syncs statistics: `"mean"`
         (default) or `"broadcast"`.
       remat: Rematerialise the forward pass in the backward pass instead of
@@ -126,32 +175,22 @@ def make_train_step(
         only where the policy keeps fewer values than the backward pass needs at
         once; for per-layer savings also wrap layers in `jax.checkpoint` (or
         `flax.linen.remat`) and compare with `step.memory_analysis`.
-      shard_optimizer_state: ZeRO stages 1 and 2 (PyTorch's
-        `ZeroRedundancyOptimizer`, DeepSpeed ZeRO-1/2): gradients are
-        reduce-scattered instead of all-reduced, each replica keeps and updates
-        only its 1/N slice of the (flattened, padded) optimizer state and
-        parameters, and the updated parameters are all-gathered. Same numbers
-        as the default for element-wise optimizers (SGD, momentum, Adam, AdamW,
-        RMSProp, Lion, Adagrad, with schedules); others are refused with a
-        message. `step.replicate` lays the optimizer state out sharded (the step
-        carries a `jdp_state_layout` hook for it); `step.unreplicate` and
-        checkpoints see one full logical copy.
-      clip_grad_norm: If set, clip the averaged gradients to this global L2 norm
-        before the optimizer (as `optax.clip_by_global_norm` would) and report
-        the norm before clipping as metric `"grad_norm"`. With
-        `shard_optimizer_state` the norm is computed across replicas (a `psum`),
-        which `optax.clip_by_global_norm` inside `tx` cannot do.
+      clip_grad_norm: If set, clip the gradients the optimizer sees (averaged,
+        unless `grad_sync="none"`) to this global L2 norm (as
+        `optax.clip_by_global_norm` would) and report the norm before clipping
+        as metric `"grad_norm"`. With `grad_sync="zero"` the norm is computed
+        across replicas (a `psum`), which `optax.clip_by_global_norm` inside
+        `tx` cannot do.
 
     Returns:
       `train_step(state, batch) -> (state, metrics)`, to give to `jdp.parallelize`.
 
     Raises:
-      ValueError: If `remat` is an unknown mode, `clip_grad_norm` is not positive,
-        or `shard_optimizer_state=True` with `all_reduce=False`. At trace time, if
-        `all_reduce=True` and the optimizer state holds BMUF state (BMUF must see
-        each replica's own gradients), or if `shard_optimizer_state=True` and the
-        optimizer is not element-wise or the state was not placed by
-        `step.replicate`.
+      ValueError: If `grad_sync` or `remat` is an unknown mode, or
+        `clip_grad_norm` is not positive. At trace time, if the optimizer state
+        holds BMUF state and `grad_sync` is not `"none"` (BMUF must see each
+        replica's own gradients), or if `grad_sync="zero"` and the optimizer is
+        not element-wise or the state was not placed by `step.replicate`.
       TypeError: If `remat` is neither a mode nor a policy function.
 
     Example:
@@ -161,17 +200,19 @@ def make_train_step(
       >>> train_step = jdp.make_train_step(loss_fn, optax.sgd(0.1))
       >>> step = jdp.parallelize(train_step)
 
-      With the optimizer state sharded across replicas:
+      With the optimizer state sharded across the 8 replicas, each holds 1/8
+      of Adam's two moments:
 
       >>> tx = optax.adam(1e-3)
-      >>> zero_step = jdp.parallelize(
-      ...     jdp.make_train_step(loss_fn, tx, shard_optimizer_state=True)
-      ... )
-      >>> state = zero_step.replicate(
-      ...     jdp.TrainState.create(params={"w": jnp.zeros((3, 1))}, tx=tx)
-      ... )
-      >>> state.opt_state.chunks[0].mu["w"].shape  # (replicas, ceil(3 / 8))
-      (8, 1)
+      >>> params = {"w": jnp.zeros((800, 1))}
+      >>> batch = {"x": jnp.zeros((8, 800)), "y": jnp.zeros((8, 1))}
+      >>> def bytes_per_device(grad_sync):
+      ...     train_step = jdp.make_train_step(loss_fn, tx, grad_sync=grad_sync)
+      ...     step = jdp.parallelize(train_step)
+      ...     state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
+      ...     return step.memory_analysis(state, step.shard(batch)).argument_bytes
+      >>> bytes_per_device("all_reduce") - bytes_per_device("zero")  # 2 * 7/8 * 3200
+      5600
 
     References:
       Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion
@@ -179,99 +220,112 @@ def make_train_step(
       Chen et al., "Training Deep Nets with Sublinear Memory Cost", 2016,
       https://arxiv.org/abs/1604.06174.
     """
-    loss_fn = _apply_remat(loss_fn, remat)
+    if grad_sync not in GRAD_SYNCS:
+        raise ValueError(f"`grad_sync` must be one of {GRAD_SYNCS}; got {grad_sync!r}.")
     if clip_grad_norm is not None and not clip_grad_norm > 0:
         raise ValueError(
             f"`clip_grad_norm` must be a positive global norm or None, got "
             f"{clip_grad_norm!r}."
         )
-    if shard_optimizer_state and not all_reduce:
-        raise ValueError(
-            "`jdp.make_train_step(..., shard_optimizer_state=True)` averages the "
-            "gradients itself (a reduce-scatter) and cannot be combined with "
-            "`all_reduce=False`: optimizers that keep each replica's own gradients "
-            "(`jdp.bmuf`) need a full optimizer state on every replica."
-        )
+    _collectives.check_bucket_bytes(bucket_bytes)
+    options = dict(
+        axis_name=axis_name,
+        bucket_bytes=bucket_bytes,
+        reduce_dtype=reduce_dtype,
+        clip_grad_norm=clip_grad_norm,
+    )
+    if grad_sync == "zero":
+        update = Update(_zero.update_fn(**options), _zero.layout_fn(tx))
+    elif grad_sync == "none":
+        update = Update(_local_update(clip_grad_norm=clip_grad_norm))
+    else:
+        update = Update(_all_reduce_update(**options))
+    return build_train_step(
+        apply_remat(loss_fn, remat),
+        tx,
+        value_and_grad=lambda optimizer: jax.value_and_grad,
+        update=update,
+        has_aux=has_aux,
+        axis_name=axis_name,
+        batch_stats_mode=batch_stats_mode,
+        api="jdp.make_train_step",
+        local_grads=grad_sync == "none",
+    )
+
+
+def build_train_step(
+    loss_fn: Callable[..., Any],
+    tx: optax.GradientTransformation | None,
+    *,
+    value_and_grad: Callable[[optax.GradientTransformation], Callable[..., Any]],
+    update: Update,
+    has_aux: bool,
+    axis_name: _collectives.AxisName,
+    batch_stats_mode: str,
+    api: str,
+    local_grads: bool = False,
+) -> TrainStep:
+    """Composes a train step from its pieces (see the module docstring).
+
+    Args:
+      loss_fn: As for `make_train_step` (remat already applied).
+      tx: The optimizer, or None for the state's own.
+      value_and_grad: Given the optimizer, returns `value_and_grad(fun,
+        has_aux=...)`, differentiating `fun` with respect to its first argument
+        (`jax.value_and_grad`, or `jdp.sparse.value_and_grad` for its tables).
+      update: How gradients are synchronised and applied.
+      has_aux: Whether `loss_fn` returns auxiliary data.
+      axis_name: The replica axis.
+      batch_stats_mode: How batch statistics are synced.
+      api: The public name, for error messages.
+      local_grads: Whether the optimizer sees each replica's own gradients (the
+        only setting that admits `jdp.bmuf`).
+    """
 
     def train_step(state, batch):
         optimizer = state.tx if tx is None else tx
         if optimizer is None:
             raise ValueError(
-                "`make_train_step` got no optimizer: pass `tx` or use a state that "
+                f"`{api}` got no optimizer: pass `tx` or use a state that "
                 "carries one (`jdp.TrainState.create(params=..., tx=...)`)."
             )
-        if all_reduce and _contains_bmuf_state(state.opt_state):
+        if not local_grads and _bmuf.find_states(state.opt_state):
             raise ValueError(
-                "`jdp.make_train_step(..., all_reduce=True)` would average gradients "
-                "across replicas, but the optimizer contains `jdp.bmuf`, which "
-                "trains each replica on its own gradients and syncs the models "
-                "itself. Use `jdp.make_train_step(loss_fn, tx, all_reduce=False)`."
+                f"`{api}` averages gradients across replicas, but the optimizer "
+                "contains `jdp.bmuf`, which trains each replica on its own "
+                "gradients and syncs the models itself. Use "
+                '`jdp.make_train_step(loss_fn, tx, grad_sync="none")`.'
             )
         loss, aux, new_stats, grads = loss_and_grads(
-            _dense_value_and_grad, loss_fn, state, batch, has_aux=has_aux
+            value_and_grad(optimizer), loss_fn, state, batch, has_aux=has_aux
         )
-        grad_norm = None
-        if shard_optimizer_state:
-            new_params, opt_state, grad_norm = _zero.sharded_update(
-                grads,
-                state.opt_state,
-                state.params,
-                optimizer,
-                axis_name=axis_name,
-                bucket_bytes=bucket_bytes,
-                reduce_dtype=reduce_dtype,
-                clip_grad_norm=clip_grad_norm,
+        params, opt_state, extra = update.apply(grads, state, optimizer)
+        changes = dict(step=state.step + 1, params=params, opt_state=opt_state)
+        if new_stats is not None:
+            changes["batch_stats"] = _collectives.sync_batch_stats(
+                new_stats, mode=batch_stats_mode, axis_name=axis_name
             )
-        else:
-            if all_reduce:
-                grads = _collectives.all_reduce_gradients(
-                    grads,
-                    axis_name=axis_name,
-                    bucket_bytes=bucket_bytes,
-                    dtype=reduce_dtype,
-                )
-            if clip_grad_norm is not None:
-                grads, grad_norm = _clip_by_global_norm(grads, clip_grad_norm)
-            updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-            new_params = optax.apply_updates(state.params, updates)
-            if not all_reduce:
-                # BMUF: after a block sync every replica holds the same bits.
-                new_params = _bmuf.snap_to_block_start(new_params, opt_state)
-        return finish_step(
-            state,
-            new_params,
-            opt_state,
-            new_stats,
-            loss,
-            aux,
-            has_aux=has_aux,
-            batch_stats_mode=batch_stats_mode,
-            axis_name=axis_name,
-            extra_metrics={} if grad_norm is None else {"grad_norm": grad_norm},
-        )
+        metrics = {"loss": loss, **extra}
+        if has_aux:
+            if isinstance(aux, dict):
+                metrics.update(aux)
+            else:
+                metrics["aux"] = aux
+        return state.replace(**changes), metrics
 
-    if shard_optimizer_state:
-        setattr(
-            train_step,
-            _zero.LAYOUT_HOOK,
-            functools.partial(_zero.state_layout, tx=tx),
-        )
-    return train_step
+    return TrainStep(train_step, update.state_layout)
 
 
-def _dense_value_and_grad(fun, *, has_aux):
-    return jax.value_and_grad(fun, has_aux=has_aux)
+# -- gradients ------------------------------------------------------------------
 
 
 def loss_and_grads(value_and_grad, loss_fn, state, batch, *, has_aux):
     """`(loss, aux, new_batch_stats, grads)` of one replica's `loss_fn`.
 
-    `value_and_grad(fun, has_aux=...)` differentiates `fun` with respect to its
-    first argument (`jax.value_and_grad`, or `jdp.sparse.value_and_grad` bound to
-    its tables). A state with `batch_stats` calls
-    `loss_fn(params, batch_stats, batch) -> (loss, new_batch_stats)` (or
-    `(loss, (new_batch_stats, aux))` with `has_aux`); otherwise
-    `loss_fn(params, batch)`. `aux` and `new_batch_stats` are None when absent.
+    A state with `batch_stats` calls `loss_fn(params, batch_stats, batch) ->
+    (loss, new_batch_stats)` (or `(loss, (new_batch_stats, aux))` with
+    `has_aux`); otherwise `loss_fn(params, batch)`. `aux` and `new_batch_stats`
+    are None when absent.
     """
     batch_stats = getattr(state, "batch_stats", None)
     if batch_stats is None:
@@ -285,39 +339,7 @@ def loss_and_grads(value_and_grad, loss_fn, state, batch, *, has_aux):
     return loss, aux, new_stats, grads
 
 
-def finish_step(
-    state,
-    params,
-    opt_state,
-    new_stats,
-    loss,
-    aux,
-    *,
-    has_aux: bool,
-    batch_stats_mode: str,
-    axis_name,
-    extra_metrics: dict[str, Any] | None = None,
-):
-    """The step's new state (step + 1, synced batch stats) and its metrics.
-
-    Metrics are `{"loss": loss}`, then `extra_metrics`, then `aux` (merged when
-    it is a dict, else under `"aux"`).
-    """
-    changes = dict(step=state.step + 1, params=params, opt_state=opt_state)
-    if new_stats is not None:
-        changes["batch_stats"] = _collectives.sync_batch_stats(
-            new_stats, mode=batch_stats_mode, axis_name=axis_name
-        )
-    metrics = {"loss": loss, **(extra_metrics or {})}
-    if has_aux:
-        if isinstance(aux, dict):
-            metrics.update(aux)
-        else:
-            metrics["aux"] = aux
-    return state.replace(**changes), metrics
-
-
-def _apply_remat(loss_fn: Callable[..., Any], remat: Any) -> Callable[..., Any]:
+def apply_remat(loss_fn: Callable[..., Any], remat: Any) -> Callable[..., Any]:
     """`loss_fn` under `jax.checkpoint` as `remat` asks (validated here)."""
     if remat is None:
         return loss_fn
@@ -334,6 +356,40 @@ def _apply_remat(loss_fn: Callable[..., Any], remat: Any) -> Callable[..., Any]:
             f"(a function); got a {type(remat).__name__}."
         )
     return jax.checkpoint(loss_fn, policy=remat)
+
+
+# -- synchronising and applying gradients ---------------------------------------------
+
+
+def _apply(grads, state, tx, clip_grad_norm):
+    """`tx` applied to `grads` (clipped first if asked); returns the step's parts."""
+    extra = {}
+    if clip_grad_norm is not None:
+        grads, extra["grad_norm"] = _clip_by_global_norm(grads, clip_grad_norm)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    return optax.apply_updates(state.params, updates), opt_state, extra
+
+
+def _all_reduce_update(*, axis_name, bucket_bytes, reduce_dtype, clip_grad_norm):
+    def apply(grads, state, tx):
+        grads = _collectives.all_reduce_gradients(
+            grads,
+            axis_name=axis_name,
+            bucket_bytes=bucket_bytes,
+            reduce_dtype=reduce_dtype,
+        )
+        return _apply(grads, state, tx, clip_grad_norm)
+
+    return apply
+
+
+def _local_update(*, clip_grad_norm):
+    def apply(grads, state, tx):
+        params, opt_state, extra = _apply(grads, state, tx, clip_grad_norm)
+        # BMUF: after a block sync every replica holds the same bits.
+        return _bmuf.snap_to_block_start(params, opt_state), opt_state, extra
+
+    return apply
 
 
 def _clip_by_global_norm(grads: PyTree, max_norm: float) -> tuple[PyTree, jax.Array]:

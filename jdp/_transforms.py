@@ -14,7 +14,7 @@ def sync_gradients(
     axis_name: _collectives.AxisName = "data",
     bucket_bytes: int | None = _collectives.DEFAULT_BUCKET_BYTES,
     reverse: bool = True,
-    dtype: Any = None,
+    reduce_dtype: Any = None,
     flatten: bool | None = None,
 ) -> optax.GradientTransformation:
     """Averages updates over replicas; put it first in an `optax.chain`.
@@ -28,7 +28,7 @@ def sync_gradients(
       axis_name: Replica axis bound by `jdp.parallelize`.
       bucket_bytes: Largest bucket in bytes (25 MiB); None for one bucket per dtype.
       reverse: Pack leaves last-first.
-      dtype: Optional wire dtype (e.g. `jnp.bfloat16`).
+      reduce_dtype: Optional wire dtype (e.g. `jnp.bfloat16`).
       flatten: Flat buffers or tuples per bucket (see `jdp.all_reduce_gradients`).
 
     Returns:
@@ -38,7 +38,7 @@ def sync_gradients(
       >>> import optax, jdp
       >>> tx = optax.chain(jdp.sync_gradients(), optax.clip_by_global_norm(1.0),
       ...                  optax.adam(1e-3))
-      >>> # use it with `jdp.make_train_step(loss_fn, tx, all_reduce=False)`
+      >>> # use it with `jdp.make_train_step(loss_fn, tx, grad_sync="none")`
     """
     _collectives.check_bucket_bytes(bucket_bytes)
 
@@ -53,7 +53,7 @@ def sync_gradients(
             axis_name=axis_name,
             bucket_bytes=bucket_bytes,
             reverse=reverse,
-            dtype=dtype,
+            reduce_dtype=reduce_dtype,
             flatten=flatten,
             api="jdp.sync_gradients",
         )

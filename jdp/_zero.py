@@ -1,6 +1,6 @@
 """Private: ZeRO-style sharded optimizer state (stages 1 and 2) for `make_train_step`.
 
-With `jdp.make_train_step(loss_fn, tx, shard_optimizer_state=True)` each replica
+With `jdp.make_train_step(loss_fn, tx, grad_sync="zero")` each replica
 keeps only its 1/N slice of the optimizer state instead of a full copy:
 
 1. every parameter leaf is flattened and zero-padded to a multiple of N; replica
@@ -24,12 +24,12 @@ optimizer's own state pytree (structure unchanged) whose per-parameter leaves ar
 slices, plus static metadata (each leaf's full logical shape, or None for leaves
 such as step counts that every replica holds whole). Replicated, every leaf still
 has the leading replica axis sharded over the mesh, so `jdp.parallelize` treats it
-like any state; replica `r`'s row is its slice. The ZeRO train step carries a
-`jdp_state_layout(abstract_state, num_replicas)` attribute; `step.replicate`
-calls it to swap a full optimizer state for this layout, and
-`jdp._parallel.logical_copy` / `place_like` (unreplicate, checkpoints) convert
-between it and ONE full logical copy, so a checkpoint holds the ordinary optimizer
-state and restores into any replica count, with or without sharding.
+like any state; replica `r`'s row is its slice. `ShardedOptState` is a
+`jdp._layout.CustomLayout`: it converts itself between this layout and ONE full
+logical copy (unreplicate, checkpoints), so a checkpoint holds the ordinary
+optimizer state and restores into any replica count, with or without sharding.
+The ZeRO train step declares the layout (`layout_fn`), and `step.replicate`
+follows it.
 
 References:
   Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion
@@ -38,8 +38,9 @@ References:
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -50,22 +51,20 @@ from flax import struct
 from jax import lax
 from jax.extend import core as jex_core
 
-from jdp import _buckets, _collectives
+from jdp import _collectives
+from jdp._layout import CustomLayout
 from jdp._tree import format_problems, keystr
 
 PyTree = Any
 
-API = "jdp.make_train_step(..., shard_optimizer_state=True)"
-
-#: Attribute of a train step that `step.replicate` calls to choose the layout.
-LAYOUT_HOOK = "jdp_state_layout"
+API = 'jdp.make_train_step(..., grad_sync="zero")'
 
 #: Leading sizes of the probe parameters used to tell per-element state leaves
 #: from others; far from any real shape, and never allocated (`jax.eval_shape`).
 _SENTINEL = 1_000_003_000
 
 ELEMENTWISE_HINT = (
-    "With `shard_optimizer_state=True` each replica updates only its slice of "
+    'With `grad_sync="zero"` each replica updates only its slice of '
     "every parameter (seen by the optimizer as a 1-D vector), so the optimizer "
     "must act element by element, as SGD, momentum, Adam, AdamW, RMSProp, Lion and "
     "Adagrad do (with any schedule)."
@@ -75,12 +74,13 @@ NOT_LAID_OUT_MSG = (
     f"`{API}`: the state's `opt_state` is a full optimizer state, not the sharded "
     "layout this step needs. Place the state with `step.replicate(state)` of the "
     "`jdp.parallelize` that runs this train step. If you wrap the train step in "
-    f"your own function, keep its `{LAYOUT_HOOK}` attribute (`functools.wraps` "
-    "copies it) so that `step.replicate` finds it."
+    "your own function, give `jdp.parallelize` an object that keeps its "
+    "`state_layout` attribute (`functools.wraps` copies it), so that "
+    "`step.replicate` finds it."
 )
 
 
-class ShardedOptState(struct.PyTreeNode):
+class ShardedOptState(struct.PyTreeNode, CustomLayout):
     """An optimizer state sharded across replicas (one slice of it per replica).
 
     Attributes:
@@ -93,6 +93,32 @@ class ShardedOptState(struct.PyTreeNode):
 
     chunks: PyTree
     shapes: tuple[tuple[int, ...] | None, ...] = struct.field(pytree_node=False)
+
+    def logical(self) -> PyTree:
+        """One full logical copy of the optimizer state (see `logical`)."""
+        return logical(self)
+
+    def place(self, host_value: PyTree, place_leaf) -> ShardedOptState:
+        """Splits one full logical optimizer state into this layout (see `place`)."""
+        return place(host_value, self, place_leaf)
+
+    def agreed(self) -> ShardedOptState:
+        """This node with its slices (which differ between replicas) set to None."""
+        leaves, treedef = jax.tree.flatten(self.chunks)
+        kept = [
+            v if s is None else None for v, s in zip(leaves, self.shapes, strict=True)
+        ]
+        return self.replace(chunks=jax.tree.unflatten(treedef, kept))
+
+    def with_agreed(self, agreed: ShardedOptState) -> ShardedOptState:
+        """This node with its whole leaves taken from `agreed`."""
+        new = iter(jax.tree.leaves(agreed.chunks))
+        leaves, treedef = jax.tree.flatten(self.chunks)
+        merged = [
+            old if s is not None else next(new)
+            for old, s in zip(leaves, self.shapes, strict=True)
+        ]
+        return self.replace(chunks=jax.tree.unflatten(treedef, merged))
 
 
 def is_sharded(x: Any) -> bool:
@@ -211,10 +237,15 @@ def opt_state_layout(
     )
 
 
+def layout_fn(tx: optax.GradientTransformation | None):
+    """The state layout of a ZeRO train step (for `TrainStep.state_layout`)."""
+    return functools.partial(state_layout, tx=tx)
+
+
 def state_layout(
     state: PyTree, num_replicas: int, *, tx: optax.GradientTransformation | None
 ) -> PyTree:
-    """The `jdp_state_layout` hook: a train state with its optimizer state sharded.
+    """A train state's abstract layout with its optimizer state sharded.
 
     Trees without `opt_state`/`params` (e.g. bare parameters) are returned as
     they are.
@@ -317,46 +348,6 @@ def logical(node: ShardedOptState) -> PyTree:
             full = _gather_rows(x).reshape(-1)[: math.prod(shape)].reshape(shape)
             out.append(jax.device_put(full, x.addressable_shards[0].device))
     return jax.tree.unflatten(treedef, out)
-
-
-def without_slices(tree: PyTree) -> PyTree:
-    """`tree` with the sliced leaves of every `ShardedOptState` replaced by None.
-
-    What replicas must agree on: `jdp.replicas_in_sync` compares this, and
-    `step.broadcast` leaves the slices (which differ by design) alone.
-    """
-
-    def strip(x):
-        if not is_sharded(x):
-            return x
-        leaves, treedef = jax.tree.flatten(x.chunks)
-        kept = [v if s is None else None for v, s in zip(leaves, x.shapes, strict=True)]
-        return x.replace(chunks=jax.tree.unflatten(treedef, kept))
-
-    return jax.tree.map(strip, tree, is_leaf=is_sharded)
-
-
-def map_unsliced(fn: Callable[[PyTree], PyTree], tree: PyTree) -> PyTree:
-    """Applies `fn` to `tree` with the slices of `ShardedOptState`s held out."""
-    leaves, treedef = jax.tree.flatten(tree, is_leaf=is_sharded)
-    held = {}
-    for i, x in enumerate(leaves):
-        if is_sharded(x):
-            held[i] = x
-            leaves[i] = without_slices(x)
-    done = jax.tree.flatten(
-        fn(jax.tree.unflatten(treedef, leaves)), is_leaf=is_sharded
-    )[0]
-    for i, original in held.items():
-        new_leaves = jax.tree.leaves(done[i].chunks)
-        old_leaves, sub_def = jax.tree.flatten(original.chunks)
-        it = iter(new_leaves)
-        merged = [
-            old if s is not None else next(it)
-            for old, s in zip(old_leaves, original.shapes, strict=True)
-        ]
-        done[i] = original.replace(chunks=jax.tree.unflatten(sub_def, merged))
-    return jax.tree.unflatten(treedef, done)
 
 
 # -- the refusal check: is the optimizer element-wise? -------------------------------
@@ -464,52 +455,52 @@ def _padded_rows(x: jax.Array, num: int, size: int) -> jax.Array:
     return flat.reshape(num, size)
 
 
-def _plan(sizes: Sequence[int], num: int, dtypes, bucket_bytes):
-    return _buckets.plan_buckets(
-        [(num * s,) for s in sizes], dtypes, bucket_bytes=bucket_bytes, reverse=True
-    )
-
-
 def _reduce_scatter(grads, sizes, *, num, axis_name, bucket_bytes, dtype):
-    """This replica's slices of the mean of `grads`; one collective per bucket."""
-    wire = [np.dtype(dtype) if dtype is not None else np.dtype(g.dtype) for g in grads]
-    out = [jnp.zeros((0,), g.dtype) for g in grads]
-    for bucket in _plan(sizes, num, wire, bucket_bytes):
-        if dtype is not None:
-            rows = [
-                _padded_rows(grads[i] / num, num, sizes[i]).astype(wire[i])
-                for i in bucket.indices
-            ]
-        else:
-            rows = [_padded_rows(grads[i], num, sizes[i]) for i in bucket.indices]
-        matrix = rows[0] if len(rows) == 1 else jnp.concatenate(rows, axis=1)
-        mine = lax.psum_scatter(
-            matrix.reshape(-1), axis_name, scatter_dimension=0, tiled=True
+    """This replica's slices of the mean of `grads` (bucketed reduce-scatters)."""
+    if dtype is None:
+        rows = [_padded_rows(g, num, s) for g, s in zip(grads, sizes, strict=True)]
+    else:  # divide first, so that a narrow wire type cannot overflow
+        rows = [
+            _padded_rows(g / num, num, s).astype(dtype)
+            for g, s in zip(grads, sizes, strict=True)
+        ]
+    mine = _collectives.bucketed(
+        "psum_scatter", rows, axis_name=axis_name, bucket_bytes=bucket_bytes
+    )
+    return [
+        (m[0] if dtype is not None else m[0] / num).astype(g.dtype)
+        for m, g in zip(mine, grads, strict=True)
+    ]
+
+
+def _all_gather(slices, like, *, axis_name, bucket_bytes):
+    """Full parameters from every replica's new slices (bucketed all-gathers)."""
+    rows = _collectives.bucketed(
+        "all_gather", slices, axis_name=axis_name, bucket_bytes=bucket_bytes
+    )
+    return [
+        r.reshape(-1)[: ref.size].reshape(ref.shape).astype(ref.dtype)
+        for r, ref in zip(rows, like, strict=True)
+    ]
+
+
+def update_fn(*, axis_name, bucket_bytes, reduce_dtype, clip_grad_norm):
+    """The ZeRO update of a train step: `apply(grads, state, tx)`."""
+
+    def apply(grads, state, tx):
+        params, opt_state, grad_norm = sharded_update(
+            grads,
+            state.opt_state,
+            state.params,
+            tx,
+            axis_name=axis_name,
+            bucket_bytes=bucket_bytes,
+            reduce_dtype=reduce_dtype,
+            clip_grad_norm=clip_grad_norm,
         )
-        if dtype is None:
-            mine = mine / num
-        offset = 0
-        for i in bucket.indices:
-            out[i] = mine[offset : offset + sizes[i]].astype(grads[i].dtype)
-            offset += sizes[i]
-    return out
+        return params, opt_state, {} if grad_norm is None else {"grad_norm": grad_norm}
 
-
-def _all_gather(slices, like, sizes, *, num, axis_name, bucket_bytes):
-    """Full parameters from every replica's new slices; one collective per bucket."""
-    out = list(like)
-    dtypes = [np.dtype(x.dtype) for x in slices]
-    for bucket in _plan(sizes, num, dtypes, bucket_bytes):
-        parts = [slices[i] for i in bucket.indices]
-        mine = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
-        rows = lax.all_gather(mine, axis_name, axis=0, tiled=True).reshape(num, -1)
-        offset = 0
-        for i in bucket.indices:
-            block = rows[:, offset : offset + sizes[i]].reshape(-1)
-            ref = like[i]
-            out[i] = block[: ref.size].reshape(ref.shape).astype(ref.dtype)
-            offset += sizes[i]
-    return out
+    return apply
 
 
 def sharded_update(
@@ -588,12 +579,7 @@ def sharded_update(
     updates, chunks = tx.update(g_tree, opt_state.chunks, p_tree)
     new_slices = jax.tree.leaves(optax.apply_updates(p_tree, updates))
     new_params = _all_gather(
-        new_slices,
-        p_leaves,
-        sizes,
-        num=num,
-        axis_name=axis_name,
-        bucket_bytes=bucket_bytes,
+        new_slices, p_leaves, axis_name=axis_name, bucket_bytes=bucket_bytes
     )
     return (
         jax.tree.unflatten(p_def, new_params),

@@ -24,7 +24,7 @@ GLOBAL_BATCH = 32
 
 
 def make_case(name):
-    """Returns `(tx, loss_fn, params, batches, all_reduce)` for a resume test."""
+    """Returns `(tx, loss_fn, params, batches, grad_sync)` for a resume test."""
     if name == "bmuf":
         tx = jdp.bmuf(
             optax.sgd(0.01, momentum=0.9),
@@ -33,19 +33,19 @@ def make_case(name):
             inner_state_at_sync="average",
         )
         params = init_mlp(jax.random.key(0))
-        return tx, mlp_loss, params, make_batches(NUM_STEPS, GLOBAL_BATCH), False
+        return tx, mlp_loss, params, make_batches(NUM_STEPS, GLOBAL_BATCH), "none"
     tx = {
         "sgd_momentum": lambda: optax.sgd(0.05, momentum=0.9),
         "adam": lambda: optax.adam(1e-2),
     }[name]()
     params = init_mlp(jax.random.key(0))
-    return tx, mlp_loss, params, make_batches(NUM_STEPS, GLOBAL_BATCH), True
+    return tx, mlp_loss, params, make_batches(NUM_STEPS, GLOBAL_BATCH), "all_reduce"
 
 
 def make_step(name, backend):
-    tx, loss_fn, params, batches, all_reduce = make_case(name)
+    tx, loss_fn, params, batches, grad_sync = make_case(name)
     step = jdp.parallelize(
-        jdp.make_train_step(loss_fn, tx, all_reduce=all_reduce), backend=backend
+        jdp.make_train_step(loss_fn, tx, grad_sync=grad_sync), backend=backend
     )
     return step, jdp.TrainState.create(params=params, tx=tx), batches
 

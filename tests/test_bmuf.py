@@ -113,7 +113,7 @@ def reference_bmuf(
 def run_bmuf(params, batches, *, devices, backend="shard_map", **kw):
     tx = jdp.bmuf(optax.sgd(LR, momentum=MOMENTUM), **kw)
     step = jdp.parallelize(
-        jdp.make_train_step(linear_loss, tx, all_reduce=False),
+        jdp.make_train_step(linear_loss, tx, grad_sync="none"),
         devices=devices,
         backend=backend,
     )
@@ -214,7 +214,7 @@ def test_sync_period_one_model_averaging_is_synchronous_sgd(backend, devices):
     sgd = optax.sgd(0.1)
     bmuf = jdp.bmuf(sgd, sync_period=1, block_momentum=0.0, block_learning_rate=1.0)
     step_b = jdp.parallelize(
-        jdp.make_train_step(linear_loss, bmuf, all_reduce=False),
+        jdp.make_train_step(linear_loss, bmuf, grad_sync="none"),
         devices=devices,
         backend=backend,
     )
@@ -240,7 +240,7 @@ def test_sync_leaves_mlp_replicas_bit_identical(backend):
     params = init_mlp(jax.random.key(3))
     tx = jdp.bmuf(optax.sgd(0.05, momentum=0.9), sync_period=2, nesterov=True)
     step = jdp.parallelize(
-        jdp.make_train_step(mlp_loss, tx, all_reduce=False), backend=backend
+        jdp.make_train_step(mlp_loss, tx, grad_sync="none"), backend=backend
     )
     state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
     for i, batch in enumerate(make_batches(4, 32)):
@@ -263,7 +263,7 @@ def test_one_replica_is_the_inner_optimizer_alone(backend):
     inner = optax.adam(1e-2)
     tx = jdp.bmuf(inner, sync_period=3)
     step = jdp.parallelize(
-        jdp.make_train_step(mlp_loss, tx, all_reduce=False),
+        jdp.make_train_step(mlp_loss, tx, grad_sync="none"),
         devices=jax.devices()[:1],
         backend=backend,
     )
@@ -278,7 +278,7 @@ def test_one_replica_is_the_inner_optimizer_alone(backend):
 
 def run_generic(tx, params, batches, num=4):
     step = jdp.parallelize(
-        jdp.make_train_step(linear_loss, tx, all_reduce=False),
+        jdp.make_train_step(linear_loss, tx, grad_sync="none"),
         devices=jax.devices()[:num],
     )
     state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
@@ -387,7 +387,7 @@ def test_parameter_all_reduce_runs_only_in_the_sync_branch(backend, stage):
     param_bytes = sum(x.size * 4 for x in jax.tree.leaves(params))
     tx = jdp.bmuf(optax.sgd(0.1, momentum=0.9), sync_period=4)
     step = jdp.parallelize(
-        jdp.make_train_step(mlp_loss, tx, all_reduce=False), backend=backend
+        jdp.make_train_step(mlp_loss, tx, grad_sync="none"), backend=backend
     )
     state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
     batch = step.shard(make_batches(1, 16)[0])
@@ -405,7 +405,7 @@ def test_average_inner_state_all_reduces_it_on_sync_steps_too():
     tx = jdp.bmuf(
         optax.sgd(0.1, momentum=0.9), sync_period=4, inner_state_at_sync="average"
     )
-    step = jdp.parallelize(jdp.make_train_step(mlp_loss, tx, all_reduce=False))
+    step = jdp.parallelize(jdp.make_train_step(mlp_loss, tx, grad_sync="none"))
     state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
     ops = step.collectives(state, step.shard(make_batches(1, 16)[0]), stage="lowered")
     assert sum(c.bytes for c in ops if c.in_conditional) == 2 * param_bytes
@@ -419,8 +419,6 @@ def test_average_inner_state_all_reduces_it_on_sync_steps_too():
     "kw, match",
     [
         ({"sync_period": 0}, "`sync_period`"),
-        ({"sync_period": 2.5}, "`sync_period`"),
-        ({"sync_period": True}, "`sync_period`"),
         ({"sync_period": 2, "block_momentum": 1.0}, "`block_momentum`"),
         ({"sync_period": 2, "block_momentum": -0.1}, "`block_momentum`"),
         ({"sync_period": 2, "block_learning_rate": -1.0}, "`block_learning_rate`"),
@@ -437,6 +435,16 @@ def test_average_inner_state_all_reduces_it_on_sync_steps_too():
 )
 def test_bad_arguments_name_the_argument(kw, match):
     with pytest.raises(ValueError, match=match):
+        jdp.bmuf(optax.sgd(0.1), **kw)
+
+
+@pytest.mark.parametrize(
+    "kw", [{"sync_period": 2.5}, {"sync_period": True}, {"warmup_steps": "1"}]
+)
+def test_wrong_types_are_type_errors(kw):
+    kw = {"sync_period": 2, **kw}
+    name = "warmup_steps" if "warmup_steps" in kw else "sync_period"
+    with pytest.raises(TypeError, match=rf"`{name}` must be an int"):
         jdp.bmuf(optax.sgd(0.1), **kw)
 
 
@@ -465,7 +473,7 @@ def test_all_reducing_train_step_refuses_bmuf_state():
         jdp.make_train_step(linear_loss, tx), devices=jax.devices()[:2]
     )
     state = step.replicate(jdp.TrainState.create(params=linear_params(), tx=tx))
-    with pytest.raises(ValueError, match="all_reduce=False"):
+    with pytest.raises(ValueError, match='grad_sync="none"'):
         step(state, step.shard(linear_batches(1, 4)[0]))
 
 

@@ -10,7 +10,7 @@ def test_plan_reverse_and_limits():
     plan = _buckets.plan_buckets(shapes, dtypes, bucket_bytes=120, reverse=True)
     # Leaf 3 (400 B) exceeds the limit and travels alone; then [2, 1] (100 B), [0].
     assert [b.indices for b in plan] == [(3,), (2, 1), (0,)]
-    assert [b.nbytes for b in plan] == [400, 100, 40]
+    assert [4 * sum(b.sizes) for b in plan] == [400, 100, 40]
     fwd = _buckets.plan_buckets(shapes, dtypes, bucket_bytes=120, reverse=False)
     assert [b.indices for b in fwd] == [(0, 1), (2,), (3,)]
 
@@ -25,18 +25,15 @@ def test_plan_groups_by_dtype_and_skips_empty():
     }
 
 
-def test_pack_split_roundtrip():
-    leaves = [
+def test_pack_unpack_roundtrip():
+    blocks = [
         jnp.arange(6.0).reshape(2, 3),
-        jnp.float32(7.0),
-        jnp.ones((2, 2), jnp.bfloat16),
+        jnp.full((2, 1), 7.0),
+        jnp.ones((2, 4)),
     ]
-    (bucket,) = _buckets.plan_buckets(
-        [x.shape for x in leaves], [np.float32] * 3, bucket_bytes=None, reverse=False
-    )
-    flat = _buckets.pack(leaves, bucket)
-    assert flat.shape == (11,) and flat.dtype == jnp.float32
-    parts = _buckets.split(flat, bucket)
-    assert [p.size for p in parts] == [6, 1, 4]
-    for part, x in zip(parts, leaves, strict=True):
-        np.testing.assert_array_equal(part, np.ravel(np.asarray(x, np.float32)))
+    packed = _buckets.pack(blocks)
+    assert packed.shape == (2, 8)
+    parts = _buckets.unpack(packed, [3, 1, 4])
+    assert [p.shape for p in parts] == [(2, 3), (2, 1), (2, 4)]
+    for part, x in zip(parts, blocks, strict=True):
+        np.testing.assert_array_equal(part, x)

@@ -54,16 +54,67 @@ def no_job_env(monkeypatch):
     ("args", "kwargs", "message"),
     [
         ((), {"cpu_collectives": "nccl"}, r"`cpu_collectives` must be one of"),
-        ((), {"timeout_s": 0}, r"`timeout_s` must be a positive int of seconds"),
-        ((), {"heartbeat_timeout_s": 1.5}, r"`heartbeat_timeout_s` must be"),
-        (("127.0.0.1:1234", 2, 2), {}, r"`process_id` must be an int in \[0, "),
+        ((), {"timeout_s": 0}, r"`timeout_s` must be an int >= 1 \(seconds\), got 0"),
+        ((), {"heartbeat_timeout_s": -1}, r"`heartbeat_timeout_s` must be an int >="),
+        (
+            ("127.0.0.1:1234", 2, 2),
+            {},
+            r"`process_id` must be an int in \[0, num_processes=2\), got 2\.",
+        ),
+        ((), {"process_id": -1}, r"`process_id` must be an int >= 0, got -1\."),
         (("127.0.0.1:1234", 0, 0), {}, r"`num_processes` must be an int >= 1, got 0"),
         (("localhost", 2, 0), {}, r"`coordinator_address` must look like 'host:port'"),
     ],
-    ids=["collectives", "timeout", "heartbeat", "process-id", "num", "address"],
+    ids=[
+        "collectives",
+        "timeout",
+        "heartbeat",
+        "process-id",
+        "process-id-alone",
+        "num",
+        "address",
+    ],
 )
 def test_initialize_rejects_bad_arguments(no_job_env, args, kwargs, message):
     with pytest.raises(ValueError, match=message):
+        jdp.distributed.initialize(*args, **kwargs)
+    assert not jdp.distributed.is_initialized()
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "message"),
+    [
+        (
+            ("127.0.0.1:1234", "2", 0),
+            {},
+            r"`num_processes` must be an int >= 1, got '2' \(a str\)\.",
+        ),
+        (("127.0.0.1:1234", True, 0), {}, r"`num_processes` .* got True \(a bool\)"),
+        (
+            ("127.0.0.1:1234", 2, "0"),
+            {},
+            r"`process_id` must be an int in \[0, num_processes=2\), got '0' "
+            r"\(a str\)\.",
+        ),
+        ((), {"process_id": 0.0}, r"`process_id` must be an int >= 0, got 0\.0"),
+        ((1234, 2, 0), {}, r"`coordinator_address` must be a str 'host:port'.*"),
+        ((), {"timeout_s": 1.5}, r"`timeout_s` .* got 1\.5 \(a float\)"),
+        ((), {"heartbeat_timeout_s": 1.5}, r"`heartbeat_timeout_s` must be an int"),
+    ],
+    ids=[
+        "num-str",
+        "num-bool",
+        "process-id-str",
+        "process-id-alone",
+        "address",
+        "timeout",
+        "heartbeat",
+    ],
+)
+def test_initialize_rejects_arguments_of_the_wrong_type(
+    no_job_env, args, kwargs, message
+):
+    with pytest.raises(TypeError, match=message):
         jdp.distributed.initialize(*args, **kwargs)
     assert not jdp.distributed.is_initialized()
 
@@ -92,7 +143,7 @@ def test_initialize_without_any_configuration_runs_one_process(no_job_env):
     jdp.distributed.shutdown()  # nothing to leave: no error
 
 
-# -- parallelize(..., mesh_shape=("host", "device")) ----------------------------
+# -- parallelize(..., axis_name=("host", "device")) -----------------------------
 
 
 def test_host_mesh_training_matches_single_device(two_hosts):
@@ -100,7 +151,7 @@ def test_host_mesh_training_matches_single_device(two_hosts):
     params = init_mlp(jax.random.key(0))
     batches = make_batches(10, 32)
     step = jdp.parallelize(
-        jdp.make_train_step(mlp_loss, tx, axis_name=HOST_MESH), mesh_shape=HOST_MESH
+        jdp.make_train_step(mlp_loss, tx, axis_name=HOST_MESH), axis_name=HOST_MESH
     )
     assert dict(step.mesh.shape) == {"host": 2, "device": 4}
     assert step.axis_name == HOST_MESH
@@ -123,7 +174,7 @@ def test_host_mesh_gradients_equal_the_flat_mean(two_hosts, flatten):
         out = jdp.all_reduce_gradients(g, axis_name=HOST_MESH, flatten=flatten)
         return state, {"a": out["a"], "b": out["b"]}
 
-    step = jdp.parallelize(grads_step, mesh_shape=HOST_MESH)
+    step = jdp.parallelize(grads_step, axis_name=HOST_MESH)
     x = np.arange(16.0, dtype=np.float32)
     _, metrics = step(step.replicate({}), step.shard(x))
     per_replica = x.reshape(8, 2)
@@ -140,7 +191,7 @@ def test_host_mesh_reduces_within_hosts_then_across(two_hosts):
         )
         return state, {"w": g["w"].sum()}
 
-    step = jdp.parallelize(grads_step, mesh_shape=HOST_MESH)
+    step = jdp.parallelize(grads_step, axis_name=HOST_MESH)
     ops = step.collectives(step.replicate({}), step.shard(np.ones(8, np.float32)))
     within = ((0, 1, 2, 3), (4, 5, 6, 7))
     across = ((0, 4), (1, 5), (2, 6), (3, 7))
@@ -154,27 +205,25 @@ def test_host_mesh_reduces_within_hosts_then_across(two_hosts):
 
 
 def test_host_mesh_on_one_process_is_a_single_row():
-    step = jdp.parallelize(lambda s, b: (s, {}), mesh_shape=HOST_MESH)
+    step = jdp.parallelize(lambda s, b: (s, {}), axis_name=HOST_MESH)
     assert dict(step.mesh.shape) == {"host": 1, "device": jax.device_count()}
 
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"mesh_shape": ("host",)}, r"`mesh_shape` must name the two axes"),
-        ({"mesh_shape": ("a", "a")}, r"`mesh_shape` must name the two axes"),
+        ({"axis_name": ("a", "b", "c")}, r"`axis_name` must be one name.*two names"),
+        ({"axis_name": ("a", "a")}, r"`axis_name` must be one name"),
+        ({"axis_name": ""}, r"`axis_name` must be one name"),
+        ({"axis_name": ("a", 1)}, r"got \('a', 1\)"),
         (
-            {"mesh_shape": HOST_MESH, "backend": "pmap"},
+            {"axis_name": HOST_MESH, "backend": "pmap"},
             r"needs backend='shard_map' \(pmap maps over one axis only\)",
         ),
-        (
-            {"mesh_shape": HOST_MESH, "axis_name": "batch"},
-            r"replica axis is the tuple \('host', 'device'\).*got axis_name='batch'",
-        ),
     ],
-    ids=["one-name", "same-names", "pmap", "axis-name"],
+    ids=["three-names", "same-names", "empty", "not-a-name", "pmap"],
 )
-def test_mesh_shape_rejects_bad_arguments(kwargs, message):
+def test_two_axis_names_reject_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
         jdp.parallelize(lambda s, b: (s, {}), **kwargs)
 

@@ -13,7 +13,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jdp
-from jdp import _export
+from jdp import _export, _layout
 
 
 class SmallCNN(nn.Module):
@@ -137,7 +137,7 @@ def test_own_data_sharded_params_with_replicated_false():
     w = jax.device_put(
         jnp.arange(n * 2.0).reshape(n, 2), NamedSharding(mesh, P("data"))
     )
-    assert _export._looks_replicated(w)  # ambiguous layout: the flag decides
+    assert _layout.is_replicated(w)  # ambiguous layout: the flag decides
     blob = jdp.export_predictor(
         lambda p, x: x @ p, w, (np.ones((1, n), np.float32),), replicated=False
     )

@@ -104,7 +104,7 @@ def read_ready_pids(proc, n):
 
 def test_cli_runs_the_script_in_every_process_with_prefixed_output(tmp_path):
     script = write(tmp_path, "echo.py", ECHO)
-    proc = launcher(["--nprocs", 2, script, "a", "--b"])
+    proc = launcher(["--num-processes", 2, script, "a", "--b"])
     out, err = finish(proc)
     assert proc.returncode == 0, err
     for rank in (0, 1):
@@ -114,7 +114,7 @@ def test_cli_runs_the_script_in_every_process_with_prefixed_output(tmp_path):
 
 def test_cli_runs_a_module_with_dash_m(tmp_path):
     write(tmp_path, "echo_module.py", ECHO)
-    proc = launcher(["--nprocs", 1, "-m", "echo_module", "x"], cwd=tmp_path)
+    proc = launcher(["--num-processes", 1, "-m", "echo_module", "x"], cwd=tmp_path)
     out, err = finish(proc)
     assert proc.returncode == 0, err
     assert "[0] hello from 0 of 1 args=['x'] name=__main__" in out
@@ -123,7 +123,7 @@ def test_cli_runs_a_module_with_dash_m(tmp_path):
 def test_cli_failure_stops_the_others_and_returns_the_exit_status(tmp_path):
     script = write(tmp_path, "exit3.py", EXIT_3_ON_PROCESS_1)
     start = time.monotonic()
-    proc = launcher(["--nprocs", 2, script])
+    proc = launcher(["--num-processes", 2, script])
     _, err = finish(proc)
     assert proc.returncode == 3
     assert re.search(
@@ -136,7 +136,7 @@ def test_cli_failure_stops_the_others_and_returns_the_exit_status(tmp_path):
 
 def test_cli_forwards_sigterm_to_every_process(tmp_path):
     script = write(tmp_path, "sleep.py", SLEEP)
-    proc = launcher(["--nprocs", 2, script])
+    proc = launcher(["--num-processes", 2, script])
     try:
         pids = read_ready_pids(proc, 2)
         start = time.monotonic()
@@ -152,7 +152,7 @@ def test_cli_forwards_sigterm_to_every_process(tmp_path):
 
 def test_processes_exit_when_the_launcher_is_killed(tmp_path):
     script = write(tmp_path, "sleep.py", SLEEP)
-    proc = launcher(["--nprocs", 2, script])
+    proc = launcher(["--num-processes", 2, script])
     try:
         pids = read_ready_pids(proc, 2)
         proc.kill()  # SIGKILL: the launcher cannot stop its children itself
@@ -166,7 +166,7 @@ def test_processes_exit_when_the_launcher_is_killed(tmp_path):
 
 def test_cli_timeout_stops_the_job(tmp_path):
     script = write(tmp_path, "sleep.py", SLEEP)
-    proc = launcher(["--nprocs", 1, "--timeout", 3, script])
+    proc = launcher(["--num-processes", 1, "--timeout", 3, script])
     _, err = finish(proc)
     assert proc.returncode == 124
     assert re.search(r"did not finish within 3 s; stopped it", err), err
@@ -175,11 +175,14 @@ def test_cli_timeout_stops_the_job(tmp_path):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
+        (["--num-processes", "0", "x.py"], "expected an integer >= 1, got 0"),
+        (["--num-processes", "two", "x.py"], "expected an integer, got 'two'"),
         (["--nprocs", "0", "x.py"], "expected an integer >= 1, got 0"),
-        (["--nprocs", "two", "x.py"], "expected an integer, got 'two'"),
-        (["x.py"], "the following arguments are required: --nprocs"),
+        (["x.py"], "the following arguments are required: --num-processes"),
+        (["--num-processes", "1", "--timeout", "0", "x.py"], "a number > 0, got 0"),
+        (["--num-processes", "1", "--timeout", "soon", "x.py"], "got 'soon'"),
     ],
-    ids=["zero", "not-an-int", "missing"],
+    ids=["zero", "not-an-int", "alias-zero", "missing", "timeout", "timeout-text"],
 )
 def test_cli_rejects_bad_arguments(args, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -253,14 +256,76 @@ def test_run_timeout_stops_every_process():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"nprocs": 0}, r"`nprocs` must be an int >= 1, got 0"),
-        ({"nprocs": 2, "devices_per_process": 0}, r"`devices_per_process` must be"),
+        ({"num_processes": 0}, r"`num_processes` must be an int >= 1, got 0\."),
+        (
+            {"num_processes": 2, "devices_per_process": 0},
+            r"`devices_per_process` must be an int >= 1 \(or None to keep the "
+            r"environment's device count\), got 0\.",
+        ),
+        ({"num_processes": 1, "timeout_s": 0}, r"`timeout_s` must be a number of"),
     ],
-    ids=["nprocs", "devices_per_process"],
+    ids=["num_processes", "devices_per_process", "timeout_s"],
 )
-def test_run_rejects_bad_counts(kwargs, message):
+def test_run_rejects_bad_values(kwargs, message):
     with pytest.raises(ValueError, match=message):
         jdp.launch.run(sleep_long, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {"num_processes": "2"},
+            r"`num_processes` must be an int >= 1, got '2' \(a str\)\.",
+        ),
+        ({"num_processes": True}, r"`num_processes` .* got True \(a bool\)"),
+        ({"num_processes": 2.0}, r"`num_processes` .* got 2\.0 \(a float\)"),
+        (
+            {"num_processes": 2, "devices_per_process": "2"},
+            r"`devices_per_process` must be an int >= 1 .* got '2' \(a str\)",
+        ),
+        (
+            {"num_processes": 1, "timeout_s": "60"},
+            r"`timeout_s` must be a number of seconds > 0 .* got '60' \(a str\)",
+        ),
+    ],
+    ids=[
+        "num_processes-str",
+        "num_processes-bool",
+        "num_processes-float",
+        "devices_per_process",
+        "timeout_s",
+    ],
+)
+def test_run_rejects_bad_types(kwargs, message):
+    with pytest.raises(TypeError, match=message):
+        jdp.launch.run(sleep_long, **kwargs)
+
+
+def test_run_no_longer_takes_nprocs():
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'nprocs'"):
+        jdp.launch.run(sleep_long, nprocs=2)
+
+
+@pytest.mark.parametrize("flag", ["--num-processes", "--nprocs"])
+@pytest.mark.parametrize("joined", [False, True], ids=["separate", "joined"])
+def test_cli_accepts_nprocs_as_an_alias_of_num_processes(flag, joined):
+    argv = [f"{flag}=3"] if joined else [flag, "3"]
+    ns = launch_main._parser().parse_args([*argv, "x.py", "a"])
+    assert ns.num_processes == 3
+    assert (ns.target, ns.args) == ("x.py", ["a"])
+    assert not hasattr(ns, "nprocs")
+
+
+def test_cli_passes_num_processes_to_the_launcher(monkeypatch):
+    calls = []
+    monkeypatch.setattr(
+        launch_main, "launch_command", lambda *a, **k: calls.append((a, k)) or 0
+    )
+    assert launch_main.main(["--nprocs", "2", "x.py"]) == 0
+    assert launch_main.main(["--num-processes", "2", "x.py"]) == 0
+    assert calls[0] == calls[1]
+    assert calls[0][1]["num_processes"] == 2
 
 
 def test_process_env_sets_the_job_and_replaces_the_device_count():

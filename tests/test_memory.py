@@ -69,7 +69,7 @@ def test_donation_removes_the_second_copy():
 
 def test_sharded_optimizer_state_shrinks_the_arguments():
     plain, plain_state, batch = make()
-    zero, zero_state, _ = make(shard_optimizer_state=True)
+    zero, zero_state, _ = make(grad_sync="zero")
     saved = per_device_bytes(plain_state.opt_state) - per_device_bytes(
         zero_state.opt_state
     )

@@ -1,4 +1,4 @@
-"""ZeRO stages 1 and 2: `make_train_step(..., shard_optimizer_state=True)`."""
+"""ZeRO stages 1 and 2: `make_train_step(..., grad_sync="zero")`."""
 
 import functools
 import math
@@ -18,7 +18,7 @@ from helpers import (
 from jax.sharding import PartitionSpec as P
 
 import jdp
-from jdp import _parallel, _zero
+from jdp import _layout, _zero
 
 GLOBAL_BATCH = 32
 # Leaf sizes 104, 13, 91, 7, 28, 4: most are not divisible by 8 (or 4, or 3).
@@ -31,7 +31,7 @@ def params0():
 
 def zero_step(tx, devices=None, **kw):
     return jdp.parallelize(
-        jdp.make_train_step(mlp_loss, tx, shard_optimizer_state=True, **kw),
+        jdp.make_train_step(mlp_loss, tx, grad_sync="zero", **kw),
         devices=devices,
     )
 
@@ -50,7 +50,7 @@ def test_matches_plain_synchronous_training(backend):
     init = jdp.TrainState.create(params=params0(), tx=tx)
     plain = jdp.parallelize(jdp.make_train_step(mlp_loss, tx), backend=backend)
     zero = jdp.parallelize(
-        jdp.make_train_step(mlp_loss, tx, shard_optimizer_state=True), backend=backend
+        jdp.make_train_step(mlp_loss, tx, grad_sync="zero"), backend=backend
     )
     plain_state, plain_losses = run(plain, plain.replicate(init), batches)
     zero_state, zero_losses = run(zero, zero.replicate(init), batches)
@@ -107,10 +107,10 @@ def test_scalar_and_tiny_parameters():
     params = {"s": jnp.float32(1.5), "v": jnp.zeros(3), "w": jnp.ones((5, 3)) / 5}
     tx = optax.adam(1e-2)
     batches = make_batches(4, 16, seed=4)
-    step = jdp.parallelize(jdp.make_train_step(loss, tx, shard_optimizer_state=True))
+    step = jdp.parallelize(jdp.make_train_step(loss, tx, grad_sync="zero"))
     state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
     assert state.opt_state.chunks[0].mu["s"].shape == (8, 1)
-    assert _parallel.logical_like(state).opt_state[0].mu["s"].shape == ()
+    assert _layout.logical_like(state).opt_state[0].mu["s"].shape == ()
     state, _ = run(step, state, batches)
     expected, expected_opt = single_device_train(loss, params, tx, batches)
     got = step.unreplicate(state)
@@ -222,15 +222,15 @@ def test_logical_copy_restores_into_another_replica_count():
     init = jdp.TrainState.create(params=params0(), tx=tx)
     eight = zero_step(tx)
     state, _ = run(eight, eight.replicate(init), batches[:4])
-    saved = jax.device_get(_parallel.logical_copy(state))  # what a checkpoint holds
+    saved = jax.device_get(_layout.logical_copy(state))  # what a checkpoint holds
     assert jax.tree.structure(saved) == jax.tree.structure(init)
 
     three = zero_step(tx, devices=jax.devices()[:3])
     like = three.replicate(init)
-    assert _parallel.logical_like(like) == jax.tree.map(
+    assert _layout.logical_like(like) == jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), init
     )
-    resumed = _parallel.place_like(saved, like)
+    resumed = _layout.place_like(saved, like)
     assert resumed.opt_state.chunks[0].mu["layer0"]["w"].shape == (3, 35)
     resumed, _ = run(three, resumed, batches[4:])
 
@@ -280,11 +280,9 @@ def test_clip_grad_norm_matches_optax_chain():
     batches = make_batches(3, 16, seed=3)
     init = jdp.TrainState.create(params=params0(), tx=tx)
     expected, _ = single_device_train(mlp_loss, params0(), oracle_tx, batches)
-    for shard in (True, False):
+    for grad_sync in ("zero", "all_reduce"):
         step = jdp.parallelize(
-            jdp.make_train_step(
-                mlp_loss, tx, shard_optimizer_state=shard, clip_grad_norm=0.05
-            ),
+            jdp.make_train_step(mlp_loss, tx, grad_sync=grad_sync, clip_grad_norm=0.05),
             devices=jax.devices()[:2],
         )
         state = step.replicate(init)
@@ -345,13 +343,9 @@ def test_refuses_optimizer_that_communicates():
         _replicate_and_call(tx)
 
 
-def test_refuses_all_reduce_false():
-    with pytest.raises(
-        ValueError, match=r"cannot be combined with\s+`all_reduce=False`"
-    ):
-        jdp.make_train_step(
-            mlp_loss, optax.sgd(0.1), shard_optimizer_state=True, all_reduce=False
-        )
+def test_unknown_grad_sync_is_refused():
+    with pytest.raises(ValueError, match=r"`grad_sync` must be one of .*'zero'"):
+        jdp.make_train_step(mlp_loss, optax.sgd(0.1), grad_sync="sharded")
 
 
 def test_refuses_integer_parameters():
@@ -364,9 +358,9 @@ def test_refuses_integer_parameters():
         )
 
 
-def test_wrapped_step_without_layout_hook_is_caught():
+def test_wrapped_step_without_its_state_layout_is_caught():
     tx = optax.adam(1e-3)
-    inner = jdp.make_train_step(mlp_loss, tx, shard_optimizer_state=True)
+    inner = jdp.make_train_step(mlp_loss, tx, grad_sync="zero")
     wrapped = jdp.parallelize(lambda s, b: inner(s, b), devices=jax.devices()[:2])
     state = wrapped.replicate(jdp.TrainState.create(params=params0(), tx=tx))
     with pytest.raises(
@@ -375,7 +369,7 @@ def test_wrapped_step_without_layout_hook_is_caught():
         r"functools\.wraps",
     ):
         wrapped(state, wrapped.shard(make_batches(1, 4)[0]))
-    # `functools.wraps` keeps the hook, and the step works.
+    # `functools.wraps` keeps the declared layout, and the step works.
     kept = jdp.parallelize(
         functools.wraps(inner)(lambda s, b: inner(s, b)), devices=jax.devices()[:2]
     )
@@ -415,4 +409,4 @@ def test_place_like_rejects_a_sharded_host_copy():
     step = zero_step(tx, devices=jax.devices()[:2])
     state = step.replicate(jdp.TrainState.create(params=params0(), tx=tx))
     with pytest.raises(ValueError, match=r"got an already sharded one"):
-        _parallel.place_like(state, state)
+        _layout.place_like(state, state)

@@ -3,10 +3,10 @@
 Caffe2's `GetCheckpointParams` saves the first device's blobs and the iteration
 counter; `FinalizeAfterCheckpoint` copies them back to every device after loading.
 This module does the same on orbax-checkpoint: a save writes one logical copy of a
-replicated state (`jdp._parallel.logical_copy`) as an orbax PyTree item plus a JSON
+replicated state (`jdp._layout.logical_copy`) as an orbax PyTree item plus a JSON
 item of metadata (jdp version, replica count, backend, every leaf's path, shape,
 dtype and CRC-32); a restore reads that copy and places it into the layout of a
-replicated `like` state (`jdp._parallel.place_like`), so the number of replicas,
+replicated `like` state (`jdp._layout.place_like`), so the number of replicas,
 the devices and the backend may all differ from the run that saved it.
 
 Orbax writes each step into a temporary directory and renames it when complete
@@ -28,8 +28,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from jdp._parallel import _is_key, logical_copy, logical_like, place_like
+from jdp._layout import is_key, key_impl, logical_copy, logical_like, place_like
 from jdp._tree import format_problems, keystr
+from jdp._version import __version__
 
 PyTree = Any
 
@@ -90,12 +91,12 @@ def _crc32(x: np.ndarray) -> int:
 
 def _key_impl_name(x: Any) -> str | None:
     """The PRNG implementation of a typed-key leaf (array or struct), else None."""
-    return x.dtype._impl.name if _is_key(x) else None
+    return key_impl(x) if is_key(x) else None
 
 
 def _as_key_data(x: Any) -> Any:
     """Typed PRNG keys as their raw key data (an array or a struct), else `x`."""
-    if not _is_key(x):
+    if not is_key(x):
         return x
     if isinstance(x, jax.Array):
         return jax.random.key_data(x)
@@ -656,7 +657,6 @@ class CheckpointManager:
         flat: Sequence[tuple[Any, Any]],
         parallel: Any,
     ) -> dict[str, Any]:
-        from jdp import __version__
 
         leaves = []
         for (path, x), one in zip(
@@ -670,7 +670,7 @@ class CheckpointManager:
                 "dtype": _dtype_name(x.dtype),
                 "crc32": _crc32(x) if isinstance(x, np.ndarray) else None,
             }
-            if _is_key(one):  # saved as its key data
+            if is_key(one):  # saved as its key data
                 record["key_impl"] = _key_impl_name(one)
             leaves.append(record)
         num_replicas = (

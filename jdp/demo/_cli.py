@@ -15,6 +15,8 @@ import signal
 import sys
 import tempfile
 
+from jdp.demo._errors import UsageError
+
 #: Simulated CPU devices when the machine has no accelerator and `--devices` is
 #: not given.
 DEFAULT_CPU_DEVICES = 8
@@ -23,10 +25,6 @@ BACKENDS = ("shard_map", "pmap")
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 _DEVICE_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
-
-
-class UsageError(Exception):
-    """A bad argument found after start-up: printed as one line, exit code 2."""
 
 
 class _Parser(argparse.ArgumentParser):

@@ -21,6 +21,8 @@ from typing import Literal
 
 import jax
 
+from jdp import _validate
+
 ENV_COORDINATOR_ADDRESS = "JDP_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "JDP_NUM_PROCESSES"
 ENV_PROCESS_ID = "JDP_PROCESS_ID"
@@ -73,6 +75,11 @@ def _env_int(name: str) -> int | None:
 
 
 def _split_address(address: str) -> tuple[str, int]:
+    if not isinstance(address, str):
+        raise TypeError(
+            "`coordinator_address` must be a str 'host:port' (e.g. "
+            f"'127.0.0.1:1234'), got {_validate.describe(address)}."
+        )
     host, sep, port = address.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(
@@ -83,7 +90,12 @@ def _split_address(address: str) -> tuple[str, int]:
 
 
 def _backends_started() -> bool:
+    """Whether JAX's backends started (after which joining a job is too late)."""
     try:
+        # Private JAX, on purpose: JAX (0.10) has no public way to ask whether its
+        # backends started without starting them. `jax.extend.backend.backends()`
+        # and `jax.devices()` start them; `jax.distributed.initialize` does the
+        # same check internally (with this very function) but only to raise.
         from jax._src import xla_bridge
     except ImportError:  # pragma: no cover - JAX moved it; JAX's own check remains
         return False
@@ -181,8 +193,11 @@ def initialize(
         shutdown barrier, for up to `timeout_s`, and the job hangs.
 
     Raises:
-      ValueError: If an argument or `JDP_*` variable is malformed, `process_id`
-        is outside `[0, num_processes)`, or the configuration is incomplete.
+      TypeError: If an argument has the wrong type (e.g. `num_processes="2"`;
+        counts, ids and seconds are ints, not bools).
+      ValueError: If an argument or `JDP_*` variable is malformed, a count or
+        timeout is below 1, `process_id` is outside `[0, num_processes)`, or the
+        configuration is incomplete.
       RuntimeError: If JAX's backends already started, or this process was
         already initialized with different arguments.
       TimeoutError: If process 0's coordinator accepts no connection within
@@ -199,60 +214,12 @@ def initialize(
       >>> jdp.distributed.initialize()  # under `python -m jdp.launch` # doctest: +SKIP
     """
     global _config
-    if cpu_collectives not in CPU_COLLECTIVES:
-        raise ValueError(
-            f"`cpu_collectives` must be one of {CPU_COLLECTIVES}; got "
-            f"{cpu_collectives!r}."
-        )
-    for name, value in (
-        ("timeout_s", timeout_s),
-        ("heartbeat_timeout_s", heartbeat_timeout_s),
-    ):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(
-                f"`{name}` must be a positive int of seconds, got {value!r}."
-            )
-    if coordinator_address is None:
-        coordinator_address = os.environ.get(ENV_COORDINATOR_ADDRESS) or None
-    if num_processes is None:
-        num_processes = _env_int(ENV_NUM_PROCESSES)
-    if process_id is None:
-        process_id = _env_int(ENV_PROCESS_ID)
-    requested = dict(
-        coordinator_address=coordinator_address,
-        num_processes=num_processes,
-        process_id=process_id,
-    )
-
-    if num_processes is not None and (
-        not isinstance(num_processes, int) or num_processes < 1
-    ):
-        raise ValueError(f"`num_processes` must be an int >= 1, got {num_processes!r}.")
-    if process_id is not None and num_processes is not None:
-        if not isinstance(process_id, int) or not 0 <= process_id < num_processes:
-            raise ValueError(
-                f"`process_id` must be an int in [0, num_processes={num_processes}), "
-                f"got {process_id!r}."
-            )
-    if coordinator_address is not None:
-        _split_address(coordinator_address)
-
+    _check_options(cpu_collectives, timeout_s, heartbeat_timeout_s)
+    requested = _requested_config(coordinator_address, num_processes, process_id)
+    _check_config(**requested)
     if _config is not None or jax.distributed.is_initialized():
-        current = _config or {}
-        clash = {
-            k: (v, current[k])
-            for k, v in requested.items()
-            if v is not None and k in current and current[k] != v
-        }
-        if clash:
-            listed = ", ".join(f"{k}={v!r} (now {c!r})" for k, (v, c) in clash.items())
-            raise RuntimeError(
-                "`jdp.distributed.initialize` was already called in this process "
-                f"with other arguments: {listed}. A process joins one job; call it "
-                "once (later calls with the same or no arguments do nothing)."
-            )
+        _check_same_job(requested)
         return
-
     given = [k for k, v in requested.items() if v is not None]
     if _backends_started():
         if not given:  # nothing configured: a single process, already running
@@ -260,33 +227,105 @@ def initialize(
         raise RuntimeError(_TOO_LATE_MSG)
     if cpu_collectives is not None:
         jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
+    joined = _join(
+        requested,
+        local_device_ids=local_device_ids,
+        timeout_s=timeout_s,
+        heartbeat_timeout_s=heartbeat_timeout_s,
+    )
+    if not joined:
+        return
+    _config = _joined_config(requested)
+    if fail_fast and _config["num_processes"] > 1:
+        _install_fail_fast()
 
-    deadline = time.monotonic() + timeout_s
-    if len(given) == 3:
-        if process_id != 0 and not _wait_for_coordinator(coordinator_address, deadline):
-            raise TimeoutError(
-                _UNREACHABLE_MSG.format(
-                    addr=coordinator_address,
-                    timeout=timeout_s,
-                    pid=process_id,
-                    num=num_processes,
-                    env=ENV_COORDINATOR_ADDRESS,
-                )
-            )
-        watchdog = threading.Timer(
-            max(deadline - time.monotonic(), 0.0),
-            _give_up,
-            args=(coordinator_address, num_processes, process_id, timeout_s),
+
+def _check_options(
+    cpu_collectives: str | None, timeout_s: int, heartbeat_timeout_s: int
+) -> None:
+    """Checks the arguments of `initialize` that are not the job's configuration."""
+    if cpu_collectives not in CPU_COLLECTIVES:
+        raise ValueError(
+            f"`cpu_collectives` must be one of {CPU_COLLECTIVES}; got "
+            f"{cpu_collectives!r}."
         )
-        watchdog.daemon = True
-        watchdog.start()
+    _validate.positive_int("timeout_s", timeout_s, note="seconds")
+    _validate.positive_int("heartbeat_timeout_s", heartbeat_timeout_s, note="seconds")
+
+
+def _requested_config(
+    coordinator_address: str | None,
+    num_processes: int | None,
+    process_id: int | None,
+) -> dict:
+    """The job's configuration: the arguments, else the `JDP_*` variables (or None)."""
+    if coordinator_address is None:
+        coordinator_address = os.environ.get(ENV_COORDINATOR_ADDRESS) or None
+    if num_processes is None:
+        num_processes = _env_int(ENV_NUM_PROCESSES)
+    if process_id is None:
+        process_id = _env_int(ENV_PROCESS_ID)
+    return dict(
+        coordinator_address=coordinator_address,
+        num_processes=num_processes,
+        process_id=process_id,
+    )
+
+
+def _check_config(
+    coordinator_address: str | None,
+    num_processes: int | None,
+    process_id: int | None,
+) -> None:
+    """Checks the parts of the configuration that are given (None: not given)."""
+    _validate.positive_int("num_processes", num_processes, allow_none=True)
+    if process_id is not None and num_processes is not None:
+        _validate.index(
+            "process_id", process_id, num_processes, size_name="num_processes"
+        )
     else:
-        watchdog = None  # JAX's cluster detection fills in the rest (or fails)
+        _validate.non_negative_int("process_id", process_id, allow_none=True)
+    if coordinator_address is not None:
+        _split_address(coordinator_address)
+
+
+def _check_same_job(requested: dict) -> None:
+    """Raises if this process already joined a job other than `requested`."""
+    current = _config or {}
+    clash = {
+        k: (v, current[k])
+        for k, v in requested.items()
+        if v is not None and k in current and current[k] != v
+    }
+    if clash:
+        listed = ", ".join(f"{k}={v!r} (now {c!r})" for k, (v, c) in clash.items())
+        raise RuntimeError(
+            "`jdp.distributed.initialize` was already called in this process "
+            f"with other arguments: {listed}. A process joins one job; call it "
+            "once (later calls with the same or no arguments do nothing)."
+        )
+
+
+def _join(
+    requested: dict,
+    *,
+    local_device_ids: int | Sequence[int] | None,
+    timeout_s: int,
+    heartbeat_timeout_s: int,
+) -> bool:
+    """Calls `jax.distributed.initialize`; False if there is no job to join.
+
+    With the whole configuration given, a watchdog ends the process with a clear
+    message before JAX's own connection deadline aborts it. With part of it (or
+    none), JAX's cluster detection fills in the rest (or fails).
+    """
+    given = [k for k, v in requested.items() if v is not None]
+    watchdog = _start_watchdog(**requested, timeout_s=timeout_s)
     try:
         jax.distributed.initialize(
-            coordinator_address,
-            num_processes,
-            process_id,
+            requested["coordinator_address"],
+            requested["num_processes"],
+            requested["process_id"],
             local_device_ids=local_device_ids,
             initialization_timeout=timeout_s + _JAX_GRACE_S,
             heartbeat_timeout_seconds=heartbeat_timeout_s,
@@ -295,15 +334,8 @@ def initialize(
     except ValueError as e:
         if not given and "coordinator_address" in str(e):
             _log.info("No multi-process configuration found; running as one process.")
-            return
-        missing = [k for k in requested if k not in given]
-        raise ValueError(
-            "`jdp.distributed.initialize` could not complete the configuration "
-            f"(JAX said: {e}). Given: {given or 'nothing'}; missing: {missing}. Pass "
-            f"all three arguments, or set ${ENV_COORDINATOR_ADDRESS}, "
-            f"${ENV_NUM_PROCESSES} and ${ENV_PROCESS_ID} (as `python -m jdp.launch` "
-            "does), or run under SLURM / Open MPI / Kubernetes."
-        ) from e
+            return False
+        raise _incomplete_config_error(e, requested) from e
     except RuntimeError as e:
         if "must be called before" in str(e):
             raise RuntimeError(_TOO_LATE_MSG) from e
@@ -311,16 +343,71 @@ def initialize(
     finally:
         if watchdog is not None:
             watchdog.cancel()
-    if len(given) < 3:  # detected by JAX: ask it (this starts the backends)
-        num_processes, process_id = jax.process_count(), jax.process_index()
-    _config = dict(
-        coordinator_address=coordinator_address,
-        num_processes=num_processes,
-        process_id=process_id,
+    return True
+
+
+def _start_watchdog(
+    coordinator_address: str | None,
+    num_processes: int | None,
+    process_id: int | None,
+    *,
+    timeout_s: int,
+) -> threading.Timer | None:
+    """Waits for the coordinator, then starts the timer that calls `_give_up`.
+
+    Returns None (no watchdog) unless the whole configuration is given. Raises
+    `TimeoutError` if a process other than 0 cannot reach the coordinator.
+    """
+    if coordinator_address is None or num_processes is None or process_id is None:
+        return None
+    deadline = time.monotonic() + timeout_s
+    if process_id != 0 and not _wait_for_coordinator(coordinator_address, deadline):
+        raise TimeoutError(
+            _UNREACHABLE_MSG.format(
+                addr=coordinator_address,
+                timeout=timeout_s,
+                pid=process_id,
+                num=num_processes,
+                env=ENV_COORDINATOR_ADDRESS,
+            )
+        )
+    watchdog = threading.Timer(
+        max(deadline - time.monotonic(), 0.0),
+        _give_up,
+        args=(coordinator_address, num_processes, process_id, timeout_s),
     )
-    if fail_fast and num_processes > 1:
-        if not getattr(sys.excepthook, "jdp_fail_fast", False):
-            sys.excepthook = _exit_on_uncaught(sys.excepthook)
+    watchdog.daemon = True
+    watchdog.start()
+    return watchdog
+
+
+def _incomplete_config_error(error: ValueError, requested: dict) -> ValueError:
+    """The error for a configuration that neither jdp nor JAX could complete."""
+    given = [k for k, v in requested.items() if v is not None]
+    missing = [k for k in requested if k not in given]
+    return ValueError(
+        "`jdp.distributed.initialize` could not complete the configuration "
+        f"(JAX said: {error}). Given: {given or 'nothing'}; missing: {missing}. Pass "
+        f"all three arguments, or set ${ENV_COORDINATOR_ADDRESS}, "
+        f"${ENV_NUM_PROCESSES} and ${ENV_PROCESS_ID} (as `python -m jdp.launch` "
+        "does), or run under SLURM / Open MPI / Kubernetes."
+    )
+
+
+def _joined_config(requested: dict) -> dict:
+    """The configuration of the job joined; what JAX detected filled in."""
+    config = dict(requested)
+    if None in config.values():
+        # Detected by JAX (partly or wholly): ask it (this starts the backends).
+        config["num_processes"] = jax.process_count()
+        config["process_id"] = jax.process_index()
+    return config
+
+
+def _install_fail_fast() -> None:
+    """Makes an uncaught exception exit this process at once (see `fail_fast`)."""
+    if not getattr(sys.excepthook, "jdp_fail_fast", False):
+        sys.excepthook = _exit_on_uncaught(sys.excepthook)
 
 
 def _give_up(address: str, num: int, pid: int, timeout: int) -> None:

@@ -2,11 +2,11 @@
 
 Public, stable names:
 
-- `run(fn, nprocs, ...)`: run a function in N fresh processes (from Python, tests).
+- `run(fn, num_processes, ...)`: run a function in N new processes (Python, tests).
 
 From the command line:
 
-    python -m jdp.launch --nprocs 2 [--devices-per-process 2] script.py args...
+    python -m jdp.launch --num-processes 2 [--devices-per-process 2] script.py args...
 
 starts N processes on 127.0.0.1 with a free coordinator port, sets
 `JDP_COORDINATOR_ADDRESS`, `JDP_NUM_PROCESSES` and `JDP_PROCESS_ID` (read by

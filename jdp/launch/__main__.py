@@ -1,4 +1,7 @@
-"""`python -m jdp.launch --nprocs N [options] script.py [args...]`."""
+"""`python -m jdp.launch --num-processes N [options] script.py [args...]`.
+
+`--nprocs` is accepted as an alias of `--num-processes` (the flag's former name).
+"""
 
 from __future__ import annotations
 
@@ -26,6 +29,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m jdp.launch",
@@ -33,7 +46,13 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
-        "--nprocs", type=_positive_int, required=True, help="number of processes"
+        "--num-processes",
+        "--nprocs",  # the former name, kept so that existing command lines work
+        dest="num_processes",
+        metavar="N",
+        type=_positive_int,
+        required=True,
+        help="number of processes (--nprocs is an alias)",
     )
     p.add_argument(
         "--devices-per-process",
@@ -43,7 +62,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--timeout",
-        type=float,
+        type=_positive_float,
         default=None,
         help="stop the job after this many seconds (exit status 124)",
     )
@@ -70,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     return launch_command(
         ns.target,
         ns.args,
-        nprocs=ns.nprocs,
+        num_processes=ns.num_processes,
         module=ns.module,
         devices_per_process=ns.devices_per_process,
         timeout_s=ns.timeout,

@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from jdp import _validate
 from jdp.distributed._runtime import (
     ENV_COORDINATOR_ADDRESS,
     ENV_NUM_PROCESSES,
@@ -284,30 +285,30 @@ def launch_command(
     target: str,
     args: Sequence[str],
     *,
-    nprocs: int,
+    num_processes: int,
     module: bool = False,
     devices_per_process: int | None = None,
     timeout_s: float | None = None,
     port: int | None = None,
 ) -> int:
-    """Runs `target` in `nprocs` processes; returns the job's exit status.
+    """Runs `target` in `num_processes` processes; returns the job's exit status.
 
     Installs handlers that forward SIGINT/SIGTERM to every process; processes
     still running `FORWARD_GRACE_S` later, or after a second signal, are killed.
     """
-    _check_counts(nprocs, devices_per_process)
+    _check_arguments(num_processes, devices_per_process, timeout_s)
     port = port or free_port()
     envs = [
         process_env(
             os.environ,
             process_id=r,
-            num_processes=nprocs,
+            num_processes=num_processes,
             port=port,
             devices_per_process=devices_per_process,
         )
-        for r in range(nprocs)
+        for r in range(num_processes)
     ]
-    job = Job([script_command(target, args, module=module)] * nprocs, envs)
+    job = Job([script_command(target, args, module=module)] * num_processes, envs)
     received: list[int] = []
 
     def forward(signum, frame):
@@ -346,18 +347,26 @@ def launch_command(
     return code if code > 0 else 128 - code
 
 
-def _check_counts(nprocs: Any, devices_per_process: Any) -> None:
-    if not isinstance(nprocs, int) or isinstance(nprocs, bool) or nprocs < 1:
-        raise ValueError(f"`nprocs` must be an int >= 1, got {nprocs!r}.")
-    if devices_per_process is not None and (
-        not isinstance(devices_per_process, int)
-        or isinstance(devices_per_process, bool)
-        or devices_per_process < 1
-    ):
-        raise ValueError(
-            "`devices_per_process` must be an int >= 1 (or None to keep the "
-            f"environment's device count), got {devices_per_process!r}."
+def _check_arguments(
+    num_processes: Any, devices_per_process: Any, timeout_s: Any
+) -> None:
+    """Checks the arguments shared by `run` and `launch_command`, before any start."""
+    _validate.positive_int("num_processes", num_processes)
+    _validate.positive_int(
+        "devices_per_process",
+        devices_per_process,
+        allow_none=True,
+        note="or None to keep the environment's device count",
+    )
+    if timeout_s is None:
+        return
+    requirement = "a number of seconds > 0 (or None to wait forever)"
+    if not isinstance(timeout_s, int | float) or isinstance(timeout_s, bool):
+        raise TypeError(
+            f"`timeout_s` must be {requirement}, got {_validate.describe(timeout_s)}."
         )
+    if not timeout_s > 0:
+        raise ValueError(f"`timeout_s` must be {requirement}, got {timeout_s!r}.")
 
 
 def _main_path(fn: Callable[..., Any]) -> str | None:
@@ -376,7 +385,7 @@ def _main_path(fn: Callable[..., Any]) -> str | None:
 
 def run(
     fn: Callable[..., Any],
-    nprocs: int,
+    num_processes: int,
     *,
     args: Sequence[Any] = (),
     kwargs: Mapping[str, Any] | None = None,
@@ -386,7 +395,7 @@ def run(
     env: Mapping[str, str] | None = None,
     quiet: bool = False,
 ) -> list[Any]:
-    """Runs `fn(*args, **kwargs)` in `nprocs` fresh processes; returns their results.
+    """Runs `fn(*args, **kwargs)` in `num_processes` new processes; returns the results.
 
     The Python form of `python -m jdp.launch` (like `torch.multiprocessing.spawn`
     plus torchrun's rendezvous). Each process starts a new interpreter, joins the
@@ -404,7 +413,7 @@ def run(
 
     Args:
       fn: The function every process runs.
-      nprocs: Number of processes.
+      num_processes: Number of processes.
       args: Positional arguments of `fn`.
       kwargs: Keyword arguments of `fn`.
       devices_per_process: CPU devices each process simulates
@@ -422,9 +431,10 @@ def run(
     Raises:
       RuntimeError: If a process fails (exits non-zero or is killed).
       TimeoutError: If the job runs longer than `timeout_s`.
-      ValueError: If `nprocs` or `devices_per_process` is not a positive int,
-        or `fn` was defined interactively.
-      TypeError: If `fn` or its arguments cannot be pickled.
+      TypeError: If `num_processes`, `devices_per_process` or `timeout_s` has the
+        wrong type, or `fn` or its arguments cannot be pickled.
+      ValueError: If `num_processes` or `devices_per_process` is below 1,
+        `timeout_s` is not positive, or `fn` was defined interactively.
 
     Example:
       >>> import jdp.launch
@@ -434,7 +444,7 @@ def run(
       >>> jdp.launch.run(fn, 2, devices_per_process=2)  # doctest: +SKIP
       [(0, 4), (1, 4)]
     """
-    _check_counts(nprocs, devices_per_process)
+    _check_arguments(num_processes, devices_per_process, timeout_s)
     base = dict(os.environ)
     base.update(env or {})
     port = free_port()
@@ -463,11 +473,11 @@ def run(
             process_env(
                 base,
                 process_id=r,
-                num_processes=nprocs,
+                num_processes=num_processes,
                 port=port,
                 devices_per_process=devices_per_process,
             )
-            for r in range(nprocs)
+            for r in range(num_processes)
         ]
         commands = [
             [
@@ -477,7 +487,7 @@ def run(
                 payload,
                 os.path.join(tmp, f"result-{r}.pkl"),
             ]
-            for r in range(nprocs)
+            for r in range(num_processes)
         ]
         job = Job(commands, envs, echo=not quiet)
         job.start()
@@ -493,7 +503,7 @@ def run(
         if not ok:
             raise RuntimeError(f"`jdp.launch.run`: {job.failure_message()}")
         results = []
-        for r in range(nprocs):
+        for r in range(num_processes):
             with open(os.path.join(tmp, f"result-{r}.pkl"), "rb") as f:
                 results.append(pickle.load(f))
         return results

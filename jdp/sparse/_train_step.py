@@ -5,14 +5,14 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jdp import _collectives
-from jdp._train_step import finish_step, loss_and_grads
+from jdp._train_step import TrainStep, Update, apply_remat, build_train_step
 from jdp.sparse._gather import all_gather_rows, combine_rows
 from jdp.sparse._lookup import IndexedRows, path_name, value_and_grad
 from jdp.sparse._optim import SparseTransformation, apply_sparse
@@ -40,6 +40,9 @@ _FILTER = _QuietIdErrors()
 
 
 def _install_filter() -> None:
+    # Private JAX, by name only (no import): the loggers of JAX's host-callback
+    # modules (`logging.getLogger(__name__)` there, JAX 0.10). JAX has no public
+    # switch for this log; if the modules move, the filter just stops applying.
     for name in ("jax._src.callback", "jax._src.debugging"):
         logger = logging.getLogger(name)
         if _FILTER not in logger.filters:
@@ -76,18 +79,26 @@ def _check_ids(ids: jax.Array, num_rows: int, table: str) -> jax.Array:
     return jnp.where(ok, ids, -1)
 
 
+_OPTIONS = frozenset(
+    {
+        "has_aux",
+        "axis_name",
+        "bucket_bytes",
+        "reduce_dtype",
+        "batch_stats_mode",
+        "remat",
+    }
+)
+
+
 def make_train_step(
     loss_fn: Callable[..., Any],
     tx: SparseTransformation | None = None,
     *,
-    has_aux: bool = False,
-    axis_name: str = "data",
-    bucket_bytes: int | None = _collectives.DEFAULT_BUCKET_BYTES,
-    reduce_dtype: Any = None,
-    batch_stats_mode: Literal["mean", "broadcast"] = "mean",
     combine: bool = False,
     check_ids: bool = False,
-) -> Callable[[PyTree, PyTree], tuple[PyTree, dict[str, jax.Array]]]:
+    **options: Any,
+) -> TrainStep:
     """Builds a per-replica step that trains embedding tables with sparse gradients.
 
     Like `jdp.make_train_step`, except for the tables of `tx` (made by
@@ -108,12 +119,6 @@ def make_train_step(
         `loss_fn(params, batch_stats, batch) -> (loss, new_batch_stats)`; with
         `has_aux`, as in `jdp.make_train_step`.
       tx: A `jdp.sparse.partition(...)` optimizer; None uses the state's `tx`.
-      has_aux: Whether `loss_fn` returns auxiliary data (see
-        `jdp.make_train_step`).
-      axis_name: The replica axis given to `jdp.parallelize`.
-      bucket_bytes: Bucket size for the dense all-reduce.
-      reduce_dtype: Wire dtype for the dense all-reduce.
-      batch_stats_mode: How batch statistics are synced (`"mean"`/`"broadcast"`).
       combine: Sum the rows of repeated ids after gathering (a sort of the
         gathered ids). It changes no result for `sgd` (a scatter-add sums them
         anyway); `adagrad` combines by itself.
@@ -129,13 +134,16 @@ def make_train_step(
         exit. A failed call consumes a donated state; use
         `jdp.parallelize(..., donate_state=False)` to keep it. Without the
         check, invalid ids read zero rows and never update the table.
+      **options: `has_aux`, `axis_name`, `bucket_bytes`, `reduce_dtype`,
+        `batch_stats_mode` and `remat`, as for `jdp.make_train_step` (the dense
+        parameters' all-reduce uses `bucket_bytes` and `reduce_dtype`).
 
     Returns:
       `train_step(state, batch) -> (state, metrics)` for `jdp.parallelize`.
 
     Raises:
-      TypeError: At trace time, if the optimizer is not a
-        `jdp.sparse.partition`.
+      TypeError: If an option is not one of the above; at trace time, if the
+        optimizer is not a `jdp.sparse.partition`.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, jdp
@@ -151,11 +159,20 @@ def make_train_step(
       >>> float(metrics["loss"])
       16.0
     """
+    unknown = sorted(set(options) - _OPTIONS)
+    if unknown:
+        raise TypeError(
+            f"`jdp.sparse.make_train_step` got unknown option(s) {unknown}; it takes "
+            f"{sorted(_OPTIONS)} (as `jdp.make_train_step`), `combine` and "
+            "`check_ids`."
+        )
     if check_ids:
         _install_filter()
+    axis_name = options.get("axis_name", "data")
+    bucket_bytes = options.get("bucket_bytes", _collectives.DEFAULT_BUCKET_BYTES)
+    _collectives.check_bucket_bytes(bucket_bytes)
 
-    def train_step(state, batch):
-        optimizer = state.tx if tx is None else tx
+    def grads_fn(optimizer):
         if not isinstance(optimizer, SparseTransformation):
             raise TypeError(
                 "`jdp.sparse.make_train_step` needs an optimizer made by "
@@ -163,16 +180,12 @@ def make_train_step(
                 f"; got {type(optimizer).__name__}. For dense table gradients use "
                 "`jdp.make_train_step`."
             )
-        num = _collectives.axis_size(axis_name, "jdp.sparse.make_train_step")
-        names = [t for t, _ in optimizer.tables]
-        loss, aux, new_stats, grads = loss_and_grads(
-            functools.partial(value_and_grad, tables=names),
-            loss_fn,
-            state,
-            batch,
-            has_aux=has_aux,
+        return functools.partial(
+            value_and_grad, tables=[t for t, _ in optimizer.tables]
         )
 
+    def apply(grads, state, optimizer):
+        num = _collectives.axis_size(axis_name, "jdp.sparse.make_train_step")
         is_rows = lambda x: isinstance(x, IndexedRows)  # noqa: E731
         leaves, treedef = jax.tree_util.tree_flatten(grads, is_leaf=is_rows)
         rows_at = [i for i, g in enumerate(leaves) if is_rows(g)]
@@ -180,7 +193,10 @@ def make_train_step(
             treedef, [None if is_rows(g) else g for g in leaves]
         )
         dense = _collectives.all_reduce_gradients(
-            dense, axis_name=axis_name, bucket_bytes=bucket_bytes, dtype=reduce_dtype
+            dense,
+            axis_name=axis_name,
+            bucket_bytes=bucket_bytes,
+            reduce_dtype=options.get("reduce_dtype"),
         )
         merged = jax.tree_util.tree_leaves(dense, is_leaf=lambda x: x is None)
         param_leaves = jax.tree_util.tree_leaves(state.params)
@@ -195,19 +211,18 @@ def make_train_step(
         params, opt_state = apply_sparse(
             optimizer, grads, state.opt_state, state.params
         )
-        return finish_step(
-            state,
-            params,
-            opt_state,
-            new_stats,
-            loss,
-            aux,
-            has_aux=has_aux,
-            batch_stats_mode=batch_stats_mode,
-            axis_name=axis_name,
-        )
+        return params, opt_state, {}
 
-    return train_step
+    return build_train_step(
+        apply_remat(loss_fn, options.get("remat")),
+        tx,
+        value_and_grad=grads_fn,
+        update=Update(apply),
+        has_aux=options.get("has_aux", False),
+        axis_name=axis_name,
+        batch_stats_mode=options.get("batch_stats_mode", "mean"),
+        api="jdp.sparse.make_train_step",
+    )
 
 
 def _row_paths(grads: PyTree, is_rows) -> list[str]:

@@ -50,14 +50,13 @@ def _guarded(results, name, fn):
         results[name] = {"error": traceback.format_exc()}
 
 
-def train(backend, *, mesh_shape=None, batches, params, tx, devices=None):
+def train(backend, *, axis_name="data", batches, params, tx, devices=None):
     """20 steps of the MLP; used by the processes and by the 1-process oracle."""
-    axis_name = mesh_shape or "data"
     step = jdp.parallelize(
         jdp.make_train_step(mlp_loss, tx, axis_name=axis_name),
         backend=backend,
         devices=devices,
-        mesh_shape=mesh_shape,
+        axis_name=axis_name,
     )
     state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
     losses = []
@@ -67,13 +66,13 @@ def train(backend, *, mesh_shape=None, batches, params, tx, devices=None):
     return step, state, losses
 
 
-def _train_check(backend, mesh_shape=None):
+def _train_check(backend, axis_name="data"):
     tx = optax.adam(1e-2)
     # Different initial params per process: `replicate` must take process 0's.
     params = init_mlp(jax.random.key(jax.process_index()))
     batches = [local_share(b) for b in make_batches(NUM_STEPS, GLOBAL_BATCH)]
     step, state, losses = train(
-        backend, mesh_shape=mesh_shape, batches=batches, params=params, tx=tx
+        backend, axis_name=axis_name, batches=batches, params=params, tx=tx
     )
     out = {
         "params": jax.device_get(step.unreplicate(state).params),
@@ -82,7 +81,7 @@ def _train_check(backend, mesh_shape=None):
         "num_replicas": step.num_replicas,
         "mesh": dict(step.mesh.shape),
     }
-    if mesh_shape is not None:
+    if not isinstance(axis_name, str):
         ops = step.collectives(state, step.shard(batches[0]))
         out["collectives"] = [(c.kind, c.replica_groups) for c in ops]
     return out
@@ -153,7 +152,7 @@ def _in_sync_check():
 def bmuf_train(*, batches, params, devices=None):
     tx = jdp.bmuf(optax.sgd(0.05), sync_period=4, block_momentum=0.5)
     step = jdp.parallelize(
-        jdp.make_train_step(mlp_loss, tx, all_reduce=False), devices=devices
+        jdp.make_train_step(mlp_loss, tx, grad_sync="none"), devices=devices
     )
     state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
     for batch in batches:

@@ -65,7 +65,7 @@ def test_killed_process_stops_the_job_and_keeps_the_last_checkpoint(tmp_path):
     start = time.monotonic()
     code, out, err = run_launcher(
         [
-            "--nprocs=2",
+            "--num-processes=2",
             "--devices-per-process=2",
             str(SCRIPT),
             str(tmp_path / "ckpt"),

@@ -1,6 +1,6 @@
 """A small data-parallel training script, run by the tests under the launcher.
 
-    python -m jdp.launch --nprocs 2 --devices-per-process 2 \
+    python -m jdp.launch --num-processes 2 --devices-per-process 2 \
         tests/multiprocess/train_script.py CHECKPOINT_DIR [--steps N] [--die-at STEP]
 
 Each process trains on its share of the global batch and saves a checkpoint every

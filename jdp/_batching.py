@@ -1,0 +1,151 @@
+"""Private: `step.shard`, splitting a global batch across replicas.
+
+With several processes each process passes its own share of the global batch;
+the processes' sizes, structures and dtypes are compared with one small
+all-gather, because a mismatch would otherwise train on misaligned data without
+an error.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from jdp._layout import host_value
+from jdp._tree import keystr
+
+PyTree = Any
+
+
+def padded_size(size: int, num_local: int) -> int:
+    """`size` rounded up to a multiple of `num_local` (at least `num_local`)."""
+    return max(num_local, math.ceil(size / num_local) * num_local)
+
+
+def shard(
+    batch: PyTree,
+    *,
+    pad: bool,
+    num_local: int,
+    num_replicas: int,
+    place_leaf: Callable[[np.ndarray], jax.Array],
+):
+    """Places a (process-local) batch for a step; see `Parallel.shard`.
+
+    Args:
+      batch: Pytree of arrays whose leading axis is the example axis.
+      pad: Pad to a multiple of the local replica count and return a mask.
+      num_local: Replicas on this process.
+      num_replicas: Replicas in all.
+      place_leaf: Places one host leaf (the backend's batch layout).
+
+    Returns:
+      The placed batch, or `(batch, mask)` when `pad`.
+    """
+    flat, treedef = jax.tree_util.tree_flatten_with_path(batch)
+    if not flat:
+        raise ValueError("`step.shard`: the batch has no array leaves.")
+    host = [(path, host_value(x)) for path, x in flat]
+    for path, x in host:
+        if x.ndim == 0:
+            raise ValueError(
+                f"`step.shard`: leaf {keystr(path)} is a scalar; every batch leaf "
+                "needs a leading example axis to split across "
+                f"num_replicas={num_replicas}."
+            )
+    padded_everywhere = None
+    if jax.process_count() > 1:
+        padded_everywhere = _check_process_batches(host, pad=pad, num_local=num_local)
+    mask = None
+    if pad:
+        host, mask = _pad(host, padded_everywhere, num_local)
+    else:
+        _check_divisible(host, num_local, num_replicas)
+    placed = jax.tree_util.tree_unflatten(treedef, [place_leaf(x) for _, x in host])
+    if pad:
+        return placed, place_leaf(mask)
+    return placed
+
+
+def _pad(host, padded_everywhere: int | None, num_local: int):
+    sizes = {x.shape[0] for _, x in host}
+    if len(sizes) != 1:
+        listed = ", ".join(f"{keystr(p)}: {x.shape[0]}" for p, x in host[:5])
+        raise ValueError(
+            "`step.shard(pad=True)`: all leaves must share one leading batch "
+            f"size to be padded; got {listed}."
+        )
+    size = sizes.pop()
+    padded = padded_everywhere or padded_size(size, num_local)
+    extra = padded - size
+    if extra:
+        if size == 0:
+            raise ValueError("`step.shard(pad=True)`: the batch is empty.")
+        host = [
+            (p, np.concatenate([x, np.repeat(x[-1:], extra, axis=0)])) for p, x in host
+        ]
+    return host, np.arange(padded) < size
+
+
+def _check_divisible(host, num_local: int, num_replicas: int) -> None:
+    for path, x in host:
+        if x.shape[0] % num_local:
+            where = (
+                f"num_replicas={num_local}"
+                if num_local == num_replicas
+                else f"this process's {num_local} replicas "
+                f"(num_replicas={num_replicas} over "
+                f"{jax.process_count()} processes)"
+            )
+            raise ValueError(
+                f"`step.shard`: leaf {keystr(path)} has leading size "
+                f"{x.shape[0]}, which is not divisible by {where}. Use a batch "
+                f"that is a multiple of {num_local}, or call "
+                "`step.shard(batch, pad=True)` to pad it and get a mask."
+            )
+
+
+def _check_process_batches(host, *, pad: bool, num_local: int) -> int | None:
+    """Compares this process's batch with the other processes' (one all-gather).
+
+    Returns the padded per-process size every process uses when `pad`.
+    """
+    from jax.experimental import multihost_utils
+
+    rows = [x.shape[0] for _, x in host]
+    layout = "|".join(f"{keystr(p)}:{x.shape[1:]}:{x.dtype}" for p, x in host)
+    mine = np.array(
+        [min(rows), max(rows), zlib.crc32(layout.encode()) & 0x7FFFFFFF], np.int32
+    )
+    every = np.asarray(multihost_utils.process_allgather(mine))
+    if len(set(every[:, 2].tolist())) > 1:
+        odd = [p for p in range(len(every)) if every[p, 2] != every[0, 2]]
+        raise ValueError(
+            "`step.shard`: the processes passed batches of different structure, "
+            f"trailing shapes or dtypes (process {odd[0]} differs from process "
+            f"0; this is process {jax.process_index()}, whose leaves are: "
+            + ", ".join(f"{keystr(p)} {x.shape} {x.dtype}" for p, x in host[:5])
+            + "). Every process must pass the same leaves with the same shapes "
+            "(except the leading size) and dtypes."
+        )
+    if pad:
+        return max(padded_size(int(n), num_local) for n in every[:, 1])
+    if every[:, :2].min() != every[:, :2].max():
+        listed = ", ".join(
+            f"process {p}: {lo}" + (f"-{hi}" if hi != lo else "")
+            for p, (lo, hi) in enumerate(every[:, :2].tolist())
+        )
+        raise ValueError(
+            "`step.shard`: with several processes every process must pass a "
+            "local batch of the same size (its share of the global batch); got "
+            f"{listed} examples. Give every process the same number of examples "
+            "(e.g. drop the smaller last batch of an epoch), or call "
+            "`step.shard(batch, pad=True)`, which pads every process to the "
+            "largest local batch and returns a mask."
+        )
+    return None

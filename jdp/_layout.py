@@ -1,0 +1,321 @@
+"""Private: the replica layout, the one module that knows how state is laid out.
+
+jdp keeps one copy of the state per replica on both backends. A *logical* pytree
+(one copy: what the user writes, `step.unreplicate` returns and checkpoints save)
+becomes a *replicated* pytree whose every array leaf has a leading replica axis of
+size `num_replicas`, sharded over every axis of the mesh:
+`NamedSharding(mesh, P(axis_name))`, with `axis_name` the mesh's one axis name or
+the tuple of both names of a `(hosts, devices per host)` mesh.
+
+A pytree node can lay its leaves out differently by subclassing `CustomLayout`
+(e.g. ZeRO's sharded optimizer state, where replica `r` holds only slice `r`).
+Every conversion here (`logical_copy`, `logical_like`, `place_like`, `agreed`)
+asks such a node to convert itself, so the rest of jdp never needs to know which
+custom layouts exist.
+
+Typed PRNG keys are placed as their key data and wrapped back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jdp._tree import keystr
+
+PyTree = Any
+AxisName = str | tuple[str, ...]
+#: Turns an abstract logical state into its abstract per-replica layout.
+StateLayout = Callable[[PyTree, int], PyTree]
+
+
+# -- meshes and shardings ---------------------------------------------------------
+
+
+def host_groups(devices: Sequence[jax.Device]) -> list[list[jax.Device]]:
+    """`devices` grouped by process (host), in process order, order kept within."""
+    groups: dict[int, list[jax.Device]] = {}
+    for d in devices:
+        groups.setdefault(d.process_index, []).append(d)
+    return [groups[p] for p in sorted(groups)]
+
+
+def make_mesh(devices: Sequence[jax.Device], axis_name: AxisName) -> Mesh:
+    """The mesh of a step: 1-D for a name, `(hosts, devices per host)` for two.
+
+    With two names, row h holds process h's devices (every process must hold the
+    same number of `devices`); the replica order (row-major) is the 1-D mesh's
+    order when `devices` are listed process by process, as `jax.devices()` lists
+    them.
+    """
+    if isinstance(axis_name, str):
+        return Mesh(np.asarray(devices, dtype=object), (axis_name,))
+    return Mesh(np.asarray(host_groups(devices), dtype=object), tuple(axis_name))
+
+
+def mesh_axis(mesh: Mesh) -> AxisName:
+    """The replica axis of `mesh`: its one axis name, or the tuple of all of them."""
+    names = tuple(mesh.axis_names)
+    return names[0] if len(names) == 1 else names
+
+
+def replica_sharding(mesh: Mesh) -> NamedSharding:
+    """Sharding of replicated state (and of batches): leading axis over the mesh."""
+    return NamedSharding(mesh, P(mesh_axis(mesh)))
+
+
+# -- leaves ---------------------------------------------------------------------
+
+
+def is_key(x: Any) -> bool:
+    """Whether `x` (an array or a `ShapeDtypeStruct`) holds typed PRNG keys."""
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def key_impl(x: Any) -> str:
+    """The PRNG implementation name of typed keys (an array or an abstract value)."""
+    if isinstance(x, jax.Array):
+        return str(jax.random.key_impl(x))
+    # `jax.random.key_impl` takes arrays only; no public API reads the
+    # implementation of an abstract key (a `ShapeDtypeStruct`) from its dtype.
+    return x.dtype._impl.name
+
+
+def host_value(x: Any) -> np.ndarray:
+    """A leaf as a NumPy array in the dtype JAX would give it (keys: their data)."""
+    if is_key(x):
+        return np.asarray(jax.device_get(jax.random.key_data(x)))
+    if isinstance(x, jax.Array):
+        return np.asarray(jax.device_get(x))
+    arr = np.asarray(x)
+    return arr.astype(jax.dtypes.canonicalize_dtype(arr.dtype), copy=False)
+
+
+def abstract(x: Any) -> jax.ShapeDtypeStruct:
+    """The shape and dtype of a leaf (keys keep their key dtype)."""
+    if is_key(x):
+        return jax.eval_shape(lambda: x)
+    return jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x))
+
+
+def describe(x: Any) -> str:
+    """A leaf's shape and placement, for error messages."""
+    if isinstance(x, jax.Array):
+        return f"shape {x.shape} with sharding {x.sharding}"
+    return f"a {type(x).__name__} of shape {np.shape(x)} (not a placed jax.Array)"
+
+
+# -- custom layouts ---------------------------------------------------------------
+
+
+class CustomLayout:
+    """A pytree node that lays its leaves out in its own way across replicas.
+
+    The default layout gives every replica a full copy. A subclass (a pytree node,
+    e.g. a flax `struct.PyTreeNode`) that holds something else per replica (a
+    slice) says how to convert between that and one logical copy.
+    """
+
+    def logical(self) -> PyTree:
+        """One logical copy of the replicated node (arrays, or abstract values)."""
+        raise NotImplementedError
+
+    def place(self, host_value: PyTree, place_leaf: Callable[[Any, Any], Any]):
+        """This node's layout holding `host_value` (one logical copy).
+
+        `self` is abstract (`jax.ShapeDtypeStruct`s with the replica axis and a
+        sharding); `place_leaf(value, ref)` places a leaf every replica holds
+        whole.
+        """
+        raise NotImplementedError
+
+    def agreed(self):
+        """The node with the leaves that differ between replicas replaced by None."""
+        raise NotImplementedError
+
+    def with_agreed(self, agreed):
+        """The inverse of `agreed`: this node with its agreed leaves from `agreed`."""
+        raise NotImplementedError
+
+
+def is_custom(x: Any) -> bool:
+    """Whether `x` is a `CustomLayout` node (an `is_leaf` for tree maps)."""
+    return isinstance(x, CustomLayout)
+
+
+# -- logical <-> replicated ---------------------------------------------------------
+
+
+def logical_copy(tree: PyTree) -> PyTree:
+    """One logical copy of a replicated pytree: replica 0's value of every leaf.
+
+    Array leaves with a leading replica axis give this process's first replica
+    (`addressable_shards[0]`, no gather); custom layouts convert themselves; other
+    leaves pass through. What `step.unreplicate` returns and checkpoints save.
+    """
+
+    def first(x):
+        if is_custom(x):
+            return x.logical()
+        if isinstance(x, jax.Array) and x.ndim >= 1:
+            data = x.addressable_shards[0].data
+            return data.reshape(data.shape[1:])
+        return x
+
+    return jax.tree.map(first, tree, is_leaf=is_custom)
+
+
+def _without_replica_axis(x: Any) -> Any:
+    if hasattr(x, "shape") and hasattr(x, "dtype") and len(x.shape) >= 1:
+        return jax.ShapeDtypeStruct(tuple(x.shape[1:]), x.dtype)
+    return x
+
+
+def logical_like(tree: PyTree) -> PyTree:
+    """Shapes and dtypes of one logical copy of a replicated pytree; reads no data.
+
+    What `logical_copy(tree)` would return, as `jax.ShapeDtypeStruct`s: the target
+    structure for restoring a checkpoint into `tree`'s layout.
+    """
+
+    def one(x):
+        if is_custom(x):
+            return jax.tree.map(
+                lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), x
+            ).logical()
+        return _without_replica_axis(x)
+
+    return jax.tree.map(one, tree, is_leaf=is_custom)
+
+
+def _place_leaf(x: Any, ref: Any) -> jax.Array:
+    """One logical leaf placed like `ref` (replica axis, sharding), once per replica."""
+    if is_key(ref):  # typed PRNG keys: place their data, then wrap it
+        data = host_value(x)
+        shape = tuple(ref.shape) + data.shape[len(ref.shape) - 1 :]
+        view = np.broadcast_to(data, shape)
+        placed = jax.make_array_from_callback(shape, ref.sharding, view.__getitem__)
+        return jax.random.wrap_key_data(placed, impl=key_impl(ref))
+    x = host_value(x).astype(ref.dtype, copy=False)
+    view = np.broadcast_to(x, ref.shape)  # no copy until a device takes a slice
+    return jax.make_array_from_callback(ref.shape, ref.sharding, view.__getitem__)
+
+
+def place_like(host_tree: PyTree, like: PyTree) -> PyTree:
+    """Replicates one logical copy into the layout of `like` (undoes `logical_copy`).
+
+    Args:
+      host_tree: One copy of every leaf (NumPy or JAX arrays) without replica axis.
+      like: A replicated pytree of the same structure: `jax.Array`s or
+        `jax.ShapeDtypeStruct`s whose `shape` has the leading replica axis and
+        whose `sharding` says where the replicas live.
+
+    Returns:
+      `jax.Array`s shaped and placed like `like`, every replica equal to
+      `host_tree` (custom layouts: each replica its part).
+    """
+
+    def place(ref, x):
+        if is_custom(ref):
+            return ref.place(x, _place_leaf)
+        return _place_leaf(x, ref)
+
+    return jax.tree.map(place, like, host_tree, is_leaf=is_custom)
+
+
+def replicate(
+    tree: PyTree, mesh: Mesh, *, state_layout: StateLayout | None = None
+) -> PyTree:
+    """Gives every replica of `mesh` a copy of `tree` (process 0's, across processes).
+
+    Args:
+      tree: One logical copy: any pytree of arrays, scalars or typed PRNG keys.
+      mesh: The step's mesh.
+      state_layout: Optional; maps the abstract logical state and the replica
+        count to the abstract per-replica state (a custom layout, e.g. ZeRO's).
+
+    Returns:
+      The replicated pytree.
+    """
+    host = jax.tree.map(host_value, tree)  # PRNG keys as their key data
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        host = multihost_utils.broadcast_one_to_all(host)
+    shapes = jax.tree.map(abstract, tree)
+    num = mesh.size
+    if state_layout is not None:
+        shapes = state_layout(shapes, num)
+    sharding = replica_sharding(mesh)
+    like = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((num,) + x.shape, x.dtype, sharding=sharding),
+        shapes,
+    )
+    return place_like(host, like)
+
+
+def is_replicated(x: Any) -> bool:
+    """Whether a leaf has the layout `replicate` gives (on a 1-D or a 2-D mesh)."""
+    if not isinstance(x, jax.Array) or x.ndim < 1:
+        return False
+    sharding = x.sharding
+    if not isinstance(sharding, NamedSharding):
+        return False
+    return x.shape[0] == sharding.mesh.size and sharding.is_equivalent_to(
+        replica_sharding(sharding.mesh), x.ndim
+    )
+
+
+def misplaced(
+    tree: PyTree, sharding: NamedSharding, *, leading: int | None
+) -> list[str]:
+    """Leaves that are not arrays sharded by `sharding` (with `leading` rows)."""
+
+    def placed(x):
+        return (
+            isinstance(x, jax.Array)
+            and x.ndim >= 1
+            and (leading is None or x.shape[0] == leading)
+            and (
+                x.sharding == sharding or x.sharding.is_equivalent_to(sharding, x.ndim)
+            )
+        )
+
+    if all(map(placed, jax.tree.leaves(tree))):  # the per-call fast path
+        return []
+    return [
+        f"{keystr(path)}: {describe(x)}"
+        for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+        if not placed(x)
+    ]
+
+
+# -- what replicas agree on -------------------------------------------------------
+
+
+def agreed(tree: PyTree) -> PyTree:
+    """`tree` with the leaves that differ between replicas by design set to None.
+
+    What replicas must agree on: `jdp.replicas_in_sync` compares it.
+    """
+    return jax.tree.map(
+        lambda x: x.agreed() if is_custom(x) else x, tree, is_leaf=is_custom
+    )
+
+
+def map_agreed(fn: Callable[[PyTree], PyTree], tree: PyTree) -> PyTree:
+    """Applies `fn` to `agreed(tree)`; the leaves held out come back unchanged."""
+    leaves, treedef = jax.tree.flatten(tree, is_leaf=is_custom)
+    done = jax.tree.flatten(fn(agreed(tree)), is_leaf=is_custom)[0]
+    out = [
+        old.with_agreed(new) if is_custom(old) else new
+        for old, new in zip(leaves, done, strict=True)
+    ]
+    return jax.tree.unflatten(treedef, out)

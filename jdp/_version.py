@@ -1,0 +1,3 @@
+"""The package version, in one place: the build, `jdp.__version__`, saved files."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,118 @@
+"""The import graph of `jdp/ARCHITECTURE.md`: no module imports a layer above it."""
+
+import ast
+import pathlib
+import re
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent / "jdp"
+
+LAYERS = {
+    "jdp._version": 0,
+    "jdp._tree": 0,
+    "jdp._validate": 0,
+    "jdp._hlo": 0,
+    "jdp._buckets": 0,
+    "jdp._layout": 1,
+    "jdp._collectives": 2,
+    "jdp._backends": 2,
+    "jdp._batching": 2,
+    "jdp._transforms": 3,
+    "jdp._bmuf": 3,
+    "jdp._zero": 3,
+    "jdp._checks": 3,
+    "jdp.sparse._lookup": 3,
+    "jdp.sparse._gather": 3,
+    "jdp.sparse._optim": 3,
+    "jdp._train_step": 4,
+    "jdp._parallel": 4,
+    "jdp.sparse": 5,
+    "jdp.sparse._train_step": 5,
+    "jdp._export": 6,
+    "jdp.checkpoint": 6,
+    "jdp.distributed": 6,
+    "jdp.launch": 7,
+    "jdp": 8,
+    "jdp.demo": 9,
+}
+
+
+def module_name(path: pathlib.Path) -> str:
+    parts = ("jdp",) + path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def layer(name: str) -> int:
+    """A module's layer: its own entry, else its closest listed package's."""
+    while name not in LAYERS:
+        name = name.rpartition(".")[0]
+    return LAYERS[name]
+
+
+def package(name: str) -> str:
+    return name.rpartition(".")[0] if name.count(".") >= 2 else name
+
+
+def jdp_imports(path: pathlib.Path) -> set[str]:
+    """Every jdp module `path` imports, at the top or inside a function."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.split(".")[0] == "jdp"}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            if node.module.split(".")[0] != "jdp":
+                continue
+            for alias in node.names:  # `from jdp import _zero` imports jdp._zero
+                sub = f"{node.module}.{alias.name}"
+                found.add(
+                    sub
+                    if (ROOT.parent / sub.replace(".", "/")).exists()
+                    or (ROOT.parent / f"{sub.replace('.', '/')}.py").exists()
+                    else node.module
+                )
+    return found
+
+
+MODULES = sorted(ROOT.rglob("*.py"))
+
+
+def test_every_module_has_a_layer():
+    unlisted = [module_name(p) for p in MODULES if module_name(p) not in LAYERS]
+    # Modules inside a listed subpackage take its layer; private top-level ones
+    # must be listed.
+    assert [m for m in unlisted if m.count(".") == 1] == []
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: module_name(p))
+def test_no_module_imports_a_layer_above_its_own(path):
+    me = module_name(path)
+    bad = []
+    for other in jdp_imports(path):
+        if other == me or other.startswith(me + "."):
+            continue  # a package importing its own submodules
+        same_package = package(other) == package(me) and package(me) != me
+        if layer(other) > layer(me) or (layer(other) == layer(me) and not same_package):
+            bad.append(f"{other} (layer {layer(other)})")
+    assert not bad, f"{me} (layer {layer(me)}) imports {bad}"
+
+
+def _calls(pattern: str) -> list[str]:
+    rx = re.compile(pattern)
+    return sorted(
+        module_name(p)
+        for p in MODULES
+        if any(
+            rx.search(line)
+            for line in p.read_text().splitlines()
+            if not line.lstrip().startswith("#")
+        )
+    )
+
+
+def test_only_the_backends_call_pmap_or_shard_map():
+    assert _calls(r"\bjax\.(pmap|shard_map)\(") == ["jdp._backends"]
+
+
+def test_only_distributed_calls_jax_distributed():
+    assert _calls(r"\bjax\.distributed\.") == ["jdp.distributed._runtime"]
