@@ -242,8 +242,16 @@ class _Pmap(Backend):
         forward = build(())
         train = build((0,)) if donate else forward
 
+        num_local = len(self.mesh.local_devices)
+
         def returns_state(state, batch):
-            # pmap shares this trace with its first call.
+            # pmap shares this trace with its first call. With several processes
+            # pmap takes each process's own replicas: trace with their shapes.
+            if jax.process_count() > 1:
+                state, batch = jax.tree.map(
+                    lambda x: jax.ShapeDtypeStruct((num_local,) + x.shape[1:], x.dtype),
+                    (state, batch),
+                )
             return jax.eval_shape(train, state, batch)[0] is not None
 
         return Step(

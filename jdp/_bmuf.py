@@ -1,6 +1,6 @@
 """`jdp.bmuf`: blockwise model-update filtering (BMUF) as an optax transform.
 
-The seed's `Parallelize_GPU_BMUF` as one pure `optax.GradientTransformation`:
+Caffe2's `Parallelize_GPU_BMUF` as one pure `optax.GradientTransformation`:
 every replica trains on its own gradients for a block of steps without
 communicating, then the replicas' models are averaged (one all-reduce of the
 parameters, inside a `lax.cond` so that it runs on sync steps only) and merged
@@ -86,7 +86,7 @@ def bmuf(
     - `v = block_momentum * v + block_learning_rate * delta`, Δ(t);
     - `g = g + v`, W(t), the global model;
     - every replica's params, and the next block's `start`, become `g`
-      (classical block momentum, CBM: the seed's broadcast of the master's
+      (classical block momentum, CBM: Caffe2's broadcast of the master's
       model), or `g + block_momentum * v` with `nesterov=True` (the paper's
       Nesterov-like block momentum, NBM).
 
@@ -126,13 +126,13 @@ def bmuf(
       block_learning_rate: ζ, the block learning rate (> 0; 1.0 by default).
       block_momentum: η, the block momentum in [0, 1); `None` (default) means
         `1 - 1 / num_replicas` with every replica of every host counted (the
-        seed's default; 0 with one replica).
+        Caffe2 default; 0 with one replica).
       nesterov: Start the next block from the look-ahead `g + η v` (the
         paper's NBM) instead of `g` (CBM, default).
       inner_state_at_sync: What happens to `inner`'s state at a sync: `"keep"`
         it (default); `"reset"` its floating leaves (momentum, moments) to their
         initial values while integer leaves (step counts, so learning-rate
-        schedules continue) are kept, as the seed's `reset_momentum_sgd`; or
+        schedules continue) are kept, as Caffe2's `reset_momentum_sgd`; or
         `"average"` its floating leaves across replicas (fairseq's
         `average_sync`; one more all-reduce, on sync steps only).
       warmup_steps: For the first `warmup_steps` updates the gradients are
@@ -188,34 +188,16 @@ def bmuf(
       Douillard et al., "DiLoCo: Distributed Low-Communication Training of
       Language Models", 2023, https://arxiv.org/abs/2311.08105.
     """
-    _check_transform(inner, "inner")
-    _validate.positive_int("sync_period", sync_period, note="steps per block")
-    if not block_learning_rate > 0:
-        raise ValueError(
-            f"`block_learning_rate` must be > 0, got {block_learning_rate!r} "
-            "(1.0 is the usual setting)."
-        )
-    if block_momentum is not None and not 0 <= block_momentum < 1:
-        raise ValueError(
-            f"`block_momentum` must be in [0, 1), got {block_momentum!r}; pass None "
-            "for the default 1 - 1 / num_replicas."
-        )
-    _validate.non_negative_int("warmup_steps", warmup_steps)
-    if inner_state_at_sync not in get_args(InnerStateAtSync):
-        raise ValueError(
-            "`inner_state_at_sync` must be one of 'keep', 'reset', 'average'; got "
-            f"{inner_state_at_sync!r}."
-        )
-    if outer is not None:
-        _check_transform(outer, "outer")
-        if block_momentum is not None or nesterov or block_learning_rate != 1.0:
-            raise ValueError(
-                "`outer` replaces the block filter, so `block_learning_rate`, "
-                "`block_momentum` and `nesterov` cannot be set with it; fold them "
-                "into `outer`, e.g. `outer=optax.sgd(block_learning_rate, "
-                "momentum=block_momentum, nesterov=True)`."
-            )
-
+    _check_options(
+        inner,
+        sync_period=sync_period,
+        block_learning_rate=block_learning_rate,
+        block_momentum=block_momentum,
+        nesterov=nesterov,
+        inner_state_at_sync=inner_state_at_sync,
+        warmup_steps=warmup_steps,
+        outer=outer,
+    )
     stores_start = nesterov and outer is None  # else the block start is `g`
 
     def init_fn(params):
@@ -353,6 +335,47 @@ def bmuf_global_params(state: PyTree) -> PyTree:
             "one `jdp.bmuf`."
         )
     return found[0].global_params
+
+
+def _check_options(
+    inner,
+    *,
+    sync_period,
+    block_learning_rate,
+    block_momentum,
+    nesterov,
+    inner_state_at_sync,
+    warmup_steps,
+    outer,
+) -> None:
+    """`jdp.bmuf`'s argument checks (see its Raises section)."""
+    _check_transform(inner, "inner")
+    _validate.positive_int("sync_period", sync_period, note="steps per block")
+    if not block_learning_rate > 0:
+        raise ValueError(
+            f"`block_learning_rate` must be > 0, got {block_learning_rate!r} "
+            "(1.0 is the usual setting)."
+        )
+    if block_momentum is not None and not 0 <= block_momentum < 1:
+        raise ValueError(
+            f"`block_momentum` must be in [0, 1), got {block_momentum!r}; pass None "
+            "for the default 1 - 1 / num_replicas."
+        )
+    _validate.non_negative_int("warmup_steps", warmup_steps)
+    if inner_state_at_sync not in get_args(InnerStateAtSync):
+        raise ValueError(
+            "`inner_state_at_sync` must be one of 'keep', 'reset', 'average'; got "
+            f"{inner_state_at_sync!r}."
+        )
+    if outer is not None:
+        _check_transform(outer, "outer")
+        if block_momentum is not None or nesterov or block_learning_rate != 1.0:
+            raise ValueError(
+                "`outer` replaces the block filter, so `block_learning_rate`, "
+                "`block_momentum` and `nesterov` cannot be set with it; fold them "
+                "into `outer`, e.g. `outer=optax.sgd(block_learning_rate, "
+                "momentum=block_momentum, nesterov=True)`."
+            )
 
 
 def _check_transform(tx: Any, name: str) -> None:

@@ -114,7 +114,7 @@ def all_reduce_gradients(
       Li et al., "PyTorch Distributed: Experiences on Accelerating Data Parallel
       Training", VLDB 2020, https://arxiv.org/abs/2006.15704.
     """
-    return _all_reduce(
+    return all_reduce(
         grads,
         axis_name=axis_name,
         bucket_bytes=bucket_bytes,
@@ -125,7 +125,8 @@ def all_reduce_gradients(
     )
 
 
-def _all_reduce(grads, *, axis_name, bucket_bytes, reverse, reduce_dtype, flatten, api):
+def all_reduce(grads, *, axis_name, bucket_bytes, reverse, reduce_dtype, flatten, api):
+    """`jdp.all_reduce_gradients` under the public name `api` (for its errors)."""
     check_bucket_bytes(bucket_bytes)
     num = axis_size(axis_name, api)
     leaves, treedef = jax.tree_util.tree_flatten(grads)

@@ -1,6 +1,6 @@
 """Predictor export: a single-device inference function serialised with `jax.export`.
 
-The counterpart of Caffe2's `ExtractPredictorNet`: the seed stripped the `gpu_0/`
+The counterpart of Caffe2's `ExtractPredictorNet`: Caffe2 stripped the `gpu_0/`
 prefix from the training net and returned a one-device inference net plus the blobs
 it needs. Here the inference function is traced with one logical copy of the
 parameters baked in as constants, lowered to StableHLO by `jax.export` (optionally
@@ -174,7 +174,8 @@ def export_predictor(
 
     Params straight out of a `jdp.parallelize` step carry a replica axis; they are
     recognised by their layout (every array leaf a `jax.Array` whose leading axis is
-    sharded over a one-axis mesh of that size, as `step.replicate` places them) and
+    sharded over every axis of a mesh of that size, as `step.replicate` places them
+    on a 1-D or a 2-D host mesh) and
     replica 0's copy is exported. Force the reading with `replicated=True` or
     `False` when the layout is ambiguous (e.g. your own `NamedSharding(mesh,
     P("data"))` params that are not replicas).

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import jax
 
-from jdp import _backends, _batching, _collectives, _hlo, _layout
+from jdp import _backends, _batching, _collectives, _hlo, _layout, _validate
 from jdp._tree import format_problems
 
 PyTree = Any
@@ -375,6 +375,7 @@ def parallelize(
         twice, `axis_name` is not one name or two distinct names (two need
         `"shard_map"`), or, with several processes, the processes hold different
         numbers of `devices`.
+      TypeError: If `axis_name` is neither a str nor a tuple.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, jdp
@@ -413,7 +414,12 @@ def _check_axis_name(axis_name: Any, backend: str) -> _layout.AxisName:
     """One axis name, or two for a `(hosts, devices per host)` mesh."""
     if isinstance(axis_name, str) and axis_name:
         return axis_name
-    names = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else ()
+    if not isinstance(axis_name, (str, tuple, list)):
+        raise TypeError(
+            "`axis_name` must be a str, e.g. 'data', or a tuple of two, e.g. "
+            f"('host', 'device'); got {_validate.describe(axis_name)}."
+        )
+    names = tuple(axis_name)
     if len(names) == 1 and isinstance(names[0], str) and names[0]:
         return names[0]
     if (

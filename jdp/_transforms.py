@@ -41,6 +41,7 @@ def sync_gradients(
       >>> # use it with `jdp.make_train_step(loss_fn, tx, grad_sync="none")`
     """
     _collectives.check_bucket_bytes(bucket_bytes)
+    options = dict(axis_name=axis_name, bucket_bytes=bucket_bytes, reverse=reverse)
 
     def init_fn(params):
         del params
@@ -48,14 +49,12 @@ def sync_gradients(
 
     def update_fn(updates, state, params=None):
         del params
-        synced = _collectives._all_reduce(
+        synced = _collectives.all_reduce(
             updates,
-            axis_name=axis_name,
-            bucket_bytes=bucket_bytes,
-            reverse=reverse,
             reduce_dtype=reduce_dtype,
             flatten=flatten,
             api="jdp.sync_gradients",
+            **options,
         )
         return synced, state
 

@@ -48,3 +48,14 @@ def test_lists_at_most_five_leaves(step):
     tree = {f"l{i}": np.arange(4, dtype=np.float32) for i in range(7)}
     with pytest.raises(AssertionError, match=r"7 leaves.*\n(.*\n){5}.*and 2 more"):
         jdp.assert_replicas_in_sync(replicated(step, tree))
+
+
+def test_repeated_checks_compile_once(step):
+    from helpers import CompileCounter
+
+    state = step.replicate({"w": jnp.ones((2, 3)), "b": jnp.zeros(3)})
+    assert jdp.replicas_in_sync(state)
+    with CompileCounter() as again:
+        for _ in range(3):
+            assert jdp.replicas_in_sync(state)
+    assert again.count == 0

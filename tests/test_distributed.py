@@ -19,7 +19,7 @@ from helpers import (
 )
 
 import jdp
-from jdp import _backends
+from jdp import _layout
 
 HOST_MESH = ("host", "device")
 
@@ -33,7 +33,7 @@ def two_hosts(monkeypatch):
         half = len(devices) // 2
         return [devices[:half], devices[half:]]
 
-    monkeypatch.setattr(_backends, "host_groups", host_groups)
+    monkeypatch.setattr(_layout, "host_groups", host_groups)
 
 
 # -- jdp.distributed.initialize ------------------------------------------------
@@ -204,6 +204,50 @@ def test_host_mesh_reduces_within_hosts_then_across(two_hosts):
     ]
 
 
+def zero_training(axis_name, batches, params, tx):
+    step = jdp.parallelize(
+        jdp.make_train_step(mlp_loss, tx, grad_sync="zero", axis_name=axis_name),
+        axis_name=axis_name,
+    )
+    state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
+    for batch in batches:
+        state, _ = step(state, step.shard(batch))
+    return step, state
+
+
+def test_zero_on_the_host_mesh_equals_the_flat_mesh(two_hosts):
+    tx = optax.adam(1e-2)
+    params = init_mlp(jax.random.key(0))
+    batches = make_batches(4, 32)
+    flat_step, flat = zero_training("data", batches, params, tx)
+    host_step, host = zero_training(HOST_MESH, batches, params, tx)
+    assert_trees_close(
+        host_step.unreplicate(host), flat_step.unreplicate(flat), rtol=1e-6
+    )
+    expected, _ = single_device_train(mlp_loss, params, tx, batches)
+    assert_trees_close(host_step.unreplicate(host).params, expected, rtol=1e-5)
+    # The reduce-scatter and the all-gather run within hosts, then across.
+    ops = host_step.collectives(host, host_step.shard(batches[0]), stage="lowered")
+    within = ((0, 1, 2, 3), (4, 5, 6, 7))
+    across = ((0, 4), (1, 5), (2, 6), (3, 7))
+    kinds = [(c.kind, c.replica_groups) for c in ops]
+    assert kinds[:2] == [("reduce-scatter", within), ("reduce-scatter", across)]
+    assert ("all-gather", across) in kinds and ("all-gather", within) in kinds
+    assert kinds.index(("all-gather", across)) < kinds.index(("all-gather", within))
+
+
+def test_export_of_host_mesh_params_gives_one_copy(two_hosts):
+    step = jdp.parallelize(lambda s, b: (s, {}), axis_name=HOST_MESH)
+    w = jnp.arange(6.0).reshape(3, 2)
+    params = step.replicate({"w": w})
+    predictor = jdp.load_predictor(
+        jdp.export_predictor(lambda p, x: x @ p["w"], params, (jnp.ones((5, 3)),))
+    )
+    out = predictor(np.ones((5, 3), np.float32))
+    assert out.shape == (5, 2)
+    np.testing.assert_allclose(out, np.ones((5, 3)) @ np.asarray(w))
+
+
 def test_host_mesh_on_one_process_is_a_single_row():
     step = jdp.parallelize(lambda s, b: (s, {}), axis_name=HOST_MESH)
     assert dict(step.mesh.shape) == {"host": 1, "device": jax.device_count()}
@@ -226,6 +270,11 @@ def test_host_mesh_on_one_process_is_a_single_row():
 def test_two_axis_names_reject_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
         jdp.parallelize(lambda s, b: (s, {}), **kwargs)
+
+
+def test_axis_name_of_another_type_is_a_type_error():
+    with pytest.raises(TypeError, match=r"`axis_name` must be a str.*got 3 \(an int\)"):
+        jdp.parallelize(lambda s, b: (s, {}), axis_name=3)
 
 
 def test_parallelize_needs_devices_of_every_process(monkeypatch):

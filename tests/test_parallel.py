@@ -347,6 +347,18 @@ def test_step_broadcast_outside_a_step(backend):
     np.testing.assert_array_equal(step.unreplicate(synced)["w"], [6.0, 7.0, 8.0])
 
 
+def test_step_broadcast_compiles_once_for_repeated_calls(backend):
+    step = jdp.parallelize(
+        lambda s, b: (s, {}), backend=backend, devices=jax.devices()[:4]
+    )
+    state = step.replicate({"w": jnp.zeros(3)})
+    step.broadcast(state)
+    with CompileCounter() as again:
+        for _ in range(3):
+            state = step.broadcast(state)
+    assert again.count == 0
+
+
 def test_collectives_report(backend):
     tx = optax.sgd(0.1)
     step = jdp.parallelize(jdp.make_train_step(mlp_loss, tx), backend=backend)

@@ -232,22 +232,17 @@ class CheckpointManager:
                 step, args=ocp.args.Composite(**{METADATA_ITEM: ocp.args.JsonRestore()})
             )[METADATA_ITEM]
         except Exception as e:  # orbax/json raise many types for a damaged file
-            raise ValueError(
-                CORRUPT_MSG.format(
-                    step=step,
-                    directory=self.directory,
-                    detail=f"its metadata could not be read ({type(e).__name__}: {e}).",
-                )
-            ) from e
+            detail = f"its metadata could not be read ({type(e).__name__}: {e})."
+            raise self._corrupt(step, detail) from e
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-            raise ValueError(
-                CORRUPT_MSG.format(
-                    step=step,
-                    directory=self.directory,
-                    detail=f"its metadata is not a {FORMAT!r} record.",
-                )
-            )
+            raise self._corrupt(step, f"its metadata is not a {FORMAT!r} record.")
         return meta
+
+    def _corrupt(self, step: int, detail: str) -> ValueError:
+        """The error for a damaged checkpoint of `step`."""
+        return ValueError(
+            CORRUPT_MSG.format(step=step, directory=self.directory, detail=detail)
+        )
 
     def _is_complete(self, step: int) -> bool:
         """Whether orbax committed the step and both of its items are present."""
@@ -450,13 +445,8 @@ class CheckpointManager:
             )[STATE_ITEM]
             host_leaves = treedef.flatten_up_to(host)
         except Exception as e:  # tensorstore/orbax raise many types for bad files
-            raise ValueError(
-                CORRUPT_MSG.format(
-                    step=step,
-                    directory=self.directory,
-                    detail=f"reading its arrays failed ({type(e).__name__}: {e}).",
-                )
-            ) from e
+            detail = f"reading its arrays failed ({type(e).__name__}: {e})."
+            raise self._corrupt(step, detail) from e
         self._verify(step, records, host_leaves)
         return place_like(jax.tree_util.tree_unflatten(treedef, host_leaves), like)
 
@@ -642,11 +632,7 @@ class CheckpointManager:
                     "it was saved."
                 )
             if detail:
-                raise ValueError(
-                    CORRUPT_MSG.format(
-                        step=step, directory=self.directory, detail=detail
-                    )
-                )
+                raise self._corrupt(step, detail)
 
     @staticmethod
     def _make_metadata(

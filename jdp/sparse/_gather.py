@@ -1,4 +1,4 @@
-"""Exchanging sparse rows between replicas: the seed's Concat of GradientSlices."""
+"""Exchanging sparse rows between replicas: Caffe2's Concat of GradientSlices."""
 
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def all_gather_rows(
 ) -> IndexedRows:
     """Concatenates every replica's `(ids, rows)` slices, inside a parallel step.
 
-    The seed's sparse-gradient exchange: instead of all-reducing a dense table
+    Caffe2's sparse-gradient exchange: instead of all-reducing a dense table
     gradient, each replica all-gathers the ids it touched and their rows
     (Caffe2 concatenates the `GradientSlice` indices and values of every device).
     Shapes stay static: the result has `num_replicas * ids.size` slots, replica
