@@ -104,7 +104,13 @@ def _input_specs(inputs: tuple, batch_polymorphic: bool) -> tuple:
             "of example arrays, e.g. `(x,)`."
         )
     shapes = [
-        (p, np.shape(x), jax.dtypes.canonicalize_dtype(np.result_type(x)))
+        (
+            p,
+            np.shape(x),
+            jax.dtypes.canonicalize_dtype(
+                getattr(x, "dtype", None) or np.result_type(x)
+            ),
+        )
         for p, x in flat
     ]
     if not batch_polymorphic:
