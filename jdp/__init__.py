@@ -15,6 +15,7 @@ from jdp import sparse as sparse
 from jdp._bmuf import BMUFState, bmuf, bmuf_global_params
 from jdp._checks import assert_replicas_in_sync, replicas_in_sync
 from jdp._collectives import all_reduce_gradients, broadcast, sync_batch_stats
+from jdp._divergence import ReplicaDivergenceError
 from jdp._export import export_predictor, load_predictor, save_predictor
 from jdp._hlo import Collective, MemoryAnalysis
 from jdp._parallel import Parallel, parallelize
@@ -27,6 +28,7 @@ __all__ = [
     "Collective",
     "MemoryAnalysis",
     "Parallel",
+    "ReplicaDivergenceError",
     "TrainState",
     "all_reduce_gradients",
     "assert_replicas_in_sync",

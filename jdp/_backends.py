@@ -105,12 +105,15 @@ class Step:
     dispatching the next costs about one dispatch latency per step.
     """
 
-    def __init__(self, train, forward, *, donate: bool, returns_state, mesh: Mesh):
+    def __init__(self, train, forward, *, donate: bool, out_state, mesh: Mesh):
         self._train = train
         self._forward = forward
         self._donate = donate
-        self._trace_returns_state = returns_state
+        self._trace_out_state = out_state
         self.returns_state: bool | None = None
+        #: The abstract state a donating train step returns (known before its
+        #: first call, from the trace), or None.
+        self.out_state: Any = None
         devices = list(mesh.devices.flat)
         self._throttle = len(devices) > 1 and all(d.platform == "cpu" for d in devices)
         self._in_flight: list[jax.Array] = []
@@ -119,14 +122,19 @@ class Step:
         if not self._donate:
             return self._forward
         if self.returns_state is None:
-            self.returns_state = self._trace_returns_state(state, batch)
+            self.out_state = self._trace_out_state(state, batch)
+            self.returns_state = self.out_state is not None
         if not self.returns_state:
             return self._forward
         check_distinct(state)
         return self._train
 
-    def __call__(self, state, batch):
+    def __call__(self, state, batch, *, before=None):
+        """Runs the step; `before(state, out_state)` first, once, when known early."""
+        first = self.returns_state is None
         fn = self._pick(state, batch)
+        if before is not None and first and self.out_state is not None:
+            before(state, self.out_state)
         if self._throttle:
             self._wait_for_previous_step()
         new_state, metrics = fn(state, batch)
@@ -177,6 +185,10 @@ class Backend:
     def place_batch_leaf(self, x: np.ndarray) -> jax.Array:
         """Places one process-local batch leaf (leading axis: examples)."""
         raise NotImplementedError
+
+    def batch_problems(self, batch: PyTree) -> list[str]:
+        """Leaves of a placed batch whose shapes do not fit this backend."""
+        return []
 
 
 def make_backend(name: BackendName, mesh: Mesh) -> Backend:
@@ -244,7 +256,7 @@ class _Pmap(Backend):
 
         num_local = len(self.mesh.local_devices)
 
-        def returns_state(state, batch):
+        def out_state(state, batch):
             # pmap shares this trace with its first call. With several processes
             # pmap takes each process's own replicas: trace with their shapes.
             if jax.process_count() > 1:
@@ -252,13 +264,17 @@ class _Pmap(Backend):
                     lambda x: jax.ShapeDtypeStruct((num_local,) + x.shape[1:], x.dtype),
                     (state, batch),
                 )
-            return jax.eval_shape(train, state, batch)[0] is not None
+            out = jax.eval_shape(train, state, batch)[0]
+            n = self.mesh.size
+            return jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct((n,) + x.shape[1:], x.dtype), out
+            )
 
         return Step(
             global_step(train),
             global_step(forward),
             donate=donate,
-            returns_state=returns_state,
+            out_state=out_state,
             mesh=self.mesh,
         )
 
@@ -269,6 +285,15 @@ class _Pmap(Backend):
         num_local = len(self.mesh.local_devices)
         x = x.reshape((num_local, x.shape[0] // num_local) + x.shape[1:])
         return jax.make_array_from_process_local_data(self.sharding, x)
+
+    def batch_problems(self, batch: PyTree) -> list[str]:
+        n = self.mesh.size
+        return [
+            f"{keystr(path)}: shape {x.shape}, expected ({n}, examples per "
+            "replica, ...)"
+            for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]
+            if x.shape[0] != n
+        ]
 
 
 # -- shard_map ---------------------------------------------------------------------
@@ -295,17 +320,11 @@ class _ShardMap(Backend):
         stacked = self._jit_step(body, _squeeze, _expand, ())
         forward = _PlaceEmptyLeaves(stacked, self.sharding)
         if not donate:
-            return Step(
-                forward, forward, donate=False, returns_state=None, mesh=self.mesh
-            )
+            return Step(forward, forward, donate=False, out_state=None, mesh=self.mesh)
         core = self._jit_step(body, _block_in, _block_out, (0,))
         train = _DonatingShardMapStep(core, mesh=self.mesh, sharding=self.sharding)
         return Step(
-            train,
-            forward,
-            donate=True,
-            returns_state=train.returns_state,
-            mesh=self.mesh,
+            train, forward, donate=True, out_state=train.out_state, mesh=self.mesh
         )
 
     def build_map(self, fn):
@@ -435,9 +454,21 @@ class _DonatingShardMapStep:
 
         return jax.tree.map(spec, state)
 
-    def returns_state(self, state, batch) -> bool:
-        """Traces the step (the trace its first call reuses); True if it has a state."""
-        return self._core.trace(self._view_specs(state), batch).out_info[0] is not None
+    def out_state(self, state, batch):
+        """Traces the step (the trace its first call reuses): its abstract state.
+
+        None for a step that returns no state; shapes in the caller's `(N, ...)`
+        layout.
+        """
+        out = self._core.trace(self._view_specs(state), batch).out_info[0]
+        n = self._n
+        return jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(
+                x.shape if x.shape[0] == n else (n, x.shape[0] // n) + x.shape[1:],
+                x.dtype,
+            ),
+            out,
+        )
 
     def __call__(self, state, batch):
         view = _map_some(self._view, _needs_view, state)

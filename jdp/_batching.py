@@ -9,6 +9,7 @@ an error.
 from __future__ import annotations
 
 import math
+import weakref
 import zlib
 from collections.abc import Callable
 from typing import Any
@@ -17,9 +18,58 @@ import jax
 import numpy as np
 
 from jdp._layout import host_value
-from jdp._tree import keystr
+from jdp._tree import format_problems, keystr
 
 PyTree = Any
+
+#: Batch leaves placed by `step.shard`, by id: the backend whose layout they have.
+_LAYOUT_OF: dict[int, tuple[weakref.ref, str]] = {}
+
+OTHER_LAYOUT_MSG = (
+    "`step`: the batch was laid out by the `step.shard` of a {other!r} step, "
+    "but this step runs on {mine!r} ({why}). Offending leaves:{probs}\nFix: "
+    "place the batch with this step's own `step.shard(global_batch)`."
+)
+_WHY = {
+    "pmap": "a pmap batch is (num_replicas, examples per replica, ...); this step "
+    "would see an extra axis",
+    "shard_map": "a shard_map batch is (examples, ...); this step needs the "
+    "replica axis first",
+}
+
+
+def remember_layout(arrays: list[jax.Array], backend: str) -> None:
+    """Records that `arrays` were placed in `backend`'s batch layout."""
+    for x in arrays:
+        key = id(x)
+        ref = weakref.ref(x, lambda _, key=key: _LAYOUT_OF.pop(key, None))
+        _LAYOUT_OF[key] = (ref, backend)
+
+
+def placed_for_other(batch: PyTree, backend: str) -> list[tuple[str, str]]:
+    """`(path, backend)` of leaves `step.shard` laid out for another backend."""
+    found = []
+    for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        entry = _LAYOUT_OF.get(id(x))
+        if entry is not None and entry[0]() is x and entry[1] != backend:
+            found.append((keystr(path), entry[1]))
+    return found
+
+
+def check_layout(batch: PyTree, backend: str) -> None:
+    """Refuses a batch that `step.shard` laid out for the other backend."""
+    if not _LAYOUT_OF:
+        return
+    other = placed_for_other(batch, backend)
+    if other:
+        raise ValueError(
+            OTHER_LAYOUT_MSG.format(
+                other=other[0][1],
+                mine=backend,
+                why=_WHY[backend],
+                probs=format_problems([p for p, _ in other]),
+            )
+        )
 
 
 def padded_size(size: int, num_local: int) -> int:
@@ -34,6 +84,7 @@ def shard(
     num_local: int,
     num_replicas: int,
     place_leaf: Callable[[np.ndarray], jax.Array],
+    backend: str,
 ):
     """Places a (process-local) batch for a step; see `Parallel.shard`.
 
@@ -43,6 +94,7 @@ def shard(
       num_local: Replicas on this process.
       num_replicas: Replicas in all.
       place_leaf: Places one host leaf (the backend's batch layout).
+      backend: The backend's name, remembered with the placed leaves.
 
     Returns:
       The placed batch, or `(batch, mask)` when `pad`.
@@ -50,7 +102,7 @@ def shard(
     flat, treedef = jax.tree_util.tree_flatten_with_path(batch)
     if not flat:
         raise ValueError("`step.shard`: the batch has no array leaves.")
-    host = [(path, host_value(x)) for path, x in flat]
+    host = [(path, _host_leaf(path, x)) for path, x in flat]
     for path, x in host:
         if x.ndim == 0:
             raise ValueError(
@@ -65,11 +117,64 @@ def shard(
     if pad:
         host, mask = _pad(host, padded_everywhere, num_local)
     else:
+        _check_sizes(host)
         _check_divisible(host, num_local, num_replicas)
-    placed = jax.tree_util.tree_unflatten(treedef, [place_leaf(x) for _, x in host])
+    leaves = [place_leaf(x) for _, x in host]
+    remember_layout(leaves, backend)
+    placed = jax.tree_util.tree_unflatten(treedef, leaves)
     if pad:
-        return placed, place_leaf(mask)
+        placed_mask = place_leaf(mask)
+        remember_layout([placed_mask], backend)
+        return placed, placed_mask
     return placed
+
+
+def _host_leaf(path, x) -> np.ndarray:
+    """A batch leaf as the NumPy array JAX would place, checked for what JAX cannot.
+
+    Strings and objects cannot be placed; integers wider than JAX's default types
+    (without `jax_enable_x64`) would wrap around silently.
+    """
+    raw = x if isinstance(x, jax.Array) else np.asarray(x)
+    if raw.dtype.kind in "USOV":
+        raise TypeError(
+            f"`step.shard`: batch leaf {keystr(path)} holds {raw.dtype} values "
+            "(strings or Python objects); only numeric arrays can be placed on "
+            "devices. Turn them into numbers first (e.g. token ids), or keep them "
+            "on the host beside the batch."
+        )
+    value = host_value(x)
+    if raw.dtype.kind in "iu" and value.dtype != raw.dtype and raw.size:
+        info = np.iinfo(value.dtype)
+        low, high = raw.min(), raw.max()
+        if low < info.min or high > info.max:
+            bad = high if high > info.max else low
+            raise ValueError(
+                f"`step.shard`: batch leaf {keystr(path)} holds {raw.dtype} values "
+                f"such as {bad}, which do not fit {value.dtype} (JAX's integer "
+                "type without `jax_enable_x64`) and would wrap around. Map them "
+                f"into [{info.min}, {info.max}] (e.g. hash ids into the table), or "
+                "enable 64-bit types with `jax.config.update('jax_enable_x64', "
+                "True)`."
+            )
+    return value
+
+
+def _check_sizes(host) -> None:
+    """Every leaf must hold the same number of examples, and at least one."""
+    sizes = {x.shape[0] for _, x in host}
+    if len(sizes) > 1:
+        listed = ", ".join(f"{keystr(p)}: {x.shape[0]}" for p, x in host[:5])
+        raise ValueError(
+            "`step.shard`: the batch leaves hold different numbers of examples "
+            f"(leading sizes {listed}); each replica would pair the wrong rows. "
+            "Give every leaf the same leading (example) size."
+        )
+    if sizes == {0}:
+        raise ValueError(
+            "`step.shard`: the batch is empty (leading size 0); a step on it "
+            "would average over no examples. Skip empty batches."
+        )
 
 
 def _pad(host, padded_everywhere: int | None, num_local: int):

@@ -154,9 +154,11 @@ def bmuf(
       `update(updates, state, params)` requires `params`.
 
     Raises:
-      TypeError: If `sync_period` or `warmup_steps` is not an int.
+      TypeError: If `sync_period` or `warmup_steps` is not an int, or
+        `block_learning_rate` or `block_momentum` is not a number.
       ValueError: At construction, for a `sync_period` < 1, a
-        `block_momentum` outside [0, 1), a `block_learning_rate` <= 0, a
+        `block_momentum` outside [0, 1), a `block_learning_rate` <= 0 (or either
+        of them NaN or infinite), a
         negative `warmup_steps`, an unknown `inner_state_at_sync`, or `outer`
         combined with the block-filter options; at update time, for
         `params=None`.
@@ -351,15 +353,19 @@ def _check_options(
     """`jdp.bmuf`'s argument checks (see its Raises section)."""
     _check_transform(inner, "inner")
     _validate.positive_int("sync_period", sync_period, note="steps per block")
-    if not block_learning_rate > 0:
-        raise ValueError(
-            f"`block_learning_rate` must be > 0, got {block_learning_rate!r} "
-            "(1.0 is the usual setting)."
-        )
-    if block_momentum is not None and not 0 <= block_momentum < 1:
-        raise ValueError(
-            f"`block_momentum` must be in [0, 1), got {block_momentum!r}; pass None "
-            "for the default 1 - 1 / num_replicas."
+    _validate.finite_number(
+        "block_learning_rate",
+        block_learning_rate,
+        above=0,
+        note="1.0 is the usual setting",
+    )
+    if block_momentum is not None:
+        _validate.finite_number(
+            "block_momentum",
+            block_momentum,
+            at_least=0,
+            below=1,
+            note="or None for the default 1 - 1 / num_replicas",
         )
     _validate.non_negative_int("warmup_steps", warmup_steps)
     if inner_state_at_sync not in get_args(InnerStateAtSync):

@@ -15,7 +15,7 @@ import numpy as np
 from jax import lax
 
 from jdp import _buckets, _validate
-from jdp._tree import is_float
+from jdp._tree import is_float, keystr
 
 PyTree = Any
 AxisName = str | tuple[str, ...]
@@ -298,13 +298,23 @@ _COLLECTIVE = {
 def mean_metrics(metrics: PyTree, axis_name: AxisName) -> PyTree:
     """Metrics averaged over replicas (integer counts average to floats)."""
 
-    def mean(m):
+    def mean(path, m):
+        dtype = getattr(m, "dtype", None)
+        if (dtype is None and not isinstance(m, (bool, int, float, complex))) or (
+            getattr(dtype, "kind", "") in ("U", "S", "O", "V")
+        ):
+            raise TypeError(
+                f"The step's metric {keystr(path)} is a {type(m).__name__} "
+                f"({m!r:.60}); metrics must be numbers or numeric arrays, which "
+                "jdp averages over replicas. Return text or other objects from "
+                "the host side of your loop instead."
+            )
         m = jnp.asarray(m)
         if not jnp.issubdtype(m.dtype, jnp.inexact):
             m = m.astype(jnp.result_type(float))
         return lax.pmean(m, axis_name)
 
-    return jax.tree.map(mean, metrics)
+    return jax.tree_util.tree_map_with_path(mean, metrics)
 
 
 def broadcast(tree: PyTree, *, root: int = 0, axis_name: AxisName = "data") -> PyTree:
@@ -343,6 +353,9 @@ def broadcast(tree: PyTree, *, root: int = 0, axis_name: AxisName = "data") -> P
 
     def one(x):
         x = jnp.asarray(x)
+        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):  # typed keys: their data
+            data = one(jax.random.key_data(x))
+            return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
         if x.size == 0:
             return x
         wire = jnp.int32 if x.dtype == jnp.bool_ else x.dtype

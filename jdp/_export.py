@@ -13,13 +13,23 @@ container so that a damaged file is reported as such:
     12      4     metadata length M (uint32)
     16      8     payload length P (uint64)
     24      32    SHA-256 of metadata + payload
-    56      M     metadata: UTF-8 JSON (jdp/jax versions, inputs, platforms)
+    56      M     metadata: a UTF-8 JSON object (format, jdp/jax versions,
+                  platforms, inputs, outputs)
     56+M    P     payload: `jax.export.Exported.serialize()`
+
+Security: loading a predictor compiles and runs the StableHLO inside it, so treat a
+predictor file like code and load only files from sources you trust. The SHA-256 in
+the header is a checksum against accidental damage, not a signature against
+tampering: whoever can change the file can recompute it. To detect tampering, get
+the file's SHA-256 (`hashlib.sha256(data).hexdigest()` of the whole file, or
+`Predictor.sha256`) through a channel you trust and pass it to
+`jdp.load_predictor(..., expected_sha256=...)`.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import os
 import struct
@@ -30,6 +40,7 @@ from typing import Any
 import jax
 import numpy as np
 from jax import export as jax_export
+from jax.sharding import NamedSharding
 
 from jdp._layout import is_replicated, logical_copy
 from jdp._tree import format_problems, keystr
@@ -42,20 +53,59 @@ FORMAT_VERSION = 1
 _HEADER = struct.Struct("<8sIIQ32s")
 _KNOWN_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 _BATCH = "batch"
+#: Keys every predictor's JSON header has, and the types of their values.
+_METADATA_KEYS = {
+    "jdp_format": int,
+    "jdp": str,
+    "jax": str,
+    "platforms": list,
+    "inputs": list,
+    "outputs": list,
+}
+_JSON_NAMES = {
+    bool: "boolean",
+    int: "number",
+    float: "number",
+    str: "string",
+    list: "array",
+    dict: "object",
+    type(None): "null",
+}
+_HEX = frozenset("0123456789abcdef")
 
 
 # -- parameters ------------------------------------------------------------------
 
 
+def _kind(x: Any) -> str:
+    """What a value is, for error messages: "a str", "a numpy.ndarray"."""
+    if isinstance(x, jax.Array):
+        return "a jax.Array"
+    module = type(x).__module__.split(".")[0]
+    name = type(x).__qualname__
+    return f"a {name}" if module == "builtins" else f"a {module}.{name}"
+
+
+def _placement(x: Any) -> str:
+    """A leaf's dtype, shape and placement, for error messages."""
+    if not isinstance(x, jax.Array):
+        return f"{_kind(x)} of shape {np.shape(x)} (not a jax.Array)"
+    sharding = x.sharding
+    where = type(sharding).__name__
+    if isinstance(sharding, NamedSharding):
+        where += f"(mesh {dict(sharding.mesh.shape)}, {sharding.spec})"
+    return f"{_format_aval(x)} placed by {where}"
+
+
 def _one_copy(params: PyTree, replicated: bool | None) -> PyTree:
     """Host (NumPy) copy of `params`, replica 0's when they are replicated."""
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
-    arrays = [(p, x) for p, x in flat if isinstance(x, (jax.Array, np.ndarray))]
     if replicated is None:
+        arrays = [(p, x) for p, x in flat if isinstance(x, (jax.Array, np.ndarray))]
         marks = [is_replicated(x) for _, x in arrays]
         if any(marks) and not all(marks):
             probs = [
-                f"{keystr(p)}: shape {np.shape(x)}"
+                f"{keystr(p)}: {_placement(x)}"
                 for (p, x), m in zip(arrays, marks, strict=True)
                 if not m
             ]
@@ -65,21 +115,22 @@ def _one_copy(params: PyTree, replicated: bool | None) -> PyTree:
                 "and others are not:"
                 f"{format_problems(probs)}\nPass one logical copy "
                 "(`step.unreplicate(state.params)`) or the replicated state as it "
-                "came out of the step; or force the reading with `replicated=True` "
-                "or `replicated=False`."
+                "came out of the step; or pass `replicated=False` if the sharded "
+                "leaves are not replicas (their leading axis is then kept)."
             )
         replicated = bool(marks) and all(marks)
     if replicated:
         probs = [
-            f"{keystr(p)}: {x!r}"
-            for p, x in flat
-            if not (isinstance(x, jax.Array) and x.ndim >= 1)
+            f"{keystr(p)}: {_placement(x)}" for p, x in flat if not is_replicated(x)
         ]
         if probs:
             raise ValueError(
-                "`jdp.export_predictor(replicated=True)`: every leaf of a replicated "
-                "pytree must be a jax.Array with a leading replica axis; these are "
-                f"not:{format_problems(probs)}"
+                "`jdp.export_predictor(replicated=True)`: every leaf must be laid out "
+                "by `step.replicate` (a jax.Array whose leading replica axis is "
+                "sharded over the whole mesh, as a step returns it); these are not:"
+                f"{format_problems(probs)}\nPass `replicated=False` for one plain "
+                "copy of the parameters (e.g. `step.unreplicate(state.params)`), or "
+                "pass the replicated state as the step returned it."
             )
         params = logical_copy(params)
     return jax.tree.map(lambda x: np.asarray(jax.device_get(x)), params)
@@ -200,14 +251,18 @@ def export_predictor(
         leading axis, of the same size in `example_inputs`). False exports the
         example shapes exactly.
       replicated: Whether `params` is replicated; None (default) decides from the
-        layout as described above.
+        layout as described above. True requires that layout of every leaf;
+        False takes `params` as they are (a leading axis is kept).
 
     Returns:
-      The serialised predictor (bytes) for `jdp.load_predictor` or a file.
+      The serialised predictor (bytes) for `jdp.load_predictor` or a file;
+      `hashlib.sha256(blob).hexdigest()` is the digest to publish with it for
+      `jdp.load_predictor(..., expected_sha256=...)`.
 
     Raises:
       ValueError: If `platforms` names an unknown platform, the inputs do not
-        fit `batch_polymorphic`, or `params` mixes replicated and plain leaves.
+        fit `batch_polymorphic`, `params` mixes replicated and plain leaves, or
+        `replicated=True` and a leaf is not laid out by `step.replicate`.
 
     Example:
       >>> import jax.numpy as jnp, numpy as np, jdp
@@ -329,18 +384,68 @@ def _unpack(data: bytes, source: str) -> tuple[dict, bytes]:
             f"{prefix} is corrupted: its SHA-256 checksum does not match the "
             "contents. Copy or write the file again."
         )
-    meta = json.loads(body[:meta_len].decode())
-    return meta, body[meta_len:]
+    return _parse_metadata(body[:meta_len], prefix), body[meta_len:]
+
+
+def _parse_metadata(raw: bytes, prefix: str) -> dict:
+    """The container's JSON header, checked to be an object with the known keys."""
+    where = f"{prefix} has a valid checksum but a bad JSON header"
+    fix = "Export the predictor again with `jdp.export_predictor`."
+    try:
+        meta = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{where}: {type(e).__name__}: {e}. {fix}") from e
+    if not isinstance(meta, dict):
+        raise ValueError(
+            f"{where}: expected a JSON object, got a JSON {_JSON_NAMES[type(meta)]}. "
+            f"{fix}"
+        )
+    probs = [
+        f"{key!r}: missing"
+        if key not in meta
+        else f"{key!r}: expected a JSON {_JSON_NAMES[kind]}, got a JSON "
+        f"{_JSON_NAMES[type(meta[key])]}"
+        for key, kind in _METADATA_KEYS.items()
+        if not isinstance(meta.get(key), kind)
+    ]
+    if probs:
+        raise ValueError(f"{where}:{format_problems(probs)}\n{fix}")
+    return meta
 
 
 # -- loading ---------------------------------------------------------------------
+
+
+def _numeric(dtype: np.dtype) -> bool:
+    """Whether arrays of `dtype` hold numbers or booleans (not text or objects)."""
+    return bool(
+        jax.numpy.issubdtype(dtype, np.number) or jax.numpy.issubdtype(dtype, np.bool_)
+    )
+
+
+def _fits(dtype: np.dtype, shape: tuple, aval: Any, bound: dict) -> bool:
+    """Whether an input of `dtype` and `shape` fits the exported `aval`.
+
+    A symbolic dimension takes the size of its first input (kept in `bound`); every
+    other input must then have the same size there.
+    """
+    if dtype != aval.dtype or len(shape) != len(aval.shape):
+        return False
+    ok = True
+    for got, want in zip(shape, aval.shape, strict=True):
+        if isinstance(want, int):
+            ok &= got == want
+        else:
+            ok &= got >= 1 and bound.setdefault(str(want), got) == got
+    return ok
 
 
 class Predictor:
     """A loaded predictor: call it with the inputs, as `apply_fn` without `params`.
 
     Made by `jdp.load_predictor`. Inputs are checked against the exported shapes
-    and dtypes before the call (a clear `ValueError` instead of an XLA error); the
+    and dtypes before the call (a clear `TypeError` for text or other non-numeric
+    data, a `ValueError` for wrong shapes or dtypes, instead of an XLA error); the
     first call for each batch size compiles.
 
     Attributes:
@@ -349,11 +454,21 @@ class Predictor:
         `batch` is the symbolic batch size.
       platforms: The platforms it was exported for.
       metadata: The container's metadata (jdp and jax versions, inputs, outputs).
+      sha256: SHA-256 of the file's bytes it was loaded from, as 64 hex digits
+        (`hashlib.sha256(data).hexdigest()`), to publish for
+        `jdp.load_predictor(..., expected_sha256=...)`; None when not known.
     """
 
-    def __init__(self, exported: jax_export.Exported, metadata: dict):
+    def __init__(
+        self,
+        exported: jax_export.Exported,
+        metadata: dict,
+        *,
+        sha256: str | None = None,
+    ):
         self.exported = exported
         self.metadata = metadata
+        self.sha256 = sha256
         self.platforms = tuple(exported.platforms)
         self.input_specs = tuple(_format_aval(a) for a in exported.in_avals)
         self._args_tree = exported.in_tree.children()[0]
@@ -393,24 +508,33 @@ class Predictor:
                     f"{self._args_tree}"
                 )
             raise ValueError(f"Predictor called with {what}. {self._expected()}")
-        leaves, probs, bound = [], [], {}
-        for (path, x), aval in zip(flat, self.exported.in_avals, strict=True):
-            x = x if isinstance(x, jax.Array) else np.asarray(x)
+        arrays = [x if isinstance(x, jax.Array) else np.asarray(x) for _, x in flat]
+        avals = self.exported.in_avals
+        probs = [
+            f"args{keystr(path)}: got {_kind(x)} of dtype {a.dtype} and shape "
+            f"{a.shape}, expected {_format_aval(aval)}"
+            for (path, x), a, aval in zip(flat, arrays, avals, strict=True)
+            if not _numeric(a.dtype) and a.dtype != aval.dtype
+        ]
+        if probs:
+            raise TypeError(
+                "Predictor inputs must be numeric (or boolean) arrays; these are "
+                f"not:{format_problems(probs)}\n{self._expected()} Turn text or "
+                "other data into numbers (e.g. token ids) before calling the "
+                "predictor."
+            )
+        leaves, bound = [], {}
+        for (path, _), x, aval in zip(flat, arrays, avals, strict=True):
             dtype = jax.dtypes.canonicalize_dtype(x.dtype)
             shape = tuple(x.shape)
-            ok = dtype == aval.dtype and len(shape) == len(aval.shape)
-            if ok:
-                for got, want in zip(shape, aval.shape, strict=True):
-                    if isinstance(want, int):
-                        ok &= got == want
-                    else:
-                        ok &= got >= 1 and bound.setdefault(str(want), got) == got
-            if not ok:
+            if not _fits(dtype, shape, aval, bound):
                 probs.append(
                     f"args{keystr(path)}: got {dtype}{list(shape)}, expected "
                     f"{_format_aval(aval)}"
                 )
-            leaves.append(x.astype(aval.dtype) if x.dtype != aval.dtype else x)
+            elif x.dtype != aval.dtype:
+                x = x.astype(aval.dtype)
+            leaves.append(x)
         if probs:
             raise ValueError(
                 "Predictor inputs do not match the exported shapes/dtypes:"
@@ -422,6 +546,8 @@ class Predictor:
         """Runs the predictor on `inputs` (arrays, as given to `apply_fn`).
 
         Raises:
+          TypeError: If an input is not numeric or boolean (e.g. a str or an
+            array of strings); the message names it and the expected inputs.
           ValueError: If the inputs' number, structure, shapes or dtypes differ
             from the exported ones; the message lists the expected inputs.
         """
@@ -434,31 +560,79 @@ class Predictor:
         )
 
 
-def load_predictor(path_or_bytes: str | os.PathLike | bytes) -> Predictor:
+def _check_sha256(expected_sha256: Any) -> str | None:
+    """`expected_sha256` as 64 lower-case hex digits (or None), checked."""
+    if expected_sha256 is None:
+        return None
+    if not isinstance(expected_sha256, str):
+        raise TypeError(
+            "`jdp.load_predictor`: `expected_sha256` must be a str of 64 hex digits "
+            f"(`hashlib.sha256(data).hexdigest()`), got a "
+            f"{type(expected_sha256).__name__}: {expected_sha256!r:.80}."
+        )
+    digest = expected_sha256.strip().lower()
+    if len(digest) != 64 or not set(digest) <= _HEX:
+        raise ValueError(
+            "`jdp.load_predictor`: `expected_sha256` must be 64 hex digits (a "
+            f"SHA-256 `hexdigest()`), got {expected_sha256!r:.80} "
+            f"({len(expected_sha256)} characters)."
+        )
+    return digest
+
+
+def load_predictor(
+    path_or_bytes: str | os.PathLike | bytes,
+    *,
+    expected_sha256: str | None = None,
+) -> Predictor:
     """Loads a predictor written by `jdp.save_predictor` / `jdp.export_predictor`.
 
     Needs neither the model code nor the training code: only jax (and jdp).
 
+    Security: loading compiles and runs the StableHLO inside the file, so load only
+    predictors from sources you trust, as you would run only code you trust. The
+    SHA-256 in the file's header is a checksum against accidental damage, not a
+    signature against tampering: whoever can change the file can recompute it. To
+    detect tampering, compute the file's SHA-256 where it was written
+    (`hashlib.sha256(open(path, "rb").read()).hexdigest()`, or `Predictor.sha256`
+    of a loaded copy), send it through a channel you trust and pass it as
+    `expected_sha256`: the bytes are then checked against it before anything in
+    them is read.
+
     Args:
       path_or_bytes: A file path, or the bytes `jdp.export_predictor` returned.
+      expected_sha256: Optional SHA-256 of the whole file (its bytes), as 64 hex
+        digits (`hashlib.sha256(data).hexdigest()`; upper case is accepted).
 
     Returns:
       A callable `predict(*inputs) -> outputs` (a `Predictor`, which also tells
-      its `input_specs` and `platforms`).
+      its `input_specs`, `platforms` and `sha256`).
 
     Raises:
-      ValueError: If the data is not a jdp predictor, is truncated or corrupted
-        (checksum mismatch), was written in another format version, or was not
-        exported for the platform this process runs on.
+      TypeError: If `expected_sha256` is not a str.
+      ValueError: If `expected_sha256` is not 64 hex digits or the data does not
+        hash to it; or if the data is not a jdp predictor, is truncated or
+        corrupted (checksum mismatch), has a bad JSON header, was written in
+        another format version, or was not exported for the platform this
+        process runs on.
       FileNotFoundError: If the path does not exist.
 
     Example:
-      >>> import numpy as np, jdp
+      >>> import hashlib, numpy as np, jdp
       >>> x = np.ones(3, np.float32)
       >>> blob = jdp.export_predictor(lambda p, x: x * p, 2.0, (x,))
-      >>> jdp.load_predictor(blob)(np.arange(3, dtype=np.float32))
+      >>> digest = hashlib.sha256(blob).hexdigest()  # publish it with the file
+      >>> predict = jdp.load_predictor(blob, expected_sha256=digest)
+      >>> predict(np.arange(3, dtype=np.float32))
       Array([0., 2., 4.], dtype=float32)
+      >>> predict.sha256 == digest
+      True
+      >>> jdp.load_predictor(blob + b"x", expected_sha256=digest)
+      Traceback (most recent call last):
+      ...
+      ValueError: `jdp.load_predictor`: the data given has SHA-256 ..., expected ...
     """
+    expected = _check_sha256(expected_sha256)
     if isinstance(path_or_bytes, (bytes, bytearray, memoryview)):
         data, source = bytes(path_or_bytes), "the data given"
     else:
@@ -466,6 +640,14 @@ def load_predictor(path_or_bytes: str | os.PathLike | bytes) -> Predictor:
         with open(path, "rb") as f:
             data = f.read()
         source = f"file {path!r}"
+    sha256 = hashlib.sha256(data).hexdigest()
+    if expected is not None and not hmac.compare_digest(sha256, expected):
+        raise ValueError(
+            f"`jdp.load_predictor`: {source} has SHA-256 {sha256}, expected "
+            f"{expected}: it is not the file that digest was published for (changed "
+            "or damaged). Nothing in it was read; get the file again from a source "
+            "you trust."
+        )
     meta, payload = _unpack(data, source)
     try:
         exported = jax_export.deserialize(bytearray(payload))
@@ -482,4 +664,4 @@ def load_predictor(path_or_bytes: str | os.PathLike | bytes) -> Predictor:
             f"{tuple(exported.platforms)}, but this process runs on {here!r}. "
             f"Export with `platforms=(..., {here!r})`."
         )
-    return Predictor(exported, meta)
+    return Predictor(exported, meta, sha256=sha256)

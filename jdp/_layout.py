@@ -31,6 +31,13 @@ from jdp._tree import keystr
 
 PyTree = Any
 AxisName = str | tuple[str, ...]
+
+ALREADY_REPLICATED_MSG = (
+    "`step.replicate`: every array leaf of the tree is already replicated (a "
+    "leading replica axis sharded over a mesh of {num} devices); replicating it "
+    "again would give every replica the whole stack. Pass it to the step as it "
+    "is, or re-place one copy with `step.replicate(other_step.unreplicate(tree))`."
+)
 #: Turns an abstract logical state into its abstract per-replica layout.
 StateLayout = Callable[[PyTree, int], PyTree]
 
@@ -107,6 +114,8 @@ def abstract(x: Any) -> jax.ShapeDtypeStruct:
 
 def describe(x: Any) -> str:
     """A leaf's shape and placement, for error messages."""
+    if isinstance(x, jax.Array) and x.is_deleted():
+        return f"shape {x.shape}, deleted (its buffers were donated to a step)"
     if isinstance(x, jax.Array):
         return f"shape {x.shape} with sharding {x.sharding}"
     return f"a {type(x).__name__} of shape {np.shape(x)} (not a placed jax.Array)"
@@ -244,6 +253,11 @@ def replicate(
     Returns:
       The replicated pytree.
     """
+    arrays = [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)]
+    if arrays and all(x.ndim >= 1 and is_replicated(x) for x in arrays):
+        raise ValueError(
+            ALREADY_REPLICATED_MSG.format(num=arrays[0].sharding.mesh.size)
+        )
     host = jax.tree.map(host_value, tree)  # PRNG keys as their key data
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
@@ -276,11 +290,12 @@ def is_replicated(x: Any) -> bool:
 def misplaced(
     tree: PyTree, sharding: NamedSharding, *, leading: int | None
 ) -> list[str]:
-    """Leaves that are not arrays sharded by `sharding` (with `leading` rows)."""
+    """Leaves that are not live arrays sharded by `sharding` (with `leading` rows)."""
 
     def placed(x):
         return (
             isinstance(x, jax.Array)
+            and not x.is_deleted()
             and x.ndim >= 1
             and (leading is None or x.shape[0] == leading)
             and (
@@ -294,6 +309,43 @@ def misplaced(
         f"{keystr(path)}: {describe(x)}"
         for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]
         if not placed(x)
+    ]
+
+
+def deleted(tree: PyTree) -> list[str]:
+    """Paths of the array leaves of `tree` whose buffers are deleted (donated)."""
+    return [
+        keystr(path)
+        for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+        if isinstance(x, jax.Array) and x.is_deleted()
+    ]
+
+
+def changes(before: PyTree, after: PyTree) -> list[str]:
+    """How `after` differs from `before` in structure, per-replica shapes or dtypes.
+
+    Both are replicated pytrees (arrays or abstract values with the replica
+    axis); shapes are reported per replica.
+    """
+    if jax.tree.structure(before) != jax.tree.structure(after):
+        return [
+            f"the structure changed from {jax.tree.structure(before)} to "
+            f"{jax.tree.structure(after)}"
+        ]
+
+    def kind(x):
+        return f"{jnp.dtype(x.dtype).name}{list(x.shape[1:])}"
+
+    return [
+        f"{keystr(path)}: {kind(a)} -> {kind(b)}"
+        for (path, a), b in zip(
+            jax.tree_util.tree_flatten_with_path(before)[0],
+            jax.tree.leaves(after),
+            strict=True,
+        )
+        if hasattr(a, "shape")
+        and hasattr(b, "shape")
+        and (tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype)
     ]
 
 

@@ -14,7 +14,15 @@ from typing import Any, Literal
 
 import jax
 
-from jdp import _backends, _batching, _collectives, _hlo, _layout, _validate
+from jdp import (
+    _backends,
+    _batching,
+    _collectives,
+    _divergence,
+    _hlo,
+    _layout,
+    _validate,
+)
 from jdp._tree import format_problems
 
 PyTree = Any
@@ -31,6 +39,29 @@ NOT_REPLICATED_MSG = (
 NOT_SHARDED_MSG = (
     "`step`: the batch passed in was not placed by this step's `step.shard`. "
     "Offending leaves:{probs}\nFix: `step(state, step.shard(global_batch))`."
+)
+
+DONATED_MSG = (
+    "`step`: the {what} passed in was donated to an earlier step, which deleted "
+    "its buffers (`donate_state=True`). Deleted leaves:{probs}\nFix: continue "
+    "with the state that step returned (`state, metrics = step(state, batch)`), "
+    "or pass `donate_state=False` to `jdp.parallelize` to keep the old one."
+)
+
+STATE_CHANGED_MSG = (
+    "`step`: the step returned a state whose structure, shapes or dtypes differ "
+    "from the state it received (shapes per replica):{probs}\nEvery later call "
+    "would compile again and train in the new types. Fix: return the state as it "
+    "came in, e.g. cast updated leaves back (`new.astype(old.dtype)`); to change "
+    "the state on purpose, do it outside the step and `step.replicate` it."
+)
+
+UNBOUND_AXIS_MSG = (
+    "The step uses a collective over an axis that is not bound ({error}); "
+    "`jdp.parallelize` binds the replica axis {axis!r}. Fix: use {axis!r} in the "
+    "step (e.g. `jdp.make_train_step(..., axis_name={axis!r})`), or pass the "
+    "step's axis name to `jdp.parallelize(..., axis_name=...)` (e.g. the "
+    "`axis_name='batch'` of a flax BatchNorm)."
 )
 
 BAD_OUTPUT_MSG = (
@@ -65,6 +96,7 @@ class Parallel:
         backend: _backends.BackendName,
         axis_name: _layout.AxisName,
         donate_state: bool,
+        check_sync: int | None = None,
     ):
         self.train_step = train_step
         self.mesh = _layout.make_mesh(devices, axis_name)
@@ -76,10 +108,19 @@ class Parallel:
         self.donate_state = donate_state
         self._step = self._backend.build_step(self._body, donate=donate_state)
         self._broadcasts: dict[int, Callable[[PyTree], PyTree]] = {}
+        self._sync_check = _SyncCheck(check_sync, train_step, self.mesh)
+        self._calls = 0
         functools.update_wrapper(self, train_step, updated=())
 
     def _body(self, state, batch):
-        out = self.train_step(state, batch)
+        try:
+            out = self.train_step(state, batch)
+        except NameError as e:
+            if "unbound axis name" not in str(e):
+                raise
+            raise RuntimeError(
+                UNBOUND_AXIS_MSG.format(error=e, axis=self.axis_name)
+            ) from e
         if isinstance(out, tuple) and len(out) == 2:
             new_state, metrics = out
         elif isinstance(out, dict):
@@ -104,14 +145,31 @@ class Parallel:
         """
         self._check_state(state)
         self._check_batch(batch)
-        new_state, metrics = self._step(state, batch)
+        checked = self._step.returns_state is not None
+        new_state, metrics = self._step(state, batch, before=self._check_out_state)
         if not self._step.returns_state:
             return metrics
+        if not checked:
+            self._check_out_state(state, new_state)
+        self._calls += 1
+        if self._sync_check.due(self._calls):
+            self._sync_check(new_state, call=self._calls)
         return new_state, metrics
+
+    def _check_out_state(self, state: PyTree, out: PyTree) -> None:
+        """The state a step returns must be laid out as the one it received."""
+        probs = _layout.changes(state, out)
+        if probs:
+            raise TypeError(STATE_CHANGED_MSG.format(probs=format_problems(probs)))
 
     def _check_state(self, state: PyTree) -> None:
         probs = _layout.misplaced(state, self.sharding, leading=self.num_replicas)
         if probs:
+            gone = _layout.deleted(state)
+            if gone:
+                raise ValueError(
+                    DONATED_MSG.format(what="state", probs=format_problems(gone))
+                )
             raise ValueError(
                 NOT_REPLICATED_MSG.format(
                     num=self.num_replicas,
@@ -122,6 +180,10 @@ class Parallel:
 
     def _check_batch(self, batch: PyTree) -> None:
         probs = _layout.misplaced(batch, self.sharding, leading=None)
+        if probs:
+            raise ValueError(NOT_SHARDED_MSG.format(probs=format_problems(probs)))
+        _batching.check_layout(batch, self.backend)
+        probs = self._backend.batch_problems(batch)
         if probs:
             raise ValueError(NOT_SHARDED_MSG.format(probs=format_problems(probs)))
 
@@ -208,6 +270,7 @@ class Parallel:
             num_local=len(self.mesh.local_devices),
             num_replicas=self.num_replicas,
             place_leaf=self._backend.place_batch_leaf,
+            backend=self.backend,
         )
 
     def broadcast(self, tree: PyTree, *, root: int = 0) -> PyTree:
@@ -322,6 +385,24 @@ class Parallel:
         )
 
 
+class _SyncCheck:
+    """The replica-divergence guard: after the first call, then every `every`."""
+
+    def __init__(self, every: int | None, train_step: Any, mesh: jax.sharding.Mesh):
+        self.every = every if mesh.size > 1 else None
+        # A train step may declare which parts of its state replicas must agree
+        # on (a step that trains replicas locally between syncs does).
+        self.must_agree = getattr(train_step, "must_agree", None)
+        self.mesh = mesh
+
+    def due(self, calls: int) -> bool:
+        return self.every is not None and (calls == 1 or calls % self.every == 0)
+
+    def __call__(self, state: PyTree, *, call: int) -> None:
+        tree = state if self.must_agree is None else self.must_agree(state)
+        _divergence.check(_layout.agreed(tree), self.mesh, state=state, call=call)
+
+
 def parallelize(
     train_step: Callable[[PyTree, PyTree], Any],
     *,
@@ -329,6 +410,7 @@ def parallelize(
     backend: _backends.BackendName = "shard_map",
     axis_name: _layout.AxisName = "data",
     donate_state: bool = True,
+    check_sync: int | None = 100,
 ) -> Parallel:
     """Runs a per-replica training step on every device: synchronous data parallelism.
 
@@ -365,17 +447,29 @@ def parallelize(
         The state you pass in is deleted by the call; use the returned one. A
         forward-only step never donates. A state that holds one array in two
         leaves is refused: it cannot be donated twice.
+      check_sync: Guard against replicas that silently drift apart (a step that
+        forgets to average its gradients trains N different models): after the
+        first call and then every `check_sync` calls (100 by default), compare a
+        fingerprint of every state leaf across replicas (one pass over the
+        state, in a small program of its own) and raise
+        `jdp.ReplicaDivergenceError` naming the first leaf that differs. Parts
+        that differ by design are not compared (BMUF's local parameters between
+        syncs with `make_train_step(..., grad_sync="none")`, ZeRO's slices).
+        None turns the guard off, for deliberately local training in your own
+        step.
 
     Returns:
       A `jdp.Parallel`, callable as `step(state, batch)`, with `replicate`,
       `unreplicate`, `shard`, `broadcast`, `collectives` and `lower`.
 
     Raises:
-      ValueError: If `backend` is unknown, `devices` is empty or lists a device
+      ValueError: If `backend` is unknown, `check_sync` is not positive,
+        `devices` is empty or lists a device
         twice, `axis_name` is not one name or two distinct names (two need
         `"shard_map"`), or, with several processes, the processes hold different
         numbers of `devices`.
-      TypeError: If `axis_name` is neither a str nor a tuple.
+      TypeError: If `axis_name` is neither a str nor a tuple, or `check_sync` is
+        not an int.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, jdp
@@ -400,6 +494,7 @@ def parallelize(
     if len(set(devices)) != len(devices):
         raise ValueError(f"`devices` lists a device twice: {devices}.")
     axis_name = _check_axis_name(axis_name, backend)
+    _validate.positive_int("check_sync", check_sync, allow_none=True)
     _check_devices_per_process(devices)
     return Parallel(
         train_step,
@@ -407,6 +502,7 @@ def parallelize(
         backend=backend,
         axis_name=axis_name,
         donate_state=donate_state,
+        check_sync=check_sync,
     )
 
 

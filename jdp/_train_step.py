@@ -20,10 +20,11 @@ from typing import Any, Literal, NamedTuple
 import jax
 import optax
 from flax import struct
+from jax import lax
 
-from jdp import _bmuf, _collectives, _zero
+from jdp import _bmuf, _collectives, _validate, _zero
 from jdp._layout import StateLayout
-from jdp._tree import is_float
+from jdp._tree import format_problems, is_float, keystr
 
 PyTree = Any
 GradSync = Literal["all_reduce", "none", "zero"]
@@ -44,6 +45,8 @@ class TrainState(struct.PyTreeNode):
       opt_state: The optimizer's state.
       batch_stats: Computed, non-trained state such as BatchNorm statistics, or
         None.
+      skipped_steps: Steps skipped because their gradients were not finite
+        (`make_train_step(..., skip_nonfinite=True)`; an int32 array).
       tx: The optax optimizer (static: not a pytree leaf).
 
     Example:
@@ -57,6 +60,7 @@ class TrainState(struct.PyTreeNode):
     params: PyTree
     opt_state: optax.OptState
     batch_stats: PyTree = None
+    skipped_steps: jax.Array | None = None
     tx: optax.GradientTransformation = struct.field(pytree_node=False, default=None)
 
     @classmethod
@@ -73,6 +77,7 @@ class TrainState(struct.PyTreeNode):
             params=params,
             opt_state=tx.init(params),
             batch_stats=batch_stats,
+            skipped_steps=jax.numpy.zeros((), jax.numpy.int32),
             tx=tx,
         )
 
@@ -92,11 +97,14 @@ class TrainStep:
 
     What `jdp.make_train_step` returns: call it as `step_fn(state, batch)`.
     `state_layout`, when set, maps the abstract logical state and the replica
-    count to the per-replica layout; `step.replicate` follows it.
+    count to the per-replica layout; `step.replicate` follows it. `must_agree`,
+    when set, maps a state to the part of it replicas must agree on (others set
+    to None); `jdp.parallelize`'s `check_sync` compares only that part.
     """
 
     step_fn: Callable[[PyTree, PyTree], tuple[PyTree, dict[str, jax.Array]]]
     state_layout: StateLayout | None = None
+    must_agree: Callable[[PyTree], PyTree] | None = None
 
     def __call__(self, state: PyTree, batch: PyTree):
         return self.step_fn(state, batch)
@@ -110,11 +118,13 @@ class Update(NamedTuple):
     """How a step synchronises and applies gradients (one `grad_sync` choice).
 
     `apply(grads, state, tx) -> (params, opt_state, metrics)` runs inside the
-    step on one replica's gradients; `state_layout` is the layout it needs.
+    step on one replica's gradients; `state_layout` is the layout it needs;
+    `must_agree` the part of the state replicas agree on, if not all of it.
     """
 
     apply: Callable[[PyTree, PyTree, optax.GradientTransformation], tuple]
     state_layout: StateLayout | None = None
+    must_agree: Callable[[PyTree], PyTree] | None = None
 
 
 def make_train_step(
@@ -129,6 +139,7 @@ def make_train_step(
     batch_stats_mode: Literal["mean", "broadcast"] = "mean",
     remat: Literal["full"] | Callable[..., Any] | None = None,
     clip_grad_norm: float | None = None,
+    skip_nonfinite: bool = False,
 ) -> TrainStep:
     """Builds the per-replica training step for `jdp.parallelize`.
 
@@ -181,6 +192,14 @@ def make_train_step(
         as metric `"grad_norm"`. With `grad_sync="zero"` the norm is computed
         across replicas (a `psum`), which `optax.clip_by_global_norm` inside
         `tx` cannot do.
+      skip_nonfinite: Skip a step whose gradients are not finite (a NaN or inf
+        loss, an overflow): params and optimizer state stay as they were, on
+        every replica (the decision is taken on all replicas' gradients, so it
+        is the same everywhere), the state's `skipped_steps` counter grows by
+        one and metric `"skipped"` is 1 (0 otherwise). The step counter still
+        advances. Needs a state with a `skipped_steps` field (`jdp.TrainState`
+        has one). Like `optax.apply_if_finite`, but the decision covers every
+        replica and every `grad_sync` (a ZeRO replica sees only slices).
 
     Returns:
       `train_step(state, batch) -> (state, metrics)`, to give to `jdp.parallelize`.
@@ -222,10 +241,9 @@ def make_train_step(
     """
     if grad_sync not in GRAD_SYNCS:
         raise ValueError(f"`grad_sync` must be one of {GRAD_SYNCS}; got {grad_sync!r}.")
-    if clip_grad_norm is not None and not clip_grad_norm > 0:
-        raise ValueError(
-            f"`clip_grad_norm` must be a positive global norm or None, got "
-            f"{clip_grad_norm!r}."
+    if clip_grad_norm is not None:
+        _validate.finite_number(
+            "clip_grad_norm", clip_grad_norm, above=0, note="a global norm, or None"
         )
     _collectives.check_bucket_bytes(bucket_bytes)
     options = dict(
@@ -237,9 +255,13 @@ def make_train_step(
     if grad_sync == "zero":
         update = Update(_zero.update_fn(**options), _zero.layout_fn(tx))
     elif grad_sync == "none":
-        update = Update(_local_update(clip_grad_norm=clip_grad_norm))
+        update = Update(
+            _local_update(clip_grad_norm=clip_grad_norm), must_agree=_agreed_locally
+        )
     else:
         update = Update(_all_reduce_update(**options))
+    if skip_nonfinite:
+        update = update._replace(apply=_skipping(update.apply, axis_name=axis_name))
     return build_train_step(
         apply_remat(loss_fn, remat),
         tx,
@@ -296,11 +318,14 @@ def build_train_step(
                 "gradients and syncs the models itself. Use "
                 '`jdp.make_train_step(loss_fn, tx, grad_sync="none")`.'
             )
+        _check_trainable(state.params, api)
         loss, aux, new_stats, grads = loss_and_grads(
             value_and_grad(optimizer), loss_fn, state, batch, has_aux=has_aux
         )
         params, opt_state, extra = update.apply(grads, state, optimizer)
         changes = dict(step=state.step + 1, params=params, opt_state=opt_state)
+        if "skipped" in extra:
+            changes["skipped_steps"] = state.skipped_steps + extra["skipped"]
         if new_stats is not None:
             changes["batch_stats"] = _collectives.sync_batch_stats(
                 new_stats, mode=batch_stats_mode, axis_name=axis_name
@@ -313,7 +338,7 @@ def build_train_step(
                 metrics["aux"] = aux
         return state.replace(**changes), metrics
 
-    return TrainStep(train_step, update.state_layout)
+    return TrainStep(train_step, update.state_layout, update.must_agree)
 
 
 # -- gradients ------------------------------------------------------------------
@@ -358,6 +383,22 @@ def apply_remat(loss_fn: Callable[..., Any], remat: Any) -> Callable[..., Any]:
     return jax.checkpoint(loss_fn, policy=remat)
 
 
+def _check_trainable(params: PyTree, api: str) -> None:
+    """Gradients need floating-point params: name the leaves that are not."""
+    bad = [
+        f"{keystr(path)}: {jax.numpy.result_type(x)}"
+        for path, x in jax.tree_util.tree_flatten_with_path(params)[0]
+        if not is_float(x)
+    ]
+    if bad:
+        raise TypeError(
+            f"`{api}`: the state's params must be floating-point (they are "
+            f"differentiated), but these leaves are not:{format_problems(bad)}\n"
+            "Fix: keep integer state (counters, ids) and PRNG keys out of `params`, "
+            "e.g. in `batch_stats` or another field of the state."
+        )
+
+
 # -- synchronising and applying gradients ---------------------------------------------
 
 
@@ -390,6 +431,69 @@ def _local_update(*, clip_grad_norm):
         return _bmuf.snap_to_block_start(params, opt_state), opt_state, extra
 
     return apply
+
+
+def _skipping(apply, *, axis_name):
+    """`apply` that leaves params and optimizer state alone for non-finite grads.
+
+    Every replica's own gradients are checked and the verdict is combined over
+    replicas (one scalar collective), so all replicas take the same branch: an
+    average of gradients is finite exactly when every replica's is (barring an
+    overflow of the sum).
+    """
+
+    def skipping(grads, state, tx):
+        if getattr(state, "skipped_steps", None) is None:
+            raise ValueError(
+                "`jdp.make_train_step(..., skip_nonfinite=True)` counts skipped "
+                "steps in the state's `skipped_steps` field, which this state does "
+                f"not have (or holds None): {type(state).__name__}. Use "
+                "`jdp.TrainState.create(...)`, or add a `skipped_steps` field "
+                "(an int32 zero) to your state."
+            )
+        leaves = [g for g in jax.tree.leaves(grads) if is_float(g)]
+        finite = jax.numpy.array(True)
+        for g in leaves:
+            finite &= jax.numpy.all(jax.numpy.isfinite(g))
+        finite = lax.pmin(finite.astype(jax.numpy.int32), axis_name) > 0
+
+        def run(_):
+            params, opt_state, extra = apply(grads, state, tx)
+            return params, opt_state, extra
+
+        def skip(_):
+            shapes = jax.eval_shape(run, None)
+            extra = jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), shapes[2])
+            return state.params, state.opt_state, extra
+
+        params, opt_state, extra = lax.cond(finite, run, skip, None)
+        return (
+            params,
+            opt_state,
+            {**extra, "skipped": 1 - finite.astype(jax.numpy.int32)},
+        )
+
+    return skipping
+
+
+def _agreed_locally(state: PyTree) -> PyTree:
+    """What replicas that train on their own gradients still agree on.
+
+    The step counter and batch statistics (synced every step), and the global
+    parts of `jdp.bmuf`'s state; not the params or other optimizer state.
+    """
+    if not hasattr(state, "replace"):
+        return None
+
+    def keep(x):
+        if isinstance(x, _bmuf.BMUFState):
+            return x._replace(inner_state=None)
+        return None
+
+    opt_state = jax.tree.map(
+        keep, state.opt_state, is_leaf=lambda x: isinstance(x, _bmuf.BMUFState)
+    )
+    return state.replace(params=None, opt_state=opt_state)
 
 
 def _clip_by_global_norm(grads: PyTree, max_norm: float) -> tuple[PyTree, jax.Array]:

@@ -9,7 +9,10 @@ Python, never a count to jdp).
 
 from __future__ import annotations
 
+import math
 from typing import Any
+
+import numpy as np
 
 
 def is_int(value: Any) -> bool:
@@ -91,3 +94,50 @@ def index(name: str, value: Any, size: int, *, size_name: str) -> int:
     if not 0 <= value < size:
         raise ValueError(f"`{name}` must be {requirement}, got {value!r}.")
     return value
+
+
+def finite_number(
+    name: str,
+    value: Any,
+    *,
+    above: float | None = None,
+    at_least: float | None = None,
+    below: float | None = None,
+    note: str = "",
+) -> float:
+    """Returns `value` as a float if it is a finite real number within bounds.
+
+    Args:
+      name: The argument's name.
+      value: The argument: a Python or NumPy real number (not a bool, not a str).
+      above: Exclusive lower bound, if any.
+      at_least: Inclusive lower bound, if any.
+      below: Exclusive upper bound, if any.
+      note: Shown in parentheses after the requirement.
+
+    Raises:
+      TypeError: If `value` is not a real number: "`block_learning_rate` must be
+        a finite number > 0, got '1' (a str)."
+      ValueError: If it is NaN, infinite, or out of bounds.
+    """
+    parts = []
+    if above is not None:
+        parts.append(f"> {above}")
+    if at_least is not None:
+        parts.append(f">= {at_least}")
+    if below is not None:
+        parts.append(f"< {below}")
+    requirement = "a finite number" + (" " + " and ".join(parts) if parts else "")
+    if note:
+        requirement += f" ({note})"
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
+        raise TypeError(f"`{name}` must be {requirement}, got {describe(value)}.")
+    x = float(value)
+    if (
+        not math.isfinite(x)
+        or (above is not None and not x > above)
+        or (at_least is not None and not x >= at_least)
+        or (below is not None and not x < below)
+    ):
+        raise ValueError(f"`{name}` must be {requirement}, got {value!r}.")
+    return x

@@ -22,6 +22,7 @@ LAYERS = {
     "jdp._bmuf": 3,
     "jdp._zero": 3,
     "jdp._checks": 3,
+    "jdp._divergence": 3,
     "jdp.sparse._lookup": 3,
     "jdp.sparse._gather": 3,
     "jdp.sparse._optim": 3,

@@ -424,6 +424,9 @@ def test_average_inner_state_all_reduces_it_on_sync_steps_too():
         ({"sync_period": 2, "block_learning_rate": -1.0}, "`block_learning_rate`"),
         ({"sync_period": 2, "block_learning_rate": 0.0}, "`block_learning_rate`"),
         ({"sync_period": 2, "warmup_steps": -1}, "`warmup_steps`"),
+        ({"sync_period": 2, "block_learning_rate": float("inf")}, "finite number > 0"),
+        ({"sync_period": 2, "block_learning_rate": float("nan")}, "got nan"),
+        ({"sync_period": 2, "block_momentum": float("nan")}, "`block_momentum`"),
         ({"sync_period": 2, "inner_state_at_sync": "zero"}, "`inner_state_at_sync`"),
         (
             {"sync_period": 2, "outer": optax.sgd(0.7), "block_momentum": 0.5},
@@ -439,13 +442,18 @@ def test_bad_arguments_name_the_argument(kw, match):
 
 
 @pytest.mark.parametrize(
-    "kw", [{"sync_period": 2.5}, {"sync_period": True}, {"warmup_steps": "1"}]
+    "kw, match",
+    [
+        ({"sync_period": 2.5}, "`sync_period` must be an int"),
+        ({"sync_period": True}, "`sync_period` must be an int"),
+        ({"warmup_steps": "1"}, "`warmup_steps` must be an int"),
+        ({"block_learning_rate": "1"}, r"`block_learning_rate`.*'1' \(a str\)"),
+        ({"block_momentum": [0.5]}, r"`block_momentum` must be a finite number"),
+    ],
 )
-def test_wrong_types_are_type_errors(kw):
-    kw = {"sync_period": 2, **kw}
-    name = "warmup_steps" if "warmup_steps" in kw else "sync_period"
-    with pytest.raises(TypeError, match=rf"`{name}` must be an int"):
-        jdp.bmuf(optax.sgd(0.1), **kw)
+def test_wrong_types_are_type_errors(kw, match):
+    with pytest.raises(TypeError, match=match):
+        jdp.bmuf(optax.sgd(0.1), **{"sync_period": 2, **kw})
 
 
 def test_inner_and_outer_must_be_transforms():

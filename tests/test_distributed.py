@@ -5,6 +5,14 @@ this process are split into 2 pretend hosts of 4 (by patching how devices are
 grouped), which exercises the same hierarchical program on one machine.
 """
 
+import errno
+import ipaddress
+import os
+import re
+import socket
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,6 +28,8 @@ from helpers import (
 
 import jdp
 from jdp import _layout
+from jdp.distributed import _runtime
+from jdp.launch._launcher import free_port
 
 HOST_MESH = ("host", "device")
 
@@ -141,6 +151,128 @@ def test_initialize_without_any_configuration_runs_one_process(no_job_env):
     assert not jdp.distributed.is_initialized()
     assert jax.process_count() == 1
     jdp.distributed.shutdown()  # nothing to leave: no error
+
+
+@pytest.fixture
+def held_port():
+    """A free port on 127.0.0.1 that this test listens on (so: in use)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        yield held.getsockname()[1]
+
+
+def run_python(code, *args, timeout=60):
+    return subprocess.run(
+        [sys.executable, "-c", code, *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_initialize_on_a_port_in_use_raises_instead_of_crashing(no_job_env, held_port):
+    # JAX's coordinator crashes its process (SIGSEGV) on a port in use.
+    proc = run_python(
+        "import sys, jdp; jdp.distributed.initialize(sys.argv[1], 2, 0, timeout_s=5)",
+        f"127.0.0.1:{held_port}",
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert re.search(
+        rf"OSError: \[Errno {errno.EADDRINUSE}\] `jdp\.distributed\.initialize`: "
+        rf"process 0 hosts the job's coordinator, but port {held_port} on "
+        r"127\.0\.0\.1 is already in use \(another program, or the coordinator of "
+        r"another job, listens on it\)\. Pick a free port in `coordinator_address` "
+        rf"\(now '127\.0\.0\.1:{held_port}'; or \$JDP_COORDINATOR_ADDRESS\), or "
+        r"start the job with `python -m jdp\.launch` without `--port`, which picks a "
+        r"free one\.",
+        proc.stderr,
+    ), proc.stderr
+
+
+def test_listen_error_sees_a_port_in_use_on_every_address(held_port):
+    # JAX's default listening address, [::]:port, includes 127.0.0.1:port.
+    error = _runtime.listen_error(f"[::]:{held_port}")
+    assert error is not None and error.errno == errno.EADDRINUSE
+    assert _runtime.listen_reason(error, f"[::]:{held_port}") == (
+        f"port {held_port} on every address is already in use (another program, "
+        "or the coordinator of another job, listens on it)"
+    )
+    assert _runtime.listen_error(f"127.0.0.1:{free_port()}") is None
+
+
+@pytest.mark.parametrize(
+    ("address", "bind"),
+    [
+        ("127.0.0.1:1234", "127.0.0.1:1234"),
+        ("127.0.0.2:1234", "127.0.0.2:1234"),
+        ("localhost:1234", "127.0.0.1:1234"),
+        ("LOCALHOST:1234", "127.0.0.1:1234"),
+        ("[::1]:1234", "[::1]:1234"),
+        ("10.0.0.1:1234", None),
+        ("node-0.cluster:1234", None),
+    ],
+)
+def test_coordinator_binds_loopback_only_for_a_loopback_address(
+    no_job_env, address, bind
+):
+    assert _runtime.bind_address(address) == bind
+
+
+def test_coordinator_bind_address_from_the_environment_wins(no_job_env, monkeypatch):
+    monkeypatch.setenv("JAX_COORDINATOR_BIND_ADDRESS", "0.0.0.0:4321")
+    assert _runtime.bind_address("127.0.0.1:4321") == "0.0.0.0:4321"
+
+
+def listening_addresses(port):
+    """The addresses that TCP sockets listen on at `port` (Linux's /proc/net)."""
+    found = []
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(name) as f:
+            rows = [line.split() for line in f.read().splitlines()[1:]]
+        for row in rows:
+            host, port_hex = row[1].split(":")
+            if row[3] != "0A" or int(port_hex, 16) != port:  # 0A: LISTEN
+                continue
+            raw = bytes.fromhex(host)
+            if sys.byteorder == "little":  # printed one 32-bit word at a time
+                raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+            address = ipaddress.ip_address(raw)
+            if address.version == 6 and address.ipv4_mapped:
+                address = address.ipv4_mapped
+            found.append(address)
+    return found
+
+
+LISTEN = """
+import sys, time
+import jdp
+jdp.distributed.initialize(sys.argv[1], 1, 0, timeout_s=30)
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.skipif(
+    not os.path.exists("/proc/net/tcp6"), reason="reads Linux's /proc/net/tcp6"
+)
+def test_coordinator_at_a_loopback_address_listens_on_loopback_only(no_job_env):
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", LISTEN, f"127.0.0.1:{port}"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        ready = proc.stdout.readline()  # "" if the process ended
+        addresses = listening_addresses(port)
+    finally:
+        proc.kill()
+        _, err = proc.communicate(timeout=30)
+    assert ready == "ready\n", err
+    # JAX's default would be every address: [::] (and so 0.0.0.0).
+    assert addresses == [ipaddress.ip_address("127.0.0.1")]
 
 
 # -- parallelize(..., axis_name=("host", "device")) -----------------------------

@@ -1,3 +1,5 @@
+import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -291,3 +293,158 @@ def test_model_needing_a_concrete_batch_gets_a_hint():
         needs_concrete_batch, 1.0, (np.ones((2, 3)),), batch_polymorphic=False
     )
     np.testing.assert_allclose(jdp.load_predictor(blob)(np.ones((2, 3))), [1.0, 1.0])
+
+
+def test_text_inputs_are_a_type_error_naming_the_input(blob):
+    predict = jdp.load_predictor(blob)
+    expected = r"Expected inputs: args\[0\]: float32\[batch, 6, 6, 1\]"
+    with pytest.raises(
+        TypeError,
+        match=r"(?s)args\[0\]: got a str of dtype <U3 and shape \(\), expected "
+        r"float32\[batch, 6, 6, 1\].*" + expected + ".*token ids",
+    ):
+        predict("abc")
+    with pytest.raises(
+        TypeError, match=r"args\[0\]: got a numpy.ndarray of dtype <U1 and shape \(2,"
+    ):
+        predict(np.full((2,) + IMAGE, "a"))
+    with pytest.raises(TypeError, match=r"args\[0\]: got a numpy.ndarray of dtype obj"):
+        predict(np.array([object()] * 2, dtype=object))
+
+
+def test_text_in_a_nested_input_is_named_by_its_path():
+    def fn(p, x, extra):
+        return x * p + extra["bias"]
+
+    x = np.ones((2, 3), np.float32)
+    predict = jdp.load_predictor(
+        jdp.export_predictor(fn, 2.0, (x, {"bias": np.ones(2, np.float32)[:, None]}))
+    )
+    with pytest.raises(
+        TypeError,
+        match=r"args\[1\]\['bias'\]: got a numpy.ndarray of dtype \|S1 and shape "
+        r"\(2, 1\), expected float32\[batch, 1\]",
+    ) as e:
+        predict(x, {"bias": np.array([[b"a"], [b"b"]])})
+    assert "args[0]" not in str(e.value).splitlines()[1]  # only the bad input listed
+    np.testing.assert_allclose(predict(x, {"bias": np.zeros((2, 1))}), 2 * x)
+
+
+def test_replicated_true_on_plain_params_names_the_leaf():
+    n = jax.device_count()
+    x = (np.ones((1, 3), np.float32),)
+    fix = r".*Pass `replicated=False` for one plain copy"
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)replicated=True.*\['w'\]: float32\[3, 2\] placed by "
+        r"SingleDeviceSharding" + fix,
+    ):
+        jdp.export_predictor(
+            lambda p, x: x @ p["w"], {"w": jnp.ones((3, 2))}, x, replicated=True
+        )
+    # A leading axis of the device count is not enough: it must be laid out.
+    with pytest.raises(ValueError, match=r"(?s)\['w'\]: float32\[8, 3, 2\]" + fix):
+        jdp.export_predictor(
+            lambda p, x: x @ p["w"][0], {"w": jnp.ones((n, 3, 2))}, x, replicated=True
+        )
+    half = Mesh(np.asarray(jax.devices()[: n // 2]), ("data",))
+    sharded = jax.device_put(jnp.ones((n, 3, 2)), NamedSharding(half, P("data")))
+    with pytest.raises(ValueError, match=r"\[0\]: float32\[8, 3, 2\] placed by Named"):
+        jdp.export_predictor(
+            lambda p, x: x @ p[0][0], [sharded, np.ones(2)], x, replicated=True
+        )
+    with pytest.raises(ValueError, match=r"\[1\]: a numpy.ndarray of shape \(2,\)"):
+        jdp.export_predictor(
+            lambda p, x: x @ p[0][0], [sharded, np.ones(2)], x, replicated=True
+        )
+
+
+def test_replicated_true_on_replicated_params_takes_replica_0():
+    mesh = _layout.make_mesh(jax.devices(), "data")
+    w = np.arange(6.0, dtype=np.float32).reshape(3, 2)
+    replicated = _layout.replicate({"w": w}, mesh)
+    blob = jdp.export_predictor(
+        lambda p, x: x @ p["w"],
+        replicated,
+        (np.ones((1, 3), np.float32),),
+        replicated=True,
+    )
+    x = np.ones((4, 3), np.float32)
+    np.testing.assert_allclose(jdp.load_predictor(blob)(x), x @ w)
+
+
+@pytest.mark.parametrize(
+    ("meta", "problem"),
+    [
+        (b"not json", "JSONDecodeError: Expecting value"),
+        (b"\xff{}", "UnicodeDecodeError"),
+        (b"[1, 2]", "expected a JSON object, got a JSON array"),
+        (
+            b'{"jdp": 1, "jax": "0.4", "platforms": [], "inputs": [], "outputs": []}',
+            r"'jdp_format': missing.*'jdp': expected a JSON string, got a JSON "
+            "number",
+        ),
+    ],
+    ids=["not-json", "not-utf8", "not-an-object", "missing-and-wrong-keys"],
+)
+def test_bad_json_header_with_a_valid_checksum_is_a_clear_error(
+    meta, problem, tmp_path
+):
+    path = tmp_path / "bad.jdppred"
+    path.write_bytes(_export._pack(meta, b"payload"))
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)bad.jdppred' has a valid checksum but a bad JSON header.*"
+        + problem,
+    ):
+        jdp.load_predictor(path)
+
+
+def test_expected_sha256_accepts_the_right_file(blob, tmp_path):
+    path = tmp_path / "model.jdppred"
+    path.write_bytes(blob)
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    predict = jdp.load_predictor(path, expected_sha256=digest)
+    assert predict.sha256 == digest
+    assert jdp.load_predictor(blob, expected_sha256=digest.upper()).sha256 == digest
+    assert jdp.load_predictor(blob).sha256 == digest
+
+
+def test_expected_sha256_rejects_a_tampered_file_before_reading_it(blob, monkeypatch):
+    digest = hashlib.sha256(blob).hexdigest()
+    # A tampered file whose checksum was recomputed: the checksum alone accepts it.
+    meta_len = _export._HEADER.unpack_from(blob)[2]
+    meta = json.loads(blob[_export._HEADER.size :][:meta_len])
+    meta["jdp"] = "0.0.0-tampered"
+    tampered = _export._pack(
+        json.dumps(meta).encode(), blob[_export._HEADER.size + meta_len :]
+    )
+    assert jdp.load_predictor(tampered).metadata["jdp"] == "0.0.0-tampered"
+    bad = hashlib.sha256(tampered).hexdigest()
+    with pytest.raises(
+        ValueError, match=f"the data given has SHA-256 {bad}, expected {digest}"
+    ):
+        jdp.load_predictor(tampered, expected_sha256=digest)
+
+    def unpack(*args):
+        raise AssertionError("the data was read before its digest was checked")
+
+    monkeypatch.setattr(_export, "_unpack", unpack)
+    with pytest.raises(ValueError, match=f"has SHA-256 {bad}, expected {digest}"):
+        jdp.load_predictor(tampered, expected_sha256=digest)
+
+
+def test_expected_sha256_must_be_a_hex_digest(blob):
+    raw = hashlib.sha256(blob).digest()
+    with pytest.raises(TypeError, match=r"must be a str of 64 hex digits.*got a bytes"):
+        jdp.load_predictor(blob, expected_sha256=raw)
+    with pytest.raises(ValueError, match=r"must be 64 hex digits.*'abc' \(3 char"):
+        jdp.load_predictor(blob, expected_sha256="abc")
+    with pytest.raises(ValueError, match=r"must be 64 hex digits.*'g{64}'"):
+        jdp.load_predictor(blob, expected_sha256="g" * 64)
+
+
+def test_docstrings_say_the_checksum_is_not_a_signature():
+    for doc in (_export.__doc__, jdp.load_predictor.__doc__):
+        assert "not a signature" in " ".join(doc.split())
+        assert "expected_sha256" in doc

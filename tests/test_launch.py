@@ -4,9 +4,11 @@ These jobs do not join JAX's distributed runtime (tests/multiprocess/ does): the
 check what the launcher itself does with its processes.
 """
 
+import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -16,7 +18,7 @@ import pytest
 
 import jdp
 from jdp.launch import __main__ as launch_main
-from jdp.launch import _launcher
+from jdp.launch import _launcher, _progress, _stall, _worker
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
 
@@ -41,6 +43,32 @@ SLEEP = """
 import os, time
 print(f"ready {os.getpid()}", flush=True)
 time.sleep(300)
+"""
+
+
+# Process 1 stops before its step STUCK_AT (argv[1]); process 0 goes on forever.
+STUCK_PROCESS_1 = """
+import os, sys, time
+from jdp.launch import _progress
+stuck_at = int(sys.argv[1])
+print(f"ready {os.getpid()}", flush=True)
+for step in range(1, 1_000_000):
+    if os.environ["JDP_PROCESS_ID"] == "1" and step == stuck_at:
+        time.sleep(300)  # alive, but stuck
+    _progress.beat()  # what a jdp step does as it starts
+    time.sleep(0.02)
+"""
+STUCK_LINE = (
+    textwrap.dedent(STUCK_PROCESS_1)
+    .splitlines()
+    .index("        time.sleep(300)  # alive, but stuck")
+    + 1
+)
+
+INITIALIZE = """
+import jdp
+jdp.distributed.initialize(timeout_s=10)
+print("initialized", flush=True)
 """
 
 
@@ -172,6 +200,82 @@ def test_cli_timeout_stops_the_job(tmp_path):
     assert re.search(r"did not finish within 3 s; stopped it", err), err
 
 
+def test_cli_refuses_a_port_in_use_before_starting_anything(tmp_path):
+    # Without the check, JAX's coordinator crashes process 0 (SIGSEGV).
+    script = write(tmp_path, "initialize.py", INITIALIZE)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        proc = launcher(["--num-processes", 2, "--port", port, script])
+        out, err = finish(proc)
+    assert proc.returncode == 2, err
+    assert (
+        f"jdp.launch: port {port} on 127.0.0.1 is already in use (another program, "
+        "or the coordinator of another job, listens on it), so process 0 cannot host "
+        "the job's coordinator there. Pick another port with `--port`, or leave "
+        "`--port` out to let the launcher pick a free one.\n"
+    ) in err
+    assert "initialized" not in out
+
+
+@pytest.mark.parametrize(
+    ("stuck_at", "progress"),
+    [
+        (3, r"it reported progress 2 times, the others up to \d+ times"),
+        (1, r"it has reported no progress since it started, the others up to \d+"),
+    ],
+    ids=["after-2-steps", "from-the-start"],
+)
+def test_cli_stops_a_job_whose_process_is_stuck(tmp_path, stuck_at, progress):
+    script = write(tmp_path, "stuck.py", STUCK_PROCESS_1)
+    start = time.monotonic()
+    proc = launcher(["--num-processes", 2, "--stall-timeout", 1, script, stuck_at])
+    out, err = finish(proc)
+    assert proc.returncode == 124, err
+    assert re.search(
+        r"jdp\.launch: process 1 of 2 \(pid \d+\) made no progress for more than "
+        rf"1 s while the others went on or waited for it: {progress}\. Process 1 was "
+        rf"last seen at stuck\.py:{STUCK_LINE} in <module>: `time\.sleep\(300\)  "
+        r"# alive, but stuck`\. Stopped the job\. If a process may take longer than "
+        r"that between two steps \(an evaluation, a checkpoint\), raise the limit "
+        r"with `--stall-timeout SECONDS` \(0 turns the check off\)\.",
+        err,
+    ), err
+    assert time.monotonic() - start < PROMPT_S
+    pids = [int(p) for p in re.findall(r"^\[\d\] ready (\d+)$", out, re.M)]
+    assert len(pids) == 2
+    assert wait_dead(pids, 5) == []
+
+
+def test_cli_stall_timeout_0_turns_the_check_off(tmp_path):
+    script = write(tmp_path, "stuck.py", STUCK_PROCESS_1)
+    args = ["--num-processes", 2, "--stall-timeout", 0, "--timeout", 3, script, 3]
+    proc = launcher(args)
+    _, err = finish(proc)
+    assert proc.returncode == 124
+    assert "did not finish within 3 s; stopped it" in err
+    assert "made no progress" not in err
+
+
+def test_cli_stall_check_leaves_a_program_that_reports_no_progress(tmp_path):
+    script = write(tmp_path, "quiet.py", "import time\ntime.sleep(2.5)\nprint('done')")
+    proc = launcher(["--num-processes", 2, "--stall-timeout", 0.5, script])
+    out, err = finish(proc)
+    assert proc.returncode == 0, err
+    assert "[0] done" in out and "[1] done" in out
+
+
+def test_cli_stall_timeout_defaults_to_300_s(monkeypatch):
+    calls = []
+    monkeypatch.setattr(
+        launch_main, "launch_command", lambda *a, **k: calls.append(k) or 0
+    )
+    assert launch_main.main(["--num-processes", "2", "x.py"]) == 0
+    assert launch_main.main(["--num-processes", "2", "--stall-timeout=7", "x.py"]) == 0
+    assert [c["stall_timeout_s"] for c in calls] == [300.0, 7.0]
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -181,8 +285,25 @@ def test_cli_timeout_stops_the_job(tmp_path):
         (["x.py"], "the following arguments are required: --num-processes"),
         (["--num-processes", "1", "--timeout", "0", "x.py"], "a number > 0, got 0"),
         (["--num-processes", "1", "--timeout", "soon", "x.py"], "got 'soon'"),
+        (
+            ["--num-processes", "1", "--stall-timeout", "-1", "x.py"],
+            "argument --stall-timeout: expected a number >= 0, got -1",
+        ),
+        (
+            ["--num-processes", "1", "--stall-timeout", "later", "x.py"],
+            "argument --stall-timeout: expected a number, got 'later'",
+        ),
     ],
-    ids=["zero", "not-an-int", "alias-zero", "missing", "timeout", "timeout-text"],
+    ids=[
+        "zero",
+        "not-an-int",
+        "alias-zero",
+        "missing",
+        "timeout",
+        "timeout-text",
+        "stall-timeout",
+        "stall-timeout-text",
+    ],
 )
 def test_cli_rejects_bad_arguments(args, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -248,6 +369,77 @@ def sleep_long():
     time.sleep(300)
 
 
+def stuck_on_process_1():
+    for step in range(1, 1_000_000):
+        if os.environ["JDP_PROCESS_ID"] == "1" and step == 3:
+            time.sleep(300)  # stuck
+        _progress.beat()
+        time.sleep(0.02)
+
+
+def test_run_stops_a_job_whose_process_is_stuck():
+    with pytest.raises(
+        TimeoutError,
+        match=r"`jdp.launch.run`: process 1 of 2 \(pid \d+\) made no progress for "
+        r"more than 1 s while the others went on or waited for it: it reported "
+        r"progress 2 times, .* Process 1 was last seen at test_launch\.py:\d+ in "
+        r"stuck_on_process_1: `time\.sleep\(300\)  # stuck`\. Stopped the job\. "
+        r".*raise `stall_timeout_s` \(0 or None turns the check off\)\.",
+    ):
+        jdp.launch.run(
+            stuck_on_process_1, 2, initialize=False, stall_timeout_s=1, timeout_s=60
+        )
+
+
+def write_progress(path, beats, where=None):
+    path.write_text(json.dumps({"pid": 1, "beats": beats, "where": where}))
+
+
+def test_stall_monitor_judges_from_the_first_report_on(tmp_path):
+    paths = [tmp_path / f"progress-{r}.json" for r in range(3)]
+    monitor = _stall.StallMonitor(
+        [str(p) for p in paths], 5, how_to_change="raise the limit"
+    )
+    assert monitor.stalled(now=0.0) == []  # no report yet: nothing is judged
+    assert monitor.stalled(now=1000.0) == []
+    for path in paths:
+        write_progress(path, 4, "train.py:9 in main")
+    assert monitor.stalled(now=2000.0) == []  # the first report starts the clocks
+    write_progress(paths[2], 5)
+    assert monitor.stalled(now=2004.0) == []
+    assert monitor.stalled(now=2005.5) == [0, 1]  # 2 is ahead: it waits for them
+    assert monitor.stalled(now=2006.0, running=[0, 2]) == [0]  # 1 has finished
+    assert monitor.message([0, 1], [10, 11]) == (
+        "processes 0, 1 of 3 (pids 10, 11) made no progress for more than 5 s while "
+        "the others went on or waited for them: each reported progress 4 times, the "
+        "others up to 5 times. Process 0 was last seen at train.py:9 in main. "
+        "Process 1 was last seen at train.py:9 in main. Stopped the job. If a "
+        "process may take longer than that between two steps (an evaluation, a "
+        "checkpoint), raise the limit."
+    )
+
+
+def test_stall_monitor_names_a_deadlock_of_every_process(tmp_path):
+    paths = [tmp_path / f"progress-{r}.json" for r in range(2)]
+    monitor = _stall.StallMonitor([str(p) for p in paths], 2.5, how_to_change="x")
+    for path in paths:
+        write_progress(path, 1)
+    assert monitor.stalled(now=10.0) == []
+    assert monitor.stalled(now=13.0) == [0, 1]
+    assert monitor.message([0, 1], [10, 11]).startswith(
+        "none of the 2 processes made progress for more than 2.5 s (each reported "
+        "progress 1 time): the processes wait for each other (a deadlock), or a "
+        "step takes longer than that. Stopped the job."
+    )
+
+
+def test_worker_reads_progress_from_the_progress_module():
+    assert _worker.PROGRESS_MODULE == _progress.__name__
+    before = _progress.count()
+    _progress.beat()
+    assert _worker._progress_record()["beats"] == before + 1
+
+
 def test_run_timeout_stops_every_process():
     with pytest.raises(TimeoutError, match=r"did not finish within 2 s; stopped it"):
         jdp.launch.run(sleep_long, 2, initialize=False, timeout_s=2)
@@ -263,8 +455,13 @@ def test_run_timeout_stops_every_process():
             r"environment's device count\), got 0\.",
         ),
         ({"num_processes": 1, "timeout_s": 0}, r"`timeout_s` must be a number of"),
+        (
+            {"num_processes": 1, "stall_timeout_s": -1},
+            r"`stall_timeout_s` must be a number of seconds >= 0 \(0 or None turns "
+            r"the stall check off\), got -1\.",
+        ),
     ],
-    ids=["num_processes", "devices_per_process", "timeout_s"],
+    ids=["num_processes", "devices_per_process", "timeout_s", "stall_timeout_s"],
 )
 def test_run_rejects_bad_values(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -288,6 +485,11 @@ def test_run_rejects_bad_values(kwargs, message):
             {"num_processes": 1, "timeout_s": "60"},
             r"`timeout_s` must be a number of seconds > 0 .* got '60' \(a str\)",
         ),
+        (
+            {"num_processes": 1, "stall_timeout_s": True},
+            r"`stall_timeout_s` must be a number of seconds >= 0 .* got True "
+            r"\(a bool\)",
+        ),
     ],
     ids=[
         "num_processes-str",
@@ -295,6 +497,7 @@ def test_run_rejects_bad_values(kwargs, message):
         "num_processes-float",
         "devices_per_process",
         "timeout_s",
+        "stall_timeout_s",
     ],
 )
 def test_run_rejects_bad_types(kwargs, message):
@@ -337,6 +540,7 @@ def test_process_env_sets_the_job_and_replaces_the_device_count():
     assert env["JDP_NUM_PROCESSES"] == "3"
     assert env["JDP_PROCESS_ID"] == "1"
     assert env["JAX_COORDINATOR_BIND_ADDRESS"] == "127.0.0.1:1234"
+    assert env["JDP_LAUNCHER_PID"] == str(os.getpid())
     assert env["XLA_FLAGS"].split() == [
         "--foo=1",
         "--bar",

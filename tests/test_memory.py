@@ -118,5 +118,7 @@ def test_bad_options_are_refused():
         jdp.make_train_step(mlp_loss, optax.sgd(0.1), remat="bogus")
     with pytest.raises(TypeError, match=r"`remat` must be None, 'full' or .* int"):
         jdp.make_train_step(mlp_loss, optax.sgd(0.1), remat=3)
-    with pytest.raises(ValueError, match=r"`clip_grad_norm` must be a positive"):
+    with pytest.raises(ValueError, match=r"`clip_grad_norm` must be a finite number"):
         jdp.make_train_step(mlp_loss, optax.sgd(0.1), clip_grad_norm=0.0)
+    with pytest.raises(ValueError, match=r"`clip_grad_norm`.*got inf"):
+        jdp.make_train_step(mlp_loss, optax.sgd(0.1), clip_grad_norm=float("inf"))

@@ -11,6 +11,7 @@ def test_public_names_are_pinned():
             "Collective",
             "MemoryAnalysis",
             "Parallel",
+            "ReplicaDivergenceError",
             "TrainState",
             "all_reduce_gradients",
             "assert_replicas_in_sync",

@@ -3,14 +3,20 @@
 `initialize` wraps `jax.distributed.initialize` with what a data-parallel job needs
 around it: the configuration read from `JDP_*` environment variables (set by
 `python -m jdp.launch`), gloo collectives on CPU, arguments checked before anything
-starts, a clear error instead of a native abort when the processes cannot meet, and
-a failing process that exits at once instead of waiting for its peers.
+starts, a clear error instead of a native abort (or crash) when the processes cannot
+meet, leave, or host the coordinator, a coordinator that listens on loopback only
+when the job is on one machine, and a failing process that exits at once instead of
+waiting for its peers.
 """
 
 from __future__ import annotations
 
+import atexit
+import errno
+import ipaddress
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -26,6 +32,10 @@ from jdp import _validate
 ENV_COORDINATOR_ADDRESS = "JDP_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "JDP_NUM_PROCESSES"
 ENV_PROCESS_ID = "JDP_PROCESS_ID"
+#: Set by `python -m jdp.launch` (to its PID) in the processes it starts.
+ENV_LAUNCHER_PID = "JDP_LAUNCHER_PID"
+#: JAX's own setting of the coordinator's listening address (it wins over jdp's).
+ENV_JAX_BIND_ADDRESS = "JAX_COORDINATOR_BIND_ADDRESS"
 
 CPU_COLLECTIVES = ("gloo", "mpi", None)
 
@@ -50,6 +60,26 @@ _UNREACHABLE_MSG = (
     "the port. Raise `timeout_s` if process 0 starts slowly."
 )
 
+_CANNOT_LISTEN_MSG = (
+    "`jdp.distributed.initialize`: process 0 hosts the job's coordinator, but "
+    "{reason}. Pick a free port in `coordinator_address` (now {addr!r}; or "
+    "${env}), or start the job with `python -m jdp.launch` without `--port`, which "
+    "picks a free one."
+)
+
+_SHUTDOWN_TIMEOUT_MSG = (
+    "jdp.distributed: process {pid} of {num} waited {timeout} s at shutdown for "
+    "{who}, which did not arrive. The processes of a job leave it together (at "
+    "`jdp.distributed.shutdown()` or at their normal exit): a process that ends "
+    "another way (`os._exit`, a crash, a kill) or is still working holds up the "
+    "others. Look for an error in the output of {who}; if the processes finish at "
+    "different times, raise `timeout_s` of `jdp.distributed.initialize` (now "
+    "{timeout} s). Exiting with status 1."
+)
+
+#: Coordination-service keys under which each process notes its arrival at shutdown.
+_ARRIVED_KEY = "jdp/shutdown/arrived/"
+
 _TOO_LATE_MSG = (
     "`jdp.distributed.initialize` must run before JAX starts its backends, but "
     "something already did (a call such as `jax.devices()` or the creation of an "
@@ -60,6 +90,9 @@ _log = logging.getLogger("jdp.distributed")
 
 # The arguments of the successful `initialize` of this process (or None).
 _config: dict | None = None
+# Its `timeout_s`: how long `shutdown` waits for the other processes.
+_shutdown_timeout_s: int = 300
+_exit_hook_installed = False
 
 
 def _env_int(name: str) -> int | None:
@@ -87,6 +120,113 @@ def _split_address(address: str) -> tuple[str, int]:
             f"'127.0.0.1:1234'), got {address!r}."
         )
     return host.strip("[]"), int(port)
+
+
+def _is_loopback(host: str) -> bool:
+    """Whether `host` is a loopback address: 127.x.y.z, ::1 or "localhost"."""
+    if host.lower() in ("localhost", "localhost."):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: where it points may differ between machines
+        return False
+
+
+def bind_address(coordinator_address: str) -> str | None:
+    """Where process 0's coordinator listens; None for JAX's default (every address).
+
+    `$JAX_COORDINATOR_BIND_ADDRESS` if set; else, for a loopback coordinator
+    address (a job on one machine), that loopback address, so that no other
+    machine can reach the coordinator.
+    """
+    explicit = os.environ.get(ENV_JAX_BIND_ADDRESS)
+    if explicit:
+        return explicit
+    host, port = _split_address(coordinator_address)
+    if not _is_loopback(host):
+        return None
+    if host.lower().rstrip(".") == "localhost":
+        host = "127.0.0.1"  # what JAX's gRPC server binds for "localhost" too
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _split_bind(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def _bind_candidates(host: str, port: int) -> list[tuple[int, tuple]]:
+    """(family, socket address) to try binding, as JAX's gRPC server would."""
+    if host in ("", "::", "0.0.0.0", "*"):
+        # Every address: an IPv6 socket that also takes IPv4, else IPv4 alone.
+        return [(socket.AF_INET6, ("::", port)), (socket.AF_INET, ("0.0.0.0", port))]
+    try:
+        infos = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except socket.gaierror:
+        return []  # JAX reports an unknown host itself
+    return [(family, address) for family, _, _, _, address in infos[:1]]
+
+
+def listen_error(address: str) -> OSError | None:
+    """The error that listening on `address` ("host:port") gives now, or None.
+
+    Tried with a socket bound and closed at once, with the options JAX's gRPC
+    server uses (`SO_REUSEADDR`: a port in TIME_WAIT is free). JAX itself does not
+    report such an error: its process crashes (SIGSEGV).
+    """
+    try:
+        host, port = _split_bind(address)
+    except ValueError:
+        return None  # malformed: JAX reports it
+    candidates = _bind_candidates(host, port)
+    for i, (family, sockaddr) in enumerate(candidates):
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6 and sockaddr[0] == "::":
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+                sock.bind(sockaddr)
+            return None
+        except OSError as e:
+            no_ipv6 = e.errno in (errno.EAFNOSUPPORT, errno.EADDRNOTAVAIL)
+            if not (no_ipv6 and family == socket.AF_INET6 and i + 1 < len(candidates)):
+                return e
+    return None
+
+
+def listen_reason(error: OSError, address: str) -> str:
+    """Why listening on `address` failed, for an error message."""
+    host, port = _split_bind(address)
+    where = f"port {port} on {host if host not in ('', '::') else 'every address'}"
+    if error.errno == errno.EADDRINUSE:
+        return (
+            f"{where} is already in use (another program, or the coordinator of "
+            "another job, listens on it)"
+        )
+    return f"it cannot listen on {where} ({error.strerror or error})"
+
+
+def _check_coordinator_port(requested: dict) -> str | None:
+    """The coordinator's bind address; on process 0, raises if it cannot listen."""
+    address = requested["coordinator_address"]
+    if address is None:
+        return None
+    bind = bind_address(address)
+    if requested["process_id"] == 0:
+        target = bind or f"[::]:{_split_address(address)[1]}"  # JAX's default
+        error = listen_error(target)
+        if error is not None:
+            raise OSError(
+                error.errno,
+                _CANNOT_LISTEN_MSG.format(
+                    reason=listen_reason(error, target),
+                    addr=address,
+                    env=ENV_COORDINATOR_ADDRESS,
+                ),
+            )
+    return bind
 
 
 def _backends_started() -> bool:
@@ -174,6 +314,25 @@ def initialize(
     On CPU, collectives between processes use gloo over TCP. Calling it again with
     the same (or no) arguments does nothing.
 
+    Process 0 hosts the job's coordinator (JAX's coordination service). It listens
+    on the loopback address only when `coordinator_address` is one (`127.x.y.z`,
+    `::1` or `localhost`: a job on one machine, so no other machine can reach
+    it), and on every address of the machine otherwise (JAX's default), since
+    the other machines connect to it; `$JAX_COORDINATOR_BIND_ADDRESS`
+    (`"host:port"`) chooses the address itself. The coordinator accepts any
+    process that connects, so on a shared network keep its port behind a
+    firewall. Before starting it, process 0 checks that it can listen on the
+    port, which JAX does not do (its process crashes).
+
+    Leaving the job is a barrier: at `shutdown` (or the interpreter's exit) a
+    process waits for the others, for up to `timeout_s`; past that it prints which
+    processes did not arrive and exits with status 1.
+
+    Under `python -m jdp.launch`, SIGTERM stops the process as in any Python
+    program. Otherwise JAX's preemption service takes SIGTERM over: it only
+    records a preemption notice (see `jax.experimental.multihost_utils`) and the
+    process runs on.
+
     Args:
       coordinator_address: `"host:port"` of process 0, which hosts JAX's
         coordination service on that port; every process passes the same value.
@@ -184,7 +343,8 @@ def initialize(
       cpu_collectives: CPU collectives between processes: `"gloo"` (default),
         `"mpi"` (needs an MPI installation), or None to leave JAX's setting.
       timeout_s: Seconds to wait for all processes to connect (300 by default);
-        also how long a finishing process waits for the others at shutdown.
+        also how long a finishing process waits for the others at shutdown
+        before it exits with status 1.
       heartbeat_timeout_s: Seconds without a heartbeat after which the runtime
         declares a process dead and stops the others (100 by default).
       fail_fast: If True (default), with several processes an uncaught exception
@@ -200,6 +360,8 @@ def initialize(
         configuration is incomplete.
       RuntimeError: If JAX's backends already started, or this process was
         already initialized with different arguments.
+      OSError: On process 0, if the coordinator cannot listen on its port
+        (`errno.EADDRINUSE` if the port is in use: the message names the port).
       TimeoutError: If process 0's coordinator accepts no connection within
         `timeout_s` (on processes other than 0).
 
@@ -213,7 +375,7 @@ def initialize(
       >>> jdp.distributed.initialize("10.0.0.1:1234", 2, 0)  # doctest: +SKIP
       >>> jdp.distributed.initialize()  # under `python -m jdp.launch` # doctest: +SKIP
     """
-    global _config
+    global _config, _shutdown_timeout_s
     _check_options(cpu_collectives, timeout_s, heartbeat_timeout_s)
     requested = _requested_config(coordinator_address, num_processes, process_id)
     _check_config(**requested)
@@ -225,17 +387,24 @@ def initialize(
         if not given:  # nothing configured: a single process, already running
             return
         raise RuntimeError(_TOO_LATE_MSG)
+    bind = _check_coordinator_port(requested)
     if cpu_collectives is not None:
         jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
+    sigterm = _python_sigterm_handler()
     joined = _join(
         requested,
         local_device_ids=local_device_ids,
         timeout_s=timeout_s,
         heartbeat_timeout_s=heartbeat_timeout_s,
+        bind=bind,
     )
     if not joined:
         return
     _config = _joined_config(requested)
+    _shutdown_timeout_s = timeout_s
+    _install_exit_hook()
+    if os.environ.get(ENV_LAUNCHER_PID):
+        _restore_sigterm(sigterm)
     if fail_fast and _config["num_processes"] > 1:
         _install_fail_fast()
 
@@ -312,6 +481,7 @@ def _join(
     local_device_ids: int | Sequence[int] | None,
     timeout_s: int,
     heartbeat_timeout_s: int,
+    bind: str | None,
 ) -> bool:
     """Calls `jax.distributed.initialize`; False if there is no job to join.
 
@@ -329,7 +499,9 @@ def _join(
             local_device_ids=local_device_ids,
             initialization_timeout=timeout_s + _JAX_GRACE_S,
             heartbeat_timeout_seconds=heartbeat_timeout_s,
-            shutdown_timeout_seconds=timeout_s,
+            # jdp's own watchdog (`shutdown`) ends the wait first, with a message.
+            shutdown_timeout_seconds=timeout_s + _JAX_GRACE_S,
+            coordinator_bind_address=bind,
         )
     except ValueError as e:
         if not given and "coordinator_address" in str(e):
@@ -410,6 +582,43 @@ def _install_fail_fast() -> None:
         sys.excepthook = _exit_on_uncaught(sys.excepthook)
 
 
+def _python_sigterm_handler():
+    """SIGTERM's Python-level handler now (None if not readable or not Python's)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.getsignal(signal.SIGTERM)
+
+
+def _restore_sigterm(handler) -> None:
+    """Puts back SIGTERM's handler from before `jax.distributed.initialize`.
+
+    JAX's preemption service takes SIGTERM over: the signal then only records a
+    preemption notice (for `jax.experimental.multihost_utils`' sync points) and
+    the process runs on. Under `python -m jdp.launch`, SIGTERM comes from the
+    launcher stopping the job, and must stop the process as in any program.
+    """
+    if handler is None or threading.current_thread() is not threading.main_thread():
+        return
+    signal.signal(signal.SIGTERM, handler)
+
+
+def _install_exit_hook() -> None:
+    """Makes the interpreter's exit leave the job through `shutdown` (its watchdog).
+
+    Registered after JAX's own exit handler, so it runs first (handlers run in
+    reverse order); JAX's then finds the job already left.
+    """
+    global _exit_hook_installed
+    if not _exit_hook_installed:
+        atexit.register(_shutdown_at_exit)
+        _exit_hook_installed = True
+
+
+def _shutdown_at_exit() -> None:
+    if _config is not None:
+        shutdown()
+
+
 def _give_up(address: str, num: int, pid: int, timeout: int) -> None:
     print(
         _CONNECT_TIMEOUT_MSG.format(pid=pid, num=num, timeout=timeout, addr=address),
@@ -430,8 +639,93 @@ def shutdown() -> None:
       >>> jdp.distributed.shutdown()  # nothing to do in a single process
     """
     global _config
-    jax.distributed.shutdown()
-    _config = None
+    config, _config = _config, None
+    if config is None or config["num_processes"] < 2 or not is_initialized():
+        jax.distributed.shutdown()
+        return
+    _leave(config["process_id"], config["num_processes"], _shutdown_timeout_s)
+
+
+def _coordination_client():
+    """This process's client of JAX's coordination service (None if not joined)."""
+    # Private JAX, on purpose: JAX (0.10) has no public API for the coordination
+    # service's key-value store, which says here which processes reached shutdown.
+    try:
+        from jax._src import distributed as jax_distributed_state
+    except ImportError:  # pragma: no cover - JAX moved it; the message says less
+        return None
+    return getattr(jax_distributed_state.global_state, "client", None)
+
+
+def _leave(process_id: int, num_processes: int, timeout_s: int) -> None:
+    """`jax.distributed.shutdown()`, ended after `timeout_s` s with a clear message.
+
+    JAX's shutdown is a barrier of every process; past its deadline JAX aborts the
+    process (SIGABRT) with a message about "Shutdown barrier has failed". Here a
+    watchdog stops the wait first and names the processes that did not arrive
+    (each process notes its arrival in the coordination service first).
+    """
+    client = _coordination_client()
+    if client is not None:
+        try:
+            client.key_value_set(
+                f"{_ARRIVED_KEY}{process_id}", "1", allow_overwrite=True
+            )
+        except Exception:  # the service may be gone; the barrier then says so
+            pass
+    watchdog = threading.Timer(
+        timeout_s,
+        _shutdown_timed_out,
+        args=(client, process_id, num_processes, timeout_s),
+    )
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        jax.distributed.shutdown()
+    finally:
+        watchdog.cancel()
+
+
+def _not_arrived(client, num_processes: int, wait_s: float = 2.0) -> list[int] | None:
+    """The processes that did not note their arrival at shutdown (None: unknown)."""
+    found: list = []
+
+    def read():
+        try:
+            found.append(client.key_value_dir_get(_ARRIVED_KEY))
+        except Exception:  # the service is gone (process 0 left): unknown
+            pass
+
+    if client is None:
+        return None
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(wait_s)  # the service may not answer: do not wait for it
+    if not found:
+        return None
+    arrived = set()
+    for key, _ in found[0]:
+        tail = key.rstrip("/").rpartition("/")[2]
+        if tail.isdigit():
+            arrived.add(int(tail))
+    return [p for p in range(num_processes) if p not in arrived]
+
+
+def _shutdown_timed_out(client, process_id: int, num: int, timeout_s: int) -> None:
+    missing = _not_arrived(client, num)
+    if missing:
+        noun = "process" if len(missing) == 1 else "processes"
+        who = f"{noun} {', '.join(map(str, missing))}"
+    else:
+        who = "the other processes"
+    print(
+        _SHUTDOWN_TIMEOUT_MSG.format(
+            pid=process_id, num=num, timeout=timeout_s, who=who
+        ),
+        file=sys.stderr,
+        flush=True,
+    )
+    flush_and_exit(1)
 
 
 def is_initialized() -> bool:

@@ -9,6 +9,7 @@ import argparse
 import sys
 
 from jdp.launch._launcher import launch_command
+from jdp.launch._stall import DEFAULT_STALL_TIMEOUT_S
 
 _DESCRIPTION = """\
 Run a training script as N processes of one job on this machine (127.0.0.1).
@@ -16,6 +17,9 @@ Every process runs the same script; `jdp.distributed.initialize()` in the script
 reads the job from the JDP_COORDINATOR_ADDRESS, JDP_NUM_PROCESSES and
 JDP_PROCESS_ID variables set here. Output lines are prefixed with "[process_id]".
 If one process fails, the others are stopped and the launcher exits non-zero.
+If the processes furthest behind report no progress (a jdp step) for
+--stall-timeout seconds while the others wait for them, the job is stopped and
+the stuck processes are named, with where they were last seen (exit status 124).
 """
 
 
@@ -36,6 +40,16 @@ def _positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if not value > 0:
         raise argparse.ArgumentTypeError(f"expected a number > 0, got {text}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
     return value
 
 
@@ -67,10 +81,20 @@ def _parser() -> argparse.ArgumentParser:
         help="stop the job after this many seconds (exit status 124)",
     )
     p.add_argument(
+        "--stall-timeout",
+        type=_non_negative_float,
+        default=DEFAULT_STALL_TIMEOUT_S,
+        metavar="SECONDS",
+        help="stop the job (exit status 124) when the processes furthest behind "
+        "have reported no progress for this many seconds; a process reports "
+        "progress as each jdp step starts (default: %(default)g; 0 turns it off)",
+    )
+    p.add_argument(
         "--port",
         type=_positive_int,
         default=None,
-        help="coordinator port on 127.0.0.1 (default: a free one)",
+        help="coordinator port on 127.0.0.1 (default: a free one); one in use "
+        "is an error (exit status 2)",
     )
     p.add_argument(
         "-m",
@@ -94,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         devices_per_process=ns.devices_per_process,
         timeout_s=ns.timeout,
         port=ns.port,
+        stall_timeout_s=ns.stall_timeout,
     )
 
 

@@ -6,7 +6,8 @@ device count per process, output prefixed with each line's process index, and a
 job that fails as soon as one process fails. JAX notices a dead peer only at its
 heartbeat timeout (100 s by default), and a process blocked in a collective with a
 dead peer may never return, so the launcher itself kills the others, by the PIDs
-it started.
+it started. A process that is alive but stuck is found from the progress each
+process reports (`_stall`), and the job is stopped too.
 """
 
 from __future__ import annotations
@@ -28,9 +29,14 @@ from typing import Any
 from jdp import _validate
 from jdp.distributed._runtime import (
     ENV_COORDINATOR_ADDRESS,
+    ENV_LAUNCHER_PID,
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
+    listen_error,
+    listen_reason,
 )
+from jdp.launch._stall import DEFAULT_STALL_TIMEOUT_S, StallError, StallMonitor
+from jdp.launch._worker import ENV_PROGRESS_FILE
 
 #: Seconds between SIGTERM and SIGKILL when stopping processes after a failure.
 KILL_GRACE_S = 3.0
@@ -70,6 +76,7 @@ def process_env(
     env[ENV_PROCESS_ID] = str(process_id)
     # The coordinator listens on loopback only (JAX's default is every address).
     env["JAX_COORDINATOR_BIND_ADDRESS"] = f"127.0.0.1:{port}"
+    env[ENV_LAUNCHER_PID] = str(os.getpid())  # SIGTERM from us stops the process
     env["PYTHONUNBUFFERED"] = "1"
     if devices_per_process is not None:
         flags = _DEVICE_COUNT_FLAG.sub("", env.get("XLA_FLAGS", "")).split()
@@ -98,6 +105,8 @@ class Job:
       stdout, stderr: Where the prefixed lines go.
       prefix: Prefix each line with `[process_id] `.
       echo: Print the processes' output (else only keep its tail for errors).
+      stall: Follows the processes' progress reports; `wait` stops the job with a
+        `StallError` when it finds stalled processes. None: no such check.
     """
 
     def __init__(
@@ -109,6 +118,7 @@ class Job:
         stderr=None,
         prefix: bool = True,
         echo: bool = True,
+        stall: StallMonitor | None = None,
     ):
         self.commands = [list(c) for c in commands]
         self.envs = [dict(e) for e in envs]
@@ -116,6 +126,7 @@ class Job:
         self.stderr = stderr
         self.prefix = prefix
         self.echo = echo
+        self.stall = stall
         self.procs: list[subprocess.Popen] = []
         self.tails = [collections.deque(maxlen=TAIL_LINES) for _ in self.commands]
         self._pumps: list[threading.Thread] = []
@@ -214,29 +225,16 @@ class Job:
 
         On a failure the others are stopped at once and `self.failure` says which
         process failed first and how. Raises `TimeoutError` (after stopping every
-        process) if the job is still running after `timeout_s` seconds.
+        process) if the job is still running after `timeout_s` seconds, and
+        `StallError` (a `TimeoutError`) if `stall` finds stalled processes.
         """
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         try:
             while True:
-                codes = [p.poll() for p in self.procs]
-                failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-                if failed:
-                    # A peer of a killed process fails soon after it (a closed
-                    # connection): report a death by signal first, then by rank.
-                    failed.sort(key=lambda rc: (rc[1] >= 0, rc[0]))
-                    self.failure, self.also_failed = failed[0], failed[1:]
-                    self.kill()
-                    return False
-                if all(code == 0 for code in codes):
-                    self._join_pumps()
-                    return True
-                if (
-                    self._stop_requested_at is not None
-                    and time.monotonic() - self._stop_requested_at > FORWARD_GRACE_S
-                ):
-                    self.kill(grace_s=0)
-                    return False
+                outcome = self._outcome()
+                if outcome is not None:
+                    return outcome
+                self._check_stall()
                 if deadline is not None and time.monotonic() > deadline:
                     running = [
                         f"{r} (pid {p.pid})"
@@ -252,6 +250,39 @@ class Job:
         except BaseException:
             self.kill()
             raise
+
+    def _outcome(self) -> bool | None:
+        """True if every process succeeded, False if the job failed, else None."""
+        codes = [p.poll() for p in self.procs]
+        failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+        if failed:
+            # A peer of a killed process fails soon after it (a closed
+            # connection): report a death by signal first, then by rank.
+            failed.sort(key=lambda rc: (rc[1] >= 0, rc[0]))
+            self.failure, self.also_failed = failed[0], failed[1:]
+            self.kill()
+            return False
+        if all(code == 0 for code in codes):
+            self._join_pumps()
+            return True
+        if (
+            self._stop_requested_at is not None
+            and time.monotonic() - self._stop_requested_at > FORWARD_GRACE_S
+        ):
+            self.kill(grace_s=0)
+            return False
+        return None
+
+    def _check_stall(self) -> None:
+        """Stops the job and raises `StallError` if `stall` finds stalled processes."""
+        if self.stall is None or self._stop_requested_at is not None:
+            return
+        running = [r for r, p in enumerate(self.procs) if p.poll() is None]
+        behind = self.stall.stalled(running=running)
+        if behind:
+            message = self.stall.message(behind, self.pids)
+            self.kill()
+            raise StallError(message)
 
     def failure_message(self, *, with_tail: bool = True) -> str:
         """Which process failed, how, and (optionally) its last output lines."""
@@ -281,6 +312,40 @@ def script_command(target: str, args: Sequence[str], *, module: bool) -> list[st
     return [sys.executable, WORKER, mode, target, *args]
 
 
+#: How `python -m jdp.launch` says to change the stall limit.
+_CLI_STALL_HINT = (
+    "raise the limit with `--stall-timeout SECONDS` (0 turns the check off)"
+)
+
+
+def _port_taken_message(port: int) -> str | None:
+    """Why process 0 could not host the coordinator on 127.0.0.1:`port`, or None."""
+    address = f"127.0.0.1:{port}"
+    error = listen_error(address)
+    if error is None:
+        return None
+    return (
+        f"{listen_reason(error, address)}, so process 0 cannot host the job's "
+        "coordinator there. Pick another port with `--port`, or leave `--port` out "
+        "to let the launcher pick a free one."
+    )
+
+
+def _progress_setup(
+    envs: list[dict[str, str]],
+    directory: str,
+    stall_timeout_s: float | None,
+    hint: str,
+) -> StallMonitor | None:
+    """Points each process at its progress file; the monitor reading them (or None)."""
+    if not stall_timeout_s:
+        return None
+    paths = [os.path.join(directory, f"progress-{r}.json") for r in range(len(envs))]
+    for env, path in zip(envs, paths, strict=True):
+        env[ENV_PROGRESS_FILE] = path
+    return StallMonitor(paths, stall_timeout_s, how_to_change=hint)
+
+
 def launch_command(
     target: str,
     args: Sequence[str],
@@ -290,13 +355,20 @@ def launch_command(
     devices_per_process: int | None = None,
     timeout_s: float | None = None,
     port: int | None = None,
+    stall_timeout_s: float | None = DEFAULT_STALL_TIMEOUT_S,
 ) -> int:
     """Runs `target` in `num_processes` processes; returns the job's exit status.
 
     Installs handlers that forward SIGINT/SIGTERM to every process; processes
     still running `FORWARD_GRACE_S` later, or after a second signal, are killed.
+    Returns 2 without starting anything if `port` cannot be listened on, and 124
+    if the job runs past `timeout_s` or stalls for `stall_timeout_s` (0 or None:
+    no stall check).
     """
-    _check_arguments(num_processes, devices_per_process, timeout_s)
+    _check_arguments(num_processes, devices_per_process, timeout_s, stall_timeout_s)
+    if port is not None and (problem := _port_taken_message(port)):
+        print(f"jdp.launch: {problem}", file=sys.stderr, flush=True)
+        return 2
     port = port or free_port()
     envs = [
         process_env(
@@ -308,7 +380,15 @@ def launch_command(
         )
         for r in range(num_processes)
     ]
-    job = Job([script_command(target, args, module=module)] * num_processes, envs)
+    with tempfile.TemporaryDirectory(prefix="jdp-launch-") as tmp:
+        stall = _progress_setup(envs, tmp, stall_timeout_s, _CLI_STALL_HINT)
+        command = script_command(target, args, module=module)
+        job = Job([command] * num_processes, envs, stall=stall)
+        return _run_command_job(job, timeout_s)
+
+
+def _run_command_job(job: Job, timeout_s: float | None) -> int:
+    """Runs `job` for `launch_command`, forwarding signals; its exit status."""
     received: list[int] = []
 
     def forward(signum, frame):
@@ -348,7 +428,10 @@ def launch_command(
 
 
 def _check_arguments(
-    num_processes: Any, devices_per_process: Any, timeout_s: Any
+    num_processes: Any,
+    devices_per_process: Any,
+    timeout_s: Any,
+    stall_timeout_s: Any = None,
 ) -> None:
     """Checks the arguments shared by `run` and `launch_command`, before any start."""
     _validate.positive_int("num_processes", num_processes)
@@ -358,15 +441,29 @@ def _check_arguments(
         allow_none=True,
         note="or None to keep the environment's device count",
     )
-    if timeout_s is None:
+    _check_seconds(
+        "timeout_s", timeout_s, "a number of seconds > 0 (or None to wait forever)"
+    )
+    _check_seconds(
+        "stall_timeout_s",
+        stall_timeout_s,
+        "a number of seconds >= 0 (0 or None turns the stall check off)",
+        allow_zero=True,
+    )
+
+
+def _check_seconds(
+    name: str, value: Any, requirement: str, *, allow_zero: bool = False
+) -> None:
+    """Checks a number of seconds (None passes): TypeError or ValueError."""
+    if value is None:
         return
-    requirement = "a number of seconds > 0 (or None to wait forever)"
-    if not isinstance(timeout_s, int | float) or isinstance(timeout_s, bool):
+    if not isinstance(value, int | float) or isinstance(value, bool):
         raise TypeError(
-            f"`timeout_s` must be {requirement}, got {_validate.describe(timeout_s)}."
+            f"`{name}` must be {requirement}, got {_validate.describe(value)}."
         )
-    if not timeout_s > 0:
-        raise ValueError(f"`timeout_s` must be {requirement}, got {timeout_s!r}.")
+    if not (value >= 0 if allow_zero else value > 0):
+        raise ValueError(f"`{name}` must be {requirement}, got {value!r}.")
 
 
 def _main_path(fn: Callable[..., Any]) -> str | None:
@@ -392,6 +489,7 @@ def run(
     devices_per_process: int | None = None,
     initialize: bool = True,
     timeout_s: float | None = 600.0,
+    stall_timeout_s: float | None = DEFAULT_STALL_TIMEOUT_S,
     env: Mapping[str, str] | None = None,
     quiet: bool = False,
 ) -> list[Any]:
@@ -421,6 +519,11 @@ def run(
       initialize: Call `jdp.distributed.initialize()` before `fn` (default).
       timeout_s: Stop every process and raise `TimeoutError` after this many
         seconds (600 by default; None waits forever).
+      stall_timeout_s: Stop every process and raise `TimeoutError` when the
+        processes furthest behind have reported no progress for this many
+        seconds (300 by default; 0 or None turns the check off). A process
+        reports progress as each jdp step starts; one that never reports is
+        never stopped by this check.
       env: Extra environment variables for the processes.
       quiet: Do not print the processes' output (it still appears in errors).
         By default each line is printed with its process index, `[0] ...`.
@@ -430,11 +533,14 @@ def run(
 
     Raises:
       RuntimeError: If a process fails (exits non-zero or is killed).
-      TimeoutError: If the job runs longer than `timeout_s`.
-      TypeError: If `num_processes`, `devices_per_process` or `timeout_s` has the
-        wrong type, or `fn` or its arguments cannot be pickled.
+      TimeoutError: If the job runs longer than `timeout_s`, or stalls for
+        `stall_timeout_s` (the message names the processes that stalled).
+      TypeError: If `num_processes`, `devices_per_process`, `timeout_s` or
+        `stall_timeout_s` has the wrong type, or `fn` or its arguments cannot be
+        pickled.
       ValueError: If `num_processes` or `devices_per_process` is below 1,
-        `timeout_s` is not positive, or `fn` was defined interactively.
+        `timeout_s` is not positive, `stall_timeout_s` is negative, or `fn` was
+        defined interactively.
 
     Example:
       >>> import jdp.launch
@@ -444,7 +550,7 @@ def run(
       >>> jdp.launch.run(fn, 2, devices_per_process=2)  # doctest: +SKIP
       [(0, 4), (1, 4)]
     """
-    _check_arguments(num_processes, devices_per_process, timeout_s)
+    _check_arguments(num_processes, devices_per_process, timeout_s, stall_timeout_s)
     base = dict(os.environ)
     base.update(env or {})
     port = free_port()
@@ -489,7 +595,13 @@ def run(
             ]
             for r in range(num_processes)
         ]
-        job = Job(commands, envs, echo=not quiet)
+        stall = _progress_setup(
+            envs,
+            tmp,
+            stall_timeout_s,
+            "raise `stall_timeout_s` (0 or None turns the check off)",
+        )
+        job = Job(commands, envs, echo=not quiet, stall=stall)
         job.start()
         try:
             ok = job.wait(timeout_s)

@@ -11,19 +11,34 @@ difference: if the target fails (an uncaught exception or a non-zero exit), the
 process prints the traceback and exits at once. A normal interpreter exit would run
 JAX's shutdown barrier first, which waits for the other processes (up to its
 shutdown timeout) and turns a failure into a hang.
+
+With `$JDP_PROGRESS_FILE` set, a thread also reports the process's progress there
+for the launcher: the count of `jdp.launch._progress.beat()` calls and where the
+main thread is (see `report_progress`).
 """
 
 from __future__ import annotations
 
+import json
+import linecache
 import logging
 import os
 import pickle
 import runpy
 import sys
+import sysconfig
 import threading
 import time
 import traceback
 import types
+
+#: Where the launcher wants this process's progress reports (a JSON file).
+ENV_PROGRESS_FILE = "JDP_PROGRESS_FILE"
+#: The module whose `count()` is this process's progress (read, never imported
+#: here: importing jdp would import JAX before the target chose its settings).
+PROGRESS_MODULE = "jdp.launch._progress"
+#: Seconds between two progress reports.
+REPORT_S = 0.5
 
 
 def flush_and_exit(code: int) -> None:
@@ -105,12 +120,96 @@ def _exit_when_orphaned(period_s: float = 1.0) -> None:
     threading.Thread(target=watch, name="jdp-orphan-watch", daemon=True).start()
 
 
+def _library_dirs() -> tuple[str, ...]:
+    """Directories of code that is not the program's own: Python's, packages, jdp."""
+    paths = sysconfig.get_paths()
+    dirs = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    dirs.add(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # jdp
+    return tuple(os.path.join(os.path.realpath(d), "") for d in dirs)
+
+
+def _describe_frame(frame, base: str | None = None) -> str:
+    code = frame.f_code
+    path = os.path.realpath(code.co_filename)
+    shown = os.path.relpath(path, base) if base else os.path.basename(path)
+    text = f"{shown}:{frame.f_lineno} in {code.co_name}"
+    source = linecache.getline(code.co_filename, frame.f_lineno).strip()
+    return f"{text}: `{source}`" if source else text
+
+
+def where(thread_id: int, library_dirs: tuple[str, ...]) -> str | None:
+    """Where thread `thread_id` is: its innermost frame in the program's own code.
+
+    `"train.py:12 in main: `time.sleep(60)`"`, followed by `", inside
+    jax/_src/array.py:640 in _value"` when the thread is in a library below it.
+    None if the thread has no Python frame.
+    """
+    frame = sys._current_frames().get(thread_id)
+    if frame is None:
+        return None
+    innermost, own = frame, None
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not name.startswith("<") and not os.path.realpath(name).startswith(
+            library_dirs
+        ):
+            own = frame
+            break
+        frame = frame.f_back
+    if own is None:
+        return _describe_frame(innermost)
+    text = _describe_frame(own)
+    if innermost is not own:
+        path = os.path.realpath(innermost.f_code.co_filename)
+        base = next((d for d in library_dirs if path.startswith(d)), None)
+        text += ", inside " + _describe_frame(innermost, base).split(": `")[0]
+    return text
+
+
+def _progress_record() -> dict:
+    module = sys.modules.get(PROGRESS_MODULE)
+    beats = module.count() if module is not None else 0
+    return {"pid": os.getpid(), "beats": beats}
+
+
+def report_progress(path: str, period_s: float = REPORT_S) -> threading.Thread:
+    """Writes this process's progress to `path` every `period_s` seconds (a thread).
+
+    The record, `{"pid", "beats", "where"}`, is replaced atomically, and
+    only when it changed. `where` is where the main thread was last seen (see
+    `where`), which the launcher shows if this process stops making progress.
+    """
+    main_id = threading.main_thread().ident
+    library_dirs = _library_dirs()
+
+    def report():
+        last = None
+        while True:
+            record = _progress_record()
+            record["where"] = where(main_id, library_dirs)
+            if record != last:
+                try:
+                    with open(path + ".tmp", "w") as f:
+                        json.dump(record, f)
+                    os.replace(path + ".tmp", path)
+                    last = record
+                except OSError:  # the launcher removed its directory: it is ending
+                    pass
+            time.sleep(period_s)
+
+    thread = threading.Thread(target=report, name="jdp-progress", daemon=True)
+    thread.start()
+    return thread
+
+
 def main(argv: list[str]) -> None:
     """Runs the target named by `argv`; exits at once if it fails."""
     if len(argv) < 2 or argv[0] not in ("--script", "--module", "--call"):
         print(__doc__, file=sys.stderr)
         flush_and_exit(2)
     _exit_when_orphaned()
+    if os.environ.get(ENV_PROGRESS_FILE):
+        report_progress(os.environ[ENV_PROGRESS_FILE])
     mode, target, rest = argv[0], argv[1], argv[2:]
     try:
         if mode == "--script":

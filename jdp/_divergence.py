@@ -1,0 +1,137 @@
+"""Private: the replica-divergence guard of `jdp.parallelize(..., check_sync=K)`.
+
+A synchronous step keeps every replica's state bit-identical. A step that forgets
+to average its gradients trains N different models without any error; only the
+replicas' values show it. After the first call and then every K-th call,
+`Parallel` fingerprints every leaf that replicas must agree on and compares the
+replicas: one pass over the state (every K steps) in a small program of its own,
+so the step itself is unchanged and compiles once.
+
+The fingerprint of a leaf on one replica is the wrapping sum of its bits (as
+unsigned integers): exact and independent of summation order, so equal replicas
+always give equal fingerprints on every platform, and a replica that differs in
+any value almost surely gives another.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jdp._tree import keystr
+
+PyTree = Any
+
+DIVERGED_MSG = (
+    "[jdp] The replicas' states diverged during step call {call}: {leaf} differs "
+    "between replica 0 and replica {replica} ({count} of {total} checked leaves "
+    "differ{more}). A synchronous step keeps every replica identical, so the step "
+    "most likely does not average its gradients (or syncs computed state on one "
+    "replica only): use `jdp.make_train_step`, or `jdp.all_reduce_gradients` / "
+    "`jdp.sync_gradients` and `jdp.sync_batch_stats` in your own step. For "
+    "deliberately local training (local SGD, your own model averaging) pass "
+    "`check_sync=None` to `jdp.parallelize`. The state the step returned is "
+    "`error.state`; `step.broadcast(error.state)` resets every replica to "
+    "replica 0."
+)
+
+
+class ReplicaDivergenceError(RuntimeError):
+    """Replicas of a synchronous step's state hold different values.
+
+    Raised by a `jdp.parallelize` step (see its `check_sync`) after the call that
+    made them differ.
+
+    Attributes:
+      state: The replicated state that call returned (nothing is lost: continue
+        from it, or reset it with `step.broadcast(error.state)`).
+      leaf: The path of the first leaf whose replicas differ, e.g.
+        `.params['dense']['kernel']`.
+      replica: A replica whose copy of that leaf differs from replica 0's.
+    """
+
+    def __init__(self, message: str, *, state: PyTree, leaf: str, replica: int):
+        super().__init__(message)
+        self.state = state
+        self.leaf = leaf
+        self.replica = replica
+
+
+def _bits(x: jax.Array) -> jax.Array:
+    """`x` as unsigned integers of its own width (keys: their key data)."""
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint32)
+    # 64-bit and complex leaves become pairs of 32-bit words (a trailing axis).
+    width = min(jnp.dtype(x.dtype).itemsize, 4)
+    return lax.bitcast_convert_type(
+        x, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[width]
+    )
+
+
+def _fingerprints(leaves: list[jax.Array]) -> jax.Array:
+    """`(num_leaves, num_replicas)` wrapping bit sums, per leaf and replica."""
+    rows = []
+    for x in leaves:
+        bits = _bits(x).reshape(x.shape[0], -1).astype(jnp.uint32)
+        rows.append(jnp.sum(bits, axis=1, dtype=jnp.uint32))
+    return jnp.stack(rows)
+
+
+@functools.cache
+def _fingerprints_fn(mesh: Mesh):
+    """`_fingerprints`, compiled once per mesh (and leaf structure), replicated.
+
+    The result is small and replicated over `mesh`, so that every process reads
+    every replica's fingerprints (one small collective across processes).
+    """
+    return jax.jit(_fingerprints, out_shardings=NamedSharding(mesh, P()))
+
+
+def first_divergence(tree: PyTree, mesh: Mesh) -> tuple[str, int, int, int] | None:
+    """`(leaf path, replica, diverging leaves, checked leaves)`, or None if in sync."""
+    flat = [
+        (path, x)
+        for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+        if isinstance(x, jax.Array) and x.ndim >= 1 and x.shape[0] > 1 and x.size
+    ]
+    if not flat:
+        return None
+    prints = np.asarray(_fingerprints_fn(mesh)([x for _, x in flat]))
+    differ = prints != prints[:, :1]
+    bad = np.flatnonzero(differ.any(axis=1))
+    if not bad.size:
+        return None
+    first = int(bad[0])
+    replica = int(np.flatnonzero(differ[first])[0])
+    return keystr(flat[first][0]), replica, int(bad.size), len(flat)
+
+
+def check(tree: PyTree, mesh: Mesh, *, state: PyTree, call: int) -> None:
+    """Raises `ReplicaDivergenceError` if the replicas of `tree` differ."""
+    found = first_divergence(tree, mesh)
+    if found is None:
+        return
+    leaf, replica, count, total = found
+    more = "" if count == 1 else "; the first is named"
+    raise ReplicaDivergenceError(
+        DIVERGED_MSG.format(
+            call=call,
+            leaf=leaf,
+            replica=replica,
+            count=count,
+            total=total,
+            more=more,
+        ),
+        state=state,
+        leaf=leaf,
+        replica=replica,
+    )
