@@ -66,7 +66,7 @@ def check_layout(batch: PyTree, backend: str) -> None:
             OTHER_LAYOUT_MSG.format(
                 other=other[0][1],
                 mine=backend,
-                why=_WHY[backend],
+                why=_WHY[other[0][1]],
                 probs=format_problems([p for p, _ in other]),
             )
         )

@@ -394,3 +394,88 @@ def test_back_to_back_steps_without_reading_results(backend):
     for _ in range(300):
         state, _ = step(state, batch)
     np.testing.assert_allclose(step.unreplicate(state), 300.0)
+
+
+# -- misuse that used to crash, hang or pass in silence ------------------------
+
+
+def sgd_step(backend, **kw):
+    tx = optax.sgd(0.1)
+
+    def loss_fn(p, b):
+        return jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
+
+    step = jdp.parallelize(jdp.make_train_step(loss_fn, tx), backend=backend, **kw)
+    state = step.replicate(
+        jdp.TrainState.create(params={"w": jnp.zeros((3, 1))}, tx=tx)
+    )
+    batch = step.shard(
+        {"x": np.ones((8, 3), np.float32), "y": np.ones((8, 1), np.float32)}
+    )
+    return step, state, batch
+
+
+def test_reusing_a_donated_state_is_an_error_not_a_crash(backend):
+    step, state, batch = sgd_step(backend)
+    new, _ = step(state, batch)
+    with pytest.raises(
+        ValueError, match=r"(?s)donated to an earlier step.*\.params\['w'\].*returned"
+    ):
+        step(state, batch)
+    new, _ = step(new, batch)  # the returned state goes on
+    assert np.isfinite(float(step.unreplicate(new).params["w"][0, 0]))
+
+
+def test_a_forward_only_step_never_donates_a_scalar_leaf(backend):
+    def eval_step(state, batch):
+        return {"logits": jnp.mean(batch * state["temperature"])}
+
+    step = jdp.parallelize(eval_step, backend=backend, devices=jax.devices()[:4])
+    state = step.replicate({"temperature": jnp.float32(2.0)})
+    batch = step.shard(np.ones(8, np.float32))
+    for _ in range(2):
+        assert float(step(state, batch)["logits"]) == 2.0
+    assert not state["temperature"].is_deleted()
+
+
+@pytest.mark.parametrize("donate", [True, False], ids=["donate", "keep"])
+def test_a_step_that_changes_a_dtype_is_refused_on_the_first_call(backend, donate):
+    def to_bf16(state, batch):
+        return {"w": (state["w"] + batch.sum()).astype(jnp.bfloat16)}, {}
+
+    step = jdp.parallelize(to_bf16, backend=backend, donate_state=donate)
+    state = step.replicate({"w": jnp.zeros(3)})
+    with pytest.raises(TypeError, match=r"\['w'\]: float32\[3\] -> bfloat16\[3\]"):
+        step(state, step.shard(np.ones(8, np.float32)))
+    assert not state["w"].is_deleted()  # refused before anything was donated
+
+
+def test_an_unbound_axis_name_names_the_bound_one(backend):
+    def step_fn(state, batch):
+        return state, {"m": lax.pmean(batch.sum(), "batch")}
+
+    step = jdp.parallelize(step_fn, backend=backend)
+    with pytest.raises(
+        RuntimeError, match=r"(?s)binds the replica axis 'data'.*axis_name='batch'"
+    ):
+        step(step.replicate({}), step.shard(np.ones(8, np.float32)))
+
+
+def test_replicating_a_replicated_state_is_refused(backend):
+    step, state, _ = sgd_step(backend)
+    with pytest.raises(ValueError, match=r"already replicated.*mesh of 8 devices"):
+        step.replicate(state)
+
+
+def test_step_broadcast_handles_typed_prng_keys(backend):
+    step = jdp.parallelize(
+        lambda s, b: (s, {}), backend=backend, devices=jax.devices()[:4]
+    )
+    keys = jax.random.split(jax.random.key(0), 4)
+    per_replica = jax.random.wrap_key_data(
+        jax.device_put(jax.random.key_data(keys), step.sharding)
+    )
+    out = step.broadcast({"key": per_replica}, root=1)
+    data = np.asarray(jax.random.key_data(out["key"]))
+    np.testing.assert_array_equal(data, np.broadcast_to(data[1], data.shape))
+    np.testing.assert_array_equal(data[0], np.asarray(jax.random.key_data(keys[1])))

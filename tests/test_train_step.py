@@ -180,3 +180,80 @@ def test_train_state_apply_gradients():
     np.testing.assert_allclose(new.params["w"], 0.5)
     assert new.tx is state.tx
     assert jax.tree.leaves(state.replace(tx=None)) == jax.tree.leaves(state)
+
+
+@pytest.mark.parametrize(
+    "leaf, shown",
+    [(jnp.zeros(2, jnp.int32), "int32"), (jax.random.key(0), "key<fry>")],
+    ids=["int", "key"],
+)
+def test_params_that_cannot_be_differentiated_are_named(leaf, shown):
+    tx = optax.sgd(0.1)
+    params = {"w": jnp.zeros(2), "n": leaf}
+    step = jdp.parallelize(
+        jdp.make_train_step(lambda p, b: jnp.sum(p["w"] * b), tx),
+        devices=jax.devices()[:2],
+    )
+    state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
+    with pytest.raises(
+        TypeError, match=rf"(?s)must be floating-point.*\['n'\]: {shown}"
+    ):
+        step(state, step.shard(np.ones(2, np.float32)))
+
+
+def test_a_string_metric_names_the_metric():
+    step = jdp.parallelize(
+        lambda s, b: (s, {"note": "hello"}), devices=jax.devices()[:2]
+    )
+    with pytest.raises(TypeError, match=r"metric \['note'\] is a str"):
+        step(step.replicate({}), step.shard(np.ones(2, np.float32)))
+
+
+def nan_on_request(params, batch):
+    # Loss and gradients are NaN on a replica that sees a "poisoned" example.
+    scale = jnp.where(jnp.any(batch["poison"] > 0), jnp.nan, 1.0)
+    return mlp_loss(params, batch) * scale
+
+
+@pytest.mark.parametrize("grad_sync", ["all_reduce", "none", "zero"])
+def test_skip_nonfinite_leaves_params_and_optimizer_state_alone(backend, grad_sync):
+    tx = optax.adam(1e-2)
+    if grad_sync == "none":
+        tx = jdp.bmuf(tx, sync_period=2)
+    step = jdp.parallelize(
+        jdp.make_train_step(
+            nan_on_request, tx, grad_sync=grad_sync, skip_nonfinite=True
+        ),
+        backend=backend,
+    )
+    params = init_mlp(jax.random.key(0))
+    state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
+    good, bad = make_batches(2, 16)
+    good["poison"] = np.zeros(16, np.float32)
+    bad["poison"] = np.zeros(16, np.float32)
+    bad["poison"][5] = 1.0  # one example, on one replica only
+    state, metrics = step(state, step.shard(good))
+    assert float(metrics["skipped"]) == 0.0
+    before = jax.device_get(step.unreplicate(state))
+    state, metrics = step(state, step.shard(bad))
+    after = jax.device_get(step.unreplicate(state))
+    assert float(metrics["skipped"]) == 1.0
+    assert int(after.skipped_steps) == 1 and int(after.step) == 2
+    assert_trees_close(after.params, before.params, rtol=0, atol=0)
+    assert_trees_close(after.opt_state, before.opt_state, rtol=0, atol=0)
+    jdp.assert_replicas_in_sync(state.params if grad_sync != "none" else state.step)
+    state, metrics = step(state, step.shard(good))  # training goes on
+    assert float(metrics["skipped"]) == 0.0
+    assert np.isfinite(float(metrics["loss"]))
+
+
+def test_skip_nonfinite_needs_a_counter_in_the_state():
+    tx = optax.sgd(0.1)
+    state = flax_train_state.TrainState.create(
+        apply_fn=None, params=init_mlp(jax.random.key(0)), tx=tx
+    )
+    step = jdp.parallelize(
+        jdp.make_train_step(mlp_loss, skip_nonfinite=True), devices=jax.devices()[:2]
+    )
+    with pytest.raises(ValueError, match=r"`skipped_steps` field.*TrainState"):
+        step(step.replicate(state), step.shard(make_batches(1, 4)[0]))

@@ -1,0 +1,130 @@
+"""Leaves whose replicas differ: found on save, and what a restore does with them.
+
+Synchronous steps keep every replica bit-identical, so one copy is the whole
+state. Between the syncs of `jdp.bmuf` (or any step that updates replicas from
+their own data) the replicas' params and inner optimizer state differ: those
+leaves are saved with every replica. Parts of a `CustomLayout` node (ZeRO's
+slices) differ by design and are left to their layout.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jdp import _bmuf
+from jdp._layout import is_custom, is_key
+from jdp._tree import keystr
+
+PyTree = Any
+
+_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
+
+
+def _bits(x: jax.Array) -> list[jax.Array]:
+    """`x` as unsigned integers with the same bits (floats: -0.0 != 0.0, NaNs)."""
+    if jnp.issubdtype(x.dtype, jnp.complexfloating):
+        return _bits(jnp.real(x)) + _bits(jnp.imag(x))
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        return [jax.lax.bitcast_convert_type(x, _UINT[x.dtype.itemsize])]
+    return [x]
+
+
+def _differ(leaves: Sequence[jax.Array]) -> list[jax.Array]:
+    """Per leaf, whether any replica's bits differ from replica 0's (a 0-d bool)."""
+    out = []
+    for x in leaves:
+        flags = [jnp.any(b != b[:1]) for b in _bits(x)]
+        out.append(functools.reduce(jnp.logical_or, flags))
+    return out
+
+
+@functools.cache
+def _differ_fn(mesh: Mesh | None):
+    """`_differ`, compiled once per mesh (and leaf structure).
+
+    With several processes the flags come back replicated on `mesh`, so that
+    every process makes the same decision (and saves the same items).
+    """
+    if mesh is None:
+        return jax.jit(_differ)
+    return jax.jit(_differ, out_shardings=NamedSharding(mesh, P()))
+
+
+def differing_paths(state: PyTree) -> list[str]:
+    """Paths of the leaves of a replicated state whose replicas are not all equal.
+
+    Compares bits (so `-0.0` and `0.0`, or two NaNs with other payloads, count as
+    different). Leaves inside a `CustomLayout` node are skipped: they differ by
+    design and their layout restores them.
+
+    Args:
+      state: A replicated pytree (every array leaf with a leading replica axis).
+
+    Returns:
+      The `jax.tree_util.keystr` paths, in pytree order.
+    """
+    found = []
+    for path, x in jax.tree_util.tree_flatten_with_path(state, is_leaf=is_custom)[0]:
+        if is_custom(x) or not isinstance(x, jax.Array) or x.ndim < 1:
+            continue
+        if x.shape[0] > 1:
+            found.append((keystr(path), jax.random.key_data(x) if is_key(x) else x))
+    if not found:
+        return []
+    arrays = [x for _, x in found]
+    mesh = None
+    if not all(x.is_fully_addressable for x in arrays):  # replicas on other hosts
+        mesh = arrays[0].sharding.mesh
+    flags = jax.device_get(_differ_fn(mesh)(arrays))
+    return [path for (path, _), flag in zip(found, flags, strict=True) if bool(flag)]
+
+
+def block_start_params(host: PyTree) -> tuple[PyTree, str]:
+    """Sets the params of one copy of a `jdp.bmuf` state to its block start.
+
+    The block start is where every replica begins a block: the global model
+    `global_params` (or `start` with `nesterov=True`).
+
+    Args:
+      host: One logical copy (NumPy leaves) of a training state.
+
+    Returns:
+      `(tree, note)`: the tree with its params set to the block start (or
+      unchanged), and a sentence for the warning saying what was done.
+    """
+    states = _bmuf.find_states(host)
+    if len(states) != 1:
+        return host, ""
+    (bmuf,) = states
+    start = bmuf.global_params if bmuf.start is None else bmuf.start
+    params = getattr(host, "params", None)
+    if params is None and isinstance(host, dict):
+        params = host.get("params")
+    same = params is not None and (
+        jax.tree.structure(params) == jax.tree.structure(start)
+    )
+    if not same:
+        return host, (
+            " The state holds a `jdp.BMUFState`, but no `params` of the same "
+            "structure to reset: set them to `jdp.bmuf_global_params(state)` "
+            "before training on, so that a new block starts from the global model."
+        )
+    new = jax.tree.map(
+        lambda p, s: np.asarray(s).astype(np.asarray(p).dtype), params, start
+    )
+    if isinstance(host, dict):
+        host = {**host, "params": new}
+    else:
+        host = host.replace(params=new)
+    return host, (
+        " The state holds a `jdp.BMUFState`: its params are set to the block start "
+        "(the global model), so a new block starts from the global model."
+    )

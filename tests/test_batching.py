@@ -1,0 +1,77 @@
+"""`step.shard`: what a batch must be, and the errors that say so."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jdp
+
+
+def echo_step(backend, num=4):
+    return jdp.parallelize(
+        lambda s, b: (s, {"n": jnp.sum(jnp.ones_like(b["x"]))}),
+        backend=backend,
+        devices=jax.devices()[:num],
+    )
+
+
+def test_leaves_with_different_numbers_of_examples_are_refused(backend):
+    step = echo_step(backend)
+    with pytest.raises(
+        ValueError, match=r"different numbers of examples.*\['x'\]: 16, \['y'\]: 8"
+    ):
+        step.shard({"x": np.zeros((16, 3)), "y": np.zeros((8,))})
+
+
+def test_an_empty_batch_is_refused(backend):
+    step = echo_step(backend)
+    with pytest.raises(ValueError, match=r"the batch is empty \(leading size 0\)"):
+        step.shard({"x": np.zeros((0, 3)), "y": np.zeros((0,))})
+
+
+def test_int64_values_that_do_not_fit_int32_are_refused():
+    step = echo_step("shard_map")
+    ids = np.array([1, 2, 3, 2**32 + 3], np.int64)
+    with pytest.raises(
+        ValueError, match=r"\['ids'\] holds int64 values such as 4294967299.*int32"
+    ):
+        step.shard({"x": np.zeros((4, 1)), "ids": ids})
+    # Values that fit are converted, as JAX would.
+    placed = step.shard({"x": np.zeros((4, 1)), "ids": ids[:3].repeat(4)[:4]})
+    assert placed["ids"].dtype == jnp.int32
+
+
+def test_string_leaves_are_a_type_error_naming_the_leaf():
+    step = echo_step("shard_map")
+    with pytest.raises(TypeError, match=r"batch leaf \['name'\] holds <U5 values"):
+        step.shard({"x": np.zeros((4, 1)), "name": np.array(["alpha"] * 4)})
+
+
+def test_a_pmap_batch_is_refused_by_a_shard_map_step_and_back():
+    pmap_step, smap_step = echo_step("pmap"), echo_step("shard_map")
+    state = smap_step.replicate({})
+    global_batch = {"x": np.ones((8, 3), np.float32)}
+    with pytest.raises(
+        ValueError, match=r"(?s)of a 'pmap' step.*extra axis.*\['x'\]"
+    ):
+        smap_step(state, pmap_step.shard(global_batch))
+    with pytest.raises(ValueError, match=r"of a 'shard_map' step, but this step"):
+        pmap_step(pmap_step.replicate({}), smap_step.shard(global_batch))
+    # Each step's own batch runs, and counts every example once.
+    _, metrics = smap_step(state, smap_step.shard(global_batch))
+    assert float(metrics["n"]) == 2 * 3
+
+
+def test_a_hand_placed_batch_without_the_replica_axis_is_refused_by_pmap():
+    step = echo_step("pmap")
+    x = jax.device_put(np.ones((8, 3), np.float32), step.sharding)
+    with pytest.raises(ValueError, match=r"\['x'\]: shape \(8, 3\), expected \(4, "):
+        step(step.replicate({}), {"x": x})
+
+
+def test_padding_still_gives_a_mask_for_a_short_batch(backend):
+    step = echo_step(backend)
+    batch, mask = step.shard({"x": np.ones((6, 3), np.float32)}, pad=True)
+    assert int(np.asarray(mask).sum()) == 6
+    assert np.asarray(mask).size == 8

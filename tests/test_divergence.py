@@ -1,0 +1,114 @@
+"""`jdp.parallelize(..., check_sync=K)`: replicas that drift apart are caught."""
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from helpers import init_mlp, make_batches, mlp_loss
+from jax import lax
+
+import jdp
+
+
+def flax_style_step(tx, *, average):
+    """The flax recipe's per-replica step, with or without its `pmean`."""
+
+    def step_fn(state, batch):
+        grads = jax.grad(mlp_loss)(state["params"], batch)
+        if average:
+            grads = lax.pmean(grads, "data")
+        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        return {"params": params, "opt_state": opt_state}, {}
+
+    return step_fn
+
+
+def run(step, state, batches):
+    for batch in batches:
+        state, _ = step(state, step.shard(batch))
+    return state
+
+
+def test_a_step_that_forgets_to_average_gradients_is_caught(backend):
+    tx = optax.sgd(0.1)
+    params = init_mlp(jax.random.key(0))
+    step = jdp.parallelize(flax_style_step(tx, average=False), backend=backend)
+    state = step.replicate({"params": params, "opt_state": tx.init(params)})
+    with pytest.raises(jdp.ReplicaDivergenceError) as info:
+        run(step, state, make_batches(1, 16))
+    err = info.value
+    assert "does not average its gradients" in str(err)
+    assert err.leaf.startswith("['params']")
+    assert 1 <= err.replica < 8
+    # Nothing is lost: the state the step returned comes with the error.
+    assert not jdp.replicas_in_sync(err.state)
+    jdp.assert_replicas_in_sync(step.broadcast(err.state))
+
+
+def test_synchronous_steps_pass_the_check():
+    tx = optax.adam(1e-2)
+    params = init_mlp(jax.random.key(0))
+    step = jdp.parallelize(flax_style_step(tx, average=True), check_sync=1)
+    state = step.replicate({"params": params, "opt_state": tx.init(params)})
+    run(step, state, make_batches(3, 16))
+    made = jdp.parallelize(jdp.make_train_step(mlp_loss, tx), check_sync=1)
+    run(
+        made,
+        made.replicate(jdp.TrainState.create(params=params, tx=tx)),
+        make_batches(3, 16),
+    )
+
+
+def test_bmuf_local_params_between_syncs_are_not_checked():
+    tx = jdp.bmuf(optax.sgd(0.1), sync_period=4)
+    step = jdp.parallelize(
+        jdp.make_train_step(mlp_loss, tx, grad_sync="none"), check_sync=1
+    )
+    params = init_mlp(jax.random.key(0))
+    state = run(
+        step,
+        step.replicate(jdp.TrainState.create(params=params, tx=tx)),
+        make_batches(3, 16),
+    )
+    assert not jdp.replicas_in_sync(state.params)  # mid-block: they differ
+
+
+def test_the_check_runs_on_the_first_call_then_every_k():
+    tx = optax.sgd(0.1)
+    params = init_mlp(jax.random.key(0))
+
+    def drift_at(call_index):
+        def step_fn(state, batch):
+            nudge = jnp.where(
+                (state["calls"] == call_index) & (lax.axis_index("data") == 1), 1.0, 0.0
+            )
+            w = state["w"] + nudge
+            return {"w": w, "calls": state["calls"] + 1}, {}
+
+        return step_fn
+
+    step = jdp.parallelize(drift_at(2), check_sync=5)  # drifts in call 3
+    state = step.replicate({"w": jnp.zeros(3), "calls": jnp.int32(0)})
+    batch = step.shard(make_batches(1, 8)[0])
+    for _ in range(4):  # calls 1-4: checked at call 1 only
+        state, _ = step(state, batch)
+    with pytest.raises(jdp.ReplicaDivergenceError, match=r"during step call 5"):
+        step(state, batch)
+    off = jdp.parallelize(drift_at(0), check_sync=None)
+    state = off.replicate({"w": jnp.zeros(3), "calls": jnp.int32(0)})
+    state, _ = off(state, batch)  # no check
+    assert not jdp.replicas_in_sync(state)
+    del params, tx
+
+
+@pytest.mark.parametrize(
+    "value, error, match",
+    [
+        (0, ValueError, r"`check_sync` must be an int >= 1"),
+        (2.5, TypeError, r"`check_sync` must be an int >= 1.*2\.5 \(a float\)"),
+    ],
+)
+def test_bad_check_sync(value, error, match):
+    with pytest.raises(error, match=match):
+        jdp.parallelize(lambda s, b: (s, {}), check_sync=value)
