@@ -2,11 +2,14 @@ import json
 import os
 import pickle
 import re
+import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import jax
@@ -14,7 +17,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from checkpoint_worker import NUM_STEPS, SAVE_AT, flat_leaves, make_step
+from checkpoint_worker import (
+    MID_BLOCK,
+    MID_BLOCK_SAVE_AT,
+    NUM_STEPS,
+    SAVE_AT,
+    SKIP_CODE,
+    flat_leaves,
+    make_step,
+)
 from helpers import init_mlp, make_batches, mlp_loss
 
 import jdp
@@ -274,6 +285,118 @@ def test_bmuf_state_round_trips(tmp_path):
     assert_bitwise_equal(step.unreplicate(restored), step.unreplicate(state))
 
 
+# -- replicas that differ: BMUF between syncs ----------------------------------------
+
+
+def everything(state):
+    """`{path: array}` of every replica of a replicated state (not one copy)."""
+    return flat_leaves(jax.device_get(state))
+
+
+def run_steps(step, state, batches):
+    for batch in batches:
+        state, _ = step(state, step.shard(batch))
+    return state
+
+
+@pytest.mark.parametrize("case", sorted(MID_BLOCK))
+def test_bmuf_mid_block_resume_is_bit_exact(tmp_path, backend, case):
+    """Saved 2 steps into a 4-step block: every replica's local work comes back."""
+    step, init, batches = make_step(case, backend)
+    state = run_steps(step, step.replicate(init), batches[:MID_BLOCK_SAVE_AT])
+    assert not jdp.replicas_in_sync(state)  # mid-block: the replicas differ
+    with CheckpointManager(tmp_path) as manager:
+        manager.save(MID_BLOCK_SAVE_AT, state, parallel=step)
+        saved = everything(state)
+        straight = everything(run_steps(step, state, batches[MID_BLOCK_SAVE_AT:4]))
+        meta = manager.metadata()
+        restored = manager.restore(step.replicate(init))
+    per_replica = [r["path"] for r in meta["leaves"] if r.get("per_replica")]
+    assert ".params['layer0']['w']" in per_replica
+    assert not any("global_params" in p or p.endswith(".count") for p in per_replica)
+    assert_bitwise_equal(everything(restored), saved)
+    resumed = run_steps(step, restored, batches[MID_BLOCK_SAVE_AT:4])
+    assert_bitwise_equal(everything(resumed), straight)
+
+
+@pytest.mark.slow
+def test_bmuf_mid_block_resume_in_a_new_process(tmp_path):
+    """A new process resumes every replica (both variants; each backend once)."""
+    jobs, straight = [], {}
+    for case, backend in zip(sorted(MID_BLOCK), ("pmap", "shard_map"), strict=True):
+        step, init, batches = make_step(case, backend)
+        state = run_steps(step, step.replicate(init), batches[:MID_BLOCK_SAVE_AT])
+        with CheckpointManager(tmp_path / case) as manager:
+            manager.save(MID_BLOCK_SAVE_AT, state)
+        rest = batches[MID_BLOCK_SAVE_AT:]  # across the sync at step 4
+        straight[case] = everything(run_steps(step, state, rest))
+        jobs += [case, backend, tmp_path / case, tmp_path / f"{case}.npz"]
+    proc = subprocess.run(
+        [sys.executable, WORKER, "resume-cases", str(MID_BLOCK_SAVE_AT), *jobs],
+        env=child_env(8),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for case, expected in straight.items():
+        with np.load(tmp_path / f"{case}.npz", allow_pickle=False) as resumed:
+            assert_bitwise_equal(dict(resumed), expected)
+
+
+@pytest.mark.parametrize("num_devices", [2, None], ids=["2dev", "one_copy"])
+def test_bmuf_mid_block_into_another_count_starts_from_the_global_model(
+    tmp_path, num_devices
+):
+    step, init, batches = make_step("diloco_mid", "shard_map")
+    state = run_steps(step, step.replicate(init), batches[:MID_BLOCK_SAVE_AT])
+    copy = step.unreplicate(state)
+    expected = copy.replace(params=copy.opt_state.global_params)
+    with CheckpointManager(tmp_path) as manager:
+        manager.save(MID_BLOCK_SAVE_AT, state)
+        other = make_step("diloco_mid", "shard_map", num_devices=num_devices or 1)[0]
+        like = init if num_devices is None else other.replicate(init)
+        why = "`like` is one copy" if num_devices is None else "`like` has 2 replicas"
+        with pytest.warns(
+            RuntimeWarning,
+            match=rf"(?s)step 2 in {re.escape(str(tmp_path))} was saved between syncs: "
+            rf"its 4 replicas held different values in \d+ leaves \(\.params.*{why}, "
+            r"so it gets replica 0's copy.*local work since their last sync is not "
+            r"carried over.*a new block starts from the global model",
+        ):
+            restored = manager.restore(like)
+    if num_devices is not None:
+        jdp.assert_replicas_in_sync(restored)
+        restored = other.unreplicate(restored)
+    assert_bitwise_equal(restored, expected)
+    assert np.any(
+        np.asarray(copy.params["layer0"]["w"])
+        != np.asarray(copy.opt_state.global_params["layer0"]["w"])
+    )  # replica 0's local params really were left behind
+
+
+def test_zero_slices_are_not_saved_per_replica(tmp_path):
+    """ZeRO's optimizer-state slices differ by design: their layout restores them."""
+    tx = optax.adam(1e-2)
+    step = jdp.parallelize(
+        jdp.make_train_step(mlp_loss, tx, grad_sync="zero"),
+        devices=jax.devices()[:4],
+    )
+    init = init_state(tx=tx)
+    state = run_steps(step, step.replicate(init), make_batches(2, 32))
+    with CheckpointManager(tmp_path) as manager:
+        manager.save(2, state)
+        assert not any(r.get("per_replica") for r in manager.metadata()["leaves"])
+        two = jdp.parallelize(
+            jdp.make_train_step(mlp_loss, tx, grad_sync="zero"),
+            devices=jax.devices()[:2],
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no "replicas differed" warning
+            restored = manager.restore(two.replicate(init))
+    assert_bitwise_equal(two.unreplicate(restored), step.unreplicate(state))
+
+
 # -- a save killed midway -------------------------------------------------------------
 
 
@@ -332,6 +455,186 @@ def test_save_killed_midway_leaves_the_previous_checkpoint(tmp_path):
         assert manager.latest_step() == 2
         restored = manager.restore(step.replicate({"w": jnp.zeros(1000)}))
     np.testing.assert_array_equal(step.unreplicate(restored)["w"], np.arange(1000.0))
+
+
+# -- a save that fails ----------------------------------------------------------------
+
+
+def test_failed_async_save_raises_and_the_process_exits(tmp_path):
+    """An async save into a directory it cannot write: an error, then exit."""
+    directory = tmp_path / "ckpt"
+    proc = subprocess.Popen(
+        [sys.executable, WORKER, "save-unwritable", directory],
+        env=child_env(2),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate(timeout=30)
+        pytest.fail(f"the process did not exit after the failed save:\n{err[-3000:]}")
+    finally:
+        if directory.exists():
+            os.chmod(directory, 0o755)
+    if proc.returncode == SKIP_CODE:
+        pytest.skip(out.strip())
+    assert "saving step 2" in out and "unexpected" not in out, out
+    assert proc.returncode == 1, err[-3000:]
+    assert re.search(
+        rf"PermissionError: `CheckpointManager.save`: writing step 2 to "
+        rf"{re.escape(str(directory))} failed \(PermissionError: .*\)\. Step 2 was "
+        r"not committed; the steps saved before it are intact \(\[1\]\)\.\nFix: "
+        r"check that .* is writable",
+        err,
+    ), err[-3000:]
+    with CheckpointManager(directory) as manager:
+        assert manager.all_steps() == [1]
+
+
+def test_unwritable_directory_names_the_directory_and_step(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    state = make_parallel(num_devices=2).replicate({"w": jnp.ones(3)})
+    for async_save in (False, True):
+        with CheckpointManager(blocker / "ckpt", async_save=async_save) as manager:
+            with pytest.raises(
+                NotADirectoryError,
+                match=rf"creating the directory for step 4 to "
+                rf"{re.escape(str(blocker / 'ckpt'))} failed \(NotADirectoryError: .*"
+                r"Step 4 was not committed",
+            ):
+                manager.save(4, state)
+
+
+# -- one writer per directory ---------------------------------------------------------
+
+
+def _lock_owner_pattern(directory, pid):
+    return (
+        rf"{re.escape(str(directory))} is locked by another checkpoint manager: "
+        rf"process {pid} on host '{re.escape(socket.gethostname())}'"
+    )
+
+
+def test_two_managers_in_one_process_never_overwrite_each_other(tmp_path):
+    step = make_parallel(num_devices=2)
+    first = step.replicate({"w": jnp.arange(4.0)})
+    second = step.replicate({"w": -jnp.arange(4.0)})
+    tmp_path.mkdir(exist_ok=True)
+    a = CheckpointManager(tmp_path)
+    b = CheckpointManager(tmp_path)  # opened before `a` saved anything
+    a.save(1, first)
+    with pytest.raises(RuntimeError, match=_lock_owner_pattern(tmp_path, os.getpid())):
+        b.save(1, second)
+    a.save(2, first)
+    a.close()
+    # The lock is free now, but step 1 and 2 exist: `b` looks again before writing.
+    with pytest.raises(ValueError, match="step 2 already has a checkpoint"):
+        b.save(2, second)
+    with pytest.raises(ValueError, match="step 1 already has a checkpoint"):
+        b.save(1, second)
+    with pytest.raises(ValueError, match=r"step 0 is older than the latest .*\(2\)"):
+        b.save(0, second)
+    assert b.save(3, second)
+    b.close()
+    with CheckpointManager(tmp_path) as reader:
+        assert reader.all_steps() == [1, 2, 3]
+        like = step.replicate({"w": jnp.zeros(4)})
+        for number, want in ((1, first), (2, first), (3, second)):
+            got = reader.restore(like, step=number)
+            assert_bitwise_equal(step.unreplicate(got), step.unreplicate(want))
+    assert not (tmp_path / ".jdp-checkpoint.lock").exists()  # released by close
+
+
+def _read_line(proc, timeout):
+    """The child's next stdout line, or a failure after `timeout` seconds."""
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    if not ready:
+        proc.kill()
+        pytest.fail(f"no output from the child in {timeout} s: {proc.stderr.read()}")
+    return proc.stdout.readline()
+
+
+def test_two_processes_at_once_one_gets_the_lock(tmp_path):
+    holder = subprocess.Popen(
+        [sys.executable, WORKER, "hold", tmp_path, "1"],
+        env=child_env(2),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert _read_line(holder, 120).strip() == f"locked {holder.pid}"
+        other = subprocess.run(
+            [sys.executable, WORKER, "save", tmp_path, "5", "2"],
+            env=child_env(2),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert other.returncode == 1, other.stderr[-3000:]
+        assert re.search(
+            "RuntimeError: `CheckpointManager.save`: "
+            + _lock_owner_pattern(tmp_path, holder.pid),
+            other.stderr,
+        ), other.stderr[-3000:]
+        holder.stdin.write("go\n")
+        holder.stdin.flush()
+        out, err = holder.communicate(timeout=120)
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.communicate(timeout=30)
+    assert holder.returncode == 0 and out.strip() == "closed", err[-3000:]
+    step = jdp.parallelize(lambda s, b: (s, {}), devices=jax.devices()[:2])
+    with CheckpointManager(tmp_path) as manager:
+        assert manager.all_steps() == [1, 2]  # the holder's steps, nothing else
+        got = step.unreplicate(manager.restore({"w": np.zeros(64, np.float32)}))
+    expected = np.random.default_rng(1).random(64, dtype=np.float32)
+    np.testing.assert_array_equal(got["w"], expected)
+
+
+def _dead_pid():
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait(timeout=60)
+    return proc.pid
+
+
+def test_a_stale_lock_is_reclaimed_and_a_foreign_one_is_named(tmp_path):
+    step = make_parallel(num_devices=2)
+    state = step.replicate({"w": jnp.ones(3)})
+    lock = tmp_path / ".jdp-checkpoint.lock"
+    host = socket.gethostname()
+    for pid, why in (
+        (_dead_pid(), r"process \d+ is no longer running"),
+        (os.getpid(), "its manager in this process was released"),
+    ):
+        lock.write_text(json.dumps({"pid": pid, "host": host, "token": "gone"}))
+        with CheckpointManager(tmp_path) as manager:
+            with pytest.warns(
+                RuntimeWarning,
+                match=rf"reclaimed the stale lock {re.escape(str(lock))} left by "
+                rf"process {pid} on host '{host}': {why}",
+            ):
+                assert manager.save(len(manager.all_steps()) + 1, state)
+            owner = json.loads(lock.read_text())
+            assert owner["pid"] == os.getpid() and owner["host"] == host
+        assert not lock.exists()
+    # A lock from another machine cannot be checked from here: named, with the fix.
+    lock.write_text(json.dumps({"pid": 1, "host": "elsewhere", "token": "t"}))
+    with CheckpointManager(tmp_path) as manager:
+        with pytest.raises(
+            RuntimeError,
+            match=rf"(?s){_lock_owner_pattern(tmp_path, 1).replace(host, 'elsewhere')}"
+            rf".*delete {re.escape(str(lock))} and save again",
+        ):
+            manager.save(3, state)
+        assert manager.all_steps() == [1, 2]
+    assert lock.exists()  # not ours to remove
 
 
 # -- bad input ------------------------------------------------------------------------
@@ -421,23 +724,80 @@ def test_structure_mismatch_names_the_first_leaf(tmp_path, like_tree, message):
             manager.restore(like)
 
 
-def test_unreplicated_like_gets_a_hint(saved, tmp_path):
-    step = make_parallel(num_devices=2)
+def test_restore_one_copy_for_analysis(saved, tmp_path):
+    """A `like` without replica axis (the saved shapes) gets one copy back."""
+    directory, copy = saved
+    init = init_state(seed=5)
+    with CheckpointManager(directory) as manager:
+        one = manager.restore(init)  # a plain `jdp.TrainState.create(...)`
+        assert one.tx is init.tx
+        assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(one))
+        assert_bitwise_equal(one, copy)
+        # Its `jax.ShapeDtypeStruct`s without shardings: NumPy arrays.
+        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), init)
+        host = manager.restore(shapes)
+        assert all(isinstance(x, np.ndarray) for x in jax.tree.leaves(host))
+        assert_bitwise_equal(host, copy)
+        # Arrays on one device: placed on that device.
+        device = jax.devices()[3]
+        placed = manager.restore(jax.device_put(init, device))
+        assert {x.devices().pop() for x in jax.tree.leaves(placed)} == {device}
+        assert_bitwise_equal(placed, copy)
     with CheckpointManager(tmp_path) as manager:
-        manager.save(1, step.replicate({"w": jnp.ones((3, 4))}))
+        step = make_parallel(num_devices=2)
+        manager.save(1, step.replicate({"w": jnp.ones((3, 4)), "n": jnp.arange(2)}))
+        got = manager.restore(
+            {"w": np.zeros((3, 4), np.float32), "n": np.zeros(2, int)}
+        )
+        # (NumPy's int64 is JAX's int32 without x64, as `step.replicate` makes it.)
+        np.testing.assert_array_equal(got["w"], np.ones((3, 4)))
+        np.testing.assert_array_equal(got["n"], [0, 1])
         with pytest.raises(
-            ValueError,
-            match=r"(?s)\['w'\]: the checkpoint has shape \(3, 4\).*`like` looks like "
-            "one unreplicated copy",
+            ValueError, match=r"\['n'\]: the checkpoint has shape \(2,\) int32, `like` "
         ):
-            manager.restore({"w": jnp.ones((3, 4))})
+            manager.restore({"w": np.zeros((3, 4), np.float32), "n": np.zeros(2)})
+
+
+def test_ambiguous_or_wrong_one_copy_like_is_refused(saved):
     directory, copy = saved
     with CheckpointManager(directory) as manager:
-        with pytest.raises(TypeError, match=r"leaf \.step of `like` has shape \(\)"):
-            manager.restore(copy)
+        # One-copy leaves next to replicated ones: neither reading is right.
+        mixed = copy.replace(params=make_parallel(num_devices=2).replicate(copy.params))
+        with pytest.raises(
+            ValueError,
+            match=r"(?s)`like` mixes one-copy leaves \(shaped as saved in step 2, e\.g\. "
+            r"\.step \(\), .*\) and leaves with a replica axis \(e\.g\. "
+            r"\.params\['layer0'\]\['b'\] \(2, 16\), .*Fix: pass one copy",
+        ):
+            manager.restore(mixed)
+        # One copy of another model: the leaf, both shapes, and how it was read.
+        other = init_state(sizes=(8, 32, 16, 4))
+        with pytest.raises(
+            ValueError,
+            match=r"(?s)\.params\['layer0'\]\['b'\]: the checkpoint has shape \(16,\) "
+            r"float32, `like` has shape \(32,\).*`like` is read as one copy",
+        ):
+            manager.restore(other)
+        # A replica axis without a sharding cannot be placed.
         sds = jax.tree.map(lambda x: jax.ShapeDtypeStruct((2, *x.shape), x.dtype), copy)
         with pytest.raises(TypeError, match=r"\.step of `like` is a ShapeDtypeStruct"):
             manager.restore(sds)
+
+
+def test_resume_or_start_in_one_line(tmp_path):
+    """`restore(like, default=like)`: `like` itself when there is no checkpoint."""
+    step = make_parallel(num_devices=2)
+    like = step.replicate(init_state())
+    with CheckpointManager(tmp_path / "new") as manager:
+        assert manager.restore(like, default=like) is like
+        trained = trained_state(step, num_steps=1)
+        manager.save(1, trained)
+        resumed = manager.restore(like, default=like)
+        assert_bitwise_equal(step.unreplicate(resumed), step.unreplicate(trained))
+        with pytest.raises(
+            FileNotFoundError, match="no complete checkpoint for step 5"
+        ):
+            manager.restore(like, step=5, default=like)  # `default` is for step=None
 
 
 def _copy_checkpoint(src, dst):

@@ -47,11 +47,17 @@ time.sleep(300)
 
 
 # Process 1 stops before its step STUCK_AT (argv[1]); process 0 goes on forever.
+# Both start stepping together (files in the directory argv[2]), as after a
+# collective: a process still starting is not stuck.
 STUCK_PROCESS_1 = """
 import os, sys, time
 from jdp.launch import _progress
-stuck_at = int(sys.argv[1])
+stuck_at, meet = int(sys.argv[1]), sys.argv[2]
 print(f"ready {os.getpid()}", flush=True)
+open(os.path.join(meet, os.environ["JDP_PROCESS_ID"]), "w").close()
+deadline = time.monotonic() + 60
+while len(os.listdir(meet)) < 2 and time.monotonic() < deadline:
+    time.sleep(0.01)
 for step in range(1, 1_000_000):
     if os.environ["JDP_PROCESS_ID"] == "1" and step == stuck_at:
         time.sleep(300)  # alive, but stuck
@@ -70,6 +76,12 @@ import jdp
 jdp.distributed.initialize(timeout_s=10)
 print("initialized", flush=True)
 """
+
+
+def meeting_dir(tmp_path):
+    path = tmp_path / "meet"
+    path.mkdir()
+    return path
 
 
 def write(tmp_path, name, source):
@@ -222,7 +234,9 @@ def test_cli_refuses_a_port_in_use_before_starting_anything(tmp_path):
 def test_cli_stops_a_job_whose_process_is_stuck(tmp_path):
     script = write(tmp_path, "stuck.py", STUCK_PROCESS_1)
     start = time.monotonic()
-    proc = launcher(["--num-processes", 2, "--stall-timeout", 1, script, 3])
+    proc = launcher(
+        ["--num-processes", 2, "--stall-timeout", 1, script, 3, meeting_dir(tmp_path)]
+    )
     out, err = finish(proc)
     assert proc.returncode == 124, err
     assert re.search(
@@ -362,7 +376,11 @@ def sleep_long():
     time.sleep(300)
 
 
-def stuck_on_process_1():
+def stuck_on_process_1(meet):
+    open(os.path.join(meet, os.environ["JDP_PROCESS_ID"]), "w").close()
+    deadline = time.monotonic() + 60
+    while len(os.listdir(meet)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)  # start together, as after a collective
     for step in range(1, 1_000_000):
         if os.environ["JDP_PROCESS_ID"] == "1" and step == 3:
             time.sleep(300)  # stuck
@@ -370,7 +388,7 @@ def stuck_on_process_1():
         time.sleep(0.02)
 
 
-def test_run_stops_a_job_whose_process_is_stuck():
+def test_run_stops_a_job_whose_process_is_stuck(tmp_path):
     with pytest.raises(
         TimeoutError,
         match=r"`jdp.launch.run`: process 1 of 2 \(pid \d+\) made no progress for "
@@ -380,7 +398,12 @@ def test_run_stops_a_job_whose_process_is_stuck():
         r".*raise `stall_timeout_s` \(0 or None turns the check off\)\.",
     ):
         jdp.launch.run(
-            stuck_on_process_1, 2, initialize=False, stall_timeout_s=1, timeout_s=60
+            stuck_on_process_1,
+            2,
+            args=(str(meeting_dir(tmp_path)),),
+            initialize=False,
+            stall_timeout_s=1,
+            timeout_s=60,
         )
 
 

@@ -105,6 +105,7 @@ def test_quickstart(kernel_dirs, tmp_path):
     assert "same parameters as the single-device run" in joined
     assert "in sync: True" in joined
     assert "Replicas are out of sync" in joined
+    assert "The replicas' states diverged during step call 1" in joined
 
 
 @pytest.mark.slow

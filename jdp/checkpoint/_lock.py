@@ -159,9 +159,7 @@ class DirectoryLock:
             return None
         return owner if isinstance(owner, dict) else None
 
-    def _stale_reason(
-        self, owner: dict[str, Any] | None, guarded: bool
-    ) -> str | None:
+    def _stale_reason(self, owner: dict[str, Any] | None, guarded: bool) -> str | None:
         """Why the lock held by `owner` is stale, or None if it may be live."""
         if owner is None:
             # Under the directory guard a lock is never seen half written by a
@@ -262,7 +260,7 @@ class DirectoryLock:
             f"`CheckpointManager.save`: reclaimed the stale lock {self.path} left "
             f"by {describe_owner(owner)}: {reason}.",
             RuntimeWarning,
-            stacklevel=4,
+            stacklevel=5,
         )
 
     def _locked_message(self, owner: dict[str, Any] | None) -> str:

@@ -108,8 +108,14 @@ def block_start_params(host: PyTree) -> tuple[PyTree, str]:
     params = getattr(host, "params", None)
     if params is None and isinstance(host, dict):
         params = host.get("params")
-    same = params is not None and (
-        jax.tree.structure(params) == jax.tree.structure(start)
+    same = (
+        params is not None
+        and (
+            isinstance(host, dict)
+            or hasattr(host, "replace")
+            or hasattr(host, "_replace")
+        )
+        and jax.tree.structure(params) == jax.tree.structure(start)
     )
     if not same:
         return host, (
@@ -122,9 +128,12 @@ def block_start_params(host: PyTree) -> tuple[PyTree, str]:
     )
     if isinstance(host, dict):
         host = {**host, "params": new}
-    else:
+    elif hasattr(host, "replace"):  # flax structs, e.g. `jdp.TrainState`
         host = host.replace(params=new)
+    else:  # named tuples
+        host = host._replace(params=new)
     return host, (
         " The state holds a `jdp.BMUFState`: its params are set to the block start "
-        "(the global model), so a new block starts from the global model."
+        "(its `global_params`, or the look-ahead `start` with `nesterov=True`), so "
+        "a new block starts from the global model."
     )

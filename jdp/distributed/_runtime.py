@@ -666,13 +666,6 @@ def _leave(process_id: int, num_processes: int, timeout_s: int) -> None:
     (each process notes its arrival in the coordination service first).
     """
     client = _coordination_client()
-    if client is not None:
-        try:
-            client.key_value_set(
-                f"{_ARRIVED_KEY}{process_id}", "1", allow_overwrite=True
-            )
-        except Exception:  # the service may be gone; the barrier then says so
-            pass
     watchdog = threading.Timer(
         timeout_s,
         _shutdown_timed_out,
@@ -681,6 +674,13 @@ def _leave(process_id: int, num_processes: int, timeout_s: int) -> None:
     watchdog.daemon = True
     watchdog.start()
     try:
+        if client is not None:
+            try:
+                client.key_value_set(
+                    f"{_ARRIVED_KEY}{process_id}", "1", allow_overwrite=True
+                )
+            except Exception:  # the service may be gone; the barrier then says so
+                pass
         jax.distributed.shutdown()
     finally:
         watchdog.cancel()

@@ -130,6 +130,7 @@ def _in_sync_check():
     step = jdp.parallelize(
         lambda s, b: (s + lax.axis_index("data").astype(s.dtype), {}),
         donate_state=False,
+        check_sync=None,  # the drift is the point
     )
     state = step.replicate(jnp.zeros(3))
     before = jdp.replicas_in_sync(state)
@@ -140,7 +141,14 @@ def _in_sync_check():
     except AssertionError as e:
         message = str(e)
     synced = step.broadcast(drifted, root=0)
+    guarded = jdp.parallelize(step.train_step, donate_state=False, check_sync=1)
+    try:
+        guarded(state, guarded.shard(np.zeros(2, np.float32)))
+        guard = None
+    except jdp.ReplicaDivergenceError as e:
+        guard = (e.leaf, e.replica)
     return {
+        "guard": guard,
         "before": before,
         "after": jdp.replicas_in_sync(drifted),
         "msg": message,

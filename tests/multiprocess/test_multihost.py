@@ -185,6 +185,8 @@ def test_replicas_in_sync_compares_replicas_of_every_process(job):
         # Replica 3 (on process 1) differs most from replica 0 (on process 0).
         with pytest.raises(AssertionError, match=r"replica 3 differs from replica 0"):
             raise AssertionError(r["msg"])
+        # `check_sync` sees every process's replicas too, the same on each process.
+        assert r["guard"] == ["<root>", 1] or r["guard"] == ("<root>", 1)
 
 
 def test_step_broadcast_spans_every_process(job):
