@@ -142,10 +142,13 @@ def main(argv=None) -> None:
             state = list(jax.device_put(host, replicated))  # fresh buffers to donate
             return hand_runner(sm, state, sm_batch)
 
-        def jdp_variant(backend):
+        def jdp_variant(backend, **options):
             def make():
                 step = jdp.parallelize(
-                    jdp.make_train_step(loss_fn, tx), backend=backend, devices=devices
+                    jdp.make_train_step(loss_fn, tx),
+                    backend=backend,
+                    devices=devices,
+                    **options,
                 )
                 state = [step.replicate(jdp.TrainState.create(params=params, tx=tx))]
                 batch = step.shard(host_batch)
@@ -162,6 +165,8 @@ def main(argv=None) -> None:
         variants["shard_map (hand)"] = hand_sm
         variants["pmap (jdp)"] = jdp_variant("pmap")
         variants["shard_map (jdp)"] = jdp_variant("shard_map")
+        # The replica-divergence guard at every call (the default is every 100th).
+        variants["shard_map (jdp, check 1)"] = jdp_variant("shard_map", check_sync=1)
         # A/A control: a second, independent copy of the hand-written step. Its
         # ratio to the first shows what this machine's noise alone produces.
         variants["shard_map (hand 2)"] = hand_sm
@@ -210,13 +215,21 @@ def main(argv=None) -> None:
 
     for config in configs:
         run_config(*config)
+    check_costs = []
+    for cfg in dict.fromkeys(r[0] for r in rows):
+        ratio = {r[1]: r[3] for r in rows if r[0] == cfg}
+        cost = ratio["shard_map (jdp, check 1)"] - ratio["shard_map (jdp)"]
+        check_costs.append(
+            f"{cfg}: one check costs {100 * cost:.1f}% of a step; at the default "
+            f"check_sync=100, {cost / 100:.2%} per step"
+        )
 
     print(
         f"\njdp overhead vs hand-written recipes: {n} simulated CPU devices, "
         f"jax {jax.__version__}, {rounds} interleaved rounds\n"
     )
     header = (
-        f"{'config':<7} {'variant':<18} {'ms/step':>8} {'vs hand':>8} "
+        f"{'config':<7} {'variant':<24} {'ms/step':>8} {'vs hand':>8} "
         f"{'range':>11} {'#AR':>4} {'AR MiB':>7} {'grad MiB':>8} {'copies':>6} "
         f"{'loss':>8}"
     )
@@ -224,7 +237,7 @@ def main(argv=None) -> None:
     print("-" * len(header))
     for cfg, key, ms, ratio, lo, hi, count, mib, gmib, copies, loss in rows:
         print(
-            f"{cfg:<7} {key:<18} {ms:8.2f} {ratio:8.3f} {lo:5.2f}-{hi:<5.2f} "
+            f"{cfg:<7} {key:<24} {ms:8.2f} {ratio:8.3f} {lo:5.2f}-{hi:<5.2f} "
             f"{count:4d} {mib:7.2f} {gmib:8.2f} {copies:6d} {loss:8.5f}"
         )
     print(
@@ -234,7 +247,9 @@ def main(argv=None) -> None:
         "hand-written step, so its ratio is the noise floor.\n#AR, AR MiB: "
         "all-reduces and bytes all-reduced per step in the compiled HLO\n"
         "(gradients + the loss). copies: whole-buffer `copy` ops XLA inserted in "
-        "the compiled step."
+        "the compiled step.\n'check 1': `check_sync=1`, the replica-divergence guard "
+        "after every call;\nits ratio minus jdp's (which checks every 100th call) "
+        "is the cost of one check:\n  " + "\n  ".join(check_costs)
     )
 
 

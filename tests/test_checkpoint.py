@@ -871,6 +871,123 @@ def test_damaged_metadata_hides_the_step_and_says_so(saved, tmp_path):
             manager.restore(like)
 
 
+def _damage_arrays(step_dir):
+    """Zeroes every data file of a step's arrays (as a bad disk block would)."""
+    files = [p for p in (step_dir / "state").rglob("*") if p.parent.name == "d"]
+    assert files
+    for path in files:
+        path.write_bytes(bytes(path.stat().st_size))
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("restore_first", [True, False], ids=["restored", "fresh"])
+def test_damaged_newest_step_warns_and_its_number_can_be_saved_again(
+    tmp_path, restore_first
+):
+    step = make_parallel(num_devices=2)
+    like = step.replicate({"w": jnp.zeros(4)})
+    states = [step.replicate({"w": jnp.arange(4.0) * k}) for k in (1, 2, 3)]
+    with CheckpointManager(tmp_path) as manager:
+        manager.save(1, states[0])
+        manager.save(2, states[1])
+    _damage_arrays(tmp_path / "2")
+    where = re.escape(str(tmp_path))
+    with CheckpointManager(tmp_path) as manager:
+        if restore_first:
+            with pytest.warns(
+                RuntimeWarning,
+                match=rf"step 2 in {where} is damaged \(reading its arrays failed .*\); "
+                r"restoring step 1, the newest complete step before it, instead\. The "
+                rf"next `save` of step 2 or an earlier step moves the damaged step "
+                rf"aside to {where}/2\.damaged-<n> \(nothing is deleted\)",
+            ):
+                got = manager.restore(like)
+            assert_bitwise_equal(step.unreplicate(got), step.unreplicate(states[0]))
+            assert manager.latest_step() == 1
+        with pytest.warns(
+            RuntimeWarning,
+            match=rf"step 2 in {where} was incomplete or damaged \(.*\); moved it to "
+            rf"{where}/2\.damaged-1 so that step 2 can be saved again\. Nothing was "
+            r"deleted",
+        ):
+            assert manager.save(2, states[2])
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            got = manager.restore(like)
+    assert_bitwise_equal(step.unreplicate(got), step.unreplicate(states[2]))
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == [
+        "1",
+        "2",
+        "2.damaged-1",
+    ]
+    assert (tmp_path / "2.damaged-1" / "jdp_metadata" / "metadata").exists()
+
+
+def test_uncommitted_newest_step_warns_and_its_number_can_be_saved_again(tmp_path):
+    """A step directory a killed save left without its metadata or commit marker."""
+    step = make_parallel(num_devices=2)
+    like = step.replicate({"w": jnp.zeros(4)})
+    states = [step.replicate({"w": jnp.arange(4.0) * k}) for k in (1, 2, 3)]
+    with CheckpointManager(tmp_path) as manager:
+        manager.save(1, states[0])
+        manager.save(2, states[1])
+    shutil.rmtree(tmp_path / "2" / "jdp_metadata")
+    for marker in (tmp_path / "2").rglob("commit_success.txt"):
+        marker.unlink()
+    where = re.escape(str(tmp_path))
+    with CheckpointManager(tmp_path) as manager:
+        assert manager.all_steps() == [1]
+        with pytest.warns(
+            RuntimeWarning,
+            match=rf"step 2 in {where} is incomplete or damaged \(its metadata could "
+            r"not be read .*\); restoring step 1, the newest complete step, instead",
+        ):
+            got = manager.restore(like)
+    assert_bitwise_equal(step.unreplicate(got), step.unreplicate(states[0]))
+    with CheckpointManager(tmp_path) as manager:  # a new manager, as after a restart
+        with pytest.warns(RuntimeWarning, match=rf"moved it to {where}/2\.damaged-1"):
+            assert manager.save(2, states[2])
+        got = manager.restore(like)
+    assert_bitwise_equal(step.unreplicate(got), step.unreplicate(states[2]))
+
+
+def test_only_damaged_steps_and_a_default(tmp_path):
+    step = make_parallel(num_devices=2)
+    like = step.replicate({"w": jnp.zeros(4)})
+    with CheckpointManager(tmp_path) as manager:
+        manager.save(3, step.replicate({"w": jnp.ones(4)}))
+    shutil.rmtree(tmp_path / "3" / "jdp_metadata")
+    with CheckpointManager(tmp_path) as manager:
+        with pytest.raises(
+            FileNotFoundError,
+            match=r"Step\(s\) \[3\] exist but are incomplete or damaged .* the next "
+            r"`save` of one of these step numbers or an earlier one moves them aside",
+        ):
+            manager.restore(like)
+        with pytest.warns(
+            RuntimeWarning,
+            match=r"holds no complete checkpoint, only incomplete or damaged step\(s\) "
+            r"\[3\]; returning `default`",
+        ):
+            assert manager.restore(like, default=like) is like
+
+
+def test_bad_input_never_loses_a_saved_checkpoint(saved, tmp_path):
+    directory = _copy_checkpoint(saved[0], tmp_path / "copy")
+    step = make_parallel(num_devices=2)
+    with CheckpointManager(directory) as manager:
+        with pytest.raises(ValueError, match="does not match `like`"):
+            manager.restore(step.replicate(init_state(sizes=(8, 32, 16, 4))))
+        with pytest.raises(ValueError, match="not a replicated state"):
+            manager.save(2, {"w": np.ones(3)})
+        with pytest.raises(ValueError, match="step 2 already has a checkpoint"):
+            manager.save(2, step.replicate(init_state()))
+        assert manager.all_steps() == [2]
+        restored = manager.restore(step.replicate(init_state()))
+    assert sorted(p.name for p in directory.iterdir()) == ["2"]
+    assert_bitwise_equal(step.unreplicate(restored), saved[1])
+
+
 def test_save_never_overwrites(tmp_path):
     step = make_parallel(num_devices=2)
     first = step.replicate(init_state(seed=0))
