@@ -11,10 +11,16 @@ Everything public is listed in `__all__` (and in the public subpackages'
 from jdp import checkpoint as checkpoint
 from jdp import distributed as distributed
 from jdp import launch as launch
+from jdp import metrics as metrics
 from jdp import sparse as sparse
 from jdp._bmuf import BMUFState, bmuf, bmuf_global_params
 from jdp._checks import assert_replicas_in_sync, replicas_in_sync
-from jdp._collectives import all_reduce_gradients, broadcast, sync_batch_stats
+from jdp._collectives import (
+    all_reduce_gradients,
+    broadcast,
+    replica_key,
+    sync_batch_stats,
+)
 from jdp._divergence import ReplicaDivergenceError
 from jdp._export import export_predictor, load_predictor, save_predictor
 from jdp._hlo import Collective, MemoryAnalysis
@@ -39,6 +45,7 @@ __all__ = [
     "load_predictor",
     "make_train_step",
     "parallelize",
+    "replica_key",
     "replicas_in_sync",
     "save_predictor",
     "sync_batch_stats",

@@ -70,7 +70,7 @@ def bmuf(
     inner_state_at_sync: InnerStateAtSync = "keep",
     warmup_steps: int = 0,
     outer: optax.GradientTransformation | None = None,
-    axis_name: _collectives.AxisName = "data",
+    axis_name: _collectives.AxisName | None = None,
 ) -> optax.GradientTransformation:
     r"""Blockwise model-update filtering: local training, periodic filtered merge.
 
@@ -147,7 +147,8 @@ def bmuf(
         `optax.sgd(ζ, momentum=η, nesterov=True)` the paper's NBM (its `g` is
         then the look-ahead point). Cannot be combined with
         `block_learning_rate`, `block_momentum` or `nesterov`.
-      axis_name: Replica axis bound by `jdp.parallelize` (`"data"`).
+      axis_name: Replica axis; None (default) uses the one bound by the
+        enclosing `jdp.parallelize`.
 
     Returns:
       An `optax.GradientTransformation` whose state is a `jdp.BMUFState`. Its
@@ -201,6 +202,7 @@ def bmuf(
         outer=outer,
     )
     stores_start = nesterov and outer is None  # else the block start is `g`
+    axis = axis_name
 
     def init_fn(params):
         if outer is None:
@@ -219,6 +221,7 @@ def bmuf(
     def update_fn(updates, state, params=None):
         if params is None:
             raise ValueError(NO_PARAMS_MSG)
+        axis_name = _collectives.resolve_axis(axis)
         num = _collectives.axis_size(axis_name, "jdp.bmuf")
         eta = 1.0 - 1.0 / num if block_momentum is None else block_momentum
         count = state.count

@@ -7,6 +7,8 @@ Every function here runs inside a step given to `jdp.parallelize` (or any
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from typing import Any, Literal
 
 import jax
@@ -15,7 +17,7 @@ import numpy as np
 from jax import lax
 
 from jdp import _buckets, _validate
-from jdp._tree import is_float, keystr
+from jdp._tree import is_float
 
 PyTree = Any
 AxisName = str | tuple[str, ...]
@@ -30,6 +32,30 @@ UNBOUND_AXIS_MSG = (
 )
 
 
+#: The replica axis of the `jdp.parallelize` step being traced, if any.
+_BOUND_AXIS: contextvars.ContextVar[AxisName | None] = contextvars.ContextVar(
+    "jdp_replica_axis", default=None
+)
+
+
+@contextlib.contextmanager
+def bound_axis(axis_name: AxisName):
+    """While tracing a step: `axis_name=None` in jdp's functions means this axis."""
+    token = _BOUND_AXIS.set(axis_name)
+    try:
+        yield
+    finally:
+        _BOUND_AXIS.reset(token)
+
+
+def resolve_axis(axis_name: AxisName | None) -> AxisName:
+    """`axis_name`, or the replica axis of the enclosing step (else `"data"`)."""
+    if axis_name is not None:
+        return axis_name
+    bound = _BOUND_AXIS.get()
+    return "data" if bound is None else bound
+
+
 def check_bucket_bytes(bucket_bytes: int | None) -> None:
     """A clear error unless `bucket_bytes` is None or a positive int."""
     _validate.positive_int(
@@ -37,8 +63,9 @@ def check_bucket_bytes(bucket_bytes: int | None) -> None:
     )
 
 
-def axis_size(axis_name: AxisName, api: str) -> int:
+def axis_size(axis_name: AxisName | None, api: str) -> int:
     """Number of replicas along `axis_name`; a clear `RuntimeError` if it is unbound."""
+    axis_name = resolve_axis(axis_name)
     try:
         return lax.axis_size(axis_name)
     except NameError as e:
@@ -48,7 +75,7 @@ def axis_size(axis_name: AxisName, api: str) -> int:
 def all_reduce_gradients(
     grads: PyTree,
     *,
-    axis_name: AxisName = "data",
+    axis_name: AxisName | None = None,
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
     reverse: bool = True,
     reduce_dtype: Any = None,
@@ -80,7 +107,8 @@ def all_reduce_gradients(
 
     Args:
       grads: Per-replica gradients, any pytree of arrays.
-      axis_name: Replica axis bound by `jdp.parallelize` (`"data"` by default).
+      axis_name: Replica axis; None (default) uses the one bound by the
+        enclosing `jdp.parallelize` (`"data"` outside one).
       bucket_bytes: Largest bucket size in bytes, 25 MiB by default (PyTorch DDP's
         `bucket_cap_mb`). `None` packs all leaves of a dtype into one bucket. A leaf
         larger than the limit travels alone.
@@ -128,6 +156,7 @@ def all_reduce_gradients(
 def all_reduce(grads, *, axis_name, bucket_bytes, reverse, reduce_dtype, flatten, api):
     """`jdp.all_reduce_gradients` under the public name `api` (for its errors)."""
     check_bucket_bytes(bucket_bytes)
+    axis_name = resolve_axis(axis_name)
     num = axis_size(axis_name, api)
     leaves, treedef = jax.tree_util.tree_flatten(grads)
     leaves = [jnp.asarray(x) for x in leaves]
@@ -189,6 +218,7 @@ def bucketed(
     cross-host traffic is that of one device per host. Empty arrays communicate
     nothing.
     """
+    axis_name = resolve_axis(axis_name)
     num = lax.axis_size(axis_name)
     rows_in = num if op == "psum_scatter" else 1
     rows_out = num if op == "all_gather" else 1
@@ -295,29 +325,9 @@ _COLLECTIVE = {
 }
 
 
-def mean_metrics(metrics: PyTree, axis_name: AxisName) -> PyTree:
-    """Metrics averaged over replicas (integer counts average to floats)."""
-
-    def mean(path, m):
-        dtype = getattr(m, "dtype", None)
-        if (dtype is None and not isinstance(m, (bool, int, float, complex))) or (
-            getattr(dtype, "kind", "") in ("U", "S", "O", "V")
-        ):
-            raise TypeError(
-                f"The step's metric {keystr(path)} is a {type(m).__name__} "
-                f"({m!r:.60}); metrics must be numbers or numeric arrays, which "
-                "jdp averages over replicas. Return text or other objects from "
-                "the host side of your loop instead."
-            )
-        m = jnp.asarray(m)
-        if not jnp.issubdtype(m.dtype, jnp.inexact):
-            m = m.astype(jnp.result_type(float))
-        return lax.pmean(m, axis_name)
-
-    return jax.tree_util.tree_map_with_path(mean, metrics)
-
-
-def broadcast(tree: PyTree, *, root: int = 0, axis_name: AxisName = "data") -> PyTree:
+def broadcast(
+    tree: PyTree, *, root: int = 0, axis_name: AxisName | None = None
+) -> PyTree:
     """Gives every replica replica `root`'s value of `tree` (inside a parallel step).
 
     This is the checkpoint-sync primitive (Caffe2's `FinalizeAfterCheckpoint`,
@@ -328,7 +338,8 @@ def broadcast(tree: PyTree, *, root: int = 0, axis_name: AxisName = "data") -> P
     Args:
       tree: Per-replica pytree of arrays.
       root: Index of the replica whose value wins (0 by default).
-      axis_name: Replica axis bound by `jdp.parallelize`.
+      axis_name: Replica axis; None (default) uses the one bound by the
+        enclosing `jdp.parallelize`.
 
     Returns:
       `tree` with every leaf equal, on every replica, to replica `root`'s leaf.
@@ -347,6 +358,7 @@ def broadcast(tree: PyTree, *, root: int = 0, axis_name: AxisName = "data") -> P
       >>> jdp.replicas_in_sync(state)
       True
     """
+    axis_name = resolve_axis(axis_name)
     num = axis_size(axis_name, "jdp.broadcast")
     _validate.index("root", root, num, size_name="num_replicas")
     is_root = lax.axis_index(axis_name) == root
@@ -369,7 +381,7 @@ def sync_batch_stats(
     tree: PyTree,
     *,
     mode: Literal["mean", "broadcast"] = "mean",
-    axis_name: AxisName = "data",
+    axis_name: AxisName | None = None,
 ) -> PyTree:
     """Synchronises computed, non-trained state such as BatchNorm running statistics.
 
@@ -383,7 +395,8 @@ def sync_batch_stats(
     Args:
       tree: Per-replica pytree (e.g. flax `batch_stats`).
       mode: `"mean"` (default) or `"broadcast"`.
-      axis_name: Replica axis bound by `jdp.parallelize`.
+      axis_name: Replica axis; None (default) uses the one bound by the
+        enclosing `jdp.parallelize`.
 
     Returns:
       The synchronised pytree, equal on every replica.
@@ -405,5 +418,41 @@ def sync_batch_stats(
         return broadcast(tree, root=0, axis_name=axis_name)
     if mode != "mean":
         raise ValueError(f"`mode` must be one of 'mean', 'broadcast'; got {mode!r}.")
+    axis_name = resolve_axis(axis_name)
     axis_size(axis_name, "jdp.sync_batch_stats")
     return jax.tree.map(lambda x: lax.pmean(x, axis_name) if is_float(x) else x, tree)
+
+
+def replica_key(key: jax.Array, *, axis_name: AxisName | None = None) -> jax.Array:
+    """A PRNG key that differs on every replica (dropout, augmentation).
+
+    `jax.random.fold_in(key, replica index)`: every replica draws its own
+    random numbers from one key in the replicated state, reproducibly (the
+    same on every run and on both backends, for the same replica count).
+    Without it every replica would draw the same dropout masks.
+
+    Args:
+      key: A key equal on every replica (e.g. from the state), typed or raw.
+      axis_name: Replica axis; None (default) uses the one bound by the
+        enclosing `jdp.parallelize`.
+
+    Returns:
+      This replica's key.
+
+    Raises:
+      RuntimeError: If `axis_name` is not bound (called outside a step).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jdp
+      >>> def step_fn(state, batch):
+      ...     key = jdp.replica_key(state["key"])
+      ...     return state, {"u": jdp.metrics.gather(jax.random.uniform(key))}
+      >>> step = jdp.parallelize(step_fn, devices=jax.devices()[:4])
+      >>> state = step.replicate({"key": jax.random.key(0)})
+      >>> u = step(state, step.shard(jnp.zeros(4)))[1]["u"]
+      >>> len(set(u.tolist()))  # four different draws
+      4
+    """
+    axis_name = resolve_axis(axis_name)
+    axis_size(axis_name, "jdp.replica_key")
+    return jax.random.fold_in(key, lax.axis_index(axis_name))

@@ -21,6 +21,7 @@ from jdp import (
     _divergence,
     _hlo,
     _layout,
+    _metrics,
     _validate,
 )
 from jdp._tree import format_problems
@@ -114,7 +115,8 @@ class Parallel:
 
     def _body(self, state, batch):
         try:
-            out = self.train_step(state, batch)
+            with _collectives.bound_axis(self.axis_name):
+                out = self.train_step(state, batch)
         except NameError as e:
             if "unbound axis name" not in str(e):
                 raise
@@ -127,7 +129,7 @@ class Parallel:
             new_state, metrics = None, out
         else:
             raise TypeError(BAD_OUTPUT_MSG.format(got=type(out).__name__))
-        return new_state, _collectives.mean_metrics(metrics, self.axis_name)
+        return new_state, _metrics.reduce_metrics(metrics, self.axis_name)
 
     def __call__(self, state: PyTree, batch: PyTree):
         """Runs one step on every replica.

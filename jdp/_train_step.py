@@ -133,7 +133,7 @@ def make_train_step(
     *,
     has_aux: bool = False,
     grad_sync: GradSync = "all_reduce",
-    axis_name: _collectives.AxisName = "data",
+    axis_name: _collectives.AxisName | None = None,
     bucket_bytes: int | None = _collectives.DEFAULT_BUCKET_BYTES,
     reduce_dtype: Any = None,
     batch_stats_mode: Literal["mean", "broadcast"] = "mean",
@@ -172,7 +172,8 @@ def make_train_step(
         Adagrad, with schedules); others are refused with a message.
         `step.replicate` lays its optimizer state out sharded; `step.unreplicate`
         and checkpoints see one full logical copy.
-      axis_name: The replica axis given to `jdp.parallelize`.
+      axis_name: The replica axis; None (default) uses the one bound by the
+        `jdp.parallelize` that runs the step: give it once, there.
       bucket_bytes: Largest bucket of the gradient collectives (25 MiB).
       reduce_dtype: Wire dtype of the gradient collectives (e.g. `jnp.bfloat16`).
       batch_stats_mode: How `jdp.sync_batch_stats` syncs statistics: `"mean"`
@@ -455,7 +456,8 @@ def _skipping(apply, *, axis_name):
         finite = jax.numpy.array(True)
         for g in leaves:
             finite &= jax.numpy.all(jax.numpy.isfinite(g))
-        finite = lax.pmin(finite.astype(jax.numpy.int32), axis_name) > 0
+        axis = _collectives.resolve_axis(axis_name)
+        finite = lax.pmin(finite.astype(jax.numpy.int32), axis) > 0
 
         def run(_):
             params, opt_state, extra = apply(grads, state, tx)

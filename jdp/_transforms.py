@@ -11,7 +11,7 @@ from jdp import _collectives
 
 def sync_gradients(
     *,
-    axis_name: _collectives.AxisName = "data",
+    axis_name: _collectives.AxisName | None = None,
     bucket_bytes: int | None = _collectives.DEFAULT_BUCKET_BYTES,
     reverse: bool = True,
     reduce_dtype: Any = None,
@@ -25,7 +25,8 @@ def sync_gradients(
     Stateless (`optax.EmptyState`).
 
     Args:
-      axis_name: Replica axis bound by `jdp.parallelize`.
+      axis_name: Replica axis; None (default) uses the one bound by the
+        enclosing `jdp.parallelize`.
       bucket_bytes: Largest bucket in bytes (25 MiB); None for one bucket per dtype.
       reverse: Pack leaves last-first.
       reduce_dtype: Optional wire dtype (e.g. `jnp.bfloat16`).

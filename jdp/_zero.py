@@ -530,6 +530,7 @@ def sharded_update(
       `(new_params, new_opt_state, grad_norm)`; `grad_norm` is the global norm of
       the averaged gradients before clipping, or None without clipping.
     """
+    axis_name = _collectives.resolve_axis(axis_name)
     num = _collectives.axis_size(axis_name, API)
     if not is_sharded(opt_state):
         raise ValueError(NOT_LAID_OUT_MSG)

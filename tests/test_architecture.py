@@ -18,6 +18,8 @@ LAYERS = {
     "jdp._collectives": 2,
     "jdp._backends": 2,
     "jdp._batching": 2,
+    "jdp._metrics": 2,
+    "jdp.metrics": 3,
     "jdp._transforms": 3,
     "jdp._bmuf": 3,
     "jdp._zero": 3,

@@ -450,8 +450,14 @@ def test_save_killed_midway_leaves_the_previous_checkpoint(tmp_path):
         np.testing.assert_array_equal(
             step.unreplicate(restored)["w"], np.arange(1000.0)
         )
-        # The partial step is ignored, not in the way: it can be saved again.
-        assert manager.save(2, small)
+        # The partial step is ignored, not in the way: it can be saved again, and
+        # the lock the killed process left behind is reclaimed.
+        with pytest.warns(
+            RuntimeWarning,
+            match=rf"reclaimed the stale lock .* left by process {proc.pid} on host "
+            r".*: process \d+ is no longer running",
+        ):
+            assert manager.save(2, small)
         assert manager.latest_step() == 2
         restored = manager.restore(step.replicate({"w": jnp.zeros(1000)}))
     np.testing.assert_array_equal(step.unreplicate(restored)["w"], np.arange(1000.0))
@@ -765,8 +771,8 @@ def test_ambiguous_or_wrong_one_copy_like_is_refused(saved):
         mixed = copy.replace(params=make_parallel(num_devices=2).replicate(copy.params))
         with pytest.raises(
             ValueError,
-            match=r"(?s)`like` mixes one-copy leaves \(shaped as saved in step 2, e\.g\. "
-            r"\.step \(\), .*\) and leaves with a replica axis \(e\.g\. "
+            match=r"(?s)`like` mixes one-copy leaves \(shaped as saved in step 2, "
+            r"e\.g\. \.step \(\), .*\) and leaves with a replica axis \(e\.g\. "
             r"\.params\['layer0'\]\['b'\] \(2, 16\), .*Fix: pass one copy",
         ):
             manager.restore(mixed)
@@ -896,10 +902,10 @@ def test_damaged_newest_step_warns_and_its_number_can_be_saved_again(
         if restore_first:
             with pytest.warns(
                 RuntimeWarning,
-                match=rf"step 2 in {where} is damaged \(reading its arrays failed .*\); "
-                r"restoring step 1, the newest complete step before it, instead\. The "
-                rf"next `save` of step 2 or an earlier step moves the damaged step "
-                rf"aside to {where}/2\.damaged-<n> \(nothing is deleted\)",
+                match=rf"step 2 in {where} is damaged \(reading its arrays failed "
+                r".*\); restoring step 1, the newest complete step before it, "
+                r"instead\. The next `save` of step 2 or an earlier step moves the "
+                rf"damaged step aside to {where}/2\.damaged-<n> \(nothing is deleted\)",
             ):
                 got = manager.restore(like)
             assert_bitwise_equal(step.unreplicate(got), step.unreplicate(states[0]))

@@ -22,6 +22,7 @@ def test_public_names_are_pinned():
             "load_predictor",
             "make_train_step",
             "parallelize",
+            "replica_key",
             "replicas_in_sync",
             "save_predictor",
             "sync_batch_stats",
@@ -43,25 +44,36 @@ def test_public_subpackages_are_pinned():
         "shutdown",
     ]
     assert jdp.launch.__all__ == ["run"]
+    assert jdp.metrics.__all__ == ["gather", "sum"]
     assert sorted(jdp.sparse.__all__) == sorted(
         [
             "AdagradRowState",
+            "AdamRowState",
             "IdsOutOfRangeError",
             "IndexedRows",
+            "MomentumRowState",
             "PartitionState",
             "RowOptimizer",
             "SparseTransformation",
             "adagrad",
+            "adam",
             "all_gather_rows",
             "combine_rows",
             "lookup",
             "make_train_step",
+            "momentum",
             "partition",
             "sgd",
             "value_and_grad",
         ]
     )
-    for module in (jdp.checkpoint, jdp.distributed, jdp.launch, jdp.sparse):
+    for module in (
+        jdp.checkpoint,
+        jdp.distributed,
+        jdp.launch,
+        jdp.metrics,
+        jdp.sparse,
+    ):
         for name in module.__all__:
             assert getattr(module, name).__doc__, f"{module.__name__}.{name}"
 

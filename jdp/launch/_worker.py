@@ -128,21 +128,23 @@ def _library_dirs() -> tuple[str, ...]:
     return tuple(os.path.join(os.path.realpath(d), "") for d in dirs)
 
 
-def _describe_frame(frame, base: str | None = None) -> str:
+def _describe_frame(frame, base: str | None = None, *, source: bool = True) -> str:
+    """`file:line in function`, then the line's source; `file` relative to `base`."""
     code = frame.f_code
     path = os.path.realpath(code.co_filename)
     shown = os.path.relpath(path, base) if base else os.path.basename(path)
     text = f"{shown}:{frame.f_lineno} in {code.co_name}"
-    source = linecache.getline(code.co_filename, frame.f_lineno).strip()
-    return f"{text}: `{source}`" if source else text
+    line = linecache.getline(code.co_filename, frame.f_lineno).strip()
+    return f"{text}: `{line}`" if source and line else text
 
 
 def where(thread_id: int, library_dirs: tuple[str, ...]) -> str | None:
     """Where thread `thread_id` is: its innermost frame in the program's own code.
 
-    `"train.py:12 in main: `time.sleep(60)`"`, followed by `", inside
-    jax/_src/array.py:640 in _value"` when the thread is in a library below it.
-    None if the thread has no Python frame.
+    For instance ``train.py:12 in main: `time.sleep(60)` `` or, when the thread
+    is in a library below that line, ``train.py:40 in main: `float(loss)`,
+    inside jax/_src/array.py:623 in _value``. None if the thread has no Python
+    frame.
     """
     frame = sys._current_frames().get(thread_id)
     if frame is None:
@@ -162,7 +164,9 @@ def where(thread_id: int, library_dirs: tuple[str, ...]) -> str | None:
     if innermost is not own:
         path = os.path.realpath(innermost.f_code.co_filename)
         base = next((d for d in library_dirs if path.startswith(d)), None)
-        text += ", inside " + _describe_frame(innermost, base).split(": `")[0]
+        if base is not None and os.path.basename(base.rstrip(os.sep)) == "jdp":
+            base = os.path.dirname(base.rstrip(os.sep))  # show jdp/... paths
+        text += ", inside " + _describe_frame(innermost, base, source=False)
     return text
 
 

@@ -4,9 +4,17 @@ A batch touches a few thousand rows of a table that may have millions; the dense
 gradient of the table, and its all-reduce, cost the whole table every step. Here
 the gradient of a table is kept as the rows that were looked up and their
 gradients (`IndexedRows`), the replicas exchange those rows with
-`all_gather_rows`, and row-wise optimizers (`sgd`, `adagrad`) update only the
-touched rows. `make_train_step` puts it together with the usual dense path for
-the rest of the model:
+`all_gather_rows`, and row-wise optimizers update only the touched rows:
+
+- `sgd` and `adagrad` give the same table as `optax.sgd` / `optax.adagrad` on
+  the dense gradient;
+- `momentum` (Caffe2's `SparseMomentumSGDUpdate`) and `adam` (lazy Adam, as
+  PyTorch's `SparseAdam`) keep per-row state that only the touched rows update:
+  rows outside the batch keep their values and state, where dense momentum and
+  Adam keep moving them.
+
+`make_train_step` puts it together with the usual dense path for the rest of the
+model:
 
     tx = jdp.sparse.partition(optax.adam(1e-3), {"embed": jdp.sparse.adagrad(0.1)})
     step = jdp.parallelize(jdp.sparse.make_train_step(loss_fn, tx))
@@ -18,10 +26,14 @@ from jdp.sparse._gather import all_gather_rows, combine_rows
 from jdp.sparse._lookup import IndexedRows, lookup, value_and_grad
 from jdp.sparse._optim import (
     AdagradRowState,
+    AdamRowState,
+    MomentumRowState,
     PartitionState,
     RowOptimizer,
     SparseTransformation,
     adagrad,
+    adam,
+    momentum,
     partition,
     sgd,
 )
@@ -29,16 +41,20 @@ from jdp.sparse._train_step import IdsOutOfRangeError, make_train_step
 
 __all__ = [
     "AdagradRowState",
+    "AdamRowState",
     "IdsOutOfRangeError",
     "IndexedRows",
+    "MomentumRowState",
     "PartitionState",
     "RowOptimizer",
     "SparseTransformation",
     "adagrad",
+    "adam",
     "all_gather_rows",
     "combine_rows",
     "lookup",
     "make_train_step",
+    "momentum",
     "partition",
     "sgd",
     "value_and_grad",

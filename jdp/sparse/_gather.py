@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jdp._collectives import AxisName, axis_size
+from jdp._collectives import AxisName, axis_size, resolve_axis
 from jdp.sparse._lookup import IndexedRows
 
 #: Id of the padding slots that `combine_rows` leaves at the end.
@@ -62,7 +62,7 @@ def all_gather_rows(
     ids: Any,
     rows: Any,
     *,
-    axis_name: AxisName = "data",
+    axis_name: AxisName | None = None,
     combine: bool = False,
 ) -> IndexedRows:
     """Concatenates every replica's `(ids, rows)` slices, inside a parallel step.
@@ -80,7 +80,8 @@ def all_gather_rows(
     Args:
       ids: This replica's integer ids, any shape.
       rows: One row per id, shape `ids.shape + row_shape`.
-      axis_name: Replica axis bound by `jdp.parallelize`.
+      axis_name: Replica axis; None (default) uses the one bound by the
+        enclosing `jdp.parallelize`.
       combine: Sum the rows of ids that occur more than once (within a replica
         or across replicas) with `jdp.sparse.combine_rows`: each id then appears
         once, followed by `-1` padding slots with zero rows.
@@ -105,6 +106,7 @@ def all_gather_rows(
       (Array([ 2,  5,  7, -1], dtype=int32), Array([1., 1., 2., 0.], dtype=float32))
     """
     api = "jdp.sparse.all_gather_rows"
+    axis_name = resolve_axis(axis_name)
     axis_size(axis_name, api)
     ids, rows = _flat(ids, rows, api)
     ids = lax.all_gather(ids, axis_name, tiled=True)

@@ -1,4 +1,4 @@
-"""Row-wise optimizers (SparseSGD, SparseAdagrad) and `partition` for mixed models."""
+"""Row-wise optimizers (sparse SGD, Adagrad, momentum, Adam) and `partition`."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jdp import _validate
 from jdp.sparse._gather import combine_rows
 from jdp.sparse._lookup import IndexedRows, TablePath, locate_tables, normalize_path
 
@@ -43,6 +44,55 @@ def _row_index(ids: jax.Array, num_rows: int) -> jax.Array:
     if ids.dtype.itemsize < 4:
         ids = ids.astype(jnp.int32)
     return jnp.where(ids < 0, num_rows, ids)
+
+
+def _update_rows(
+    grads: IndexedRows,
+    table: jax.Array,
+    states: tuple[jax.Array, ...],
+    step: Callable[..., tuple[jax.Array, ...]],
+    api: str,
+) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    """Applies a row-wise rule to the rows `grads` touches, and to nothing else.
+
+    Repeated ids are summed first (`combine_rows`), so each touched row is
+    updated once, with the gradient the dense path would give it. Invalid ids
+    (negative, or `>= num_rows`) read zero state and their writes are dropped.
+
+    Args:
+      grads: The sparse gradient.
+      table: The table.
+      states: Per-row state arrays, each shaped like the table.
+      step: `step(rows, *state_rows) -> (delta, *new_state_rows)`.
+      api: The optimizer's name, for error messages.
+
+    Returns:
+      `(new_table, new_states)`.
+    """
+    _check_rows(grads, table, api)
+    ids, rows = combine_rows(*grads)
+    index = _row_index(ids, table.shape[0])
+    delta, *new = step(
+        rows, *(s.at[index].get(mode="fill", fill_value=0) for s in states)
+    )
+    table = table.at[index].add(delta.astype(table.dtype), mode="drop")
+    states = tuple(
+        s.at[index].set(n.astype(s.dtype), mode="drop")
+        for s, n in zip(states, new, strict=True)
+    )
+    return table, states
+
+
+def _update_dense(
+    grads: jax.Array,
+    table: jax.Array,
+    states: tuple[jax.Array, ...],
+    step: Callable[..., tuple[jax.Array, ...]],
+) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    """The same rule on a dense gradient: every row counts as touched."""
+    delta, *new = step(grads, *states)
+    states = tuple(n.astype(s.dtype) for s, n in zip(states, new, strict=True))
+    return table + delta.astype(table.dtype), states
 
 
 def sgd(learning_rate: float) -> RowOptimizer:
@@ -134,17 +184,199 @@ def adagrad(
         return -learning_rate * (inv * g), s
 
     def update_fn(grads, state, table):
-        acc = state.sum_of_squares
         if isinstance(grads, IndexedRows):
-            _check_rows(grads, table, "jdp.sparse.adagrad")
-            ids, rows = combine_rows(*grads)
-            index = _row_index(ids, table.shape[0])
-            delta, s = step(rows, acc.at[index].get(mode="fill", fill_value=0))
-            table = table.at[index].add(delta.astype(table.dtype), mode="drop")
-            acc = acc.at[index].set(s.astype(acc.dtype), mode="drop")
-            return table, AdagradRowState(acc)
-        delta, s = step(grads, acc)
-        return table + delta.astype(table.dtype), AdagradRowState(s.astype(acc.dtype))
+            table, states = _update_rows(
+                grads, table, tuple(state), step, "jdp.sparse.adagrad"
+            )
+        else:
+            table, states = _update_dense(grads, table, tuple(state), step)
+        return table, AdagradRowState(*states)
+
+    return RowOptimizer(init_fn, update_fn)
+
+
+class MomentumRowState(NamedTuple):
+    """State of `jdp.sparse.momentum`."""
+
+    momentum: jax.Array  # like the table: each row's momentum buffer
+
+
+def momentum(
+    learning_rate: float, momentum: float, *, nesterov: bool = False
+) -> RowOptimizer:
+    """SGD with momentum on the rows touched (Caffe2's `SparseMomentumSGDUpdate`).
+
+    Each row of the table has its own momentum buffer `m`. For each distinct id
+    in the gradient (repeated ids are summed first), `m[id] = g + momentum *
+    m[id]` and `table[id] -= learning_rate * m[id]` (with `nesterov`, `table[id]
+    -= learning_rate * (g + momentum * m[id])`). This is `optax.sgd(learning_rate,
+    momentum=momentum, nesterov=nesterov)`'s rule, applied to the touched rows
+    only.
+
+    Unlike dense momentum, a row that is not in the batch is left alone: it
+    keeps its value and its momentum. Dense momentum (`optax.sgd(...,
+    momentum=...)`) decays every row's momentum every step and keeps moving the
+    rows with nonzero momentum even when they get no gradient. The two give the
+    same table only while every row is touched at every step; otherwise a row
+    trained here stops moving as soon as it leaves the batch.
+
+    Given a dense gradient (the table trained by `jdp.make_train_step`), every
+    row counts as touched, and the update is dense momentum.
+
+    Args:
+      learning_rate: Step size (a constant, >= 0).
+      momentum: Decay of the momentum buffers, in `[0, 1)`.
+      nesterov: Use Nesterov momentum, as `optax.sgd(..., nesterov=True)`.
+
+    Returns:
+      A `jdp.sparse.RowOptimizer` whose state is a `MomentumRowState` (one
+      buffer shaped like the table, initially zero).
+
+    Raises:
+      TypeError: If `learning_rate` or `momentum` is not a real number, or
+        `nesterov` is not a bool.
+      ValueError: If `learning_rate` or `momentum` is not finite or out of range.
+
+    Example:
+      >>> import jax.numpy as jnp, jdp
+      >>> opt = jdp.sparse.momentum(0.1, momentum=0.5)
+      >>> table = jnp.zeros((3, 1))
+      >>> state = opt.init(table)
+      >>> for ids in ([0, 2], [2]):  # row 2 is in both batches, row 0 in one
+      ...     grads = jdp.sparse.IndexedRows(jnp.array(ids), jnp.ones((len(ids), 1)))
+      ...     table, state = opt.update(grads, state, table)
+      >>> table[:, 0]  # row 0 stopped (dense momentum would move it on to -0.15)
+      Array([-0.1 ,  0.  , -0.25], dtype=float32)
+      >>> state.momentum[:, 0]  # and kept its momentum (dense: decayed to 0.5)
+      Array([1. , 0. , 1.5], dtype=float32)
+    """
+    lr = _validate.finite_number("learning_rate", learning_rate, at_least=0)
+    decay = _validate.finite_number("momentum", momentum, at_least=0, below=1)
+    if not isinstance(nesterov, bool):
+        raise TypeError(
+            f"`nesterov` must be a bool, got {_validate.describe(nesterov)}."
+        )
+
+    def init_fn(table):
+        return MomentumRowState(jnp.zeros_like(table))
+
+    def step(g, m):
+        m = g + decay * m
+        direction = g + decay * m if nesterov else m
+        return -lr * direction, m
+
+    def update_fn(grads, state, table):
+        if isinstance(grads, IndexedRows):
+            table, states = _update_rows(
+                grads, table, tuple(state), step, "jdp.sparse.momentum"
+            )
+        else:
+            table, states = _update_dense(grads, table, tuple(state), step)
+        return table, MomentumRowState(*states)
+
+    return RowOptimizer(init_fn, update_fn)
+
+
+class AdamRowState(NamedTuple):
+    """State of `jdp.sparse.adam`."""
+
+    count: jax.Array  # int32 scalar: the number of updates, touched or not
+    mu: jax.Array  # like the table: each row's first moment
+    nu: jax.Array  # like the table: each row's second moment
+
+
+def adam(
+    learning_rate: float,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+) -> RowOptimizer:
+    """Lazy Adam on the rows touched (PyTorch's `SparseAdam`, TF's `LazyAdam`).
+
+    Each row of the table has its own first and second moments `mu`, `nu`; a
+    step count `t` is shared by the whole table. Every update increments `t`;
+    for each distinct id in the gradient (repeated ids are summed first, so a
+    repeated id counts as one row with the summed gradient, as in the dense
+    gradient), `mu[id] = b1 * mu[id] + (1 - b1) * g`, `nu[id] = b2 * nu[id] +
+    (1 - b2) * g ** 2` and `table[id] -= learning_rate * mu_hat / (sqrt(nu_hat)
+    + eps)`, with `mu_hat = mu[id] / (1 - b1 ** t)` and `nu_hat = nu[id] / (1 -
+    b2 ** t)`. This is `optax.adam(learning_rate, b1, b2, eps)`'s rule (`eps`
+    is added after the bias correction, as optax does; PyTorch adds it before),
+    applied to the touched rows only.
+
+    Unlike dense Adam, a row that is not in the batch is left alone: it keeps
+    its value and its moments. Dense Adam (`optax.adam`) decays every row's
+    moments every step and keeps moving the rows whose first moment is nonzero
+    even when they get no gradient. The two give the same table only while every
+    row is touched at every step.
+
+    The bias correction uses the global step count `t`, as PyTorch's
+    `SparseAdam` and TF's `LazyAdam` do, not a count of the row's own updates.
+    A row first touched at a late step gets `mu_hat ~ (1 - b1) * g` and
+    `nu_hat ~ (1 - b2) * g ** 2`, so its first step is about `(1 - b1) /
+    sqrt(1 - b2)` times `learning_rate` (3.2 times with the defaults) where
+    Adam's first step is about `learning_rate`.
+
+    Given a dense gradient (the table trained by `jdp.make_train_step`), every
+    row counts as touched, and the update is dense Adam.
+
+    Args:
+      learning_rate: Step size (a constant, >= 0).
+      b1: Decay of the first moments, in `[0, 1)`.
+      b2: Decay of the second moments, in `[0, 1)`.
+      eps: Added to the denominator, > 0.
+
+    Returns:
+      A `jdp.sparse.RowOptimizer` whose state is an `AdamRowState` (a step count
+      and two moments shaped like the table, initially zero).
+
+    Raises:
+      TypeError: If a hyperparameter is not a real number.
+      ValueError: If a hyperparameter is not finite or out of range.
+
+    Example:
+      >>> import jax.numpy as jnp, jdp
+      >>> opt = jdp.sparse.adam(0.1)
+      >>> table = jnp.zeros((3, 1))
+      >>> state = opt.init(table)
+      >>> for ids in ([0, 2], [2]):  # row 2 is in both batches, row 0 in one
+      ...     grads = jdp.sparse.IndexedRows(jnp.array(ids), jnp.ones((len(ids), 1)))
+      ...     table, state = opt.update(grads, state, table)
+      >>> [round(x, 4) for x in table[:, 0].tolist()]  # row 0 stopped after step 1
+      [-0.1, 0.0, -0.2]
+      >>> state.mu[:, 0], state.count  # row 0 kept its moments (dense: decayed)
+      (Array([0.1 , 0.  , 0.19], dtype=float32), Array(2, dtype=int32))
+
+    References:
+      Kingma and Ba, "Adam: A Method for Stochastic Optimization", ICLR 2015.
+    """
+    lr = _validate.finite_number("learning_rate", learning_rate, at_least=0)
+    b1 = _validate.finite_number("b1", b1, at_least=0, below=1)
+    b2 = _validate.finite_number("b2", b2, at_least=0, below=1)
+    eps = _validate.finite_number("eps", eps, above=0)
+
+    def init_fn(table):
+        zeros = jnp.zeros_like(table)
+        return AdamRowState(jnp.zeros([], jnp.int32), zeros, zeros)
+
+    def update_fn(grads, state, table):
+        count = optax.safe_increment(state.count)
+
+        def step(g, mu, nu):
+            mu = (1 - b1) * g + b1 * mu
+            nu = (1 - b2) * g**2 + b2 * nu
+            mu_hat = mu / (1 - b1**count).astype(mu.dtype)
+            nu_hat = nu / (1 - b2**count).astype(nu.dtype)
+            return -lr * (mu_hat / (jnp.sqrt(nu_hat) + eps)), mu, nu
+
+        moments = (state.mu, state.nu)
+        if isinstance(grads, IndexedRows):
+            table, moments = _update_rows(
+                grads, table, moments, step, "jdp.sparse.adam"
+            )
+        else:
+            table, moments = _update_dense(grads, table, moments, step)
+        return table, AdamRowState(count, *moments)
 
     return RowOptimizer(init_fn, update_fn)
 
@@ -200,7 +432,10 @@ def partition(
     state for every parameter except the tables (no dense optimizer state is
     allocated for a table) and each table's row-optimizer state. Use it with
     `jdp.sparse.make_train_step` for sparse table gradients; it also works with
-    `jdp.make_train_step` (dense table gradients, the same updates).
+    `jdp.make_train_step` (dense table gradients). With `sgd` and `adagrad` both
+    give the same updates; with `momentum` and `adam` a dense gradient touches
+    every row, so `jdp.make_train_step` gives dense momentum / dense Adam, which
+    also moves the rows outside the batch.
 
     Args:
       dense_tx: optax optimizer for all non-table parameters.

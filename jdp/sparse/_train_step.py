@@ -168,7 +168,7 @@ def make_train_step(
         )
     if check_ids:
         _install_filter()
-    axis_name = options.get("axis_name", "data")
+    axis_name = options.get("axis_name")
     bucket_bytes = options.get("bucket_bytes", _collectives.DEFAULT_BUCKET_BYTES)
     _collectives.check_bucket_bytes(bucket_bytes)
 
