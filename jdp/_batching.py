@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jdp import _validate
 from jdp._layout import host_value
 from jdp._tree import format_problems, keystr
 
@@ -81,6 +82,7 @@ def shard(
     batch: PyTree,
     *,
     pad: bool,
+    pad_to: int | None = None,
     num_local: int,
     num_replicas: int,
     place_leaf: Callable[[np.ndarray], jax.Array],
@@ -91,6 +93,8 @@ def shard(
     Args:
       batch: Pytree of arrays whose leading axis is the example axis.
       pad: Pad to a multiple of the local replica count and return a mask.
+      pad_to: With `pad`, the global batch size to pad to (split evenly
+        between processes).
       num_local: Replicas on this process.
       num_replicas: Replicas in all.
       place_leaf: Places one host leaf (the backend's batch layout).
@@ -114,6 +118,8 @@ def shard(
     if jax.process_count() > 1:
         padded_everywhere = _check_process_batches(host, pad=pad, num_local=num_local)
     mask = None
+    if pad_to is not None:
+        padded_everywhere = _local_pad_to(pad_to, pad, num_replicas)
     if pad:
         host, mask = _pad(host, padded_everywhere, num_local)
     else:
@@ -177,6 +183,23 @@ def _check_sizes(host) -> None:
         )
 
 
+def _local_pad_to(pad_to: int, pad: bool, num_replicas: int) -> int:
+    """This process's share of `pad_to`, checked."""
+    _validate.positive_int("pad_to", pad_to, allow_none=True)
+    if not pad:
+        raise ValueError(
+            "`step.shard(pad_to=...)` pads, so it needs `pad=True` (which also "
+            "returns the mask of real examples)."
+        )
+    if pad_to % num_replicas:
+        raise ValueError(
+            f"`step.shard`: `pad_to={pad_to}` must be a multiple of "
+            f"num_replicas={num_replicas}, so that every replica gets as many "
+            "examples."
+        )
+    return pad_to // jax.process_count()
+
+
 def _pad(host, padded_everywhere: int | None, num_local: int):
     sizes = {x.shape[0] for _, x in host}
     if len(sizes) != 1:
@@ -187,6 +210,12 @@ def _pad(host, padded_everywhere: int | None, num_local: int):
         )
     size = sizes.pop()
     padded = padded_everywhere or padded_size(size, num_local)
+    if padded < size:
+        raise ValueError(
+            f"`step.shard`: the batch holds {size} examples on this process, more "
+            f"than `pad_to` allows ({padded} per process). Split it, or raise "
+            "`pad_to` to the largest global batch."
+        )
     extra = padded - size
     if extra:
         if size == 0:

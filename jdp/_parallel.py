@@ -22,6 +22,7 @@ from jdp import (
     _hlo,
     _layout,
     _metrics,
+    _progress,
     _validate,
 )
 from jdp._tree import format_problems
@@ -147,6 +148,7 @@ class Parallel:
         """
         self._check_state(state)
         self._check_batch(batch)
+        _progress.beat()  # progress, for the stall check of `python -m jdp.launch`
         checked = self._step.returns_state is not None
         new_state, metrics = self._step(state, batch, before=self._check_out_state)
         if not self._step.returns_state:
@@ -236,7 +238,7 @@ class Parallel:
         """
         return _layout.logical_copy(tree)
 
-    def shard(self, batch: PyTree, *, pad: bool = False):
+    def shard(self, batch: PyTree, *, pad: bool = False, pad_to: int | None = None):
         """Splits a global batch across replicas along every leaf's leading axis.
 
         With several processes, `batch` is this process's share (each process loads
@@ -255,6 +257,10 @@ class Parallel:
             examples. Weigh per-example metrics by it, e.g. return
             `{"correct": jnp.sum(ok * mask), "count": jnp.sum(mask)}` and divide
             the two averaged metrics: the ratio is then exact.
+          pad_to: With `pad=True`, pad to this global batch size instead (a
+            multiple of the replica count), so that a short last batch has the
+            shape of the others and evaluation compiles one program (flax's
+            `min_device_batch`).
 
         Returns:
           The placed batch, or `(batch, mask)` when `pad` is True.
@@ -266,9 +272,11 @@ class Parallel:
             differ in size (and `pad` is False) or in structure, trailing shapes
             or dtypes.
         """
+        _progress.beat()  # its cross-process size check waits for the others
         return _batching.shard(
             batch,
             pad=pad,
+            pad_to=pad_to,
             num_local=len(self.mesh.local_devices),
             num_replicas=self.num_replicas,
             place_leaf=self._backend.place_batch_leaf,

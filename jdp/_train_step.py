@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
 import jax
+import numpy as np
 import optax
 from flax import struct
 from jax import lax
@@ -46,7 +47,10 @@ class TrainState(struct.PyTreeNode):
       batch_stats: Computed, non-trained state such as BatchNorm statistics, or
         None.
       skipped_steps: Steps skipped because their gradients were not finite
-        (`make_train_step(..., skip_nonfinite=True)`; an int32 array).
+        (`make_train_step(..., skip_nonfinite=True)`, or a loss scaler's
+        overflow; an int32 array).
+      dynamic_scale: A flax `DynamicScale` for float16 training (loss scaling),
+        or None.
       tx: The optax optimizer (static: not a pytree leaf).
 
     Example:
@@ -61,6 +65,7 @@ class TrainState(struct.PyTreeNode):
     opt_state: optax.OptState
     batch_stats: PyTree = None
     skipped_steps: jax.Array | None = None
+    dynamic_scale: Any = None
     tx: optax.GradientTransformation = struct.field(pytree_node=False, default=None)
 
     @classmethod
@@ -70,6 +75,7 @@ class TrainState(struct.PyTreeNode):
         params: PyTree,
         tx: optax.GradientTransformation,
         batch_stats: PyTree = None,
+        dynamic_scale: Any = None,
     ) -> TrainState:
         """Makes a state at step 0 with `tx.init(params)` as optimizer state."""
         return cls(
@@ -78,6 +84,7 @@ class TrainState(struct.PyTreeNode):
             opt_state=tx.init(params),
             batch_stats=batch_stats,
             skipped_steps=jax.numpy.zeros((), jax.numpy.int32),
+            dynamic_scale=dynamic_scale,
             tx=tx,
         )
 
@@ -125,6 +132,9 @@ class Update(NamedTuple):
     apply: Callable[[PyTree, PyTree, optax.GradientTransformation], tuple]
     state_layout: StateLayout | None = None
     must_agree: Callable[[PyTree], PyTree] | None = None
+    #: Like `apply` for gradients that are already averaged (a loss scaler's), or
+    #: None where that does not apply.
+    apply_synced: Callable[..., tuple] | None = None
 
 
 def make_train_step(
@@ -140,6 +150,7 @@ def make_train_step(
     remat: Literal["full"] | Callable[..., Any] | None = None,
     clip_grad_norm: float | None = None,
     skip_nonfinite: bool = False,
+    microbatches: int = 1,
 ) -> TrainStep:
     """Builds the per-replica training step for `jdp.parallelize`.
 
@@ -201,6 +212,20 @@ def make_train_step(
         advances. Needs a state with a `skipped_steps` field (`jdp.TrainState`
         has one). Like `optax.apply_if_finite`, but the decision covers every
         replica and every `grad_sync` (a ZeRO replica sees only slices).
+      microbatches: Gradient accumulation (PyTorch DDP's `no_sync()`, Horovod's
+        `backward_passes_per_step`, DeepSpeed's `gradient_accumulation_steps`):
+        split each replica's batch into this many equal microbatches, process
+        them in sequence inside the step (`lax.scan`: the activations of one
+        microbatch are live at a time), sum their gradients locally, then
+        all-reduce once and update once. For a loss that is a mean over
+        examples the result equals the whole batch at once. 1 by default.
+
+    Loss scaling: a state with a flax `DynamicScale` in a `dynamic_scale` field
+    (`jdp.TrainState.create(..., dynamic_scale=DynamicScale())`, or a flax
+    `TrainState` subclass with that field, as in flax's ImageNet example) is
+    honoured: the loss is scaled, the gradients unscaled and averaged, a step
+    whose averaged gradients are not finite is skipped on every replica, the
+    scale is updated, and metrics gain `"loss_scale"` and `"skipped"`.
 
     Returns:
       `train_step(state, batch) -> (state, metrics)`, to give to `jdp.parallelize`.
@@ -260,7 +285,11 @@ def make_train_step(
             _local_update(clip_grad_norm=clip_grad_norm), must_agree=_agreed_locally
         )
     else:
-        update = Update(_all_reduce_update(**options))
+        update = Update(
+            _all_reduce_update(**options),
+            apply_synced=lambda g, s, t: _apply(g, s, t, clip_grad_norm),
+        )
+    _validate.positive_int("microbatches", microbatches)
     if skip_nonfinite:
         update = update._replace(apply=_skipping(update.apply, axis_name=axis_name))
     return build_train_step(
@@ -273,6 +302,7 @@ def make_train_step(
         batch_stats_mode=batch_stats_mode,
         api="jdp.make_train_step",
         local_grads=grad_sync == "none",
+        microbatches=microbatches,
     )
 
 
@@ -287,6 +317,7 @@ def build_train_step(
     batch_stats_mode: str,
     api: str,
     local_grads: bool = False,
+    microbatches: int = 1,
 ) -> TrainStep:
     """Composes a train step from its pieces (see the module docstring).
 
@@ -303,7 +334,10 @@ def build_train_step(
       api: The public name, for error messages.
       local_grads: Whether the optimizer sees each replica's own gradients (the
         only setting that admits `jdp.bmuf`).
+      microbatches: Split the replica's batch into this many microbatches and
+        accumulate their gradients (`lax.scan`) before one update.
     """
+    kw = dict(has_aux=has_aux, microbatches=microbatches, axis_name=axis_name)
 
     def train_step(state, batch):
         optimizer = state.tx if tx is None else tx
@@ -320,12 +354,19 @@ def build_train_step(
                 '`jdp.make_train_step(loss_fn, tx, grad_sync="none")`.'
             )
         _check_trainable(state.params, api)
-        loss, aux, new_stats, grads = loss_and_grads(
-            value_and_grad(optimizer), loss_fn, state, batch, has_aux=has_aux
-        )
-        params, opt_state, extra = update.apply(grads, state, optimizer)
-        changes = dict(step=state.step + 1, params=params, opt_state=opt_state)
-        if "skipped" in extra:
+        changes = {}
+        scale = getattr(state, "dynamic_scale", None)
+        if scale is not None:
+            loss, aux, new_stats, grads, params, opt_state, extra = _loss_scaled(
+                scale, loss_fn, state, batch, optimizer, update, changes, **kw
+            )
+        else:
+            loss, aux, new_stats, grads = _gradients(
+                value_and_grad(optimizer), loss_fn, state, batch, **kw
+            )
+            params, opt_state, extra = update.apply(grads, state, optimizer)
+        changes.update(step=state.step + 1, params=params, opt_state=opt_state)
+        if "skipped" in extra and getattr(state, "skipped_steps", None) is not None:
             changes["skipped_steps"] = state.skipped_steps + extra["skipped"]
         if new_stats is not None:
             changes["batch_stats"] = _collectives.sync_batch_stats(
@@ -343,6 +384,111 @@ def build_train_step(
 
 
 # -- gradients ------------------------------------------------------------------
+
+
+def _gradients(
+    value_and_grad, loss_fn, state, batch, *, has_aux, microbatches, axis_name
+):
+    """`loss_and_grads` over the whole batch, or accumulated over microbatches.
+
+    With `microbatches=k` the replica's batch is split into `k` equal parts along
+    its leading axis and processed in sequence (`lax.scan`, so activations of one
+    part are live at a time); gradients are summed and divided by `k`, which for
+    a loss that is a mean over examples equals the gradient on the whole batch.
+    Batch statistics flow from one part to the next; the loss and floating
+    auxiliary values are averaged over the parts.
+    """
+    del axis_name
+    if microbatches == 1:
+        return loss_and_grads(value_and_grad, loss_fn, state, batch, has_aux=has_aux)
+    k = microbatches
+    bad = [
+        f"{keystr(p)}: {np.shape(x)[0] if np.ndim(x) else 'a scalar'}"
+        for p, x in jax.tree_util.tree_flatten_with_path(batch)[0]
+        if np.ndim(x) == 0 or np.shape(x)[0] % k
+    ]
+    if bad:
+        raise ValueError(
+            f"`make_train_step(..., microbatches={k})` splits every batch leaf "
+            f"into {k} parts along its leading axis, but these leaves' sizes per "
+            f"replica are not multiples of {k}:{format_problems(bad)}\nFix: a "
+            f"per-replica batch that is a multiple of {k} (the global batch a "
+            f"multiple of {k} x num_replicas)."
+        )
+    parts = jax.tree.map(lambda x: x.reshape((k, x.shape[0] // k) + x.shape[1:]), batch)
+    stats = getattr(state, "batch_stats", None)
+
+    def body(carry, part):
+        total, stats = carry
+        current = state if stats is None else state.replace(batch_stats=stats)
+        loss, aux, new_stats, grads = loss_and_grads(
+            value_and_grad, loss_fn, current, part, has_aux=has_aux
+        )
+        total = jax.tree.map(lambda a, g: a + g, total, grads)
+        return (total, new_stats if stats is not None else None), (loss, aux)
+
+    zeros = jax.tree.map(jax.numpy.zeros_like, state.params)
+    (total, new_stats), (losses, auxs) = lax.scan(body, (zeros, stats), parts)
+    grads = jax.tree.map(lambda g: g / k, total)
+    aux = jax.tree.map(lambda a: a.mean(0) if is_float(a) else a[-1], auxs)
+    return losses.mean(), aux, new_stats, grads
+
+
+def _loss_scaled(scale, loss_fn, state, batch, tx, update, changes, **kw):
+    """Gradients through a flax `DynamicScale` (float16 loss scaling).
+
+    The scaled loss is differentiated, the gradients unscaled and averaged over
+    replicas by `DynamicScale.value_and_grad(axis_name=...)`, so every replica
+    sees the same finiteness verdict; a non-finite step leaves params and
+    optimizer state unchanged and the scale backs off (the flax ImageNet recipe).
+    """
+    if update.apply_synced is None:
+        raise ValueError(
+            "A state with a `dynamic_scale` (loss scaling) needs "
+            '`make_train_step(..., grad_sync="all_reduce")`: the loss scaler '
+            "averages the gradients itself; sharded or local updates with loss "
+            "scaling are not supported."
+        )
+    if kw["microbatches"] != 1:
+        raise ValueError(
+            "A state with a `dynamic_scale` (loss scaling) cannot be combined with "
+            "`microbatches`: accumulate in float32 instead, or drop the scaler."
+        )
+    verdict = {}
+    axis = _collectives.resolve_axis(kw["axis_name"])
+
+    def scaled_value_and_grad(fun, *, has_aux):
+        grad_fn = scale.value_and_grad(fun, has_aux=has_aux, axis_name=axis)
+
+        def value_and_grads(*args):
+            verdict["scale"], verdict["finite"], value, grads = grad_fn(*args)
+            return value, grads
+
+        return value_and_grads
+
+    loss, aux, new_stats, grads = loss_and_grads(
+        scaled_value_and_grad, loss_fn, state, batch, has_aux=kw["has_aux"]
+    )
+    params, opt_state, extra = update.apply_synced(grads, state, tx)
+    finite = verdict["finite"]
+    keep = lambda new, old: jax.tree.map(  # noqa: E731
+        lambda n, o: jax.numpy.where(finite, n, o), new, old
+    )
+    changes["dynamic_scale"] = verdict["scale"]
+    extra = {
+        **extra,
+        "loss_scale": scale.scale,
+        "skipped": 1 - finite.astype(jax.numpy.int32),
+    }
+    return (
+        loss,
+        aux,
+        new_stats,
+        grads,
+        keep(params, state.params),
+        keep(opt_state, state.opt_state),
+        extra,
+    )
 
 
 def loss_and_grads(value_and_grad, loss_fn, state, batch, *, has_aux):

@@ -10,6 +10,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "jdp"
 
 LAYERS = {
     "jdp._version": 0,
+    "jdp._progress": 0,
     "jdp._tree": 0,
     "jdp._validate": 0,
     "jdp._hlo": 0,

@@ -52,9 +52,7 @@ def test_a_pmap_batch_is_refused_by_a_shard_map_step_and_back():
     pmap_step, smap_step = echo_step("pmap"), echo_step("shard_map")
     state = smap_step.replicate({})
     global_batch = {"x": np.ones((8, 3), np.float32)}
-    with pytest.raises(
-        ValueError, match=r"(?s)of a 'pmap' step.*extra axis.*\['x'\]"
-    ):
+    with pytest.raises(ValueError, match=r"(?s)of a 'pmap' step.*extra axis.*\['x'\]"):
         smap_step(state, pmap_step.shard(global_batch))
     with pytest.raises(ValueError, match=r"of a 'shard_map' step, but this step"):
         pmap_step(pmap_step.replicate({}), smap_step.shard(global_batch))
@@ -75,3 +73,17 @@ def test_padding_still_gives_a_mask_for_a_short_batch(backend):
     batch, mask = step.shard({"x": np.ones((6, 3), np.float32)}, pad=True)
     assert int(np.asarray(mask).sum()) == 6
     assert np.asarray(mask).size == 8
+
+
+def test_pad_to_gives_the_last_short_batch_the_full_shape(backend):
+    step = echo_step(backend)
+    full, _ = step.shard({"x": np.ones((16, 3), np.float32)}, pad=True, pad_to=16)
+    short, mask = step.shard({"x": np.ones((5, 3), np.float32)}, pad=True, pad_to=16)
+    assert short["x"].shape == full["x"].shape
+    assert int(np.asarray(mask).sum()) == 5
+    with pytest.raises(ValueError, match=r"`pad_to=10` must be a multiple of"):
+        step.shard({"x": np.ones((5, 3))}, pad=True, pad_to=10)
+    with pytest.raises(ValueError, match=r"needs `pad=True`"):
+        step.shard({"x": np.ones((8, 3))}, pad_to=16)
+    with pytest.raises(ValueError, match=r"holds 20 examples.*more than `pad_to`"):
+        step.shard({"x": np.ones((20, 3))}, pad=True, pad_to=16)

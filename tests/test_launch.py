@@ -18,7 +18,8 @@ import pytest
 
 import jdp
 from jdp.launch import __main__ as launch_main
-from jdp.launch import _launcher, _progress, _stall, _worker
+from jdp import _progress
+from jdp.launch import _launcher, _stall, _worker
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
 
@@ -51,7 +52,7 @@ time.sleep(300)
 # collective: a process still starting is not stuck.
 STUCK_PROCESS_1 = """
 import os, sys, time
-from jdp.launch import _progress
+from jdp import _progress
 stuck_at, meet = int(sys.argv[1]), sys.argv[2]
 print(f"ready {os.getpid()}", flush=True)
 open(os.path.join(meet, os.environ["JDP_PROCESS_ID"]), "w").close()

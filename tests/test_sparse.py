@@ -378,3 +378,266 @@ def test_lookup_inside_a_flax_module():
     scattered = jnp.zeros((100, 4)).at[rows.ids].add(rows.rows)
     np.testing.assert_allclose(scattered, dense["embedding"], rtol=1e-6)
     assert_trees_close(grads["Dense_0"], dense["Dense_0"])
+
+
+# -- lazy optimizers: momentum and Adam ------------------------------------------
+
+LAZY = {
+    "momentum": (
+        lambda: jdp.sparse.momentum(0.1, 0.9),
+        lambda: optax.sgd(0.1, momentum=0.9),
+    ),
+    "nesterov": (
+        lambda: jdp.sparse.momentum(0.1, 0.9, nesterov=True),
+        lambda: optax.sgd(0.1, momentum=0.9, nesterov=True),
+    ),
+    "adam": (lambda: jdp.sparse.adam(0.05), lambda: optax.adam(0.05)),
+}
+
+
+def row_state(kind, state):
+    """The per-row state arrays of a lazy optimizer, and optax's counterparts."""
+    if isinstance(state, jdp.sparse.MomentumRowState):
+        return {"momentum": state.momentum}
+    if isinstance(state, jdp.sparse.AdamRowState):
+        return {"count": state.count, "mu": state.mu, "nu": state.nu}
+    inner = state[0]  # optax: (TraceState | ScaleByAdamState, EmptyState)
+    if kind == "adam":
+        return {"count": inner.count, "mu": inner.mu, "nu": inner.nu}
+    return {"momentum": inner.trace}
+
+
+def lazy_oracle(params, batches, dense_tx, table_tx, *, lazy=True):
+    """One device: `dense_tx` on the MLP; `table_tx` (optax) on the table.
+
+    With `lazy`, `table_tx` sees only the rows the batch touches (valid ids): the
+    other rows keep their values and their rows of the optimizer state.
+    """
+    grad_fn = jax.jit(jax.grad(loss_fn))
+    table, mlp = jnp.asarray(params["embed"]), params["mlp"]
+    dense_state, table_state = dense_tx.init(mlp), table_tx.init(table)
+    num_rows = table.shape[0]
+    for batch in batches:
+        grads = grad_fn({"embed": table, "mlp": mlp}, batch)
+        updates, dense_state = dense_tx.update(grads["mlp"], dense_state, mlp)
+        mlp = optax.apply_updates(mlp, updates)
+        ids = np.unique(batch["ids"])
+        rows = ids[(ids >= 0) & (ids < num_rows)] if lazy else np.arange(num_rows)
+        table, table_state = update_rows(
+            table_tx, grads["embed"], table_state, table, rows
+        )
+    return {"embed": table, "mlp": mlp}, table_state
+
+
+def update_rows(tx, grad, state, table, rows):
+    """`tx` (optax) on `table[rows]` only, with those rows of its state."""
+    part = jax.tree.map(lambda x: x[rows] if x.ndim else x, state)
+    updates, part = tx.update(grad[rows], part, table[rows])
+    state = jax.tree.map(lambda x, p: x.at[rows].set(p) if x.ndim else p, state, part)
+    return table.at[rows].add(updates), state
+
+
+def every_row_batches(num_steps, num_rows, seed):
+    """Batches of `num_rows` examples that each touch every row FEATURES times."""
+    rng = np.random.default_rng(seed)
+    return [
+        {
+            "ids": rng.permutation(np.tile(np.arange(num_rows), FEATURES))
+            .reshape(num_rows, FEATURES)
+            .astype(np.int32),
+            "y": rng.normal(size=num_rows).astype(np.float32),
+        }
+        for _ in range(num_steps)
+    ]
+
+
+@pytest.mark.parametrize(
+    "kind, backend",
+    [
+        ("momentum", "pmap"),
+        ("momentum", "shard_map"),
+        ("nesterov", "shard_map"),
+        ("adam", "pmap"),
+        ("adam", "shard_map"),
+    ],
+)
+def test_lazy_optimizers_match_dense_optax_when_every_row_is_touched(kind, backend):
+    make_rows, make_optax = LAZY[kind]
+    params = init_params(8, 16, 4)
+    batches = every_row_batches(4, 16, seed=8)
+    expected, expected_state = lazy_oracle(
+        params, batches, optax.sgd(LR), make_optax(), lazy=False
+    )
+    tx = jdp.sparse.partition(optax.sgd(LR), {"embed": make_rows()})
+    step, state = train(
+        jdp.sparse.make_train_step(loss_fn, tx), params, tx, batches, backend=backend
+    )
+    got = step.unreplicate(state)
+    assert_trees_close(got.params, expected, rtol=1e-5, atol=1e-6)
+    assert_trees_close(
+        row_state(kind, got.opt_state.tables["embed"]),
+        row_state(kind, expected_state),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+
+
+@pytest.mark.parametrize(
+    "kind, combine, backend",
+    [("momentum", False, "pmap"), ("adam", True, "shard_map")],
+)
+def test_lazy_optimizers_update_only_the_touched_rows_in_a_sparse_step(
+    kind, combine, backend
+):
+    make_rows, make_optax = LAZY[kind]
+    num_rows = 200
+    params = init_params(9, num_rows, 4)
+    batches = make_batches(4, 16, num_rows, seed=9, hot=4)
+    for b in batches:  # keep the last row unused: -1 must not wrap around to it
+        b["ids"][b["ids"] == num_rows - 1] = 0
+    batches[1]["ids"][0, 0] = num_rows + 5
+    batches[2]["ids"][3, 1] = -1
+    expected, expected_state = lazy_oracle(params, batches, optax.sgd(LR), make_optax())
+    tx = jdp.sparse.partition(optax.sgd(LR), {"embed": make_rows()})
+    step, state = train(
+        jdp.sparse.make_train_step(loss_fn, tx, combine=combine),
+        params,
+        tx,
+        batches,
+        backend=backend,
+    )
+    got = step.unreplicate(state)
+    got_state = row_state(kind, got.opt_state.tables["embed"])
+    assert_trees_close(got.params, expected, rtol=1e-5, atol=1e-6)
+    assert_trees_close(got_state, row_state(kind, expected_state), atol=1e-6)
+    # Rows never touched kept their values and a zero state.
+    seen = np.unique(np.concatenate([b["ids"].ravel() for b in batches]))
+    never = np.setdiff1d(np.arange(num_rows), seen)
+    assert num_rows - 1 in never
+    np.testing.assert_array_equal(got.params["embed"][never], params["embed"][never])
+    for name in ("momentum", "mu", "nu"):
+        if name in got_state:
+            np.testing.assert_array_equal(got_state[name][never], 0)
+    # Not vacuous: dense momentum / Adam moves the rows that left the batch.
+    dense, _ = lazy_oracle(params, batches, optax.sgd(LR), make_optax(), lazy=False)
+    last = np.unique(batches[-1]["ids"])
+    left = np.setdiff1d(seen[(seen >= 0) & (seen < num_rows)], last)
+    assert len(left) > 0
+    assert np.all(np.any(dense["embed"][left] != got.params["embed"][left], axis=1))
+
+
+@pytest.mark.parametrize("kind", ["momentum", "adam"])
+def test_lazy_optimizers_leave_untouched_rows_alone(kind):
+    opt = LAZY[kind][0]()
+    rng = np.random.default_rng(10)
+    table = jnp.asarray(rng.normal(size=(8, 3)), jnp.float32)
+    state = opt.init(table)
+    update = jax.jit(opt.update)
+    for _ in range(2):  # every row gets a momentum / moments
+        grads = jdp.sparse.IndexedRows(
+            jnp.arange(8), jnp.asarray(rng.normal(size=(8, 3)))
+        )
+        table, state = update(grads, state, table)
+    rows = jnp.asarray(rng.normal(size=(2, 3)), jnp.float32)
+    new_table, new_state = update(
+        jdp.sparse.IndexedRows(jnp.array([4, 1]), rows), state, table
+    )
+    touched, others = np.array([1, 4]), np.array([0, 2, 3, 5, 6, 7])
+    np.testing.assert_array_equal(new_table[others], table[others])
+    before, after = row_state(kind, state), row_state(kind, new_state)
+    for name in before:
+        if name == "count":  # global: counts every update
+            assert int(after[name]) == int(before[name]) + 1
+            continue
+        np.testing.assert_array_equal(after[name][others], before[name][others])
+        assert np.all(after[name][touched] != before[name][touched])
+    assert np.all(new_table[touched] != table[touched])
+
+
+@pytest.mark.parametrize("kind", ["momentum", "adam"])
+def test_lazy_optimizers_combine_duplicates_and_skip_invalid_ids(kind):
+    opt = LAZY[kind][0]()
+    rng = np.random.default_rng(11)
+    table = jnp.asarray(rng.normal(size=(6, 2)), jnp.float32)
+    warm = jdp.sparse.IndexedRows(jnp.arange(6), jnp.ones((6, 2)))
+    table, state = opt.update(warm, opt.init(table), table)
+    r = jnp.asarray(rng.normal(size=(6, 2)), jnp.float32)
+    noisy = jdp.sparse.IndexedRows(jnp.array([3, -1, 1, 3, 6, 11]), r)
+    clean = jdp.sparse.IndexedRows(jnp.array([1, 3]), jnp.stack([r[2], r[0] + r[3]]))
+    got = jax.jit(opt.update)(noisy, state, table)
+    expected = opt.update(clean, state, table)
+    assert_trees_close(got, expected, rtol=1e-6, atol=1e-7)
+    # A repeated id is one row with the summed gradient, as in the dense
+    # gradient: optax's rule on that dense gradient, restricted to rows 1 and 3.
+    dense_grad = jnp.zeros_like(table).at[jnp.array([1, 3])].add(clean.rows)
+    oracle = LAZY[kind][1]()
+    oracle_state = oracle.init(table)
+    oracle_state = oracle.update(jnp.ones_like(table), oracle_state, table)[1]
+    updates, oracle_state = oracle.update(dense_grad, oracle_state, table)
+    new_table, touched, others = got[0], np.array([1, 3]), np.array([0, 2, 4, 5])
+    np.testing.assert_allclose(
+        new_table[touched], (table + updates)[touched], rtol=1e-5, atol=1e-6
+    )
+    # Nothing else moved: -1 did not wrap around to row 5, 6 and 11 were dropped.
+    np.testing.assert_array_equal(new_table[others], table[others])
+
+
+@pytest.mark.parametrize("kind", ["momentum", "nesterov", "adam"])
+def test_lazy_optimizers_on_a_dense_gradient_are_dense_optax(kind):
+    make_rows, make_optax = LAZY[kind]
+    opt, oracle = make_rows(), make_optax()
+    rng = np.random.default_rng(12)
+    table = expected = jnp.asarray(rng.normal(size=(5, 3)), jnp.float32)
+    state, oracle_state = opt.init(table), oracle.init(table)
+    for _ in range(3):
+        grads = jnp.asarray(rng.normal(size=(5, 3)), jnp.float32)
+        table, state = opt.update(grads, state, table)
+        updates, oracle_state = oracle.update(grads, oracle_state, expected)
+        expected = optax.apply_updates(expected, updates)
+    np.testing.assert_allclose(table, expected, rtol=1e-5, atol=1e-6)
+    assert_trees_close(
+        row_state(kind, state), row_state(kind, oracle_state), rtol=1e-5, atol=1e-6
+    )
+
+
+def test_adam_bias_correction_uses_the_global_step_count():
+    lr, b1, b2, eps = 0.1, 0.9, 0.999, 1e-8
+    opt = jdp.sparse.adam(lr, b1=b1, b2=b2, eps=eps)
+    table = jnp.zeros((2, 1))
+    state = opt.init(table)
+    for _ in range(3):  # only row 0
+        grads = jdp.sparse.IndexedRows(jnp.array([0]), jnp.array([[1.0]]))
+        table, state = opt.update(grads, state, table)
+    grads = jdp.sparse.IndexedRows(jnp.array([1]), jnp.array([[2.0]]))
+    table, state = opt.update(grads, state, table)  # row 1's first update, t = 4
+    t, g = 4, 2.0
+    mu_hat = (1 - b1) * g / (1 - b1**t)
+    nu_hat = (1 - b2) * g**2 / (1 - b2**t)
+    np.testing.assert_allclose(
+        table[1, 0], -lr * mu_hat / (np.sqrt(nu_hat) + eps), rtol=1e-4
+    )
+    assert int(state.count) == 4
+
+
+@pytest.mark.parametrize(
+    "make, error, match",
+    [
+        (lambda: jdp.sparse.momentum("0.1", 0.9), TypeError, "`learning_rate` must"),
+        (lambda: jdp.sparse.momentum(-0.1, 0.9), ValueError, "`learning_rate` must"),
+        (lambda: jdp.sparse.momentum(0.1, None), TypeError, "`momentum` must be"),
+        (lambda: jdp.sparse.momentum(0.1, 1.0), ValueError, r"`momentum`.*< 1"),
+        (lambda: jdp.sparse.momentum(0.1, -0.5), ValueError, r"`momentum`.*>= 0"),
+        (lambda: jdp.sparse.momentum(0.1, 0.9, nesterov=1), TypeError, "`nesterov`"),
+        (lambda: jdp.sparse.adam(float("nan")), ValueError, "`learning_rate`.*nan"),
+        (lambda: jdp.sparse.adam(float("inf")), ValueError, "`learning_rate`.*inf"),
+        (lambda: jdp.sparse.adam(True), TypeError, r"`learning_rate`.*\(a bool\)"),
+        (lambda: jdp.sparse.adam(1e-3, b1=1.0), ValueError, r"`b1`.*< 1.*got 1.0"),
+        (lambda: jdp.sparse.adam(1e-3, b2=-0.1), ValueError, r"`b2`.*>= 0"),
+        (lambda: jdp.sparse.adam(1e-3, b2="0.9"), TypeError, "`b2` must be"),
+        (lambda: jdp.sparse.adam(1e-3, eps=0.0), ValueError, r"`eps`.*> 0"),
+        (lambda: jdp.sparse.adam(1e-3, eps=float("inf")), ValueError, "`eps`"),
+    ],
+)
+def test_lazy_optimizer_hyperparameter_errors(make, error, match):
+    with pytest.raises(error, match=match):
+        make()

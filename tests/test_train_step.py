@@ -257,3 +257,134 @@ def test_skip_nonfinite_needs_a_counter_in_the_state():
     )
     with pytest.raises(ValueError, match=r"`skipped_steps` field.*TrainState"):
         step(step.replicate(state), step.shard(make_batches(1, 4)[0]))
+
+
+# -- gradient accumulation and loss scaling -------------------------------------
+
+
+@pytest.mark.parametrize("microbatches", [2, 4])
+def test_microbatches_equal_the_whole_batch_on_one_device(backend, microbatches):
+    tx = optax.adam(1e-2)
+    params = init_mlp(jax.random.key(0))
+    batches = make_batches(3, 64)
+    step = jdp.parallelize(
+        jdp.make_train_step(mlp_loss, tx, microbatches=microbatches), backend=backend
+    )
+    state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
+    for batch in batches:
+        state, _ = step(state, step.shard(batch))
+    from helpers import single_device_train
+
+    expected, _ = single_device_train(mlp_loss, params, tx, batches)
+    assert_trees_close(step.unreplicate(state).params, expected, rtol=2e-5)
+    # One all-reduce per update, whatever the number of microbatches.
+    ops = step.collectives(state, step.shard(batches[0]), stage="lowered")
+    grads = [c for c in ops if c.kind == "all-reduce" and c.bytes > 4]
+    assert sum(c.bytes for c in grads) == sum(
+        x.size * 4 for x in jax.tree.leaves(params)
+    )
+
+
+def test_microbatches_hold_the_activations_of_one_microbatch():
+    tx = optax.sgd(0.1)
+    params = init_mlp(jax.random.key(0), sizes=(16, 256, 256, 4))
+
+    def temp_bytes(k):
+        step = jdp.parallelize(
+            jdp.make_train_step(mlp_loss, tx, microbatches=k),
+            devices=jax.devices()[:2],
+        )
+        state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
+        batch = make_batches(1, 4096, in_dim=16)[0]
+        return step.memory_analysis(state, step.shard(batch)).temp_bytes
+
+    one, eight = temp_bytes(1), temp_bytes(8)
+    assert eight < one / 2, (one, eight)
+
+
+def test_microbatches_must_divide_the_replica_batch():
+    tx = optax.sgd(0.1)
+    step = jdp.parallelize(
+        jdp.make_train_step(mlp_loss, tx, microbatches=3), devices=jax.devices()[:2]
+    )
+    state = step.replicate(
+        jdp.TrainState.create(params=init_mlp(jax.random.key(0)), tx=tx)
+    )
+    with pytest.raises(ValueError, match=r"(?s)microbatches=3.*\['x'\]: 4"):
+        step(state, step.shard(make_batches(1, 8)[0]))
+    with pytest.raises(ValueError, match=r"`microbatches` must be an int >= 1"):
+        jdp.make_train_step(mlp_loss, tx, microbatches=0)
+
+
+@pytest.mark.skip(
+    reason="optax.MultiSteps runs its inner optimizer on every micro-step and masks "
+    "the result (jnp.where, not lax.cond), so a jdp.sync_gradients() inside it "
+    "all-reduces on every micro-step; make_train_step(microbatches=k) is the way "
+    "to one all-reduce per update"
+)
+def test_optax_multisteps_all_reduces_only_when_it_updates():
+    inner = optax.sgd(0.1)
+    tx = optax.MultiSteps(optax.chain(jdp.sync_gradients(), inner), every_k_schedule=2)
+    step = jdp.parallelize(
+        jdp.make_train_step(mlp_loss, tx, grad_sync="none"), devices=jax.devices()[:4]
+    )
+    state = step.replicate(
+        jdp.TrainState.create(params=init_mlp(jax.random.key(0)), tx=tx)
+    )
+    batch = step.shard(make_batches(1, 16)[0])
+    grads = [
+        c
+        for c in step.collectives(state, batch, stage="lowered")
+        if c.kind == "all-reduce" and c.bytes > 4
+    ]
+    assert grads and all(c.in_conditional for c in grads)
+    for _ in range(2):
+        state, _ = step(state, batch)
+    jdp.assert_replicas_in_sync(state.params)
+
+
+def test_dynamic_scale_is_honoured_and_skips_overflowing_steps(backend):
+    from flax.training.dynamic_scale import DynamicScale
+
+    tx = optax.sgd(0.1)
+    params = jax.tree.map(lambda x: x.astype(jnp.float16), init_mlp(jax.random.key(0)))
+
+    def loss_fn(p, batch):  # overflows on a batch with `blow_up` set
+        return mlp_loss(p, batch) * jnp.where(
+            jnp.any(batch["blow_up"] > 0), jnp.inf, 1.0
+        )
+
+    step = jdp.parallelize(jdp.make_train_step(loss_fn, tx), backend=backend)
+    scale = DynamicScale(growth_interval=1, scale=2.0**10)
+    state = step.replicate(
+        jdp.TrainState.create(params=params, tx=tx, dynamic_scale=scale)
+    )
+    good, bad = make_batches(2, 16)
+    good["blow_up"] = np.zeros(16, np.float32)
+    bad["blow_up"] = np.ones(16, np.float32)
+    state, m = step(state, step.shard(good))
+    assert float(m["skipped"]) == 0.0 and float(m["loss_scale"]) == 2.0**10
+    before = jax.device_get(step.unreplicate(state))
+    state, m = step(state, step.shard(bad))
+    after = jax.device_get(step.unreplicate(state))
+    assert float(m["skipped"]) == 1.0
+    assert float(after.dynamic_scale.scale) < float(before.dynamic_scale.scale)
+    assert_trees_close(after.params, before.params, rtol=0, atol=0)
+    assert int(after.skipped_steps) == 1
+    jdp.assert_replicas_in_sync(state)
+
+
+def test_dynamic_scale_with_a_sharded_update_is_refused():
+    from flax.training.dynamic_scale import DynamicScale
+
+    tx = optax.sgd(0.1)
+    step = jdp.parallelize(
+        jdp.make_train_step(mlp_loss, tx, grad_sync="zero"), devices=jax.devices()[:2]
+    )
+    state = step.replicate(
+        jdp.TrainState.create(
+            params=init_mlp(jax.random.key(0)), tx=tx, dynamic_scale=DynamicScale()
+        )
+    )
+    with pytest.raises(ValueError, match=r"`dynamic_scale`.*grad_sync=\"all_reduce\""):
+        step(state, step.shard(make_batches(1, 4)[0]))

@@ -3,7 +3,7 @@
 A process that is alive but stuck (an endless loop, a deadlock, a sleep, a read
 that never returns) is invisible to JAX: its heartbeats go on, and the other
 processes wait for it in their next collective, forever. Each process of a job
-counts its progress (`jdp.launch._progress.beat`, called as a step starts) and a
+counts its progress (`jdp._progress.beat`, called as a step starts) and a
 thread writes the count, with where the process is, to a file (`_worker.py`).
 `StallMonitor` reads those files and says when the processes furthest behind have
 made no progress for `timeout_s` seconds: they hold up the others.

@@ -13,7 +13,7 @@ JAX's shutdown barrier first, which waits for the other processes (up to its
 shutdown timeout) and turns a failure into a hang.
 
 With `$JDP_PROGRESS_FILE` set, a thread also reports the process's progress there
-for the launcher: the count of `jdp.launch._progress.beat()` calls and where the
+for the launcher: the count of `jdp._progress.beat()` calls and where the
 main thread is (see `report_progress`).
 """
 
@@ -36,7 +36,7 @@ import types
 ENV_PROGRESS_FILE = "JDP_PROGRESS_FILE"
 #: The module whose `count()` is this process's progress (read, never imported
 #: here: importing jdp would import JAX before the target chose its settings).
-PROGRESS_MODULE = "jdp.launch._progress"
+PROGRESS_MODULE = "jdp._progress"
 #: Seconds between two progress reports.
 REPORT_S = 0.5
 

@@ -312,10 +312,11 @@ def adam(
 
     The bias correction uses the global step count `t`, as PyTorch's
     `SparseAdam` and TF's `LazyAdam` do, not a count of the row's own updates.
-    A row first touched at a late step gets `mu_hat ~ (1 - b1) * g` and
-    `nu_hat ~ (1 - b2) * g ** 2`, so its first step is about `(1 - b1) /
-    sqrt(1 - b2)` times `learning_rate` (3.2 times with the defaults) where
-    Adam's first step is about `learning_rate`.
+    A row first touched at step `t` gets `mu_hat = (1 - b1) * g / (1 - b1 **
+    t)` and `nu_hat = (1 - b2) * g ** 2 / (1 - b2 ** t)`, so its first step is
+    `learning_rate` at `t = 1` but tends to `(1 - b1) / sqrt(1 - b2)` times
+    `learning_rate` for large `t` (2.5 times at step 1000 with the defaults,
+    3.2 times in the limit).
 
     Given a dense gradient (the table trained by `jdp.make_train_step`), every
     row counts as touched, and the update is dense Adam.

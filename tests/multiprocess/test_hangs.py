@@ -32,7 +32,7 @@ import os, sys, time
 import jdp
 jdp.distributed.initialize(timeout_s=60)
 import jax, jax.numpy as jnp, numpy as np, optax
-from jdp.launch import _progress
+from jdp import _progress
 
 STUCK_RANK, STUCK_AT = int(sys.argv[1]), int(sys.argv[2])
 

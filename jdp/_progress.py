@@ -23,7 +23,7 @@ def beat() -> None:
     one the launcher names as stuck.
 
     Example:
-      >>> from jdp.launch import _progress
+      >>> from jdp import _progress
       >>> before = _progress.count()
       >>> _progress.beat()
       >>> _progress.count() == before + 1
@@ -37,7 +37,7 @@ def count() -> int:
     """The number of `beat` calls so far in this process.
 
     Example:
-      >>> from jdp.launch import _progress
+      >>> from jdp import _progress
       >>> _progress.count() >= 0
       True
     """

@@ -1,0 +1,110 @@
+"""`jdp.metrics.sum` / `gather`, `jdp.replica_key` and the one bound axis name."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import assert_trees_close
+
+import jdp
+
+
+def test_sum_keeps_integer_counts_exact(backend):
+    def eval_step(state, batch):
+        return {
+            "correct": jdp.metrics.sum(jnp.sum(batch > 2)),
+            "seen": jdp.metrics.sum(jnp.ones_like(batch, jnp.bool_).sum()),
+            "mean": jnp.mean(batch),
+        }
+
+    step = jdp.parallelize(eval_step, backend=backend, devices=jax.devices()[:4])
+    out = step(step.replicate({}), step.shard(np.arange(8)))
+    assert out["correct"].dtype == jnp.int32 and int(out["correct"]) == 5
+    assert int(out["seen"]) == 8
+    assert float(out["mean"]) == 3.5
+
+
+def test_gather_returns_every_example_in_batch_order(backend):
+    def predict(state, batch):
+        return {"pred": jdp.metrics.gather(batch["x"] * 2), "n": jnp.float32(1)}
+
+    step = jdp.parallelize(predict, backend=backend, devices=jax.devices()[:4])
+    x = np.arange(43, dtype=np.float32)  # not a multiple of 4: padded
+    batch, mask = step.shard({"x": x}, pad=True)
+    out = step(step.replicate({}), batch)
+    assert out["pred"].shape == (44,)
+    kept = np.asarray(out["pred"])[np.asarray(mask).reshape(-1)]
+    np.testing.assert_array_equal(kept, 2 * x)
+
+
+def test_gather_of_a_scalar_gives_one_value_per_replica():
+    step = jdp.parallelize(
+        lambda s, b: {"first": jdp.metrics.gather(b[0])}, devices=jax.devices()[:4]
+    )
+    out = step(step.replicate({}), step.shard(np.arange(8.0)))
+    np.testing.assert_array_equal(out["first"], [0.0, 2.0, 4.0, 6.0])
+
+
+def test_replica_key_differs_per_replica_and_repeats(backend):
+    def step_fn(state, batch):
+        mask = jax.random.bernoulli(jdp.replica_key(state["key"]), 0.5, (16,))
+        return state, {"mask": jdp.metrics.gather(mask[None])}
+
+    def masks(backend):
+        step = jdp.parallelize(step_fn, backend=backend, devices=jax.devices()[:4])
+        state = step.replicate({"key": jax.random.key(7)})
+        return np.asarray(step(state, step.shard(np.zeros(4)))[1]["mask"])
+
+    got = masks(backend)
+    assert got.shape == (4, 16)
+    assert len({row.tobytes() for row in got}) == 4  # every replica its own mask
+    np.testing.assert_array_equal(got, masks("pmap"))  # same on both backends
+    np.testing.assert_array_equal(got, masks(backend))  # and on every run
+
+
+class BN(nn.Module):
+    axis_name: str | None = "batch"
+
+    @nn.compact
+    def __call__(self, x, train):
+        x = nn.Dense(4)(x)
+        return nn.BatchNorm(use_running_average=not train, axis_name=self.axis_name)(x)
+
+
+def test_one_axis_name_given_to_parallelize_reaches_everything(backend):
+    variables = BN().init(jax.random.key(0), jnp.ones((2, 3)), train=False)
+    tx = optax.sgd(0.1)
+
+    def loss_fn(params, batch_stats, batch, model=BN()):
+        out, upd = model.apply(
+            {"params": params, "batch_stats": batch_stats},
+            batch,
+            train=True,
+            mutable=["batch_stats"],
+        )
+        return jnp.mean(out**2), upd["batch_stats"]
+
+    # axis_name only here: make_train_step, sync_batch_stats and BatchNorm use it.
+    step = jdp.parallelize(
+        jdp.make_train_step(loss_fn, tx), backend=backend, axis_name="batch"
+    )
+    state = step.replicate(
+        jdp.TrainState.create(
+            params=variables["params"], tx=tx, batch_stats=variables["batch_stats"]
+        )
+    )
+    x = np.random.default_rng(0).normal(size=(16, 3)).astype(np.float32)
+    state, metrics = step(state, step.shard(x))
+    jdp.assert_replicas_in_sync(state)
+    # BatchNorm normalised over the global batch: the same as one device on all 16.
+    single = jax.jit(lambda p, s: loss_fn(p, s, x, model=BN(axis_name=None)))
+    loss, stats = single(variables["params"], variables["batch_stats"])
+    np.testing.assert_allclose(float(metrics["loss"]), float(loss), rtol=1e-5)
+    assert_trees_close(step.unreplicate(state).batch_stats, stats, rtol=1e-5)
+
+
+def test_replica_key_outside_a_step_says_so():
+    with pytest.raises(RuntimeError, match=r"jdp\.replica_key.*not bound"):
+        jdp.replica_key(jax.random.key(0))
