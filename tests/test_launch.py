@@ -17,8 +17,8 @@ import time
 import pytest
 
 import jdp
-from jdp.launch import __main__ as launch_main
 from jdp import _progress
+from jdp.launch import __main__ as launch_main
 from jdp.launch import _launcher, _stall, _worker
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
