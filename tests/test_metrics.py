@@ -77,8 +77,8 @@ def test_one_axis_name_given_to_parallelize_reaches_everything(backend):
     variables = BN().init(jax.random.key(0), jnp.ones((2, 3)), train=False)
     tx = optax.sgd(0.1)
 
-    def loss_fn(params, batch_stats, batch, model=BN()):
-        out, upd = model.apply(
+    def loss_fn(params, batch_stats, batch, axis_name="batch"):
+        out, upd = BN(axis_name=axis_name).apply(
             {"params": params, "batch_stats": batch_stats},
             batch,
             train=True,
@@ -99,7 +99,7 @@ def test_one_axis_name_given_to_parallelize_reaches_everything(backend):
     state, metrics = step(state, step.shard(x))
     jdp.assert_replicas_in_sync(state)
     # BatchNorm normalised over the global batch: the same as one device on all 16.
-    single = jax.jit(lambda p, s: loss_fn(p, s, x, model=BN(axis_name=None)))
+    single = jax.jit(lambda p, s: loss_fn(p, s, x, axis_name=None))
     loss, stats = single(variables["params"], variables["batch_stats"])
     np.testing.assert_allclose(float(metrics["loss"]), float(loss), rtol=1e-5)
     assert_trees_close(step.unreplicate(state).batch_stats, stats, rtol=1e-5)
