@@ -344,6 +344,20 @@ class _ShardMap(Backend):
     def place_batch_leaf(self, x: np.ndarray) -> jax.Array:
         return jax.make_array_from_process_local_data(self.sharding, x)
 
+    def batch_problems(self, batch: PyTree) -> list[str]:
+        # Placed by hand for another mesh axis name: most likely flax's
+        # `prefetch_to_device`, which lays batches out for pmap as (devices,
+        # examples per device, ...); this step would see (1, examples, ...).
+        names = tuple(self.mesh.axis_names)
+        return [
+            f"{keystr(path)}: shape {x.shape} on a mesh with axis names "
+            f"{tuple(x.sharding.mesh.axis_names)} (this step's: {names}), the "
+            "pmap layout of flax's `prefetch_to_device`"
+            for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]
+            if isinstance(x.sharding, NamedSharding)
+            and tuple(x.sharding.mesh.axis_names) != names
+        ]
+
 
 def _place_empty_leaves(tree, sharding: NamedSharding):
     """Gives zero-size outputs the replica sharding (jit returns them replicated)."""

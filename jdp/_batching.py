@@ -8,10 +8,13 @@ an error.
 
 from __future__ import annotations
 
+import collections
 import math
+import threading
 import weakref
 import zlib
 from collections.abc import Callable
+from queue import Full, Queue
 from typing import Any
 
 import jax
@@ -283,3 +286,69 @@ def _check_process_batches(host, *, pad: bool, num_local: int) -> int | None:
             "largest local batch and returns a mask."
         )
     return None
+
+
+_DONE = object()
+
+
+def prefetch(iterable, *, size: int, place: Callable[[Any], Any]):
+    """Yields `place(batch)` for each batch, placing up to `size` batches ahead.
+
+    In one process a background thread loads and places the next batches while
+    the caller's steps run (even when the caller reads each step's results);
+    with several processes the batches are placed on the calling thread, ahead
+    of use (placing checks sizes across processes with a collective, which must
+    run in the same order on every process), and JAX's asynchronous dispatch
+    overlaps the transfers with the running step.
+    """
+    _validate.positive_int("size", size)
+    if jax.process_count() > 1:
+        yield from _prefetch_inline(iter(iterable), size, place)
+        return
+    queue: Queue = Queue(maxsize=size)
+    stop = threading.Event()
+
+    def fill():
+        try:
+            for batch in iterable:
+                item = (place(batch), None)
+                while not stop.is_set():
+                    try:
+                        queue.put(item, timeout=0.1)
+                        break
+                    except Full:
+                        continue
+                if stop.is_set():
+                    return
+            item = (_DONE, None)
+        except BaseException as e:  # handed to the consumer, raised there
+            item = (_DONE, e)
+        while not stop.is_set():
+            try:
+                queue.put(item, timeout=0.1)
+                return
+            except Full:
+                continue
+
+    thread = threading.Thread(target=fill, name="jdp-prefetch", daemon=True)
+    thread.start()
+    try:
+        while True:
+            placed, error = queue.get()
+            if placed is _DONE:
+                if error is not None:
+                    raise error
+                return
+            yield placed
+    finally:
+        stop.set()
+
+
+def _prefetch_inline(it, size: int, place):
+    ahead = collections.deque()
+    for batch in it:
+        ahead.append(place(batch))
+        if len(ahead) > size:
+            yield ahead.popleft()
+    while ahead:
+        yield ahead.popleft()

@@ -87,3 +87,60 @@ def test_pad_to_gives_the_last_short_batch_the_full_shape(backend):
         step.shard({"x": np.ones((8, 3))}, pad_to=16)
     with pytest.raises(ValueError, match=r"holds 20 examples.*more than `pad_to`"):
         step.shard({"x": np.ones((20, 3))}, pad=True, pad_to=16)
+
+
+def test_prefetch_yields_every_batch_placed_and_in_order(backend):
+    step = jdp.parallelize(
+        lambda s, b: {"first": jdp.metrics.gather(b["x"][:1])},
+        backend=backend,
+        devices=jax.devices()[:4],
+    )
+    state = step.replicate({})
+    batches = [{"x": np.full((8, 2), i, np.float32)} for i in range(5)]
+    seen = [step(state, b)["first"][0, 0] for b in step.prefetch(iter(batches))]
+    assert [float(v) for v in seen] == [0.0, 1.0, 2.0, 3.0, 4.0]
+    padded = list(step.prefetch([{"x": np.ones((6, 2), np.float32)}], pad=True))
+    ((batch, mask),) = padded
+    assert int(np.asarray(mask).sum()) == 6
+
+
+def test_prefetch_raises_the_loader_error_where_the_batch_would_be():
+    step = echo_step("shard_map")
+
+    def loader():
+        yield {"x": np.ones((8, 2), np.float32)}
+        raise OSError("disk gone")
+
+    it = step.prefetch(loader())
+    next(it)
+    with pytest.raises(OSError, match="disk gone"):
+        next(it)
+
+
+def test_prefetch_stops_its_thread_when_the_loop_ends():
+    import threading
+
+    step = echo_step("shard_map")
+    endless = ({"x": np.ones((8, 2), np.float32)} for _ in iter(int, 1))
+    it = step.prefetch(endless, size=2)
+    next(it)
+    it.close()
+    for _ in range(50):
+        if not any(t.name == "jdp-prefetch" for t in threading.enumerate()):
+            break
+        threading.Event().wait(0.05)
+    assert not any(t.name == "jdp-prefetch" for t in threading.enumerate())
+
+
+def test_flax_prefetch_to_device_batches_are_refused_by_a_shard_map_step():
+    from flax import jax_utils
+
+    step = echo_step("shard_map", num=8)
+    batches = [{"x": np.ones((8, 4, 3), np.float32)}]  # (devices, per device, ...)
+    (prefetched,) = list(jax_utils.prefetch_to_device(iter(batches), 1))
+    with pytest.raises(ValueError, match=r"(?s)prefetch_to_device.*step\.prefetch"):
+        step(step.replicate({}), prefetched)
+    # The pmap backend takes that layout.
+    pmap_step = echo_step("pmap", num=8)
+    _, metrics = pmap_step(pmap_step.replicate({}), prefetched)
+    assert float(metrics["n"]) == 4 * 3

@@ -455,7 +455,6 @@ def every_row_batches(num_steps, num_rows, seed):
     "kind, backend",
     [
         ("momentum", "pmap"),
-        ("momentum", "shard_map"),
         ("nesterov", "shard_map"),
         ("adam", "pmap"),
         ("adam", "shard_map"),
