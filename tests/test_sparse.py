@@ -559,12 +559,13 @@ def test_lazy_optimizers_combine_duplicates_and_skip_invalid_ids(kind):
     rng = np.random.default_rng(11)
     table = jnp.asarray(rng.normal(size=(6, 2)), jnp.float32)
     warm = jdp.sparse.IndexedRows(jnp.arange(6), jnp.ones((6, 2)))
-    table, state = opt.update(warm, opt.init(table), table)
+    update = jax.jit(opt.update)
+    table, state = update(warm, opt.init(table), table)
     r = jnp.asarray(rng.normal(size=(6, 2)), jnp.float32)
     noisy = jdp.sparse.IndexedRows(jnp.array([3, -1, 1, 3, 6, 11]), r)
     clean = jdp.sparse.IndexedRows(jnp.array([1, 3]), jnp.stack([r[2], r[0] + r[3]]))
-    got = jax.jit(opt.update)(noisy, state, table)
-    expected = opt.update(clean, state, table)
+    got = update(noisy, state, table)
+    expected = update(clean, state, table)
     assert_trees_close(got, expected, rtol=1e-6, atol=1e-7)
     # A repeated id is one row with the summed gradient, as in the dense
     # gradient: optax's rule on that dense gradient, restricted to rows 1 and 3.
@@ -588,9 +589,10 @@ def test_lazy_optimizers_on_a_dense_gradient_are_dense_optax(kind):
     rng = np.random.default_rng(12)
     table = expected = jnp.asarray(rng.normal(size=(5, 3)), jnp.float32)
     state, oracle_state = opt.init(table), oracle.init(table)
+    update = jax.jit(opt.update)
     for _ in range(3):
         grads = jnp.asarray(rng.normal(size=(5, 3)), jnp.float32)
-        table, state = opt.update(grads, state, table)
+        table, state = update(grads, state, table)
         updates, oracle_state = oracle.update(grads, oracle_state, expected)
         expected = optax.apply_updates(expected, updates)
     np.testing.assert_allclose(table, expected, rtol=1e-5, atol=1e-6)
@@ -604,11 +606,12 @@ def test_adam_bias_correction_uses_the_global_step_count():
     opt = jdp.sparse.adam(lr, b1=b1, b2=b2, eps=eps)
     table = jnp.zeros((2, 1))
     state = opt.init(table)
+    update = jax.jit(opt.update)
     for _ in range(3):  # only row 0
         grads = jdp.sparse.IndexedRows(jnp.array([0]), jnp.array([[1.0]]))
-        table, state = opt.update(grads, state, table)
+        table, state = update(grads, state, table)
     grads = jdp.sparse.IndexedRows(jnp.array([1]), jnp.array([[2.0]]))
-    table, state = opt.update(grads, state, table)  # row 1's first update, t = 4
+    table, state = update(grads, state, table)  # row 1's first update, t = 4
     t, g = 4, 2.0
     mu_hat = (1 - b1) * g / (1 - b1**t)
     nu_hat = (1 - b2) * g**2 / (1 - b2**t)
@@ -618,25 +621,62 @@ def test_adam_bias_correction_uses_the_global_step_count():
     assert int(state.count) == 4
 
 
+HYPERPARAMETER_ERRORS = [
+    (
+        "momentum",
+        {"learning_rate": "0.1", "momentum": 0.9},
+        TypeError,
+        "`learning_rate` must",
+    ),
+    (
+        "momentum",
+        {"learning_rate": -0.1, "momentum": 0.9},
+        ValueError,
+        "`learning_rate` must",
+    ),
+    (
+        "momentum",
+        {"learning_rate": 0.1, "momentum": None},
+        TypeError,
+        "`momentum` must be",
+    ),
+    (
+        "momentum",
+        {"learning_rate": 0.1, "momentum": 1.0},
+        ValueError,
+        r"`momentum`.*< 1",
+    ),
+    (
+        "momentum",
+        {"learning_rate": 0.1, "momentum": -0.5},
+        ValueError,
+        r"`momentum`.*>= 0",
+    ),
+    (
+        "momentum",
+        {"learning_rate": 0.1, "momentum": 0.9, "nesterov": 1},
+        TypeError,
+        r"`nesterov` must be a bool, got 1 \(an int\)",
+    ),
+    ("adam", {"learning_rate": float("nan")}, ValueError, "`learning_rate`.*got nan"),
+    ("adam", {"learning_rate": float("inf")}, ValueError, "`learning_rate`.*got inf"),
+    ("adam", {"learning_rate": True}, TypeError, r"`learning_rate`.*\(a bool\)"),
+    ("adam", {"learning_rate": 1e-3, "b1": 1.0}, ValueError, r"`b1`.*< 1.*got 1.0"),
+    ("adam", {"learning_rate": 1e-3, "b2": -0.1}, ValueError, r"`b2`.*>= 0"),
+    ("adam", {"learning_rate": 1e-3, "b2": "0.9"}, TypeError, "`b2` must be"),
+    ("adam", {"learning_rate": 1e-3, "eps": 0.0}, ValueError, r"`eps`.*> 0"),
+    ("adam", {"learning_rate": 1e-3, "eps": float("-inf")}, ValueError, "`eps`.*-inf"),
+]
+
+
 @pytest.mark.parametrize(
-    "make, error, match",
-    [
-        (lambda: jdp.sparse.momentum("0.1", 0.9), TypeError, "`learning_rate` must"),
-        (lambda: jdp.sparse.momentum(-0.1, 0.9), ValueError, "`learning_rate` must"),
-        (lambda: jdp.sparse.momentum(0.1, None), TypeError, "`momentum` must be"),
-        (lambda: jdp.sparse.momentum(0.1, 1.0), ValueError, r"`momentum`.*< 1"),
-        (lambda: jdp.sparse.momentum(0.1, -0.5), ValueError, r"`momentum`.*>= 0"),
-        (lambda: jdp.sparse.momentum(0.1, 0.9, nesterov=1), TypeError, "`nesterov`"),
-        (lambda: jdp.sparse.adam(float("nan")), ValueError, "`learning_rate`.*nan"),
-        (lambda: jdp.sparse.adam(float("inf")), ValueError, "`learning_rate`.*inf"),
-        (lambda: jdp.sparse.adam(True), TypeError, r"`learning_rate`.*\(a bool\)"),
-        (lambda: jdp.sparse.adam(1e-3, b1=1.0), ValueError, r"`b1`.*< 1.*got 1.0"),
-        (lambda: jdp.sparse.adam(1e-3, b2=-0.1), ValueError, r"`b2`.*>= 0"),
-        (lambda: jdp.sparse.adam(1e-3, b2="0.9"), TypeError, "`b2` must be"),
-        (lambda: jdp.sparse.adam(1e-3, eps=0.0), ValueError, r"`eps`.*> 0"),
-        (lambda: jdp.sparse.adam(1e-3, eps=float("inf")), ValueError, "`eps`"),
+    "name, kwargs, error, match",
+    HYPERPARAMETER_ERRORS,
+    ids=[
+        f"{name}({', '.join(f'{k}={v!r}' for k, v in kwargs.items())})"
+        for name, kwargs, *_ in HYPERPARAMETER_ERRORS
     ],
 )
-def test_lazy_optimizer_hyperparameter_errors(make, error, match):
+def test_lazy_optimizer_hyperparameter_errors(name, kwargs, error, match):
     with pytest.raises(error, match=match):
-        make()
+        getattr(jdp.sparse, name)(**kwargs)
