@@ -313,7 +313,7 @@ class Parallel:
 
         Example:
           >>> import jax, numpy as np, jdp
-          >>> count = lambda state, batch: {"n": batch.sum()}
+          >>> count = lambda state, batch: {"n": jdp.metrics.sum(batch.sum())}
           >>> step = jdp.parallelize(count, devices=jax.devices()[:2])
           >>> state = step.replicate({})
           >>> data = (np.ones(4, np.float32) * i for i in range(3))

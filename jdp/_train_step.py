@@ -14,6 +14,7 @@ A train step is composed of pieces rather than switched by flags:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
@@ -499,6 +500,7 @@ def loss_and_grads(value_and_grad, loss_fn, state, batch, *, has_aux):
     `has_aux`); otherwise `loss_fn(params, batch)`. `aux` and `new_batch_stats`
     are None when absent.
     """
+    loss_fn = _fresh_arguments(loss_fn)
     batch_stats = getattr(state, "batch_stats", None)
     if batch_stats is None:
         out, grads = value_and_grad(loss_fn, has_aux=has_aux)(state.params, batch)
@@ -509,6 +511,26 @@ def loss_and_grads(value_and_grad, loss_fn, state, batch, *, has_aux):
     )
     new_stats, aux = rest if has_aux else (rest, None)
     return loss, aux, new_stats, grads
+
+
+def _fresh_arguments(loss_fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`loss_fn` with the arguments it is not differentiated by rebuilt inside.
+
+    `jax.value_and_grad` hands the arguments it does not differentiate (batch
+    statistics, the batch) to the function as the very objects it was given. A
+    flax NNX `Variable` remembers the trace it was made in and refuses updates
+    from another one, so a `loss_fn` that `nnx.merge`s the batch statistics and
+    runs BatchNorm in training mode would fail with "Cannot mutate BatchStat
+    from a different trace level". Rebuilding those pytrees inside the
+    differentiated function (same leaves, new nodes) makes them this trace's
+    own, as `nnx.merge(..., copy=True)` would; other pytrees are unaffected.
+    """
+
+    @functools.wraps(loss_fn)
+    def with_fresh_arguments(params, *rest):
+        return loss_fn(params, *jax.tree.map(lambda x: x, rest))
+
+    return with_fresh_arguments
 
 
 def apply_remat(loss_fn: Callable[..., Any], remat: Any) -> Callable[..., Any]:

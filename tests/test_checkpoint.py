@@ -375,6 +375,20 @@ def test_bmuf_mid_block_into_another_count_starts_from_the_global_model(
     )  # replica 0's local params really were left behind
 
 
+def test_each_replicas_own_prng_key_round_trips(tmp_path):
+    step = make_parallel(num_devices=4)
+    like = step.replicate({"key": jax.random.key(0), "w": jnp.zeros(2)})
+    keys = jax.random.split(jax.random.key(1), 4)  # one key per replica
+    state = {"key": jax.device_put(keys, like["key"].sharding), "w": like["w"]}
+    with CheckpointManager(tmp_path) as manager:
+        manager.save(1, state)
+        records = manager.metadata()["leaves"]
+        restored = manager.restore(like)
+    assert [bool(r.get("per_replica")) for r in records] == [True, False]
+    assert jax.dtypes.issubdtype(restored["key"].dtype, jax.dtypes.prng_key)
+    assert_bitwise_equal(everything(restored), everything(state))
+
+
 def test_zero_slices_are_not_saved_per_replica(tmp_path):
     """ZeRO's optimizer-state slices differ by design: their layout restores them."""
     tx = optax.adam(1e-2)

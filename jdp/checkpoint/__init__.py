@@ -3,8 +3,10 @@
 Public names (stable):
 
 - `CheckpointManager`: `save(step, state)` writes one copy of a replicated state
-  plus a JSON record; `restore(like)` gives every replica of `like`'s layout the
-  saved copy, on any number of replicas.
+  plus a JSON record (and every replica of the leaves whose replicas differ, as
+  between `jdp.bmuf` syncs); `restore(like)` gives every replica of `like`'s
+  layout the saved copy, on any number of replicas, or returns one copy for a
+  `like` without replica axis. One manager at a time saves into a directory.
 
 Modules whose names start with `_` are private and may change.
 """

@@ -119,7 +119,9 @@ def describe_owner(owner: dict[str, Any] | None) -> str:
         if isinstance(since, int | float)
         else ""
     )
-    return f"process {owner.get('pid')} on host {owner.get('host')!r}{when}"
+    here = owner.get("pid") == os.getpid() and owner.get("host") == socket.gethostname()
+    mine = " (this process: another manager that is still open)" if here else ""
+    return f"process {owner.get('pid')} on host {owner.get('host')!r}{when}{mine}"
 
 
 class DirectoryLock:

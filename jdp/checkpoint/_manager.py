@@ -370,7 +370,8 @@ class CheckpointManager:
                 enable_async_checkpointing=self.async_save,
                 # Directories are made before `save` returns: when that fails,
                 # orbax's background threads would otherwise wait for them for
-                # 20 minutes and keep the process from exiting.
+                # minutes (its coordination timeout) and keep the process from
+                # exiting.
                 async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
                 save_decision_policy=policies.AnySavePolicy(
                     [
@@ -523,22 +524,7 @@ class CheckpointManager:
         try:
             for item in items:
                 tree = manager.item_metadata(step)[item]
-                tree = getattr(tree, "tree", tree)
-                is_leaf = lambda m: hasattr(m, "shape") and hasattr(m, "dtype")  # noqa: E731
-                args = ocp.args.PyTreeRestore(
-                    item=jax.tree.map(
-                        lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype),
-                        tree,
-                        is_leaf=is_leaf,
-                    ),
-                    restore_args=jax.tree.map(
-                        lambda m: ocp.RestoreArgs(
-                            restore_type=np.ndarray, dtype=np.dtype(m.dtype)
-                        ),
-                        tree,
-                        is_leaf=is_leaf,
-                    ),
-                )
+                args = _numpy_restore(getattr(tree, "tree", tree))
                 got = manager.restore(step, args=ocp.args.Composite(**{item: args}))
                 for x in jax.tree.leaves(got[item]):
                     x = np.asarray(x)
@@ -663,7 +649,8 @@ class CheckpointManager:
 
         Returns:
           True if a checkpoint was written (or, with `async_save`, started), False
-          if `save_interval_steps` skipped this step.
+          if `save_interval_steps` skipped this step (then nothing on disk is
+          read or written).
 
         Raises:
           TypeError: If `step` is not an integer.
@@ -682,13 +669,12 @@ class CheckpointManager:
             manager = self._open(create=True)
         except Exception as e:  # e.g. a parent of the directory is a file
             raise self._write_failed(step, e, what="creating the directory for") from e
+        if not (force or self._due(manager, step)):
+            return False  # touches nothing on disk: cheap to call every step
         self._acquire_lock()
         self._finish_pending()
         manager = self._open(create=True)
-        damaged = self._check_not_overwriting(step)
-        if not (force or self._due(manager, step)):
-            return False
-        self._set_aside(damaged)
+        self._set_aside(self._check_not_overwriting(step))
         if set(manager.all_steps()) != set(self._steps_on_disk()):
             manager.reload()  # another manager wrote here since this one looked
 
@@ -763,7 +749,13 @@ class CheckpointManager:
         """
         self._finish_pending()
         if step is not None:
-            return self._restore_step(self._resolve_step(step), like)
+            step = self._resolve_step(step)
+            try:
+                return self._restore_step(step, like)
+            except _Corrupt as e:
+                self._damaged[step] = e.detail  # a later save may set it aside
+                self._complete.pop(step, None)
+                raise
         candidates = self.all_steps()[::-1]
         if not candidates:
             on_disk = self._steps_on_disk() if self.directory.exists() else []
@@ -1281,6 +1273,24 @@ def _differences(
     if not probs and list(saved) != list(wanted):
         probs.append("the leaves are the same but in a different pytree order")
     return probs
+
+
+def _numpy_restore(tree: PyTree) -> ocp.args.PyTreeRestore:
+    """Orbax arguments that read a saved item's tree (its metadata) as NumPy."""
+
+    def is_leaf(m):
+        return hasattr(m, "shape") and hasattr(m, "dtype")
+
+    return ocp.args.PyTreeRestore(
+        item=jax.tree.map(
+            lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), tree, is_leaf=is_leaf
+        ),
+        restore_args=jax.tree.map(
+            lambda m: ocp.RestoreArgs(restore_type=np.ndarray, dtype=np.dtype(m.dtype)),
+            tree,
+            is_leaf=is_leaf,
+        ),
+    )
 
 
 def _place_one(x: np.ndarray, ref: Any, impl: str | None) -> Any:

@@ -121,7 +121,7 @@ def make_train_step(
       tx: A `jdp.sparse.partition(...)` optimizer; None uses the state's `tx`.
       combine: Sum the rows of repeated ids after gathering (a sort of the
         gathered ids). It changes no result for `sgd` (a scatter-add sums them
-        anyway); `adagrad` combines by itself.
+        anyway); `adagrad`, `momentum` and `adam` combine by themselves.
       check_ids: Check every gathered id against its table's size (a debugging
         mode: one host callback per replica and step). An id out of range fails
         the step on every replica at the same point (the ids are the gathered
