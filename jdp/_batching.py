@@ -21,10 +21,17 @@ import jax
 import numpy as np
 
 from jdp import _validate
-from jdp._layout import host_value
+from jdp._layout import host_value, misplaced
 from jdp._tree import format_problems, keystr
 
 PyTree = Any
+
+NOT_SHARDED_MSG = (
+    "`step`: the batch passed in was not placed by this step's `step.shard`. "
+    "Offending leaves:{probs}\nFix: `step(state, step.shard(global_batch))`, "
+    "or iterate over `step.prefetch(batches)` (instead of flax's "
+    "`prefetch_to_device`)."
+)
 
 #: Batch leaves placed by `step.shard`, by id: the backend whose layout they have.
 _LAYOUT_OF: dict[int, tuple[weakref.ref, str]] = {}
@@ -58,6 +65,17 @@ def placed_for_other(batch: PyTree, backend: str) -> list[tuple[str, str]]:
         if entry is not None and entry[0]() is x and entry[1] != backend:
             found.append((keystr(path), entry[1]))
     return found
+
+
+def check_placed(batch: PyTree, backend) -> None:
+    """Refuses a batch not placed for `backend` (a `_backends.Backend`)."""
+    probs = misplaced(batch, backend.sharding, leading=None)
+    if probs:
+        raise ValueError(NOT_SHARDED_MSG.format(probs=format_problems(probs)))
+    check_layout(batch, backend.name)
+    probs = backend.batch_problems(batch)
+    if probs:
+        raise ValueError(NOT_SHARDED_MSG.format(probs=format_problems(probs)))
 
 
 def check_layout(batch: PyTree, backend: str) -> None:

@@ -27,7 +27,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jdp._tree import keystr
+from jdp._tree import format_problems, keystr
 
 PyTree = Any
 AxisName = str | tuple[str, ...]
@@ -41,6 +41,30 @@ ALREADY_REPLICATED_MSG = (
 #: Turns an abstract logical state into its abstract per-replica layout.
 StateLayout = Callable[[PyTree, int], PyTree]
 
+
+NOT_REPLICATED_MSG = (
+    "`step`: the state passed in was not replicated by this step's `step.replicate` "
+    "(or was replicated for another backend or device set). Expected every array "
+    "leaf to hold one copy per replica: a leading axis of size num_replicas={num} "
+    "sharded over mesh axis {axis!r} of this step's devices. Offending leaves:{probs}\n"
+    "Fix: `state = step.replicate(state)` before the first call (to move a state "
+    "from another `Parallel`, use `step.replicate(other.unreplicate(state))`)."
+)
+
+DONATED_MSG = (
+    "`step`: the {what} passed in was donated to an earlier step, which deleted "
+    "its buffers (`donate_state=True`). Deleted leaves:{probs}\nFix: continue "
+    "with the state that step returned (`state, metrics = step(state, batch)`), "
+    "or pass `donate_state=False` to `jdp.parallelize` to keep the old one."
+)
+
+STATE_CHANGED_MSG = (
+    "`step`: the step returned a state whose structure, shapes or dtypes differ "
+    "from the state it received (shapes per replica):{probs}\nEvery later call "
+    "would compile again and train in the new types. Fix: return the state as it "
+    "came in, e.g. cast updated leaves back (`new.astype(old.dtype)`); to change "
+    "the state on purpose, do it outside the step and `step.replicate` it."
+)
 
 # -- meshes and shardings ---------------------------------------------------------
 
@@ -310,6 +334,29 @@ def misplaced(
         for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]
         if not placed(x)
     ]
+
+
+def check_replicated(
+    state: PyTree, sharding: NamedSharding, *, axis_name: AxisName
+) -> None:
+    """Refuses a state not laid out by `replicate` for `sharding` (or deleted)."""
+    num = sharding.mesh.size
+    probs = misplaced(state, sharding, leading=num)
+    if not probs:
+        return
+    gone = deleted(state)
+    if gone:
+        raise ValueError(DONATED_MSG.format(what="state", probs=format_problems(gone)))
+    raise ValueError(
+        NOT_REPLICATED_MSG.format(num=num, axis=axis_name, probs=format_problems(probs))
+    )
+
+
+def check_unchanged(before: PyTree, after: PyTree) -> None:
+    """The state a step returns must be laid out as the one it received."""
+    probs = changes(before, after)
+    if probs:
+        raise TypeError(STATE_CHANGED_MSG.format(probs=format_problems(probs)))
 
 
 def deleted(tree: PyTree) -> list[str]:

@@ -25,40 +25,8 @@ from jdp import (
     _progress,
     _validate,
 )
-from jdp._tree import format_problems
 
 PyTree = Any
-
-NOT_REPLICATED_MSG = (
-    "`step`: the state passed in was not replicated by this step's `step.replicate` "
-    "(or was replicated for another backend or device set). Expected every array "
-    "leaf to hold one copy per replica: a leading axis of size num_replicas={num} "
-    "sharded over mesh axis {axis!r} of this step's devices. Offending leaves:{probs}\n"
-    "Fix: `state = step.replicate(state)` before the first call (to move a state "
-    "from another `Parallel`, use `step.replicate(other.unreplicate(state))`)."
-)
-
-NOT_SHARDED_MSG = (
-    "`step`: the batch passed in was not placed by this step's `step.shard`. "
-    "Offending leaves:{probs}\nFix: `step(state, step.shard(global_batch))`, "
-    "or iterate over `step.prefetch(batches)` (instead of flax's "
-    "`prefetch_to_device`)."
-)
-
-DONATED_MSG = (
-    "`step`: the {what} passed in was donated to an earlier step, which deleted "
-    "its buffers (`donate_state=True`). Deleted leaves:{probs}\nFix: continue "
-    "with the state that step returned (`state, metrics = step(state, batch)`), "
-    "or pass `donate_state=False` to `jdp.parallelize` to keep the old one."
-)
-
-STATE_CHANGED_MSG = (
-    "`step`: the step returned a state whose structure, shapes or dtypes differ "
-    "from the state it received (shapes per replica):{probs}\nEvery later call "
-    "would compile again and train in the new types. Fix: return the state as it "
-    "came in, e.g. cast updated leaves back (`new.astype(old.dtype)`); to change "
-    "the state on purpose, do it outside the step and `step.replicate` it."
-)
 
 UNBOUND_AXIS_MSG = (
     "The step uses a collective over an axis that is not bound ({error}); "
@@ -152,46 +120,15 @@ class Parallel:
         self._check_batch(batch)
         _progress.beat()  # progress, for the stall check of `python -m jdp.launch`
         checked = self._step.returns_state is not None
-        new_state, metrics = self._step(state, batch, before=self._check_out_state)
+        new_state, metrics = self._step(state, batch, before=_layout.check_unchanged)
         if not self._step.returns_state:
             return metrics
         if not checked:
-            self._check_out_state(state, new_state)
+            _layout.check_unchanged(state, new_state)
         self._calls += 1
         if self._sync_check.due(self._calls):
             self._sync_check(new_state, call=self._calls)
         return new_state, metrics
-
-    def _check_out_state(self, state: PyTree, out: PyTree) -> None:
-        """The state a step returns must be laid out as the one it received."""
-        probs = _layout.changes(state, out)
-        if probs:
-            raise TypeError(STATE_CHANGED_MSG.format(probs=format_problems(probs)))
-
-    def _check_state(self, state: PyTree) -> None:
-        probs = _layout.misplaced(state, self.sharding, leading=self.num_replicas)
-        if probs:
-            gone = _layout.deleted(state)
-            if gone:
-                raise ValueError(
-                    DONATED_MSG.format(what="state", probs=format_problems(gone))
-                )
-            raise ValueError(
-                NOT_REPLICATED_MSG.format(
-                    num=self.num_replicas,
-                    axis=self.axis_name,
-                    probs=format_problems(probs),
-                )
-            )
-
-    def _check_batch(self, batch: PyTree) -> None:
-        probs = _layout.misplaced(batch, self.sharding, leading=None)
-        if probs:
-            raise ValueError(NOT_SHARDED_MSG.format(probs=format_problems(probs)))
-        _batching.check_layout(batch, self.backend)
-        probs = self._backend.batch_problems(batch)
-        if probs:
-            raise ValueError(NOT_SHARDED_MSG.format(probs=format_problems(probs)))
 
     # -- placement helpers ------------------------------------------------------
 
@@ -429,6 +366,12 @@ class Parallel:
                 f"platform ({self.devices[0].platform})."
             )
         return _hlo.MemoryAnalysis.from_xla(stats)
+
+    def _check_state(self, state: PyTree) -> None:
+        _layout.check_replicated(state, self.sharding, axis_name=self.axis_name)
+
+    def _check_batch(self, batch: PyTree) -> None:
+        _batching.check_placed(batch, self._backend)
 
     def __repr__(self) -> str:
         return (
