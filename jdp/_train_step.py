@@ -228,6 +228,16 @@ def make_train_step(
     whose averaged gradients are not finite is skipped on every replica, the
     scale is updated, and metrics gain `"loss_scale"` and `"skipped"`.
 
+    flax NNX: split the model into its `nnx.Param`s (trained) and the rest
+    (BatchNorm statistics, RNG streams), `graphdef, params, rest =
+    nnx.split(model, nnx.Param, ...)`, pass `jdp.TrainState.create(params=params,
+    batch_stats=rest, tx=tx)`, and let `loss_fn(params, rest, batch)` call
+    `nnx.merge(graphdef, params, rest)` and return `(loss, nnx.state(model,
+    nnx.Not(nnx.Param)))`. A plain `nnx.merge` works: the step hands `loss_fn`
+    batch statistics made inside the differentiated function, so BatchNorm may
+    update them. Give BatchNorm the replica axis (`nnx.BatchNorm(...,
+    axis_name="data")`) to normalise with the global batch's statistics.
+
     Returns:
       `train_step(state, batch) -> (state, metrics)`, to give to `jdp.parallelize`.
 
@@ -259,6 +269,27 @@ def make_train_step(
       ...     return step.memory_analysis(state, step.shard(batch)).argument_bytes
       >>> bytes_per_device("all_reduce") - bytes_per_device("zero")  # 2 * 7/8 * 3200
       5600
+
+      A flax NNX model with BatchNorm:
+
+      >>> from flax import nnx
+      >>> rngs = nnx.Rngs(0)
+      >>> layers = nnx.Linear(3, 2, rngs=rngs), nnx.BatchNorm(2, rngs=rngs)
+      >>> model = nnx.Sequential(*layers)
+      >>> graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+      >>> def nnx_loss(params, rest, batch):
+      ...     model = nnx.merge(graphdef, params, rest)
+      ...     loss = jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+      ...     return loss, nnx.state(model, nnx.Not(nnx.Param))
+      >>> tx = optax.sgd(0.1)
+      >>> step = jdp.parallelize(jdp.make_train_step(nnx_loss, tx))
+      >>> state = jdp.TrainState.create(params=params, batch_stats=rest, tx=tx)
+      >>> batch = {"x": jnp.arange(24.0).reshape(8, 3), "y": jnp.ones((8, 2))}
+      >>> state, metrics = step(step.replicate(state), step.shard(batch))
+      >>> one = step.unreplicate(state)
+      >>> model = nnx.merge(graphdef, one.params, one.batch_stats)
+      >>> bool((model.layers[1].mean[...] != 0).all())  # BatchNorm's statistics
+      True
 
     References:
       Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion
@@ -564,8 +595,27 @@ def _check_trainable(params: PyTree, api: str) -> None:
             f"`{api}`: the state's params must be floating-point (they are "
             f"differentiated), but these leaves are not:{format_problems(bad)}\n"
             "Fix: keep integer state (counters, ids) and PRNG keys out of `params`, "
-            "e.g. in `batch_stats` or another field of the state."
+            "e.g. in `batch_stats` or another field of the state." + _nnx_hint(params)
         )
+
+
+def _nnx_hint(params: PyTree) -> str:
+    """How to split a flax NNX model, when `params` holds NNX `Variable`s."""
+    from flax import nnx  # only on this error path
+
+    def is_variable(x):
+        return isinstance(x, nnx.Variable)
+
+    if not any(map(is_variable, jax.tree.leaves(params, is_leaf=is_variable))):
+        return ""
+    return (
+        "\nWith flax NNX, train the `nnx.Param`s and carry the rest (BatchNorm "
+        "statistics, RNG streams) as batch statistics: `graphdef, params, rest = "
+        "nnx.split(model, nnx.Param, ...)`, `jdp.TrainState.create(params=params, "
+        "batch_stats=rest, tx=tx)`, and a `loss_fn(params, rest, batch)` that "
+        "`nnx.merge`s them and returns `(loss, nnx.state(model, "
+        "nnx.Not(nnx.Param)))`."
+    )
 
 
 # -- synchronising and applying gradients ---------------------------------------------

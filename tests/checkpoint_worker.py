@@ -15,8 +15,12 @@ from __future__ import annotations
 
 import ctypes
 import os
+import resource
+import shutil
+import signal
 import sys
 import tempfile
+import time
 
 import jax
 import numpy as np
@@ -170,17 +174,55 @@ def _drop_dac_override():
 
 
 def save_unwritable(directory):
-    """Saves step 1, makes the directory read-only, then saves step 2 (async).
+    """Async saves that fail in four ways; the last failure ends the process.
 
-    File permissions must stop this process, even when it runs as root.
+    File permissions must stop this process, even when it runs as root. Into
+    `directory`, step 1 is saved; a damaged step 2 cannot be moved aside (a
+    read-only directory); step 3 fails in the background (a file size limit: as
+    a full disk). A read-only `<directory>-other` cannot be locked. Last, a new
+    manager saves step 1 into `<directory>-last`, which then becomes read-only:
+    its async save of step 2 fails, and that error is not caught: the process
+    must then exit by itself.
     """
     _drop_dac_override()
     state = small_state(0)
     manager = jdp.checkpoint.CheckpointManager(directory, async_save=True)
     manager.save(1, state)
     manager.wait_until_finished()
+    shutil.copytree(os.path.join(directory, "1"), os.path.join(directory, "2"))
+    shutil.rmtree(os.path.join(directory, "2", "jdp_metadata"))  # a damaged step 2
     os.chmod(directory, 0o555)
-    print("saving step 2", flush=True)
+    try:
+        manager.save(2, state)
+    except PermissionError as e:
+        print(f"set aside failed: {e}", flush=True)
+    os.chmod(directory, 0o755)
+    shutil.rmtree(os.path.join(directory, "2"))
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # fail writes, do not kill
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1, limit[1]))
+    try:
+        manager.save(3, state)
+        print("step 3 is being written", flush=True)
+        manager.wait_until_finished()
+    except OSError as e:
+        print(f"background failed: {e}", flush=True)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+    manager.close()
+    other = f"{directory}-other"
+    os.makedirs(other, mode=0o555)
+    try:
+        jdp.checkpoint.CheckpointManager(other).save(1, state)
+    except PermissionError as e:
+        print(f"lock failed: {e}", flush=True)
+
+    last = f"{directory}-last"
+    manager = jdp.checkpoint.CheckpointManager(last, async_save=True)
+    manager.save(1, state)
+    manager.wait_until_finished()
+    os.chmod(last, 0o555)
+    print(f"saving step 2 at {time.time()}", flush=True)
     manager.save(2, state)  # raises: the process must then exit by itself
     manager.wait_until_finished()
     print("saved step 2 (unexpected)", flush=True)
@@ -194,6 +236,22 @@ def hold(directory, seed):
         sys.stdin.readline()
         manager.save(2, small_state(seed))
     print("closed", flush=True)
+
+
+def save_in_a_job(directory):
+    """Run by every process of a `jdp.launch` job: save into `directory`.
+
+    Returns:
+      The error message this process got, or None if it saved.
+    """
+    step = jdp.parallelize(lambda s, b: (s, {}))  # every device of every process
+    state = step.replicate({"w": np.zeros(4, np.float32)})
+    try:
+        with jdp.checkpoint.CheckpointManager(directory) as manager:
+            manager.save(5, state)
+    except RuntimeError as e:
+        return str(e)
+    return None
 
 
 def save(directory, step_number, seed):

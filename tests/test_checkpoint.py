@@ -25,6 +25,7 @@ from checkpoint_worker import (
     SKIP_CODE,
     flat_leaves,
     make_step,
+    save_in_a_job,
 )
 from helpers import init_mlp, make_batches, mlp_loss
 
@@ -344,35 +345,48 @@ def test_bmuf_mid_block_resume_in_a_new_process(tmp_path):
             assert_bitwise_equal(dict(resumed), expected)
 
 
-@pytest.mark.parametrize("num_devices", [2, None], ids=["2dev", "one_copy"])
-def test_bmuf_mid_block_into_another_count_starts_from_the_global_model(
-    tmp_path, num_devices
-):
+def test_bmuf_mid_block_into_another_count_starts_from_the_global_model(tmp_path):
+    """Into 2 replicas, or as one copy: a warning, and params = the global model."""
     step, init, batches = make_step("diloco_mid", "shard_map")
     state = run_steps(step, step.replicate(init), batches[:MID_BLOCK_SAVE_AT])
     copy = step.unreplicate(state)
     expected = copy.replace(params=copy.opt_state.global_params)
-    with CheckpointManager(tmp_path) as manager:
-        manager.save(MID_BLOCK_SAVE_AT, state)
-        other = make_step("diloco_mid", "shard_map", num_devices=num_devices or 1)[0]
-        like = init if num_devices is None else other.replicate(init)
-        why = "`like` is one copy" if num_devices is None else "`like` has 2 replicas"
-        with pytest.warns(
-            RuntimeWarning,
-            match=rf"(?s)step 2 in {re.escape(str(tmp_path))} was saved between syncs: "
-            rf"its 4 replicas held different values in \d+ leaves \(\.params.*{why}, "
-            r"so it gets replica 0's copy.*local work since their last sync is not "
-            r"carried over.*a new block starts from the global model",
-        ):
-            restored = manager.restore(like)
-    if num_devices is not None:
-        jdp.assert_replicas_in_sync(restored)
-        restored = other.unreplicate(restored)
-    assert_bitwise_equal(restored, expected)
     assert np.any(
         np.asarray(copy.params["layer0"]["w"])
-        != np.asarray(copy.opt_state.global_params["layer0"]["w"])
-    )  # replica 0's local params really were left behind
+        != np.asarray(expected.params["layer0"]["w"])
+    )  # replica 0's local params differ from the global model
+    two = make_step("diloco_mid", "shard_map", num_devices=2)[0]
+    where = re.escape(str(tmp_path))
+    with CheckpointManager(tmp_path) as manager:
+        manager.save(MID_BLOCK_SAVE_AT, state)
+        for like, why in (
+            (two.replicate(init), "`like` has 2 replicas"),
+            (init, "`like` is one copy"),
+        ):
+            with pytest.warns(
+                RuntimeWarning,
+                match=rf"(?s)step 2 in {where} was saved between syncs: its 4 "
+                rf"replicas held different values in \d+ leaves \(\.params.*{why}, "
+                r"so it gets replica 0's copy.*local work since their last sync is "
+                r"not carried over.*a new block starts from the global model",
+            ):
+                restored = manager.restore(like)
+            if like is not init:
+                jdp.assert_replicas_in_sync(restored)
+                restored = two.unreplicate(restored)
+            assert_bitwise_equal(restored, expected)
+    # A state with no `params` to reset: replica 0's copy, and what to do.
+    odd = {"weights": state.params, "opt": state.opt_state}
+    with CheckpointManager(tmp_path / "odd") as manager:
+        manager.save(MID_BLOCK_SAVE_AT, odd)
+        with pytest.warns(
+            RuntimeWarning,
+            match=r"(?s)was saved between syncs.*holds a `jdp.BMUFState`, but no "
+            r"`params` of the same structure to reset: set them to "
+            r"`jdp.bmuf_global_params\(state\)` before training on",
+        ):
+            restored = manager.restore({"weights": init.params, "opt": init.opt_state})
+    assert_bitwise_equal(flat_leaves(restored["weights"]), flat_leaves(copy.params))
 
 
 def test_each_replicas_own_prng_key_round_trips(tmp_path):
@@ -387,6 +401,22 @@ def test_each_replicas_own_prng_key_round_trips(tmp_path):
     assert [bool(r.get("per_replica")) for r in records] == [True, False]
     assert jax.dtypes.issubdtype(restored["key"].dtype, jax.dtypes.prng_key)
     assert_bitwise_equal(everything(restored), everything(state))
+    # Damage is caught in the leaves saved with every replica too.
+    bad = _copy_checkpoint(tmp_path, tmp_path.parent / f"{tmp_path.name}-crc")
+    meta = json.loads(_metadata_file(bad, step=1).read_text())
+    meta["leaves"][0]["per_replica"]["crc32"] ^= 1
+    _metadata_file(bad, step=1).write_text(json.dumps(meta))
+    truncated = _copy_checkpoint(tmp_path, tmp_path.parent / f"{tmp_path.name}-cut")
+    for path in (truncated / "1" / "jdp_replicas").rglob("*"):
+        if path.is_file() and path.parent.name == "d":
+            path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    for directory, detail in (
+        (bad, r"leaf \['key'\] \(saved with every replica\) does not match the CRC"),
+        (truncated, "reading the leaves saved with every replica failed"),
+    ):
+        with CheckpointManager(directory) as manager:
+            with pytest.raises(ValueError, match=rf"step 1 .* corrupted .*: {detail}"):
+                manager.restore(like)
 
 
 def test_zero_slices_are_not_saved_per_replica(tmp_path):
@@ -492,26 +522,56 @@ def test_failed_async_save_raises_and_the_process_exits(tmp_path):
     )
     try:
         out, err = proc.communicate(timeout=120)
+        ended = time.time()
     except subprocess.TimeoutExpired:
         proc.kill()
         out, err = proc.communicate(timeout=30)
         pytest.fail(f"the process did not exit after the failed save:\n{err[-3000:]}")
     finally:
-        if directory.exists():
-            os.chmod(directory, 0o755)
+        for path in (directory, tmp_path / "ckpt-last"):
+            if path.exists():
+                os.chmod(path, 0o755)
     if proc.returncode == SKIP_CODE:
         pytest.skip(out.strip())
-    assert "saving step 2" in out and "unexpected" not in out, out
-    assert proc.returncode == 1, err[-3000:]
+    where = re.escape(str(directory))
+    # A damaged step 2 that cannot be moved aside: named, with the fix.
     assert re.search(
-        rf"PermissionError: `CheckpointManager.save`: writing step 2 to "
-        rf"{re.escape(str(directory))} failed \(PermissionError: .*\)\. Step 2 was "
-        r"not committed; the steps saved before it are intact \(\[1\]\)\.\nFix: "
-        r"check that .* is writable",
+        rf"set aside failed: `CheckpointManager.save`: step 2 in {where} is "
+        r"incomplete or damaged \(its metadata could not be read .*\), and moving "
+        rf"it aside to {where}/2\.damaged-1 failed \(PermissionError: .*\)\. "
+        rf"Nothing was saved\.\nFix: move or delete {where}/2 yourself",
+        out,
+    ), out
+    # A write that fails in the background: raised by `wait_until_finished`.
+    assert "step 3 is being written" in out, out
+    assert re.search(
+        rf"background failed: `CheckpointManager.save`: the background write of "
+        rf"step 3 to {where} failed \(.*\)\. Step 3 was not committed; the steps "
+        r"saved before it are intact \(\[1\]\)",
+        out,
+    ), out
+    # A read-only directory that a manager cannot even lock.
+    assert re.search(
+        r"lock failed: `CheckpointManager.save`: cannot create the lock file "
+        rf"{where}-other/\.jdp-checkpoint\.lock in the checkpoint directory "
+        rf"{where}-other \(PermissionError: .*\)\. Nothing was saved\.\nFix: make "
+        rf"{where}-other writable",
+        out,
+    ), out
+    # The uncaught error ends the process promptly.
+    started = re.search(r"saving step 2 at ([\d.]+)", out)
+    assert started and "unexpected" not in out, out
+    assert proc.returncode == 1, err[-3000:]
+    assert ended - float(started.group(1)) < 30, "the process took long to exit"
+    assert re.search(
+        rf"PermissionError: `CheckpointManager.save`: writing step 2 to {where}-last "
+        r"failed \(PermissionError: .*\)\. Step 2 was not committed; the steps "
+        r"saved before it are intact \(\[1\]\)\.\nFix: check that .* is writable",
         err,
     ), err[-3000:]
-    with CheckpointManager(directory) as manager:
-        assert manager.all_steps() == [1]
+    for path in (directory, tmp_path / "ckpt-last"):
+        with CheckpointManager(path) as manager:
+            assert manager.all_steps() == [1]
 
 
 def test_unwritable_directory_names_the_directory_and_step(tmp_path):
@@ -533,6 +593,7 @@ def test_unwritable_directory_names_the_directory_and_step(tmp_path):
 
 
 def _lock_owner_pattern(directory, pid):
+    """The start of the error for a directory locked by process `pid` of this host."""
     return (
         rf"{re.escape(str(directory))} is locked by another checkpoint manager: "
         rf"process {pid} on host '{re.escape(socket.gethostname())}'"
@@ -547,7 +608,14 @@ def test_two_managers_in_one_process_never_overwrite_each_other(tmp_path):
     a = CheckpointManager(tmp_path)
     b = CheckpointManager(tmp_path)  # opened before `a` saved anything
     a.save(1, first)
-    with pytest.raises(RuntimeError, match=_lock_owner_pattern(tmp_path, os.getpid())):
+    with pytest.raises(
+        RuntimeError,
+        match="(?s)"
+        + _lock_owner_pattern(tmp_path, os.getpid())
+        + r" .*\(this process\) "
+        r"holds .*\.jdp-checkpoint\.lock.*Fix: give this run its own directory, or "
+        r"`close\(\)` the other manager",
+    ):
         b.save(1, second)
     a.save(2, first)
     a.close()
@@ -618,6 +686,27 @@ def test_two_processes_at_once_one_gets_the_lock(tmp_path):
     np.testing.assert_array_equal(got["w"], expected)
 
 
+@pytest.mark.multiprocess
+def test_every_process_of_a_job_raises_when_the_directory_is_locked(tmp_path):
+    step = make_parallel(num_devices=2)
+    with CheckpointManager(tmp_path) as manager:
+        manager.save(1, step.replicate({"w": jnp.ones(4)}))  # holds the lock
+        errors = jdp.launch.run(
+            save_in_a_job,
+            2,
+            args=(str(tmp_path),),
+            devices_per_process=1,
+            timeout_s=120,
+            quiet=True,
+        )
+        assert manager.all_steps() == [1]
+    assert re.search(_lock_owner_pattern(tmp_path, os.getpid()), errors[0])
+    assert errors[1] == (
+        f"`CheckpointManager.save`: process 0 could not lock {tmp_path} (see its "
+        "error); nothing was saved."
+    )
+
+
 def _dead_pid():
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait(timeout=60)
@@ -629,31 +718,45 @@ def test_a_stale_lock_is_reclaimed_and_a_foreign_one_is_named(tmp_path):
     state = step.replicate({"w": jnp.ones(3)})
     lock = tmp_path / ".jdp-checkpoint.lock"
     host = socket.gethostname()
-    for pid, why in (
-        (_dead_pid(), r"process \d+ is no longer running"),
-        (os.getpid(), "its manager in this process was released"),
+    dead, me, parent = _dead_pid(), os.getpid(), os.getppid()
+    for number, (record, owner, why) in enumerate(
+        (
+            ({"pid": dead, "token": "t"}, f"process {dead}", "is no longer running"),
+            ({"pid": me, "token": "t"}, f"process {me}", "its manager in this process"),
+            (  # alive, but not the process that took the lock
+                {"pid": parent, "start_time": 1},
+                f"process {parent}",
+                r"is no longer running \(its id now belongs to a process started "
+                r"later\)",
+            ),
+            ({}, "process None", "the lock file names no process"),
+            (None, "an unknown process", "the lock file is unreadable"),
+        ),
+        start=1,
     ):
-        lock.write_text(json.dumps({"pid": pid, "host": host, "token": "gone"}))
-        with CheckpointManager(tmp_path) as manager:
+        text = '{"pid": 12' if record is None else json.dumps({**record, "host": host})
+        lock.write_text(text)
+        with CheckpointManager(tmp_path, max_to_keep=None) as manager:
             with pytest.warns(
                 RuntimeWarning,
                 match=rf"reclaimed the stale lock {re.escape(str(lock))} left by "
-                rf"process {pid} on host '{host}': {why}",
+                rf"{owner}.*: .*{why}",
             ):
-                assert manager.save(len(manager.all_steps()) + 1, state)
-            owner = json.loads(lock.read_text())
-            assert owner["pid"] == os.getpid() and owner["host"] == host
+                assert manager.save(number, state)
+            held = json.loads(lock.read_text())
+            assert held["pid"] == os.getpid() and held["host"] == host
         assert not lock.exists()
     # A lock from another machine cannot be checked from here: named, with the fix.
     lock.write_text(json.dumps({"pid": 1, "host": "elsewhere", "token": "t"}))
     with CheckpointManager(tmp_path) as manager:
         with pytest.raises(
             RuntimeError,
-            match=rf"(?s){_lock_owner_pattern(tmp_path, 1).replace(host, 'elsewhere')}"
-            rf".*delete {re.escape(str(lock))} and save again",
+            match=rf"(?s){re.escape(str(tmp_path))} is locked by another checkpoint "
+            rf"manager: process 1 on host 'elsewhere'.*delete {re.escape(str(lock))} "
+            "and save again",
         ):
-            manager.save(3, state)
-        assert manager.all_steps() == [1, 2]
+            manager.save(6, state)
+        assert manager.all_steps() == [1, 2, 3, 4, 5]
     assert lock.exists()  # not ours to remove
 
 
@@ -871,11 +974,25 @@ def test_checksum_catches_data_that_still_decodes(saved, tmp_path):
     record["crc32"] ^= 1  # as if one bit of the array had flipped on disk
     _metadata_file(directory).write_text(json.dumps(meta))
     like = make_parallel(num_devices=2).replicate(init_state())
+    where = re.escape(str(directory))
     with CheckpointManager(directory) as manager:
         with pytest.raises(
-            ValueError, match=r"leaf \.params\['layer0'\]\['w'\] does not match the CRC"
+            ValueError,
+            match=rf"the checkpoint of step 2 in {where} is corrupted or truncated: "
+            r"leaf \.params\['layer0'\]\['w'\] does not match the CRC-32 recorded "
+            r"when it was saved\. Restore an older step .* or save again: the next "
+            rf"`save` of step 2 or an earlier step moves the damaged files aside to "
+            rf"{where}/2\.damaged-<n> \(nothing is deleted\)",
         ):
             manager.restore(like)
+    # A manager that never restored it finds the damage before refusing a save.
+    with CheckpointManager(directory) as manager:
+        with pytest.warns(
+            RuntimeWarning,
+            match=r"step 2 .* was incomplete or damaged \(1 of its arrays do not match "
+            r"the CRC-32 recorded at save\); moved it to .*2\.damaged-1",
+        ):
+            assert manager.save(2, make_parallel(num_devices=2).replicate(init_state()))
 
 
 def test_damaged_metadata_hides_the_step_and_says_so(saved, tmp_path):
@@ -943,15 +1060,24 @@ def test_damaged_newest_step_warns_and_its_number_can_be_saved_again(
     assert (tmp_path / "2.damaged-1" / "jdp_metadata" / "metadata").exists()
 
 
-def test_uncommitted_newest_step_warns_and_its_number_can_be_saved_again(tmp_path):
-    """A step directory a killed save left without its metadata or commit marker."""
+@pytest.mark.parametrize(
+    "missing, reason",
+    [
+        ("jdp_metadata", r"its metadata could not be read .*"),
+        ("state", r"its `state` item is missing"),
+    ],
+)
+def test_uncommitted_newest_step_warns_and_its_number_can_be_saved_again(
+    tmp_path, missing, reason
+):
+    """A step directory a killed save left without its commit marker, partly written."""
     step = make_parallel(num_devices=2)
     like = step.replicate({"w": jnp.zeros(4)})
     states = [step.replicate({"w": jnp.arange(4.0) * k}) for k in (1, 2, 3)]
     with CheckpointManager(tmp_path) as manager:
         manager.save(1, states[0])
         manager.save(2, states[1])
-    shutil.rmtree(tmp_path / "2" / "jdp_metadata")
+    shutil.rmtree(tmp_path / "2" / missing)
     for marker in (tmp_path / "2").rglob("commit_success.txt"):
         marker.unlink()
     where = re.escape(str(tmp_path))
@@ -959,8 +1085,8 @@ def test_uncommitted_newest_step_warns_and_its_number_can_be_saved_again(tmp_pat
         assert manager.all_steps() == [1]
         with pytest.warns(
             RuntimeWarning,
-            match=rf"step 2 in {where} is incomplete or damaged \(its metadata could "
-            r"not be read .*\); restoring step 1, the newest complete step, instead",
+            match=rf"step 2 in {where} is incomplete or damaged \({reason}\); "
+            r"restoring step 1, the newest complete step, instead",
         ):
             got = manager.restore(like)
     assert_bitwise_equal(step.unreplicate(got), step.unreplicate(states[0]))

@@ -76,7 +76,12 @@ def images(nb):
 
 @pytest.mark.parametrize(
     "name",
-    ["01_quickstart.ipynb", "02_bmuf_vs_sync.ipynb", "03_checkpoint_and_export.ipynb"],
+    [
+        "01_quickstart.ipynb",
+        "02_bmuf_vs_sync.ipynb",
+        "03_checkpoint_and_export.ipynb",
+        "04_nnx.ipynb",
+    ],
 )
 def test_committed_without_outputs(name):
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
@@ -132,4 +137,29 @@ def test_checkpoint_and_export(kernel_dirs, tmp_path):
     fresh = re.search(r"fresh process: (\[.*\])", joined).group(1)
     here = re.search(r"this notebook: (\[.*\])", joined).group(1)
     assert fresh == here
+    assert images(nb) >= 1
+
+
+@pytest.mark.slow
+def test_nnx_notebook(kernel_dirs, tmp_path):
+    nb = execute("04_nnx.ipynb", kernel_dirs, tmp_path)
+    text = outputs(nb)
+    assert "8 cpu devices" in text[0]
+    joined = "\n".join(text)
+    # 8 replicas take the same steps as one device, up to float rounding.
+    gap = re.search(r"largest difference from single-device training.*: (\S+)", joined)
+    assert float(gap[1]) < 1e-4
+    loss_gap = re.search(r"largest difference of the losses: (\S+)", joined)
+    assert float(loss_gap[1]) < 1e-5
+    # Every replica its own dropout masks, the same on every run.
+    masks = re.findall(r"^replica \d: ([#.]+)$", joined, re.M)
+    assert len(masks) == 8 and len(set(masks)) == 8
+    assert "8 different masks on 8 replicas" in joined
+    assert "the same masks on a second run: True" in joined
+    # Exact counts over a padded test set.
+    correct, count = map(int, re.search(r"test accuracy: (\d+)/(\d+)", joined).groups())
+    assert count == 360 and correct / count > 0.9
+    assert "the same count as an evaluation on one device: True" in joined
+    assert "restored step 100" in joined
+    assert "the resumed run equals the uninterrupted run bit for bit: True" in joined
     assert images(nb) >= 1

@@ -32,6 +32,8 @@ from jdp._version import __version__
 
 #: The lock file's name inside the checkpoint directory.
 LOCK_NAME = ".jdp-checkpoint.lock"
+#: How long to wait for another manager checking the same lock (seconds).
+GUARD_TIMEOUT_S = 10.0
 
 LOCKED_MSG = (
     "`CheckpointManager.save`: {directory} is locked by another checkpoint "
@@ -84,8 +86,8 @@ def _process_state(pid: int) -> str | None:
     return fields[0] if fields else None
 
 
-def pid_alive(pid: int, start_time: int | None = None) -> bool:
-    """Whether process `pid` of this host is running (and is the one recorded).
+def process_gone(pid: int, start_time: int | None = None) -> str | None:
+    """Why process `pid` of this host is not the live lock owner, or None if it is.
 
     Args:
       pid: A process id on this host.
@@ -93,20 +95,24 @@ def pid_alive(pid: int, start_time: int | None = None) -> bool:
         another start time reuses the id of a process that ended.
 
     Returns:
-      False if no such process runs (or it is a zombie, or the id was reused).
+      None if the process runs (as far as can be told); else a reason: no such
+      process, a zombie, or its id reused by another process.
     """
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
-        return False
+        return f"process {pid} is no longer running"
     except PermissionError:
         pass  # it exists, owned by another user
-    except OSError:
-        return False
     if _process_state(pid) in ("Z", "X"):
-        return False
+        return f"process {pid} is no longer running (it is a zombie)"
     now = _process_start_time(pid)
-    return start_time is None or now is None or now == start_time
+    if start_time is not None and now is not None and now != start_time:
+        return (
+            f"process {pid} is no longer running (its id now belongs to a process "
+            "started later)"
+        )
+    return None
 
 
 def describe_owner(owner: dict[str, Any] | None) -> str:
@@ -120,7 +126,7 @@ def describe_owner(owner: dict[str, Any] | None) -> str:
         else ""
     )
     here = owner.get("pid") == os.getpid() and owner.get("host") == socket.gethostname()
-    mine = " (this process: another manager that is still open)" if here else ""
+    mine = " (this process)" if here else ""
     return f"process {owner.get('pid')} on host {owner.get('host')!r}{when}{mine}"
 
 
@@ -172,15 +178,13 @@ class DirectoryLock:
         if owner.get("host") != socket.gethostname():
             return None
         pid = owner.get("pid")
-        if not isinstance(pid, int):
+        if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
             return "the lock file names no process"
         if pid == os.getpid():
             with _LIVE_GUARD:
                 live = owner.get("token") in _LIVE
             return None if live else "its manager in this process was released"
-        if not pid_alive(pid, owner.get("start_time")):
-            return f"process {pid} is no longer running"
-        return None
+        return process_gone(pid, owner.get("start_time"))
 
     @contextlib.contextmanager
     def _guard(self):
@@ -195,7 +199,15 @@ class DirectoryLock:
                 import fcntl
 
                 fd = os.open(os.fspath(self.directory), os.O_RDONLY)
-                fcntl.flock(fd, fcntl.LOCK_EX)
+                deadline = time.monotonic() + GUARD_TIMEOUT_S
+                while True:  # held for milliseconds; never wait without bound
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        break
+                    except BlockingIOError:
+                        if time.monotonic() > deadline:
+                            raise
+                        time.sleep(0.01)
             except (ImportError, OSError):
                 if fd is not None:
                     os.close(fd)

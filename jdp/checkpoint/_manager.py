@@ -546,7 +546,17 @@ class CheckpointManager:
                 while (self.directory / f"{step}{DAMAGED_SUFFIX}{n}").exists():
                     n += 1
                 target = self.directory / f"{step}{DAMAGED_SUFFIX}{n}"
-                (self.directory / str(step)).rename(target)
+                try:
+                    (self.directory / str(step)).rename(target)
+                except OSError as e:
+                    raise _same_kind_of_error(
+                        e,
+                        f"`CheckpointManager.save`: step {step} in {self.directory} "
+                        f"is incomplete or damaged ({detail}), and moving it aside "
+                        f"to {target} failed ({type(e).__name__}: {e}). Nothing was "
+                        f"saved.\nFix: move or delete {self.directory / str(step)} "
+                        "yourself, then save again.",
+                    ) from e
                 warnings.warn(
                     SET_ASIDE_MSG.format(
                         step=step,

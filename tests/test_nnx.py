@@ -1,0 +1,306 @@
+"""flax NNX models trained by jdp: both recipes, per-replica dropout, checkpoints.
+
+The model is the CNN of flax's NNX MNIST tutorial (Conv, BatchNorm, Dropout,
+Linear), sized for scikit-learn's 8x8 digits. The oracle is the tutorial's own
+single-device step (`nnx.jit`, `nnx.value_and_grad`, `nnx.Optimizer`) on the
+whole global batch.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from helpers import assert_trees_close
+from sklearn.datasets import load_digits
+
+import jdp
+from jdp.checkpoint import CheckpointManager
+
+TX = optax.sgd(0.1, momentum=0.9)
+GLOBAL_BATCH = 64
+
+
+class CNN(nnx.Module):
+    """The NNX MNIST tutorial's CNN, for 8x8 digits.
+
+    `axis_name` is the replica axis BatchNorm averages its batch statistics
+    over (None on one device): with it, N replicas normalise with the
+    statistics of the global batch, as one device does.
+    """
+
+    def __init__(self, *, rngs, dropout=0.025, axis_name=None):
+        self.conv1 = nnx.Conv(1, 8, kernel_size=(3, 3), rngs=rngs)
+        self.batch_norm1 = nnx.BatchNorm(8, axis_name=axis_name, rngs=rngs)
+        self.dropout1 = nnx.Dropout(rate=dropout)
+        self.conv2 = nnx.Conv(8, 16, kernel_size=(3, 3), rngs=rngs)
+        self.batch_norm2 = nnx.BatchNorm(16, axis_name=axis_name, rngs=rngs)
+        self.avg_pool = functools.partial(
+            nnx.avg_pool, window_shape=(2, 2), strides=(2, 2)
+        )
+        self.linear1 = nnx.Linear(2 * 2 * 16, 32, rngs=rngs)
+        self.dropout2 = nnx.Dropout(rate=dropout)
+        self.linear2 = nnx.Linear(32, 10, rngs=rngs)
+
+    def __call__(self, x, rngs=None):
+        x = self.dropout1(self.conv1(x), rngs=rngs)
+        x = self.avg_pool(nnx.relu(self.batch_norm1(x)))
+        x = self.avg_pool(nnx.relu(self.batch_norm2(self.conv2(x))))
+        x = x.reshape(x.shape[0], -1)
+        x = nnx.relu(self.dropout2(self.linear1(x), rngs=rngs))
+        return self.linear2(x)
+
+
+@functools.cache
+def digits():
+    data = load_digits()
+    return (data.images / 16.0).astype(np.float32)[..., None], data.target
+
+
+def make_batches(num, size=GLOBAL_BATCH, seed=0):
+    x, y = digits()
+    rng = np.random.default_rng(seed)
+    picks = [rng.choice(len(x), size, replace=False) for _ in range(num)]
+    return [{"x": x[i], "y": y[i].astype(np.int32)} for i in picks]
+
+
+def cross_entropy(model, batch, rngs=None):
+    logits = model(batch["x"], rngs=rngs)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+
+def nnx_train_step(graphdef, *, all_reduce=True):
+    """The recipe: the NNX tutorial's step, run per replica by `jdp.parallelize`.
+
+    The state is `nnx.split((model, optimizer, rngs))[1]`; `rngs` is the same on
+    every replica and advances in step, and `jdp.replica_key` gives each replica
+    its own dropout key from it. Gradients are averaged here, or (with
+    `all_reduce=False`) by a `jdp.sync_gradients()` first in the optimizer.
+    """
+
+    def train_step(state, batch):
+        model, optimizer, rngs = nnx.merge(graphdef, state)
+        key = jdp.replica_key(rngs.dropout())
+
+        def loss_fn(model):
+            return cross_entropy(model, batch, nnx.Rngs(dropout=key))
+
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        if all_reduce:
+            grads = jdp.all_reduce_gradients(grads)
+        optimizer.update(model, grads)
+        metrics = {"loss": loss, "replica_loss": jdp.metrics.gather(loss)}
+        return nnx.state((model, optimizer, rngs)), metrics
+
+    return train_step
+
+
+def split_for_jdp(model, tx=TX):
+    """`(graphdef, state)` of the model, its optimizer and a dropout stream."""
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    return nnx.split((model, optimizer, nnx.Rngs(dropout=1)))
+
+
+def run(step, state, batches):
+    losses = []
+    for batch in batches:
+        state, metrics = step(state, step.shard(batch))
+        losses.append(float(metrics["loss"]))
+    return state, losses
+
+
+def host_bits(tree):
+    """Every leaf as NumPy, typed PRNG keys as their key data (to compare bits)."""
+
+    def bits(x):
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x = jax.random.key_data(x)
+        return np.asarray(x)
+
+    return jax.tree.map(bits, jax.device_get(tree))
+
+
+def assert_bitwise_equal(actual, expected):
+    assert_trees_close(host_bits(actual), host_bits(expected), rtol=0, atol=0)
+
+
+@pytest.fixture(scope="module")
+def single_device():
+    """The NNX tutorial's training on one device; dropout off (see the dropout test)."""
+    model = CNN(rngs=nnx.Rngs(0), dropout=0.0)
+    optimizer = nnx.Optimizer(model, TX, wrt=nnx.Param)
+
+    @nnx.jit
+    def train_step(model, optimizer, batch):
+        loss, grads = nnx.value_and_grad(cross_entropy)(model, batch)
+        optimizer.update(model, grads)
+        return loss
+
+    losses = [float(train_step(model, optimizer, b)) for b in make_batches(4)]
+    return nnx.state(model), losses
+
+
+def test_nnx_step_equals_single_device_training(single_device):
+    model = CNN(rngs=nnx.Rngs(0), dropout=0.0, axis_name="data")
+    graphdef, state = split_for_jdp(model)
+    step = jdp.parallelize(nnx_train_step(graphdef))
+    state, losses = run(step, step.replicate(state), make_batches(4))
+
+    expected, expected_losses = single_device
+    jdp.assert_replicas_in_sync(state)
+    trained, _, _ = nnx.merge(graphdef, step.unreplicate(state))
+    # Params and BatchNorm statistics, equal up to float rounding.
+    assert_trees_close(nnx.state(trained), expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-6)
+    assert not np.allclose(trained.batch_norm1.mean[...], 0.0)  # they did move
+
+
+def test_make_train_step_trains_an_nnx_model(single_device):
+    """`nnx.split(model, nnx.Param, ...)` into a `jdp.TrainState`, plain `nnx.merge`.
+
+    Without jdp rebuilding the batch statistics inside the differentiated
+    function, BatchNorm would fail here with "Cannot mutate BatchStat from a
+    different trace level".
+    """
+    model = CNN(rngs=nnx.Rngs(0), dropout=0.0, axis_name="data")
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss_fn(params, rest, batch):
+        model = nnx.merge(graphdef, params, rest)
+        return cross_entropy(model, batch), nnx.state(model, nnx.Not(nnx.Param))
+
+    step = jdp.parallelize(jdp.make_train_step(loss_fn, TX), backend="pmap")
+    state = step.replicate(
+        jdp.TrainState.create(params=params, batch_stats=rest, tx=TX)
+    )
+    state, losses = run(step, state, make_batches(4))
+
+    expected, expected_losses = single_device
+    one = step.unreplicate(state)
+    trained = nnx.merge(graphdef, one.params, one.batch_stats)
+    assert_trees_close(nnx.state(trained), expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-6)
+
+
+def test_each_replica_draws_its_own_dropout_masks_reproducibly():
+    model = CNN(rngs=nnx.Rngs(0), dropout=0.5, axis_name="data")
+    graphdef, init = split_for_jdp(model)
+    step = jdp.parallelize(nnx_train_step(graphdef), devices=jax.devices()[:4])
+    # Every replica gets the same 4 images: only dropout tells them apart.
+    x, y = digits()
+    batch = {"x": np.tile(x[:4], (4, 1, 1, 1)), "y": np.tile(y[:4], 4).astype(np.int32)}
+
+    def replica_losses():
+        state, out = step.replicate(init), []
+        for _ in range(2):
+            state, metrics = step(state, step.shard(batch))
+            out.append(np.asarray(metrics["replica_loss"]))
+        return state, np.stack(out)
+
+    state, losses = replica_losses()
+    assert losses.shape == (2, 4)
+    assert all(len(set(row.tolist())) == 4 for row in losses)  # 4 different masks
+    assert not np.array_equal(losses[0], losses[1])  # new masks every step
+    jdp.assert_replicas_in_sync(state)  # the masks differ, the state does not
+    again, losses_again = replica_losses()
+    np.testing.assert_array_equal(losses_again, losses)  # the same on every run
+    assert_bitwise_equal(step.unreplicate(again), step.unreplicate(state))
+
+
+def test_params_with_nnx_rng_state_name_the_leaf_and_the_split():
+    model = nnx.Sequential(
+        nnx.Linear(64, 10, rngs=nnx.Rngs(0)), nnx.Dropout(0.1, rngs=nnx.Rngs(1))
+    )
+
+    def loss_fn(params, batch):
+        return jnp.mean(nnx.merge(graphdef, params)(batch["x"]) ** 2)
+
+    graphdef, everything = nnx.split(model)
+    step = jdp.parallelize(jdp.make_train_step(loss_fn, TX), devices=jax.devices()[:2])
+    state = step.replicate(jdp.TrainState.create(params=everything, tx=TX))
+    batch = step.shard({"x": np.ones((2, 64), np.float32)})
+    with pytest.raises(
+        TypeError,
+        match=r"(?s)\['layers'\]\[1\]\['rngs'\]\['count'\]\.value: uint32.*"
+        r"nnx\.split\(model, nnx\.Param, \.\.\.\)",
+    ):
+        step(state, batch)
+
+
+# -- checkpoints ------------------------------------------------------------------
+
+
+def resumed_and_uninterrupted(step, init, fresh, batches, directory):
+    """Trains on `batches` straight through, and with a save/restore halfway.
+
+    The restore goes into `step.replicate(fresh)`, a state with other values.
+    Returns the resumed and the uninterrupted states, and one copy of the saved
+    state.
+    """
+    uninterrupted, _ = run(step, step.replicate(init), batches)
+    half = len(batches) // 2
+    state, _ = run(step, step.replicate(init), batches[:half])
+    with CheckpointManager(directory) as manager:
+        manager.save(half, state)
+    with CheckpointManager(directory) as manager:
+        restored = manager.restore(step.replicate(fresh))
+    saved = jax.device_get(step.unreplicate(state))
+    resumed, _ = run(step, restored, batches[half:])
+    return resumed, uninterrupted, saved
+
+
+def test_checkpoint_of_an_nnx_sequential_resumes_bit_for_bit(tmp_path):
+    def make(seed):
+        rngs = nnx.Rngs(seed)
+        return nnx.Sequential(
+            nnx.Linear(64, 32, rngs=rngs),
+            nnx.BatchNorm(32, rngs=rngs),
+            nnx.relu,
+            nnx.Linear(32, 10, rngs=rngs),
+        )
+
+    graphdef, params, rest = nnx.split(make(0), nnx.Param, ...)
+
+    def loss_fn(params, rest, batch):
+        model = nnx.merge(graphdef, params, rest)
+        logits = model(batch["x"].reshape(batch["x"].shape[0], -1))
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+        return loss.mean(), nnx.state(model, nnx.Not(nnx.Param))
+
+    def train_state(model):
+        _, params, rest = nnx.split(model, nnx.Param, ...)
+        return jdp.TrainState.create(params=params, batch_stats=rest, tx=TX)
+
+    step = jdp.parallelize(jdp.make_train_step(loss_fn, TX), devices=jax.devices()[:4])
+    resumed, uninterrupted, saved = resumed_and_uninterrupted(
+        step, train_state(make(0)), train_state(make(1)), make_batches(4), tmp_path
+    )
+    assert_bitwise_equal(resumed, uninterrupted)
+    # The Sequential's integer layer keys come back as integers: `nnx.merge` works.
+    one = step.unreplicate(resumed)
+    assert sorted(one.params["layers"]) == [0, 1, 3]
+    model = nnx.merge(graphdef, one.params, one.batch_stats)
+    assert model(jnp.ones((2, 64))).shape == (2, 10)
+    # And as one copy, for evaluation.
+    with CheckpointManager(tmp_path) as manager:
+        copy = manager.restore(jax.device_get(train_state(make(1))))
+    assert_bitwise_equal(copy, saved)
+
+
+def test_checkpoint_of_an_nnx_module_and_optimizer_resumes_bit_for_bit(tmp_path):
+    """The recipe's state: model, `nnx.Optimizer` (Adam) and dropout stream."""
+    tx = optax.chain(jdp.sync_gradients(), optax.adam(1e-2))
+    graphdef, init = split_for_jdp(CNN(rngs=nnx.Rngs(0), axis_name="data"), tx)
+    _, fresh = split_for_jdp(CNN(rngs=nnx.Rngs(1), axis_name="data"), tx)
+    step = jdp.parallelize(
+        nnx_train_step(graphdef, all_reduce=False), devices=jax.devices()[:4]
+    )
+    resumed, uninterrupted, saved = resumed_and_uninterrupted(
+        step, init, fresh, make_batches(4, 32), tmp_path
+    )
+    assert_bitwise_equal(resumed, uninterrupted)
+    _, optimizer, rngs = nnx.merge(graphdef, saved)
+    assert int(optimizer.step[...]) == 2 and int(rngs.dropout.count[...]) == 2
