@@ -36,6 +36,8 @@ WEIGHT_DECAY = 1e-4
 
 ModuleDef = Any
 
+pytestmark = pytest.mark.slow
+
 
 # -- the script: model, state, schedule (flax's ImageNet example, smaller) -----------
 
@@ -235,12 +237,7 @@ def run_jdp(batches, backend):
     return jax.device_get(step.unreplicate(state)), history
 
 
-@pytest.fixture(scope="module")
-def flax_recipe():
-    return run_flax_recipe(make_batches())
-
-
-def assert_same_training(actual, expected, *, rtol):
+def assert_same_training(actual, expected, *, rtol, label):
     """Same state (params, batch stats, momentum, step, loss scale) and metrics."""
     (state, history), (want, want_history) = actual, expected
     check = functools.partial(np.testing.assert_allclose, rtol=rtol, atol=0)
@@ -248,31 +245,33 @@ def assert_same_training(actual, expected, *, rtol):
         check = np.testing.assert_array_equal
     for part in ("step", "params", "batch_stats", "opt_state", "dynamic_scale"):
         got, ref = getattr(state, part), getattr(want, part)
-        assert jax.tree.structure(got) == jax.tree.structure(ref), part
+        assert jax.tree.structure(got) == jax.tree.structure(ref), f"{label}: {part}"
         for (path, a), b in zip(
             jax.tree_util.tree_flatten_with_path(got)[0],
             jax.tree.leaves(ref),
             strict=True,
         ):
-            where = part + jax.tree_util.keystr(path)
+            where = f"{label}: {part}{jax.tree_util.keystr(path)}"
             check(np.asarray(a), np.asarray(b), err_msg=where)
-    for got, ref in zip(history, want_history, strict=True):
+    for i, (got, ref) in enumerate(zip(history, want_history, strict=True)):
         for name in ("loss", "accuracy"):
-            check(np.asarray(got[name]), np.asarray(ref[name]), err_msg=name)
+            where = f"{label}: metric {name!r} of step {i + 1}"
+            check(np.asarray(got[name]), np.asarray(ref[name]), err_msg=where)
 
 
-def test_the_recipe_exercises_loss_scaling(flax_recipe):
-    """The steps include float16 overflows (skipped, scale halved) and taken ones."""
-    state, history = flax_recipe
+def test_jdp_takes_the_same_steps_as_the_flax_pmap_recipe():
+    batches = make_batches()
+    expected = run_flax_recipe(batches)
+    # The steps include float16 overflows (skipped, scale halved) and taken ones.
+    state, history = expected
     scales = [DynamicScale().scale] + [float(m["scale"]) for m in history]
     backoffs = sum(new < old for old, new in itertools.pairwise(scales))
     taken = int(state.opt_state[1].count)  # the schedule's count of updates
     assert backoffs == STEPS - taken and 0 < taken < STEPS
 
-
-def test_pmap_backend_is_bit_for_bit_the_flax_recipe(flax_recipe):
-    assert_same_training(run_jdp(make_batches(), "pmap"), flax_recipe, rtol=0)
-
-
-def test_shard_map_backend_matches_the_flax_recipe(flax_recipe):
-    assert_same_training(run_jdp(make_batches(), "shard_map"), flax_recipe, rtol=1e-5)
+    # `backend="pmap"` computes the same arithmetic as the recipe: bit for bit.
+    pmap = run_jdp(batches, "pmap")
+    assert_same_training(pmap, expected, rtol=0, label="pmap")
+    # `shard_map` compiles one program for all devices: equal up to rounding.
+    shard_map = run_jdp(batches, "shard_map")
+    assert_same_training(shard_map, expected, rtol=1e-5, label="shard_map")

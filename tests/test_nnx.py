@@ -185,6 +185,34 @@ def test_make_train_step_trains_an_nnx_model(single_device):
     np.testing.assert_allclose(losses, expected_losses, rtol=1e-6)
 
 
+def test_make_train_step_options_work_with_nnx_state():
+    """ZeRO lays out an optimizer state mirroring NNX `State`s: same numbers."""
+    rngs = nnx.Rngs(0)
+    model = nnx.Sequential(
+        nnx.Linear(64, 32, rngs=rngs), nnx.BatchNorm(32, rngs=rngs), nnx.relu
+    )
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss_fn(params, rest, batch):
+        model = nnx.merge(graphdef, params, rest)
+        out = model(batch["x"].reshape(batch["x"].shape[0], -1))
+        return jnp.mean(out**2), nnx.state(model, nnx.Not(nnx.Param))
+
+    tx = optax.adam(1e-2)
+
+    def train(grad_sync):
+        train_step = jdp.make_train_step(loss_fn, tx, grad_sync=grad_sync)
+        step = jdp.parallelize(train_step, devices=jax.devices()[:4])
+        state = jdp.TrainState.create(params=params, batch_stats=rest, tx=tx)
+        state, _ = run(step, step.replicate(state), make_batches(3, 16))
+        return step.unreplicate(state)
+
+    zero, plain = train("zero"), train("all_reduce")
+    assert_trees_close(zero.params, plain.params, rtol=1e-6, atol=1e-7)
+    assert_trees_close(zero.opt_state, plain.opt_state, rtol=1e-6, atol=1e-7)
+    assert_trees_close(zero.batch_stats, plain.batch_stats, rtol=1e-6, atol=1e-7)
+
+
 def test_each_replica_draws_its_own_dropout_masks_reproducibly():
     model = CNN(rngs=nnx.Rngs(0), dropout=0.5, axis_name="data")
     graphdef, init = split_for_jdp(model)

@@ -355,6 +355,7 @@ class CheckpointManager:
         self._damaged: dict[int, str] = {}
         self._pending: int | None = None  # the step an async save is writing
         self._lock = DirectoryLock(self.directory)
+        self._lock_settled = False
         # Releases the lock if the manager is dropped (or at exit) unclosed.
         self._release_at_exit = weakref.finalize(self, self._lock.release)
         self._open(create=False)
@@ -427,8 +428,13 @@ class CheckpointManager:
         self._pending = None
 
     def _acquire_lock(self) -> None:
-        """Takes the directory's lock (process 0 of a multi-process job)."""
-        if self._lock.held:
+        """Takes the directory's lock (process 0 of a multi-process job).
+
+        Every process of a job must take the same path here (the broadcast is a
+        collective), so whether the lock is held is decided by process 0's lock
+        and remembered on every process alike.
+        """
+        if self._lock_settled:
             return
         error = None
         if jax.process_index() == 0:
@@ -447,6 +453,7 @@ class CheckpointManager:
                 )
         if error is not None:
             raise error
+        self._lock_settled = True
 
     def _read_metadata(self, step: int) -> dict[str, Any]:
         """The step's JSON record; `_Corrupt` if it is missing or unreadable."""
@@ -823,6 +830,7 @@ class CheckpointManager:
                 self._manager = None
         finally:
             self._lock.release()
+            self._lock_settled = False
 
     def __enter__(self) -> CheckpointManager:
         return self
