@@ -203,6 +203,42 @@ def _checkpoint_check(restore_dir, save_dir):
     return out
 
 
+def _features_check():
+    """Prefetch, metrics.sum/gather, replica_key, microbatches across processes."""
+    out = {}
+    for backend in ("shard_map", "pmap"):
+
+        def eval_step(state, batch):
+            # Raw key data: pmap across processes cannot take typed keys as input.
+            key = jdp.replica_key(jax.random.wrap_key_data(state["key"]))
+            return {
+                "ids": jdp.metrics.gather(batch["i"]),
+                "count": jdp.metrics.sum(jnp.sum(batch["i"] >= 0)),
+                "draw": jdp.metrics.gather(jax.random.uniform(key)),
+            }
+
+        step = jdp.parallelize(eval_step, backend=backend)
+        state = step.replicate({"key": jax.random.key_data(jax.random.key(3))})
+        globals_ = [{"i": np.arange(8, dtype=np.int32) + 8 * k} for k in range(3)]
+        seen = [
+            step(state, batch)
+            for batch in step.prefetch(local_share(b) for b in globals_)
+        ]
+        out[backend] = {
+            "ids": [np.asarray(m["ids"]).reshape(-1).tolist() for m in seen],
+            "count": [int(m["count"]) for m in seen],
+            "draws": len(set(np.asarray(seen[0]["draw"]).tolist())),
+        }
+    tx = optax.adam(1e-2)
+    params = init_mlp(jax.random.key(0))
+    step = jdp.parallelize(jdp.make_train_step(mlp_loss, tx, microbatches=2))
+    state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
+    for batch in make_batches(3, GLOBAL_BATCH):
+        state, _ = step(state, step.shard(local_share(batch)))
+    out["microbatch_params"] = jax.device_get(step.unreplicate(state).params)
+    return out
+
+
 def _initialize_again():
     jdp.distributed.initialize()  # same job: nothing to do
     try:
@@ -229,6 +265,7 @@ def scenario(restore_dir, save_dir):
     _guarded(results, "in_sync", _in_sync_check)
     _guarded(results, "bmuf", _bmuf_check)
     _guarded(results, "checkpoint", lambda: _checkpoint_check(restore_dir, save_dir))
+    _guarded(results, "features", _features_check)
     _guarded(results, "initialize_again", _initialize_again)
     return results
 

@@ -16,7 +16,13 @@ import multihost_workers as mw
 import numpy as np
 import optax
 import pytest
-from helpers import assert_trees_close, init_mlp, make_batches, mlp_loss
+from helpers import (
+    assert_trees_close,
+    init_mlp,
+    make_batches,
+    mlp_loss,
+    single_device_train,
+)
 
 import jdp
 
@@ -156,6 +162,26 @@ def test_host_mesh_matches_flat_mesh(job, oracle_adam):
         assert ("all-gather", within) in kinds
         first = kinds.index(("reduce-scatter", within))
         assert kinds.index(("all-reduce", across)) > first
+
+
+def test_prefetch_metrics_and_replica_keys_across_processes(job):
+    for r in part(job, "features"):
+        for backend in ("shard_map", "pmap"):
+            got = r[backend]
+            # Every example once, in global batch order, with an exact count.
+            assert got["ids"] == [list(range(8 * k, 8 * k + 8)) for k in range(3)]
+            assert got["count"] == [8, 8, 8]
+            assert got["draws"] == NUM_PROCESSES * DEVICES_PER_PROCESS
+
+
+def test_microbatches_across_processes_match_one_device(job):
+    batches = make_batches(3, mw.GLOBAL_BATCH)
+    tx = optax.adam(1e-2)
+    expected, _ = single_device_train(
+        mlp_loss, init_mlp(jax.random.key(0)), tx, batches
+    )
+    for r in part(job, "features"):
+        assert_trees_close(r["microbatch_params"], expected, rtol=2e-5)
 
 
 def test_shard_rejects_different_local_batch_sizes(job):
