@@ -86,8 +86,8 @@ CONFIGS = {
     "ZeRO": {"grad_sync": "zero"},
     "ZeRO + remat full": {"grad_sync": "zero", "remat": "full"},
     "ZeRO, no donation": {"grad_sync": "zero", "donate_state": False},
-    "microbatches 4": {"microbatches": 4},
-    "microbatches 16": {"microbatches": 16},
+    "microbatches 2": {"microbatches": 2},
+    "microbatches 8": {"microbatches": 8},
 }
 
 

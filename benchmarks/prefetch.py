@@ -109,7 +109,8 @@ def main(argv=None) -> None:
         print(f"{k:<12} {ms:8.1f} {ms / (1e3 * base):14.2f}")
     print(
         "\nWithout prefetch a step waits for its batch to load (about 2x); with "
-        "prefetch the\nloading overlaps the previous steps (close to 1x)."
+        "prefetch the\nwaiting overlaps the previous steps; what remains is building "
+        "and placing the arrays,\nwhich shares the host's cores with the step."
     )
 
 
