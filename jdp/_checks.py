@@ -17,7 +17,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jdp import _layout
-from jdp._tree import format_problems, keystr
+from jdp._tree import format_problems
 
 PyTree = Any
 
@@ -52,20 +52,12 @@ def _differences_fn(mesh: Mesh | None):
 
 def _differences(state: PyTree, atol: float):
     # Parts of a custom layout (ZeRO's slices) differ between replicas by design.
-    flat = [
-        (path, x)
-        for path, x in jax.tree_util.tree_flatten_with_path(_layout.agreed(state))[0]
-        if isinstance(x, jax.Array) and x.ndim >= 1 and x.shape[0] > 1
-    ]
-    if not flat:
+    paths, arrays, mesh = _layout.replica_leaves(state)
+    if not arrays:
         return []
-    arrays = [x for _, x in flat]
-    mesh = None
-    if not all(x.is_fully_addressable for x in arrays):  # replicas on other hosts
-        mesh = arrays[0].sharding.mesh
     diffs = jax.device_get(_differences_fn(mesh)(arrays))
     problems = []
-    for (path, _), d in zip(flat, diffs, strict=True):
+    for path, d in zip(paths, diffs, strict=True):
         d = np.asarray(d)
         worst = int(np.argmax(d))
         if d[worst] > atol:
@@ -118,7 +110,7 @@ def assert_replicas_in_sync(state: PyTree, *, atol: float = 0.0) -> None:
     problems = _differences(state, atol)
     if problems:
         lines = [
-            f"{keystr(path)}: replica {r} differs from replica 0 by up to {d:.6g}"
+            f"{path}: replica {r} differs from replica 0 by up to {d:.6g}"
             for path, r, d in problems
         ]
         raise AssertionError(

@@ -25,7 +25,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jdp._tree import keystr
+from jdp._layout import replica_leaves
 
 PyTree = Any
 
@@ -98,21 +98,17 @@ def _fingerprints_fn(mesh: Mesh):
 
 def first_divergence(tree: PyTree, mesh: Mesh) -> tuple[str, int, int, int] | None:
     """`(leaf path, replica, diverging leaves, checked leaves)`, or None if in sync."""
-    flat = [
-        (path, x)
-        for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]
-        if isinstance(x, jax.Array) and x.ndim >= 1 and x.shape[0] > 1 and x.size
-    ]
-    if not flat:
+    paths, arrays, _ = replica_leaves(tree)
+    if not arrays:
         return None
-    prints = np.asarray(_fingerprints_fn(mesh)([x for _, x in flat]))
+    prints = np.asarray(_fingerprints_fn(mesh)(arrays))
     differ = prints != prints[:, :1]
     bad = np.flatnonzero(differ.any(axis=1))
     if not bad.size:
         return None
     first = int(bad[0])
     replica = int(np.flatnonzero(differ[first])[0])
-    return keystr(flat[first][0]), replica, int(bad.size), len(flat)
+    return paths[first], replica, int(bad.size), len(paths)
 
 
 def check(tree: PyTree, mesh: Mesh, *, state: PyTree, call: int) -> None:

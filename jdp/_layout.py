@@ -409,6 +409,31 @@ def agreed(tree: PyTree) -> PyTree:
     )
 
 
+def replica_leaves(tree: PyTree) -> tuple[list[str], list[jax.Array], Mesh | None]:
+    """The leaves of a replicated tree whose replicas can be compared.
+
+    Array leaves with more than one replica and some data, without the parts of
+    custom layouts that differ by design (`agreed`); typed PRNG keys as their key
+    data. Used by every comparison of replicas (`replicas_in_sync`, `check_sync`,
+    checkpoints of replicas that differ).
+
+    Returns:
+      `(paths, arrays, mesh)`: the leaves' `keystr` paths, the arrays, and, when
+      some replicas live on other processes, the mesh over which a comparison's
+      small result must be replicated so that every process can read it (else
+      None).
+    """
+    paths, arrays = [], []
+    for path, x in jax.tree_util.tree_flatten_with_path(agreed(tree))[0]:
+        if isinstance(x, jax.Array) and x.ndim >= 1 and x.shape[0] > 1 and x.size:
+            paths.append(keystr(path))
+            arrays.append(jax.random.key_data(x) if is_key(x) else x)
+    mesh = None
+    if not all(x.is_fully_addressable for x in arrays):
+        mesh = arrays[0].sharding.mesh
+    return paths, arrays, mesh
+
+
 def map_agreed(fn: Callable[[PyTree], PyTree], tree: PyTree) -> PyTree:
     """Applies `fn` to `agreed(tree)`; the leaves held out come back unchanged."""
     leaves, treedef = jax.tree.flatten(tree, is_leaf=is_custom)

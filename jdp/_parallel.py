@@ -396,7 +396,7 @@ class _SyncCheck:
 
     def __call__(self, state: PyTree, *, call: int) -> None:
         tree = state if self.must_agree is None else self.must_agree(state)
-        _divergence.check(_layout.agreed(tree), self.mesh, state=state, call=call)
+        _divergence.check(tree, self.mesh, state=state, call=call)
 
 
 def parallelize(

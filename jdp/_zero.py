@@ -80,6 +80,10 @@ NOT_LAID_OUT_MSG = (
 )
 
 
+def _is_none(x: Any) -> bool:
+    return x is None
+
+
 class ShardedOptState(struct.PyTreeNode, CustomLayout):
     """An optimizer state sharded across replicas (one slice of it per replica).
 
@@ -104,7 +108,7 @@ class ShardedOptState(struct.PyTreeNode, CustomLayout):
 
     def agreed(self) -> ShardedOptState:
         """This node with its slices (which differ between replicas) set to None."""
-        leaves, treedef = jax.tree.flatten(self.chunks)
+        leaves, treedef = jax.tree.flatten(self.chunks, is_leaf=_is_none)
         kept = [
             v if s is None else None for v, s in zip(leaves, self.shapes, strict=True)
         ]

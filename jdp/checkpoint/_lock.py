@@ -61,28 +61,28 @@ _LIVE: set[str] = set()
 _LIVE_GUARD = threading.Lock()
 
 
-def _process_start_time(pid: int) -> int | None:
-    """A process's start time in clock ticks since boot (Linux), else None."""
+def _stat_fields(pid: int) -> list[str]:
+    """The fields of `/proc/PID/stat` after the command name (Linux), or []."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read().decode(errors="replace")
     except OSError:
-        return None
-    fields = stat.rpartition(")")[2].split()
+        return []
+    return stat.rpartition(")")[2].split()  # fields[0] is field 3 of proc(5)
+
+
+def _process_start_time(pid: int) -> int | None:
+    """A process's start time in clock ticks since boot (Linux), else None."""
+    fields = _stat_fields(pid)
     try:
-        return int(fields[19])  # field 22 of proc(5); fields[0] is field 3
+        return int(fields[19])  # field 22 of proc(5)
     except (IndexError, ValueError):
         return None
 
 
 def _process_state(pid: int) -> str | None:
     """A process's state letter from /proc (e.g. "Z" for a zombie), else None."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read().decode(errors="replace")
-    except OSError:
-        return None
-    fields = stat.rpartition(")")[2].split()
+    fields = _stat_fields(pid)
     return fields[0] if fields else None
 
 

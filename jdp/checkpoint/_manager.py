@@ -228,6 +228,12 @@ def _first(paths: Sequence[str]) -> str:
     return shown + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
 
 
+def _restore_item(manager, step: int, name: str, item, restore_args):
+    """Reads one orbax PyTree item of a step into `item`'s structure."""
+    args = ocp.args.PyTreeRestore(item=item, restore_args=restore_args)
+    return manager.restore(step, args=ocp.args.Composite(**{name: args}))[name]
+
+
 class CheckpointManager:
     """Saves one copy of a replicated state; restores it into every replica.
 
@@ -970,16 +976,7 @@ class CheckpointManager:
             ],
         )
         try:
-            host = manager.restore(
-                step,
-                args=ocp.args.Composite(
-                    **{
-                        STATE_ITEM: ocp.args.PyTreeRestore(
-                            item=item, restore_args=restore_args
-                        )
-                    }
-                ),
-            )[STATE_ITEM]
+            host = _restore_item(manager, step, STATE_ITEM, item, restore_args)
             leaves = treedef.flatten_up_to(host)
         except Exception as e:  # tensorstore/orbax raise many types for bad files
             detail = f"reading its arrays failed ({type(e).__name__}: {e})."
@@ -1034,16 +1031,7 @@ class CheckpointManager:
             )
         manager = self._open(create=False)
         try:
-            got = manager.restore(
-                step,
-                args=ocp.args.Composite(
-                    **{
-                        REPLICAS_ITEM: ocp.args.PyTreeRestore(
-                            item=item, restore_args=restore_args
-                        )
-                    }
-                ),
-            )[REPLICAS_ITEM]
+            got = _restore_item(manager, step, REPLICAS_ITEM, item, restore_args)
         except Exception as e:  # tensorstore/orbax raise many types for bad files
             detail = (
                 "reading the leaves saved with every replica failed "

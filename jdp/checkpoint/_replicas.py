@@ -20,8 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jdp import _bmuf
-from jdp._layout import is_custom, is_key
-from jdp._tree import keystr
+from jdp._layout import replica_leaves
 
 PyTree = Any
 
@@ -71,20 +70,11 @@ def differing_paths(state: PyTree) -> list[str]:
     Returns:
       The `jax.tree_util.keystr` paths, in pytree order.
     """
-    found = []
-    for path, x in jax.tree_util.tree_flatten_with_path(state, is_leaf=is_custom)[0]:
-        if is_custom(x) or not isinstance(x, jax.Array) or x.ndim < 1:
-            continue
-        if x.shape[0] > 1:
-            found.append((keystr(path), jax.random.key_data(x) if is_key(x) else x))
-    if not found:
+    paths, arrays, mesh = replica_leaves(state)
+    if not arrays:
         return []
-    arrays = [x for _, x in found]
-    mesh = None
-    if not all(x.is_fully_addressable for x in arrays):  # replicas on other hosts
-        mesh = arrays[0].sharding.mesh
     flags = jax.device_get(_differ_fn(mesh)(arrays))
-    return [path for (path, _), flag in zip(found, flags, strict=True) if bool(flag)]
+    return [path for path, flag in zip(paths, flags, strict=True) if bool(flag)]
 
 
 def block_start_params(host: PyTree) -> tuple[PyTree, str]:
