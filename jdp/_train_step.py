@@ -369,7 +369,6 @@ def build_train_step(
       microbatches: Split the replica's batch into this many microbatches and
         accumulate their gradients (`lax.scan`) before one update.
     """
-    kw = dict(has_aux=has_aux, microbatches=microbatches, axis_name=axis_name)
 
     def train_step(state, batch):
         optimizer = state.tx if tx is None else tx
@@ -390,11 +389,25 @@ def build_train_step(
         scale = getattr(state, "dynamic_scale", None)
         if scale is not None:
             loss, aux, new_stats, grads, params, opt_state, extra = _loss_scaled(
-                scale, loss_fn, state, batch, optimizer, update, changes, **kw
+                scale,
+                loss_fn,
+                state,
+                batch,
+                optimizer,
+                update,
+                changes,
+                has_aux=has_aux,
+                microbatches=microbatches,
+                axis_name=axis_name,
             )
         else:
             loss, aux, new_stats, grads = _gradients(
-                value_and_grad(optimizer), loss_fn, state, batch, **kw
+                value_and_grad(optimizer),
+                loss_fn,
+                state,
+                batch,
+                has_aux=has_aux,
+                microbatches=microbatches,
             )
             params, opt_state, extra = update.apply(grads, state, optimizer)
         changes.update(step=state.step + 1, params=params, opt_state=opt_state)
@@ -418,9 +431,7 @@ def build_train_step(
 # -- gradients ------------------------------------------------------------------
 
 
-def _gradients(
-    value_and_grad, loss_fn, state, batch, *, has_aux, microbatches, axis_name
-):
+def _gradients(value_and_grad, loss_fn, state, batch, *, has_aux, microbatches):
     """`loss_and_grads` over the whole batch, or accumulated over microbatches.
 
     With `microbatches=k` the replica's batch is split into `k` equal parts along
@@ -430,7 +441,6 @@ def _gradients(
     Batch statistics flow from one part to the next; the loss and floating
     auxiliary values are averaged over the parts.
     """
-    del axis_name
     if microbatches == 1:
         return loss_and_grads(value_and_grad, loss_fn, state, batch, has_aux=has_aux)
     k = microbatches
@@ -466,7 +476,19 @@ def _gradients(
     return losses.mean(), aux, new_stats, grads
 
 
-def _loss_scaled(scale, loss_fn, state, batch, tx, update, changes, **kw):
+def _loss_scaled(
+    scale,
+    loss_fn,
+    state,
+    batch,
+    tx,
+    update,
+    changes,
+    *,
+    has_aux,
+    microbatches,
+    axis_name,
+):
     """Gradients through a flax `DynamicScale` (float16 loss scaling).
 
     The scaled loss is differentiated, the gradients unscaled and averaged over
@@ -481,13 +503,13 @@ def _loss_scaled(scale, loss_fn, state, batch, tx, update, changes, **kw):
             "averages the gradients itself; sharded or local updates with loss "
             "scaling are not supported."
         )
-    if kw["microbatches"] != 1:
+    if microbatches != 1:
         raise ValueError(
             "A state with a `dynamic_scale` (loss scaling) cannot be combined with "
             "`microbatches`: accumulate in float32 instead, or drop the scaler."
         )
     verdict = {}
-    axis = _collectives.resolve_axis(kw["axis_name"])
+    axis = _collectives.resolve_axis(axis_name)
 
     def scaled_value_and_grad(fun, *, has_aux):
         grad_fn = scale.value_and_grad(fun, has_aux=has_aux, axis_name=axis)
@@ -499,7 +521,7 @@ def _loss_scaled(scale, loss_fn, state, batch, tx, update, changes, **kw):
         return value_and_grads
 
     loss, aux, new_stats, grads = loss_and_grads(
-        scaled_value_and_grad, loss_fn, state, batch, has_aux=kw["has_aux"]
+        scaled_value_and_grad, loss_fn, state, batch, has_aux=has_aux
     )
     params, opt_state, extra = update.apply_synced(grads, state, tx)
     finite = verdict["finite"]

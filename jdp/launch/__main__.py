@@ -33,24 +33,24 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _positive_float(text: str) -> float:
+def _float(text: str, *, zero_ok: bool) -> float:
+    """A number > 0 (>= 0 with `zero_ok`), for argparse."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text}")
+    if not (value >= 0 if zero_ok else value > 0):
+        bound = ">= 0" if zero_ok else "> 0"
+        raise argparse.ArgumentTypeError(f"expected a number {bound}, got {text}")
     return value
+
+
+def _positive_float(text: str) -> float:
+    return _float(text, zero_ok=False)
 
 
 def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
-    return value
+    return _float(text, zero_ok=True)
 
 
 def _parser() -> argparse.ArgumentParser:

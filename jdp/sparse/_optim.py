@@ -134,6 +134,13 @@ def sgd(learning_rate: float) -> RowOptimizer:
     return RowOptimizer(init_fn, update_fn)
 
 
+def _update(grads, table, states, step, api: str):
+    """`step` on the touched rows (row gradients) or on every row (a dense one)."""
+    if isinstance(grads, IndexedRows):
+        return _update_rows(grads, table, states, step, api)
+    return _update_dense(grads, table, states, step)
+
+
 class AdagradRowState(NamedTuple):
     """State of `jdp.sparse.adagrad`."""
 
@@ -184,12 +191,7 @@ def adagrad(
         return -learning_rate * (inv * g), s
 
     def update_fn(grads, state, table):
-        if isinstance(grads, IndexedRows):
-            table, states = _update_rows(
-                grads, table, tuple(state), step, "jdp.sparse.adagrad"
-            )
-        else:
-            table, states = _update_dense(grads, table, tuple(state), step)
+        table, states = _update(grads, table, tuple(state), step, "jdp.sparse.adagrad")
         return table, AdagradRowState(*states)
 
     return RowOptimizer(init_fn, update_fn)
@@ -266,12 +268,7 @@ def momentum(
         return -lr * direction, m
 
     def update_fn(grads, state, table):
-        if isinstance(grads, IndexedRows):
-            table, states = _update_rows(
-                grads, table, tuple(state), step, "jdp.sparse.momentum"
-            )
-        else:
-            table, states = _update_dense(grads, table, tuple(state), step)
+        table, states = _update(grads, table, tuple(state), step, "jdp.sparse.momentum")
         return table, MomentumRowState(*states)
 
     return RowOptimizer(init_fn, update_fn)
@@ -371,12 +368,7 @@ def adam(
             return -lr * (mu_hat / (jnp.sqrt(nu_hat) + eps)), mu, nu
 
         moments = (state.mu, state.nu)
-        if isinstance(grads, IndexedRows):
-            table, moments = _update_rows(
-                grads, table, moments, step, "jdp.sparse.adam"
-            )
-        else:
-            table, moments = _update_dense(grads, table, moments, step)
+        table, moments = _update(grads, table, moments, step, "jdp.sparse.adam")
         return table, AdamRowState(count, *moments)
 
     return RowOptimizer(init_fn, update_fn)
