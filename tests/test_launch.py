@@ -472,6 +472,22 @@ def test_worker_reads_progress_from_the_progress_module():
     assert _worker._progress_record()["beats"] == before + 1
 
 
+def test_worker_describes_a_frame_caught_between_two_lines():
+    # A frame inside an import can have no line number (f_lineno is None); the
+    # progress thread must describe it rather than die (and stop reporting).
+    class Frame:
+        f_code = test_worker_describes_a_frame_caught_between_two_lines.__code__
+        f_lineno = None
+
+    assert _worker._describe_frame(Frame()) == (
+        "test_launch.py:? in test_worker_describes_a_frame_caught_between_two_lines"
+    )
+    Frame.f_lineno = Frame.f_code.co_firstlineno
+    assert _worker._describe_frame(Frame()).endswith(
+        "`def test_worker_describes_a_frame_caught_between_two_lines():`"
+    )
+
+
 def test_run_timeout_stops_every_process():
     with pytest.raises(TimeoutError, match=r"did not finish within 2 s; stopped it"):
         jdp.launch.run(sleep_long, 2, initialize=False, timeout_s=2)

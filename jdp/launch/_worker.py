@@ -133,8 +133,9 @@ def _describe_frame(frame, base: str | None = None, *, source: bool = True) -> s
     code = frame.f_code
     path = os.path.realpath(code.co_filename)
     shown = os.path.relpath(path, base) if base else os.path.basename(path)
-    text = f"{shown}:{frame.f_lineno} in {code.co_name}"
-    line = linecache.getline(code.co_filename, frame.f_lineno).strip()
+    lineno = frame.f_lineno  # None while the frame is between two lines
+    text = f"{shown}:{'?' if lineno is None else lineno} in {code.co_name}"
+    line = linecache.getline(code.co_filename, lineno).strip() if lineno else ""
     return f"{text}: `{line}`" if source and line else text
 
 
@@ -190,7 +191,10 @@ def report_progress(path: str, period_s: float = REPORT_S) -> threading.Thread:
         last = None
         while True:
             record = _progress_record()
-            record["where"] = where(main_id, library_dirs)
+            try:
+                record["where"] = where(main_id, library_dirs)
+            except Exception:  # a frame caught mid-change: the count still goes out
+                record["where"] = last.get("where") if last else None
             if record != last:
                 try:
                     with open(path + ".tmp", "w") as f:
