@@ -32,6 +32,7 @@ def plan_buckets(
     *,
     bucket_bytes: int | None,
     reverse: bool = True,
+    alone_bytes: int | None = None,
 ) -> list[Bucket]:
     """Groups leaves into buckets, in the order the buckets should be issued.
 
@@ -42,6 +43,9 @@ def plan_buckets(
       bucket_bytes: Largest bucket size in bytes; `None` puts every leaf of a dtype in
         one bucket. A leaf larger than `bucket_bytes` gets a bucket of its own.
       reverse: Take leaves last-first (the order the backward pass produces them).
+      alone_bytes: A leaf of at least this many bytes gets a bucket of its own, issued
+        when it is reached, and leaves the open bucket open (it travels without
+        being copied into a buffer). None: no such leaf.
 
     Returns:
       The buckets, in issue order (a bucket is issued when it is full, so with
@@ -61,6 +65,9 @@ def plan_buckets(
             continue
         dtype = np.dtype(dtypes[i])
         leaf_bytes = size * dtype.itemsize
+        if alone_bytes is not None and leaf_bytes >= alone_bytes:
+            done.append(Bucket((i,), dtype, (size,)))
+            continue
         if dtype in open_buckets and bucket_bytes is not None:
             current = sum(open_buckets[dtype][1]) * dtype.itemsize
             if current + leaf_bytes > bucket_bytes:

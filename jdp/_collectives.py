@@ -24,6 +24,13 @@ AxisName = str | tuple[str, ...]
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 
+#: With flat buffers, a leaf of at least this size travels as its own array rather
+#: than being copied into a bucket. XLA:CPU concatenates at about 1-2 GB/s (a
+#: fraction of a plain copy's speed), so packing a 4 MiB leaf and unpacking it
+#: costs about 3-5 ms: more than the fixed cost of one more array in a gloo
+#: collective between processes (0.6-4 ms measured). Small leaves are still packed.
+ALONE_BYTES = 4 * 2**20
+
 UNBOUND_AXIS_MSG = (
     "`{api}` needs the replica axis {axis!r}, which is not bound here. Call it inside "
     "a step run by `jdp.parallelize(step, axis_name={axis!r})` (or inside a "
@@ -96,7 +103,10 @@ def all_reduce_gradients(
     per step; on GPU up to its combine threshold). Flat buffers cost a copy in and
     out; they pay off where every array of a collective has a fixed cost, as with
     JAX's gloo collectives between processes (a flat buffer ran twice as fast as the
-    gradient tree there). `flatten=None` picks flat buffers exactly when several
+    gradient tree there for a 1M-parameter model). The form is chosen by size:
+    with flat buffers, a leaf of 4 MiB or more travels as its own array, uncopied
+    (packing it would cost more than the array's fixed cost), and only smaller
+    leaves are packed. `flatten=None` picks flat buffers exactly when several
     processes share the CPU backend, and otherwise leaves the merging to XLA, which
     costs no copy.
 
@@ -117,9 +127,10 @@ def all_reduce_gradients(
         (gradient compression); results keep each leaf's original dtype. The
         gradients are divided by the replica count before the cast, so the sum
         cannot overflow a narrow type.
-      flatten: Send each bucket as one flat buffer (True), as a tuple of its
-        leaves (False), or decide from the runtime (None, the default: flat
-        across CPU processes, tuples otherwise).
+      flatten: Pack the leaves of a bucket smaller than 4 MiB into one flat buffer
+        (True), send every bucket as a tuple of its leaves (False), or decide from
+        the runtime (None, the default: flat across CPU processes, tuples
+        otherwise).
 
     Returns:
       A pytree like `grads` holding the mean over replicas of every floating leaf.
@@ -199,6 +210,7 @@ def bucketed(
     bucket_bytes: int | None,
     reverse: bool = True,
     flatten: bool = True,
+    alone_bytes: int | None = ALONE_BYTES,
 ) -> list[jax.Array]:
     """Runs one collective per bucket of `arrays`: every bucketed collective of jdp.
 
@@ -211,8 +223,10 @@ def bucketed(
     Arrays are grouped per dtype into buckets of at most `bucket_bytes` (counting
     the larger of input and output), last array first when `reverse`. With
     `flatten`, a bucket's arrays are packed side by side into one buffer and
-    travel as ONE collective; otherwise their collectives are issued back to back
-    (for `"psum"`, one tuple `psum`), which XLA's combiner may merge. On a 2-D
+    travel as ONE collective, except that an array of at least `alone_bytes`
+    travels alone, uncopied (None: every array is packed); otherwise their
+    collectives are issued back to back (for `"psum"`, one tuple `psum`), which
+    XLA's combiner may merge. On a 2-D
     host mesh (`axis_name` a tuple of mesh axes, last one within a host) every
     collective runs within hosts first and then across them, so that the
     cross-host traffic is that of one device per host. Empty arrays communicate
@@ -231,6 +245,7 @@ def bucketed(
         [np.dtype(x.dtype) for x in arrays],
         bucket_bytes=bucket_bytes,
         reverse=reverse,
+        alone_bytes=alone_bytes if flatten else None,
     )
     for bucket in plan:
         blocks = [arrays[i].reshape(rows_in, widths[i]) for i in bucket.indices]

@@ -15,6 +15,19 @@ def test_plan_reverse_and_limits():
     assert [b.indices for b in fwd] == [(0, 1), (2,), (3,)]
 
 
+def test_plan_sends_large_leaves_alone_and_keeps_packing_small_ones():
+    shapes = [(10,), (100,), (5,), (20,), (200,)]
+    dtypes = [np.float32] * 5
+    plan = _buckets.plan_buckets(
+        shapes, dtypes, bucket_bytes=None, reverse=True, alone_bytes=400
+    )
+    # Leaves 4 (800 B) and 1 (400 B) travel alone, in the order they are reached;
+    # the small leaves 3, 2 and 0 still share one bucket.
+    assert [b.indices for b in plan] == [(4,), (1,), (3, 2, 0)]
+    plan = _buckets.plan_buckets(shapes, dtypes, bucket_bytes=None, alone_bytes=None)
+    assert [b.indices for b in plan] == [(4, 3, 2, 1, 0)]
+
+
 def test_plan_groups_by_dtype_and_skips_empty():
     shapes = [(4,), (0,), (4,), (4,)]
     dtypes = [np.float32, np.float32, np.float16, np.float32]

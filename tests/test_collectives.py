@@ -1,3 +1,5 @@
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -6,6 +8,7 @@ import pytest
 from helpers import assert_trees_close, init_mlp, make_batches, mlp_loss
 
 import jdp
+from jdp import _collectives
 
 
 def per_replica_tree(num):
@@ -110,6 +113,19 @@ def test_buckets_count_and_reverse_order_in_hlo():
     ]
     _, _, _, one = lowered_all_reduces(tree, bucket_bytes=None, flatten=True)
     assert [c.bytes for c in one] == [sum(sizes)]
+
+
+def test_flat_buffers_leave_leaves_of_4_mib_uncopied():
+    # Packing copies a leaf in and out of a buffer; from ALONE_BYTES on, a leaf
+    # costs more to copy than to send as one more array, so it travels as it is.
+    big = _collectives.ALONE_BYTES // 4
+    tree = {"a": jnp.ones((3,)), "big": jnp.ones((2, big // 2)), "z": jnp.ones((5,))}
+    step, state, batch, ops = lowered_all_reduces(tree, bucket_bytes=None, flatten=True)
+    assert sorted(c.shapes for c in ops) == [((8,),), ((big,),)]
+    text = step.lower(state, batch).as_text()
+    assert not re.search(rf"concatenate.*tensor<1x{big + 8}xf32>", text)
+    out, _ = step(state, batch)
+    np.testing.assert_array_equal(out["big"].addressable_shards[0].data[0], tree["big"])
 
 
 def test_unflattened_buckets_issue_leaves_last_first():
