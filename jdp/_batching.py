@@ -3,7 +3,8 @@
 With several processes each process passes its own share of the global batch;
 the processes' sizes, structures and dtypes are compared with one small
 all-gather, because a mismatch would otherwise train on misaligned data without
-an error.
+an error. A process waits for that comparison only when its batch's shapes change
+(see `_ProcessCheck`).
 """
 
 from __future__ import annotations
@@ -265,23 +266,98 @@ def _check_divisible(host, num_local: int, num_replicas: int) -> None:
             )
 
 
+class _ProcessCheck:
+    """The cross-process batch check: one small all-gather on every `shard` call.
+
+    Every process issues the all-gather on every call, so the processes never
+    disagree about whether to run it. What depends on the batch is whether this
+    process *waits* for the answer before it places its batch: it waits when its
+    batch signature (sizes, structure, trailing shapes, dtypes) is new, or when
+    padding needs the other processes' sizes. A loop whose batches keep their
+    shapes does not wait: each call's answer is checked at the next call, and
+    the all-gather runs on the devices behind the previous step. A process whose
+    batch changed waits and raises at once if the processes disagree.
+    """
+
+    def __init__(self):
+        self.verified = None  # the last signature the processes agreed on
+        self.pending = None  # the all-gather of the last unverified call
+        self._gather = {}
+
+    def gather(self, row: np.ndarray) -> jax.Array:
+        """Every process's `row`, stacked in process order (asynchronous)."""
+        from jax.sharding import Mesh, NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        devices = tuple(jax.devices())
+        if devices not in self._gather:
+            grid = np.array(devices).reshape(jax.process_count(), -1)
+            mesh = Mesh(grid, ("processes", "local_devices"))
+            self._gather = {
+                devices: (
+                    NamedSharding(mesh, P("processes")),
+                    jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, P())),
+                )
+            }
+        sharding, fn = self._gather[devices]
+        x = jax.make_array_from_process_local_data(
+            sharding, row[None], (jax.process_count(), row.size)
+        )
+        return fn(x)
+
+    def reset(self) -> None:
+        self.verified, self.pending = None, None
+
+
+_PROCESS_CHECK = _ProcessCheck()
+
+
 def _check_process_batches(host, *, pad: bool, num_local: int) -> int | None:
     """Compares this process's batch with the other processes' (one all-gather).
 
     Returns the padded per-process size every process uses when `pad`.
     """
-    from jax.experimental import multihost_utils
-
+    check = _PROCESS_CHECK
     rows = [x.shape[0] for _, x in host]
     layout = "|".join(f"{keystr(p)}:{x.shape[1:]}:{x.dtype}" for p, x in host)
     mine = np.array(
         [min(rows), max(rows), zlib.crc32(layout.encode()) & 0x7FFFFFFF], np.int32
     )
-    every = np.asarray(multihost_utils.process_allgather(mine))
+    signature = (mine.tobytes(), pad, num_local)
+    gathered = check.gather(mine)
+    previous, check.pending = check.pending, None
+    if previous is not None:  # the last call's answer, checked late
+        try:
+            _compare_processes(
+                _host_rows(previous), host, pad=False, num_local=num_local, late=True
+            )
+        except ValueError:
+            check.reset()
+            raise
+    if pad or signature != check.verified:
+        check.verified = None
+        every = _host_rows(gathered)
+        padded = _compare_processes(
+            every, host, pad=pad, num_local=num_local, late=False
+        )
+        check.verified = signature
+        return padded
+    check.pending = gathered
+    return None
+
+
+def _host_rows(gathered: jax.Array) -> np.ndarray:
+    return np.asarray(gathered.addressable_data(0))
+
+
+def _compare_processes(every, host, *, pad: bool, num_local: int, late: bool):
+    """Raises unless every process's row agrees; the padded size when `pad`."""
+    when = "at the previous call, " if late else ""
     if len(set(every[:, 2].tolist())) > 1:
         odd = [p for p in range(len(every)) if every[p, 2] != every[0, 2]]
         raise ValueError(
-            "`step.shard`: the processes passed batches of different structure, "
+            f"`step.shard`: {when}the processes passed batches of different "
+            "structure, "
             f"trailing shapes or dtypes (process {odd[0]} differs from process "
             f"0; this is process {jax.process_index()}, whose leaves are: "
             + ", ".join(f"{keystr(p)} {x.shape} {x.dtype}" for p, x in host[:5])
@@ -296,12 +372,13 @@ def _check_process_batches(host, *, pad: bool, num_local: int) -> int | None:
             for p, (lo, hi) in enumerate(every[:, :2].tolist())
         )
         raise ValueError(
-            "`step.shard`: with several processes every process must pass a "
-            "local batch of the same size (its share of the global batch); got "
-            f"{listed} examples. Give every process the same number of examples "
-            "(e.g. drop the smaller last batch of an epoch), or call "
-            "`step.shard(batch, pad=True)`, which pads every process to the "
-            "largest local batch and returns a mask."
+            f"`step.shard`: {when}the processes passed local batches of "
+            "different sizes; with several "
+            "processes every process must pass a local batch of the same size "
+            f"(its share of the global batch); got {listed} examples. Give every "
+            "process the same number of examples (e.g. drop the smaller last "
+            "batch of an epoch), or call `step.shard(batch, pad=True)`, which "
+            "pads every process to the largest local batch and returns a mask."
         )
     return None
 

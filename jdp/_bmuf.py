@@ -225,7 +225,6 @@ def bmuf(
         num = _collectives.axis_size(axis_name, "jdp.bmuf")
         eta = 1.0 - 1.0 / num if block_momentum is None else block_momentum
         count = state.count
-
         if warmup_steps:
             updates = lax.cond(
                 count < warmup_steps,
@@ -233,65 +232,73 @@ def bmuf(
                 lambda u: u,
                 updates,
             )
-        inner_updates, inner_state = inner.update(updates, state.inner_state, params)
-        # The locally updated params are built only inside the branches that
-        # need them, which saves a pass over the params on plain steps.
-        global_params, start = state.global_params, state.start
-        if warmup_steps:
-
-            def follow_replicas(gs):
-                g = _cast_like(optax.apply_updates(params, inner_updates), gs[0])
-                return g, (g if stores_start else None)
-
-            global_params, start = lax.cond(
-                count < warmup_steps,
-                follow_replicas,
-                lambda gs: gs,
-                (global_params, start),
-            )
-
-        def sync(operands):
-            g, start, v, inner_state = operands
-            avg = _mean(optax.apply_updates(params, inner_updates), axis_name)
-            if outer is None:
-                v = _float_map(
-                    lambda v, a, s: eta * v + block_learning_rate * (a - s),
-                    v,
-                    avg,
-                    start if stores_start else g,
-                )
-                g = _float_map(lambda g, v: g + v, g, v)
-                target = _lookahead(g, v, eta) if nesterov else g
-            else:
-                pseudo = _float_map(lambda s, a: s - a, g, avg)
-                outer_updates, v = outer.update(pseudo, v, g)
-                g = _cast_like(optax.apply_updates(g, outer_updates), g)
-                target = g
-            if inner_state_at_sync == "reset":
-                inner_state = _reset(inner_state, inner.init(target))
-            elif inner_state_at_sync == "average":
-                inner_state = _mean(inner_state, axis_name)
-            new_updates = jax.tree.map(
-                lambda t, p, u: (t - p).astype(u.dtype) if is_float(u) else u,
-                target,
-                params,
-                inner_updates,
-            )
-            start = _cast_like(target, start) if stores_start else None
-            return new_updates, g, start, v, inner_state
-
-        def no_sync(operands):
-            g, start, v, inner_state = operands
-            return inner_updates, g, start, v, inner_state
-
         is_sync = (count >= warmup_steps) & (
             (count - warmup_steps + 1) % sync_period == 0
         )
-        out_updates, g, start, v, inner_state = lax.cond(
+
+        # The conditionals below run BEFORE `inner`'s update and take its inputs
+        # (gradients, old inner state): their branches recompute the locally
+        # updated params. Anything that crosses a conditional is materialised,
+        # so passing `inner`'s updates in would write and read back a
+        # parameter-sized tree every step; and the gradients, passed through,
+        # order `inner`'s in-place update after the conditional, which reads
+        # the old inner state (else XLA copies that state every step). A plain
+        # step thus applies `inner` fused with the parameter update, as a step
+        # without BMUF does; sync steps run `inner.update` twice.
+        def local_params(grads, old_inner):
+            local_updates, _ = inner.update(grads, old_inner, params)
+            return optax.apply_updates(params, local_updates)
+
+        g, start, v = state.global_params, state.start, state.velocity
+        if warmup_steps:
+
+            def follow_replicas(operands):
+                g, _, grads, old_inner = operands
+                g = _cast_like(local_params(grads, old_inner), g)
+                return g, (g if stores_start else None), grads
+
+            g, start, updates = lax.cond(
+                count < warmup_steps,
+                follow_replicas,
+                lambda operands: operands[:3],
+                (g, start, updates, state.inner_state),
+            )
+
+        def sync(operands):
+            g, start, v, grads, old_inner = operands
+            avg = _mean(local_params(grads, old_inner), axis_name)
+            g, start, v = _block_update(
+                g, start, v, avg, eta, block_learning_rate, nesterov, outer
+            )
+            return g, start, v
+
+        g, start, v = lax.cond(
             is_sync,
             sync,
-            no_sync,
-            (global_params, start, state.velocity, inner_state),
+            lambda operands: operands[:3],
+            (g, start, v, updates, state.inner_state),
+        )
+        # `lax.cond` drops outputs that merely forward an operand, so the barrier
+        # is what makes `inner`'s update wait for the conditional.
+        g, start, v, updates = lax.optimization_barrier((g, start, v, updates))
+        inner_updates, inner_state = inner.update(updates, state.inner_state, params)
+        # The model every replica starts the next block from.
+        target = start if stores_start else g
+        if inner_state_at_sync == "reset":
+            inner_state = _reset(inner_state, inner.init(target), is_sync)
+        elif inner_state_at_sync == "average":
+            inner_state = lax.cond(
+                is_sync, lambda s: _mean(s, axis_name), lambda s: s, inner_state
+            )
+        # A select, not a conditional: it fuses into the parameter update and
+        # costs one read of `target` per step.
+        out_updates = jax.tree.map(
+            lambda t, p, u: (
+                jnp.where(is_sync, (t - p).astype(u.dtype), u) if is_float(u) else u
+            ),
+            target,
+            params,
+            inner_updates,
         )
         new_state = BMUFState(
             count=count + jnp.ones((), jnp.int32),
@@ -304,6 +311,28 @@ def bmuf(
         return out_updates, new_state
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _block_update(g, start, v, avg, eta, block_learning_rate, nesterov, outer):
+    """The block update of a sync step: returns the new `g`, `start` and `v`.
+
+    `avg` is the mean of the replicas' locally updated params; `start` is None
+    unless `nesterov` (without `outer`), the block start then being `g`.
+    """
+    if outer is not None:
+        pseudo = _float_map(lambda s, a: s - a, g, avg)
+        outer_updates, v = outer.update(pseudo, v, g)
+        return _cast_like(optax.apply_updates(g, outer_updates), g), start, v
+    v = _float_map(
+        lambda v, a, s: eta * v + block_learning_rate * (a - s),
+        v,
+        avg,
+        g if start is None else start,
+    )
+    g = _float_map(lambda g, v: g + v, g, v)
+    if nesterov:
+        start = _cast_like(_lookahead(g, v, eta), start)
+    return g, start, v
 
 
 def bmuf_global_params(state: PyTree) -> PyTree:
@@ -417,10 +446,17 @@ def _mean(tree, axis_name):
     return _collectives.all_reduce_gradients(tree, axis_name=axis_name, reverse=False)
 
 
-def _reset(state, initial):
-    """Floating leaves from `initial` (accumulators), integer leaves kept (counters)."""
+def _reset(state, initial, when):
+    """Floating leaves from `initial` where `when` (accumulators), integer leaves kept.
+
+    Integer leaves are counters (step counts, so schedules continue).
+    """
     return jax.tree.map(
-        lambda cur, init: jnp.asarray(init).astype(cur.dtype) if is_float(cur) else cur,
+        lambda cur, init: (
+            jnp.where(when, jnp.asarray(init).astype(cur.dtype), cur)
+            if is_float(cur)
+            else cur
+        ),
         state,
         initial,
     )

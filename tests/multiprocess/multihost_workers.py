@@ -19,6 +19,7 @@ from helpers import init_mlp, make_batches, mlp_loss
 from jax import lax
 
 import jdp
+from jdp import _batching
 
 NUM_STEPS = 20
 GLOBAL_BATCH = 32
@@ -112,6 +113,18 @@ def _shard_checks():
         out["layout"] = None
     except ValueError as e:
         out["layout"] = str(e)
+    # A loop whose batches keep their shapes: no process waits for the check ...
+    for _ in range(3):
+        step.shard(np.ones(8, np.float32))
+    out["waits_in_a_steady_loop"] = _batching._PROCESS_CHECK.pending is None
+    # ... until one process's batch changes: that process raises at once, the
+    # others at their next call.
+    for key, size in [("changed", 8 if r == 0 else 6), ("next", 8)]:
+        try:
+            step.shard(np.ones(size, np.float32))
+            out[key] = None
+        except ValueError as e:
+            out[key] = str(e)
     # With pad=True every process pads to the largest local batch; the mask
     # counts the real examples (8 + 5).
     pad_step = jdp.parallelize(

@@ -191,6 +191,22 @@ def test_shard_rejects_different_local_batch_sizes(job):
         assert "pad=True" in r["sizes"]
 
 
+def test_shard_waits_for_the_check_only_when_a_batch_changes(job):
+    sizes = r"local batches of different sizes.*process 0: 8, process 1: 6 examples"
+    r0, r1 = part(job, "shard")
+    assert not r0["waits_in_a_steady_loop"] and not r1["waits_in_a_steady_loop"]
+    # Process 1's batch changed: it waited for the check and raised at once.
+    assert r1["changed"] is not None and r1["next"] is None
+    now = r"`step.shard`: the processes passed "
+    with pytest.raises(ValueError, match=now + sizes):
+        raise ValueError(r1["changed"])
+    # Process 0's did not: it went on, and its next call raised.
+    assert r0["changed"] is None
+    late = r"`step.shard`: at the previous call, the processes passed "
+    with pytest.raises(ValueError, match=late + sizes):
+        raise ValueError(r0["next"])
+
+
 def test_shard_rejects_different_layouts(job):
     for r in part(job, "shard"):
         with pytest.raises(ValueError, match=r"different structure, trailing shapes"):
