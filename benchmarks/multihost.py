@@ -1,31 +1,34 @@
-"""Several processes on one machine: jdp over gloo, against 1 process and torch DDP.
+"""Two processes over gloo: jdp's synchronous step against hand-written JAX and DDP.
 
-Every configuration trains the same MLP (width 512 x depth 4, 1.05 M params, f32)
-with SGD on the same global batch (256 examples), in fresh processes started by
-`jdp.launch.run`, on 127.0.0.1:
+A sweep of model sizes, 0.1M to 39M parameters: an MLP 256-W-W-W-10 (ReLU, f32)
+trained with SGD momentum on 8 examples per process, in 2 processes x 1 CPU device
+on 127.0.0.1 started by `jdp.launch.run` and joined by `jdp.distributed.initialize`
+(JAX's gloo collectives). Per size, in the same processes and interleaved:
 
-- `1 proc x 2 dev`: one process, 2 simulated CPU devices (`jdp.parallelize`).
-- `2 proc x 1 dev, jdp`: two processes joined by `jdp.distributed.initialize`
-  (gloo), `jdp.make_train_step` as shipped (bucketed all-reduce, 25 MiB buckets,
-  sent as flat buffers across CPU processes). The batch is placed once; the
-  `+ step.shard` row places it every step, as a training loop does, which adds
-  `shard`'s cross-process batch-size check (one small all-gather).
-- `... per-leaf buckets`: `bucket_bytes=1`, one bucket (one array) per gradient
-  leaf: the gradient tree as XLA sends it without bucketing.
-- `... lax.pmean tree`: the hand-written recipe, `lax.pmean(grads)`.
-- `... one flat buffer`: hand-written `ravel_pytree(grads)` + one `pmean`: the
-  fastest way to send the gradients through JAX's gloo (PLATFORM.md).
-- `torch DDP gloo`: PyTorch DistributedDataParallel, 2 ranks (if torch imports).
+- `local step, no all-reduce`: `jdp.make_train_step(..., grad_sync="none")`, what a
+  step costs without communication.
+- `jdp`: `jdp.make_train_step` as shipped (bucketed all-reduce; across CPU processes
+  small leaves are packed into flat buffers and leaves of 4 MiB or more travel
+  uncopied). `jdp + step.shard` also places the batch every step, as a training
+  loop does (with `shard`'s cross-process batch-size check).
+- `hand: lax.pmean tree`: the flax recipe, `lax.pmean(grads)` in a `shard_map` step.
+- `hand: ravel_pytree + pmean`: one flat buffer made by `jax.flatten_util`.
+- `raw psum of the gradient bytes`: one jitted `psum` of a flat f32 buffer of the
+  parameter count, nothing else: what JAX's gloo transport costs.
 
-All start from the same weights, so the final losses agree across frameworks.
-Two-process rows pin each process to one core (as `torch.set_num_threads(1)` does
-for DDP) unless `--no-pin`. Each configuration runs `--rounds` times in fresh
-processes, interleaved; the table gives the median of the per-run median step
-times and their range, then ratios. This is a 2-core machine: two processes (or two
-simulated devices) share the cores a single device would use, so these rows measure
-what data parallelism costs on one host, not a speed-up.
+and, in two more processes with torch (if it imports; it is not a dependency of
+jdp): PyTorch DDP (gloo, 1 thread per rank as `torchrun` sets), the same model
+without DDP, and a raw `torch.distributed.all_reduce` of the gradient bytes.
 
-    python benchmarks/multihost.py [--rounds 3] [--steps 30] [--no-pin] [--quick]
+Each round starts fresh processes for every size; the table gives the median over
+rounds of each run's median step time, the range, and the all-reduce bandwidth a
+row achieves: gradient bytes / (step time - local step time) for training rows,
+bytes / time for raw rows. All variants start from the same weights, so their
+losses agree. This is a 2-core machine: both processes share it, and the numbers
+are what data parallelism costs on one host, not a speed-up.
+
+    python benchmarks/multihost.py [--rounds 3] [--steps 15] [--sizes 0.1M 1M ...]
+                                   [--pin] [--quick]
 """
 
 from __future__ import annotations
@@ -36,10 +39,34 @@ import statistics
 import sys
 import time
 
-from _common import mlp_loss
+#: Model sizes: name -> hidden width W of the MLP 256-W-W-W-10.
+WIDTHS = {"0.1M": 192, "1M": 640, "2.4M": 1024, "8.9M": 2048, "39M": 4352}
+QUICK_SIZES = ("1M", "8.9M")
+IN, OUT, PER_PROCESS_BATCH = 256, 10, 8
+LR, MOMENTUM = 1e-3, 0.9
 
-WIDTH, DEPTH, GLOBAL_BATCH = 512, 4, 256
-LR = 1e-3
+JAX_ROWS = {
+    "local": "local step, no all-reduce",
+    "jdp": "jdp",
+    "jdp+shard": "jdp + step.shard every step",
+    "tree": "hand: lax.pmean tree",
+    "flat": "hand: ravel_pytree + pmean",
+    "raw": "raw psum of the gradient bytes",
+}
+TORCH_ROWS = {
+    "ddp": "torch DDP",
+    "torch_local": "torch, no DDP",
+    "torch_raw": "raw torch all_reduce of the bytes",
+}
+
+
+def sizes_of(width: int) -> list[int]:
+    return [IN, width, width, width, OUT]
+
+
+def num_params(width: int) -> int:
+    s = sizes_of(width)
+    return sum(a * b + b for a, b in zip(s[:-1], s[1:], strict=True))
 
 
 def _pin(pin: bool) -> None:
@@ -49,36 +76,53 @@ def _pin(pin: bool) -> None:
         os.sched_setaffinity(0, {cores[rank % len(cores)]})
 
 
-def _data(seed: int = 0):
-    """The global batch and the initial weights, shared by JAX and torch."""
+def _data(width: int, rank: int):
+    """Initial weights (the same everywhere) and this process's batch."""
     import numpy as np
 
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(GLOBAL_BATCH, WIDTH)).astype(np.float32)
-    y = rng.normal(size=(GLOBAL_BATCH, WIDTH)).astype(np.float32)
+    rng = np.random.default_rng(0)
+    s = sizes_of(width)
     weights = [
-        (rng.normal(size=(WIDTH, WIDTH)) / np.sqrt(WIDTH)).astype(np.float32)
-        for _ in range(DEPTH)
+        (rng.normal(size=(a, b)) / np.sqrt(a)).astype(np.float32)
+        for a, b in zip(s[:-1], s[1:], strict=True)
     ]
-    return x, y, weights
+    rng = np.random.default_rng(1 + rank)
+    x = rng.normal(size=(PER_PROCESS_BATCH, IN)).astype(np.float32)
+    y = rng.normal(size=(PER_PROCESS_BATCH, OUT)).astype(np.float32)
+    return weights, x, y
 
 
-def jax_step_times(kind: str, steps: int, warmup: int, pin: bool) -> dict:
-    """Runs in every process: median step time (ms) of one JAX configuration."""
+def _median_ms(fn, steps: int, warmup: int) -> float:
+    times = []
+    for i in range(warmup + steps):
+        start = time.perf_counter()
+        fn()
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def jax_job(width: int, kinds: list[str], steps: int, warmup: int, pin: bool):
+    """Runs in both processes: the median step time of each JAX variant."""
     _pin(pin)
     import jax
+    import jax.numpy as jnp
     import numpy as np
     import optax
     from jax import lax
     from jax.flatten_util import ravel_pytree
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     import jdp
 
-    loss_fn = mlp_loss
-
-    x, y, weights = _data()
-    params = [{"w": w, "b": np.zeros(WIDTH, np.float32)} for w in weights]
-    tx = optax.sgd(LR)
+    def loss_fn(params, batch):
+        x = batch["x"]
+        for i, layer in enumerate(params):
+            x = x @ layer["w"] + layer["b"]
+            if i < len(params) - 1:
+                x = jax.nn.relu(x)
+        return jnp.mean((x - batch["y"]) ** 2)
 
     def hand_written(reduce):
         def train_step(state, batch):
@@ -91,38 +135,60 @@ def jax_step_times(kind: str, steps: int, warmup: int, pin: bool) -> dict:
         flat, unravel = ravel_pytree(grads)
         return unravel(lax.pmean(flat, "data"))
 
-    train_step = {
-        "jdp": jdp.make_train_step(loss_fn, tx),
-        "jdp+shard": jdp.make_train_step(loss_fn, tx),
-        "per-leaf": jdp.make_train_step(loss_fn, tx, bucket_bytes=1),
-        "tree": hand_written(lambda g: lax.pmean(g, "data")),
-        "flat": hand_written(flat_pmean),
-    }[kind]
-    step = jdp.parallelize(train_step)
-    state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
-    n, r = jax.process_count(), jax.process_index()
-    share = slice(r * GLOBAL_BATCH // n, (r + 1) * GLOBAL_BATCH // n)
-    local = {"x": x[share], "y": y[share]}
-    batch = step.shard(local)
-    times = []
-    for i in range(warmup + steps):
-        start = time.perf_counter()
-        if kind == "jdp+shard":  # includes the cross-process batch-size check
-            batch = step.shard(local)
-        state, metrics = step(state, batch)
-        loss = float(metrics["loss"])
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    ops = step.collectives(state, batch)
-    return {
-        "ms": 1e3 * statistics.median(times),
-        "loss": loss,
-        "arrays": sum(len(c.shapes) for c in ops if c.kind == "all-reduce"),
-    }
+    weights, x, y = _data(width, jax.process_index())
+    params = [{"w": w, "b": np.zeros(w.shape[1], np.float32)} for w in weights]
+    local = {"x": x, "y": y}
+    tx = optax.sgd(LR, momentum=MOMENTUM)
+    out = {}
+    for kind in kinds:
+        if kind == "raw":
+            mesh = jax.make_mesh((jax.device_count(),), ("data",))
+            spec = NamedSharding(mesh, P("data"))
+            buf = jax.make_array_from_process_local_data(
+                spec, np.ones((1, num_params(width)), np.float32)
+            )
+            psum = jax.jit(
+                jax.shard_map(
+                    lambda b: lax.psum(b, "data"),
+                    mesh=mesh,
+                    in_specs=P("data"),
+                    out_specs=P("data"),
+                )
+            )
+            ms = _median_ms(
+                lambda f=psum, b=buf: f(b).block_until_ready(), steps, warmup
+            )
+            out[kind] = {"ms": ms}
+            continue
+        train_step = {
+            "local": lambda: jdp.make_train_step(loss_fn, tx, grad_sync="none"),
+            "jdp": lambda: jdp.make_train_step(loss_fn, tx),
+            "jdp+shard": lambda: jdp.make_train_step(loss_fn, tx),
+            "tree": lambda: hand_written(lambda g: lax.pmean(g, "data")),
+            "flat": lambda: hand_written(flat_pmean),
+        }[kind]()
+        step = jdp.parallelize(train_step)
+        box = {"state": step.replicate(jdp.TrainState.create(params=params, tx=tx))}
+        batch = step.shard(local)
+
+        def one(step=step, box=box, batch=batch, kind=kind):
+            b = step.shard(local) if kind == "jdp+shard" else batch
+            box["state"], metrics = step(box["state"], b)
+            box["loss"] = float(metrics["loss"])  # waits for the step
+
+        ms = _median_ms(one, steps, warmup)
+        out[kind] = {"ms": ms, "loss": box["loss"]}
+        if kind == "jdp":
+            ops = step.collectives(box["state"], batch)
+            out[kind]["arrays"] = sum(
+                len(c.shapes) for c in ops if c.kind == "all-reduce"
+            )
+        del box
+    return out
 
 
-def torch_step_times(steps: int, warmup: int, pin: bool) -> dict:
-    """Runs in every process: PyTorch DDP (gloo) on the same MLP and batch."""
+def torch_job(width: int, steps: int, warmup: int, pin: bool):
+    """Runs in both processes: DDP, the model without DDP, a raw all_reduce."""
     _pin(pin)
     import torch
     import torch.distributed as dist
@@ -137,153 +203,176 @@ def torch_step_times(steps: int, warmup: int, pin: bool) -> dict:
         "gloo", init_method=f"tcp://{host}:{port}", rank=rank, world_size=world
     )
     try:
-        torch.manual_seed(0)
-        layers = []
-        for i in range(DEPTH):
-            layers.append(torch.nn.Linear(WIDTH, WIDTH))
-            if i < DEPTH - 1:
-                layers.append(torch.nn.ReLU())
-        x, y, weights = _data()
-        with torch.no_grad():
-            for layer, w in zip(layers[::2], weights, strict=True):
-                layer.weight.copy_(torch.from_numpy(w.T))  # torch computes x @ W.T
-                layer.bias.zero_()
-        model = DistributedDataParallel(torch.nn.Sequential(*layers))
-        opt = torch.optim.SGD(model.parameters(), lr=LR)
-        share = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
-        xb, yb = torch.from_numpy(x[share]), torch.from_numpy(y[share])
-        times = []
-        for i in range(warmup + steps):
-            start = time.perf_counter()
-            opt.zero_grad(set_to_none=True)
-            loss = torch.mean((model(xb) - yb) ** 2)
-            loss.backward()
-            opt.step()
-            value = float(loss)
-            if i >= warmup:
-                times.append(time.perf_counter() - start)
-        # Report the global-batch loss, as jdp's averaged metric does.
-        total = torch.tensor([value])
-        dist.all_reduce(total)
-        return {"ms": 1e3 * statistics.median(times), "loss": total.item() / world}
+        weights, x, y = _data(width, rank)
+        xb, yb = torch.from_numpy(x), torch.from_numpy(y)
+
+        def model():
+            layers = []
+            for i, w in enumerate(weights):
+                layer = torch.nn.Linear(*w.shape)
+                with torch.no_grad():
+                    layer.weight.copy_(torch.from_numpy(w.T))  # x @ W.T
+                    layer.bias.zero_()
+                layers.append(layer)
+                if i < len(weights) - 1:
+                    layers.append(torch.nn.ReLU())
+            return torch.nn.Sequential(*layers)
+
+        out = {}
+        for kind in ("ddp", "torch_local"):
+            net = model()
+            if kind == "ddp":
+                net = DistributedDataParallel(net)
+            opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=MOMENTUM)
+            box = {}
+
+            def one(net=net, opt=opt, box=box):
+                opt.zero_grad(set_to_none=True)
+                loss = torch.mean((net(xb) - yb) ** 2)
+                loss.backward()
+                opt.step()
+                box["loss"] = float(loss)
+
+            out[kind] = {"ms": _median_ms(one, steps, warmup)}
+            if kind == "ddp":  # the global-batch loss, as jdp's averaged metric
+                total = torch.tensor([box["loss"]])
+                dist.all_reduce(total)
+                out[kind]["loss"] = total.item() / world
+        buf = torch.ones(num_params(width))
+        out["torch_raw"] = {
+            "ms": _median_ms(lambda: dist.all_reduce(buf), steps, warmup)
+        }
+        return out
     finally:
         dist.destroy_process_group()
 
 
-CONFIGS = {
-    # name: (function, num_processes, devices per process, initialize, kind, pinned)
-    "1 proc x 2 dev (jdp)": ("jax", 1, 2, False, "jdp", False),
-    "2 proc x 1 dev, jdp": ("jax", 2, 1, True, "jdp", True),
-    "2 proc x 1 dev, jdp + step.shard": ("jax", 2, 1, True, "jdp+shard", True),
-    "2 proc x 1 dev, per-leaf buckets": ("jax", 2, 1, True, "per-leaf", True),
-    "2 proc x 1 dev, lax.pmean tree": ("jax", 2, 1, True, "tree", True),
-    "2 proc x 1 dev, one flat buffer": ("jax", 2, 1, True, "flat", True),
-    "torch DDP gloo, 2 ranks x 1 thread": ("torch", 2, None, False, None, True),
-}
+def _have_torch() -> bool:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--no-pin", action="store_true")
-    parser.add_argument("--quick", action="store_true", help="1 round, 10 steps")
+    parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument(
+        "--sizes", nargs="+", choices=list(WIDTHS), default=list(WIDTHS)
+    )
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="pin each process to one core (fair for compute, but gloo's I/O "
+        "thread then shares that core)",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help=f"1 round, sizes {' '.join(QUICK_SIZES)}"
+    )
     args = parser.parse_args(argv)
     if args.quick:
-        args.rounds, args.steps = 1, 10
+        args.rounds, args.steps, args.sizes = 1, 8, list(QUICK_SIZES)
 
     import jdp.launch
 
-    try:
-        import torch  # noqa: F401
-
-        have_torch = True
-    except ImportError:
-        have_torch = False
-    names = [n for n in CONFIGS if have_torch or CONFIGS[n][0] != "torch"]
-    runs = {name: [] for name in names}
-    extra = {}
+    torch_ok = _have_torch()
+    kinds = list(JAX_ROWS)
+    runs = {s: {} for s in args.sizes}  # size -> row -> [ms per round]
+    last = {s: {} for s in args.sizes}
     for rnd in range(args.rounds):
-        for name in names:
-            what, num_processes, devices, initialize, kind, pinned = CONFIGS[name]
-            pin = pinned and not args.no_pin
-            if what == "jax":
-                fn, fn_args = jax_step_times, (kind, args.steps, args.warmup, pin)
-            else:
-                fn, fn_args = torch_step_times, (args.steps, args.warmup, pin)
-            out = jdp.launch.run(
-                fn,
-                num_processes,
-                args=fn_args,
-                devices_per_process=devices,
-                initialize=initialize,
-                timeout_s=600,
+        order = kinds if rnd % 2 == 0 else kinds[::-1]  # against drift
+        for size in args.sizes:
+            width = WIDTHS[size]
+            start = time.perf_counter()
+            res = jdp.launch.run(
+                jax_job,
+                2,
+                args=(width, order, args.steps, args.warmup, args.pin),
+                devices_per_process=1,
+                timeout_s=900,
                 quiet=True,
             )[0]
-            runs[name].append(out["ms"])
-            extra[name] = out
+            if torch_ok:
+                res.update(
+                    jdp.launch.run(
+                        torch_job,
+                        2,
+                        args=(width, args.steps, args.warmup, args.pin),
+                        initialize=False,
+                        timeout_s=900,
+                        quiet=True,
+                    )[0]
+                )
+            for row, r in res.items():
+                runs[size].setdefault(row, []).append(r["ms"])
+                last[size][row] = r
             print(
-                f"  round {rnd + 1}/{args.rounds} {name}: {out['ms']:.1f} ms",
+                f"  round {rnd + 1}/{args.rounds} {size}: "
+                + ", ".join(f"{k} {r['ms']:.1f}" for k, r in res.items())
+                + f" ms ({time.perf_counter() - start:.0f} s)",
                 file=sys.stderr,
                 flush=True,
             )
 
-    med = {n: statistics.median(v) for n, v in runs.items()}
+    rows = dict(JAX_ROWS, **(TORCH_ROWS if torch_ok else {}))
+    med = {
+        s: {row: statistics.median(v) for row, v in runs[s].items()} for s in args.sizes
+    }
+    pinned = "pinned to 1 core each" if args.pin else "unpinned"
     print(
-        f"\nMLP {WIDTH}x{DEPTH} (1.05 M params), global batch {GLOBAL_BATCH}, SGD; "
-        f"{args.rounds} fresh runs x {args.steps} steps each; 2-process rows "
-        f"{'pinned to 1 core each' if not args.no_pin else 'unpinned'}.\n"
+        f"\n2 processes x 1 CPU device, gloo on 127.0.0.1, {pinned}; MLP "
+        f"{IN}-W-W-W-{OUT}, SGD momentum, {PER_PROCESS_BATCH} examples per process; "
+        f"median of {args.rounds} round(s) x {args.steps} steps.\n"
     )
-    header = f"{'configuration':38s} {'median ms':>10s} {'range ms':>15s} "
-    header += f"{'arrays reduced':>15s} {'final loss':>11s}"
-    print(header)
-    print("-" * len(header))
-    for name in names:
-        lo, hi = min(runs[name]), max(runs[name])
-        ops = extra[name].get("arrays", "-")
+    for size in args.sizes:
+        width = WIDTHS[size]
+        nbytes = 4 * num_params(width)
         print(
-            f"{name:38s} {med[name]:10.1f} {f'{lo:.1f}-{hi:.1f}':>15s} "
-            f"{ops!s:>15s} {extra[name]['loss']:11.6f}"
+            f"{size}: W={width}, {num_params(width):,} params, "
+            f"{nbytes / 2**20:.1f} MiB of gradients"
         )
-    print()
+        header = f"  {'row':36s} {'ms/step':>9s} {'range':>13s} {'GB/s':>6s} "
+        header += f"{'x jdp':>6s} {'final loss':>11s}"
+        print(header)
+        for row, label in rows.items():
+            if row not in med[size]:
+                continue
+            ms, v = med[size][row], runs[size][row]
+            local = med[size]["torch_local" if row == "ddp" else "local"]
+            if row in ("raw", "torch_raw"):
+                gbps = nbytes / ms / 1e6
+            elif row in ("local", "torch_local") or ms <= local:
+                gbps = None
+            else:
+                gbps = nbytes / (ms - local) / 1e6
+            loss = last[size][row].get("loss")
+            print(
+                f"  {label:36s} {ms:9.1f} {f'{min(v):.1f}-{max(v):.1f}':>13s} "
+                f"{'-' if gbps is None else f'{gbps:.2f}':>6s} "
+                f"{ms / med[size]['jdp']:6.2f} "
+                f"{'-' if loss is None else f'{loss:.6f}':>11s}"
+            )
+        arrays = last[size]["jdp"].get("arrays")
+        print(f"  (jdp sends its gradients as {arrays} arrays)\n")
 
-    def ratio(a, b, label):
-        if a in med and b in med:
-            print(f"{label:74s} {med[a] / med[b]:5.2f}x")
-
-    ratio(
-        "2 proc x 1 dev, jdp",
-        "1 proc x 2 dev (jdp)",
-        "2 processes x 1 device / 1 process x 2 devices (jdp)",
-    )
-    ratio(
-        "2 proc x 1 dev, jdp + step.shard",
-        "2 proc x 1 dev, jdp",
-        "step.shard every step (size check across processes) / batch placed once",
-    )
-    ratio(
-        "2 proc x 1 dev, per-leaf buckets",
-        "2 proc x 1 dev, jdp",
-        "per-leaf buckets / jdp bucketed (bucket_bytes 1 B vs 25 MiB)",
-    )
-    ratio(
-        "2 proc x 1 dev, lax.pmean tree",
-        "2 proc x 1 dev, jdp",
-        "lax.pmean gradient tree / jdp bucketed",
-    )
-    ratio(
-        "2 proc x 1 dev, jdp",
-        "2 proc x 1 dev, one flat buffer",
-        "jdp bucketed / one flat buffer (1.0 = the flat-buffer rate)",
-    )
-    ratio(
-        "2 proc x 1 dev, jdp",
-        "torch DDP gloo, 2 ranks x 1 thread",
-        "jdp 2 processes / torch DDP 2 ranks",
-    )
-    if not have_torch:
-        print("torch is not installed: the PyTorch DDP row was skipped.")
+    print("Summary: ratios of medians (lower is better for jdp)")
+    header = f"{'size':>6s} {'jdp/best hand':>14s} {'jdp/DDP':>8s} "
+    header += f"{'jdp/(local+raw psum)':>21s} {'shard every step':>17s}"
+    print(header)
+    for size in args.sizes:
+        m = med[size]
+        best = min(m["tree"], m["flat"])
+        ddp = f"{m['jdp'] / m['ddp']:.2f}" if "ddp" in m else "-"
+        floor = m["local"] + m["raw"]
+        print(
+            f"{size:>6s} {m['jdp'] / best:14.2f} {ddp:>8s} "
+            f"{m['jdp'] / floor:21.2f} {m['jdp+shard'] / m['jdp']:17.3f}"
+        )
+    if not torch_ok:
+        print("torch is not installed: the PyTorch rows were skipped.")
 
 
 if __name__ == "__main__":

@@ -186,7 +186,10 @@ class Parallel:
         processes' batches concatenated in process order. Every process must pass
         the same number of examples; to catch a mismatch (which would otherwise
         train on misaligned data without an error), `shard` compares the sizes
-        across processes with one small all-gather per call.
+        across processes with one small all-gather per call. A process waits for
+        the answer only when its batch's shapes change (a loop with steady
+        shapes runs on and checks each answer at the next call); with `pad=True`
+        and no `pad_to` it waits every call, for the largest process's size.
 
         Args:
           batch: Pytree of arrays whose leading axis is the example axis.
