@@ -289,12 +289,12 @@ def main(argv=None) -> None:
         for size in args.sizes:
             width = WIDTHS[size]
             big = num_params(width) > RAVEL_MAX_PARAMS
-            order = [k for k in order if not (big and k == "flat")]
+            these = [k for k in order if not (big and k == "flat")]
             start = time.perf_counter()
             res = jdp.launch.run(
                 jax_job,
                 2,
-                args=(width, order, args.steps, args.warmup, args.pin),
+                args=(width, these, args.steps, args.warmup, args.pin),
                 devices_per_process=1,
                 timeout_s=900,
                 quiet=True,
