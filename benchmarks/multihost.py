@@ -9,7 +9,8 @@ on 127.0.0.1 started by `jdp.launch.run` and joined by `jdp.distributed.initiali
   step costs without communication.
 - `jdp`: `jdp.make_train_step` as shipped (bucketed all-reduce; across CPU processes
   small leaves are packed into flat buffers and leaves of 4 MiB or more travel
-  uncopied). `jdp + step.shard` also places the batch every step, as a training
+  uncopied; `jdp, every leaf packed` is the same without that rule, an ablation).
+  `jdp + step.shard` also places the batch every step, as a training
   loop does (with `shard`'s cross-process batch-size check).
 - `hand: lax.pmean tree`: the flax recipe, `lax.pmean(grads)` in a `shard_map` step.
 - `hand: ravel_pytree + pmean`: one flat buffer made by `jax.flatten_util`.
@@ -51,6 +52,7 @@ JAX_ROWS = {
     "local": "local step, no all-reduce",
     "jdp": "jdp",
     "jdp+shard": "jdp + step.shard every step",
+    "packall": "jdp, every leaf packed",
     "tree": "hand: lax.pmean tree",
     "flat": "hand: ravel_pytree + pmean",
     "raw": "raw psum of the gradient bytes",
@@ -117,6 +119,9 @@ def jax_job(width: int, kinds: list[str], steps: int, warmup: int, pin: bool):
     from jax.sharding import PartitionSpec as P
 
     import jdp
+    from jdp import _collectives
+
+    alone_bytes = _collectives.ALONE_BYTES
 
     def loss_fn(params, batch):
         x = batch["x"]
@@ -166,9 +171,12 @@ def jax_job(width: int, kinds: list[str], steps: int, warmup: int, pin: bool):
             "local": lambda: jdp.make_train_step(loss_fn, tx, grad_sync="none"),
             "jdp": lambda: jdp.make_train_step(loss_fn, tx),
             "jdp+shard": lambda: jdp.make_train_step(loss_fn, tx),
+            "packall": lambda: jdp.make_train_step(loss_fn, tx),
             "tree": lambda: hand_written(lambda g: lax.pmean(g, "data")),
             "flat": lambda: hand_written(flat_pmean),
         }[kind]()
+        # The ablation row: no leaf travels uncopied (jdp packs leaves < 4 MiB).
+        _collectives.ALONE_BYTES = None if kind == "packall" else alone_bytes
         step = jdp.parallelize(train_step)
         box = {"state": step.replicate(jdp.TrainState.create(params=params, tx=tx))}
         batch = step.shard(local)

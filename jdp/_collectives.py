@@ -188,6 +188,7 @@ def all_reduce(grads, *, axis_name, bucket_bytes, reverse, reduce_dtype, flatten
         bucket_bytes=bucket_bytes,
         reverse=reverse,
         flatten=flatten,
+        alone_bytes=ALONE_BYTES,
     )
     out = list(leaves)
     for i, total in zip(float_idx, summed, strict=True):
