@@ -270,17 +270,19 @@ def bmuf(
             g, start, v = _block_update(
                 g, start, v, avg, eta, block_learning_rate, nesterov, outer
             )
-            return g, start, v
+            return g, start, v, _negative_zero(g)
 
-        g, start, v = lax.cond(
-            is_sync,
-            sync,
-            lambda operands: operands[:3],
-            (g, start, v, updates, state.inner_state),
+        def no_sync(operands):
+            g, start, v, _, _ = operands
+            return g, start, v, _negative_zero(g)
+
+        g, start, v, zero = lax.cond(
+            is_sync, sync, no_sync, (g, start, v, updates, state.inner_state)
         )
-        # `lax.cond` drops outputs that merely forward an operand, so the barrier
-        # is what makes `inner`'s update wait for the conditional.
-        g, start, v, updates = lax.optimization_barrier((g, start, v, updates))
+        # Adding -0.0 changes no value, but makes `inner`'s in-place update of its
+        # state wait for the conditional, which reads the old state: without
+        # this data dependency XLA copies that state every step.
+        updates = _float_map(lambda u: u + zero.astype(u.dtype), updates)
         inner_updates, inner_state = inner.update(updates, state.inner_state, params)
         # The model every replica starts the next block from.
         target = start if stores_start else g
@@ -333,6 +335,15 @@ def _block_update(g, start, v, avg, eta, block_learning_rate, nesterov, outer):
     if nesterov:
         start = _cast_like(_lookahead(g, v, eta), start)
     return g, start, v
+
+
+def _negative_zero(tree):
+    """-0.0, computed from `tree` so that XLA cannot fold it into a constant."""
+    leaves = [x for x in jax.tree.leaves(tree) if is_float(x) and x.size]
+    if not leaves:
+        return jnp.zeros((), jnp.float32)
+    x = leaves[0].reshape(-1)[0].astype(jnp.float32)
+    return -jnp.where(jnp.isfinite(x), jnp.abs(x) * 0, 0.0)
 
 
 def bmuf_global_params(state: PyTree) -> PyTree:
