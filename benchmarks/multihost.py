@@ -241,7 +241,7 @@ def torch_job(width: int, steps: int, warmup: int, pin: bool):
                 loss = torch.mean((net(xb) - yb) ** 2)
                 loss.backward()
                 opt.step()
-                box["loss"] = float(loss)
+                box["loss"] = loss.item()
 
             out[kind] = {"ms": _median_ms(one, steps, warmup)}
             if kind == "ddp":  # the global-batch loss, as jdp's averaged metric
@@ -263,6 +263,25 @@ def _have_torch() -> bool:
     except ImportError:
         return False
     return True
+
+
+def _torch_round(width: int, args) -> dict:
+    """The torch rows of one round; {} if torch's job fails twice."""
+    import jdp.launch
+
+    for attempt in range(2):
+        try:
+            return jdp.launch.run(
+                torch_job,
+                2,
+                args=(width, args.steps, args.warmup, args.pin),
+                initialize=False,
+                timeout_s=900,
+                quiet=True,
+            )[0]
+        except RuntimeError as e:  # seen: gloo aborting at exit, now and then
+            print(f"  torch job failed (attempt {attempt + 1}): {e}", file=sys.stderr)
+    return {}
 
 
 def main(argv=None) -> None:
@@ -308,16 +327,7 @@ def main(argv=None) -> None:
                 quiet=True,
             )[0]
             if torch_ok:
-                res.update(
-                    jdp.launch.run(
-                        torch_job,
-                        2,
-                        args=(width, args.steps, args.warmup, args.pin),
-                        initialize=False,
-                        timeout_s=900,
-                        quiet=True,
-                    )[0]
-                )
+                res.update(_torch_round(width, args))
             for row, r in res.items():
                 runs[size].setdefault(row, []).append(r["ms"])
                 last[size][row] = r
