@@ -3,14 +3,16 @@
 Part 1, on simulated CPU devices with an MLP of about 10M parameters: the bytes
 all-reduced per step, read from the compiled HLO with `step.collectives` (a
 collective inside a conditional branch, BMUF's block sync, is counted once per
-block, i.e. divided by the sync period), and the time per step (a full block of
-16 steps timed together, best of several interleaved rounds), for synchronous SGD
-and for `jdp.bmuf` with sync periods 1, 4 and 16.
+block, i.e. divided by the sync period), and the time per step, for synchronous
+SGD, the same step without the all-reduce (`grad_sync="none"`, the floor BMUF
+can reach) and `jdp.bmuf` with sync periods 1, 4 and 16. Each round times one
+block of 16 steps (a whole number of blocks for every period) of every variant,
+in a fresh order; ratios are taken within a round, then the median over rounds.
 
 Part 2: test accuracy on scikit-learn's digits after the same number of training
 examples, synchronous SGD against BMUF variants, with a small MLP.
 
-    python benchmarks/bmuf.py [--devices 8] [--rounds 3] [--quick]
+    python benchmarks/bmuf.py [--devices 8] [--rounds 5] [--quick]
 
 The simulated devices share the host's CPU cores (and, on a shared machine,
 other people's jobs): step times are noisy and say little about real
@@ -20,6 +22,8 @@ interconnects, where the all-reduce BMUF avoids costs far more than a memcpy.
 from __future__ import annotations
 
 import argparse
+import random
+import statistics
 import sys
 import time
 
@@ -32,7 +36,7 @@ SYNC = {True: "all_reduce", False: "none"}
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--devices", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="~1M params, fewer steps")
     args = parser.parse_args(argv)
     if "jax" not in sys.modules:
@@ -87,13 +91,17 @@ def main(argv=None) -> None:
         "y": rng.integers(0, 10, size=global_batch).astype(np.int32),
     }
     inner = optax.sgd(1e-3, momentum=0.9)
-    block = 16  # steps timed together: one block of the longest sync period
+    block = 16  # steps timed together: a whole number of blocks for every k
 
-    variants = {"sync SGD": (inner, True, None)}
+    # name: (optimizer, all-reduce the gradients?, sync period)
+    variants = {
+        "sync SGD": (inner, True, None),
+        "local step": (inner, False, None),  # no all-reduce: BMUF's floor
+    }
     for k in (1, 4, 16):
         variants[f"BMUF k={k}"] = (jdp.bmuf(inner, sync_period=k), False, k)
 
-    runners, comm, times, layout = {}, {}, {}, {}
+    runners, comm, copies, layout = {}, {}, {}, {}
     for name, (tx, all_reduce, k) in variants.items():
         step = jdp.parallelize(
             jdp.make_train_step(xent, tx, grad_sync=SYNC[all_reduce]), devices=devices
@@ -109,48 +117,66 @@ def main(argv=None) -> None:
             [(c.bytes, c.in_conditional) for c in ops],
             [(c.bytes, c.in_conditional) for c in lowered],
         )
+        # The training state per replica, in copies of the parameters.
+        copies[name] = sum(x.nbytes for x in jax.tree.leaves(state[0])) / (
+            n * param_bytes
+        )
 
         def run(step=step, state=state, batch=batch):
             for _ in range(block):
                 state[0], metrics = step(state[0], batch)
             return metrics["loss"]
 
-        state[0], metrics = step(state[0], batch)  # compile and warm up
-        jax.block_until_ready(metrics)
+        jax.block_until_ready(run())  # compile (both branches) and warm up
         runners[name] = run
-        times[name] = []
+    # Rounds of one block per variant, in a fresh order each round; a ratio is
+    # taken within a round (variants timed back to back), then the median over
+    # rounds: a slow phase of a shared machine hits both sides of a ratio.
+    times = {name: [] for name in runners}
+    order = list(runners)
     for _ in range(args.rounds):
-        for name, run in runners.items():
+        random.Random(len(times["sync SGD"])).shuffle(order)
+        for name in order:
             t0 = time.perf_counter()
-            jax.block_until_ready(run())
+            jax.block_until_ready(runners[name]())
             times[name].append((time.perf_counter() - t0) / block)
-    # Best of the rounds (as `timeit` advises): the least disturbed by other jobs.
-    ms = {name: min(t) * 1e3 for name, t in times.items()}
+
+    def ratios(name, base):
+        return [a / b for a, b in zip(times[name], times[base], strict=True)]
 
     print(
         f"\nBMUF vs synchronous SGD: {n} simulated CPU devices, jax "
         f"{jax.__version__}, MLP {'-'.join(map(str, sizes))} = {num_params / 1e6:.2f}M "
         f"params ({param_bytes / 2**20:.1f} MiB), global batch {global_batch}, "
-        f"best of {args.rounds} interleaved rounds of {block} steps\n"
+        f"{args.rounds} interleaved rounds of {block} steps per variant\n"
     )
     header = (
         f"{'variant':<11} {'AR MiB/step':>11} {'vs sync':>8} {'params/k':>8} "
-        f"{'ms/step':>8} {'vs sync':>8}"
+        f"{'state':>5} {'ms/step':>8} {'vs local':>8} {'range':>11} {'vs sync':>8}"
     )
     print(header)
     print("-" * len(header))
     base = "sync SGD"
     for name, (_, _, k) in variants.items():
         target = f"{1 / k:8.4f}" if k else f"{'':>8}"
+        local = ratios(name, "local step")
         print(
             f"{name:<11} {comm[name] / 2**20:11.3f} {comm[name] / comm[base]:8.4f} "
-            f"{target} {ms[name]:8.1f} {ms[name] / ms[base]:8.3f}"
+            f"{target} {copies[name]:5.1f} {statistics.median(times[name]) * 1e3:8.1f} "
+            f"{statistics.median(local):8.3f} {min(local):5.2f}-{max(local):<5.2f} "
+            f"{statistics.median(ratios(name, base)):8.3f}"
         )
     print(
         "\nAR MiB/step: all-reduced bytes per step from the compiled HLO, sync-branch "
         "collectives divided by k (they run once per block). params/k: the target "
         "ratio, params bytes / k over the gradient bytes. The extra 4 bytes every "
-        "step are the loss metric."
+        "step are the loss metric. state: the training state per replica, in copies "
+        "of the parameters (params + momentum; BMUF adds the global model and the "
+        "block velocity, nothing more). ms/step: median over rounds of the mean "
+        "over a block of "
+        f"{block} steps (one sync for k=16). vs local / vs sync: median over rounds "
+        "of the ratio to the local step without all-reduce (BMUF's floor) / to "
+        "synchronous SGD, timed in the same round; range: lowest and highest round."
     )
     for name in ("sync SGD", "BMUF k=16"):
         compiled, lowered = layout[name]

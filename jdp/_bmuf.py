@@ -236,15 +236,12 @@ def bmuf(
             (count - warmup_steps + 1) % sync_period == 0
         )
 
-        # The conditionals below run BEFORE `inner`'s update and take its inputs
-        # (gradients, old inner state): their branches recompute the locally
-        # updated params. Anything that crosses a conditional is materialised,
-        # so passing `inner`'s updates in would write and read back a
-        # parameter-sized tree every step; and the gradients, passed through,
-        # order `inner`'s in-place update after the conditional, which reads
-        # the old inner state (else XLA copies that state every step). A plain
-        # step thus applies `inner` fused with the parameter update, as a step
-        # without BMUF does; sync steps run `inner.update` twice.
+        # What crosses a conditional is materialised, so passing `inner`'s
+        # updates into the sync branch would write and read back a
+        # parameter-sized tree every step. The branches take `inner`'s inputs
+        # instead (this step's gradients and the old inner state) and recompute
+        # the locally updated params, on sync steps only; a plain step applies
+        # `inner` fused with the parameter update, as a step without BMUF does.
         def local_params(grads, old_inner):
             local_updates, _ = inner.update(grads, old_inner, params)
             return optax.apply_updates(params, local_updates)
@@ -255,12 +252,12 @@ def bmuf(
             def follow_replicas(operands):
                 g, _, grads, old_inner = operands
                 g = _cast_like(local_params(grads, old_inner), g)
-                return g, (g if stores_start else None), grads
+                return g, (g if stores_start else None)
 
-            g, start, updates = lax.cond(
+            g, start = lax.cond(
                 count < warmup_steps,
                 follow_replicas,
-                lambda operands: operands[:3],
+                lambda operands: operands[:2],
                 (g, start, updates, state.inner_state),
             )
 
@@ -280,17 +277,22 @@ def bmuf(
             is_sync, sync, no_sync, (g, start, v, updates, state.inner_state)
         )
         # Adding -0.0 changes no value, but makes `inner`'s in-place update of its
-        # state wait for the conditional, which reads the old state: without
-        # this data dependency XLA copies that state every step.
+        # state wait for the conditionals, which read the old state: without this
+        # data dependency XLA copies that state every step.
         updates = _float_map(lambda u: u + zero.astype(u.dtype), updates)
         inner_updates, inner_state = inner.update(updates, state.inner_state, params)
         # The model every replica starts the next block from.
         target = start if stores_start else g
-        if inner_state_at_sync == "reset":
-            inner_state = _reset(inner_state, inner.init(target), is_sync)
-        elif inner_state_at_sync == "average":
+        if inner_state_at_sync != "keep":
             inner_state = lax.cond(
-                is_sync, lambda s: _mean(s, axis_name), lambda s: s, inner_state
+                is_sync,
+                lambda s: (
+                    _reset(s, inner.init(target))
+                    if inner_state_at_sync == "reset"
+                    else _mean(s, axis_name)
+                ),
+                lambda s: s,
+                inner_state,
             )
         # A select, not a conditional: it fuses into the parameter update and
         # costs one read of `target` per step.
@@ -457,17 +459,10 @@ def _mean(tree, axis_name):
     return _collectives.all_reduce_gradients(tree, axis_name=axis_name, reverse=False)
 
 
-def _reset(state, initial, when):
-    """Floating leaves from `initial` where `when` (accumulators), integer leaves kept.
-
-    Integer leaves are counters (step counts, so schedules continue).
-    """
+def _reset(state, initial):
+    """Floating leaves from `initial` (accumulators), integer leaves kept (counters)."""
     return jax.tree.map(
-        lambda cur, init: (
-            jnp.where(when, jnp.asarray(init).astype(cur.dtype), cur)
-            if is_float(cur)
-            else cur
-        ),
+        lambda cur, init: jnp.asarray(init).astype(cur.dtype) if is_float(cur) else cur,
         state,
         initial,
     )

@@ -256,6 +256,30 @@ def test_sync_leaves_mlp_replicas_bit_identical(backend):
     assert_trees_close(state.params, start, rtol=0, atol=0)
 
 
+def test_steps_between_syncs_are_the_local_step_bit_for_bit(backend):
+    """A plain BMUF step applies `inner` exactly as `grad_sync="none"` alone does.
+
+    (The sync branch recomputes `inner`'s update rather than taking it, and the
+    gradients pick up a -0.0 that orders the steps: neither may change a bit.)
+    """
+    params = init_mlp(jax.random.key(4))
+    batches = make_batches(5, 32)
+    inner = optax.sgd(0.05, momentum=0.9)
+    states = []
+    for tx in (inner, jdp.bmuf(inner, sync_period=6)):
+        step = jdp.parallelize(
+            jdp.make_train_step(mlp_loss, tx, grad_sync="none"), backend=backend
+        )
+        state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
+        for batch in batches:
+            state, _ = step(state, step.shard(batch))
+        states.append(state)
+    local, bmuf = states
+    assert not jdp.replicas_in_sync(bmuf.params)
+    assert_trees_close(bmuf.params, local.params, rtol=0, atol=0)
+    assert_trees_close(bmuf.opt_state.inner_state, local.opt_state, rtol=0, atol=0)
+
+
 def test_one_replica_is_the_inner_optimizer_alone(backend):
     # With one replica the default block momentum is 1 - 1/1 = 0.
     params = init_mlp(jax.random.key(2))
