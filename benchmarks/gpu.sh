@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs the overhead, memory and demo benchmarks on this machine's CUDA GPU(s) and
+# Runs the overhead, memory, BMUF and demo benchmarks on this machine's CUDA GPU(s) and
 # writes their tables to a folder. Installs nothing: it needs a Python that already
 # has jax with CUDA, flax, optax, orbax-checkpoint, scikit-learn, tqdm and
 # matplotlib; jdp itself is used from this checkout (PYTHONPATH), installed or not.
@@ -9,7 +9,7 @@
 #   PYTHON=/path/to/python benchmarks/gpu.sh OUTDIR
 #   benchmarks/gpu.sh --cpu-dry-run OUTDIR   # the same steps, quick, on CPU
 #
-# OUTDIR receives machine.txt (GPUs, driver, versions), overhead.txt, memory.txt,
+# OUTDIR receives machine.txt (GPUs, driver, versions), overhead.txt, memory.txt, bmuf.txt,
 # demo.txt (the demo's summary table for sync, bmuf and zero) and gpu.log (all
 # output). Exit status: 0 if every step passed, 1 otherwise, 2 for bad usage or no GPU.
 set -u
@@ -109,10 +109,12 @@ num=$(sed -n 's/^jax devices: \([0-9]*\) x.*/\1/p' "$out/machine.txt")
 if [ $dry_run = 1 ]; then
     run overhead 150 "$PYTHON" benchmarks/overhead.py --devices 2 --quick
     run memory 150 "$PYTHON" benchmarks/memory.py --params 2e6 --steps 1 --rounds 1
+    run bmuf 150 "$PYTHON" benchmarks/bmuf.py --devices 2 --quick --rounds 1
     demo_args=(--devices 2 --steps 40)
 else
     run overhead 120 "$PYTHON" benchmarks/overhead.py --devices "$num"
     run memory 150 "$PYTHON" benchmarks/memory.py
+    run bmuf 120 "$PYTHON" benchmarks/bmuf.py --devices "$num" --rounds 3
     demo_args=()
 fi
 demo_out=$(mktemp -d)

@@ -26,10 +26,12 @@ DEFAULT_BUCKET_BYTES = 25 * 2**20
 
 #: With flat buffers, a leaf of at least this size travels as its own array rather
 #: than being copied into a bucket. XLA:CPU concatenates at about 1-2 GB/s (a
-#: fraction of a plain copy's speed), so packing a 4 MiB leaf and unpacking it
-#: costs about 3-5 ms: more than the fixed cost of one more array in a gloo
-#: collective between processes (0.6-4 ms measured). Small leaves are still packed.
-ALONE_BYTES = 4 * 2**20
+#: fraction of a plain copy's speed), so packing and unpacking a leaf costs about
+#: 1 ms per MiB, against a fixed 0.6-4 ms per extra array in a gloo collective
+#: between processes. Measured over 2 processes (`benchmarks/multihost.py`):
+#: packing 4 MiB leaves was faster than sending them alone, leaving 16 MiB
+#: and 72 MiB leaves uncopied was faster than packing them.
+ALONE_BYTES = 8 * 2**20
 
 UNBOUND_AXIS_MSG = (
     "`{api}` needs the replica axis {axis!r}, which is not bound here. Call it inside "
@@ -104,7 +106,7 @@ def all_reduce_gradients(
     out; they pay off where every array of a collective has a fixed cost, as with
     JAX's gloo collectives between processes (a flat buffer ran twice as fast as the
     gradient tree there for a 1M-parameter model). The form is chosen by size:
-    with flat buffers, a leaf of 4 MiB or more travels as its own array, uncopied
+    with flat buffers, a leaf of 8 MiB or more travels as its own array, uncopied
     (packing it would cost more than the array's fixed cost), and only smaller
     leaves are packed. `flatten=None` picks flat buffers exactly when several
     processes share the CPU backend, and otherwise leaves the merging to XLA, which
@@ -127,7 +129,7 @@ def all_reduce_gradients(
         (gradient compression); results keep each leaf's original dtype. The
         gradients are divided by the replica count before the cast, so the sum
         cannot overflow a narrow type.
-      flatten: Pack the leaves of a bucket smaller than 4 MiB into one flat buffer
+      flatten: Pack the leaves of a bucket smaller than 8 MiB into one flat buffer
         (True), send every bucket as a tuple of its leaves (False), or decide from
         the runtime (None, the default: flat across CPU processes, tuples
         otherwise).

@@ -115,7 +115,7 @@ def test_buckets_count_and_reverse_order_in_hlo():
     assert [c.bytes for c in one] == [sum(sizes)]
 
 
-def test_flat_buffers_leave_leaves_of_4_mib_uncopied():
+def test_flat_buffers_leave_large_leaves_uncopied():
     # Packing copies a leaf in and out of a buffer; from ALONE_BYTES on, a leaf
     # costs more to copy than to send as one more array, so it travels as it is.
     big = _collectives.ALONE_BYTES // 4
