@@ -34,6 +34,8 @@ import statistics
 import sys
 import time
 
+from _common import raw_psum
+
 SIZES = (784, 2048, 2048, 2048, 10)
 PER_PROCESS = 8  # examples per process per step
 BLOCK = 16  # steps per timed block: a whole number of blocks for k = 1, 4, 16
@@ -93,28 +95,11 @@ def _loss(params, batch):
 
 def _allreduce_ms(num_params: int, reps: int = 8) -> float:
     """Median time of one `psum` of a flat f32 buffer of `num_params` per device."""
-    import jax
-    import numpy as np
-    from jax import lax
-    from jax.sharding import Mesh, NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    mesh = Mesh(np.asarray(jax.devices()), ("data",))
-    sharding = NamedSharding(mesh, P("data"))
-    local = np.ones(num_params * jax.local_device_count(), np.float32)
-    x = jax.make_array_from_process_local_data(sharding, local)
-    psum = jax.jit(
-        jax.shard_map(
-            lambda v: lax.psum(v, "data"),
-            mesh=mesh,
-            in_specs=P("data"),
-            out_specs=P("data"),
-        )
-    )
+    psum = raw_psum(num_params)
     times = []
     for i in range(reps + 2):
         start = time.perf_counter()
-        jax.block_until_ready(psum(x))
+        psum()
         if i >= 2:
             times.append(time.perf_counter() - start)
     return 1e3 * statistics.median(times)

@@ -41,6 +41,8 @@ import statistics
 import sys
 import time
 
+from _common import mlp_loss, raw_psum
+
 #: Model sizes: name -> hidden width W of the MLP 256-W-W-W-10.
 WIDTHS = {"0.1M": 192, "1M": 640, "2.4M": 1024, "8.9M": 2048, "39M": 4352}
 QUICK_SIZES = ("1M", "8.9M")
@@ -112,26 +114,17 @@ def jax_job(width: int, kinds: list[str], steps: int, warmup: int, pin: bool):
     """Runs in both processes: the median step time of each JAX variant."""
     _pin(pin)
     import jax
-    import jax.numpy as jnp
     import numpy as np
     import optax
     from jax import lax
     from jax.flatten_util import ravel_pytree
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
 
     import jdp
     from jdp import _collectives
 
     alone_bytes = _collectives.ALONE_BYTES
 
-    def loss_fn(params, batch):
-        x = batch["x"]
-        for i, layer in enumerate(params):
-            x = x @ layer["w"] + layer["b"]
-            if i < len(params) - 1:
-                x = jax.nn.relu(x)
-        return jnp.mean((x - batch["y"]) ** 2)
+    loss_fn = mlp_loss
 
     def hand_written(reduce):
         def train_step(state, batch):
@@ -151,22 +144,7 @@ def jax_job(width: int, kinds: list[str], steps: int, warmup: int, pin: bool):
     out = {}
     for kind in kinds:
         if kind == "raw":
-            mesh = jax.make_mesh((jax.device_count(),), ("data",))
-            spec = NamedSharding(mesh, P("data"))
-            buf = jax.make_array_from_process_local_data(
-                spec, np.ones((1, num_params(width)), np.float32)
-            )
-            psum = jax.jit(
-                jax.shard_map(
-                    lambda b: lax.psum(b, "data"),
-                    mesh=mesh,
-                    in_specs=P("data"),
-                    out_specs=P("data"),
-                )
-            )
-            ms = _median_ms(
-                lambda f=psum, b=buf: f(b).block_until_ready(), steps, warmup
-            )
+            ms = _median_ms(raw_psum(num_params(width)), steps, warmup)
             out[kind] = {"ms": ms}
             continue
         train_step = {
