@@ -138,7 +138,9 @@ def shard(
             )
     padded_everywhere = None
     if jax.process_count() > 1:
-        padded_everywhere = _check_process_batches(host, pad=pad, num_local=num_local)
+        padded_everywhere = _check_process_batches(
+            host, pad=pad, num_local=num_local, need_sizes=pad and pad_to is None
+        )
     mask = None
     if pad_to is not None:
         padded_everywhere = _local_pad_to(pad_to, pad, num_replicas)
@@ -281,7 +283,7 @@ class _ProcessCheck:
 
     def __init__(self):
         self.verified = None  # the last signature the processes agreed on
-        self.pending = None  # the all-gather of the last unverified call
+        self.pending = None  # (all-gather, pad) of the last unverified call
         self._gather = {}
 
     def gather(self, row: np.ndarray) -> jax.Array:
@@ -312,10 +314,14 @@ class _ProcessCheck:
 _PROCESS_CHECK = _ProcessCheck()
 
 
-def _check_process_batches(host, *, pad: bool, num_local: int) -> int | None:
+def _check_process_batches(
+    host, *, pad: bool, num_local: int, need_sizes: bool
+) -> int | None:
     """Compares this process's batch with the other processes' (one all-gather).
 
-    Returns the padded per-process size every process uses when `pad`.
+    With `pad`, the processes' sizes may differ. With `need_sizes` (padding to the
+    largest process's batch) this process waits for the answer on every call and
+    returns the padded per-process size every process uses; otherwise None.
     """
     check = _PROCESS_CHECK
     rows = [x.shape[0] for _, x in host]
@@ -327,22 +333,24 @@ def _check_process_batches(host, *, pad: bool, num_local: int) -> int | None:
     gathered = check.gather(mine)
     previous, check.pending = check.pending, None
     if previous is not None:  # the last call's answer, checked late
+        rows_then, pad_then = previous
         try:
+            every = _host_rows(rows_then)
             _compare_processes(
-                _host_rows(previous), host, pad=False, num_local=num_local, late=True
+                every, host, pad=pad_then, num_local=num_local, late=True
             )
         except ValueError:
             check.reset()
             raise
-    if pad or signature != check.verified:
+    if need_sizes or signature != check.verified:
         check.verified = None
         every = _host_rows(gathered)
         padded = _compare_processes(
             every, host, pad=pad, num_local=num_local, late=False
         )
         check.verified = signature
-        return padded
-    check.pending = gathered
+        return padded if need_sizes else None
+    check.pending = (gathered, pad)
     return None
 
 

@@ -136,6 +136,13 @@ def _shard_checks():
     out["pad_global_shape"] = placed.shape
     out["pad_count"] = float(metrics["count"]) * pad_step.num_replicas
     out["pad_total"] = float(metrics["total"]) * pad_step.num_replicas
+    # With pad_to the padded size is known: a steady loop does not wait either.
+    for _ in range(2):
+        placed, mask = pad_step.shard(local, pad=True, pad_to=16)
+    out["pad_to_waits"] = _batching._PROCESS_CHECK.pending is None
+    metrics = pad_step(pad_step.replicate({}), (placed, mask))
+    out["pad_to_global_shape"] = placed.shape
+    out["pad_to_count"] = float(metrics["count"]) * pad_step.num_replicas
     return out
 
 

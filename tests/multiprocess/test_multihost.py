@@ -219,6 +219,9 @@ def test_shard_pad_pads_every_process_to_the_largest_batch(job):
         assert r["pad_global_shape"] == (2 * 8,)
         assert r["pad_count"] == pytest.approx(13)
         assert r["pad_total"] == pytest.approx(expected_total)
+        assert r["pad_to_global_shape"] == (16,)
+        assert r["pad_to_count"] == pytest.approx(13)
+        assert not r["pad_to_waits"]
 
 
 def test_replicas_in_sync_compares_replicas_of_every_process(job):
