@@ -29,6 +29,17 @@ def mlp_loss(params, batch):
     return jnp.mean((x - batch["y"]) ** 2)
 
 
+def tanh_mlp(params, x):
+    """Logits of a tanh MLP given as a list of `{"w", "b"}` layers."""
+    import jax.numpy as jnp
+
+    for i, layer in enumerate(params):
+        x = x @ layer["w"] + layer["b"]
+        if i < len(params) - 1:
+            x = jnp.tanh(x)
+    return x
+
+
 def raw_psum(num_params: int):
     """A call that sums a flat f32 buffer of `num_params` over every device and waits.
 

@@ -27,7 +27,7 @@ import statistics
 import sys
 import time
 
-from _common import set_devices
+from _common import set_devices, tanh_mlp
 
 #: `make_train_step`'s `grad_sync` for a run that does / does not all-reduce.
 SYNC = {True: "all_reduce", False: "none"}
@@ -65,12 +65,7 @@ def main(argv=None) -> None:
             )
         return params
 
-    def apply(params, x):
-        for i, layer in enumerate(params):
-            x = x @ layer["w"] + layer["b"]
-            if i < len(params) - 1:
-                x = jnp.tanh(x)
-        return x
+    apply = tanh_mlp
 
     def xent(params, batch):
         logits = apply(params, batch["x"])

@@ -34,7 +34,7 @@ import statistics
 import sys
 import time
 
-from _common import raw_psum
+from _common import raw_psum, tanh_mlp
 
 SIZES = (784, 2048, 2048, 2048, 10)
 PER_PROCESS = 8  # examples per process per step
@@ -76,20 +76,10 @@ def _init(key):
     return params
 
 
-def _apply(params, x):
-    import jax.numpy as jnp
-
-    for i, layer in enumerate(params):
-        x = x @ layer["w"] + layer["b"]
-        if i < len(params) - 1:
-            x = jnp.tanh(x)
-    return x
-
-
 def _loss(params, batch):
     import optax
 
-    logits = _apply(params, batch["x"])
+    logits = tanh_mlp(params, batch["x"])
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
 
 
@@ -157,7 +147,7 @@ def worker(kind: str, k: int | None, steps: int, pin: bool) -> dict:
         model = step.unreplicate(jdp.bmuf_global_params(state))
     else:
         model = step.unreplicate(state.params)
-    logits = jax.jit(_apply)(model, x_test)
+    logits = jax.jit(tanh_mlp)(model, x_test)
     accuracy = float(jnp.mean(jnp.argmax(logits, -1) == y_test))
     if kind == "local":
         accuracy = float("nan")  # replicas never merge: no one model to test
