@@ -99,3 +99,12 @@ class CompileCounter:
 
     def __exit__(self, *exc):
         self._active = False
+
+
+def run_steps(step, state, batches):
+    """Runs a parallel `step` over global `batches`; the state and each loss."""
+    losses = []
+    for batch in batches:
+        state, metrics = step(state, step.shard(batch))
+        losses.append(float(metrics["loss"]))
+    return state, losses

@@ -14,7 +14,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import assert_trees_close
+from helpers import assert_trees_close, run_steps
 from sklearn.datasets import load_digits
 
 import jdp
@@ -104,14 +104,6 @@ def split_for_jdp(model, tx=TX):
     return nnx.split((model, optimizer, nnx.Rngs(dropout=1)))
 
 
-def run(step, state, batches):
-    losses = []
-    for batch in batches:
-        state, metrics = step(state, step.shard(batch))
-        losses.append(float(metrics["loss"]))
-    return state, losses
-
-
 def host_bits(tree):
     """Every leaf as NumPy, typed PRNG keys as their key data (to compare bits)."""
 
@@ -147,7 +139,7 @@ def test_nnx_step_equals_single_device_training(single_device):
     model = CNN(rngs=nnx.Rngs(0), dropout=0.0, axis_name="data")
     graphdef, state = split_for_jdp(model)
     step = jdp.parallelize(nnx_train_step(graphdef))
-    state, losses = run(step, step.replicate(state), make_batches(4))
+    state, losses = run_steps(step, step.replicate(state), make_batches(4))
 
     expected, expected_losses = single_device
     jdp.assert_replicas_in_sync(state)
@@ -176,7 +168,7 @@ def test_make_train_step_trains_an_nnx_model(single_device):
     state = step.replicate(
         jdp.TrainState.create(params=params, batch_stats=rest, tx=TX)
     )
-    state, losses = run(step, state, make_batches(4))
+    state, losses = run_steps(step, state, make_batches(4))
 
     expected, expected_losses = single_device
     one = step.unreplicate(state)
@@ -204,7 +196,7 @@ def test_make_train_step_options_work_with_nnx_state():
         train_step = jdp.make_train_step(loss_fn, tx, grad_sync=grad_sync)
         step = jdp.parallelize(train_step, devices=jax.devices()[:4])
         state = jdp.TrainState.create(params=params, batch_stats=rest, tx=tx)
-        state, _ = run(step, step.replicate(state), make_batches(3, 16))
+        state, _ = run_steps(step, step.replicate(state), make_batches(3, 16))
         return step.unreplicate(state)
 
     zero, plain = train("zero"), train("all_reduce")
@@ -268,15 +260,15 @@ def resumed_and_uninterrupted(step, init, fresh, batches, directory):
     Returns the resumed and the uninterrupted states, and one copy of the saved
     state.
     """
-    uninterrupted, _ = run(step, step.replicate(init), batches)
+    uninterrupted, _ = run_steps(step, step.replicate(init), batches)
     half = len(batches) // 2
-    state, _ = run(step, step.replicate(init), batches[:half])
+    state, _ = run_steps(step, step.replicate(init), batches[:half])
     with CheckpointManager(directory) as manager:
         manager.save(half, state)
     with CheckpointManager(directory) as manager:
         restored = manager.restore(step.replicate(fresh))
     saved = jax.device_get(step.unreplicate(state))
-    resumed, _ = run(step, restored, batches[half:])
+    resumed, _ = run_steps(step, restored, batches[half:])
     return resumed, uninterrupted, saved
 
 

@@ -13,6 +13,7 @@ from helpers import (
     init_mlp,
     make_batches,
     mlp_loss,
+    run_steps,
     single_device_train,
 )
 from jax.sharding import PartitionSpec as P
@@ -36,14 +37,6 @@ def zero_step(tx, devices=None, **kw):
     )
 
 
-def run(step, state, batches):
-    losses = []
-    for batch in batches:
-        state, metrics = step(state, step.shard(batch))
-        losses.append(float(metrics["loss"]))
-    return state, losses
-
-
 def test_matches_plain_synchronous_training(backend):
     tx = optax.adam(1e-2)
     batches = make_batches(20, GLOBAL_BATCH)
@@ -52,8 +45,8 @@ def test_matches_plain_synchronous_training(backend):
     zero = jdp.parallelize(
         jdp.make_train_step(mlp_loss, tx, grad_sync="zero"), backend=backend
     )
-    plain_state, plain_losses = run(plain, plain.replicate(init), batches)
-    zero_state, zero_losses = run(zero, zero.replicate(init), batches)
+    plain_state, plain_losses = run_steps(plain, plain.replicate(init), batches)
+    zero_state, zero_losses = run_steps(zero, zero.replicate(init), batches)
     got = zero.unreplicate(zero_state)
     want = plain.unreplicate(plain_state)
     # One full logical copy, structured exactly like the plain optimizer state.
@@ -88,7 +81,7 @@ def test_elementwise_optimizers_match_single_device(name):
     tx = OPTIMIZERS[name]()
     batches = make_batches(6, 24, seed=1)
     step = zero_step(tx, devices=jax.devices()[:3])
-    state, _ = run(
+    state, _ = run_steps(
         step, step.replicate(jdp.TrainState.create(params=params0(), tx=tx)), batches
     )
     expected, expected_opt = single_device_train(mlp_loss, params0(), tx, batches)
@@ -111,7 +104,7 @@ def test_scalar_and_tiny_parameters():
     state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
     assert state.opt_state.chunks[0].mu["s"].shape == (8, 1)
     assert _layout.logical_like(state).opt_state[0].mu["s"].shape == ()
-    state, _ = run(step, state, batches)
+    state, _ = run_steps(step, state, batches)
     expected, expected_opt = single_device_train(loss, params, tx, batches)
     got = step.unreplicate(state)
     assert got.opt_state[0].mu["s"].shape == ()
@@ -155,7 +148,7 @@ def test_each_device_holds_one_slice_of_the_optimizer_state():
     assert mu_w.sharding.spec == P("data") and mu_w.shape == (n, math.ceil(104 / n))
     assert [s.data.shape for s in mu_w.addressable_shards] == [(1, 13)] * n
     # The slices are different parts of the logical state, not copies.
-    zero_state, _ = run(zero, zero_state, make_batches(1, GLOBAL_BATCH))
+    zero_state, _ = run_steps(zero, zero_state, make_batches(1, GLOBAL_BATCH))
     rows = np.asarray(zero_state.opt_state.chunks[0].mu["layer0"]["w"])
     assert not np.allclose(rows[0], rows[1])
 
@@ -195,7 +188,7 @@ def test_small_buckets_give_one_collective_pair_per_bucket():
     assert sum(c.kind == "reduce-scatter" for c in ops) == sum(
         c.kind == "all-gather" for c in ops
     )
-    state, _ = run(step, step.replicate(init), batches)
+    state, _ = run_steps(step, step.replicate(init), batches)
     expected, _ = single_device_train(mlp_loss, params0(), tx, batches)
     assert_trees_close(step.unreplicate(state).params, expected, rtol=1e-5)
 
@@ -210,7 +203,7 @@ def test_reduce_dtype_sets_the_reduce_scatter_wire_type():
     )
     assert [c.dtype for c in ops if c.kind == "reduce-scatter"] == ["bf16"]
     assert [c.dtype for c in ops if c.kind == "all-gather"] == ["f32"]
-    state, _ = run(step, step.replicate(init), batches)
+    state, _ = run_steps(step, step.replicate(init), batches)
     expected, _ = single_device_train(mlp_loss, params0(), tx, batches)
     assert_trees_close(step.unreplicate(state).params, expected, rtol=2e-2, atol=2e-3)
 
@@ -221,7 +214,7 @@ def test_logical_copy_restores_into_another_replica_count():
     batches = make_batches(8, 24, seed=2)
     init = jdp.TrainState.create(params=params0(), tx=tx)
     eight = zero_step(tx)
-    state, _ = run(eight, eight.replicate(init), batches[:4])
+    state, _ = run_steps(eight, eight.replicate(init), batches[:4])
     saved = jax.device_get(_layout.logical_copy(state))  # what a checkpoint holds
     assert jax.tree.structure(saved) == jax.tree.structure(init)
 
@@ -232,10 +225,10 @@ def test_logical_copy_restores_into_another_replica_count():
     )
     resumed = _layout.place_like(saved, like)
     assert resumed.opt_state.chunks[0].mu["layer0"]["w"].shape == (3, 35)
-    resumed, _ = run(three, resumed, batches[4:])
+    resumed, _ = run_steps(three, resumed, batches[4:])
 
     two = jdp.parallelize(jdp.make_train_step(mlp_loss, tx), devices=jax.devices()[:2])
-    plain, _ = run(two, two.replicate(saved), batches[4:])
+    plain, _ = run_steps(two, two.replicate(saved), batches[4:])
 
     expected, expected_opt = single_device_train(mlp_loss, params0(), tx, batches)
     for step, final in ((three, resumed), (two, plain)):
@@ -248,7 +241,7 @@ def test_checkpoint_manager_roundtrip_into_another_replica_count(tmp_path):
     tx = optax.adam(1e-2)
     init = jdp.TrainState.create(params=params0(), tx=tx)
     eight = zero_step(tx)
-    state, _ = run(eight, eight.replicate(init), make_batches(2, 24))
+    state, _ = run_steps(eight, eight.replicate(init), make_batches(2, 24))
     with jdp.checkpoint.CheckpointManager(tmp_path) as manager:
         manager.save(2, state)
         four = zero_step(tx, devices=jax.devices()[:4])
@@ -260,7 +253,7 @@ def test_replicas_in_sync_skips_slices_and_broadcast_keeps_them():
     tx = optax.adam(1e-2)
     step = zero_step(tx, devices=jax.devices()[:4])
     state = step.replicate(jdp.TrainState.create(params=params0(), tx=tx))
-    state, _ = run(step, state, make_batches(2, 8))
+    state, _ = run_steps(step, state, make_batches(2, 8))
     assert jdp.replicas_in_sync(state)  # slices differ, but by design
     before = step.unreplicate(state)
     after = step.broadcast(state)
