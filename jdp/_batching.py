@@ -411,27 +411,25 @@ def prefetch(iterable, *, size: int, place: Callable[[Any], Any]):
     queue: Queue = Queue(maxsize=size)
     stop = threading.Event()
 
+    def put(item) -> bool:
+        """Puts `item` once there is room; False if the consumer stopped first."""
+        while not stop.is_set():
+            try:
+                queue.put(item, timeout=0.1)
+                return True
+            except Full:
+                continue
+        return False
+
     def fill():
         try:
             for batch in iterable:
-                item = (place(batch), None)
-                while not stop.is_set():
-                    try:
-                        queue.put(item, timeout=0.1)
-                        break
-                    except Full:
-                        continue
-                if stop.is_set():
+                if not put((place(batch), None)):
                     return
             item = (_DONE, None)
         except BaseException as e:  # handed to the consumer, raised there
             item = (_DONE, e)
-        while not stop.is_set():
-            try:
-                queue.put(item, timeout=0.1)
-                return
-            except Full:
-                continue
+        put(item)
 
     thread = threading.Thread(target=fill, name="jdp-prefetch", daemon=True)
     thread.start()
