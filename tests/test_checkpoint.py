@@ -1016,17 +1016,23 @@ def _damage_arrays(step_dir):
         path.write_bytes(bytes(path.stat().st_size))
 
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-@pytest.mark.parametrize("restore_first", [True, False], ids=["restored", "fresh"])
-def test_damaged_newest_step_warns_and_its_number_can_be_saved_again(
-    tmp_path, restore_first
-):
+def _save_steps_1_and_2(tmp_path):
+    """Saves states 1 and 2 of three; the step, a `like` and the three states."""
     step = make_parallel(num_devices=2)
     like = step.replicate({"w": jnp.zeros(4)})
     states = [step.replicate({"w": jnp.arange(4.0) * k}) for k in (1, 2, 3)]
     with CheckpointManager(tmp_path) as manager:
         manager.save(1, states[0])
         manager.save(2, states[1])
+    return step, like, states
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("restore_first", [True, False], ids=["restored", "fresh"])
+def test_damaged_newest_step_warns_and_its_number_can_be_saved_again(
+    tmp_path, restore_first
+):
+    step, like, states = _save_steps_1_and_2(tmp_path)
     _damage_arrays(tmp_path / "2")
     where = re.escape(str(tmp_path))
     with CheckpointManager(tmp_path) as manager:
@@ -1071,12 +1077,7 @@ def test_uncommitted_newest_step_warns_and_its_number_can_be_saved_again(
     tmp_path, missing, reason
 ):
     """A step directory a killed save left without its commit marker, partly written."""
-    step = make_parallel(num_devices=2)
-    like = step.replicate({"w": jnp.zeros(4)})
-    states = [step.replicate({"w": jnp.arange(4.0) * k}) for k in (1, 2, 3)]
-    with CheckpointManager(tmp_path) as manager:
-        manager.save(1, states[0])
-        manager.save(2, states[1])
+    step, like, states = _save_steps_1_and_2(tmp_path)
     shutil.rmtree(tmp_path / "2" / missing)
     for marker in (tmp_path / "2").rglob("commit_success.txt"):
         marker.unlink()
