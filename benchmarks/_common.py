@@ -16,6 +16,24 @@ def set_devices(n: int) -> None:
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}"
 
 
+def square_mlp(width: int, depth: int, key):
+    """`depth` random `width` x `width` layers `{"w", "b"}` (for `mlp_loss`)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    params = []
+    for _ in range(depth):
+        key, sub = jax.random.split(key)
+        params.append(
+            {
+                "w": jax.random.normal(sub, (width, width)) / np.sqrt(width),
+                "b": jnp.zeros(width),
+            }
+        )
+    return params
+
+
 def mlp_loss(params, batch):
     """Mean squared error of a ReLU MLP given as a list of `{"w", "b"}` layers."""
     import jax

@@ -18,7 +18,7 @@ import statistics
 import sys
 import time
 
-from _common import mlp_loss, set_devices
+from _common import mlp_loss, set_devices, square_mlp
 
 
 def main(argv=None) -> None:
@@ -31,7 +31,6 @@ def main(argv=None) -> None:
         set_devices(args.devices)
 
     import jax
-    import jax.numpy as jnp
     import numpy as np
     import optax
     from jax import lax
@@ -49,18 +48,6 @@ def main(argv=None) -> None:
         configs.append(("med-b32", 2048, 4, 32))  # little compute per parameter
     rounds = args.rounds or (3 if args.quick else 11)
 
-    def init(width, depth, key):
-        params = []
-        for _ in range(depth):
-            key, sub = jax.random.split(key)
-            params.append(
-                {
-                    "w": jax.random.normal(sub, (width, width)) / np.sqrt(width),
-                    "b": jnp.zeros(width),
-                }
-            )
-        return params
-
     loss_fn = mlp_loss
 
     tx = optax.sgd(1e-3, momentum=0.9)
@@ -70,7 +57,7 @@ def main(argv=None) -> None:
     rows = []
 
     def run_config(name, width, depth, batch_size):
-        params = jax.tree.map(np.asarray, init(width, depth, jax.random.key(0)))
+        params = jax.tree.map(np.asarray, square_mlp(width, depth, jax.random.key(0)))
         rng = np.random.default_rng(0)
         host_batch = {
             "x": rng.normal(size=(batch_size, width)).astype(np.float32),

@@ -19,7 +19,7 @@ import statistics
 import sys
 import time
 
-from _common import mlp_loss, set_devices
+from _common import mlp_loss, set_devices, square_mlp
 
 
 def main(argv=None) -> None:
@@ -31,7 +31,6 @@ def main(argv=None) -> None:
         set_devices(args.devices)
 
     import jax
-    import jax.numpy as jnp
     import numpy as np
     import optax
 
@@ -39,16 +38,7 @@ def main(argv=None) -> None:
 
     width, depth, batch_size = 512, 4, 256
     steps, rounds = (6, 3) if args.quick else (12, 7)
-    key = jax.random.key(0)
-    params = []
-    for _ in range(depth):
-        key, sub = jax.random.split(key)
-        params.append(
-            {
-                "w": jax.random.normal(sub, (width, width)) / np.sqrt(width),
-                "b": jnp.zeros(width),
-            }
-        )
+    params = square_mlp(width, depth, jax.random.key(0))
     tx = optax.sgd(1e-3, momentum=0.9)
     step = jdp.parallelize(
         jdp.make_train_step(mlp_loss, tx), devices=jax.devices()[: args.devices]
