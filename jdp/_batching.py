@@ -284,7 +284,7 @@ class _ProcessCheck:
     def __init__(self):
         self.verified = None  # the last signature the processes agreed on
         self.pending = None  # (all-gather, pad) of the last unverified call
-        self._gather = {}
+        self._gather = None  # (devices, input sharding, jitted all-gather)
 
     def gather(self, row: np.ndarray) -> jax.Array:
         """Every process's `row`, stacked in process order (asynchronous)."""
@@ -292,16 +292,15 @@ class _ProcessCheck:
         from jax.sharding import PartitionSpec as P
 
         devices = tuple(jax.devices())
-        if devices not in self._gather:
+        if self._gather is None or self._gather[0] != devices:
             grid = np.array(devices).reshape(jax.process_count(), -1)
             mesh = Mesh(grid, ("processes", "local_devices"))
-            self._gather = {
-                devices: (
-                    NamedSharding(mesh, P("processes")),
-                    jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, P())),
-                )
-            }
-        sharding, fn = self._gather[devices]
+            self._gather = (
+                devices,
+                NamedSharding(mesh, P("processes")),
+                jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, P())),
+            )
+        _, sharding, fn = self._gather
         x = jax.make_array_from_process_local_data(
             sharding, row[None], (jax.process_count(), row.size)
         )
