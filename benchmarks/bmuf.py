@@ -23,11 +23,14 @@ from __future__ import annotations
 
 import argparse
 import random
+import resource
 import statistics
 import sys
 import time
 
 from _common import set_devices, tanh_mlp
+
+PAGE = resource.getpagesize()
 
 #: `make_train_step`'s `grad_sync` for a run that does / does not all-reduce.
 SYNC = {True: "all_reduce", False: "none"}
@@ -96,7 +99,7 @@ def main(argv=None) -> None:
     for k in (1, 4, 16):
         variants[f"BMUF k={k}"] = (jdp.bmuf(inner, sync_period=k), False, k)
 
-    runners, comm, copies, layout = {}, {}, {}, {}
+    runners, comm, copies, layout, step_memory = {}, {}, {}, {}, {}
     for name, (tx, all_reduce, k) in variants.items():
         step = jdp.parallelize(
             jdp.make_train_step(xent, tx, grad_sync=SYNC[all_reduce]), devices=devices
@@ -124,17 +127,22 @@ def main(argv=None) -> None:
 
         jax.block_until_ready(run())  # compile (both branches) and warm up
         runners[name] = run
+        step_memory[name] = step.memory_analysis(state[0], batch)
     # Rounds of one block per variant, in a fresh order each round; a ratio is
     # taken within a round (variants timed back to back), then the median over
     # rounds: a slow phase of a shared machine hits both sides of a ratio.
     times = {name: [] for name in runners}
+    faults = {name: 0 for name in runners}  # minor page faults, whole process
     order = list(runners)
     for _ in range(args.rounds):
         random.Random(len(times["sync SGD"])).shuffle(order)
         for name in order:
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             t0 = time.perf_counter()
             jax.block_until_ready(runners[name]())
             times[name].append((time.perf_counter() - t0) / block)
+            faults[name] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    temp = {name: step_memory[name].temp_bytes / 2**20 for name in step_memory}
 
     def ratios(name, base):
         return [a / b for a, b in zip(times[name], times[base], strict=True)]
@@ -147,7 +155,8 @@ def main(argv=None) -> None:
     )
     header = (
         f"{'variant':<11} {'AR MiB/step':>11} {'vs sync':>8} {'params/k':>8} "
-        f"{'state':>5} {'ms/step':>8} {'vs local':>8} {'range':>11} {'vs sync':>8}"
+        f"{'state':>5} {'ms/step':>8} {'vs local':>8} {'range':>11} {'vs sync':>8} "
+        f"{'temp MiB':>8} {'faults MiB':>10}"
     )
     print(header)
     print("-" * len(header))
@@ -159,7 +168,8 @@ def main(argv=None) -> None:
             f"{name:<11} {comm[name] / 2**20:11.3f} {comm[name] / comm[base]:8.4f} "
             f"{target} {copies[name]:5.1f} {statistics.median(times[name]) * 1e3:8.1f} "
             f"{statistics.median(local):8.3f} {min(local):5.2f}-{max(local):<5.2f} "
-            f"{statistics.median(ratios(name, base)):8.3f}"
+            f"{statistics.median(ratios(name, base)):8.3f} {temp[name]:8.1f} "
+            f"{faults[name] * PAGE / 2**20 / (args.rounds * block):10.1f}"
         )
     print(
         "\nAR MiB/step: all-reduced bytes per step from the compiled HLO, sync-branch "
@@ -171,7 +181,11 @@ def main(argv=None) -> None:
         "over a block of "
         f"{block} steps (one sync for k=16). vs local / vs sync: median over rounds "
         "of the ratio to the local step without all-reduce (BMUF's floor) / to "
-        "synchronous SGD, timed in the same round; range: lowest and highest round."
+        "synchronous SGD, timed in the same round; range: lowest and highest round. "
+        "temp MiB: XLA's temporary buffer of the compiled step, per device. faults "
+        "MiB: memory the process touched fresh (minor page faults x page size) per "
+        "step, all devices: XLA:CPU allocates a step's temporary buffer on every "
+        "call, and glibc maps an allocation above 32 MiB afresh each time."
     )
     for name in ("sync SGD", "BMUF k=16"):
         compiled, lowered = layout[name]

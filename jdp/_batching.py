@@ -1,10 +1,10 @@
 """Private: `step.shard`, splitting a global batch across replicas.
 
 With several processes each process passes its own share of the global batch;
-the processes' sizes, structures and dtypes are compared with one small
-all-gather, because a mismatch would otherwise train on misaligned data without
-an error. A process waits for that comparison only when its batch's shapes change
-(see `_ProcessCheck`).
+the processes' sizes, structures and dtypes are compared through JAX's
+coordination service, because a mismatch would otherwise train on misaligned
+data without an error. A process waits for that comparison only when its batch's
+shapes change; a steady loop is checked in the background (see `_ProcessCheck`).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import math
 import threading
+import time
 import weakref
 import zlib
 from collections.abc import Callable
@@ -21,7 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jdp import _validate
+from jdp import _coordination, _validate
 from jdp._layout import host_value, misplaced
 from jdp._tree import format_problems, keystr
 
@@ -268,46 +269,283 @@ def _check_divisible(host, num_local: int, num_replicas: int) -> None:
             )
 
 
-class _ProcessCheck:
-    """The cross-process batch check: one small all-gather on every `shard` call.
+#: Keys, in JAX's coordination service: each process's published signatures, and
+#: the requests that ask a process to publish how far it has got.
+_KEY = "jdp/step.shard/process/"
+_REQUEST_KEY = "jdp/step.shard/request/"
+#: Signature changes each process keeps published (the older ones are verified).
+_KEEP_CHANGES = 64
+#: Longest pause between two reads while waiting for the other processes.
+_POLL_S = 0.02
+#: How long the background thread's blocking read waits before it reads again.
+_LISTEN_MS = 10_000
 
-    Every process issues the all-gather on every call, so the processes never
-    disagree about whether to run it. What depends on the batch is whether this
-    process *waits* for the answer before it places its batch: it waits when its
-    batch signature (sizes, structure, trailing shapes, dtypes) is new, or when
-    padding needs the other processes' sizes. A loop whose batches keep their
-    shapes does not wait: each call's answer is checked at the next call, and
-    the all-gather runs on the devices behind the previous step. A process whose
-    batch changed waits and raises at once if the processes disagree.
+
+def _encode(reached: int, answered: int, changes) -> str:
+    rows = " ".join(f"{c}:" + ",".join(map(str, row)) for c, row in changes)
+    return f"{reached};{answered};{rows}"
+
+
+def _decode(value: str):
+    reached, answered, rows = value.split(";")
+    changes = []
+    for item in rows.split():
+        call, _, row = item.partition(":")
+        changes.append((int(call), tuple(int(v) for v in row.split(","))))
+    return int(reached), int(answered), changes
+
+
+def row_at(changes, call: int):
+    """The signature in force at `call`, from a list of `(call, signature)` changes.
+
+    Example:
+      >>> from jdp._batching import row_at
+      >>> row_at([(0, (8,)), (5, (6,))], 4), row_at([(0, (8,)), (5, (6,))], 5)
+      ((8,), (6,))
+    """
+    found = None
+    for c, row in changes:
+        if c > call:
+            break
+        found = row
+    return found
+
+
+def rows_agree(rows) -> bool:
+    """Whether the processes' signature rows agree (sizes may differ when padding).
+
+    A row is `(fewest examples, most examples, layout checksum, pad, local
+    replicas)`.
+
+    Example:
+      >>> from jdp._batching import rows_agree
+      >>> rows_agree([(8, 8, 7, 1, 1), (5, 5, 7, 1, 1)])
+      True
+      >>> rows_agree([(8, 8, 7, 0, 1), (5, 5, 7, 0, 1)])
+      False
+    """
+    if len({row[2:4] for row in rows}) > 1:
+        return False
+    return bool(rows[0][3]) or len({row[:2] for row in rows}) == 1
+
+
+def first_disagreement(
+    every_changes, start: int, through: int, skip=(), agree=rows_agree
+):
+    """The first call in `(start, through]` at which the processes' signatures differ.
+
+    Each process's signature only changes at its listed calls, so checking the
+    calls where any process changed covers every call in between.
+
+    Args:
+      every_changes: Per process, its `(call, signature)` changes.
+      start: The last call already verified.
+      through: The last call every process has reached.
+      skip: Calls not to check (this process compared them itself).
+      agree: Whether a list of rows (one per process) agrees.
+
+    Returns:
+      `(call, rows)` (the rows of every process at that call), or None.
+
+    Example:
+      >>> from jdp._batching import first_disagreement
+      >>> a, b = [(0, (8,))], [(0, (8,)), (3, (6,))]
+      >>> same = lambda rows: len(set(rows)) == 1
+      >>> first_disagreement([a, b], -1, 2, agree=same)
+      >>> first_disagreement([a, b], -1, 4, agree=same)
+      (3, [(8,), (6,)])
+    """
+    calls = sorted(
+        {c for changes in every_changes for c, _ in changes if start < c <= through}
+        - set(skip)
+    )
+    for call in calls:
+        rows = [row_at(changes, call) for changes in every_changes]
+        if not agree(rows):
+            return call, rows
+    return None
+
+
+class _ProcessCheck:
+    """The cross-process batch check, through JAX's coordination service.
+
+    Each process publishes, in the coordination service's key-value store (which
+    `jdp.distributed.initialize` set up; not a collective on the devices), the
+    calls at which its batch signature (sizes, structure, trailing shapes,
+    dtypes, padding) changed and how many `shard` calls it had made then. A
+    process whose signature changes (its first call, a short last batch, ...)
+    publishes, waits until every process has reached the same call, compares,
+    and raises at once if they disagree; with `pad=True` and no `pad_to` it does
+    so on every call, for the largest size. A process whose signature did not
+    change does nothing but count: a background thread, blocked in a read of the
+    store, wakes only when another process asks how far this one has got, then
+    publishes, checks the asker's changes, and a disagreement it finds is raised
+    at this process's next call. A steady loop therefore costs no message at all.
     """
 
     def __init__(self):
-        self.verified = None  # the last signature the processes agreed on
-        self.pending = None  # (all-gather, pad) of the last unverified call
-        self._gather = None  # (devices, input sharding, jitted all-gather)
+        self._lock = threading.Lock()  # guards the fields below
+        self._publishing = threading.Lock()  # keeps publications in order
+        self._reset(None)
 
-    def gather(self, row: np.ndarray) -> jax.Array:
-        """Every process's `row`, stacked in process order (asynchronous)."""
-        from jax.sharding import Mesh, NamedSharding
-        from jax.sharding import PartitionSpec as P
+    def _reset(self, client) -> None:
+        self.client = client
+        self.calls = 0  # `shard` calls so far (in multi-process mode)
+        self.last = None  # this process's last signature row
+        self.changes: list = []  # [(call, row)] where it changed
+        self.pads: dict[int, bool] = {}  # call -> pad, at each change
+        self.reached = -1  # the last call this process made
+        self.answered = 0  # requests to publish answered so far
+        self.published = None  # (reached, answered) last published
+        self.verified = -1  # disagreements up to here were looked for
+        self.waits = 0  # calls that waited for the other processes
+        self.late = None  # (call, rows) of a disagreement found in the background
+        self.moved = threading.Event()  # set on every call
+        self.thread = None
 
-        devices = tuple(jax.devices())
-        if self._gather is None or self._gather[0] != devices:
-            grid = np.array(devices).reshape(jax.process_count(), -1)
-            mesh = Mesh(grid, ("processes", "local_devices"))
-            self._gather = (
-                devices,
-                NamedSharding(mesh, P("processes")),
-                jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, P())),
+    def check(self, row: tuple, *, need_sizes: bool, pad: bool):
+        """Records this call's `row`; every process's rows when it must wait.
+
+        Returns:
+          `(call, rows)`: the rows of every process at this call when this
+          process waited, or a disagreement found earlier (`call` < this call);
+          None otherwise.
+        """
+        client = _coordination.client()
+        if client is None:
+            raise RuntimeError(
+                "`step.shard` across processes compares the processes' batches "
+                "through JAX's coordination service, which is not running: call "
+                "`jdp.distributed.initialize()` first."
             )
-        _, sharding, fn = self._gather
-        x = jax.make_array_from_process_local_data(
-            sharding, row[None], (jax.process_count(), row.size)
-        )
-        return fn(x)
+        with self._lock:
+            if client is not self.client:
+                self._reset(client)
+            call = self.calls
+            self.calls += 1
+            self.reached = call
+            wait = need_sizes or row != self.last
+            if wait:
+                self.changes.append((call, row))
+                self.pads[call] = pad
+                del self.changes[:-_KEEP_CHANGES]
+                self.last = row
+            late, self.late = self.late, None
+            if self.thread is None:
+                self.thread = threading.Thread(
+                    target=self._listen, name="jdp-shard-check", daemon=True
+                )
+                self.thread.start()
+        self.moved.set()
+        if late is None and not wait:
+            return None
+        self._publish()  # before raising too: the others may wait for this call
+        if late is not None:
+            return late
+        self.waits += 1
+        every = self._wait_for(call)
+        with self._lock:
+            self.verified = max(self.verified, call)
+        return call, [row_at(changes, call) for changes in every]
 
-    def reset(self) -> None:
-        self.verified, self.pending = None, None
+    def forget_last(self) -> None:
+        """Makes the next call count as a change (after a disagreement)."""
+        with self._lock:
+            self.last = None
+
+    def pad_at(self, call: int) -> bool:
+        """Whether this process padded at `call`."""
+        found = False
+        for c, pad in self.pads.items():
+            if c <= call:
+                found = pad
+        return found
+
+    def _publish(self) -> None:
+        with self._publishing:
+            with self._lock:
+                now = (self.reached, self.answered)
+                value = _encode(*now, self.changes)
+            if now != self.published:
+                self.client.key_value_set(
+                    f"{_KEY}{jax.process_index()}", value, allow_overwrite=True
+                )
+                self.published = now
+
+    def _read(self):
+        """Every process's `(reached, answered, changes)`, in process order."""
+        found = [None] * jax.process_count()
+        for key, value in self.client.key_value_dir_get(_KEY):
+            tail = key.rstrip("/").rpartition("/")[2]
+            if tail.isdigit() and int(tail) < len(found):
+                found[int(tail)] = _decode(value)
+        return found
+
+    def _wait_for(self, call: int):
+        """Waits until every process has reached `call`; their change lists.
+
+        A process that has not published that far is asked to (it may be in a
+        steady loop, which publishes nothing unasked).
+        """
+        asked = set()
+        pause = 0.0005
+        while True:
+            found = self._read()
+            if all(f is not None and f[0] >= call for f in found):
+                return [f[2] for f in found]
+            for process, f in enumerate(found):
+                if f is not None and f[0] < call and (process, f[1]) not in asked:
+                    self.client.key_value_set(
+                        f"{_REQUEST_KEY}{process}/{f[1]}",
+                        str(call),
+                        allow_overwrite=True,
+                    )
+                    asked.add((process, f[1]))
+            time.sleep(pause)
+            pause = min(2 * pause, _POLL_S)
+
+    def _listen(self) -> None:
+        """The background thread: answers the other processes' requests."""
+        client = self.client
+        me = jax.process_index()
+        while self.client is client:
+            key = f"{_REQUEST_KEY}{me}/{self.answered}"
+            try:
+                wanted = int(client.blocking_key_value_get(key, _LISTEN_MS))
+            except Exception as e:
+                if "DEADLINE_EXCEEDED" in str(e):
+                    continue  # nobody asked: listen again
+                return  # the service is gone (shutdown): stop
+            while self.client is client and self.reached < wanted:
+                self.moved.wait(_POLL_S)  # until this process gets that far
+                self.moved.clear()
+            with self._lock:
+                if self.client is not client:
+                    return
+                self.answered += 1
+            try:
+                self._publish()
+                client.key_value_delete(key)
+                found = self._read()
+            except Exception:
+                return
+            self._verify(client, found)
+
+    def _verify(self, client, found) -> None:
+        """Looks for a disagreement at the other processes' changes."""
+        if any(f is None for f in found):
+            return
+        through = min(f[0] for f in found)
+        with self._lock:
+            if self.client is not client or through <= self.verified:
+                return
+            own = {c for c, _ in self.changes}  # this process compared those
+            bad = first_disagreement(
+                [f[2] for f in found], self.verified, through, skip=own
+            )
+            self.verified = through if bad is None else bad[0]
+            if bad is not None and self.late is None:
+                self.late = bad
 
 
 _PROCESS_CHECK = _ProcessCheck()
@@ -316,50 +554,52 @@ _PROCESS_CHECK = _ProcessCheck()
 def _check_process_batches(
     host, *, pad: bool, num_local: int, need_sizes: bool
 ) -> int | None:
-    """Compares this process's batch with the other processes' (one all-gather).
+    """Compares this process's batch with the other processes' batches.
 
     With `pad`, the processes' sizes may differ. With `need_sizes` (padding to the
-    largest process's batch) this process waits for the answer on every call and
-    returns the padded per-process size every process uses; otherwise None.
+    largest process's batch) this process waits on every call and returns the
+    padded per-process size every process uses; otherwise None.
     """
-    check = _PROCESS_CHECK
     rows = [x.shape[0] for _, x in host]
     layout = "|".join(f"{keystr(p)}:{x.shape[1:]}:{x.dtype}" for p, x in host)
-    mine = np.array(
-        [min(rows), max(rows), zlib.crc32(layout.encode()) & 0x7FFFFFFF], np.int32
+    mine = (
+        min(rows),
+        max(rows),
+        zlib.crc32(layout.encode()) & 0x7FFFFFFF,
+        int(pad),
+        num_local,
     )
-    signature = (mine.tobytes(), pad, num_local)
-    gathered = check.gather(mine)
-    previous, check.pending = check.pending, None
-    if previous is not None:  # the last call's answer, checked late
-        rows_then, pad_then = previous
-        try:
-            every = _host_rows(rows_then)
-            _compare_processes(
-                every, host, pad=pad_then, num_local=num_local, late=True
-            )
-        except ValueError:
-            check.reset()
-            raise
-    if need_sizes or signature != check.verified:
-        check.verified = None
-        every = _host_rows(gathered)
+    check = _PROCESS_CHECK
+    answer = check.check(mine, need_sizes=need_sizes, pad=pad)
+    if answer is None:
+        return None
+    call, every = answer
+    late = call < check.reached  # found by the background check
+    try:
         padded = _compare_processes(
-            every, host, pad=pad, num_local=num_local, late=False
+            np.array(every),
+            host,
+            pad=check.pad_at(call) if late else pad,
+            num_local=num_local,
+            late=call if late else None,
         )
-        check.verified = signature
-        return padded if need_sizes else None
-    check.pending = (gathered, pad)
-    return None
+    except ValueError:
+        check.forget_last()  # the next call compares again, at once
+        raise
+    return padded if need_sizes and not late else None
 
 
-def _host_rows(gathered: jax.Array) -> np.ndarray:
-    return np.asarray(gathered.addressable_data(0))
+def _compare_processes(every, host, *, pad: bool, num_local: int, late: int | None):
+    """Raises unless every process's row agrees; the padded size when `pad`.
 
-
-def _compare_processes(every, host, *, pad: bool, num_local: int, late: bool):
-    """Raises unless every process's row agrees; the padded size when `pad`."""
-    when = "at the previous call, " if late else ""
+    `late`: the earlier call (counted from 0 over this process's `step.shard`
+    calls) at which the background check found the disagreement.
+    """
+    when = (
+        f"at an earlier call (call {late} of `step.shard` on this process), "
+        if late is not None
+        else ""
+    )
     if len(set(every[:, 2].tolist())) > 1:
         odd = [p for p in range(len(every)) if every[p, 2] != every[0, 2]]
         raise ValueError(
@@ -370,6 +610,14 @@ def _compare_processes(every, host, *, pad: bool, num_local: int, late: bool):
             + ", ".join(f"{keystr(p)} {x.shape} {x.dtype}" for p, x in host[:5])
             + "). Every process must pass the same leaves with the same shapes "
             "(except the leading size) and dtypes."
+        )
+    if len(set(every[:, 3].tolist())) > 1:
+        listed = ", ".join(
+            f"process {p}: pad={bool(v)}" for p, v in enumerate(every[:, 3].tolist())
+        )
+        raise ValueError(
+            f"`step.shard`: {when}the processes called `step.shard` with different "
+            f"`pad` ({listed}); every process must pad, or none."
         )
     if pad:
         return max(padded_size(int(n), num_local) for n in every[:, 1])

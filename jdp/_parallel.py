@@ -185,11 +185,15 @@ class Parallel:
         `jax.make_array_from_process_local_data`): the global batch is the
         processes' batches concatenated in process order. Every process must pass
         the same number of examples; to catch a mismatch (which would otherwise
-        train on misaligned data without an error), `shard` compares the sizes
-        across processes with one small all-gather per call. A process waits for
-        the answer only when its batch's shapes change (a loop with steady
-        shapes runs on and checks each answer at the next call); with `pad=True`
-        and no `pad_to` it waits every call, for the largest process's size.
+        train on misaligned data without an error), `shard` compares the
+        processes' batches through JAX's coordination service (no collective on
+        the devices). A process whose batch shapes change (the first call, a
+        short last batch) waits for the other processes to reach the same call
+        and raises at once on a mismatch; in a loop of steady shapes a process
+        sends nothing and waits for nothing, and learns of another process's
+        mismatch (raising at its next call) when that process asks for its
+        shapes. With `pad=True` and no `pad_to` every call waits, for the
+        largest process's size.
 
         Args:
           batch: Pytree of arrays whose leading axis is the example axis.

@@ -15,6 +15,7 @@ LAYERS = {
     "jdp._validate": 0,
     "jdp._hlo": 0,
     "jdp._buckets": 0,
+    "jdp._coordination": 0,
     "jdp._layout": 1,
     "jdp._collectives": 2,
     "jdp._backends": 2,

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import jdp
+from jdp import _batching
 
 
 def echo_step(backend, num=4):
@@ -144,3 +145,44 @@ def test_flax_prefetch_to_device_batches_are_refused_by_a_shard_map_step():
     pmap_step = echo_step("pmap", num=8)
     _, metrics = pmap_step(pmap_step.replicate({}), prefetched)
     assert float(metrics["n"]) == 4 * 3
+
+
+# -- the cross-process check's bookkeeping (pure: the protocol runs in
+#    tests/multiprocess/test_multihost.py) --------------------------------------
+
+
+def test_a_signature_is_in_force_from_its_change_until_the_next():
+    changes = [(0, (8, 8, 1, 0, 1)), (5, (6, 6, 1, 0, 1))]
+    assert _batching.row_at(changes, 0) == changes[0][1]
+    assert _batching.row_at(changes, 4) == changes[0][1]
+    assert _batching.row_at(changes, 5) == changes[1][1]
+    assert _batching.row_at(changes, 99) == changes[1][1]
+    assert _batching.row_at(changes, -1) is None
+
+
+def test_published_changes_round_trip_through_their_text_form():
+    changes = [(0, (8, 8, 12345, 0, 4)), (17, (6, 6, 12345, 1, 4))]
+    value = _batching._encode(17, 2, changes)
+    assert _batching._decode(value) == (17, 2, changes)
+    assert _batching._decode(_batching._encode(3, 0, [])) == (3, 0, [])
+
+
+def test_processes_agree_on_sizes_unless_they_pad():
+    row = (8, 8, 7, 0, 1)
+    assert _batching.rows_agree([row, row])
+    assert not _batching.rows_agree([row, (6, 6, 7, 0, 1)])  # sizes
+    assert not _batching.rows_agree([row, (8, 8, 9, 0, 1)])  # layout
+    assert not _batching.rows_agree([row, (8, 8, 7, 1, 1)])  # pad on one only
+    assert _batching.rows_agree([(8, 8, 7, 1, 1), (5, 5, 7, 1, 1)])
+
+
+def test_a_disagreement_is_found_at_any_process_change_in_the_range():
+    steady = [(0, (8, 8, 7, 0, 1))]
+    short_last = [(0, (8, 8, 7, 0, 1)), (9, (6, 6, 7, 0, 1)), (10, (8, 8, 7, 0, 1))]
+    find = _batching.first_disagreement
+    assert find([steady, short_last], -1, 8) is None  # not reached yet
+    call, rows = find([steady, short_last], -1, 12)
+    assert call == 9 and rows == [(8, 8, 7, 0, 1), (6, 6, 7, 0, 1)]
+    assert find([steady, short_last], 9, 12) is None  # call 9 already verified
+    # A process skips the calls it compared itself.
+    assert find([steady, short_last], -1, 12, skip={9, 10}) is None

@@ -27,7 +27,7 @@ from typing import Literal
 
 import jax
 
-from jdp import _validate
+from jdp import _coordination, _validate
 
 ENV_COORDINATOR_ADDRESS = "JDP_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "JDP_NUM_PROCESSES"
@@ -646,17 +646,6 @@ def shutdown() -> None:
     _leave(config["process_id"], config["num_processes"], _shutdown_timeout_s)
 
 
-def _coordination_client():
-    """This process's client of JAX's coordination service (None if not joined)."""
-    # Private JAX, on purpose: JAX (0.10) has no public API for the coordination
-    # service's key-value store, which says here which processes reached shutdown.
-    try:
-        from jax._src import distributed as jax_distributed_state
-    except ImportError:  # pragma: no cover - JAX moved it; the message says less
-        return None
-    return getattr(jax_distributed_state.global_state, "client", None)
-
-
 def _leave(process_id: int, num_processes: int, timeout_s: int) -> None:
     """`jax.distributed.shutdown()`, ended after `timeout_s` s with a clear message.
 
@@ -665,7 +654,7 @@ def _leave(process_id: int, num_processes: int, timeout_s: int) -> None:
     watchdog stops the wait first and names the processes that did not arrive
     (each process notes its arrival in the coordination service first).
     """
-    client = _coordination_client()
+    client = _coordination.client()
     watchdog = threading.Timer(
         timeout_s,
         _shutdown_timed_out,

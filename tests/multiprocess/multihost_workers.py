@@ -114,12 +114,20 @@ def _shard_checks():
     except ValueError as e:
         out["layout"] = str(e)
     # A loop whose batches keep their shapes: no process waits for the check ...
+    check = _batching._PROCESS_CHECK
+    step.shard(np.ones(8, np.float32))
+    waits = check.waits
     for _ in range(3):
         step.shard(np.ones(8, np.float32))
-    out["waits_in_a_steady_loop"] = _batching._PROCESS_CHECK.pending is None
+    out["waits_in_a_steady_loop"] = check.waits - waits
     # ... until one process's batch changes: that process raises at once, the
-    # others at their next call.
+    # others once their background check has seen it (at their next call here:
+    # the test gives the check time first).
     for key, size in [("changed", 8 if r == 0 else 6), ("next", 8)]:
+        if key == "next":
+            deadline = time.monotonic() + 30
+            while r == 0 and check.late is None and time.monotonic() < deadline:
+                time.sleep(0.01)
         try:
             step.shard(np.ones(size, np.float32))
             out[key] = None
@@ -137,9 +145,11 @@ def _shard_checks():
     out["pad_count"] = float(metrics["count"]) * pad_step.num_replicas
     out["pad_total"] = float(metrics["total"]) * pad_step.num_replicas
     # With pad_to the padded size is known: a steady loop does not wait either.
+    placed, mask = pad_step.shard(local, pad=True, pad_to=16)
+    waits = check.waits
     for _ in range(2):
         placed, mask = pad_step.shard(local, pad=True, pad_to=16)
-    out["pad_to_waits"] = _batching._PROCESS_CHECK.pending is None
+    out["pad_to_waits"] = check.waits - waits
     metrics = pad_step(pad_step.replicate({}), (placed, mask))
     out["pad_to_global_shape"] = placed.shape
     out["pad_to_count"] = float(metrics["count"]) * pad_step.num_replicas

@@ -194,15 +194,16 @@ def test_shard_rejects_different_local_batch_sizes(job):
 def test_shard_waits_for_the_check_only_when_a_batch_changes(job):
     sizes = r"local batches of different sizes.*process 0: 8, process 1: 6 examples"
     r0, r1 = part(job, "shard")
-    assert not r0["waits_in_a_steady_loop"] and not r1["waits_in_a_steady_loop"]
+    assert r0["waits_in_a_steady_loop"] == 0 and r1["waits_in_a_steady_loop"] == 0
     # Process 1's batch changed: it waited for the check and raised at once.
     assert r1["changed"] is not None and r1["next"] is None
     now = r"`step.shard`: the processes passed "
     with pytest.raises(ValueError, match=now + sizes):
         raise ValueError(r1["changed"])
-    # Process 0's did not: it went on, and its next call raised.
+    # Process 0's did not: it went on, and its background check found it.
     assert r0["changed"] is None
-    late = r"`step.shard`: at the previous call, the processes passed "
+    late = r"`step.shard`: at an earlier call \(call \d+ of `step.shard` on this "
+    late += r"process\), the processes passed "
     with pytest.raises(ValueError, match=late + sizes):
         raise ValueError(r0["next"])
 
@@ -221,7 +222,7 @@ def test_shard_pad_pads_every_process_to_the_largest_batch(job):
         assert r["pad_total"] == pytest.approx(expected_total)
         assert r["pad_to_global_shape"] == (16,)
         assert r["pad_to_count"] == pytest.approx(13)
-        assert not r["pad_to_waits"]
+        assert r["pad_to_waits"] == 0
 
 
 def test_replicas_in_sync_compares_replicas_of_every_process(job):
