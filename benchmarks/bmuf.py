@@ -185,7 +185,8 @@ def main(argv=None) -> None:
         "temp MiB: XLA's temporary buffer of the compiled step, per device. faults "
         "MiB: memory the process touched fresh (minor page faults x page size) per "
         "step, all devices: XLA:CPU allocates a step's temporary buffer on every "
-        "call, and glibc maps an allocation above 32 MiB afresh each time."
+        "call, and glibc hands a large allocation fresh pages (above 32 MiB "
+        "always, and here from about 10 MiB)."
     )
     for name in ("sync SGD", "BMUF k=16"):
         compiled, lowered = layout[name]

@@ -181,6 +181,11 @@ def jax_job(width: int, kinds: list[str], steps: int, warmup: int, pin: bool):
 
         ms = _median_ms(one, steps, warmup)
         out[kind] = {"ms": ms, "loss": box["loss"]}
+        if kind == "jdp+shard":  # placing alone, without a step: what the check adds
+            out["place_us"] = {
+                "shard": _median_us(lambda step=step: step.shard(local)),
+                "hand": _median_us(place),
+            }
         if kind == "jdp":
             ops = step.collectives(box["state"], batch)
             out[kind]["arrays"] = sum(
@@ -188,6 +193,18 @@ def jax_job(width: int, kinds: list[str], steps: int, warmup: int, pin: bool):
             )
         del box
     return out
+
+
+def _median_us(fn, calls: int = 200, repeats: int = 5) -> float:
+    """Median over `repeats` of the mean time of `calls` calls of `fn`, in us."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - start) / calls)
+    return 1e6 * statistics.median(times)
 
 
 def torch_job(width: int, steps: int, warmup: int, pin: bool):
@@ -304,6 +321,7 @@ def main(argv=None) -> None:
     kinds = list(JAX_ROWS)
     runs = {s: {} for s in args.sizes}  # size -> row -> [ms per round]
     last = {s: {} for s in args.sizes}
+    place_us = {s: {} for s in args.sizes}  # size -> "shard"/"hand" -> [us]
     for rnd in range(args.rounds):
         order = kinds if rnd % 2 == 0 else kinds[::-1]  # against drift
         for size in args.sizes:
@@ -321,6 +339,8 @@ def main(argv=None) -> None:
             )[0]
             if torch_ok:
                 res.update(_torch_round(width, args))
+            for name, us in res.pop("place_us", {}).items():
+                place_us[size].setdefault(name, []).append(us)
             for row, r in res.items():
                 runs[size].setdefault(row, []).append(r["ms"])
                 last[size][row] = r
@@ -399,6 +419,18 @@ def main(argv=None) -> None:
             f"{m['jdp'] / floor:21.2f} {statistics.median(shard):17.3f} "
             f"{f'{min(shard):.2f}-{max(shard):.2f}':>11s}"
         )
+    print(
+        "\nPlacing the batch alone (no step), 200 calls x 5 in each process, median "
+        "over rounds: what `step.shard` (its checks, and the cross-process "
+        "comparison, which a loop of steady shapes does not wait for) adds to a "
+        "placement by hand, against the jdp step"
+    )
+    header = f"{'size':>6s} {'shard us':>9s} {'by hand us':>11s} "
+    print(header + f"{'extra / jdp step':>17s}")
+    for size in args.sizes:
+        us = {k: statistics.median(v) for k, v in place_us[size].items()}
+        extra = (us["shard"] - us["hand"]) / (1e3 * med[size]["jdp"])
+        print(f"{size:>6s} {us['shard']:9.0f} {us['hand']:11.0f} {100 * extra:16.1f}%")
     if not torch_ok:
         print("torch is not installed: the PyTorch rows were skipped.")
 
