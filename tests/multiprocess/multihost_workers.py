@@ -153,6 +153,15 @@ def _shard_checks():
     metrics = pad_step(pad_step.replicate({}), (placed, mask))
     out["pad_to_global_shape"] = placed.shape
     out["pad_to_count"] = float(metrics["count"]) * pad_step.num_replicas
+    # One process pads, the other does not: both raise.
+    try:
+        if r == 0:
+            pad_step.shard(np.ones(6, np.float32), pad=True, pad_to=16)
+        else:
+            pad_step.shard(np.ones(8, np.float32))
+        out["pad_mismatch"] = None
+    except ValueError as e:
+        out["pad_mismatch"] = str(e)
     return out
 
 

@@ -225,6 +225,14 @@ def test_shard_pad_pads_every_process_to_the_largest_batch(job):
         assert r["pad_to_waits"] == 0
 
 
+def test_shard_rejects_padding_on_some_processes_only(job):
+    for r in part(job, "shard"):
+        with pytest.raises(
+            ValueError, match=r"different `pad` \(process 0: pad=True, process 1: pad"
+        ):
+            raise ValueError(r["pad_mismatch"])
+
+
 def test_replicas_in_sync_compares_replicas_of_every_process(job):
     for r in part(job, "in_sync"):
         assert r["before"] and not r["after"]
