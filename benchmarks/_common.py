@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import re
+import statistics
+import time
 
 
 def set_devices(n: int) -> None:
@@ -14,6 +16,17 @@ def set_devices(n: int) -> None:
         os.environ.get("XLA_FLAGS", ""),
     )
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}"
+
+
+def median_ms(fn, steps: int, warmup: int) -> float:
+    """Median wall time of `steps` calls of `fn` after `warmup` untimed ones, in ms."""
+    times = []
+    for i in range(warmup + steps):
+        start = time.perf_counter()
+        fn()
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
 
 
 def square_mlp(width: int, depth: int, key):

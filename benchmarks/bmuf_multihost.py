@@ -37,7 +37,7 @@ import statistics
 import sys
 import time
 
-from _common import raw_psum, tanh_mlp
+from _common import median_ms, raw_psum, tanh_mlp
 
 SIZES = (784, 2048, 2048, 2048, 10)
 PER_PROCESS = 8  # examples per process per step
@@ -84,18 +84,6 @@ def _loss(params, batch):
 
     logits = tanh_mlp(params, batch["x"])
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-
-
-def _allreduce_ms(num_params: int, reps: int = 8) -> float:
-    """Median time of one `psum` of a flat f32 buffer of `num_params` per device."""
-    psum = raw_psum(num_params)
-    times = []
-    for i in range(reps + 2):
-        start = time.perf_counter()
-        psum()
-        if i >= 2:
-            times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
 
 
 def worker(kind: str, k: int | None, steps: int, pin: bool) -> dict:
@@ -158,7 +146,7 @@ def worker(kind: str, k: int | None, steps: int, pin: bool) -> dict:
         "ms": statistics.median(block_ms),
         "loss": loss,
         "accuracy": accuracy,
-        "allreduce_ms": _allreduce_ms(num_params),
+        "allreduce_ms": median_ms(raw_psum(num_params), steps=8, warmup=2),
         "params": num_params,
     }
 

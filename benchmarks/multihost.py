@@ -42,7 +42,7 @@ import statistics
 import sys
 import time
 
-from _common import mlp_loss, raw_psum
+from _common import median_ms, mlp_loss, raw_psum
 
 #: Model sizes: name -> hidden width W of the MLP 256-W-W-W-10.
 WIDTHS = {"0.1M": 192, "1M": 640, "2.4M": 1024, "8.9M": 2048, "39M": 4352}
@@ -101,16 +101,6 @@ def _data(width: int, rank: int):
     return weights, x, y
 
 
-def _median_ms(fn, steps: int, warmup: int) -> float:
-    times = []
-    for i in range(warmup + steps):
-        start = time.perf_counter()
-        fn()
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
-
-
 def jax_job(width: int, kinds: list[str], steps: int, warmup: int, pin: bool):
     """Runs in both processes: the median step time of each JAX variant."""
     _pin(pin)
@@ -145,7 +135,7 @@ def jax_job(width: int, kinds: list[str], steps: int, warmup: int, pin: bool):
     out = {}
     for kind in kinds:
         if kind == "raw":
-            ms = _median_ms(raw_psum(num_params(width)), steps, warmup)
+            ms = median_ms(raw_psum(num_params(width)), steps, warmup)
             out[kind] = {"ms": ms}
             continue
         train_step = {
@@ -179,7 +169,7 @@ def jax_job(width: int, kinds: list[str], steps: int, warmup: int, pin: bool):
             box["state"], metrics = step(box["state"], b)
             box["loss"] = float(metrics["loss"])  # waits for the step
 
-        ms = _median_ms(one, steps, warmup)
+        ms = median_ms(one, steps, warmup)
         out[kind] = {"ms": ms, "loss": box["loss"]}
         if kind == "jdp+shard":  # placing alone, without a step: what the check adds
             out["place_us"] = {
@@ -197,14 +187,12 @@ def jax_job(width: int, kinds: list[str], steps: int, warmup: int, pin: bool):
 
 def _median_us(fn, calls: int = 200, repeats: int = 5) -> float:
     """Median over `repeats` of the mean time of `calls` calls of `fn`, in us."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+
+    def calls_of_fn():
         for _ in range(calls):
             fn()
-        times.append((time.perf_counter() - start) / calls)
-    return 1e6 * statistics.median(times)
+
+    return 1e3 * median_ms(calls_of_fn, repeats, warmup=1) / calls
 
 
 def torch_job(width: int, steps: int, warmup: int, pin: bool):
@@ -253,14 +241,14 @@ def torch_job(width: int, steps: int, warmup: int, pin: bool):
                 opt.step()
                 box["loss"] = loss.item()
 
-            out[kind] = {"ms": _median_ms(one, steps, warmup)}
+            out[kind] = {"ms": median_ms(one, steps, warmup)}
             if kind == "ddp":  # the global-batch loss, as jdp's averaged metric
                 total = torch.tensor([box["loss"]])
                 dist.all_reduce(total)
                 out[kind]["loss"] = total.item() / world
         buf = torch.ones(num_params(width))
         out["torch_raw"] = {
-            "ms": _median_ms(lambda: dist.all_reduce(buf), steps, warmup)
+            "ms": median_ms(lambda: dist.all_reduce(buf), steps, warmup)
         }
         return out
     finally:

@@ -393,7 +393,6 @@ class _ProcessCheck:
         self.calls = 0  # `shard` calls so far (in multi-process mode)
         self.last = None  # this process's last signature row
         self.changes: list = []  # [(call, row)] where it changed
-        self.pads: dict[int, bool] = {}  # call -> pad, at each change
         self.reached = -1  # the last call this process made
         self.answered = 0  # requests to publish answered so far
         self.published = None  # (reached, answered) last published
@@ -403,7 +402,7 @@ class _ProcessCheck:
         self.moved = threading.Event()  # set on every call
         self.thread = None
 
-    def check(self, row: tuple, *, need_sizes: bool, pad: bool):
+    def check(self, row: tuple, *, need_sizes: bool):
         """Records this call's `row`; every process's rows when it must wait.
 
         Returns:
@@ -427,7 +426,6 @@ class _ProcessCheck:
             wait = need_sizes or row != self.last
             if wait:
                 self.changes.append((call, row))
-                self.pads[call] = pad
                 del self.changes[:-_KEEP_CHANGES]
                 self.last = row
             late, self.late = self.late, None
@@ -452,14 +450,6 @@ class _ProcessCheck:
         """Makes the next call count as a change (after a disagreement)."""
         with self._lock:
             self.last = None
-
-    def pad_at(self, call: int) -> bool:
-        """Whether this process padded at `call`."""
-        found = False
-        for c, pad in self.pads.items():
-            if c <= call:
-                found = pad
-        return found
 
     def _publish(self) -> None:
         with self._publishing:
@@ -570,7 +560,7 @@ def _check_process_batches(
         num_local,
     )
     check = _PROCESS_CHECK
-    answer = check.check(mine, need_sizes=need_sizes, pad=pad)
+    answer = check.check(mine, need_sizes=need_sizes)
     if answer is None:
         return None
     call, every = answer
@@ -579,7 +569,8 @@ def _check_process_batches(
         padded = _compare_processes(
             np.array(every),
             host,
-            pad=check.pad_at(call) if late else pad,
+            # This process's own flag at that call (a late answer's may differ).
+            pad=bool(every[jax.process_index()][3]),
             num_local=num_local,
             late=call if late else None,
         )
