@@ -16,11 +16,14 @@ a noisy constant-rate run happens to stop):
 - `DiLoCo k=16`: `jdp.bmuf(tx, sync_period=16, outer=optax.sgd(0.7, momentum=0.9,
   nesterov=True))`.
 
-Every configuration runs in fresh processes, `--rounds` times, interleaved. A run
-trains `--steps` steps (a whole number of 16-step blocks; the first block, which
-compiles, is not timed) and reports the mean step time of each later block, its
-median, the test accuracy of the (global) model after those steps (the same
-examples in the same order for every configuration), and the time of one raw
+Each round starts 2 fresh processes that train every configuration from the same
+initial model on the same batches, interleaved: block by block (16 steps), each
+configuration takes its next block, in a shuffled order. Timing the methods side by
+side in the same processes matters here: the same step varies by up to 1.5x between
+fresh processes on this machine, far more than the differences being measured. The
+first block, which compiles, is not timed. Reported: the mean step time of each
+block, its ratio to the synchronous step and to the floor of the same block, the
+test accuracy of the (global) model after all the steps, and the time of one raw
 all-reduce of the parameter bytes (a jitted `shard_map` `psum` of one flat f32
 buffer), measured in the same processes. The floor of a method that syncs every k
 steps is `local step + all-reduce / k`. Each process is pinned to one core
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import statistics
 import sys
 import time
@@ -86,8 +90,18 @@ def _loss(params, batch):
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
 
 
-def worker(kind: str, k: int | None, steps: int, pin: bool) -> dict:
-    """Runs in every process: trains one configuration, times its blocks."""
+CONFIGS = {
+    # name: (kind, sync period)
+    "sync SGD": ("sync", None),
+    "local step": ("local", None),
+    "BMUF k=4": ("bmuf", 4),
+    "BMUF k=16": ("bmuf", 16),
+    "DiLoCo k=16": ("diloco", 16),
+}
+
+
+def worker(steps: int, pin: bool, seed: int) -> dict:
+    """Runs in every process: trains every configuration, interleaved by block."""
     _pin(pin)
     import jax
     import jax.numpy as jnp
@@ -100,16 +114,18 @@ def worker(kind: str, k: int | None, steps: int, pin: bool) -> dict:
     params = _init(jax.random.key(0))
     num_params = sum(p.size for p in jax.tree.leaves(params))
     inner = optax.adam(optax.cosine_decay_schedule(LR, steps))
-    if kind == "bmuf":
-        tx = jdp.bmuf(inner, sync_period=k)
-    elif kind == "diloco":
-        outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
-        tx = jdp.bmuf(inner, sync_period=k, outer=outer)
-    else:
-        tx = inner
-    grad_sync = "all_reduce" if kind == "sync" else "none"
-    step = jdp.parallelize(jdp.make_train_step(_loss, tx, grad_sync=grad_sync))
-    state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
+    run = {}
+    for name, (kind, k) in CONFIGS.items():
+        if kind == "bmuf":
+            tx = jdp.bmuf(inner, sync_period=k)
+        elif kind == "diloco":
+            outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
+            tx = jdp.bmuf(inner, sync_period=k, outer=outer)
+        else:
+            tx = inner
+        grad_sync = "all_reduce" if kind == "sync" else "none"
+        step = jdp.parallelize(jdp.make_train_step(_loss, tx, grad_sync=grad_sync))
+        run[name] = [step, step.replicate(jdp.TrainState.create(params=params, tx=tx))]
 
     # The same global batches in the same order for every configuration; each
     # process takes its share. Placed before the clock starts.
@@ -123,42 +139,43 @@ def worker(kind: str, k: int | None, steps: int, pin: bool) -> dict:
     for s in range(steps):
         idx = order[s * global_batch : (s + 1) * global_batch]
         idx = idx[r * PER_PROCESS : (r + 1) * PER_PROCESS]
-        batches.append(step.shard({"x": x_train[idx], "y": y_train[idx]}))
+        batches.append(run["sync SGD"][0].shard({"x": x_train[idx], "y": y_train[idx]}))
 
-    block_ms = []
+    # Block by block, each configuration takes its next block of steps, in a fresh
+    # order every block, so that a slow spell of the machine hits all of them.
+    block_ms = {name: [] for name in CONFIGS}
+    shuffle = random.Random(seed).shuffle
     for b in range(steps // BLOCK):
-        start = time.perf_counter()
-        for s in range(b * BLOCK, (b + 1) * BLOCK):
-            state, metrics = step(state, batches[s])
-        loss = float(metrics["loss"])  # waits for the block's last step
-        if b:  # the first block compiles
-            block_ms.append(1e3 * (time.perf_counter() - start) / BLOCK)
+        names = list(CONFIGS)
+        shuffle(names)
+        for name in names:
+            step, state = run[name]
+            start = time.perf_counter()
+            for s in range(b * BLOCK, (b + 1) * BLOCK):
+                state, metrics = step(state, batches[s])
+            float(metrics["loss"])  # waits for the block's last step
+            if b:  # the first block compiles
+                block_ms[name].append(1e3 * (time.perf_counter() - start) / BLOCK)
+            run[name][1] = state
 
-    if kind in ("bmuf", "diloco"):
-        model = step.unreplicate(jdp.bmuf_global_params(state))
-    else:
-        model = step.unreplicate(state.params)
-    logits = jax.jit(tanh_mlp)(model, x_test)
-    accuracy = float(jnp.mean(jnp.argmax(logits, -1) == y_test))
-    if kind == "local":
-        accuracy = float("nan")  # replicas never merge: no one model to test
+    accuracy = {}
+    for name, (kind, _) in CONFIGS.items():
+        step, state = run[name]
+        if kind == "local":
+            accuracy[name] = float("nan")  # replicas never merge: no one model
+            continue
+        if kind in ("bmuf", "diloco"):
+            model = step.unreplicate(jdp.bmuf_global_params(state))
+        else:
+            model = step.unreplicate(state.params)
+        logits = jax.jit(tanh_mlp)(model, x_test)
+        accuracy[name] = float(jnp.mean(jnp.argmax(logits, -1) == y_test))
     return {
-        "ms": statistics.median(block_ms),
-        "loss": loss,
+        "block_ms": block_ms,
         "accuracy": accuracy,
         "allreduce_ms": median_ms(raw_psum(num_params), steps=8, warmup=2),
         "params": num_params,
     }
-
-
-CONFIGS = {
-    # name: (kind, sync period)
-    "sync SGD": ("sync", None),
-    "local step": ("local", None),
-    "BMUF k=4": ("bmuf", 4),
-    "BMUF k=16": ("bmuf", 16),
-    "DiLoCo k=16": ("diloco", 16),
-}
 
 
 def main(argv=None) -> None:
@@ -175,67 +192,98 @@ def main(argv=None) -> None:
 
     import jdp.launch
 
-    ms = {name: [] for name in CONFIGS}
-    allreduce, results = [], {}
+    rounds = []  # per round: {"block_ms": {name: [ms per block]}, ...}
     for rnd in range(args.rounds):
-        for name, (kind, k) in CONFIGS.items():
-            out = jdp.launch.run(
-                worker,
-                2,
-                args=(kind, k, args.steps, not args.no_pin),
-                devices_per_process=1,
-                timeout_s=900,
-                quiet=True,
-            )[0]
-            ms[name].append(out["ms"])
-            allreduce.append(out["allreduce_ms"])
-            results[name] = out
-            print(
-                f"  round {rnd + 1}/{args.rounds} {name}: {out['ms']:.1f} ms/step, "
-                f"all-reduce {out['allreduce_ms']:.1f} ms",
-                file=sys.stderr,
-                flush=True,
+        out = jdp.launch.run(
+            worker,
+            2,
+            args=(args.steps, not args.no_pin, rnd),
+            devices_per_process=1,
+            timeout_s=1800,
+            quiet=True,
+        )[0]
+        rounds.append(out)
+        print(
+            f"  round {rnd + 1}/{args.rounds}: "
+            + ", ".join(
+                f"{name} {statistics.median(v):.1f}"
+                for name, v in out["block_ms"].items()
             )
+            + f" ms/step; all-reduce {out['allreduce_ms']:.1f} ms",
+            file=sys.stderr,
+            flush=True,
+        )
 
-    med = {name: statistics.median(v) for name, v in ms.items()}
-    ar = statistics.median(allreduce)
-    num_params = results["sync SGD"]["params"]
+    def ratios(name, baseline):
+        """Per round, the median over blocks of `name`'s time / `baseline(block)`."""
+        per_round = []
+        for out in rounds:
+            ms = out["block_ms"]
+            per_round.append(
+                statistics.median(m / baseline(out, i) for i, m in enumerate(ms[name]))
+            )
+        return statistics.median(per_round), min(per_round), max(per_round)
+
+    def sync_ms(out, i):
+        return out["block_ms"]["sync SGD"][i]
+
+    med = {
+        name: statistics.median(
+            statistics.median(out["block_ms"][name]) for out in rounds
+        )
+        for name in CONFIGS
+    }
+    ar = statistics.median(out["allreduce_ms"] for out in rounds)
+    num_params = rounds[0]["params"]
     examples = args.steps * 2 * PER_PROCESS
     print(
         f"\nBMUF / DiLoCo across 2 processes x 1 CPU device (gloo), jax "
         f"{jax_version()}, MLP {'-'.join(map(str, SIZES))} = {num_params / 1e6:.2f}M "
         f"params ({4 * num_params / 2**20:.1f} MiB), {PER_PROCESS} examples per "
         f"process per step, Adam({LR}, cosine decay to 0 over the run); "
-        f"{args.rounds} fresh runs x "
-        f"{args.steps} steps; processes "
+        f"{args.rounds} rounds of fresh processes, each training every "
+        f"configuration for {args.steps} steps, interleaved by blocks of {BLOCK} "
+        f"steps in a shuffled order; processes "
         f"{'unpinned' if args.no_pin else 'pinned to 1 core each'}.\n"
-        f"One all-reduce of the parameter bytes: {ar:.1f} ms (median of "
-        f"{len(allreduce)} runs).\n"
+        f"One all-reduce of the parameter bytes: {ar:.1f} ms (median over rounds).\n"
     )
     header = (
-        f"{'configuration':<13} {'ms/step':>8} {'range':>13} {'vs sync':>8} "
-        f"{'floor ms':>8} {'vs floor':>8} {f'acc @{examples} ex':>15}"
+        f"{'configuration':<13} {'ms/step':>8} {'vs sync':>8} {'range':>11} "
+        f"{'floor ms':>8} {'vs floor':>8} {'range':>11} {f'acc @{examples} ex':>15}"
     )
     print(header)
     print("-" * len(header))
     for name, (_, k) in CONFIGS.items():
-        lo, hi = min(ms[name]), max(ms[name])
-        acc = results[name]["accuracy"]
-        floor = vs_floor = "-"
+        acc = rounds[-1]["accuracy"][name]
+        vs_sync, lo, hi = ratios(name, sync_ms)
+        floor = vs_floor = floor_range = "-"
         if k:
-            floor_ms = med["local step"] + ar / k
-            floor, vs_floor = f"{floor_ms:.1f}", f"{med[name] / floor_ms:.3f}"
+
+            def floor_ms(out, i, k=k):
+                return out["block_ms"]["local step"][i] + out["allreduce_ms"] / k
+
+            ratio, f_lo, f_hi = ratios(name, floor_ms)
+            floors = [
+                floor_ms(out, i)
+                for out in rounds
+                for i in range(len(out["block_ms"][name]))
+            ]
+            floor = f"{statistics.median(floors):.1f}"
+            vs_floor, floor_range = f"{ratio:.3f}", f"{f_lo:.2f}-{f_hi:.2f}"
         print(
-            f"{name:<13} {med[name]:8.1f} {f'{lo:.1f}-{hi:.1f}':>13} "
-            f"{med[name] / med['sync SGD']:8.3f} {floor:>8} {vs_floor:>8} "
+            f"{name:<13} {med[name]:8.1f} {vs_sync:8.3f} {f'{lo:.2f}-{hi:.2f}':>11} "
+            f"{floor:>8} {vs_floor:>8} {floor_range:>11} "
             f"{'-' if acc != acc else f'{100 * acc:.1f}%':>15}"
         )
     print(
-        "\nms/step: median over runs of the median over 16-step blocks (the first "
-        "block, which compiles, untimed) of the mean step time. floor: local step + "
-        "one parameter all-reduce / k. acc: test accuracy (397 digits) of the model "
-        "(BMUF / DiLoCo: the global model) after the same examples, from the last "
-        "run; the local step's replicas never merge, so it has no single model."
+        "\nms/step: median over rounds of the median over blocks (the first block, "
+        "which compiles, untimed) of the mean step time. vs sync, vs floor: median "
+        "over rounds of the median over blocks of the ratio to the synchronous "
+        "step / to the floor, timed in the same processes and block (range: lowest "
+        "and highest round). floor: local step + one parameter all-reduce / k. acc: "
+        "test accuracy (397 digits) of the model (BMUF / DiLoCo: the global model) "
+        "after the same examples, from the last round; the local step's replicas "
+        "never merge, so it has no single model."
     )
 
 

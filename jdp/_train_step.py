@@ -667,9 +667,14 @@ def _all_reduce_update(*, axis_name, bucket_bytes, reduce_dtype, clip_grad_norm)
 
 def _local_update(*, clip_grad_norm):
     def apply(grads, state, tx):
-        params, opt_state, extra = _apply(grads, state, tx, clip_grad_norm)
-        # BMUF: after a block sync every replica holds the same bits.
-        return _bmuf.snap_to_block_start(params, opt_state), opt_state, extra
+        # BMUF syncs the updated params after the update (cheaper than inside
+        # the optimizer, and every replica then holds exactly the same bits).
+        with _bmuf.merge_after_update() as merges:
+            params, opt_state, extra = _apply(grads, state, tx, clip_grad_norm)
+        params, opt_state = _bmuf.merge_updated(
+            params, state.opt_state, opt_state, merges
+        )
+        return params, opt_state, extra
 
     return apply
 

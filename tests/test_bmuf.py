@@ -259,8 +259,8 @@ def test_sync_leaves_mlp_replicas_bit_identical(backend):
 def test_steps_between_syncs_are_the_local_step_bit_for_bit(backend):
     """A plain BMUF step applies `inner` exactly as `grad_sync="none"` alone does.
 
-    (The sync branch recomputes `inner`'s update rather than taking it, and the
-    gradients pick up a -0.0 that orders the steps: neither may change a bit.)
+    (`jdp.make_train_step` runs the sync after the update, in a conditional that
+    takes the updated params: that may not change a bit.)
     """
     params = init_mlp(jax.random.key(4))
     batches = make_batches(5, 32)
@@ -278,6 +278,77 @@ def test_steps_between_syncs_are_the_local_step_bit_for_bit(backend):
     assert not jdp.replicas_in_sync(bmuf.params)
     assert_trees_close(bmuf.params, local.params, rtol=0, atol=0)
     assert_trees_close(bmuf.opt_state.inner_state, local.opt_state, rtol=0, atol=0)
+
+
+def optax_path_step(state, batch, loss_fn=None):
+    """A hand-written step: `tx.update` and `optax.apply_updates`, as flax's
+    `TrainState.apply_gradients` does; `jdp.bmuf` then syncs inside the optimizer."""
+    grads = jax.grad(loss_fn or linear_loss)(state.params, batch)
+    updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    return state.replace(params=params, opt_state=opt_state, step=state.step + 1), {}
+
+
+PATH_OPTIONS = {
+    **OPTIONS,
+    "outer": {"outer": optax.sgd(0.7, momentum=0.9, nesterov=True)},
+    "multi_steps": {},
+}
+
+
+@pytest.mark.parametrize("option", list(PATH_OPTIONS))
+def test_train_step_and_optax_path_agree(option):
+    """`make_train_step` syncs after the update; a hand-written step inside the
+    optimizer. Both are the same algorithm (every option, and under MultiSteps)."""
+    kw = dict(PATH_OPTIONS[option])
+    tx = jdp.bmuf(optax.sgd(LR, momentum=MOMENTUM), sync_period=3, **kw)
+    every = 2 if option == "multi_steps" else 1
+    if option == "multi_steps":
+        tx = optax.MultiSteps(tx, every_k_schedule=every).gradient_transformation()
+    # Warmup, four blocks of 3 updates, and one more update.
+    batches = linear_batches((kw.get("warmup_steps", 0) + 4 * 3 + 1) * every, 16)
+    states = []
+    for fn in (jdp.make_train_step(linear_loss, tx, grad_sync="none"), optax_path_step):
+        step = jdp.parallelize(fn, devices=jax.devices()[:4], check_sync=None)
+        state = step.replicate(jdp.TrainState.create(params=linear_params(), tx=tx))
+        for batch in batches:
+            state, _ = step(state, step.shard(batch))
+        states.append(state)
+    # The runs ended one update after a sync: the replicas differ again.
+    assert not jdp.replicas_in_sync(states[0].params, atol=1e-5)
+    merged, in_optimizer = jax.device_get(states)
+    assert_trees_close(merged.params, in_optimizer.params, rtol=1e-5, atol=1e-6)
+    assert_trees_close(merged.opt_state, in_optimizer.opt_state, rtol=1e-5, atol=1e-6)
+    assert int(find_bmuf_state(merged.opt_state).count[0]) > 0
+
+
+def test_a_step_without_sync_keeps_no_parameter_sized_temporary():
+    """The sync runs on the updated params: compiled, a BMUF step needs no more
+    temporary memory than the local step (inside the optimizer it holds the
+    gradients and the recomputed local params across the conditional: 3x the
+    params more)."""
+    params = {
+        "w1": jnp.full((256, 1024), 0.01, jnp.float32),
+        "w2": jnp.full((1024, 4), 0.01, jnp.float32),
+    }
+
+    def loss_fn(p, b):
+        return jnp.mean((jnp.tanh(b["x"] @ p["w1"]) @ p["w2"] - b["y"]) ** 2)
+
+    batch = {"x": np.ones((16, 256), np.float32), "y": np.ones((16, 4), np.float32)}
+    param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+    inner = optax.adam(1e-3)
+    temp = {}
+    for name, tx, fn in [
+        ("local", inner, jdp.make_train_step(loss_fn, inner, grad_sync="none")),
+        ("bmuf", jdp.bmuf(inner, sync_period=4), None),
+    ]:
+        fn = fn or jdp.make_train_step(loss_fn, tx, grad_sync="none")
+        step = jdp.parallelize(fn, devices=jax.devices()[:4])
+        state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
+        analysis = step.memory_analysis(state, step.shard(batch))
+        temp[name] = analysis.temp_bytes
+    assert temp["bmuf"] <= temp["local"] + param_bytes // 8, (temp, param_bytes)
 
 
 def test_one_replica_is_the_inner_optimizer_alone(backend):
