@@ -580,6 +580,18 @@ def test_all_reducing_train_step_refuses_bmuf_state():
         step(state, step.shard(linear_batches(1, 4)[0]))
 
 
+def test_train_step_refuses_two_bmufs_in_one_optimizer():
+    inner = optax.sgd(0.1)
+    tx = optax.chain(jdp.bmuf(inner, sync_period=2), jdp.bmuf(inner, sync_period=3))
+    step = jdp.parallelize(
+        jdp.make_train_step(linear_loss, tx, grad_sync="none"),
+        devices=jax.devices()[:2],
+    )
+    state = step.replicate(jdp.TrainState.create(params=linear_params(), tx=tx))
+    with pytest.raises(ValueError, match=r"contains 2 `jdp.bmuf` states; use one"):
+        step(state, step.shard(linear_batches(1, 4)[0]))
+
+
 def find_bmuf_state(state):
     found = [
         x
