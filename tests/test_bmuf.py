@@ -322,6 +322,31 @@ def test_train_step_and_optax_path_agree(option):
     assert int(find_bmuf_state(merged.opt_state).count[0]) > 0
 
 
+def test_gradient_accumulation_keeps_the_block_sync():
+    """`microbatches=2` around BMUF: one update per step, the same blocks."""
+    tx = jdp.bmuf(optax.sgd(LR, momentum=MOMENTUM), sync_period=3)
+    batches = linear_batches(7, 16)
+    states = []
+    for kw in ({}, {"microbatches": 2}):
+        step = jdp.parallelize(
+            jdp.make_train_step(linear_loss, tx, grad_sync="none", **kw),
+            devices=jax.devices()[:4],
+        )
+        state = step.replicate(jdp.TrainState.create(params=linear_params(), tx=tx))
+        for batch in batches:
+            state, _ = step(state, step.shard(batch))
+        states.append(jax.device_get(state))
+    whole, accumulated = states
+    assert_trees_close(accumulated.params, whole.params, rtol=1e-5, atol=1e-6)
+    assert_trees_close(
+        find_bmuf_state(accumulated.opt_state).global_params,
+        find_bmuf_state(whole.opt_state).global_params,
+        rtol=1e-5,
+        atol=1e-6,
+    )
+    assert int(find_bmuf_state(accumulated.opt_state).count[0]) == len(batches)
+
+
 def test_a_step_without_sync_keeps_no_parameter_sized_temporary():
     """The sync runs on the updated params: compiled, a BMUF step needs no more
     temporary memory than the local step (inside the optimizer it holds the
