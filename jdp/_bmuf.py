@@ -209,9 +209,7 @@ def bmuf(
       Douillard et al., "DiLoCo: Distributed Low-Communication Training of
       Language Models", 2023, https://arxiv.org/abs/2311.08105.
     """
-    _check_options(
-        inner,
-        sync_period=sync_period,
+    options = dict(
         block_learning_rate=block_learning_rate,
         block_momentum=block_momentum,
         nesterov=nesterov,
@@ -219,6 +217,7 @@ def bmuf(
         warmup_steps=warmup_steps,
         outer=outer,
     )
+    _check_options(inner, sync_period=sync_period, **options)
     stores_start = nesterov and outer is None  # else the block start is `g`
     axis = axis_name
 
@@ -236,24 +235,13 @@ def bmuf(
             synced=jnp.zeros((), jnp.bool_),
         )
 
-    merge = functools.partial(
-        _merge,
-        inner=inner,
-        block_learning_rate=block_learning_rate,
-        block_momentum=block_momentum,
-        nesterov=nesterov,
-        inner_state_at_sync=inner_state_at_sync,
-        warmup_steps=warmup_steps,
-        outer=outer,
-        axis=axis,
-    )
+    merge = functools.partial(_merge, inner=inner, axis=axis, **options)
 
     def update_fn(updates, state, params=None):
         if params is None:
             raise ValueError(NO_PARAMS_MSG)
         axis_name = _collectives.resolve_axis(axis)
-        num = _collectives.axis_size(axis_name, "jdp.bmuf")
-        eta = 1.0 - 1.0 / num if block_momentum is None else block_momentum
+        eta = _eta(axis_name, block_momentum)
         count = state.count
         if warmup_steps:
             updates = lax.cond(
@@ -380,8 +368,7 @@ def _merge(
     """`jdp.bmuf`'s block sync on the updated params, for `merge_updated`."""
     stores_start = nesterov and outer is None
     axis_name = _collectives.resolve_axis(axis)
-    num = _collectives.axis_size(axis_name, "jdp.bmuf")
-    eta = 1.0 - 1.0 / num if block_momentum is None else block_momentum
+    eta = _eta(axis_name, block_momentum)
     applied = state.count != old_state.count  # not an accumulation micro-step
     g, start = state.global_params, state.start
     if warmup_steps:
@@ -427,6 +414,12 @@ def _merge(
         velocity=v,
         inner_state=state.inner_state if keeps else inner_state,
     )
+
+
+def _eta(axis_name, block_momentum):
+    """The block momentum: `block_momentum`, or `1 - 1 / num_replicas` for None."""
+    num = _collectives.axis_size(axis_name, "jdp.bmuf")
+    return 1.0 - 1.0 / num if block_momentum is None else block_momentum
 
 
 def _block_update(g, start, v, avg, eta, block_learning_rate, nesterov, outer):
