@@ -41,6 +41,22 @@ _MERGES: contextvars.ContextVar[list | None] = contextvars.ContextVar(
 )
 
 
+class _Options(NamedTuple):
+    """`jdp.bmuf`'s block-filter options, as given (checked by `_check_options`)."""
+
+    block_learning_rate: float
+    block_momentum: float | None
+    nesterov: bool
+    inner_state_at_sync: InnerStateAtSync
+    warmup_steps: int
+    outer: optax.GradientTransformation | None
+
+    @property
+    def stores_start(self) -> bool:
+        """Whether the state keeps `start` (else the block start is `g`)."""
+        return self.nesterov and self.outer is None
+
+
 class BMUFState(NamedTuple):
     """State of `jdp.bmuf`.
 
@@ -209,7 +225,7 @@ def bmuf(
       Douillard et al., "DiLoCo: Distributed Low-Communication Training of
       Language Models", 2023, https://arxiv.org/abs/2311.08105.
     """
-    options = dict(
+    options = _Options(
         block_learning_rate=block_learning_rate,
         block_momentum=block_momentum,
         nesterov=nesterov,
@@ -217,8 +233,8 @@ def bmuf(
         warmup_steps=warmup_steps,
         outer=outer,
     )
-    _check_options(inner, sync_period=sync_period, **options)
-    stores_start = nesterov and outer is None  # else the block start is `g`
+    _check_options(inner, sync_period, options)
+    stores_start = options.stores_start
     axis = axis_name
 
     def init_fn(params):
@@ -235,13 +251,12 @@ def bmuf(
             synced=jnp.zeros((), jnp.bool_),
         )
 
-    merge = functools.partial(_merge, inner=inner, axis=axis, **options)
+    merge = functools.partial(_merge, inner=inner, axis=axis, options=options)
 
     def update_fn(updates, state, params=None):
         if params is None:
             raise ValueError(NO_PARAMS_MSG)
         axis_name = _collectives.resolve_axis(axis)
-        eta = _eta(axis_name, block_momentum)
         count = state.count
         if warmup_steps:
             updates = lax.cond(
@@ -266,6 +281,8 @@ def bmuf(
                 inner_state=inner_state,
                 synced=is_sync,
             )
+
+        eta = _eta(axis_name, block_momentum)
 
         # The optax path (a hand-written step): the sync happens here, before the
         # caller applies the updates. What crosses a conditional is
@@ -320,10 +337,8 @@ def bmuf(
         if inner_state_at_sync != "keep":
             inner_state = lax.cond(
                 is_sync,
-                lambda s: (
-                    _reset(s, inner.init(target))
-                    if inner_state_at_sync == "reset"
-                    else _mean(s, axis_name)
+                lambda s: _inner_state_at_sync(
+                    s, target, inner, inner_state_at_sync, axis_name
                 ),
                 lambda s: s,
                 inner_state,
@@ -351,22 +366,12 @@ def bmuf(
     return optax.GradientTransformation(init_fn, update_fn)
 
 
-def _merge(
-    params,
-    old_state,
-    state,
-    *,
-    inner,
-    block_learning_rate,
-    block_momentum,
-    nesterov,
-    inner_state_at_sync,
-    warmup_steps,
-    outer,
-    axis,
-):
+def _merge(params, old_state, state, *, inner, axis, options):
     """`jdp.bmuf`'s block sync on the updated params, for `merge_updated`."""
-    stores_start = nesterov and outer is None
+    block_learning_rate, block_momentum, nesterov, at_sync, warmup_steps, outer = (
+        options
+    )
+    stores_start = options.stores_start
     axis_name = _collectives.resolve_axis(axis)
     eta = _eta(axis_name, block_momentum)
     applied = state.count != old_state.count  # not an accumulation micro-step
@@ -392,16 +397,16 @@ def _merge(
             g, start, v, avg, eta, block_learning_rate, nesterov, outer
         )
         target = start if stores_start else g
-        if inner_state_at_sync == "reset":
-            inner_state = _reset(inner_state, inner.init(target))
-        elif inner_state_at_sync == "average":
-            inner_state = _mean(inner_state, axis_name)
+        if at_sync != "keep":
+            inner_state = _inner_state_at_sync(
+                inner_state, target, inner, at_sync, axis_name
+            )
         return _cast_like(target, params), g, start, v, inner_state
 
     # Only what the sync changes crosses the conditional; everything in it is
     # already in memory (the updated params are the step's output), so a step
     # that does not sync pays nothing for it.
-    keeps = inner_state_at_sync == "keep"
+    keeps = at_sync == "keep"
     params, g, start, v, inner_state = lax.cond(
         applied & state.synced,
         sync,
@@ -414,6 +419,13 @@ def _merge(
         velocity=v,
         inner_state=state.inner_state if keeps else inner_state,
     )
+
+
+def _inner_state_at_sync(inner_state, target, inner, mode, axis_name):
+    """`inner`'s state after a sync: reset for the block start `target`, or averaged."""
+    if mode == "reset":
+        return _reset(inner_state, inner.init(target))
+    return _mean(inner_state, axis_name)
 
 
 def _eta(axis_name, block_momentum):
@@ -489,18 +501,16 @@ def bmuf_global_params(state: PyTree) -> PyTree:
     return found[0].global_params
 
 
-def _check_options(
-    inner,
-    *,
-    sync_period,
-    block_learning_rate,
-    block_momentum,
-    nesterov,
-    inner_state_at_sync,
-    warmup_steps,
-    outer,
-) -> None:
+def _check_options(inner, sync_period, options: _Options) -> None:
     """`jdp.bmuf`'s argument checks (see its Raises section)."""
+    (
+        block_learning_rate,
+        block_momentum,
+        nesterov,
+        inner_state_at_sync,
+        warmup_steps,
+        outer,
+    ) = options
     _check_transform(inner, "inner")
     _validate.positive_int("sync_period", sync_period, note="steps per block")
     _validate.finite_number(
