@@ -15,6 +15,10 @@ a noisy constant-rate run happens to stop):
   momentum, the default `1 - 1/N`): one all-reduce of the parameters per block.
 - `DiLoCo k=16`: `jdp.bmuf(tx, sync_period=16, outer=optax.sgd(0.7, momentum=0.9,
   nesterov=True))`.
+- `BMUF k=16 bm=.25`, `DiLoCo k=16 m=.5`: the same with a smaller block momentum
+  (0.25 instead of `1 - 1/N` = 0.5) / outer momentum (0.5 instead of 0.9): over a
+  short run (16 blocks at the default 256 steps) with an adaptive inner optimizer,
+  the default momenta cost accuracy (see the README's BMUF section).
 
 Each round starts 2 fresh processes that train every configuration from the same
 initial model on the same batches, interleaved: block by block (16 steps), each
@@ -94,12 +98,14 @@ def _loss(params, batch):
 
 
 CONFIGS = {
-    # name: (kind, sync period)
-    "sync SGD": ("sync", None),
-    "local step": ("local", None),
-    "BMUF k=4": ("bmuf", 4),
-    "BMUF k=16": ("bmuf", 16),
-    "DiLoCo k=16": ("diloco", 16),
+    # name: (kind, sync period, block momentum (BMUF) / outer momentum (DiLoCo))
+    "sync SGD": ("sync", None, None),
+    "local step": ("local", None, None),
+    "BMUF k=4": ("bmuf", 4, None),
+    "BMUF k=16": ("bmuf", 16, None),
+    "BMUF k=16 bm=.25": ("bmuf", 16, 0.25),
+    "DiLoCo k=16": ("diloco", 16, 0.9),
+    "DiLoCo k=16 m=.5": ("diloco", 16, 0.5),
 }
 
 
@@ -118,11 +124,11 @@ def worker(steps: int, pin: bool, seed: int, lr: float = LR) -> dict:
     num_params = sum(p.size for p in jax.tree.leaves(params))
     inner = optax.adam(optax.cosine_decay_schedule(lr, steps))
     run = {}
-    for name, (kind, k) in CONFIGS.items():
+    for name, (kind, k, momentum) in CONFIGS.items():
         if kind == "bmuf":
-            tx = jdp.bmuf(inner, sync_period=k)
+            tx = jdp.bmuf(inner, sync_period=k, block_momentum=momentum)
         elif kind == "diloco":
-            outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
+            outer = optax.sgd(0.7, momentum=momentum, nesterov=True)
             tx = jdp.bmuf(inner, sync_period=k, outer=outer)
         else:
             tx = inner
@@ -162,7 +168,7 @@ def worker(steps: int, pin: bool, seed: int, lr: float = LR) -> dict:
             run[name][1] = state
 
     accuracy, test_loss = {}, {}
-    for name, (kind, _) in CONFIGS.items():
+    for name, (kind, _, _) in CONFIGS.items():
         step, state = run[name]
         if kind == "local":
             # The replicas never merge: no one model.
@@ -257,13 +263,13 @@ def main(argv=None) -> None:
         f"One all-reduce of the parameter bytes: {ar:.1f} ms (median over rounds).\n"
     )
     header = (
-        f"{'configuration':<13} {'ms/step':>8} {'vs sync':>8} {'range':>11} "
+        f"{'configuration':<16} {'ms/step':>8} {'vs sync':>8} {'range':>11} "
         f"{'floor ms':>8} {'vs floor':>8} {'range':>11} "
         f"{'acc':>7} {'range':>9} {'loss':>6}"
     )
     print(header)
     print("-" * len(header))
-    for name, (_, k) in CONFIGS.items():
+    for name, (_, k, _) in CONFIGS.items():
         accs = [out["accuracy"][name] for out in rounds]
         acc = statistics.mean(accs)
         loss = statistics.mean(out["test_loss"][name] for out in rounds)
@@ -283,7 +289,7 @@ def main(argv=None) -> None:
             floor = f"{statistics.median(floors):.1f}"
             vs_floor, floor_range = f"{ratio:.3f}", f"{f_lo:.2f}-{f_hi:.2f}"
         print(
-            f"{name:<13} {med[name]:8.1f} {vs_sync:8.3f} {f'{lo:.2f}-{hi:.2f}':>11} "
+            f"{name:<16} {med[name]:8.1f} {vs_sync:8.3f} {f'{lo:.2f}-{hi:.2f}':>11} "
             f"{floor:>8} {vs_floor:>8} {floor_range:>11}"
             + (
                 f" {'-':>7} {'-':>9} {'-':>6}"

@@ -160,7 +160,9 @@ def bmuf(
       block_learning_rate: ζ, the block learning rate (> 0; 1.0 by default).
       block_momentum: η, the block momentum in [0, 1); `None` (default) means
         `1 - 1 / num_replicas` with every replica of every host counted (the
-        Caffe2 default; 0 with one replica).
+        Caffe2 default; 0 with one replica). Over a run of only tens of blocks
+        with an adaptive `inner` (Adam), a smaller value can train better: see
+        the README's BMUF section.
       nesterov: Start the next block from the look-ahead `g + η v` (the
         paper's NBM) instead of `g` (CBM, default).
       inner_state_at_sync: What happens to `inner`'s state at a sync: `"keep"`
