@@ -18,6 +18,14 @@ def set_devices(n: int) -> None:
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}"
 
 
+def pin_to_core(pin: bool) -> None:
+    """Pins this process of a `jdp.launch` job to one core (by its rank), if `pin`."""
+    if pin and hasattr(os, "sched_setaffinity"):
+        cores = sorted(os.sched_getaffinity(0))
+        rank = int(os.environ.get("JDP_PROCESS_ID", "0"))
+        os.sched_setaffinity(0, {cores[rank % len(cores)]})
+
+
 def median_ms(fn, steps: int, warmup: int) -> float:
     """Median wall time of `steps` calls of `fn` after `warmup` untimed ones, in ms."""
     times = []

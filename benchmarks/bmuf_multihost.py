@@ -42,25 +42,17 @@ steps is `local step + all-reduce / k`. Each process is pinned to one core
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import statistics
 import sys
 import time
 
-from _common import median_ms, raw_psum, tanh_mlp
+from _common import median_ms, pin_to_core, raw_psum, tanh_mlp
 
 SIZES = (784, 2048, 2048, 2048, 10)
 PER_PROCESS = 8  # examples per process per step
 BLOCK = 16  # steps per timed block: a whole number of blocks for k = 1, 4, 16
 LR = 3e-4  # Adam's peak learning rate, decayed to 0 over the run
-
-
-def _pin(pin: bool) -> None:
-    if pin and hasattr(os, "sched_setaffinity"):
-        cores = sorted(os.sched_getaffinity(0))
-        rank = int(os.environ.get("JDP_PROCESS_ID", "0"))
-        os.sched_setaffinity(0, {cores[rank % len(cores)]})
 
 
 def _digits():
@@ -111,7 +103,7 @@ CONFIGS = {
 
 def worker(steps: int, pin: bool, seed: int, lr: float = LR) -> dict:
     """Runs in every process: trains every configuration, interleaved by block."""
-    _pin(pin)
+    pin_to_core(pin)
     import jax
     import jax.numpy as jnp
     import numpy as np

@@ -42,7 +42,7 @@ import statistics
 import sys
 import time
 
-from _common import median_ms, mlp_loss, raw_psum
+from _common import median_ms, mlp_loss, pin_to_core, raw_psum
 
 #: Model sizes: name -> hidden width W of the MLP 256-W-W-W-10.
 WIDTHS = {"0.1M": 192, "1M": 640, "2.4M": 1024, "8.9M": 2048, "39M": 4352}
@@ -78,13 +78,6 @@ def num_params(width: int) -> int:
     return sum(a * b + b for a, b in zip(s[:-1], s[1:], strict=True))
 
 
-def _pin(pin: bool) -> None:
-    if pin and hasattr(os, "sched_setaffinity"):
-        cores = sorted(os.sched_getaffinity(0))
-        rank = int(os.environ.get("JDP_PROCESS_ID", "0"))
-        os.sched_setaffinity(0, {cores[rank % len(cores)]})
-
-
 def _data(width: int, rank: int):
     """Initial weights (the same everywhere) and this process's batch."""
     import numpy as np
@@ -103,7 +96,7 @@ def _data(width: int, rank: int):
 
 def jax_job(width: int, kinds: list[str], steps: int, warmup: int, pin: bool):
     """Runs in both processes: the median step time of each JAX variant."""
-    _pin(pin)
+    pin_to_core(pin)
     import jax
     import numpy as np
     import optax
@@ -197,7 +190,7 @@ def _median_us(fn, calls: int = 200, repeats: int = 5) -> float:
 
 def torch_job(width: int, steps: int, warmup: int, pin: bool):
     """Runs in both processes: DDP, the model without DDP, a raw all_reduce."""
-    _pin(pin)
+    pin_to_core(pin)
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel

@@ -370,12 +370,10 @@ def bmuf(
 
 def _merge(params, old_state, state, *, inner, axis, options):
     """`jdp.bmuf`'s block sync on the updated params, for `merge_updated`."""
-    block_learning_rate, block_momentum, nesterov, at_sync, warmup_steps, outer = (
-        options
-    )
+    at_sync, warmup_steps = options.inner_state_at_sync, options.warmup_steps
     stores_start = options.stores_start
     axis_name = _collectives.resolve_axis(axis)
-    eta = _eta(axis_name, block_momentum)
+    eta = _eta(axis_name, options.block_momentum)
     applied = state.count != old_state.count  # not an accumulation micro-step
     g, start = state.global_params, state.start
     if warmup_steps:
@@ -396,7 +394,14 @@ def _merge(params, old_state, state, *, inner, axis, options):
         params, g, start, v, inner_state = operands
         avg = _mean(params, axis_name)
         g, start, v = _block_update(
-            g, start, v, avg, eta, block_learning_rate, nesterov, outer
+            g,
+            start,
+            v,
+            avg,
+            eta,
+            options.block_learning_rate,
+            options.nesterov,
+            options.outer,
         )
         target = start if stores_start else g
         if at_sync != "keep":
@@ -505,14 +510,9 @@ def bmuf_global_params(state: PyTree) -> PyTree:
 
 def _check_options(inner, sync_period, options: _Options) -> None:
     """`jdp.bmuf`'s argument checks (see its Raises section)."""
-    (
-        block_learning_rate,
-        block_momentum,
-        nesterov,
-        inner_state_at_sync,
-        warmup_steps,
-        outer,
-    ) = options
+    block_learning_rate = options.block_learning_rate
+    block_momentum = options.block_momentum
+    inner_state_at_sync, outer = options.inner_state_at_sync, options.outer
     _check_transform(inner, "inner")
     _validate.positive_int("sync_period", sync_period, note="steps per block")
     _validate.finite_number(
@@ -529,7 +529,7 @@ def _check_options(inner, sync_period, options: _Options) -> None:
             below=1,
             note="or None for the default 1 - 1 / num_replicas",
         )
-    _validate.non_negative_int("warmup_steps", warmup_steps)
+    _validate.non_negative_int("warmup_steps", options.warmup_steps)
     if inner_state_at_sync not in get_args(InnerStateAtSync):
         raise ValueError(
             "`inner_state_at_sync` must be one of 'keep', 'reset', 'average'; got "
@@ -537,7 +537,7 @@ def _check_options(inner, sync_period, options: _Options) -> None:
         )
     if outer is not None:
         _check_transform(outer, "outer")
-        if block_momentum is not None or nesterov or block_learning_rate != 1.0:
+        if block_momentum is not None or options.nesterov or block_learning_rate != 1.0:
             raise ValueError(
                 "`outer` replaces the block filter, so `block_learning_rate`, "
                 "`block_momentum` and `nesterov` cannot be set with it; fold them "

@@ -364,12 +364,11 @@ def test_a_step_without_sync_keeps_no_parameter_sized_temporary():
     param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
     inner = optax.adam(1e-3)
     temp = {}
-    for name, tx, fn in [
-        ("local", inner, jdp.make_train_step(loss_fn, inner, grad_sync="none")),
-        ("bmuf", jdp.bmuf(inner, sync_period=4), None),
-    ]:
-        fn = fn or jdp.make_train_step(loss_fn, tx, grad_sync="none")
-        step = jdp.parallelize(fn, devices=jax.devices()[:4])
+    for name, tx in [("local", inner), ("bmuf", jdp.bmuf(inner, sync_period=4))]:
+        step = jdp.parallelize(
+            jdp.make_train_step(loss_fn, tx, grad_sync="none"),
+            devices=jax.devices()[:4],
+        )
         state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
         analysis = step.memory_analysis(state, step.shard(batch))
         temp[name] = analysis.temp_bytes
