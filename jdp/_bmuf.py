@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Literal, NamedTuple, get_args
 
 import jax
@@ -480,11 +480,13 @@ def bmuf_global_params(state: PyTree) -> PyTree:
 
     Args:
       state: A `jdp.BMUFState`, or any pytree holding exactly one (an optimizer
-        state from `optax.chain`, a `jdp.TrainState`, a replicated state).
+        state from `optax.chain`, a `jdp.TrainState`, a replicated state, or
+        flax NNX's `nnx.state` of a model and an `nnx.Optimizer`).
 
     Returns:
       `global_params` as stored: replicated (leading replica axis) if `state` is;
-      take one copy with `step.unreplicate`.
+      take one copy with `step.unreplicate`. From an NNX state, an NNX state of
+      the parameters: `nnx.update(model, g)` loads it into the model.
 
     Raises:
       ValueError: If `state` holds no `jdp.BMUFState`, or more than one.
@@ -643,7 +645,53 @@ def merge_updated(
     return params, opt_state
 
 
+def _is_state(x: Any) -> bool:
+    """A `BMUFState`, or one as flax NNX's `nnx.state` lays it out.
+
+    NNX turns an `nnx.Optimizer`'s state into nested mappings: a `BMUFState`
+    becomes a mapping from its field names to their values, without the fields
+    that hold no array (`start` when None, an empty `inner_state` or
+    `velocity`). `count`, `synced` and `global_params` are always there.
+    """
+    if isinstance(x, BMUFState):
+        return True
+    return isinstance(x, Mapping) and (
+        {"count", "synced", "global_params"} <= x.keys() <= set(BMUFState._fields)
+    )
+
+
+def _as_state(x: Any) -> BMUFState:
+    if isinstance(x, BMUFState):
+        return x
+    return BMUFState(**{field: x.get(field) for field in BMUFState._fields})
+
+
 def find_states(tree: PyTree) -> list[BMUFState]:
-    """Every `BMUFState` inside `tree` (an optimizer or training state), in order."""
-    is_state = lambda x: isinstance(x, BMUFState)  # noqa: E731
-    return [x for x in jax.tree.leaves(tree, is_leaf=is_state) if is_state(x)]
+    """Every `BMUFState` inside `tree` (an optimizer or training state), in order.
+
+    States that flax NNX laid out as mappings (`nnx.state` of an `nnx.Optimizer`)
+    are found too and returned as `BMUFState`s of their values.
+    """
+    return [
+        _as_state(x) for x in jax.tree.leaves(tree, is_leaf=_is_state) if _is_state(x)
+    ]
+
+
+def agreed_parts(tree: PyTree) -> PyTree | None:
+    """What replicas training under `jdp.bmuf` agree on, in `tree`'s structure.
+
+    Every `jdp.bmuf` state in `tree` without its `inner_state` (the global model,
+    the velocity, the block start, the counters); every other leaf None. None if
+    `tree` holds no `jdp.bmuf` state.
+    """
+    if not find_states(tree):
+        return None
+
+    def keep(x):
+        if isinstance(x, BMUFState):
+            return x._replace(inner_state=None)
+        if _is_state(x):
+            return {k: v for k, v in x.items() if k != "inner_state"}
+        return None
+
+    return jax.tree.map(keep, tree, is_leaf=_is_state)

@@ -17,6 +17,7 @@ import jax
 from jdp import (
     _backends,
     _batching,
+    _bmuf,
     _collectives,
     _divergence,
     _hlo,
@@ -402,7 +403,14 @@ class _SyncCheck:
         return self.every is not None and (calls == 1 or calls % self.every == 0)
 
     def __call__(self, state: PyTree, *, call: int) -> None:
-        tree = state if self.must_agree is None else self.must_agree(state)
+        if self.must_agree is not None:
+            tree = self.must_agree(state)
+        else:
+            # A step of the user's own that applies `jdp.bmuf` (flax's
+            # `apply_gradients`, an `nnx.Optimizer`) trains replicas locally
+            # between syncs; the global parts of BMUF's state must still agree.
+            local = _bmuf.agreed_parts(state)
+            tree = state if local is None else local
         _divergence.check(tree, self.mesh, state=state, call=call)
 
 
@@ -457,9 +465,11 @@ def parallelize(
         state, in a small program of its own) and raise
         `jdp.ReplicaDivergenceError` naming the first leaf that differs. Parts
         that differ by design are not compared (BMUF's local parameters between
-        syncs with `make_train_step(..., grad_sync="none")`, ZeRO's slices).
-        None turns the guard off, for deliberately local training in your own
-        step.
+        syncs with `make_train_step(..., grad_sync="none")`, ZeRO's slices); in
+        a step of your own whose state holds a `jdp.bmuf` state (flax's
+        `apply_gradients`, an `nnx.Optimizer`), only that state's global model,
+        velocity and counters are. None turns the guard off, for deliberately
+        local training of your own.
 
     Returns:
       A `jdp.Parallel`, callable as `step(state, batch)`, with `replicate`,

@@ -731,16 +731,7 @@ def _agreed_locally(state: PyTree) -> PyTree:
     """
     if not hasattr(state, "replace"):
         return None
-
-    def keep(x):
-        if isinstance(x, _bmuf.BMUFState):
-            return x._replace(inner_state=None)
-        return None
-
-    opt_state = jax.tree.map(
-        keep, state.opt_state, is_leaf=lambda x: isinstance(x, _bmuf.BMUFState)
-    )
-    return state.replace(params=None, opt_state=opt_state)
+    return state.replace(params=None, opt_state=_bmuf.agreed_parts(state.opt_state))
 
 
 def _clip_by_global_norm(grads: PyTree, max_norm: float) -> tuple[PyTree, jax.Array]:

@@ -309,7 +309,7 @@ def test_train_step_and_optax_path_agree(option):
     batches = linear_batches((kw.get("warmup_steps", 0) + 4 * 3 + 1) * every, 16)
     states = []
     for fn in (jdp.make_train_step(linear_loss, tx, grad_sync="none"), optax_path_step):
-        step = jdp.parallelize(fn, devices=jax.devices()[:4], check_sync=None)
+        step = jdp.parallelize(fn, devices=jax.devices()[:4], check_sync=1)
         state = step.replicate(jdp.TrainState.create(params=linear_params(), tx=tx))
         for batch in batches:
             state, _ = step(state, step.shard(batch))

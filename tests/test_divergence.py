@@ -74,6 +74,44 @@ def test_bmuf_local_params_between_syncs_are_not_checked():
     assert not jdp.replicas_in_sync(state.params)  # mid-block: they differ
 
 
+def bmuf_step(tx, *, corrupt=False):
+    """A hand-written step applying `jdp.bmuf` as flax's `apply_gradients` does.
+
+    With `corrupt`, replica 1 shifts BMUF's global model: a broken sync.
+    """
+
+    def step_fn(state, batch):
+        grads = jax.grad(mlp_loss)(state["params"], batch)
+        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+        if corrupt:
+            nudge = jnp.where(lax.axis_index("data") == 1, 1.0, 0.0)
+            opt_state = opt_state._replace(
+                global_params=jax.tree.map(lambda g: g + nudge, opt_state.global_params)
+            )
+        params = optax.apply_updates(state["params"], updates)
+        return {"params": params, "opt_state": opt_state}, {}
+
+    return step_fn
+
+
+def test_own_bmuf_step_checks_only_what_replicas_agree_on():
+    """Replicas training locally between syncs are not an error, in a step of
+    one's own either; BMUF's global model drifting apart still is."""
+    tx = jdp.bmuf(optax.sgd(0.1), sync_period=4)
+    params = init_mlp(jax.random.key(0))
+    step = jdp.parallelize(bmuf_step(tx), check_sync=1)
+    state = step.replicate({"params": params, "opt_state": tx.init(params)})
+    state = run(step, state, make_batches(3, 16))
+    assert not jdp.replicas_in_sync(state["params"])  # mid-block: they differ
+
+    broken = jdp.parallelize(bmuf_step(tx, corrupt=True), check_sync=1)
+    state = broken.replicate({"params": params, "opt_state": tx.init(params)})
+    with pytest.raises(jdp.ReplicaDivergenceError) as info:
+        run(broken, state, make_batches(1, 16))
+    assert info.value.leaf.startswith("['opt_state'].global_params")
+    assert info.value.replica == 1
+
+
 def test_the_check_runs_on_the_first_call_then_every_k():
     tx = optax.sgd(0.1)
     params = init_mlp(jax.random.key(0))

@@ -324,3 +324,50 @@ def test_checkpoint_of_an_nnx_module_and_optimizer_resumes_bit_for_bit(tmp_path)
     assert_bitwise_equal(resumed, uninterrupted)
     _, optimizer, rngs = nnx.merge(graphdef, saved)
     assert int(optimizer.step[...]) == 2 and int(rngs.dropout.count[...]) == 2
+
+
+def test_bmuf_in_an_nnx_optimizer_equals_make_train_step():
+    """`nnx.Optimizer(model, jdp.bmuf(...))` in the tutorial's own step.
+
+    The block sync then runs inside the optimizer; `make_train_step` runs it
+    after the update: the same algorithm. The divergence guard, on at every
+    call, compares only what BMUF's replicas agree on, and `bmuf_global_params`
+    finds the global model in the state NNX lays out.
+    """
+    tx = jdp.bmuf(TX, sync_period=2)
+    batches = make_batches(5)  # two blocks and one step into the third
+
+    model = CNN(rngs=nnx.Rngs(0), dropout=0.0, axis_name="data")
+    graphdef, state = split_for_jdp(model, tx)
+    step = jdp.parallelize(nnx_train_step(graphdef, all_reduce=False), check_sync=1)
+    state, losses = run_steps(step, step.replicate(state), batches)
+    assert not jdp.replicas_in_sync(nnx.state(nnx.merge(graphdef, state)[0]))
+    hand_written = step.unreplicate(jdp.bmuf_global_params(state))
+
+    model = CNN(rngs=nnx.Rngs(0), dropout=0.0, axis_name="data")
+    split_graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss_fn(params, rest, batch):
+        model = nnx.merge(split_graphdef, params, rest)
+        return cross_entropy(model, batch), nnx.state(model, nnx.Not(nnx.Param))
+
+    made = jdp.parallelize(jdp.make_train_step(loss_fn, tx, grad_sync="none"))
+    made_state = made.replicate(
+        jdp.TrainState.create(params=params, batch_stats=rest, tx=tx)
+    )
+    made_state, made_losses = run_steps(made, made_state, batches)
+    expected = made.unreplicate(jdp.bmuf_global_params(made_state))
+
+    np.testing.assert_allclose(losses, made_losses, rtol=1e-5)
+    assert_trees_close(
+        jax.tree.leaves(hand_written), jax.tree.leaves(expected), rtol=1e-5, atol=1e-6
+    )
+    # The global model loads into the module for evaluation.
+    trained = nnx.merge(graphdef, step.unreplicate(state))[0]
+    nnx.update(trained, hand_written)
+    assert_trees_close(
+        jax.tree.leaves(nnx.state(trained, nnx.Param)),
+        jax.tree.leaves(expected),
+        rtol=1e-5,
+        atol=1e-6,
+    )
