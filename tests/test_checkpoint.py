@@ -383,7 +383,7 @@ def test_bmuf_mid_block_into_another_count_starts_from_the_global_model(tmp_path
             RuntimeWarning,
             match=r"(?s)was saved between syncs.*holds a `jdp.BMUFState`, but no "
             r"`params` of the same structure to reset: set them to "
-            r"`jdp.bmuf_global_params\(state\)` before training on",
+            r"`jdp.bmuf_global_params\(state\)` .*before training on",
         ):
             restored = manager.restore({"weights": init.params, "opt": init.opt_state})
     assert_bitwise_equal(flat_leaves(restored["weights"]), flat_leaves(copy.params))

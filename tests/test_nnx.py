@@ -371,3 +371,36 @@ def test_bmuf_in_an_nnx_optimizer_equals_make_train_step():
         rtol=1e-5,
         atol=1e-6,
     )
+
+
+def test_bmuf_in_an_nnx_optimizer_resumes_mid_block_bit_for_bit(tmp_path):
+    """Saved between syncs, every replica's local model and optimizer come back."""
+    tx = jdp.bmuf(TX, sync_period=4)
+    graphdef, init = split_for_jdp(CNN(rngs=nnx.Rngs(0), axis_name="data"), tx)
+    _, fresh = split_for_jdp(CNN(rngs=nnx.Rngs(1), axis_name="data"), tx)
+    step = jdp.parallelize(
+        nnx_train_step(graphdef, all_reduce=False), devices=jax.devices()[:4]
+    )
+    # Saved after 3 steps, in the first block; resumed across the sync.
+    resumed, uninterrupted, saved = resumed_and_uninterrupted(
+        step, init, fresh, make_batches(6, 32), tmp_path
+    )
+    assert_bitwise_equal(resumed, uninterrupted)
+    with CheckpointManager(tmp_path) as manager:
+        per_replica = [
+            r["path"] for r in manager.metadata()["leaves"] if r.get("per_replica")
+        ]
+    assert any("conv1" in p and "kernel" in p for p in per_replica)
+    assert not any("global_params" in p for p in per_replica)
+    # Into 2 replicas: replica 0's copy, and how to start from the global model.
+    two = jdp.parallelize(
+        nnx_train_step(graphdef, all_reduce=False), devices=jax.devices()[:2]
+    )
+    with CheckpointManager(tmp_path) as manager:
+        with pytest.warns(
+            RuntimeWarning,
+            match=r"(?s)saved between syncs.*`like` has 2 replicas.*"
+            r"nnx\.update\(model, jdp\.bmuf_global_params\(state\)\)",
+        ):
+            restored = manager.restore(two.replicate(fresh))
+    assert_bitwise_equal(two.unreplicate(restored), saved)

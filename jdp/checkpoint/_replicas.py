@@ -111,6 +111,7 @@ def block_start_params(host: PyTree) -> tuple[PyTree, str]:
         return host, (
             " The state holds a `jdp.BMUFState`, but no `params` of the same "
             "structure to reset: set them to `jdp.bmuf_global_params(state)` "
+            "(with flax NNX: `nnx.update(model, jdp.bmuf_global_params(state))`) "
             "before training on, so that a new block starts from the global model."
         )
     new = jax.tree.map(
