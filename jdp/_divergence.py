@@ -26,6 +26,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jdp._layout import replica_leaves
+from jdp._tree import keystr
 
 PyTree = Any
 
@@ -38,6 +39,22 @@ DIVERGED_MSG = (
     "`jdp.sync_gradients` and `jdp.sync_batch_stats` in your own step. For "
     "deliberately local training (local SGD, your own model averaging) pass "
     "`check_sync=None` to `jdp.parallelize`. The state the step returned is "
+    "`error.state`; `step.broadcast(error.state)` resets every replica to "
+    "replica 0."
+)
+
+
+METRICS_MSG = (
+    "[jdp] The replicas' states diverged during step call {call}: {leaf} differs "
+    "between replica 0 and replica {replica} ({count} of {total} checked leaves "
+    "differ, all of them flax NNX metric accumulators). Each replica's metrics "
+    "(an `nnx.MultiMetric` in the state, as in the NNX tutorial) counted only its "
+    "own examples. Update them with every replica's values, e.g. "
+    "`metrics.update(loss=lax.pmean(loss, {axis}), logits=lax.all_gather(logits, "
+    "{axis}, tiled=True), labels=lax.all_gather(labels, {axis}, tiled=True))`, so "
+    "that every replica counts the global batch; or keep them out of the state "
+    "and update them on the host from what the step returns "
+    "(`jdp.metrics.gather(logits)`). The state the step returned is "
     "`error.state`; `step.broadcast(error.state)` resets every replica to "
     "replica 0."
 )
@@ -96,8 +113,11 @@ def _fingerprints_fn(mesh: Mesh):
     return jax.jit(_fingerprints, out_shardings=NamedSharding(mesh, P()))
 
 
-def first_divergence(tree: PyTree, mesh: Mesh) -> tuple[str, int, int, int] | None:
-    """`(leaf path, replica, diverging leaves, checked leaves)`, or None if in sync."""
+def divergences(tree: PyTree, mesh: Mesh) -> tuple[list[str], int, int] | None:
+    """`(diverging leaf paths, a replica of the first that differs, checked leaves)`.
+
+    None if the replicas are in sync.
+    """
     paths, arrays, _ = replica_leaves(tree)
     if not arrays:
         return None
@@ -106,28 +126,39 @@ def first_divergence(tree: PyTree, mesh: Mesh) -> tuple[str, int, int, int] | No
     bad = np.flatnonzero(differ.any(axis=1))
     if not bad.size:
         return None
-    first = int(bad[0])
-    replica = int(np.flatnonzero(differ[first])[0])
-    return paths[first], replica, int(bad.size), len(paths)
+    replica = int(np.flatnonzero(differ[int(bad[0])])[0])
+    return [paths[i] for i in bad], replica, len(paths)
+
+
+def _metric_prefixes(tree: PyTree) -> list[str]:
+    """The paths of flax NNX metric accumulators (`nnx.metrics.MetricState`)."""
+    try:
+        from flax.nnx import metrics  # only on the error path
+    except ImportError:  # pragma: no cover - flax is a dependency
+        return []
+    is_metric = lambda x: isinstance(x, metrics.MetricState)  # noqa: E731
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_metric)[0]
+    return [keystr(path) for path, x in flat if is_metric(x)]
 
 
 def check(tree: PyTree, mesh: Mesh, *, state: PyTree, call: int) -> None:
     """Raises `ReplicaDivergenceError` if the replicas of `tree` differ."""
-    found = first_divergence(tree, mesh)
+    found = divergences(tree, mesh)
     if found is None:
         return
-    leaf, replica, count, total = found
-    more = "" if count == 1 else "; the first is named"
-    raise ReplicaDivergenceError(
-        DIVERGED_MSG.format(
-            call=call,
-            leaf=leaf,
-            replica=replica,
-            count=count,
-            total=total,
-            more=more,
-        ),
-        state=state,
-        leaf=leaf,
-        replica=replica,
-    )
+    leaves, replica, total = found
+    leaf, count = leaves[0], len(leaves)
+    prefixes = _metric_prefixes(tree)
+    metric = [p for p in leaves if any(p.startswith(m) for m in prefixes)]
+    if metric and len(metric) == count:
+        names = mesh.axis_names
+        axis = repr(names[0] if len(names) == 1 else tuple(names))
+        message = METRICS_MSG.format(
+            call=call, leaf=leaf, replica=replica, count=count, total=total, axis=axis
+        )
+    else:
+        more = "" if count == 1 else "; the first is named"
+        message = DIVERGED_MSG.format(
+            call=call, leaf=leaf, replica=replica, count=count, total=total, more=more
+        )
+    raise ReplicaDivergenceError(message, state=state, leaf=leaf, replica=replica)

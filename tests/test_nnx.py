@@ -404,3 +404,85 @@ def test_bmuf_in_an_nnx_optimizer_resumes_mid_block_bit_for_bit(tmp_path):
         ):
             restored = manager.restore(two.replicate(fresh))
     assert_bitwise_equal(two.unreplicate(restored), saved)
+
+
+def metrics_train_step(graphdef, *, all_replicas):
+    """The NNX tutorial's step with its `nnx.MultiMetric` in the state.
+
+    With `all_replicas`, the metrics are updated with every replica's values
+    (the global batch), the adaptation the divergence error suggests.
+    """
+
+    def train_step(state, batch):
+        model, optimizer, metrics = nnx.merge(graphdef, state)
+
+        def loss_fn(model):
+            logits = model(batch["x"])
+            labels = batch["y"]
+            loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+            return loss.mean(), logits
+
+        (loss, logits), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
+        labels = batch["y"]
+        if all_replicas:
+            loss = jax.lax.pmean(loss, "data")
+            logits = jax.lax.all_gather(logits, "data", tiled=True)
+            labels = jax.lax.all_gather(labels, "data", tiled=True)
+        metrics.update(loss=loss, logits=logits, labels=labels)
+        optimizer.update(model, jdp.all_reduce_gradients(grads))
+        return nnx.state((model, optimizer, metrics)), {"loss": loss}
+
+    return train_step
+
+
+def tutorial_metrics():
+    return nnx.MultiMetric(
+        accuracy=nnx.metrics.Accuracy(), loss=nnx.metrics.Average("loss")
+    )
+
+
+def test_nnx_metrics_in_the_state_count_the_global_batch():
+    """Per-replica accumulators are named as such; updated with every replica's
+    values they give the single-device tutorial's numbers."""
+    batches = make_batches(3)
+
+    def split():
+        model = CNN(rngs=nnx.Rngs(0), dropout=0.0, axis_name="data")
+        optimizer = nnx.Optimizer(model, TX, wrt=nnx.Param)
+        return nnx.split((model, optimizer, tutorial_metrics()))
+
+    graphdef, init = split()
+    step = jdp.parallelize(metrics_train_step(graphdef, all_replicas=False))
+    with pytest.raises(
+        jdp.ReplicaDivergenceError,
+        match=r"\['accuracy'\]\['total'\].*all of them flax NNX metric accumulators"
+        r".*lax\.all_gather\(logits, 'data', tiled=True\)",
+    ):
+        run_steps(step, step.replicate(init), batches)
+
+    step = jdp.parallelize(metrics_train_step(graphdef, all_replicas=True))
+    state, _ = run_steps(step, step.replicate(init), batches)
+    jdp.assert_replicas_in_sync(state)
+    metrics = nnx.merge(graphdef, step.unreplicate(state))[2].compute()
+
+    model = CNN(rngs=nnx.Rngs(0), dropout=0.0)
+    optimizer = nnx.Optimizer(model, TX, wrt=nnx.Param)
+    expected = tutorial_metrics()
+
+    @nnx.jit
+    def train_step(model, optimizer, metrics, batch):
+        def loss_fn(model):
+            logits = model(batch["x"])
+            loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+            return loss.mean(), logits
+
+        (loss, logits), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
+        metrics.update(loss=loss, logits=logits, labels=batch["y"])
+        optimizer.update(model, grads)
+
+    for batch in batches:
+        train_step(model, optimizer, expected, batch)
+    expected = expected.compute()
+    assert 0 < float(expected["accuracy"]) < 1
+    np.testing.assert_allclose(metrics["accuracy"], expected["accuracy"], rtol=1e-6)
+    np.testing.assert_allclose(metrics["loss"], expected["loss"], rtol=1e-5)
