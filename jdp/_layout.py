@@ -18,6 +18,7 @@ Typed PRNG keys are placed as their key data and wrapped back.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -31,6 +32,16 @@ from jdp._tree import format_problems, keystr
 
 PyTree = Any
 AxisName = str | tuple[str, ...]
+
+SHARED_VARIABLE_MSG = (
+    "`step.replicate`: the state holds one flax NNX `Variable` at two paths, "
+    "{first} and {second} (a weight shared between modules, e.g. tied "
+    "embeddings). Passed as a pytree, each path would become its own array and "
+    "the first update would silently untie them. Split the modules instead: "
+    "`graphdef, state = nnx.split((model, optimizer))`, replicate `state` and "
+    "`nnx.merge(graphdef, state)` in the step; `nnx.split` keeps one copy of a "
+    "shared weight and `nnx.merge` shares it again."
+)
 
 ALREADY_REPLICATED_MSG = (
     "`step.replicate`: every array leaf of the tree is already replicated (a "
@@ -277,6 +288,11 @@ def replicate(
     Returns:
       The replicated pytree.
     """
+    shared = shared_variables(tree)
+    if shared:
+        raise ValueError(
+            SHARED_VARIABLE_MSG.format(first=shared[0][0], second=shared[0][1])
+        )
     arrays = [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)]
     if arrays and all(x.ndim >= 1 and is_replicated(x) for x in arrays):
         raise ValueError(
@@ -297,6 +313,30 @@ def replicate(
         shapes,
     )
     return place_like(host, like)
+
+
+def shared_variables(tree: PyTree) -> list[tuple[str, str]]:
+    """Pairs of paths at which `tree` holds one flax NNX `Variable` twice.
+
+    A weight shared between modules (tied embeddings) is one `Variable` reached
+    from two attributes. Flattened as a pytree (modules passed to JAX directly),
+    each path becomes its own array and the tie is lost; `nnx.split` keeps one.
+    """
+    nnx = sys.modules.get("flax.nnx")  # no NNX objects unless it was imported
+    if nnx is None:
+        return []
+    is_variable = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+    seen: dict[int, str] = {}
+    pairs = []
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_variable)[0]
+    for path, x in flat:
+        if not is_variable(x):
+            continue
+        if id(x) in seen:
+            pairs.append((seen[id(x)], keystr(path)))
+        else:
+            seen[id(x)] = keystr(path)
+    return pairs
 
 
 def is_replicated(x: Any) -> bool:

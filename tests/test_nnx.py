@@ -1,4 +1,4 @@
-"""flax NNX models trained by jdp: both recipes, per-replica dropout, checkpoints.
+"""flax NNX models trained by jdp: every recipe, dropout, metrics, BMUF, checkpoints.
 
 The model is the CNN of flax's NNX MNIST tutorial (Conv, BatchNorm, Dropout,
 Linear), sized for scikit-learn's 8x8 digits. The oracle is the tutorial's own
@@ -7,6 +7,8 @@ whole global batch.
 """
 
 import functools
+import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -486,3 +488,102 @@ def test_nnx_metrics_in_the_state_count_the_global_batch():
     assert 0 < float(expected["accuracy"]) < 1
     np.testing.assert_allclose(metrics["accuracy"], expected["accuracy"], rtol=1e-6)
     np.testing.assert_allclose(metrics["loss"], expected["loss"], rtol=1e-5)
+
+
+README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+
+
+def readme_recipe(model, optimizer):
+    """Runs the README's NNX recipe: returns its `step` and replicated `state`."""
+    text = README.read_text()
+    code = re.search(r"## flax NNX\n\n.*?```python\n(.*?)```", text, re.S).group(1)
+    namespace = {
+        "jdp": jdp,
+        "nnx": nnx,
+        "model": model,
+        "optimizer": optimizer,
+        "loss_of": cross_entropy,
+    }
+    exec(compile(code, "README.md", "exec"), namespace)
+    return namespace["step"], namespace["state"]
+
+
+def modules(seed):
+    model = CNN(rngs=nnx.Rngs(seed), dropout=0.0, axis_name="data")
+    return model, nnx.Optimizer(model, TX, wrt=nnx.Param)
+
+
+def test_modules_passed_directly_train_like_the_tutorial(single_device, tmp_path):
+    """The README's recipe: no split or merge, `step.replicate((model, optimizer,
+    rngs))` and the tutorial's step returning the modules. Same numbers as one
+    device; checkpoints resume bit for bit."""
+    step, init = readme_recipe(*modules(0))
+    start = jax.device_get(step.unreplicate(init))  # the run donates `init`
+    state, losses = run_steps(step, init, make_batches(4))
+    expected, expected_losses = single_device
+    model, optimizer, rngs = step.unreplicate(state)
+    assert isinstance(model, CNN) and isinstance(optimizer, nnx.Optimizer)
+    assert_trees_close(nnx.state(model), expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-6)
+    assert int(optimizer.step[...]) == 4 and int(rngs.dropout.count[...]) == 4
+
+    fresh = (*modules(1), nnx.Rngs(dropout=7))
+    resumed, uninterrupted, _ = resumed_and_uninterrupted(
+        step, start, fresh, make_batches(4), tmp_path
+    )
+    assert isinstance(resumed[0], CNN)
+    # Leaves only: each CNN holds its own `functools.partial`, static pytree data
+    # that compares by identity.
+    assert_bitwise_equal(jax.tree.leaves(resumed), jax.tree.leaves(uninterrupted))
+
+
+class TiedEmbeddings(nnx.Module):
+    """Input and output embeddings that share one `nnx.Param`."""
+
+    def __init__(self, rngs):
+        self.embed = nnx.Embed(10, 4, rngs=rngs)
+        self.unembed = self.embed.embedding  # the same Variable
+
+    def __call__(self, ids):
+        return self.embed(ids) @ self.unembed[...].T
+
+
+def test_a_shared_weight_passed_as_a_pytree_is_refused():
+    """Flattened, a tied weight becomes two arrays and would silently untie;
+    `nnx.split` keeps the tie through training."""
+
+    def train_step(state, batch):
+        model, optimizer = state
+
+        def loss_fn(model):
+            logits = model(batch["ids"])
+            return optax.softmax_cross_entropy_with_integer_labels(
+                logits, batch["ids"]
+            ).mean()
+
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        optimizer.update(model, jdp.all_reduce_gradients(grads))
+        return (model, optimizer), {"loss": loss}
+
+    model = TiedEmbeddings(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    step = jdp.parallelize(train_step)
+    with pytest.raises(
+        ValueError,
+        match=r"one flax NNX `Variable` at two paths, \[0\]\.embed\.embedding and "
+        r"\[0\]\.unembed .*nnx\.split",
+    ):
+        step.replicate((model, optimizer))
+
+    graphdef, state = nnx.split((model, optimizer))
+
+    def split_step(state, batch):
+        out, metrics = train_step(nnx.merge(graphdef, state), batch)
+        return nnx.state(out), metrics
+
+    step = jdp.parallelize(split_step)
+    batch = step.shard({"ids": np.arange(16, dtype=np.int32) % 10})
+    state, _ = step(step.replicate(state), batch)
+    trained, _ = nnx.merge(graphdef, step.unreplicate(state))
+    assert trained.unembed is trained.embed.embedding
+    assert not np.allclose(trained.embed.embedding[...], model.embed.embedding[...])
