@@ -16,6 +16,7 @@ any value almost surely gives another.
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Any
 
 import jax
@@ -57,6 +58,19 @@ METRICS_MSG = (
     "(`jdp.metrics.gather(logits)`). The state the step returned is "
     "`error.state`; `step.broadcast(error.state)` resets every replica to "
     "replica 0."
+)
+
+
+BATCH_STATS_MSG = (
+    "[jdp] The replicas' states diverged during step call {call}: {leaf} differs "
+    "between replica 0 and replica {replica} ({count} of {total} checked leaves "
+    "differ, all of them BatchNorm statistics). Each replica normalised with the "
+    "statistics of its own examples. Give BatchNorm the replica axis, "
+    "`axis_name={axis}` (flax `nn.BatchNorm` or `nnx.BatchNorm`), so that every "
+    "replica uses the global batch's statistics, or average them after the update "
+    "with `jdp.sync_batch_stats` (`jdp.make_train_step` does this for a state's "
+    "`batch_stats`). The state the step returned is `error.state`; "
+    "`step.broadcast(error.state)` resets every replica to replica 0."
 )
 
 
@@ -130,35 +144,50 @@ def divergences(tree: PyTree, mesh: Mesh) -> tuple[list[str], int, int] | None:
     return [paths[i] for i in bad], replica, len(paths)
 
 
-def _metric_prefixes(tree: PyTree) -> list[str]:
-    """The paths of flax NNX metric accumulators (`nnx.metrics.MetricState`)."""
-    try:
-        from flax.nnx import metrics  # only on the error path
-    except ImportError:  # pragma: no cover - flax is a dependency
+def _nnx_prefixes(tree: PyTree, kind: str) -> list[str]:
+    """The paths of flax NNX variables of one kind: "metric" or "batch_stat"."""
+    nnx = sys.modules.get("flax.nnx")  # no NNX variables unless it was imported
+    if nnx is None:
         return []
-    is_metric = lambda x: isinstance(x, metrics.MetricState)  # noqa: E731
-    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_metric)[0]
-    return [keystr(path) for path, x in flat if is_metric(x)]
+    cls = nnx.metrics.MetricState if kind == "metric" else nnx.BatchStat
+    is_kind = lambda x: isinstance(x, cls)  # noqa: E731
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_kind)[0]
+    return [keystr(path) for path, x in flat if is_kind(x)]
+
+
+def _all_of_kind(tree: PyTree, leaves: list[str], kind: str) -> bool:
+    """Whether every diverging leaf is a metric accumulator / BatchNorm statistic."""
+    prefixes = _nnx_prefixes(tree, kind)
+    if kind == "batch_stat":  # linen's collection, or a `jdp.TrainState` field
+        prefixes += ["['batch_stats']", ".batch_stats"]
+    return all(any(p.startswith(m) for m in prefixes) for p in leaves)
 
 
 def check(tree: PyTree, mesh: Mesh, *, state: PyTree, call: int) -> None:
-    """Raises `ReplicaDivergenceError` if the replicas of `tree` differ."""
+    """Raises `ReplicaDivergenceError` if the replicas of `tree` differ.
+
+    The message names the first diverging leaf and the likely cause: per-replica
+    metric accumulators or BatchNorm statistics when every diverging leaf is one,
+    else a step that does not average its gradients.
+    """
     found = divergences(tree, mesh)
     if found is None:
         return
     leaves, replica, total = found
-    leaf, count = leaves[0], len(leaves)
-    prefixes = _metric_prefixes(tree)
-    metric = [p for p in leaves if any(p.startswith(m) for m in prefixes)]
-    if metric and len(metric) == count:
-        names = mesh.axis_names
-        axis = repr(names[0] if len(names) == 1 else tuple(names))
-        message = METRICS_MSG.format(
-            call=call, leaf=leaf, replica=replica, count=count, total=total, axis=axis
-        )
+    names = mesh.axis_names
+    fields = dict(
+        call=call,
+        leaf=leaves[0],
+        replica=replica,
+        count=len(leaves),
+        total=total,
+        axis=repr(names[0] if len(names) == 1 else tuple(names)),
+        more="" if len(leaves) == 1 else "; the first is named",
+    )
+    if _all_of_kind(tree, leaves, "metric"):
+        message = METRICS_MSG.format(**fields)
+    elif _all_of_kind(tree, leaves, "batch_stat"):
+        message = BATCH_STATS_MSG.format(**fields)
     else:
-        more = "" if count == 1 else "; the first is named"
-        message = DIVERGED_MSG.format(
-            call=call, leaf=leaf, replica=replica, count=count, total=total, more=more
-        )
-    raise ReplicaDivergenceError(message, state=state, leaf=leaf, replica=replica)
+        message = DIVERGED_MSG.format(**fields)
+    raise ReplicaDivergenceError(message, state=state, leaf=leaves[0], replica=replica)

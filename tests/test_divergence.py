@@ -46,6 +46,29 @@ def test_a_step_that_forgets_to_average_gradients_is_caught(backend):
     jdp.assert_replicas_in_sync(step.broadcast(err.state))
 
 
+def test_unsynced_batch_stats_are_named_as_the_cause():
+    """A linen-style step that averages gradients but not `batch_stats`."""
+    tx = optax.sgd(0.1)
+    params = init_mlp(jax.random.key(0))
+
+    def step_fn(state, batch):
+        grads = lax.pmean(jax.grad(mlp_loss)(state["params"], batch), "data")
+        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+        stats = {"mean": jnp.mean(batch["x"], axis=0)}  # this replica's examples
+        new = {"params": optax.apply_updates(state["params"], updates)}
+        return {**new, "opt_state": opt_state, "batch_stats": stats}, {}
+
+    step = jdp.parallelize(step_fn)
+    init = {"params": params, "opt_state": tx.init(params)}
+    state = step.replicate({**init, "batch_stats": {"mean": jnp.zeros(8)}})
+    with pytest.raises(
+        jdp.ReplicaDivergenceError,
+        match=r"\['batch_stats'\]\['mean'\].*all of them BatchNorm statistics.*"
+        r"`jdp.sync_batch_stats`",
+    ):
+        run(step, state, make_batches(1, 16))
+
+
 def test_synchronous_steps_pass_the_check():
     tx = optax.adam(1e-2)
     params = init_mlp(jax.random.key(0))

@@ -587,3 +587,19 @@ def test_a_shared_weight_passed_as_a_pytree_is_refused():
     trained, _ = nnx.merge(graphdef, step.unreplicate(state))
     assert trained.unembed is trained.embed.embedding
     assert not np.allclose(trained.embed.embedding[...], model.embed.embedding[...])
+
+
+def test_batchnorm_without_the_replica_axis_is_named_as_the_cause():
+    """Without `axis_name`, each replica's BatchNorm keeps its own statistics."""
+    model = CNN(rngs=nnx.Rngs(0), dropout=0.0)  # no axis_name
+    graphdef, state = split_for_jdp(model)
+    step = jdp.parallelize(nnx_train_step(graphdef))
+    with pytest.raises(
+        jdp.ReplicaDivergenceError,
+        match=r"\['batch_norm1'\]\['mean'\].*all of them BatchNorm statistics.*"
+        r"`axis_name='data'`",
+    ) as info:
+        run_steps(step, step.replicate(state), make_batches(1))
+    # The gradients were averaged: the params agree.
+    model, _, _ = nnx.merge(graphdef, info.value.state)
+    jdp.assert_replicas_in_sync(nnx.state(model, nnx.Param))
