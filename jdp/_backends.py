@@ -65,9 +65,10 @@ def _map_some(fn, pick, tree):
     """`tree` with the leaves `pick` selects replaced by `fn(list of them)`."""
     leaves, treedef = jax.tree.flatten(tree)
     idx = [i for i, x in enumerate(leaves) if pick(x)]
-    if idx:
-        for i, y in zip(idx, fn([leaves[i] for i in idx]), strict=True):
-            leaves[i] = y
+    if not idx:
+        return tree  # rebuilding costs as much as flattening (NNX modules: more)
+    for i, y in zip(idx, fn([leaves[i] for i in idx]), strict=True):
+        leaves[i] = y
     return jax.tree.unflatten(treedef, leaves)
 
 
