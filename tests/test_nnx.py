@@ -312,14 +312,21 @@ def test_checkpoint_of_an_nnx_sequential_resumes_bit_for_bit(tmp_path):
     assert_bitwise_equal(copy, saved)
 
 
-def test_checkpoint_of_an_nnx_module_and_optimizer_resumes_bit_for_bit(tmp_path):
-    """The recipe's state: model, `nnx.Optimizer` (Adam) and dropout stream."""
-    tx = optax.chain(jdp.sync_gradients(), optax.adam(1e-2))
+def four_replicas(tx):
+    """`(graphdef, init, fresh, step)`: the recipe on 4 devices, gradients
+    averaged (or not) by `tx`; `fresh` is another model's state to restore into."""
     graphdef, init = split_for_jdp(CNN(rngs=nnx.Rngs(0), axis_name="data"), tx)
     _, fresh = split_for_jdp(CNN(rngs=nnx.Rngs(1), axis_name="data"), tx)
     step = jdp.parallelize(
         nnx_train_step(graphdef, all_reduce=False), devices=jax.devices()[:4]
     )
+    return graphdef, init, fresh, step
+
+
+def test_checkpoint_of_an_nnx_module_and_optimizer_resumes_bit_for_bit(tmp_path):
+    """The recipe's state: model, `nnx.Optimizer` (Adam) and dropout stream."""
+    tx = optax.chain(jdp.sync_gradients(), optax.adam(1e-2))
+    graphdef, init, fresh, step = four_replicas(tx)
     resumed, uninterrupted, saved = resumed_and_uninterrupted(
         step, init, fresh, make_batches(4, 32), tmp_path
     )
@@ -378,11 +385,7 @@ def test_bmuf_in_an_nnx_optimizer_equals_make_train_step():
 def test_bmuf_in_an_nnx_optimizer_resumes_mid_block_bit_for_bit(tmp_path):
     """Saved between syncs, every replica's local model and optimizer come back."""
     tx = jdp.bmuf(TX, sync_period=4)
-    graphdef, init = split_for_jdp(CNN(rngs=nnx.Rngs(0), axis_name="data"), tx)
-    _, fresh = split_for_jdp(CNN(rngs=nnx.Rngs(1), axis_name="data"), tx)
-    step = jdp.parallelize(
-        nnx_train_step(graphdef, all_reduce=False), devices=jax.devices()[:4]
-    )
+    graphdef, init, fresh, step = four_replicas(tx)
     # Saved after 3 steps, in the first block; resumed across the sync.
     resumed, uninterrupted, saved = resumed_and_uninterrupted(
         step, init, fresh, make_batches(6, 32), tmp_path
