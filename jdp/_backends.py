@@ -61,15 +61,22 @@ def _expand(x):
     return x.reshape((1,) + x.shape)
 
 
-def _map_some(fn, pick, tree):
-    """`tree` with the leaves `pick` selects replaced by `fn(list of them)`."""
+def _map_some(tree, *passes):
+    """`tree` with leaves replaced, pass by pass.
+
+    A pass `(pick, fn)` replaces the leaves `pick` selects by `fn(list of them)`.
+    One flatten serves every pass; a tree in which no pass picks a leaf comes back
+    as it is (rebuilding costs as much as flattening, and more for NNX modules).
+    """
     leaves, treedef = jax.tree.flatten(tree)
-    idx = [i for i, x in enumerate(leaves) if pick(x)]
-    if not idx:
-        return tree  # rebuilding costs as much as flattening (NNX modules: more)
-    for i, y in zip(idx, fn([leaves[i] for i in idx]), strict=True):
-        leaves[i] = y
-    return jax.tree.unflatten(treedef, leaves)
+    changed = False
+    for pick, fn in passes:
+        idx = [i for i, x in enumerate(leaves) if pick(x)]
+        if idx:
+            changed = True
+            for i, y in zip(idx, fn([leaves[i] for i in idx]), strict=True):
+                leaves[i] = y
+    return jax.tree.unflatten(treedef, leaves) if changed else tree
 
 
 def check_distinct(state: PyTree) -> None:
@@ -119,7 +126,7 @@ class Step:
         self._throttle = len(devices) > 1 and all(d.platform == "cpu" for d in devices)
         self._in_flight: list[jax.Array] = []
 
-    def _pick(self, state, batch):
+    def _pick(self, state, batch, *, distinct: bool = False):
         if not self._donate:
             return self._forward
         if self.returns_state is None:
@@ -127,13 +134,18 @@ class Step:
             self.returns_state = self.out_state is not None
         if not self.returns_state:
             return self._forward
-        check_distinct(state)
+        if not distinct:
+            check_distinct(state)
         return self._train
 
-    def __call__(self, state, batch, *, before=None):
-        """Runs the step; `before(state, out_state)` first, once, when known early."""
+    def __call__(self, state, batch, *, before=None, distinct: bool = False):
+        """Runs the step; `before(state, out_state)` first, once, when known early.
+
+        `distinct`: the caller knows that no two state leaves are one array (the
+        state is what this step returned), so donating it needs no check.
+        """
         first = self.returns_state is None
-        fn = self._pick(state, batch)
+        fn = self._pick(state, batch, distinct=distinct)
         if before is not None and first and self.out_state is not None:
             before(state, self.out_state)
         if self._throttle:
@@ -360,12 +372,14 @@ class _ShardMap(Backend):
         ]
 
 
-def _place_empty_leaves(tree, sharding: NamedSharding):
-    """Gives zero-size outputs the replica sharding (jit returns them replicated)."""
-    return _map_some(
-        lambda xs: jax.device_put(xs, sharding),
+def _empty_leaves_pass(sharding: NamedSharding):
+    """The `_map_some` pass giving zero-size outputs the replica sharding.
+
+    jit returns them replicated.
+    """
+    return (
         lambda x: x.size == 0 and x.sharding != sharding,
-        tree,
+        lambda xs: jax.device_put(xs, sharding),
     )
 
 
@@ -379,7 +393,7 @@ class _PlaceEmptyLeaves:
 
     def __call__(self, state, batch):
         new_state, metrics = self._fn(state, batch)
-        return _place_empty_leaves(new_state, self._sharding), metrics
+        return _map_some(new_state, _empty_leaves_pass(self._sharding)), metrics
 
 
 # -- the donating shard_map step ---------------------------------------------------
@@ -486,10 +500,14 @@ class _DonatingShardMapStep:
         )
 
     def __call__(self, state, batch):
-        view = _map_some(self._view, _needs_view, state)
+        view = _map_some(state, (_needs_view, self._view))
         new_state, metrics = self._core(view, batch)
-        new_state = _map_some(self._unview, lambda x: x.shape[0] != self._n, new_state)
-        return _place_empty_leaves(new_state, self._sharding), metrics
+        new_state = _map_some(
+            new_state,
+            (lambda x: x.shape[0] != self._n, self._unview),
+            _empty_leaves_pass(self._sharding),
+        )
+        return new_state, metrics
 
     def lower(self, state, batch) -> jax.stages.Lowered:
         """Lowers the step on the view these arguments give."""

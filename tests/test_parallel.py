@@ -1,3 +1,6 @@
+import gc
+import weakref
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -424,6 +427,26 @@ def test_reusing_a_donated_state_is_an_error_not_a_crash(backend):
         step(state, batch)
     new, _ = step(new, batch)  # the returned state goes on
     assert np.isfinite(float(step.unreplicate(new).params["w"][0, 0]))
+
+
+def test_a_returned_state_donated_by_another_step_is_still_refused(backend):
+    """The state a step returned skips the placement checks on its next call,
+    unless something deleted it since: another step donating it, say."""
+    step, state, batch = sgd_step(backend)
+    other, _, _ = sgd_step(backend)
+    new, _ = step(state, batch)
+    other(new, batch)  # donates `new`
+    with pytest.raises(ValueError, match=r"(?s)donated to an earlier step"):
+        step(new, batch)
+
+
+def test_a_step_keeps_no_returned_state_alive(backend):
+    step, state, batch = sgd_step(backend)
+    state, _ = step(state, batch)
+    leaf = weakref.ref(state.params["w"])
+    del state
+    gc.collect()
+    assert leaf() is None
 
 
 def test_a_forward_only_step_never_donates_a_scalar_leaf(backend):
