@@ -61,6 +61,14 @@ def _expand(x):
     return x.reshape((1,) + x.shape)
 
 
+def _apply(leaves: list, idx: list[int], fn) -> bool:
+    """Replaces `leaves[i]` for `i` in `idx` by `fn(list of them)`; whether any."""
+    if idx:
+        for i, y in zip(idx, fn([leaves[i] for i in idx]), strict=True):
+            leaves[i] = y
+    return bool(idx)
+
+
 def _map_some(tree, *passes):
     """`tree` with leaves replaced, pass by pass.
 
@@ -71,11 +79,7 @@ def _map_some(tree, *passes):
     leaves, treedef = jax.tree.flatten(tree)
     changed = False
     for pick, fn in passes:
-        idx = [i for i, x in enumerate(leaves) if pick(x)]
-        if idx:
-            changed = True
-            for i, y in zip(idx, fn([leaves[i] for i in idx]), strict=True):
-                leaves[i] = y
+        changed |= _apply(leaves, [i for i, x in enumerate(leaves) if pick(x)], fn)
     return jax.tree.unflatten(treedef, leaves) if changed else tree
 
 
@@ -119,6 +123,7 @@ class Step:
         self._donate = donate
         self._trace_out_state = out_state
         self.returns_state: bool | None = None
+        self.out_leaves: list[jax.Array] | None = None
         #: The abstract state a donating train step returns (known before its
         #: first call, from the trace), or None.
         self.out_state: Any = None
@@ -126,7 +131,7 @@ class Step:
         self._throttle = len(devices) > 1 and all(d.platform == "cpu" for d in devices)
         self._in_flight: list[jax.Array] = []
 
-    def _pick(self, state, batch, *, distinct: bool = False):
+    def _pick(self, state, batch, *, returned: bool = False):
         if not self._donate:
             return self._forward
         if self.returns_state is None:
@@ -134,23 +139,32 @@ class Step:
             self.returns_state = self.out_state is not None
         if not self.returns_state:
             return self._forward
-        if not distinct:
+        if not returned:
             check_distinct(state)
         return self._train
 
-    def __call__(self, state, batch, *, before=None, distinct: bool = False):
+    def __call__(self, state, batch, *, before=None, returned: bool = False, flat=None):
         """Runs the step; `before(state, out_state)` first, once, when known early.
 
-        `distinct`: the caller knows that no two state leaves are one array (the
-        state is what this step returned), so donating it needs no check.
+        `returned`: the caller knows `state` is what the last call returned (no
+        leaf deleted since): no two of its leaves are one array, so donating it
+        needs no check, and its layout is the one the last call saw. `flat`:
+        `jax.tree.flatten(state)`, if the caller has it. After the call,
+        `out_leaves` holds the new state's leaves when the step flattened them
+        (else None); the caller takes them (and sets None: no reference kept).
         """
+        self.out_leaves = None
         first = self.returns_state is None
-        fn = self._pick(state, batch, distinct=distinct)
+        fn = self._pick(state, batch, returned=returned)
         if before is not None and first and self.out_state is not None:
             before(state, self.out_state)
         if self._throttle:
             self._wait_for_previous_step()
-        new_state, metrics = fn(state, batch)
+        if getattr(fn, "takes_returned", False):
+            new_state, metrics = fn(state, batch, returned=returned, flat=flat)
+            self.out_leaves, fn.out_leaves = fn.out_leaves, None  # no reference kept
+        else:
+            new_state, metrics = fn(state, batch)
         if self.returns_state is None:
             self.returns_state = new_state is not None
         if self._throttle:
@@ -456,8 +470,13 @@ class _DonatingShardMapStep:
     view back (donated, a bitcast).
     """
 
+    #: `Step` passes `returned=` (see `__call__`).
+    takes_returned = True
+
     def __init__(self, core, *, mesh: Mesh, sharding: NamedSharding):
         self._core = core
+        self._picked: tuple[list[int], list[int], list[int]] | None = None
+        self.out_leaves: list[jax.Array] | None = None
         self._n = n = mesh.size
         self._sharding = sharding
         self._view = jax.jit(
@@ -499,15 +518,38 @@ class _DonatingShardMapStep:
             out,
         )
 
-    def __call__(self, state, batch):
-        view = _map_some(state, (_needs_view, self._view))
-        new_state, metrics = self._core(view, batch)
-        new_state = _map_some(
-            new_state,
-            (lambda x: x.shape[0] != self._n, self._unview),
-            _empty_leaves_pass(self._sharding),
-        )
-        return new_state, metrics
+    def __call__(self, state, batch, *, returned: bool = False, flat=None):
+        """Runs the step on the view of `state`.
+
+        `returned`: `state` is what the last call returned (same shapes, same
+        program), so the leaves to view, unview and re-place are the ones the
+        last call picked; finding them again costs about 1 us a leaf. `flat`:
+        `jax.tree.flatten(state)`, if the caller has it. The new state's leaves
+        are left in `out_leaves`.
+        """
+        cached = self._picked if returned else None
+        leaves, treedef = flat if flat is not None else jax.tree.flatten(state)
+        leaves = list(leaves)
+        if cached:
+            view_idx = cached[0]
+        else:
+            view_idx = [i for i, x in enumerate(leaves) if _needs_view(x)]
+        if _apply(leaves, view_idx, self._view):
+            state = jax.tree.unflatten(treedef, leaves)
+        new_state, metrics = self._core(state, batch)
+        out, out_def = jax.tree.flatten(new_state)
+        if cached:
+            unview_idx, empty_idx = cached[1:]
+        else:
+            unview_idx = [i for i, x in enumerate(out) if x.shape[0] != self._n]
+        changed = _apply(out, unview_idx, self._unview)
+        if not cached:
+            pick = _empty_leaves_pass(self._sharding)[0]
+            empty_idx = [i for i, x in enumerate(out) if pick(x)]
+        changed |= _apply(out, empty_idx, _empty_leaves_pass(self._sharding)[1])
+        self._picked = (view_idx, unview_idx, empty_idx)
+        self.out_leaves = out
+        return (jax.tree.unflatten(out_def, out) if changed else new_state), metrics
 
     def lower(self, state, batch) -> jax.stages.Lowered:
         """Lowers the step on the view these arguments give."""

@@ -121,20 +121,22 @@ class Parallel:
         """
         # The usual loop passes back the state the last call returned: those
         # arrays are placed and distinct, so only their deletion is checked.
-        returned = self._returned.holds(state)
+        flat = jax.tree.flatten(state)
+        returned = self._returned.holds(flat[0])
         if not returned:
             self._check_state(state)
         self._check_batch(batch)
         _progress.beat()  # progress, for the stall check of `python -m jdp.launch`
         checked = self._step.returns_state is not None
         new_state, metrics = self._step(
-            state, batch, before=_layout.check_unchanged, distinct=returned
+            state, batch, before=_layout.check_unchanged, returned=returned, flat=flat
         )
         if not self._step.returns_state:
             return metrics
         if not checked:
             _layout.check_unchanged(state, new_state)
-        self._returned.remember(new_state)
+        leaves, self._step.out_leaves = self._step.out_leaves, None
+        self._returned.remember(leaves or jax.tree.leaves(new_state))
         self._calls += 1
         if self._sync_check.due(self._calls):
             self._sync_check(new_state, call=self._calls)
@@ -410,17 +412,18 @@ class _Returned:
     def __init__(self):
         self._refs: list[weakref.ref] | None = None
 
-    def remember(self, state: PyTree) -> None:
+    def remember(self, leaves: list[Any]) -> None:
+        """Remembers the leaves of the state a call returned."""
         try:
-            self._refs = [weakref.ref(x) for x in jax.tree.leaves(state)]
+            self._refs = [weakref.ref(x) for x in leaves]
         except TypeError:  # a leaf that takes no weak reference
             self._refs = None
 
-    def holds(self, state: PyTree) -> bool:
+    def holds(self, leaves: list[Any]) -> bool:
+        """Whether `leaves` (of a state) are those remembered, none deleted."""
         refs = self._refs
         if refs is None:
             return False
-        leaves = jax.tree.leaves(state)
         return (
             len(leaves) == len(refs)
             and all(r() is x for r, x in zip(refs, leaves, strict=True))

@@ -1,0 +1,168 @@
+"""What a jdp step costs the host per call, as the state's leaf count grows.
+
+A step that does almost no work (every state leaf + 1, the sum of the batch) is
+timed call by call (dispatch, then waiting for the metric), jdp against the same
+step written by hand: `jax.jit` of `jax.shard_map` over the replica axis (or
+`jax.pmap`), with the state donated. What is left is the host's share of a call:
+flattening the state, jdp's checks and donation. States:
+
+- a dict of N small leaves (N = 10, 100, 600: about the params, BatchNorm
+  statistics and momentum of a ResNet-50);
+- flax NNX modules with 300 leaves (a 50-layer MLP and its `nnx.Optimizer`, Adam),
+  passed to the step directly (NNX modules are pytrees) and as `nnx.split` state.
+
+Each round times every variant `--calls` times, in a fresh order; ratios are taken
+within a round, then the median over rounds.
+
+    python benchmarks/dispatch.py [--devices 8] [--rounds 7] [--calls 30] [--quick]
+
+On a GPU the host dispatches ahead of the device, and this cost hides behind any
+step that takes longer; on simulated CPU devices jdp keeps one step in flight (see
+`jdp.parallelize`), so it adds to the step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+
+from _common import set_devices
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--devices", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--calls", type=int, default=30)
+    parser.add_argument("--quick", action="store_true", help="fewer rounds and calls")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.calls = 3, 10
+    if "jax" not in sys.modules:
+        set_devices(args.devices)
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from flax import nnx
+    from jax.sharding import PartitionSpec as P
+
+    import jdp
+
+    devices = jax.devices()[: args.devices]
+    axis = "data"
+
+    def bump(state):
+        return jax.tree.map(lambda x: x + 1, state)
+
+    def jdp_step(state, batch):
+        return bump(state), {"x": jnp.sum(batch)}
+
+    def hand_written(step, backend):
+        """The same step without jdp, on the mesh of `step`."""
+        if backend == "pmap":
+            return jax.pmap(
+                lambda s, b: (bump(s), jax.lax.psum(jnp.sum(b), axis)),
+                axis_name=axis,
+                devices=devices,
+                donate_argnums=0,
+            )
+
+        def block(s, b):
+            s = jax.tree.map(lambda x: x.reshape(x.shape[1:]), s)
+            s = jax.tree.map(lambda x: x.reshape((1,) + x.shape), bump(s))
+            return s, jax.lax.psum(jnp.sum(b), axis)
+
+        mapped = jax.shard_map(
+            block,
+            mesh=step.mesh,
+            in_specs=(P(axis), P(axis)),
+            out_specs=(P(axis), P()),
+        )
+        return jax.jit(mapped, donate_argnums=0)
+
+    class MLP(nnx.Module):
+        def __init__(self, depth, rngs):
+            self.layers = nnx.List(
+                [nnx.Linear(16, 16, rngs=rngs) for _ in range(depth)]
+            )
+
+    model = MLP(50, nnx.Rngs(0))
+    modules = (model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param))
+    _, split = nnx.split(modules)
+
+    def dict_state(n):
+        return {f"w{i:03d}": np.ones(16, np.float32) for i in range(n)}
+
+    # name: (logical state, backend)
+    configs = {
+        "dict, 10 leaves": (dict_state(10), "shard_map"),
+        "dict, 100 leaves": (dict_state(100), "shard_map"),
+        "dict, 600 leaves": (dict_state(600), "shard_map"),
+        "dict, 600 leaves, pmap": (dict_state(600), "pmap"),
+        "NNX modules, 300 leaves": (modules, "shard_map"),
+        "NNX split state, 300": (split, "shard_map"),
+    }
+    batch = np.ones((8 * len(devices), 16), np.float32)
+    runners = {}
+    for name, (init, backend) in configs.items():
+        step = jdp.parallelize(jdp_step, devices=devices, backend=backend)
+        raw = hand_written(step, backend)
+        placed = step.shard(batch)
+        states = {"jdp": step.replicate(init), "hand-written": step.replicate(init)}
+        calls = {"jdp": step, "hand-written": raw}
+
+        def run(kind, states=states, calls=calls, placed=placed):
+            fn = calls[kind]
+            t0 = time.perf_counter()
+            for _ in range(args.calls):
+                states[kind], x = fn(states[kind], placed)
+                jax.block_until_ready(x)
+            return (time.perf_counter() - t0) / args.calls
+
+        for kind in calls:  # compile, warm up
+            run(kind)
+        runners[name] = (run, len(jax.tree.leaves(states["jdp"])))
+
+    order = [(name, kind) for name in runners for kind in ("jdp", "hand-written")]
+    times = {key: [] for key in order}
+    for r in range(args.rounds):
+        random.Random(r).shuffle(order)
+        for name, kind in order:
+            times[name, kind].append(runners[name][0](kind))
+
+    print(
+        f"\nHost cost per call: {len(devices)} simulated CPU devices, jax "
+        f"{jax.__version__}; a step that adds 1 to every state leaf; {args.rounds} "
+        f"interleaved rounds of {args.calls} calls per variant\n"
+    )
+    header = (
+        f"{'state':<26} {'leaves':>6} {'hand ms':>8} {'jdp ms':>7} {'ratio':>6} "
+        f"{'range':>11} {'jdp - hand':>10} {'us/leaf':>7}"
+    )
+    print(header)
+    print("-" * len(header))
+    for name, (_, leaves) in runners.items():
+        jdp_t, hand_t = times[name, "jdp"], times[name, "hand-written"]
+        ratios = [a / b for a, b in zip(jdp_t, hand_t, strict=True)]
+        extra = statistics.median(a - b for a, b in zip(jdp_t, hand_t, strict=True))
+        print(
+            f"{name:<26} {leaves:6d} {1e3 * statistics.median(hand_t):8.2f} "
+            f"{1e3 * statistics.median(jdp_t):7.2f} {statistics.median(ratios):6.2f} "
+            f"{min(ratios):5.2f}-{max(ratios):<5.2f} {1e3 * extra:8.2f}ms "
+            f"{1e6 * extra / leaves:7.2f}"
+        )
+    print(
+        "\nhand ms / jdp ms: median time per call; ratio: median over rounds of jdp / "
+        "hand-written in the same round (range: lowest and highest round); jdp - "
+        "hand: the median difference per call, and per state leaf. A call passes "
+        "back the state the previous call returned, as a training loop does."
+    )
+
+
+if __name__ == "__main__":
+    main()
