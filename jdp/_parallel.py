@@ -161,10 +161,15 @@ class Parallel:
 
         Args:
           tree: Any pytree of arrays, scalars or typed PRNG keys (params, a
-            `jdp.TrainState`, ...).
+            `jdp.TrainState`, flax NNX modules and `nnx.Optimizer`, ...).
 
         Returns:
           The replicated pytree, ready for `step(state, batch)`.
+
+        Raises:
+          ValueError: If `tree` is already replicated, or holds one flax NNX
+            `Variable` at two paths (a shared weight, which a pytree would split
+            in two: use `nnx.split`).
 
         Example:
           >>> import jax, jax.numpy as jnp, jdp
