@@ -381,6 +381,26 @@ def test_bmuf_in_an_nnx_optimizer_equals_make_train_step():
         atol=1e-6,
     )
 
+    # The modules passed directly (the README's recipe without its all-reduce):
+    # the same numbers.
+    def direct_step(state, batch):
+        model, optimizer = state
+        loss, grads = nnx.value_and_grad(cross_entropy)(model, batch)
+        optimizer.update(model, grads)
+        return (model, optimizer), {"loss": loss}
+
+    model = CNN(rngs=nnx.Rngs(0), dropout=0.0, axis_name="data")
+    step = jdp.parallelize(direct_step, check_sync=1)
+    direct = step.replicate((model, nnx.Optimizer(model, tx, wrt=nnx.Param)))
+    direct, direct_losses = run_steps(step, direct, batches)
+    np.testing.assert_allclose(direct_losses, made_losses, rtol=1e-5)
+    assert_trees_close(
+        jax.tree.leaves(step.unreplicate(jdp.bmuf_global_params(direct))),
+        jax.tree.leaves(expected),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+
 
 def test_bmuf_in_an_nnx_optimizer_resumes_mid_block_bit_for_bit(tmp_path):
     """Saved between syncs, every replica's local model and optimizer come back."""
