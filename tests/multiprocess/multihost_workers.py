@@ -218,6 +218,43 @@ def _bmuf_check():
     }
 
 
+def nnx_modules(seed):
+    """A flax NNX MLP and its `nnx.Optimizer` (Adam), from `seed`."""
+    from flax import nnx
+
+    rngs = nnx.Rngs(seed)
+    model = nnx.Sequential(
+        nnx.Linear(8, 16, rngs=rngs), jnp.tanh, nnx.Linear(16, 4, rngs=rngs)
+    )
+    return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+
+def nnx_mse(model, batch):
+    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+
+def _nnx_check():
+    """NNX modules passed directly: each process builds its own (another seed);
+    `replicate` gives every replica process 0's."""
+    from flax import nnx
+
+    def train_step(state, batch):
+        model, optimizer = state
+        loss, grads = nnx.value_and_grad(nnx_mse)(model, batch)
+        optimizer.update(model, jdp.all_reduce_gradients(grads))
+        return (model, optimizer), {"loss": loss}
+
+    step = jdp.parallelize(train_step)
+    state = step.replicate(nnx_modules(seed=jax.process_index()))
+    losses = []
+    for batch in make_batches(5, GLOBAL_BATCH):
+        state, metrics = step(state, step.shard(local_share(batch)))
+        losses.append(float(metrics["loss"]))
+    jdp.assert_replicas_in_sync(state)
+    model, _ = step.unreplicate(state)
+    return {"losses": losses, "params": jax.device_get(jax.tree.leaves(model))}
+
+
 def _checkpoint_check(restore_dir, save_dir):
     tx = optax.adam(1e-2)
     batches = [local_share(b) for b in make_batches(NUM_STEPS, GLOBAL_BATCH)]
@@ -305,6 +342,7 @@ def scenario(restore_dir, save_dir):
     _guarded(results, "bmuf", _bmuf_check)
     _guarded(results, "checkpoint", lambda: _checkpoint_check(restore_dir, save_dir))
     _guarded(results, "features", _features_check)
+    _guarded(results, "nnx", _nnx_check)
     _guarded(results, "initialize_again", _initialize_again)
     return results
 

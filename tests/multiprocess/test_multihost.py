@@ -272,6 +272,28 @@ def test_bmuf_across_processes_matches_one_process(job):
         assert_trees_close(r["global"], expected_global, rtol=1e-5)
 
 
+def test_nnx_modules_across_processes_match_one_device(job):
+    """The README's NNX recipe (modules passed directly) on 2 processes, against
+    the tutorial's `nnx.jit` step on one device and the whole global batch."""
+    from flax import nnx
+
+    model, optimizer = mw.nnx_modules(seed=0)
+
+    @nnx.jit
+    def train_step(model, optimizer, batch):
+        loss, grads = nnx.value_and_grad(mw.nnx_mse)(model, batch)
+        optimizer.update(model, grads)
+        return loss
+
+    losses = [
+        float(train_step(model, optimizer, b)) for b in make_batches(5, mw.GLOBAL_BATCH)
+    ]
+    expected = jax.device_get(jax.tree.leaves(model))
+    for r in part(job, "nnx"):
+        np.testing.assert_allclose(r["losses"], losses, rtol=1e-5)
+        assert_trees_close(r["params"], expected, rtol=1e-5, atol=1e-6)
+
+
 def test_checkpoint_from_1x4_resumes_on_2x2(job, oracle_adam):
     expected, _ = oracle_adam
     for r in part(job, "checkpoint"):
