@@ -32,7 +32,12 @@ NOT_SHARDED_MSG = (
     "`step`: the batch passed in was not placed by this step's `step.shard`. "
     "Offending leaves:{probs}\nFix: `step(state, step.shard(global_batch))`, "
     "or iterate over `step.prefetch(batches)` (instead of flax's "
-    "`prefetch_to_device`)."
+    "`prefetch_to_device`).{hint}"
+)
+FLAX_SHARD_HINT = (
+    " Every leaf listed has a leading axis of {n}, the number of local devices: "
+    "if the batch went through flax's `common_utils.shard`, leave that out and "
+    "give `step.shard` the global batch, (examples, ...)."
 )
 
 #: Batch leaves placed by `step.shard`, by id: the backend whose layout they have.
@@ -73,11 +78,21 @@ def check_placed(batch: PyTree, backend) -> None:
     """Refuses a batch not placed for `backend` (a `_backends.Backend`)."""
     probs = misplaced(batch, backend.sharding, leading=None)
     if probs:
-        raise ValueError(NOT_SHARDED_MSG.format(probs=format_problems(probs)))
+        n = len(backend.mesh.local_devices)
+        shapes = [
+            np.shape(x)
+            for x in jax.tree.leaves(batch)
+            if not (isinstance(x, jax.Array) and x.sharding == backend.sharding)
+        ]
+        flax_like = n > 1 and all(len(s) >= 2 and s[0] == n for s in shapes)
+        hint = FLAX_SHARD_HINT.format(n=n) if flax_like else ""
+        raise ValueError(
+            NOT_SHARDED_MSG.format(probs=format_problems(probs), hint=hint)
+        )
     check_layout(batch, backend.name)
     probs = backend.batch_problems(batch)
     if probs:
-        raise ValueError(NOT_SHARDED_MSG.format(probs=format_problems(probs)))
+        raise ValueError(NOT_SHARDED_MSG.format(probs=format_problems(probs), hint=""))
 
 
 def check_layout(batch: PyTree, backend: str) -> None:

@@ -147,6 +147,25 @@ def test_flax_prefetch_to_device_batches_are_refused_by_a_shard_map_step():
     assert float(metrics["n"]) == 4 * 3
 
 
+def test_a_batch_from_flax_common_utils_shard_gets_a_hint(backend):
+    """The flax pmap recipe's `common_utils.shard` adds a device axis; the error
+    says to leave it out. A plain unplaced batch gets no such hint."""
+    from flax.training import common_utils
+
+    step = echo_step(backend, num=8)
+    state = step.replicate({})
+    batch = {"x": np.ones((16, 3), np.float32), "y": np.zeros(16, np.int32)}
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)\['x'\]: a ndarray of shape \(8, 2, 3\).*leading axis of 8, the "
+        r"number of local devices.*common_utils\.shard",
+    ):
+        step(state, common_utils.shard(batch))
+    with pytest.raises(ValueError, match=r"not placed") as info:
+        step(state, batch)
+    assert "common_utils" not in str(info.value)
+
+
 # -- the cross-process check's bookkeeping (pure: the protocol runs in
 #    tests/multiprocess/test_multihost.py) --------------------------------------
 
