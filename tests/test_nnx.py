@@ -559,6 +559,18 @@ def test_modules_passed_directly_train_like_the_tutorial(single_device, tmp_path
     # that compares by identity.
     assert_bitwise_equal(jax.tree.leaves(resumed), jax.tree.leaves(uninterrupted))
 
+    # The trained module exports as it is (switched to eval mode first: a module
+    # cannot change its mode inside the exported function's trace).
+    trained = resumed[0]
+    trained.eval()
+    predictor = jdp.load_predictor(
+        jdp.export_predictor(lambda m, x: m(x), trained, make_batches(1)[0]["x"])
+    )
+    x = make_batches(1, size=5, seed=1)[0]["x"]
+    one = step.unreplicate(resumed)[0]
+    one.eval()
+    np.testing.assert_allclose(predictor(x), one(x), rtol=1e-5, atol=1e-6)
+
 
 class TiedEmbeddings(nnx.Module):
     """Input and output embeddings that share one `nnx.Param`."""
