@@ -543,10 +543,10 @@ class _DonatingShardMapStep:
         else:
             unview_idx = [i for i, x in enumerate(out) if x.shape[0] != self._n]
         changed = _apply(out, unview_idx, self._unview)
+        empty, place = _empty_leaves_pass(self._sharding)
         if not cached:
-            pick = _empty_leaves_pass(self._sharding)[0]
-            empty_idx = [i for i, x in enumerate(out) if pick(x)]
-        changed |= _apply(out, empty_idx, _empty_leaves_pass(self._sharding)[1])
+            empty_idx = [i for i, x in enumerate(out) if empty(x)]
+        changed |= _apply(out, empty_idx, place)
         self._picked = (view_idx, unview_idx, empty_idx)
         self.out_leaves = out
         return (jax.tree.unflatten(out_def, out) if changed else new_state), metrics
