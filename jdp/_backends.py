@@ -35,7 +35,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jdp._layout import mesh_axis, replica_sharding
-from jdp._tree import format_problems, keystr
+from jdp._tree import format_problems, keystr, repeated_paths
 
 PyTree = Any
 BackendName = Literal["pmap", "shard_map"]
@@ -92,13 +92,10 @@ def check_distinct(state: PyTree) -> None:
     leaves = jax.tree.leaves(state)
     if len({id(x) for x in leaves}) == len(leaves):
         return
-    first: dict[int, str] = {}
-    probs = []
-    for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
-        if id(x) in first:
-            probs.append(f"{keystr(path)} is the same array as {first[id(x)]}")
-        else:
-            first[id(x)] = keystr(path)
+    probs = [
+        f"{later} is the same array as {first}"
+        for first, later in repeated_paths(state)
+    ]
     raise ValueError(SHARED_LEAVES_MSG.format(probs=format_problems(probs)))
 
 
@@ -123,7 +120,6 @@ class Step:
         self._donate = donate
         self._trace_out_state = out_state
         self.returns_state: bool | None = None
-        self.out_leaves: list[jax.Array] | None = None
         #: The abstract state a donating train step returns (known before its
         #: first call, from the trace), or None.
         self.out_state: Any = None
@@ -149,27 +145,29 @@ class Step:
         `returned`: the caller knows `state` is what the last call returned (no
         leaf deleted since): no two of its leaves are one array, so donating it
         needs no check, and its layout is the one the last call saw. `flat`:
-        `jax.tree.flatten(state)`, if the caller has it. After the call,
-        `out_leaves` holds the new state's leaves when the step flattened them
-        (else None); the caller takes them (and sets None: no reference kept).
+        `jax.tree.flatten(state)`, if the caller has it.
+
+        Returns:
+          `(new_state, metrics, out_leaves)`: `out_leaves` is the new state's
+          leaves when the step flattened it anyway, else None.
         """
-        self.out_leaves = None
         first = self.returns_state is None
         fn = self._pick(state, batch, returned=returned)
         if before is not None and first and self.out_state is not None:
             before(state, self.out_state)
         if self._throttle:
             self._wait_for_previous_step()
-        if getattr(fn, "takes_returned", False):
-            new_state, metrics = fn(state, batch, returned=returned, flat=flat)
-            self.out_leaves, fn.out_leaves = fn.out_leaves, None  # no reference kept
+        if isinstance(fn, _DonatingShardMapStep):
+            new_state, metrics, out_leaves = fn.run(
+                state, batch, returned=returned, flat=flat
+            )
         else:
-            new_state, metrics = fn(state, batch)
+            (new_state, metrics), out_leaves = fn(state, batch), None
         if self.returns_state is None:
             self.returns_state = new_state is not None
         if self._throttle:
             self._in_flight = jax.tree.leaves(metrics) or jax.tree.leaves(new_state)[:1]
-        return new_state, metrics
+        return new_state, metrics, out_leaves
 
     def _wait_for_previous_step(self) -> None:
         pending = [x for x in self._in_flight if not x.is_deleted()]
@@ -470,13 +468,9 @@ class _DonatingShardMapStep:
     view back (donated, a bitcast).
     """
 
-    #: `Step` passes `returned=` (see `__call__`).
-    takes_returned = True
-
     def __init__(self, core, *, mesh: Mesh, sharding: NamedSharding):
         self._core = core
         self._picked: tuple[list[int], list[int], list[int]] | None = None
-        self.out_leaves: list[jax.Array] | None = None
         self._n = n = mesh.size
         self._sharding = sharding
         self._view = jax.jit(
@@ -518,14 +512,17 @@ class _DonatingShardMapStep:
             out,
         )
 
-    def __call__(self, state, batch, *, returned: bool = False, flat=None):
-        """Runs the step on the view of `state`.
+    def __call__(self, state, batch):
+        return self.run(state, batch)[:2]
+
+    def run(self, state, batch, *, returned: bool = False, flat=None):
+        """Runs the step on the view of `state`: `(new_state, metrics, leaves)`.
 
         `returned`: `state` is what the last call returned (same shapes, same
         program), so the leaves to view, unview and re-place are the ones the
         last call picked; finding them again costs about 1 us a leaf. `flat`:
-        `jax.tree.flatten(state)`, if the caller has it. The new state's leaves
-        are left in `out_leaves`.
+        `jax.tree.flatten(state)`, if the caller has it. `leaves` are the new
+        state's.
         """
         cached = self._picked if returned else None
         leaves, treedef = flat if flat is not None else jax.tree.flatten(state)
@@ -548,8 +545,11 @@ class _DonatingShardMapStep:
             empty_idx = [i for i, x in enumerate(out) if empty(x)]
         changed |= _apply(out, empty_idx, place)
         self._picked = (view_idx, unview_idx, empty_idx)
-        self.out_leaves = out
-        return (jax.tree.unflatten(out_def, out) if changed else new_state), metrics
+        return (
+            (jax.tree.unflatten(out_def, out) if changed else new_state),
+            metrics,
+            out,
+        )
 
     def lower(self, state, batch) -> jax.stages.Lowered:
         """Lowers the step on the view these arguments give."""

@@ -28,7 +28,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jdp._tree import format_problems, keystr
+from jdp._tree import format_problems, keystr, repeated_paths
 
 PyTree = Any
 AxisName = str | tuple[str, ...]
@@ -325,18 +325,7 @@ def shared_variables(tree: PyTree) -> list[tuple[str, str]]:
     nnx = sys.modules.get("flax.nnx")  # no NNX objects unless it was imported
     if nnx is None:
         return []
-    is_variable = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
-    seen: dict[int, str] = {}
-    pairs = []
-    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_variable)[0]
-    for path, x in flat:
-        if not is_variable(x):
-            continue
-        if id(x) in seen:
-            pairs.append((seen[id(x)], keystr(path)))
-        else:
-            seen[id(x)] = keystr(path)
-    return pairs
+    return repeated_paths(tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def is_replicated(x: Any) -> bool:

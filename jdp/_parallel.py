@@ -128,15 +128,16 @@ class Parallel:
         self._check_batch(batch)
         _progress.beat()  # progress, for the stall check of `python -m jdp.launch`
         checked = self._step.returns_state is not None
-        new_state, metrics = self._step(
+        new_state, metrics, leaves = self._step(
             state, batch, before=_layout.check_unchanged, returned=returned, flat=flat
         )
         if not self._step.returns_state:
             return metrics
         if not checked:
             _layout.check_unchanged(state, new_state)
-        leaves, self._step.out_leaves = self._step.out_leaves, None
-        self._returned.remember(leaves or jax.tree.leaves(new_state))
+        self._returned.remember(
+            jax.tree.leaves(new_state) if leaves is None else leaves
+        )
         self._calls += 1
         if self._sync_check.due(self._calls):
             self._sync_check(new_state, call=self._calls)

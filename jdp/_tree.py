@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -17,6 +17,26 @@ MAX_LISTED = 5
 def keystr(path: Sequence[Any]) -> str:
     """Formats a pytree key path the way users write it, e.g. `['dense']['kernel']`."""
     return jax.tree_util.keystr(tuple(path)) or "<root>"
+
+
+def repeated_paths(
+    tree: PyTree, *, is_leaf: Callable[[Any], bool] | None = None
+) -> list[tuple[str, str]]:
+    """`(first path, later path)` for each leaf that is an object met before.
+
+    With `is_leaf`, only the nodes it accepts are compared (e.g. flax NNX
+    `Variable`s rather than the arrays inside them).
+    """
+    first: dict[int, str] = {}
+    pairs = []
+    for path, x in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]:
+        if is_leaf is not None and not is_leaf(x):
+            continue
+        if id(x) in first:
+            pairs.append((first[id(x)], keystr(path)))
+        else:
+            first[id(x)] = keystr(path)
+    return pairs
 
 
 def is_float(x: Any) -> bool:
