@@ -147,6 +147,15 @@ def main(argv=None) -> None:
     def ratios(name, base):
         return [a / b for a, b in zip(times[name], times[base], strict=True)]
 
+    def floor_ratios(name, k):
+        """BMUF's step against its floor in the same round: the local step plus
+        synchronous SGD's all-reduce (sync - local) once every k steps."""
+        local, sync = times["local step"], times["sync SGD"]
+        floor = [lo + (sy - lo) / k for lo, sy in zip(local, sync, strict=True)]
+        return [a / f for a, f in zip(times[name], floor, strict=True)], [
+            f / lo for f, lo in zip(floor, local, strict=True)
+        ]
+
     print(
         f"\nBMUF vs synchronous SGD: {n} simulated CPU devices, jax "
         f"{jax.__version__}, MLP {'-'.join(map(str, sizes))} = {num_params / 1e6:.2f}M "
@@ -156,7 +165,7 @@ def main(argv=None) -> None:
     header = (
         f"{'variant':<11} {'AR MiB/step':>11} {'vs sync':>8} {'params/k':>8} "
         f"{'state':>5} {'ms/step':>8} {'vs local':>8} {'range':>11} {'vs sync':>8} "
-        f"{'temp MiB':>8} {'faults MiB':>10}"
+        f"{'floor':>6} {'vs floor':>8} {'temp MiB':>8} {'faults MiB':>10}"
     )
     print(header)
     print("-" * len(header))
@@ -164,11 +173,17 @@ def main(argv=None) -> None:
     for name, (_, _, k) in variants.items():
         target = f"{1 / k:8.4f}" if k else f"{'':>8}"
         local = ratios(name, "local step")
+        if k:
+            vs_floor, floor = floor_ratios(name, k)
+            floor, vs_floor = statistics.median(floor), statistics.median(vs_floor)
+            floors = f"{floor:6.3f} {vs_floor:8.3f}"
+        else:
+            floors = f"{'':>6} {'':>8}"
         print(
             f"{name:<11} {comm[name] / 2**20:11.3f} {comm[name] / comm[base]:8.4f} "
             f"{target} {copies[name]:5.1f} {statistics.median(times[name]) * 1e3:8.1f} "
             f"{statistics.median(local):8.3f} {min(local):5.2f}-{max(local):<5.2f} "
-            f"{statistics.median(ratios(name, base)):8.3f} {temp[name]:8.1f} "
+            f"{statistics.median(ratios(name, base)):8.3f} {floors} {temp[name]:8.1f} "
             f"{faults[name] * PAGE / 2**20 / (args.rounds * block):10.1f}"
         )
     print(
@@ -182,6 +197,9 @@ def main(argv=None) -> None:
         f"{block} steps (one sync for k=16). vs local / vs sync: median over rounds "
         "of the ratio to the local step without all-reduce (BMUF's floor) / to "
         "synchronous SGD, timed in the same round; range: lowest and highest round. "
+        "floor: what a BMUF step cannot beat, the local step plus synchronous SGD's "
+        "all-reduce (sync - local, same round) once every k steps, as a ratio to the "
+        "local step; vs floor: BMUF's step over that floor (median over rounds). "
         "temp MiB: XLA's temporary buffer of the compiled step, per device. faults "
         "MiB: memory the process touched fresh (minor page faults x page size) per "
         "step, all devices: XLA:CPU allocates a step's temporary buffer on every "

@@ -34,7 +34,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jdp._layout import mesh_axis, replica_sharding
+from jdp._layout import STATE_CHANGED_MSG, mesh_axis, replica_sharding
 from jdp._tree import format_problems, keystr, repeated_paths
 
 PyTree = Any
@@ -166,7 +166,11 @@ class Step:
         if self.returns_state is None:
             self.returns_state = new_state is not None
         if self._throttle:
-            self._in_flight = jax.tree.leaves(metrics) or jax.tree.leaves(new_state)[:1]
+            pending = jax.tree.leaves(metrics)
+            if not pending:
+                out = jax.tree.leaves(new_state) if out_leaves is None else out_leaves
+                pending = out[:1]
+            self._in_flight = pending
         return new_state, metrics, out_leaves
 
     def _wait_for_previous_step(self) -> None:
@@ -327,26 +331,25 @@ class _Pmap(Backend):
 class _ShardMap(Backend):
     name = "shard_map"
 
-    def _jit_step(self, body, block_in, block_out, donate_argnums):
+    def _map_step(self, body, block_in, block_out):
         def block_body(state, batch):
             new_state, metrics = body(jax.tree.map(block_in, state), batch)
             return jax.tree.map(block_out, new_state), metrics
 
-        mapped = jax.shard_map(
+        return jax.shard_map(
             block_body,
             mesh=self.mesh,
             in_specs=(P(self.axis_name), P(self.axis_name)),
             out_specs=(P(self.axis_name), P()),
             check_vma=False,
         )
-        return jax.jit(mapped, donate_argnums=donate_argnums)
 
     def build_step(self, body: Body, *, donate: bool) -> Step:
-        stacked = self._jit_step(body, _squeeze, _expand, ())
+        stacked = jax.jit(self._map_step(body, _squeeze, _expand))
         forward = _PlaceEmptyLeaves(stacked, self.sharding)
         if not donate:
             return Step(forward, forward, donate=False, out_state=None, mesh=self.mesh)
-        core = self._jit_step(body, _block_in, _block_out, (0,))
+        core = _flat_step(self._map_step(body, _block_in, _block_out))
         train = _DonatingShardMapStep(core, mesh=self.mesh, sharding=self.sharding)
         return Step(
             train, forward, donate=True, out_state=train.out_state, mesh=self.mesh
@@ -460,12 +463,44 @@ def _block_out(x):
     return x if _viewable(x.shape, x.dtype.itemsize) else _expand(x)
 
 
+def _flat_step(mapped):
+    """`jit(mapped)` on leaves: `(leaves, batch, treedef) -> (leaves, metrics)`.
+
+    The caller has the state's leaves already (it checks them) and needs the new
+    state's (to unview them, and to recognise the state on the next call). Given
+    and returning leaves, jit flattens and rebuilds nothing but a list: for flax
+    NNX modules, whose flatten and unflatten run in Python, that saves two
+    traversals of the modules a call. The state is donated; `treedef` is static.
+
+    Raises (when tracing):
+      TypeError: If the step returns a state of another structure.
+    """
+
+    def flat(leaves, batch, treedef):
+        new_state, metrics = mapped(jax.tree.unflatten(treedef, leaves), batch)
+        if new_state is None:  # forward-only: found when tracing, never run
+            return None, metrics
+        out, out_def = jax.tree.flatten(new_state)
+        if out_def != treedef:
+            raise TypeError(
+                STATE_CHANGED_MSG.format(
+                    probs=format_problems(
+                        [f"the structure changed from {treedef} to {out_def}"]
+                    )
+                )
+            )
+        return out, metrics
+
+    return jax.jit(flat, static_argnums=2, donate_argnums=0)
+
+
 class _DonatingShardMapStep:
     """A donating `jit(shard_map(body))` step that updates the state in place.
 
     Calls run three executables: a view of the state's buffers as concatenated
-    blocks (donated, a bitcast), `core`, the step on that view (donated), and the
-    view back (donated, a bitcast).
+    blocks (donated, a bitcast), `core`, the step on that view (donated, called
+    on the state's leaves: see `_flat_step`), and the view back (donated, a
+    bitcast).
     """
 
     def __init__(self, core, *, mesh: Mesh, sharding: NamedSharding):
@@ -484,7 +519,9 @@ class _DonatingShardMapStep:
             out_shardings=sharding,
         )
 
-    def _view_specs(self, state):
+    def _trace(self, state, batch):
+        """The trace of the step on the view of `state`, and `state`'s treedef."""
+
         def spec(x):
             shape = _view_shape(x.shape) if _needs_view(x) else x.shape
             return jax.ShapeDtypeStruct(
@@ -494,7 +531,9 @@ class _DonatingShardMapStep:
                 weak_type=getattr(x, "weak_type", False),
             )
 
-        return jax.tree.map(spec, state)
+        leaves, treedef = jax.tree.flatten(state)
+        specs = [spec(x) for x in leaves]
+        return self._core.trace(specs, batch, treedef), treedef
 
     def out_state(self, state, batch):
         """Traces the step (the trace its first call reuses): its abstract state.
@@ -502,15 +541,18 @@ class _DonatingShardMapStep:
         None for a step that returns no state; shapes in the caller's `(N, ...)`
         layout.
         """
-        out = self._core.trace(self._view_specs(state), batch).out_info[0]
+        traced, treedef = self._trace(state, batch)
+        if traced.out_info[0] is None:
+            return None
         n = self._n
-        return jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(
+        out = [
+            jax.ShapeDtypeStruct(
                 x.shape if x.shape[0] == n else (n, x.shape[0] // n) + x.shape[1:],
                 x.dtype,
-            ),
-            out,
-        )
+            )
+            for x in traced.out_info[0]
+        ]
+        return jax.tree.unflatten(treedef, out)
 
     def __call__(self, state, batch):
         return self.run(state, batch)[:2]
@@ -531,26 +573,21 @@ class _DonatingShardMapStep:
             view_idx = cached[0]
         else:
             view_idx = [i for i, x in enumerate(leaves) if _needs_view(x)]
-        if _apply(leaves, view_idx, self._view):
-            state = jax.tree.unflatten(treedef, leaves)
-        new_state, metrics = self._core(state, batch)
-        out, out_def = jax.tree.flatten(new_state)
+        _apply(leaves, view_idx, self._view)
+        out, metrics = self._core(leaves, batch, treedef)
+        out = list(out)
         if cached:
             unview_idx, empty_idx = cached[1:]
         else:
             unview_idx = [i for i, x in enumerate(out) if x.shape[0] != self._n]
-        changed = _apply(out, unview_idx, self._unview)
+        _apply(out, unview_idx, self._unview)
         empty, place = _empty_leaves_pass(self._sharding)
         if not cached:
             empty_idx = [i for i, x in enumerate(out) if empty(x)]
-        changed |= _apply(out, empty_idx, place)
+        _apply(out, empty_idx, place)
         self._picked = (view_idx, unview_idx, empty_idx)
-        return (
-            (jax.tree.unflatten(out_def, out) if changed else new_state),
-            metrics,
-            out,
-        )
+        return jax.tree.unflatten(treedef, out), metrics, out
 
     def lower(self, state, batch) -> jax.stages.Lowered:
         """Lowers the step on the view these arguments give."""
-        return self._core.trace(self._view_specs(state), batch).lower()
+        return self._trace(state, batch)[0].lower()

@@ -502,3 +502,46 @@ def test_step_broadcast_handles_typed_prng_keys(backend):
     data = np.asarray(jax.random.key_data(out["key"]))
     np.testing.assert_array_equal(data, np.broadcast_to(data[1], data.shape))
     np.testing.assert_array_equal(data[0], np.asarray(jax.random.key_data(keys[1])))
+
+
+class _Counted:
+    """A pytree node that counts how often it is flattened and rebuilt."""
+
+    flattens = 0
+    unflattens = 0
+
+    def __init__(self, children):
+        self.children = children
+
+
+def _flatten_counted(node):
+    _Counted.flattens += 1
+    return node.children, None
+
+
+def _unflatten_counted(_, children):
+    _Counted.unflattens += 1
+    return _Counted(list(children))
+
+
+jax.tree_util.register_pytree_node(_Counted, _flatten_counted, _unflatten_counted)
+
+
+def test_a_call_traverses_the_state_once_each_way():
+    """Once in (jdp's checks and the step share one flatten) and once out (the
+    new state is built from the leaves the step returns): as often as `jax.jit`
+    itself does. States whose flatten runs in Python (flax NNX modules) pay for
+    every traversal."""
+    step = jdp.parallelize(
+        lambda s, b: (jax.tree.map(lambda x: x + b.sum(), s), {}),
+        devices=jax.devices()[:4],
+        check_sync=None,
+    )
+    state = step.replicate(_Counted([jnp.ones(3), jnp.ones((200, 100))]))
+    batch = step.shard(np.ones(8, np.float32))
+    state, _ = step(state, batch)  # compiles
+    _Counted.flattens = _Counted.unflattens = 0
+    for _ in range(3):
+        state, _ = step(state, batch)
+    assert (_Counted.flattens, _Counted.unflattens) == (3, 3)
+    assert float(step.unreplicate(state).children[0][0]) == 1 + 4 * 2  # 2 rows each
