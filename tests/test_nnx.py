@@ -638,3 +638,57 @@ def test_batchnorm_without_the_replica_axis_is_named_as_the_cause():
     # The gradients were averaged: the params agree.
     model, _, _ = nnx.merge(graphdef, info.value.state)
     jdp.assert_replicas_in_sync(nnx.state(model, nnx.Param))
+
+
+class WideMLP(nnx.Module):
+    """An MLP whose first weight (64 x 512 floats, 128 KiB) is large enough for
+    jdp's donating step to run it on the concatenated view of its buffers."""
+
+    def __init__(self, rngs):
+        self.hidden = nnx.Linear(64, 512, rngs=rngs)
+        self.out = nnx.Linear(512, 10, rngs=rngs)
+
+    def __call__(self, x, rngs=None):
+        return self.out(nnx.relu(self.hidden(x.reshape(x.shape[0], -1))))
+
+
+def test_modules_with_large_leaves_train_like_one_device():
+    """NNX modules passed directly, with leaves that take the concatenated-view
+    path, equal the tutorial's single-device step; the large weight is updated in
+    place (its buffer is the one it was given)."""
+
+    def fresh():
+        model = WideMLP(nnx.Rngs(0))
+        return model, nnx.Optimizer(model, TX, wrt=nnx.Param)
+
+    @nnx.jit
+    def one_device(model, optimizer, batch):
+        loss, grads = nnx.value_and_grad(cross_entropy)(model, batch)
+        optimizer.update(model, grads)
+        return loss
+
+    model, optimizer = fresh()
+    expected = [float(one_device(model, optimizer, b)) for b in make_batches(3)]
+
+    def train_step(state, batch):
+        model, optimizer = state
+        loss, grads = nnx.value_and_grad(cross_entropy)(model, batch)
+        optimizer.update(model, jdp.all_reduce_gradients(grads))
+        return (model, optimizer), {"loss": loss}
+
+    def pointer(state):
+        kernel = state[0].hidden.kernel[...]
+        assert kernel.shape == (4, 64, 512)
+        return kernel.addressable_shards[0].data.unsafe_buffer_pointer()
+
+    step = jdp.parallelize(train_step, devices=jax.devices()[:4])
+    first, *rest = make_batches(3)
+    # The first step moves out of `replicate`'s buffers; later ones update in place.
+    state, losses = run_steps(step, step.replicate(fresh()), [first])
+    before = pointer(state)
+    state, more = run_steps(step, state, rest)
+    assert pointer(state) == before
+    np.testing.assert_allclose(losses + more, expected, rtol=1e-5)
+    assert_trees_close(
+        nnx.state(step.unreplicate(state)[0]), nnx.state(model), rtol=1e-5, atol=1e-6
+    )
