@@ -18,6 +18,13 @@ Each round times every variant `--calls` times, in a fresh order; ratios are tak
 within a round, then the median over rounds.
 
     python benchmarks/dispatch.py [--devices 8] [--rounds 7] [--calls 30] [--quick]
+                                  [--gc-freeze]
+
+`--gc-freeze` calls `gc.freeze()` once everything is built, as a training script
+can after setting up its model: Python's cyclic garbage collector then no longer
+rescans the long-lived objects (jax's, flax's, the modules' metadata) every few
+dozen calls, which NNX states, rebuilt as new Python objects at every call,
+otherwise make it do.
 
 On a GPU the host dispatches ahead of the device, and this cost hides behind any
 step that takes longer; on simulated CPU devices jdp keeps one step in flight (see
@@ -28,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import random
 import statistics
 import sys
@@ -42,6 +50,11 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--calls", type=int, default=30)
     parser.add_argument("--quick", action="store_true", help="fewer rounds and calls")
+    parser.add_argument(
+        "--gc-freeze",
+        action="store_true",
+        help="gc.freeze() once set up (see the module docstring)",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.calls = 3, 10
@@ -160,6 +173,9 @@ def main(argv=None) -> None:
             run(kind)
         runners[name] = (run, len(jax.tree.leaves(states["jdp"])))
 
+    if args.gc_freeze:
+        gc.collect()
+        gc.freeze()
     order = [(name, kind) for name in runners for kind in ("jdp", "hand-written")]
     times = {key: [] for key in order}
     for r in range(args.rounds):
@@ -170,7 +186,8 @@ def main(argv=None) -> None:
     print(
         f"\nHost cost per call: {len(devices)} simulated CPU devices, jax "
         f"{jax.__version__}; a step that adds 1 to every state leaf; {args.rounds} "
-        f"interleaved rounds of {args.calls} calls per variant\n"
+        f"interleaved rounds of {args.calls} calls per variant"
+        f"{'; gc.freeze() after set-up' if args.gc_freeze else ''}\n"
     )
     header = (
         f"{'state':<26} {'leaves':>6} {'hand ms':>8} {'jdp ms':>7} {'ratio':>6} "
