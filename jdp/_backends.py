@@ -34,7 +34,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jdp._layout import STATE_CHANGED_MSG, mesh_axis, replica_sharding
+from jdp._layout import mesh_axis, replica_sharding
 from jdp._tree import format_problems, keystr, repeated_paths
 
 PyTree = Any
@@ -470,26 +470,16 @@ def _flat_step(mapped):
     state's (to unview them, and to recognise the state on the next call). Given
     and returning leaves, jit flattens and rebuilds nothing but a list: for flax
     NNX modules, whose flatten and unflatten run in Python, that saves two
-    traversals of the modules a call. The state is donated; `treedef` is static.
-
-    Raises (when tracing):
-      TypeError: If the step returns a state of another structure.
+    traversals of the modules a call. The state is donated; `treedef` is static,
+    and the new state has that structure too (the step's body refuses another
+    while tracing: `jdp._layout.check_same_structure`).
     """
 
     def flat(leaves, batch, treedef):
         new_state, metrics = mapped(jax.tree.unflatten(treedef, leaves), batch)
         if new_state is None:  # forward-only: found when tracing, never run
             return None, metrics
-        out, out_def = jax.tree.flatten(new_state)
-        if out_def != treedef:
-            raise TypeError(
-                STATE_CHANGED_MSG.format(
-                    probs=format_problems(
-                        [f"the structure changed from {treedef} to {out_def}"]
-                    )
-                )
-            )
-        return out, metrics
+        return jax.tree.leaves(new_state), metrics
 
     return jax.jit(flat, static_argnums=2, donate_argnums=0)
 

@@ -397,17 +397,31 @@ def deleted(tree: PyTree) -> list[str]:
     ]
 
 
+def check_same_structure(before: PyTree, after: PyTree) -> None:
+    """The state a step returns must have the structure of the one it received.
+
+    Checked while tracing the step (any layout, any call that compiles): the
+    donating step rebuilds the new state with the input's structure.
+    """
+    probs = _structure_change(before, after)
+    if probs:
+        raise TypeError(STATE_CHANGED_MSG.format(probs=format_problems(probs)))
+
+
+def _structure_change(before: PyTree, after: PyTree) -> list[str]:
+    old, new = jax.tree.structure(before), jax.tree.structure(after)
+    return [] if old == new else [f"the structure changed from {old} to {new}"]
+
+
 def changes(before: PyTree, after: PyTree) -> list[str]:
     """How `after` differs from `before` in structure, per-replica shapes or dtypes.
 
     Both are replicated pytrees (arrays or abstract values with the replica
     axis); shapes are reported per replica.
     """
-    if jax.tree.structure(before) != jax.tree.structure(after):
-        return [
-            f"the structure changed from {jax.tree.structure(before)} to "
-            f"{jax.tree.structure(after)}"
-        ]
+    structure = _structure_change(before, after)
+    if structure:
+        return structure
 
     def kind(x):
         return f"{jnp.dtype(x.dtype).name}{list(x.shape[1:])}"

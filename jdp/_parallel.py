@@ -103,6 +103,8 @@ class Parallel:
             new_state, metrics = None, out
         else:
             raise TypeError(BAD_OUTPUT_MSG.format(got=type(out).__name__))
+        if new_state is not None:
+            _layout.check_same_structure(state, new_state)
         return new_state, _metrics.reduce_metrics(metrics, self.axis_name)
 
     def __call__(self, state: PyTree, batch: PyTree):

@@ -473,6 +473,27 @@ def test_a_step_that_changes_a_dtype_is_refused_on_the_first_call(backend, donat
     assert not state["w"].is_deleted()  # refused before anything was donated
 
 
+@pytest.mark.parametrize("donate", [True, False], ids=["donate", "keep"])
+def test_a_structure_change_on_a_later_shape_is_refused(backend, donate):
+    """The first call checks what the step returns; a later call with new shapes
+    compiles again, and a step whose returned structure depends on the shapes is
+    refused while tracing, before its input is donated."""
+
+    def grows(state, batch):
+        new = {"w": state["w"] + batch.sum()}
+        if state["w"].shape[-1] > 3:
+            new["extra"] = state["w"]
+        return new, {}
+
+    step = jdp.parallelize(grows, backend=backend, donate_state=donate)
+    batch = step.shard(np.ones(8, np.float32))
+    state, _ = step(step.replicate({"w": jnp.zeros(3)}), batch)
+    wide = step.replicate({"w": jnp.zeros(5)})
+    with pytest.raises(TypeError, match=r"structure changed from .*'w'.* to .*'extra'"):
+        step(wide, batch)
+    assert not wide["w"].is_deleted()
+
+
 def test_an_unbound_axis_name_names_the_bound_one(backend):
     def step_fn(state, batch):
         return state, {"m": lax.pmean(batch.sum(), "batch")}
