@@ -12,7 +12,9 @@ flattening the state, jdp's checks and donation. States:
   passed to the step directly (NNX modules are pytrees) and as `nnx.split` state;
 - the same modules against flax's own recipe for data parallelism instead of a
   hand-written `shard_map`: `nnx.jit` of the step on modules placed `P()` (every
-  device a copy) and the batch `P('data')`, updating the modules in place.
+  device a copy) and the batch `P('data')`, updating the modules in place;
+- the same modules in an evaluation loop: a forward-only step (the sum of every
+  leaf and of the batch) called on the same state again and again.
 
 Each round times every variant `--calls` times, in a fresh order; ratios are taken
 within a round, then the median over rounds.
@@ -80,6 +82,29 @@ def main(argv=None) -> None:
     def jdp_step(state, batch):
         return bump(state), {"x": jnp.sum(batch)}
 
+    def total(state):
+        return sum(jnp.sum(x) for x in jax.tree.leaves(state))
+
+    def evaluation(step):
+        """A forward-only step (an evaluation loop), jdp's and by hand."""
+        jdp_eval = jdp.parallelize(
+            lambda s, b: {"x": total(s) + jnp.sum(b)}, devices=devices
+        )
+
+        def block(s, b):
+            s = jax.tree.map(lambda x: x.reshape(x.shape[1:]), s)
+            return jax.lax.psum(total(s) + jnp.sum(b), axis)
+
+        raw = jax.jit(
+            jax.shard_map(
+                block, mesh=step.mesh, in_specs=(P(axis), P(axis)), out_specs=P()
+            )
+        )
+        return (
+            lambda s, b: (s, jdp_eval(s, b)["x"]),
+            lambda s, b: (s, raw(s, b)),
+        )
+
     def hand_written(step, backend):
         """The same step without jdp, on the mesh of `step`."""
         if backend == "pmap":
@@ -129,7 +154,10 @@ def main(argv=None) -> None:
     def place_nnx_jit(modules, step):
         modules = nnx.clone(modules)
         replicated = NamedSharding(step.mesh, P())
-        nnx.update(modules, jax.device_put(nnx.state(modules), replicated))
+        # From host copies: placing device arrays may reuse their buffers, which
+        # the donating `nnx.jit` would then delete under the original modules.
+        host = jax.tree.map(np.asarray, nnx.state(modules))
+        nnx.update(modules, jax.device_put(host, replicated))
         return modules
 
     def dict_state(n):
@@ -144,22 +172,25 @@ def main(argv=None) -> None:
         "NNX modules, 300 leaves": (modules, "shard_map"),
         "NNX split state, 300": (split, "shard_map"),
         "NNX modules vs nnx.jit": (modules, "nnx.jit"),
+        "NNX modules, evaluation": (modules, "eval"),
     }
     batch = np.ones((8 * len(devices), 16), np.float32)
     runners = {}
     for name, (init, backend) in configs.items():
-        flax_recipe = backend == "nnx.jit"
-        if flax_recipe:
+        kind = backend
+        if kind in ("nnx.jit", "eval"):
             backend = "shard_map"
         step = jdp.parallelize(jdp_step, devices=devices, backend=backend)
         placed = step.shard(batch)
         states = {"jdp": step.replicate(init)}
-        if flax_recipe:
+        if kind == "nnx.jit":
             raw, own = nnx_jit(step), place_nnx_jit(init, step)
         else:
             raw, own = hand_written(step, backend), step.replicate(init)
         states["hand-written"] = own
         calls = {"jdp": step, "hand-written": raw}
+        if kind == "eval":
+            calls["jdp"], calls["hand-written"] = evaluation(step)
 
         def run(kind, states=states, calls=calls, placed=placed):
             fn = calls[kind]

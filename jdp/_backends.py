@@ -69,20 +69,6 @@ def _apply(leaves: list, idx: list[int], fn) -> bool:
     return bool(idx)
 
 
-def _map_some(tree, *passes):
-    """`tree` with leaves replaced, pass by pass.
-
-    A pass `(pick, fn)` replaces the leaves `pick` selects by `fn(list of them)`.
-    One flatten serves every pass; a tree in which no pass picks a leaf comes back
-    as it is (rebuilding costs as much as flattening, and more for NNX modules).
-    """
-    leaves, treedef = jax.tree.flatten(tree)
-    changed = False
-    for pick, fn in passes:
-        changed |= _apply(leaves, [i for i, x in enumerate(leaves) if pick(x)], fn)
-    return jax.tree.unflatten(treedef, leaves) if changed else tree
-
-
 def check_distinct(state: PyTree) -> None:
     """Refuses a state that holds one array in two leaves (it cannot be donated).
 
@@ -161,6 +147,8 @@ class Step:
             new_state, metrics, out_leaves = fn.run(
                 state, batch, returned=returned, flat=flat
             )
+        elif isinstance(fn, _PlaceEmptyLeaves):
+            new_state, metrics, out_leaves = fn.run(state, batch, flat=flat)
         else:
             (new_state, metrics), out_leaves = fn(state, batch), None
         if self.returns_state is None:
@@ -345,11 +333,11 @@ class _ShardMap(Backend):
         )
 
     def build_step(self, body: Body, *, donate: bool) -> Step:
-        stacked = jax.jit(self._map_step(body, _squeeze, _expand))
+        stacked = _flat_step(self._map_step(body, _squeeze, _expand), donate=False)
         forward = _PlaceEmptyLeaves(stacked, self.sharding)
         if not donate:
             return Step(forward, forward, donate=False, out_state=None, mesh=self.mesh)
-        core = _flat_step(self._map_step(body, _block_in, _block_out))
+        core = _flat_step(self._map_step(body, _block_in, _block_out), donate=True)
         train = _DonatingShardMapStep(core, mesh=self.mesh, sharding=self.sharding)
         return Step(
             train, forward, donate=True, out_state=train.out_state, mesh=self.mesh
@@ -388,7 +376,7 @@ class _ShardMap(Backend):
 
 
 def _empty_leaves_pass(sharding: NamedSharding):
-    """The `_map_some` pass giving zero-size outputs the replica sharding.
+    """`(pick, fn)` giving zero-size outputs the replica sharding (see `_apply`).
 
     jit returns them replicated.
     """
@@ -399,16 +387,33 @@ def _empty_leaves_pass(sharding: NamedSharding):
 
 
 class _PlaceEmptyLeaves:
-    """A jitted shard_map step whose empty state leaves keep the replica sharding."""
+    """A jitted shard_map step, not donating, on the state's leaves.
+
+    Its empty state leaves keep the replica sharding (jit returns them
+    replicated); see `_flat_step` for why it takes leaves.
+    """
 
     def __init__(self, fn, sharding: NamedSharding):
         self._fn = fn
         self._sharding = sharding
-        self.lower = fn.lower
 
     def __call__(self, state, batch):
-        new_state, metrics = self._fn(state, batch)
-        return _map_some(new_state, _empty_leaves_pass(self._sharding)), metrics
+        return self.run(state, batch)[:2]
+
+    def run(self, state, batch, *, flat=None):
+        """`(new_state or None, metrics, new leaves or None)`; `flat` as in `Step`."""
+        leaves, treedef = flat if flat is not None else jax.tree.flatten(state)
+        out, metrics = self._fn(list(leaves), batch, treedef)
+        if out is None:
+            return None, metrics, None
+        out = list(out)
+        pick, place = _empty_leaves_pass(self._sharding)
+        _apply(out, [i for i, x in enumerate(out) if pick(x)], place)
+        return jax.tree.unflatten(treedef, out), metrics, out
+
+    def lower(self, state, batch) -> jax.stages.Lowered:
+        leaves, treedef = jax.tree.flatten(state)
+        return self._fn.lower(leaves, batch, treedef)
 
 
 # -- the donating shard_map step ---------------------------------------------------
@@ -463,16 +468,16 @@ def _block_out(x):
     return x if _viewable(x.shape, x.dtype.itemsize) else _expand(x)
 
 
-def _flat_step(mapped):
+def _flat_step(mapped, *, donate: bool):
     """`jit(mapped)` on leaves: `(leaves, batch, treedef) -> (leaves, metrics)`.
 
     The caller has the state's leaves already (it checks them) and needs the new
     state's (to unview them, and to recognise the state on the next call). Given
     and returning leaves, jit flattens and rebuilds nothing but a list: for flax
     NNX modules, whose flatten and unflatten run in Python, that saves two
-    traversals of the modules a call. The state is donated; `treedef` is static,
-    and the new state has that structure too (the step's body refuses another
-    while tracing: `jdp._layout.check_same_structure`).
+    traversals of the modules a call. `treedef` is static, and the new state has
+    that structure too (the step's body refuses another while tracing:
+    `jdp._layout.check_same_structure`); a forward-only step returns None for it.
     """
 
     def flat(leaves, batch, treedef):
@@ -481,7 +486,7 @@ def _flat_step(mapped):
             return None, metrics
         return jax.tree.leaves(new_state), metrics
 
-    return jax.jit(flat, static_argnums=2, donate_argnums=0)
+    return jax.jit(flat, static_argnums=2, donate_argnums=0 if donate else ())
 
 
 class _DonatingShardMapStep:

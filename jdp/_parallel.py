@@ -134,6 +134,8 @@ class Parallel:
             state, batch, before=_layout.check_unchanged, returned=returned, flat=flat
         )
         if not self._step.returns_state:
+            if not returned:  # never donated: an evaluation loop passes it again
+                self._returned.remember(flat[0])
             return metrics
         if not checked:
             _layout.check_unchanged(state, new_state)
@@ -414,7 +416,9 @@ class _Returned:
     A state whose leaves are exactly those arrays, none of them deleted (by a
     donating call of another step, or by hand), was laid out by the step itself:
     it needs none of the per-leaf placement checks, which cost about 1.5 us a
-    leaf on every call. Weak references keep no state alive.
+    leaf on every call. A forward-only step, which never donates, remembers the
+    state it last checked instead: an evaluation loop passes the same state
+    call after call. Weak references keep no state alive.
     """
 
     def __init__(self):

@@ -548,7 +548,8 @@ def _unflatten_counted(_, children):
 jax.tree_util.register_pytree_node(_Counted, _flatten_counted, _unflatten_counted)
 
 
-def test_a_call_traverses_the_state_once_each_way():
+@pytest.mark.parametrize("donate", [True, False], ids=["donate", "keep"])
+def test_a_call_traverses_the_state_once_each_way(donate):
     """Once in (jdp's checks and the step share one flatten) and once out (the
     new state is built from the leaves the step returns): as often as `jax.jit`
     itself does. States whose flatten runs in Python (flax NNX modules) pay for
@@ -556,6 +557,7 @@ def test_a_call_traverses_the_state_once_each_way():
     step = jdp.parallelize(
         lambda s, b: (jax.tree.map(lambda x: x + b.sum(), s), {}),
         devices=jax.devices()[:4],
+        donate_state=donate,
         check_sync=None,
     )
     state = step.replicate(_Counted([jnp.ones(3), jnp.ones((200, 100))]))
@@ -566,3 +568,19 @@ def test_a_call_traverses_the_state_once_each_way():
         state, _ = step(state, batch)
     assert (_Counted.flattens, _Counted.unflattens) == (3, 3)
     assert float(step.unreplicate(state).children[0][0]) == 1 + 4 * 2  # 2 rows each
+
+
+def test_an_evaluation_loop_traverses_the_state_once_a_call():
+    """A forward-only step checks a state once, then recognises it: the same
+    state, passed call after call, is flattened once a call and never rebuilt."""
+    step = jdp.parallelize(
+        lambda s, b: {"y": s.children[1].sum() * b.sum()}, devices=jax.devices()[:4]
+    )
+    state = step.replicate(_Counted([jnp.ones(3), jnp.ones((200, 100))]))
+    batch = step.shard(np.ones(8, np.float32))
+    step(state, batch)  # compiles
+    _Counted.flattens = _Counted.unflattens = 0
+    for _ in range(3):
+        metrics = step(state, batch)
+    assert (_Counted.flattens, _Counted.unflattens) == (3, 0)
+    assert float(metrics["y"]) == 200 * 100 * 2
