@@ -377,15 +377,18 @@ class _ShardMap(Backend):
         ]
 
 
-def _empty_leaves_pass(sharding: NamedSharding):
-    """`(pick, fn)` giving zero-size outputs the replica sharding (see `_apply`).
+def _place_empty_leaves(
+    out: list, sharding: NamedSharding, idx: list[int] | None = None
+) -> list[int]:
+    """Gives the zero-size leaves of `out` the replica sharding, in place.
 
-    jit returns them replicated.
+    jit returns them replicated. `idx`: their indices, if known (a step's
+    outputs keep their layout from call to call). Returns the indices.
     """
-    return (
-        lambda x: x.size == 0 and x.sharding != sharding,
-        lambda xs: jax.device_put(xs, sharding),
-    )
+    if idx is None:
+        idx = [i for i, x in enumerate(out) if x.size == 0 and x.sharding != sharding]
+    _apply(out, idx, lambda xs: jax.device_put(xs, sharding))
+    return idx
 
 
 class _PlaceEmptyLeaves:
@@ -399,9 +402,6 @@ class _PlaceEmptyLeaves:
         self._fn = fn
         self._sharding = sharding
 
-    def __call__(self, state, batch):
-        return self.run(state, batch)[:2]
-
     def run(self, state, batch, *, flat=None):
         """`(new_state or None, metrics, new leaves or None)`; `flat` as in `Step`."""
         leaves, treedef = flat if flat is not None else jax.tree.flatten(state)
@@ -409,8 +409,7 @@ class _PlaceEmptyLeaves:
         if out is None:
             return None, metrics, None
         out = list(out)
-        pick, place = _empty_leaves_pass(self._sharding)
-        _apply(out, [i for i, x in enumerate(out) if pick(x)], place)
+        _place_empty_leaves(out, self._sharding)
         return jax.tree.unflatten(treedef, out), metrics, out
 
     def lower(self, state, batch) -> jax.stages.Lowered:
@@ -551,9 +550,6 @@ class _DonatingShardMapStep:
         ]
         return jax.tree.unflatten(treedef, out)
 
-    def __call__(self, state, batch):
-        return self.run(state, batch)[:2]
-
     def run(self, state, batch, *, returned: bool = False, flat=None):
         """Runs the step on the view of `state`: `(new_state, metrics, leaves)`.
 
@@ -577,11 +573,9 @@ class _DonatingShardMapStep:
             unview_idx, empty_idx = cached[1:]
         else:
             unview_idx = [i for i, x in enumerate(out) if x.shape[0] != self._n]
+            empty_idx = None
         _apply(out, unview_idx, self._unview)
-        empty, place = _empty_leaves_pass(self._sharding)
-        if not cached:
-            empty_idx = [i for i, x in enumerate(out) if empty(x)]
-        _apply(out, empty_idx, place)
+        empty_idx = _place_empty_leaves(out, self._sharding, empty_idx)
         self._picked = (view_idx, unview_idx, empty_idx)
         return jax.tree.unflatten(treedef, out), metrics, out
 

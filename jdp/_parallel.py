@@ -425,7 +425,7 @@ class _Returned:
         self._refs: list[weakref.ref] | None = None
 
     def remember(self, leaves: list[Any]) -> None:
-        """Remembers the leaves of the state a call returned."""
+        """Remembers the leaves of a state: returned, or checked (forward-only)."""
         try:
             self._refs = [weakref.ref(x) for x in leaves]
         except TypeError:  # a leaf that takes no weak reference
