@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -175,6 +176,39 @@ class Step:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_DONATION_WARNING)
             return fn.lower(state, batch)
+
+
+class Returned:
+    """Weak references to the leaves of the state a step last returned.
+
+    A state whose leaves are exactly those arrays, none of them deleted (by a
+    donating call of another step, or by hand), was laid out by the step itself:
+    it needs none of the per-leaf placement checks, which cost about 1.5 us a
+    leaf on every call. A forward-only step, which never donates, remembers the
+    state it last checked instead: an evaluation loop passes the same state
+    call after call. Weak references keep no state alive.
+    """
+
+    def __init__(self):
+        self._refs: list[weakref.ref] | None = None
+
+    def remember(self, leaves: list[Any]) -> None:
+        """Remembers the leaves of a state: returned, or checked (forward-only)."""
+        try:
+            self._refs = [weakref.ref(x) for x in leaves]
+        except TypeError:  # a leaf that takes no weak reference
+            self._refs = None
+
+    def holds(self, leaves: list[Any]) -> bool:
+        """Whether `leaves` (of a state) are those remembered, none deleted."""
+        refs = self._refs
+        if refs is None:
+            return False
+        return (
+            len(leaves) == len(refs)
+            and all(r() is x for r, x in zip(refs, leaves, strict=True))
+            and not any(x.is_deleted() for x in leaves)
+        )
 
 
 class Backend:

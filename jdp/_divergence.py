@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -191,3 +192,24 @@ def check(tree: PyTree, mesh: Mesh, *, state: PyTree, call: int) -> None:
     else:
         message = DIVERGED_MSG.format(**fields)
     raise ReplicaDivergenceError(message, state=state, leaf=leaves[0], replica=replica)
+
+
+class Guard:
+    """`check_sync`: compares the agreed part of a step's state across replicas.
+
+    After the first call, then every `every` calls; never with one replica or
+    `every=None`.
+    """
+
+    def __init__(
+        self, every: int | None, agreed: Callable[[PyTree], PyTree], mesh: Mesh
+    ):
+        self.every = every if mesh.size > 1 else None
+        self.agreed = agreed
+        self.mesh = mesh
+
+    def due(self, calls: int) -> bool:
+        return self.every is not None and (calls == 1 or calls % self.every == 0)
+
+    def __call__(self, state: PyTree, *, call: int) -> None:
+        check(self.agreed(state), self.mesh, state=state, call=call)

@@ -1,6 +1,7 @@
 """Private: what XLA says about a compiled step: its collectives and its memory.
 
-Collectives are read out of an HLO module's text.
+Collectives are read out of an HLO module's text. `Introspection` gives
+`jdp.Parallel` its `collectives` and `memory_analysis` methods.
 
 `Parallel.collectives` uses it to report what a step communicates: kind, dtype,
 bytes, replica groups, program order, and whether the collective sits inside a
@@ -14,9 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
+
+PyTree = Any
 
 _KINDS = {
     "all-reduce": "all-reduce",
@@ -274,3 +277,84 @@ class MemoryAnalysis:
             peak_bytes=arg + out - alias + temp,
             xla_peak_bytes=int(peak) if peak else None,
         )
+
+
+class Introspection:
+    """What XLA says of a step: `step.collectives` and `step.memory_analysis`.
+
+    Mixed into `jdp.Parallel`, which provides `lower(state, batch)` and
+    `devices`.
+    """
+
+    def collectives(
+        self,
+        state: PyTree,
+        batch: PyTree,
+        *,
+        stage: Literal["compiled", "lowered"] = "compiled",
+    ) -> list[Collective]:
+        """Lists what one step communicates, read from XLA's HLO.
+
+        Args:
+          state: Replicated state, as for a call.
+          batch: Sharded batch, as for a call.
+          stage: `"compiled"` (default) reads the optimised module: what really
+            runs, after XLA has combined collectives (on CPU a step's all-reduces
+            become one) and chosen their types (XLA:CPU computes a bf16 all-reduce
+            in f32). `"lowered"` reads the module as jdp and your step issued it:
+            one entry per `psum`, in the wire dtype you asked for.
+
+        Returns:
+          One `jdp.Collective` per collective, in program order, with kind, dtype,
+          bytes, replica groups and whether it sits inside a conditional branch.
+
+        Example:
+          >>> import jax, jax.numpy as jnp, jdp
+          >>> def step_fn(state, batch):
+          ...     return state, {"s": batch.sum()}
+          >>> step = jdp.parallelize(step_fn, devices=jax.devices()[:2])
+          >>> ops = step.collectives(step.replicate({}), step.shard(jnp.ones(4)))
+          >>> [(c.kind, c.dtype, c.bytes) for c in ops]
+          [('all-reduce', 'f32', 4)]
+        """
+        if stage not in ("compiled", "lowered"):
+            raise ValueError(f"`stage` must be 'compiled' or 'lowered', got {stage!r}.")
+        lowered = self.lower(state, batch)
+        if stage == "compiled":
+            return parse_collectives(lowered.compile().as_text())
+        return parse_collectives(lowered.as_text(dialect="hlo"))
+
+    def memory_analysis(self, state: PyTree, batch: PyTree) -> MemoryAnalysis:
+        """Per-device memory of one step, from XLA's analysis of the compiled step.
+
+        Compiles the step for these arguments (nothing runs) and reads
+        `Compiled.memory_analysis()`. Use it to compare `donate_state`, `remat`
+        and `grad_sync="zero"` before committing to a run.
+
+        Args:
+          state: Replicated state, as for a call.
+          batch: Sharded batch, as for a call.
+
+        Returns:
+          A `jdp.MemoryAnalysis` with argument, output, alias and temp bytes per
+          device and a peak estimate.
+
+        Raises:
+          RuntimeError: If XLA reports no memory analysis on this platform.
+
+        Example:
+          >>> import jax, jax.numpy as jnp, jdp
+          >>> step = jdp.parallelize(lambda s, b: (s, {}), devices=jax.devices()[:2])
+          >>> mem = step.memory_analysis(
+          ...     step.replicate({"w": jnp.zeros(256)}), step.shard(jnp.zeros(2))
+          ... )
+          >>> mem.argument_bytes >= 256 * 4, mem.alias_bytes == 256 * 4
+          (True, True)
+        """
+        stats = self.lower(state, batch).compile().memory_analysis()
+        if stats is None:
+            raise RuntimeError(
+                "`step.memory_analysis`: XLA reports no memory analysis for this "
+                f"platform ({self.devices[0].platform})."
+            )
+        return MemoryAnalysis.from_xla(stats)

@@ -29,6 +29,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jdp._tree import format_problems, keystr, repeated_paths
+from jdp._validate import describe as describe_value
 
 PyTree = Any
 AxisName = str | tuple[str, ...]
@@ -88,6 +89,25 @@ def host_groups(devices: Sequence[jax.Device]) -> list[list[jax.Device]]:
     return [groups[p] for p in sorted(groups)]
 
 
+def mesh_for(devices: Sequence[jax.Device] | None, axis_name: Any) -> Mesh:
+    """The mesh of `jdp.parallelize(devices=..., axis_name=...)`, checked.
+
+    Raises:
+      ValueError: If `devices` is empty or lists a device twice, `axis_name` is
+        not one name or two distinct names, or, with several processes, the
+        processes hold different numbers of `devices`.
+      TypeError: If `axis_name` is neither a str nor a tuple.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    if not devices:
+        raise ValueError("`devices` is empty; pass at least one device (or None).")
+    if len(set(devices)) != len(devices):
+        raise ValueError(f"`devices` lists a device twice: {devices}.")
+    axis_name = _check_axis_name(axis_name)
+    _check_devices_per_process(devices)
+    return make_mesh(devices, axis_name)
+
+
 def make_mesh(devices: Sequence[jax.Device], axis_name: AxisName) -> Mesh:
     """The mesh of a step: 1-D for a name, `(hosts, devices per host)` for two.
 
@@ -99,6 +119,48 @@ def make_mesh(devices: Sequence[jax.Device], axis_name: AxisName) -> Mesh:
     if isinstance(axis_name, str):
         return Mesh(np.asarray(devices, dtype=object), (axis_name,))
     return Mesh(np.asarray(host_groups(devices), dtype=object), tuple(axis_name))
+
+
+def _check_axis_name(axis_name: Any) -> AxisName:
+    """One axis name, or two for a `(hosts, devices per host)` mesh."""
+    if isinstance(axis_name, str) and axis_name:
+        return axis_name
+    if not isinstance(axis_name, (str, tuple, list)):
+        raise TypeError(
+            "`axis_name` must be a str, e.g. 'data', or a tuple of two, e.g. "
+            f"('host', 'device'); got {describe_value(axis_name)}."
+        )
+    names = tuple(axis_name)
+    if len(names) == 1 and isinstance(names[0], str) and names[0]:
+        return names[0]
+    if (
+        len(names) != 2
+        or len(set(names)) != 2
+        or not all(isinstance(n, str) and n for n in names)
+    ):
+        raise ValueError(
+            "`axis_name` must be one name, e.g. 'data', or the two names of a "
+            f"(hosts, devices per host) mesh, e.g. ('host', 'device'); got "
+            f"{axis_name!r}."
+        )
+    return names
+
+
+def _check_devices_per_process(devices: Sequence[jax.Device]) -> None:
+    """With several processes, each must hold the same number (>= 1) of `devices`."""
+    if jax.process_count() == 1:
+        return
+    counts = {p: 0 for p in range(jax.process_count())}
+    for d in devices:
+        counts[d.process_index] += 1
+    if len(set(counts.values())) != 1 or counts[0] == 0:
+        listed = ", ".join(f"process {p}: {n}" for p, n in counts.items())
+        raise ValueError(
+            "`devices`: with several processes every process must hold the same "
+            f"number (at least 1) of the step's devices; got {listed}. Pass "
+            "`devices=None` (all devices) or the same number of "
+            "`jax.local_devices()` from every process."
+        )
 
 
 def mesh_axis(mesh: Mesh) -> AxisName:

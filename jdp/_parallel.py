@@ -9,9 +9,8 @@ what it is given.
 from __future__ import annotations
 
 import functools
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import jax
 
@@ -44,7 +43,7 @@ BAD_OUTPUT_MSG = (
 )
 
 
-class Parallel:
+class Parallel(_hlo.Introspection):
     """A per-replica step run on every device; made by `jdp.parallelize`.
 
     Call it as `step(state, batch) -> (state, metrics)` (or `-> metrics` for a
@@ -66,14 +65,13 @@ class Parallel:
         self,
         train_step: Callable[[PyTree, PyTree], Any],
         *,
-        devices: Sequence[jax.Device],
+        mesh: jax.sharding.Mesh,
         backend: _backends.BackendName,
-        axis_name: _layout.AxisName,
         donate_state: bool,
         check_sync: int | None = None,
     ):
         self.train_step = train_step
-        self.mesh = _layout.make_mesh(devices, axis_name)
+        self.mesh = mesh
         self._backend = _backends.make_backend(backend, self.mesh)
         self.backend = backend
         self.axis_name = self._backend.axis_name
@@ -82,8 +80,11 @@ class Parallel:
         self.donate_state = donate_state
         self._step = self._backend.build_step(self._body, donate=donate_state)
         self._broadcasts: dict[int, Callable[[PyTree], PyTree]] = {}
-        self._sync_check = _SyncCheck(check_sync, train_step, self.mesh)
-        self._returned = _Returned()
+        # A train step may declare the part of its state replicas must agree on
+        # (one that trains replicas locally between syncs does).
+        agreed = getattr(train_step, "must_agree", None) or _agreed_by_default
+        self._sync_check = _divergence.Guard(check_sync, agreed, self.mesh)
+        self._returned = _backends.Returned()
         self._calls = 0
         functools.update_wrapper(self, train_step, updated=())
 
@@ -202,20 +203,13 @@ class Parallel:
     def shard(self, batch: PyTree, *, pad: bool = False, pad_to: int | None = None):
         """Splits a global batch across replicas along every leaf's leading axis.
 
-        With several processes, `batch` is this process's share (each process loads
-        its own slice, like Caffe2's shards and
-        `jax.make_array_from_process_local_data`): the global batch is the
-        processes' batches concatenated in process order. Every process must pass
-        the same number of examples; to catch a mismatch (which would otherwise
-        train on misaligned data without an error), `shard` compares the
-        processes' batches through JAX's coordination service (no collective on
-        the devices). A process whose batch shapes change (the first call, a
-        short last batch) waits for the other processes to reach the same call
-        and raises at once on a mismatch; in a loop of steady shapes a process
-        sends nothing and waits for nothing, and learns of another process's
-        mismatch (raising at its next call) when that process asks for its
-        shapes. With `pad=True` and no `pad_to` every call waits, for the
-        largest process's size.
+        With several processes, `batch` is this process's share (each process
+        loads its own slice, like `jax.make_array_from_process_local_data`): the
+        global batch is the shares in process order. Every process must pass the
+        same number of examples; `shard` compares the processes' batches through
+        JAX's coordination service (not the devices) whenever a process's batch
+        shapes change, and raises on a mismatch, which would otherwise train on
+        misaligned data (README, "Many hosts").
 
         Args:
           batch: Pytree of arrays whose leading axis is the example axis.
@@ -315,86 +309,13 @@ class Parallel:
             self._broadcasts[root] = self._backend.build_map(bcast)
         return _layout.map_agreed(self._broadcasts[root], tree)
 
-    # -- introspection ----------------------------------------------------------
+    # -- introspection (`collectives` and `memory_analysis` come from `_hlo`) ----
 
     def lower(self, state: PyTree, batch: PyTree) -> jax.stages.Lowered:
         """Lowers the step for these arguments (see `jax.stages.Lowered`)."""
         self._check_state(state)
         self._check_batch(batch)
         return self._step.lower(state, batch)
-
-    def collectives(
-        self,
-        state: PyTree,
-        batch: PyTree,
-        *,
-        stage: Literal["compiled", "lowered"] = "compiled",
-    ) -> list[_hlo.Collective]:
-        """Lists what one step communicates, read from XLA's HLO.
-
-        Args:
-          state: Replicated state, as for a call.
-          batch: Sharded batch, as for a call.
-          stage: `"compiled"` (default) reads the optimised module: what really
-            runs, after XLA has combined collectives (on CPU a step's all-reduces
-            become one) and chosen their types (XLA:CPU computes a bf16 all-reduce
-            in f32). `"lowered"` reads the module as jdp and your step issued it:
-            one entry per `psum`, in the wire dtype you asked for.
-
-        Returns:
-          One `jdp.Collective` per collective, in program order, with kind, dtype,
-          bytes, replica groups and whether it sits inside a conditional branch.
-
-        Example:
-          >>> import jax, jax.numpy as jnp, jdp
-          >>> def step_fn(state, batch):
-          ...     return state, {"s": batch.sum()}
-          >>> step = jdp.parallelize(step_fn, devices=jax.devices()[:2])
-          >>> ops = step.collectives(step.replicate({}), step.shard(jnp.ones(4)))
-          >>> [(c.kind, c.dtype, c.bytes) for c in ops]
-          [('all-reduce', 'f32', 4)]
-        """
-        if stage not in ("compiled", "lowered"):
-            raise ValueError(f"`stage` must be 'compiled' or 'lowered', got {stage!r}.")
-        lowered = self.lower(state, batch)
-        if stage == "compiled":
-            return _hlo.parse_collectives(lowered.compile().as_text())
-        return _hlo.parse_collectives(lowered.as_text(dialect="hlo"))
-
-    def memory_analysis(self, state: PyTree, batch: PyTree) -> _hlo.MemoryAnalysis:
-        """Per-device memory of one step, from XLA's analysis of the compiled step.
-
-        Compiles the step for these arguments (nothing runs) and reads
-        `Compiled.memory_analysis()`. Use it to compare `donate_state`, `remat`
-        and `grad_sync="zero"` before committing to a run.
-
-        Args:
-          state: Replicated state, as for a call.
-          batch: Sharded batch, as for a call.
-
-        Returns:
-          A `jdp.MemoryAnalysis` with argument, output, alias and temp bytes per
-          device and a peak estimate.
-
-        Raises:
-          RuntimeError: If XLA reports no memory analysis on this platform.
-
-        Example:
-          >>> import jax, jax.numpy as jnp, jdp
-          >>> step = jdp.parallelize(lambda s, b: (s, {}), devices=jax.devices()[:2])
-          >>> mem = step.memory_analysis(
-          ...     step.replicate({"w": jnp.zeros(256)}), step.shard(jnp.zeros(2))
-          ... )
-          >>> mem.argument_bytes >= 256 * 4, mem.alias_bytes == 256 * 4
-          (True, True)
-        """
-        stats = self.lower(state, batch).compile().memory_analysis()
-        if stats is None:
-            raise RuntimeError(
-                "`step.memory_analysis`: XLA reports no memory analysis for this "
-                f"platform ({self.devices[0].platform})."
-            )
-        return _hlo.MemoryAnalysis.from_xla(stats)
 
     def _check_state(self, state: PyTree) -> None:
         _layout.check_replicated(state, self.sharding, axis_name=self.axis_name)
@@ -408,64 +329,6 @@ class Parallel:
             f"backend={self.backend!r}, num_replicas={self.num_replicas}, "
             f"axis_name={self.axis_name!r})"
         )
-
-
-class _Returned:
-    """Weak references to the leaves of the state a step last returned.
-
-    A state whose leaves are exactly those arrays, none of them deleted (by a
-    donating call of another step, or by hand), was laid out by the step itself:
-    it needs none of the per-leaf placement checks, which cost about 1.5 us a
-    leaf on every call. A forward-only step, which never donates, remembers the
-    state it last checked instead: an evaluation loop passes the same state
-    call after call. Weak references keep no state alive.
-    """
-
-    def __init__(self):
-        self._refs: list[weakref.ref] | None = None
-
-    def remember(self, leaves: list[Any]) -> None:
-        """Remembers the leaves of a state: returned, or checked (forward-only)."""
-        try:
-            self._refs = [weakref.ref(x) for x in leaves]
-        except TypeError:  # a leaf that takes no weak reference
-            self._refs = None
-
-    def holds(self, leaves: list[Any]) -> bool:
-        """Whether `leaves` (of a state) are those remembered, none deleted."""
-        refs = self._refs
-        if refs is None:
-            return False
-        return (
-            len(leaves) == len(refs)
-            and all(r() is x for r, x in zip(refs, leaves, strict=True))
-            and not any(x.is_deleted() for x in leaves)
-        )
-
-
-class _SyncCheck:
-    """The replica-divergence guard: after the first call, then every `every`."""
-
-    def __init__(self, every: int | None, train_step: Any, mesh: jax.sharding.Mesh):
-        self.every = every if mesh.size > 1 else None
-        # A train step may declare which parts of its state replicas must agree
-        # on (a step that trains replicas locally between syncs does).
-        self.must_agree = getattr(train_step, "must_agree", None)
-        self.mesh = mesh
-
-    def due(self, calls: int) -> bool:
-        return self.every is not None and (calls == 1 or calls % self.every == 0)
-
-    def __call__(self, state: PyTree, *, call: int) -> None:
-        if self.must_agree is not None:
-            tree = self.must_agree(state)
-        else:
-            # A step of the user's own that applies `jdp.bmuf` (flax's
-            # `apply_gradients`, an `nnx.Optimizer`) trains replicas locally
-            # between syncs; the global parts of BMUF's state must still agree.
-            local = _bmuf.agreed_parts(state)
-            tree = state if local is None else local
-        _divergence.check(tree, self.mesh, state=state, call=call)
 
 
 def parallelize(
@@ -555,66 +418,29 @@ def parallelize(
         raise ValueError(
             f"`backend` must be one of {_backends.BACKENDS}; got {backend!r}."
         )
-    devices = list(jax.devices() if devices is None else devices)
-    if not devices:
-        raise ValueError("`devices` is empty; pass at least one device (or None).")
-    if len(set(devices)) != len(devices):
-        raise ValueError(f"`devices` lists a device twice: {devices}.")
-    axis_name = _check_axis_name(axis_name, backend)
     _validate.positive_int("check_sync", check_sync, allow_none=True)
-    _check_devices_per_process(devices)
+    mesh = _layout.mesh_for(devices, axis_name)
+    if len(mesh.axis_names) == 2 and backend != "shard_map":
+        raise ValueError(
+            f"`axis_name={mesh.axis_names!r}` (a 2-D host mesh) needs "
+            f"backend='shard_map' (pmap maps over one axis only); got "
+            f"backend={backend!r}."
+        )
     return Parallel(
         train_step,
-        devices=devices,
+        mesh=mesh,
         backend=backend,
-        axis_name=axis_name,
         donate_state=donate_state,
         check_sync=check_sync,
     )
 
 
-def _check_axis_name(axis_name: Any, backend: str) -> _layout.AxisName:
-    """One axis name, or two for a `(hosts, devices per host)` mesh."""
-    if isinstance(axis_name, str) and axis_name:
-        return axis_name
-    if not isinstance(axis_name, (str, tuple, list)):
-        raise TypeError(
-            "`axis_name` must be a str, e.g. 'data', or a tuple of two, e.g. "
-            f"('host', 'device'); got {_validate.describe(axis_name)}."
-        )
-    names = tuple(axis_name)
-    if len(names) == 1 and isinstance(names[0], str) and names[0]:
-        return names[0]
-    if (
-        len(names) != 2
-        or len(set(names)) != 2
-        or not all(isinstance(n, str) and n for n in names)
-    ):
-        raise ValueError(
-            "`axis_name` must be one name, e.g. 'data', or the two names of a "
-            f"(hosts, devices per host) mesh, e.g. ('host', 'device'); got "
-            f"{axis_name!r}."
-        )
-    if backend != "shard_map":
-        raise ValueError(
-            f"`axis_name={names!r}` (a 2-D host mesh) needs backend='shard_map' "
-            f"(pmap maps over one axis only); got backend={backend!r}."
-        )
-    return names
+def _agreed_by_default(state: PyTree) -> PyTree:
+    """What replicas must agree on when the step declares nothing: all of it.
 
-
-def _check_devices_per_process(devices: Sequence[jax.Device]) -> None:
-    """With several processes, each must hold the same number (>= 1) of `devices`."""
-    if jax.process_count() == 1:
-        return
-    counts = {p: 0 for p in range(jax.process_count())}
-    for d in devices:
-        counts[d.process_index] += 1
-    if len(set(counts.values())) != 1 or counts[0] == 0:
-        listed = ", ".join(f"process {p}: {n}" for p, n in counts.items())
-        raise ValueError(
-            "`devices`: with several processes every process must hold the same "
-            f"number (at least 1) of the step's devices; got {listed}. Pass "
-            "`devices=None` (all devices) or the same number of "
-            "`jax.local_devices()` from every process."
-        )
+    Except in a step of one's own that applies `jdp.bmuf` (flax's
+    `apply_gradients`, an `nnx.Optimizer`), which trains replicas locally between
+    syncs: there only the global parts of BMUF's state.
+    """
+    local = _bmuf.agreed_parts(state)
+    return state if local is None else local

@@ -24,7 +24,7 @@ import optax
 from flax import struct
 from jax import lax
 
-from jdp import _bmuf, _collectives, _validate, _zero
+from jdp import _bmuf, _collectives, _transforms, _validate, _zero
 from jdp._layout import StateLayout
 from jdp._tree import format_problems, is_float, keystr
 
@@ -174,8 +174,9 @@ def make_train_step(
       grad_sync: How gradients are synchronised across replicas:
         `"all_reduce"` (default) averages them before `tx` (PyTorch DDP);
         `"none"` keeps each replica's own gradients, for optimizers that
-        communicate themselves (`jdp.bmuf`, `jdp.sync_gradients` inside
-        `optax.MultiSteps`) or local SGD; `"zero"` is ZeRO stages 1 and 2
+        communicate themselves (`jdp.bmuf`; `jdp.sync_gradients` inside
+        `optax.MultiSteps`, whose all-reduce then runs only on the micro-steps
+        that update) or local SGD; `"zero"` is ZeRO stages 1 and 2
         (PyTorch's `ZeroRedundancyOptimizer`, DeepSpeed ZeRO-1/2): gradients are
         reduce-scattered, each replica keeps and updates only its 1/N slice of
         the (flattened, padded) optimizer state, and the updated parameters are
@@ -385,6 +386,7 @@ def build_train_step(
                 '`jdp.make_train_step(loss_fn, tx, grad_sync="none")`.'
             )
         _check_trainable(state.params, api)
+        _check_known_fields(state, api)
         changes = {}
         scale = getattr(state, "dynamic_scale", None)
         if scale is not None:
@@ -605,6 +607,47 @@ def apply_remat(loss_fn: Callable[..., Any], remat: Any) -> Callable[..., Any]:
     return jax.checkpoint(loss_fn, policy=remat)
 
 
+#: The state fields a train step reads and writes (static fields, such as a flax
+#: `TrainState`'s `apply_fn` and `tx`, are not part of the pytree).
+KNOWN_FIELDS = (
+    "step",
+    "params",
+    "opt_state",
+    "batch_stats",
+    "skipped_steps",
+    "dynamic_scale",
+)
+
+
+def _check_known_fields(state: PyTree, api: str) -> None:
+    """Refuses a state field the step would carry along unchanged at every step.
+
+    A dataclass state (a flax `struct`, flax's `TrainState` and its subclasses)
+    may hold only the fields the step updates, static fields
+    and fields that hold no arrays (None): an `ema_params` or a dropout key the
+    step never touched would otherwise train silently wrong.
+    """
+    if not dataclasses.is_dataclass(state):
+        return
+    unknown = [
+        f.name
+        for f in dataclasses.fields(state)
+        if f.metadata.get("pytree_node", True)
+        and f.name not in KNOWN_FIELDS
+        and jax.tree.leaves(getattr(state, f.name))
+    ]
+    if unknown:
+        name = unknown[0]
+        raise ValueError(
+            f"`{api}` updates a state's {', '.join(f'`{k}`' for k in KNOWN_FIELDS)}; "
+            f"this {type(state).__name__} also has {', '.join(map(repr, unknown))}, "
+            "which the step would leave unchanged at every step. Update it in a "
+            "step of your own around this one, e.g. `def step(state, batch): new, "
+            f"metrics = train_step(state.replace({name}=None), batch); return "
+            f"new.replace({name}=...), metrics`, or remove it from the state."
+        )
+
+
 def _check_trainable(params: PyTree, api: str) -> None:
     """Gradients need floating-point params: name the leaves that are not."""
     bad = [
@@ -667,6 +710,10 @@ def _all_reduce_update(*, axis_name, bucket_bytes, reduce_dtype, clip_grad_norm)
 
 def _local_update(*, clip_grad_norm):
     def apply(grads, state, tx):
+        if isinstance(state.opt_state, optax.MultiStepsState):
+            # Its `jdp.sync_gradients` then all-reduces once per update.
+            update = functools.partial(_transforms.update_multisteps, tx)
+            tx = optax.GradientTransformation(tx.init, update)
         # BMUF syncs the updated params after the update (cheaper than inside
         # the optimizer, and every replica then holds exactly the same bits).
         with _bmuf.merge_after_update() as merges:

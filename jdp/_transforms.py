@@ -1,10 +1,16 @@
-"""`jdp.sync_gradients`: the gradient all-reduce as an optax transform."""
+"""`jdp.sync_gradients`: the gradient all-reduce as an optax transform.
+
+Also how a train step applies an `optax.MultiSteps` (gradient accumulation by
+the optimizer) so that the collectives inside it run only on the micro-steps
+that update.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 import optax
+from jax import lax
 
 from jdp import _collectives
 
@@ -60,3 +66,33 @@ def sync_gradients(
         return synced, state
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+def update_multisteps(
+    tx: optax.GradientTransformation, grads: Any, opt_state: Any, params: Any
+) -> tuple[Any, Any]:
+    """`tx.update` for an `optax.MultiSteps` whose collectives run only when it updates.
+
+    `optax.MultiSteps` runs its inner optimizer on every micro-step and masks the
+    result on the steps that only accumulate, so a `jdp.sync_gradients()` inside
+    it would all-reduce on every micro-step. Here the micro-steps that only
+    accumulate run with jdp's collectives turned off (their inner result is
+    discarded anyway) and the updating ones as they are, under `lax.cond`: the
+    all-reduce sits in the branch taken once per update. Whether a micro-step
+    updates is read from the optimizer's own bookkeeping (a first evaluation
+    whose only kept output is the `gradient_step` counter; XLA removes the rest),
+    so any `every_k_schedule` works. The numbers equal `tx.update`'s.
+
+    `opt_state` must be an `optax.MultiStepsState`; the decision is the same on
+    every replica as long as the counters are (they are, unless a
+    `should_skip_update_fn` decides differently on different replicas: give it
+    averaged gradients, or none).
+    """
+
+    def accumulate():
+        with _collectives.local_only():
+            return tx.update(grads, opt_state, params)
+
+    probe = accumulate()[1]
+    updates = probe.gradient_step != opt_state.gradient_step
+    return lax.cond(updates, lambda: tx.update(grads, opt_state, params), accumulate)

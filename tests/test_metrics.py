@@ -105,6 +105,47 @@ def test_one_axis_name_given_to_parallelize_reaches_everything(backend):
     assert_trees_close(step.unreplicate(state).batch_stats, stats, rtol=1e-5)
 
 
+def test_every_in_step_helper_uses_the_axis_given_to_parallelize(backend):
+    """With `axis_name="batch"` given once, to `jdp.parallelize`: the gradient
+    all-reduce, broadcast, batch-stats sync, replica keys, metric reductions and
+    BMUF all run over it, and give what they give over the default axis."""
+    n = 4
+
+    def probe(state, batch):
+        key = jdp.replica_key(jax.random.key(0))
+        return state, {
+            "mean": jdp.all_reduce_gradients({"x": batch})["x"].sum(),
+            "root": jdp.broadcast(batch, root=1).sum(),
+            "stats": jdp.sync_batch_stats({"s": batch})["s"].sum(),
+            "keys": jdp.metrics.gather(jax.random.uniform(key, (1,))),
+            "total": jdp.metrics.sum(batch.sum()),
+        }
+
+    x = np.arange(8.0, dtype=np.float32)
+    results = []
+    for axis in ("batch", "data"):
+        step = jdp.parallelize(
+            probe, devices=jax.devices()[:n], backend=backend, axis_name=axis
+        )
+        _, metrics = step(step.replicate({}), step.shard(x))
+        results.append(jax.tree.map(np.asarray, metrics))
+    assert_trees_close(results[0], results[1], rtol=0, atol=0)
+    assert float(results[0]["total"]) == x.sum()
+    assert len(set(results[0]["keys"].tolist())) == n
+
+    tx = jdp.bmuf(optax.sgd(0.1), sync_period=2)
+    train = jdp.make_train_step(
+        lambda p, b: jnp.mean((b * p["w"] - 1.0) ** 2), tx, grad_sync="none"
+    )
+    step = jdp.parallelize(
+        train, devices=jax.devices()[:n], backend=backend, axis_name="batch"
+    )
+    state = step.replicate(jdp.TrainState.create(params={"w": jnp.zeros(())}, tx=tx))
+    for _ in range(2):  # the second step syncs the block
+        state, _ = step(state, step.shard(x))
+    jdp.assert_replicas_in_sync(state.params)
+
+
 def test_replica_key_outside_a_step_says_so():
     with pytest.raises(RuntimeError, match=r"jdp\.replica_key.*not bound"):
         jdp.replica_key(jax.random.key(0))

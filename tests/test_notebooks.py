@@ -111,6 +111,11 @@ def test_quickstart(kernel_dirs, tmp_path):
     assert "in sync: True" in joined
     assert "Replicas are out of sync" in joined
     assert "The replicas' states diverged during step call 1" in joined
+    # Section 6: accumulation gives the whole batch's params; exact eval counts.
+    gap = float(re.search(r"microbatches=2: largest difference .* (\S+)\n", joined)[1])
+    assert gap < 1e-3, gap
+    assert "skipped steps: 0" in joined
+    assert re.search(r"evaluated (\d+) of \1 test images", joined), joined[-300:]
 
 
 @pytest.mark.slow

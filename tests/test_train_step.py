@@ -6,7 +6,13 @@ import optax
 import pytest
 from flax import nnx
 from flax.training import train_state as flax_train_state
-from helpers import assert_trees_close, init_mlp, make_batches, mlp_loss
+from helpers import (
+    assert_trees_close,
+    init_mlp,
+    make_batches,
+    mlp_loss,
+    single_device_train,
+)
 
 import jdp
 
@@ -316,31 +322,68 @@ def test_microbatches_must_divide_the_replica_batch():
         jdp.make_train_step(mlp_loss, tx, microbatches=0)
 
 
-@pytest.mark.skip(
-    reason="optax.MultiSteps runs its inner optimizer on every micro-step and masks "
-    "the result (jnp.where, not lax.cond), so a jdp.sync_gradients() inside it "
-    "all-reduces on every micro-step; make_train_step(microbatches=k) is the way "
-    "to one all-reduce per update"
-)
-def test_optax_multisteps_all_reduces_only_when_it_updates():
-    inner = optax.sgd(0.1)
+def test_optax_multisteps_all_reduces_only_when_it_updates(backend):
+    """`optax.MultiSteps(chain(jdp.sync_gradients(), inner))` with local gradients:
+    the gradient all-reduce sits in a conditional (taken once per update), and
+    the result equals single-device `optax.MultiSteps(inner)` on global batches."""
+    inner = optax.adam(0.01)
     tx = optax.MultiSteps(optax.chain(jdp.sync_gradients(), inner), every_k_schedule=2)
     step = jdp.parallelize(
-        jdp.make_train_step(mlp_loss, tx, grad_sync="none"), devices=jax.devices()[:4]
+        jdp.make_train_step(mlp_loss, tx, grad_sync="none"),
+        devices=jax.devices()[:4],
+        backend=backend,
     )
-    state = step.replicate(
-        jdp.TrainState.create(params=init_mlp(jax.random.key(0)), tx=tx)
-    )
-    batch = step.shard(make_batches(1, 16)[0])
+    params = init_mlp(jax.random.key(0))
+    state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
+    batches = make_batches(4, 16)
     grads = [
         c
-        for c in step.collectives(state, batch, stage="lowered")
+        for c in step.collectives(state, step.shard(batches[0]), stage="lowered")
         if c.kind == "all-reduce" and c.bytes > 4
     ]
-    assert grads and all(c.in_conditional for c in grads)
-    for _ in range(2):
-        state, _ = step(state, batch)
-    jdp.assert_replicas_in_sync(state.params)
+    assert grads and all(c.in_conditional for c in grads), grads
+    history = []
+    for batch in batches:
+        state, _ = step(state, step.shard(batch))
+        history.append(step.unreplicate(state.params))
+    assert_trees_close(history[0], params, rtol=0, atol=0)  # accumulated only
+    jdp.assert_replicas_in_sync(state)
+    oracle = optax.MultiSteps(inner, every_k_schedule=2)
+    expected, _ = single_device_train(mlp_loss, params, oracle, batches)
+    assert_trees_close(history[-1], expected)
+
+
+class _EmaState(flax_train_state.TrainState):
+    ema: object = None
+
+
+def test_a_state_field_the_step_would_ignore_is_refused():
+    """A field `make_train_step` does not update (an EMA of the params) is an
+    error naming it; the same field set to None passes, and the idiom the
+    message gives (a step of one's own around it) updates it."""
+    tx = optax.sgd(0.1)
+    train_step = jdp.make_train_step(mlp_loss, tx)
+    step = jdp.parallelize(train_step, devices=jax.devices()[:2])
+    params = init_mlp(jax.random.key(0))
+    plain = _EmaState.create(apply_fn=None, params=params, tx=tx)
+    with_ema = plain.replace(ema=params)
+    batch = step.shard(make_batches(1, 8)[0])
+    message = r"_EmaState also has 'ema'.*replace\(ema=None\)"
+    with pytest.raises(ValueError, match=message):
+        step(step.replicate(with_ema), batch)
+    state, _ = step(step.replicate(plain), batch)  # ema=None: nothing to ignore
+    assert state.ema is None
+
+    def with_ema_step(state, batch):
+        new, metrics = train_step(state.replace(ema=None), batch)
+        ema = jax.tree.map(lambda e, p: 0.5 * e + 0.5 * p, state.ema, new.params)
+        return new.replace(ema=ema), metrics
+
+    own = jdp.parallelize(with_ema_step, devices=jax.devices()[:2])
+    state, _ = own(own.replicate(with_ema), batch)
+    one = own.unreplicate(state)
+    expected = jax.tree.map(lambda e, p: 0.5 * e + 0.5 * p, params, one.params)
+    assert_trees_close(one.ema, expected)
 
 
 def test_dynamic_scale_is_honoured_and_skips_overflowing_steps(backend):
