@@ -312,6 +312,54 @@ def _features_check():
     for batch in make_batches(3, GLOBAL_BATCH):
         state, _ = step(state, step.shard(local_share(batch)))
     out["microbatch_params"] = jax.device_get(step.unreplicate(state).params)
+    out.update(_multisteps_and_loss_scaling())
+    return out
+
+
+def _multisteps_and_loss_scaling():
+    """optax.MultiSteps with jdp.sync_gradients, and a DynamicScale whose overflow
+    is on one process only, across processes."""
+    from flax.training.dynamic_scale import DynamicScale
+
+    out = {}
+    tx = optax.MultiSteps(
+        optax.chain(jdp.sync_gradients(), optax.adam(1e-2)), every_k_schedule=2
+    )
+    step = jdp.parallelize(jdp.make_train_step(mlp_loss, tx, grad_sync="none"))
+    state = step.replicate(
+        jdp.TrainState.create(params=init_mlp(jax.random.key(0)), tx=tx)
+    )
+    for batch in make_batches(4, GLOBAL_BATCH):
+        state, _ = step(state, step.shard(local_share(batch)))
+    out["multisteps_params"] = jax.device_get(step.unreplicate(state).params)
+    out["multisteps_in_sync"] = jdp.replicas_in_sync(state)
+
+    def loss_fn(p, batch):  # overflows on the replicas whose rows have `blow_up`
+        blow_up = jnp.any(batch["blow_up"] > 0)
+        return mlp_loss(p, batch) * jnp.where(blow_up, jnp.inf, 1.0)
+
+    tx = optax.sgd(0.1)
+    params = jax.tree.map(lambda x: x.astype(jnp.float16), init_mlp(jax.random.key(0)))
+    step = jdp.parallelize(jdp.make_train_step(loss_fn, tx))
+    state = step.replicate(
+        jdp.TrainState.create(params=params, tx=tx, dynamic_scale=DynamicScale())
+    )
+    bad = make_batches(1, GLOBAL_BATCH)[0]
+    bad["blow_up"] = np.zeros(GLOBAL_BATCH, np.float32)
+    bad["blow_up"][-1] = 1.0  # the last replica, on the last process only
+    state, metrics = step(state, step.shard(local_share(bad)))
+    one = jax.device_get(step.unreplicate(state))
+    out["scaled"] = {
+        "skipped": int(one.skipped_steps),
+        "metric": float(metrics["skipped"]),
+        "unchanged": all(
+            np.array_equal(a, b)
+            for a, b in zip(
+                jax.tree.leaves(one.params), jax.tree.leaves(params), strict=True
+            )
+        ),
+        "in_sync": jdp.replicas_in_sync(state),
+    }
     return out
 
 

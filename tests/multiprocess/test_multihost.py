@@ -184,6 +184,27 @@ def test_microbatches_across_processes_match_one_device(job):
         assert_trees_close(r["microbatch_params"], expected, rtol=2e-5)
 
 
+def test_optax_multisteps_across_processes_match_one_device(job):
+    batches = make_batches(4, mw.GLOBAL_BATCH)
+    tx = optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2)
+    expected, _ = single_device_train(
+        mlp_loss, init_mlp(jax.random.key(0)), tx, batches
+    )
+    for r in part(job, "features"):
+        assert r["multisteps_in_sync"]
+        assert_trees_close(r["multisteps_params"], expected, rtol=2e-5)
+
+
+def test_loss_scaling_skips_on_every_process_when_one_overflows(job):
+    for r in part(job, "features"):
+        assert r["scaled"] == {
+            "skipped": 1,
+            "metric": 1.0,
+            "unchanged": True,
+            "in_sync": True,
+        }
+
+
 def test_shard_rejects_different_local_batch_sizes(job):
     for r in part(job, "shard"):
         with pytest.raises(ValueError, match=r"process 0: 8, process 1: 6 examples"):
