@@ -623,9 +623,9 @@ def _check_known_fields(state: PyTree, api: str) -> None:
     """Refuses a state field the step would carry along unchanged at every step.
 
     A dataclass state (a flax `struct`, flax's `TrainState` and its subclasses)
-    may hold only the fields the step updates, static fields
-    and fields that hold no arrays (None): an `ema_params` or a dropout key the
-    step never touched would otherwise train silently wrong.
+    may hold only the fields the step updates, static fields and fields that
+    hold no arrays (None): an `ema_params` or a dropout key the step never
+    touched would otherwise train silently wrong.
     """
     if not dataclasses.is_dataclass(state):
         return

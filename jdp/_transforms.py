@@ -83,10 +83,10 @@ def update_multisteps(
     whose only kept output is the `gradient_step` counter; XLA removes the rest),
     so any `every_k_schedule` works. The numbers equal `tx.update`'s.
 
-    `opt_state` must be an `optax.MultiStepsState`; the decision is the same on
-    every replica as long as the counters are (they are, unless a
-    `should_skip_update_fn` decides differently on different replicas: give it
-    averaged gradients, or none).
+    `opt_state` must be an `optax.MultiStepsState`. The decision is the same on
+    every replica as long as the counters are: they are, unless a
+    `should_skip_update_fn` decides differently on different replicas (which
+    would stall optax's own conditional around the inner optimizer too).
     """
 
     def accumulate():
