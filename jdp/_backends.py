@@ -89,7 +89,9 @@ def check_distinct(state: PyTree) -> None:
 class Step:
     """A built step: `(replicated state, placed batch) -> (state or None, metrics)`.
 
-    `train` donates its state argument (when asked to), `forward` never does.
+    `train` donates its state argument (when asked to), `forward` never does;
+    both are called as `run(state, batch, *, returned, flat) -> (new_state or
+    None, metrics, new leaves or None)` and lowered as `lower(state, batch)`.
     Whether the body returns a state is decided once, by tracing `train` (the
     trace is the one the first call uses), so that a forward-only step runs
     `forward` and never deletes its input.
@@ -144,14 +146,9 @@ class Step:
             before(state, self.out_state)
         if self._throttle:
             self._wait_for_previous_step()
-        if isinstance(fn, _DonatingShardMapStep):
-            new_state, metrics, out_leaves = fn.run(
-                state, batch, returned=returned, flat=flat
-            )
-        elif isinstance(fn, _PlaceEmptyLeaves):
-            new_state, metrics, out_leaves = fn.run(state, batch, flat=flat)
-        else:
-            (new_state, metrics), out_leaves = fn(state, batch), None
+        new_state, metrics, out_leaves = fn.run(
+            state, batch, returned=returned, flat=flat
+        )
         if self.returns_state is None:
             self.returns_state = new_state is not None
         if self._throttle:
@@ -250,6 +247,20 @@ def make_backend(name: BackendName, mesh: Mesh) -> Backend:
 # -- pmap --------------------------------------------------------------------------
 
 
+class _TreeStep:
+    """A step called on the state as a tree (`jax.pmap` flattens it itself)."""
+
+    def __init__(self, fn):
+        self._fn = fn
+        self.lower = fn.lower
+
+    def run(self, state, batch, *, returned: bool = False, flat=None):
+        """`(new_state or None, metrics, None)`: the new leaves are not at hand."""
+        del returned, flat
+        new_state, metrics = self._fn(state, batch)
+        return new_state, metrics, None
+
+
 class _Pmap(Backend):
     name = "pmap"
 
@@ -324,8 +335,8 @@ class _Pmap(Backend):
             )
 
         return Step(
-            global_step(train),
-            global_step(forward),
+            _TreeStep(global_step(train)),
+            _TreeStep(global_step(forward)),
             donate=donate,
             out_state=out_state,
             mesh=self.mesh,
@@ -436,8 +447,9 @@ class _PlaceEmptyLeaves:
         self._fn = fn
         self._sharding = sharding
 
-    def run(self, state, batch, *, flat=None):
+    def run(self, state, batch, *, returned: bool = False, flat=None):
         """`(new_state or None, metrics, new leaves or None)`; `flat` as in `Step`."""
+        del returned  # nothing is donated: the state's layout is checked anyway
         leaves, treedef = flat if flat is not None else jax.tree.flatten(state)
         out, metrics = self._fn(list(leaves), batch, treedef)
         if out is None:
