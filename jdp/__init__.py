@@ -25,6 +25,7 @@ from jdp._divergence import ReplicaDivergenceError
 from jdp._export import export_predictor, load_predictor, save_predictor
 from jdp._hlo import Collective, MemoryAnalysis
 from jdp._parallel import Parallel, parallelize
+from jdp._sync import Sync, all_reduce, local, zero
 from jdp._train_step import TrainState, make_train_step
 from jdp._transforms import sync_gradients
 from jdp._version import __version__ as __version__
@@ -35,7 +36,9 @@ __all__ = [
     "MemoryAnalysis",
     "Parallel",
     "ReplicaDivergenceError",
+    "Sync",
     "TrainState",
+    "all_reduce",
     "all_reduce_gradients",
     "assert_replicas_in_sync",
     "bmuf",
@@ -43,6 +46,7 @@ __all__ = [
     "broadcast",
     "export_predictor",
     "load_predictor",
+    "local",
     "make_train_step",
     "parallelize",
     "replica_key",
@@ -50,4 +54,5 @@ __all__ = [
     "save_predictor",
     "sync_batch_stats",
     "sync_gradients",
+    "zero",
 ]

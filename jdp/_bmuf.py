@@ -9,10 +9,8 @@ into a global model with a momentum filter.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable
 from typing import Any, Literal, NamedTuple, get_args
 
 import jax
@@ -20,7 +18,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jdp import _collectives, _validate
+from jdp import _collectives, _replica_parts, _validate
 from jdp._tree import is_float
 
 PyTree = Any
@@ -34,11 +32,10 @@ NO_PARAMS_MSG = (
 )
 
 
-#: Set by `jdp.make_train_step` while it calls the optimizer: a list into which
-#: `jdp.bmuf` puts its merge (see `merge_after_update`).
-_MERGES: contextvars.ContextVar[list | None] = contextvars.ContextVar(
-    "jdp_bmuf_merges", default=None
-)
+#: The optimizer's extra argument (optax's `**extra_args`) through which a train
+#: step that applies the updates itself asks `jdp.bmuf` to leave its block sync to
+#: it: a list into which the update puts the sync (see `merge_updated`).
+MERGES_ARG = "jdp_bmuf_merges"
 
 
 class _Options(NamedTuple):
@@ -57,6 +54,11 @@ class _Options(NamedTuple):
         return self.nesterov and self.outer is None
 
 
+@_replica_parts.declare(
+    local=("inner_state",),
+    required=("count", "synced", "global_params"),
+    trains_locally=True,
+)
 class BMUFState(NamedTuple):
     """State of `jdp.bmuf`.
 
@@ -86,6 +88,10 @@ class BMUFState(NamedTuple):
     inner_state: optax.OptState
     synced: jax.Array  # bool, shape ()
 
+    def restart_params(self) -> PyTree:
+        """The block start: where every replica begins after a re-layout."""
+        return self.global_params if self.start is None else self.start
+
 
 def bmuf(
     inner: optax.GradientTransformation,
@@ -102,7 +108,7 @@ def bmuf(
     r"""Blockwise model-update filtering: local training, periodic filtered merge.
 
     Every step, each replica applies `inner` to its OWN gradients (no all-reduce:
-    use `jdp.make_train_step(loss_fn, tx, grad_sync="none")`). Every
+    use `jdp.make_train_step(loss_fn, tx, sync=jdp.local())`). Every
     `sync_period`-th step, after that local update, the block update runs. With
     `start` the model every replica began the block from (the initial params for
     the first block), in the notation of Chen & Huo:
@@ -208,7 +214,7 @@ def bmuf(
       >>> tx = jdp.bmuf(optax.sgd(0.2), sync_period=4, block_momentum=0.5)
       >>> def loss_fn(params, batch):
       ...     return jnp.mean((batch["x"] * params["w"] - batch["y"]) ** 2)
-      >>> train_step = jdp.make_train_step(loss_fn, tx, grad_sync="none")
+      >>> train_step = jdp.make_train_step(loss_fn, tx, sync=jdp.local())
       >>> step = jdp.parallelize(train_step, devices=jax.devices()[:4])
       >>> state = step.replicate(jdp.TrainState.create(params={"w": 0.0}, tx=tx))
       >>> batch = step.shard({"x": jnp.ones(16), "y": 2 * jnp.ones(16)})
@@ -255,12 +261,13 @@ def bmuf(
 
     merge = functools.partial(_merge, inner=inner, axis=axis, options=options)
 
-    def update_fn(updates, state, params=None):
+    def update_fn(updates, state, params=None, **extra_args):
         if params is None:
             raise ValueError(NO_PARAMS_MSG)
-        axis_name = _collectives.resolve_axis(axis)
+        communicate = extra_args.get(_collectives.COLLECTIVES_ARG, True)
         count = state.count
-        if warmup_steps:
+        if warmup_steps and communicate:
+            axis_name = _collectives.resolve_axis(axis)
             updates = lax.cond(
                 count < warmup_steps,
                 lambda u: _mean(u, axis_name),
@@ -270,106 +277,54 @@ def bmuf(
         is_sync = (count >= warmup_steps) & (
             (count - warmup_steps + 1) % sync_period == 0
         )
-        merges = _MERGES.get()
-        if merges is not None:
-            # Inside `jdp.make_train_step`: apply `inner` alone; the step merges the
-            # updated params afterwards (`merge_after_update`).
-            merges.append(merge)
-            inner_updates, inner_state = inner.update(
-                updates, state.inner_state, params
-            )
-            return inner_updates, state._replace(
-                count=count + jnp.ones((), jnp.int32),
-                inner_state=inner_state,
-                synced=is_sync,
-            )
-
-        eta = _eta(axis_name, block_momentum)
-
-        # The optax path (a hand-written step): the sync happens here, before the
-        # caller applies the updates. What crosses a conditional is
-        # materialised, so passing `inner`'s updates into the sync branch would
-        # write and read back a parameter-sized tree every step. The branches
-        # take `inner`'s inputs instead (this step's gradients and the old inner
-        # state) and recompute the locally updated params, on sync steps only; a
-        # plain step applies `inner` fused with the parameter update. The
-        # gradients then stay alive until the conditional, though, which
-        # `merge_after_update` avoids.
-        def local_params(grads, old_inner):
-            local_updates, _ = inner.update(grads, old_inner, params)
-            return optax.apply_updates(params, local_updates)
-
-        g, start, v = state.global_params, state.start, state.velocity
-        if warmup_steps:
-
-            def follow_replicas(operands):
-                g, _, grads, old_inner = operands
-                g = _cast_like(local_params(grads, old_inner), g)
-                return g, (g if stores_start else None)
-
-            g, start = lax.cond(
-                count < warmup_steps,
-                follow_replicas,
-                lambda operands: operands[:2],
-                (g, start, updates, state.inner_state),
-            )
-
-        def sync(operands):
-            g, start, v, grads, old_inner = operands
-            avg = _mean(local_params(grads, old_inner), axis_name)
-            g, start, v = _block_update(
-                g, start, v, avg, eta, block_learning_rate, nesterov, outer
-            )
-            return g, start, v, _negative_zero(g)
-
-        def no_sync(operands):
-            g, start, v, _, _ = operands
-            return g, start, v, _negative_zero(g)
-
-        g, start, v, zero = lax.cond(
-            is_sync, sync, no_sync, (g, start, v, updates, state.inner_state)
-        )
-        # Adding -0.0 changes no value, but makes `inner`'s in-place update of its
-        # state wait for the conditionals, which read the old state: without this
-        # data dependency XLA copies that state every step.
-        updates = _float_map(lambda u: u + zero.astype(u.dtype), updates)
         inner_updates, inner_state = inner.update(updates, state.inner_state, params)
-        # The model every replica starts the next block from.
-        target = start if stores_start else g
-        if inner_state_at_sync != "keep":
-            inner_state = lax.cond(
-                is_sync,
-                lambda s: _inner_state_at_sync(
-                    s, target, inner, inner_state_at_sync, axis_name
-                ),
-                lambda s: s,
-                inner_state,
-            )
-        # A select, not a conditional: it fuses into the parameter update and
-        # costs one read of `target` per step.
-        out_updates = jax.tree.map(
-            lambda t, p, u: (
-                jnp.where(is_sync, (t - p).astype(u.dtype), u) if is_float(u) else u
-            ),
-            target,
-            params,
-            inner_updates,
-        )
-        new_state = BMUFState(
+        new_state = state._replace(
             count=count + jnp.ones((), jnp.int32),
-            global_params=g,
-            start=start,
-            velocity=v,
             inner_state=inner_state,
             synced=is_sync,
         )
+        merges = extra_args.get(MERGES_ARG)
+        if merges is not None or not communicate:
+            # The caller applies `inner`'s updates and then runs the block sync
+            # on the updated params (`merge_updated`), or discards the result.
+            if merges is not None:
+                merges.append(merge)
+            return inner_updates, new_state
+        # A hand-written step applies the updates after this returns: run the
+        # block sync here, on the locally updated params, and return the
+        # difference to the model every replica starts the next block from.
+        local = optax.apply_updates(params, inner_updates)
+        merged, new_state = merge(local, state, new_state)
+        out_updates = jax.tree.map(
+            lambda m, p, u: (
+                jnp.where(is_sync, (m - p).astype(u.dtype), u) if is_float(u) else u
+            ),
+            merged,
+            params,
+            inner_updates,
+        )
         return out_updates, new_state
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def _merge(params, old_state, state, *, inner, axis, options):
-    """`jdp.bmuf`'s block sync on the updated params, for `merge_updated`."""
+    """`jdp.bmuf`'s block sync, the one implementation, on locally updated params.
+
+    Args:
+      params: The params after this step's local (inner) update.
+      old_state: The `BMUFState` before the update.
+      state: The `BMUFState` the update returned (`count` and `synced` advanced).
+      inner: The inner optimizer (for `inner_state_at_sync="reset"`).
+      axis: The replica axis as given to `jdp.bmuf` (None: the bound one).
+      options: The block-filter options.
+
+    Returns:
+      `(params, state)`: on a step that ends a block, every replica's params are
+      exactly the next block's start and the state holds the new global model
+      and velocity; otherwise both as given (during warmup `g` follows the
+      replicas).
+    """
     at_sync, warmup_steps = options.inner_state_at_sync, options.warmup_steps
     stores_start = options.stores_start
     axis_name = _collectives.resolve_axis(axis)
@@ -461,15 +416,6 @@ def _block_update(g, start, v, avg, eta, block_learning_rate, nesterov, outer):
     if nesterov:
         start = _cast_like(_lookahead(g, v, eta), start)
     return g, start, v
-
-
-def _negative_zero(tree):
-    """-0.0, computed from `tree` so that XLA cannot fold it into a constant."""
-    leaves = [x for x in jax.tree.leaves(tree) if is_float(x) and x.size]
-    if not leaves:
-        return jnp.zeros((), jnp.float32)
-    x = leaves[0].reshape(-1)[0].astype(jnp.float32)
-    return -jnp.where(jnp.isfinite(x), jnp.abs(x) * 0, 0.0)
 
 
 def bmuf_global_params(state: PyTree) -> PyTree:
@@ -587,39 +533,24 @@ def _reset(state, initial):
     )
 
 
-@contextlib.contextmanager
-def merge_after_update() -> Iterator[list[Callable]]:
-    """While the optimizer runs: `jdp.bmuf` leaves its block sync to the caller.
-
-    `jdp.make_train_step` calls `tx.update` and `optax.apply_updates` inside this
-    context and then `merge_updated`. In it, `jdp.bmuf`'s update applies `inner`
-    alone and records whether the step ends a block; `merge_updated` then runs the
-    block sync on the updated params, which the step has in memory anyway. Inside
-    the optimizer (the optax path, for hand-written steps) the sync has to
-    recompute the locally updated params from the gradients and keep those
-    gradients alive until the sync's conditional: a larger temporary buffer on
-    every step, which XLA:CPU can allocate afresh on each call (between two
-    processes at 10M parameters: 39 MiB of page faults and 1.3x the local step's
-    time on steps that do not sync).
-    """
-    merges: list[Callable] = []
-    token = _MERGES.set(merges)
-    try:
-        yield merges
-    finally:
-        _MERGES.reset(token)
-
-
 def merge_updated(
     params: PyTree, old_opt_state: PyTree, opt_state: PyTree, merges: list[Callable]
 ) -> tuple[PyTree, PyTree]:
-    """The block sync of `jdp.bmuf` on updated params (see `merge_after_update`).
+    """The block sync of `jdp.bmuf` on updated params, after a deferred update.
+
+    A train step that applies the optimizer itself passes an empty list as the
+    optimizer's extra argument `MERGES_ARG` (optax's extra-args protocol, which
+    `optax.chain` and `optax.MultiSteps` forward): `jdp.bmuf`'s update then
+    applies `inner` alone and puts its block sync into the list, and the step
+    calls this on the params it updated. Inside the optimizer (a hand-written
+    step) the same sync runs on params the update has to compute first: a
+    larger temporary buffer on every step.
 
     Args:
       params: The params after `optax.apply_updates`.
       old_opt_state: The optimizer state before the update.
       opt_state: The optimizer state the update returned.
-      merges: The list `merge_after_update` yielded.
+      merges: The list given to the optimizer.
 
     Returns:
       `(params, opt_state)`: on a step that ends a block, every replica's params
@@ -645,53 +576,10 @@ def merge_updated(
     return params, opt_state
 
 
-def _is_state(x: Any) -> bool:
-    """A `BMUFState`, or one as flax NNX's `nnx.state` lays it out.
-
-    NNX turns an `nnx.Optimizer`'s state into nested mappings: a `BMUFState`
-    becomes a mapping from its field names to their values, without the fields
-    that hold no array (`start` when None, an empty `inner_state` or
-    `velocity`). `count`, `synced` and `global_params` are always there.
-    """
-    if isinstance(x, BMUFState):
-        return True
-    return isinstance(x, Mapping) and (
-        {"count", "synced", "global_params"} <= x.keys() <= set(BMUFState._fields)
-    )
-
-
-def _as_state(x: Any) -> BMUFState:
-    if isinstance(x, BMUFState):
-        return x
-    return BMUFState(**{field: x.get(field) for field in BMUFState._fields})
-
-
 def find_states(tree: PyTree) -> list[BMUFState]:
     """Every `BMUFState` inside `tree` (an optimizer or training state), in order.
 
     States that flax NNX laid out as mappings (`nnx.state` of an `nnx.Optimizer`)
     are found too and returned as `BMUFState`s of their values.
     """
-    return [
-        _as_state(x) for x in jax.tree.leaves(tree, is_leaf=_is_state) if _is_state(x)
-    ]
-
-
-def agreed_parts(tree: PyTree) -> PyTree | None:
-    """What replicas training under `jdp.bmuf` agree on, in `tree`'s structure.
-
-    Every `jdp.bmuf` state in `tree` without its `inner_state` (the global model,
-    the velocity, the block start, the counters); every other leaf None. None if
-    `tree` holds no `jdp.bmuf` state.
-    """
-    if not find_states(tree):
-        return None
-
-    def keep(x):
-        if isinstance(x, BMUFState):
-            return x._replace(inner_state=None)
-        if _is_state(x):
-            return {k: v for k, v in x.items() if k != "inner_state"}
-        return None
-
-    return jax.tree.map(keep, tree, is_leaf=_is_state)
+    return [x for x in _replica_parts.find(tree) if isinstance(x, BMUFState)]

@@ -58,26 +58,12 @@ def bound_axis(axis_name: AxisName):
         _BOUND_AXIS.reset(token)
 
 
-#: Set while tracing a branch whose collectives would be thrown away (see
-#: `local_only`): `all_reduce` then returns its input.
-_LOCAL_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "jdp_local_only", default=False
-)
-
-
-@contextlib.contextmanager
-def local_only():
-    """While tracing: jdp's gradient all-reduce returns its input, unreduced.
-
-    `jdp.all_reduce_gradients` and `jdp.sync_gradients` then issue no
-    collective. For code whose result is discarded on every replica alike (the
-    micro-steps of `optax.MultiSteps` that do not update).
-    """
-    token = _LOCAL_ONLY.set(True)
-    try:
-        yield
-    finally:
-        _LOCAL_ONLY.reset(token)
+#: The optimizer's extra argument (optax's `**extra_args`, which `optax.chain` and
+#: `optax.MultiSteps` forward) that, set to False, tells jdp's optax transforms
+#: (`jdp.sync_gradients`, `jdp.bmuf`) to issue no collective: for an update whose
+#: result is discarded on every replica alike (the micro-steps of
+#: `optax.MultiSteps` that only accumulate).
+COLLECTIVES_ARG = "jdp_collectives"
 
 
 def resolve_axis(axis_name: AxisName | None) -> AxisName:
@@ -192,8 +178,6 @@ def all_reduce_gradients(
 def all_reduce(grads, *, axis_name, bucket_bytes, reverse, reduce_dtype, flatten, api):
     """`jdp.all_reduce_gradients` under the public name `api` (for its errors)."""
     check_bucket_bytes(bucket_bytes)
-    if _LOCAL_ONLY.get():
-        return grads
     axis_name = resolve_axis(axis_name)
     num = axis_size(axis_name, api)
     leaves, treedef = jax.tree_util.tree_flatten(grads)

@@ -17,13 +17,13 @@ import jax
 from jdp import (
     _backends,
     _batching,
-    _bmuf,
     _collectives,
     _divergence,
     _hlo,
     _layout,
     _metrics,
     _progress,
+    _replica_parts,
     _validate,
 )
 
@@ -162,7 +162,7 @@ class Parallel(_hlo.Introspection):
         `num_replicas`, sharded over the mesh, on both backends. With several
         processes, process 0's value is broadcast to every process first
         (Caffe2's `_AddDistributedParameterSync`). A train step that lays its state
-        out in its own way (`make_train_step(..., grad_sync="zero")`) gets that
+        out in its own way (`make_train_step(..., sync=jdp.zero())`) gets that
         layout.
 
         Args:
@@ -382,7 +382,7 @@ def parallelize(
         state, in a small program of its own) and raise
         `jdp.ReplicaDivergenceError` naming the first leaf that differs. Parts
         that differ by design are not compared (BMUF's local parameters between
-        syncs with `make_train_step(..., grad_sync="none")`, ZeRO's slices); in
+        syncs with `make_train_step(..., sync=jdp.local())`, ZeRO's slices); in
         a step of your own whose state holds a `jdp.bmuf` state (flax's
         `apply_gradients`, an `nnx.Optimizer`), only that state's global model,
         velocity and counters are. None turns the guard off, for deliberately
@@ -438,9 +438,11 @@ def parallelize(
 def _agreed_by_default(state: PyTree) -> PyTree:
     """What replicas must agree on when the step declares nothing: all of it.
 
-    Except in a step of one's own that applies `jdp.bmuf` (flax's
-    `apply_gradients`, an `nnx.Optimizer`), which trains replicas locally between
-    syncs: there only the global parts of BMUF's state.
+    Except in a step of one's own whose state holds parts declared to differ
+    between replicas (`_replica_parts`: a `jdp.bmuf` applied by flax's
+    `apply_gradients` or an `nnx.Optimizer`, which trains replicas locally
+    between syncs): there only the declared parts that agree (BMUF's global
+    parts).
     """
-    local = _bmuf.agreed_parts(state)
+    local = _replica_parts.agreed(state)
     return state if local is None else local

@@ -2,21 +2,24 @@
 
 A train step is composed of pieces rather than switched by flags:
 
-- how gradients are taken (`jax.value_and_grad`, or `jdp.sparse`'s row
-  gradients), with `remat` wrapped around the loss;
-- how they are synchronised and applied, ONE choice (`grad_sync`): averaged by an
-  all-reduce, kept local (for optimizers that communicate themselves, such as
-  `jdp.bmuf`), or reduce-scattered onto a sharded optimizer state (ZeRO);
-- how the state is laid out across replicas, declared as data (`state_layout`
-  of the returned `TrainStep`), which `step.replicate` follows.
+- the loss, whose parameters say whether it trains batch statistics;
+- how gradients are taken, synchronised and applied: ONE piece, `sync=` (a
+  `jdp.Sync`: averaged by an all-reduce, kept local for optimizers that
+  communicate themselves such as `jdp.bmuf`, reduce-scattered onto a sharded
+  optimizer state (ZeRO), or sparse rows);
+- how the state is laid out across replicas and which part of it replicas must
+  agree on, declared by the piece as data (`state_layout` and `must_agree` of
+  the returned `TrainStep`), which `step.replicate`, checkpoints and the
+  divergence guard follow.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from collections.abc import Callable
-from typing import Any, Literal, NamedTuple
+from typing import Any
 
 import jax
 import numpy as np
@@ -24,14 +27,14 @@ import optax
 from flax import struct
 from jax import lax
 
-from jdp import _bmuf, _collectives, _transforms, _validate, _zero
+from jdp import _collectives, _replica_parts, _sync, _validate
 from jdp._layout import StateLayout
 from jdp._tree import format_problems, is_float, keystr
 
 PyTree = Any
-GradSync = Literal["all_reduce", "none", "zero"]
-GRAD_SYNCS = ("all_reduce", "none", "zero")
-REMAT_MODES = (None, "full")
+
+#: `jdp.all_reduce()`, the default piece (made once: a `Sync` is immutable).
+_DEFAULT_SYNC = _sync.all_reduce()
 
 
 class TrainState(struct.PyTreeNode):
@@ -48,8 +51,8 @@ class TrainState(struct.PyTreeNode):
       batch_stats: Computed, non-trained state such as BatchNorm statistics, or
         None.
       skipped_steps: Steps skipped because their gradients were not finite
-        (`make_train_step(..., skip_nonfinite=True)`, or a loss scaler's
-        overflow; an int32 array).
+        (a sync piece's `skip_nonfinite=True`, e.g. `jdp.all_reduce(
+        skip_nonfinite=True)`, or a loss scaler's overflow; an int32 array).
       dynamic_scale: A flax `DynamicScale` for float16 training (loss scaling),
         or None.
       tx: The optax optimizer (static: not a pytree leaf).
@@ -122,105 +125,61 @@ class TrainStep:
         return getattr(self.step_fn, "__name__", "train_step")
 
 
-class Update(NamedTuple):
-    """How a step synchronises and applies gradients (one `grad_sync` choice).
-
-    `apply(grads, state, tx) -> (params, opt_state, metrics)` runs inside the
-    step on one replica's gradients; `state_layout` is the layout it needs;
-    `must_agree` the part of the state replicas agree on, if not all of it.
-    """
-
-    apply: Callable[[PyTree, PyTree, optax.GradientTransformation], tuple]
-    state_layout: StateLayout | None = None
-    must_agree: Callable[[PyTree], PyTree] | None = None
-    #: Like `apply` for gradients that are already averaged (a loss scaler's), or
-    #: None where that does not apply.
-    apply_synced: Callable[..., tuple] | None = None
-
-
 def make_train_step(
     loss_fn: Callable[..., Any],
     tx: optax.GradientTransformation | None = None,
     *,
+    sync: _sync.Sync = _DEFAULT_SYNC,
     has_aux: bool = False,
-    grad_sync: GradSync = "all_reduce",
-    axis_name: _collectives.AxisName | None = None,
-    bucket_bytes: int | None = _collectives.DEFAULT_BUCKET_BYTES,
-    reduce_dtype: Any = None,
-    batch_stats_mode: Literal["mean", "broadcast"] = "mean",
-    remat: Literal["full"] | Callable[..., Any] | None = None,
-    clip_grad_norm: float | None = None,
-    skip_nonfinite: bool = False,
     microbatches: int = 1,
+    axis_name: _collectives.AxisName | None = None,
 ) -> TrainStep:
     """Builds the per-replica training step for `jdp.parallelize`.
 
     The step computes `loss_fn` and its gradients on the replica's slice of the
-    batch, averages the gradients over replicas with `jdp.all_reduce_gradients`
-    (bucketed, reverse leaf order), applies `tx`, syncs batch statistics when the
-    state has them, and returns `{"loss": ...}` plus the auxiliary metrics. Because
-    every replica's loss is a mean over its slice and the gradients are averaged,
-    N replicas on a global batch of B examples take the same step as one device on
-    all B (Caffe2's loss scale `1 / (devices * shards)`, written as a mean).
+    batch, synchronises and applies them as `sync` says (by default
+    `jdp.all_reduce()`: averaged over replicas with one bucketed all-reduce, then
+    `tx`), syncs batch statistics when the state has them, and returns
+    `{"loss": ...}` plus the auxiliary metrics. Because the gradients are
+    averaged, N replicas on a global batch of B examples take the same step as
+    one device on all B when every replica's loss is a mean over the same number
+    of examples (Caffe2's loss scale `1 / (devices * shards)`, written as a
+    mean).
+
+    Everything else is composed from the pieces that already do it: gradient
+    clipping is `optax.clip_by_global_norm` in `tx` (with `jdp.zero`, its
+    `clip_grad_norm`); rematerialisation is `jax.checkpoint` around `loss_fn`
+    (e.g. `jax.checkpoint(loss_fn, policy=jax.checkpoint_policies.
+    dots_with_no_batch_dims_saveable)`); skipping non-finite steps is the
+    piece's `skip_nonfinite` (or `optax.apply_if_finite` in `tx`, which sees
+    averaged gradients, identical on every replica).
 
     Args:
       loss_fn: `loss_fn(params, batch) -> loss` (or `-> (loss, aux)` with
-        `has_aux`). When the state has `batch_stats` (not None), it is called as
-        `loss_fn(params, batch_stats, batch)` and returns `(loss, new_batch_stats)`
-        (or `(loss, (new_batch_stats, aux))` with `has_aux`).
+        `has_aux`). A `loss_fn` with three positional parameters is
+        `loss_fn(params, batch_stats, batch) -> (loss, new_batch_stats)` (or
+        `(loss, (new_batch_stats, aux))` with `has_aux`) and trains a state with
+        `batch_stats` (BatchNorm statistics, NNX's non-trained state); the
+        state must then have batch statistics, and a two-parameter `loss_fn`
+        a state without.
       tx: The optax optimizer; None uses the state's own `tx` (flax `TrainState`).
+      sync: How gradients are synchronised and applied: `jdp.all_reduce()`
+        (default, PyTorch DDP), `jdp.local()` (each replica's own gradients, for
+        optimizers that communicate themselves: `jdp.bmuf`, or
+        `jdp.sync_gradients` inside `optax.MultiSteps`), `jdp.zero()` (the
+        optimizer state sharded over replicas) or `jdp.sparse.rows()` (sparse
+        embedding gradients); a `jdp.Sync`.
       has_aux: Whether `loss_fn` returns auxiliary data; a dict of scalars becomes
         extra metrics, anything else is returned under `"aux"`.
-      grad_sync: How gradients are synchronised across replicas:
-        `"all_reduce"` (default) averages them before `tx` (PyTorch DDP);
-        `"none"` keeps each replica's own gradients, for optimizers that
-        communicate themselves (`jdp.bmuf`; `jdp.sync_gradients` inside
-        `optax.MultiSteps`, whose all-reduce then runs only on the micro-steps
-        that update) or local SGD; `"zero"` is ZeRO stages 1 and 2
-        (PyTorch's `ZeroRedundancyOptimizer`, DeepSpeed ZeRO-1/2): gradients are
-        reduce-scattered, each replica keeps and updates only its 1/N slice of
-        the (flattened, padded) optimizer state, and the updated parameters are
-        all-gathered. `"zero"` gives the same numbers as `"all_reduce"` for
-        element-wise optimizers (SGD, momentum, Adam, AdamW, RMSProp, Lion,
-        Adagrad, with schedules); others are refused with a message.
-        `step.replicate` lays its optimizer state out sharded; `step.unreplicate`
-        and checkpoints see one full logical copy.
-      axis_name: The replica axis; None (default) uses the one bound by the
-        `jdp.parallelize` that runs the step: give it once, there.
-      bucket_bytes: Largest bucket of the gradient collectives (25 MiB).
-      reduce_dtype: Wire dtype of the gradient collectives (e.g. `jnp.bfloat16`).
-      batch_stats_mode: How `jdp.sync_batch_stats` syncs statistics: `"mean"`
-        (default) or `"broadcast"`.
-      remat: Rematerialise the forward pass in the backward pass instead of
-        keeping its intermediates (`jax.checkpoint` around `loss_fn`): None
-        (default, keep them), `"full"` (save nothing but the inputs), or a
-        `jax.checkpoint_policies` policy such as
-        `jax.checkpoint_policies.dots_with_no_batch_dims_saveable`. The numbers
-        do not change. Applied to the whole loss it trades compute for memory
-        only where the policy keeps fewer values than the backward pass needs at
-        once; for per-layer savings also wrap layers in `jax.checkpoint` (or
-        `flax.linen.remat`) and compare with `step.memory_analysis`.
-      clip_grad_norm: If set, clip the gradients the optimizer sees (averaged,
-        unless `grad_sync="none"`) to this global L2 norm (as
-        `optax.clip_by_global_norm` would) and report the norm before clipping
-        as metric `"grad_norm"`. With `grad_sync="zero"` the norm is computed
-        across replicas (a `psum`), which `optax.clip_by_global_norm` inside
-        `tx` cannot do.
-      skip_nonfinite: Skip a step whose gradients are not finite (a NaN or inf
-        loss, an overflow): params and optimizer state stay as they were, on
-        every replica (the decision is taken on all replicas' gradients, so it
-        is the same everywhere), the state's `skipped_steps` counter grows by
-        one and metric `"skipped"` is 1 (0 otherwise). The step counter still
-        advances. Needs a state with a `skipped_steps` field (`jdp.TrainState`
-        has one). Like `optax.apply_if_finite`, but the decision covers every
-        replica and every `grad_sync` (a ZeRO replica sees only slices).
       microbatches: Gradient accumulation (PyTorch DDP's `no_sync()`, Horovod's
         `backward_passes_per_step`, DeepSpeed's `gradient_accumulation_steps`):
         split each replica's batch into this many equal microbatches, process
         them in sequence inside the step (`lax.scan`: the activations of one
         microbatch are live at a time), sum their gradients locally, then
-        all-reduce once and update once. For a loss that is a mean over
+        synchronise once and update once. For a loss that is a mean over
         examples the result equals the whole batch at once. 1 by default.
+      axis_name: The replica axis; None (default) uses the one bound by the
+        `jdp.parallelize` that runs the step: give it once, there.
 
     Loss scaling: a state with a flax `DynamicScale` in a `dynamic_scale` field
     (`jdp.TrainState.create(..., dynamic_scale=DynamicScale())`, or a flax
@@ -243,12 +202,12 @@ def make_train_step(
       `train_step(state, batch) -> (state, metrics)`, to give to `jdp.parallelize`.
 
     Raises:
-      ValueError: If `grad_sync` or `remat` is an unknown mode, or
-        `clip_grad_norm` is not positive. At trace time, if the optimizer state
-        holds BMUF state and `grad_sync` is not `"none"` (BMUF must see each
-        replica's own gradients), or if `grad_sync="zero"` and the optimizer is
-        not element-wise or the state was not placed by `step.replicate`.
-      TypeError: If `remat` is neither a mode nor a policy function.
+      TypeError: If `sync` is not a `jdp.Sync`, or `loss_fn`'s parameters cannot
+        be read.
+      ValueError: If `microbatches` is not a positive int. At trace time, if
+        the optimizer trains replicas locally (`jdp.bmuf`) and `sync` averages
+        gradients, if `loss_fn`'s parameters do not match the state's batch
+        statistics, or as `sync` refuses the optimizer or state.
 
     Example:
       >>> import jax.numpy as jnp, optax, jdp
@@ -256,20 +215,6 @@ def make_train_step(
       ...     return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
       >>> train_step = jdp.make_train_step(loss_fn, optax.sgd(0.1))
       >>> step = jdp.parallelize(train_step)
-
-      With the optimizer state sharded across the 8 replicas, each holds 1/8
-      of Adam's two moments:
-
-      >>> tx = optax.adam(1e-3)
-      >>> params = {"w": jnp.zeros((800, 1))}
-      >>> batch = {"x": jnp.zeros((8, 800)), "y": jnp.zeros((8, 1))}
-      >>> def bytes_per_device(grad_sync):
-      ...     train_step = jdp.make_train_step(loss_fn, tx, grad_sync=grad_sync)
-      ...     step = jdp.parallelize(train_step)
-      ...     state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
-      ...     return step.memory_analysis(state, step.shard(batch)).argument_bytes
-      >>> bytes_per_device("all_reduce") - bytes_per_device("zero")  # 2 * 7/8 * 3200
-      5600
 
       A flax NNX model with BatchNorm:
 
@@ -291,85 +236,15 @@ def make_train_step(
       >>> model = nnx.merge(graphdef, one.params, one.batch_stats)
       >>> bool((model.layers[1].mean[...] != 0).all())  # BatchNorm's statistics
       True
-
-    References:
-      Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion
-      Parameter Models", SC 2020, https://arxiv.org/abs/1910.02054.
-      Chen et al., "Training Deep Nets with Sublinear Memory Cost", 2016,
-      https://arxiv.org/abs/1604.06174.
     """
-    if grad_sync not in GRAD_SYNCS:
-        raise ValueError(f"`grad_sync` must be one of {GRAD_SYNCS}; got {grad_sync!r}.")
-    if clip_grad_norm is not None:
-        _validate.finite_number(
-            "clip_grad_norm", clip_grad_norm, above=0, note="a global norm, or None"
-        )
-    _collectives.check_bucket_bytes(bucket_bytes)
-    options = dict(
-        axis_name=axis_name,
-        bucket_bytes=bucket_bytes,
-        reduce_dtype=reduce_dtype,
-        clip_grad_norm=clip_grad_norm,
-    )
-    if grad_sync == "zero":
-        update = Update(_zero.update_fn(**options), _zero.layout_fn(tx))
-    elif grad_sync == "none":
-        update = Update(
-            _local_update(clip_grad_norm=clip_grad_norm), must_agree=_agreed_locally
-        )
-    else:
-        update = Update(
-            _all_reduce_update(**options),
-            apply_synced=lambda g, s, t: _apply(g, s, t, clip_grad_norm),
+    if not isinstance(sync, _sync.Sync):
+        raise TypeError(
+            "`sync` must be a `jdp.Sync`, e.g. `jdp.all_reduce()`, `jdp.local()`, "
+            f"`jdp.zero()` or `jdp.sparse.rows()`; got {type(sync).__name__}."
         )
     _validate.positive_int("microbatches", microbatches)
-    if skip_nonfinite:
-        update = update._replace(apply=_skipping(update.apply, axis_name=axis_name))
-    return build_train_step(
-        apply_remat(loss_fn, remat),
-        tx,
-        value_and_grad=lambda optimizer: jax.value_and_grad,
-        update=update,
-        has_aux=has_aux,
-        axis_name=axis_name,
-        batch_stats_mode=batch_stats_mode,
-        api="jdp.make_train_step",
-        local_grads=grad_sync == "none",
-        microbatches=microbatches,
-    )
-
-
-def build_train_step(
-    loss_fn: Callable[..., Any],
-    tx: optax.GradientTransformation | None,
-    *,
-    value_and_grad: Callable[[optax.GradientTransformation], Callable[..., Any]],
-    update: Update,
-    has_aux: bool,
-    axis_name: _collectives.AxisName,
-    batch_stats_mode: str,
-    api: str,
-    local_grads: bool = False,
-    microbatches: int = 1,
-) -> TrainStep:
-    """Composes a train step from its pieces (see the module docstring).
-
-    Args:
-      loss_fn: As for `make_train_step` (remat already applied).
-      tx: The optimizer, or None for the state's own.
-      value_and_grad: Given the optimizer, returns `value_and_grad(fun,
-        has_aux=...)`, differentiating `fun` with respect to its first argument
-        (`jax.value_and_grad`, or `jdp.sparse.value_and_grad` for its tables).
-      update: How gradients are synchronised and applied.
-      has_aux: Whether `loss_fn` returns auxiliary data.
-      axis_name: The replica axis.
-      batch_stats_mode: How batch statistics are synced.
-      api: The public name, for error messages.
-      local_grads: Whether the optimizer sees each replica's own gradients (the
-        only setting that admits `jdp.bmuf`).
-      microbatches: Split the replica's batch into this many microbatches and
-        accumulate their gradients (`lax.scan`) before one update.
-    """
+    takes_stats = _takes_batch_stats(loss_fn)
+    api = "jdp.make_train_step"
 
     def train_step(state, batch):
         optimizer = state.tx if tx is None else tx
@@ -378,46 +253,53 @@ def build_train_step(
                 f"`{api}` got no optimizer: pass `tx` or use a state that "
                 "carries one (`jdp.TrainState.create(params=..., tx=...)`)."
             )
-        if not local_grads and _bmuf.find_states(state.opt_state):
+        if sync.averages and _replica_parts.trains_locally(state.opt_state):
             raise ValueError(
                 f"`{api}` averages gradients across replicas, but the optimizer "
                 "contains `jdp.bmuf`, which trains each replica on its own "
                 "gradients and syncs the models itself. Use "
-                '`jdp.make_train_step(loss_fn, tx, grad_sync="none")`.'
+                "`jdp.make_train_step(loss_fn, tx, sync=jdp.local())`."
             )
         _check_trainable(state.params, api)
         _check_known_fields(state, api)
+        _check_batch_stats(state, takes_stats, api)
+        axis = _collectives.resolve_axis(axis_name)
+        value_and_grad = (
+            jax.value_and_grad
+            if sync.value_and_grad is None
+            else sync.value_and_grad(optimizer)
+        )
         changes = {}
         scale = getattr(state, "dynamic_scale", None)
         if scale is not None:
-            loss, aux, new_stats, grads, params, opt_state, extra = _loss_scaled(
-                scale,
-                loss_fn,
-                state,
-                batch,
-                optimizer,
-                update,
-                changes,
-                has_aux=has_aux,
-                microbatches=microbatches,
-                axis_name=axis_name,
+            _check_loss_scaling(sync, microbatches)
+            value_and_grad, verdict = _scaled(scale, axis)
+            loss, aux, new_stats, grads = _gradients(
+                value_and_grad, loss_fn, state, batch, has_aux=has_aux, microbatches=1
             )
+            params, opt_state, extra = sync.apply_averaged(
+                grads, state, optimizer, axis
+            )
+            params, opt_state, extra = _keep_if_finite(
+                verdict, state, params, opt_state, extra
+            )
+            changes["dynamic_scale"] = verdict["scale"]
         else:
             loss, aux, new_stats, grads = _gradients(
-                value_and_grad(optimizer),
+                value_and_grad,
                 loss_fn,
                 state,
                 batch,
                 has_aux=has_aux,
                 microbatches=microbatches,
             )
-            params, opt_state, extra = update.apply(grads, state, optimizer)
+            params, opt_state, extra = sync.apply(grads, state, optimizer, axis)
         changes.update(step=state.step + 1, params=params, opt_state=opt_state)
         if "skipped" in extra and getattr(state, "skipped_steps", None) is not None:
             changes["skipped_steps"] = state.skipped_steps + extra["skipped"]
         if new_stats is not None:
             changes["batch_stats"] = _collectives.sync_batch_stats(
-                new_stats, mode=batch_stats_mode, axis_name=axis_name
+                new_stats, mode=sync.batch_stats, axis_name=axis
             )
         metrics = {"loss": loss, **extra}
         if has_aux:
@@ -427,7 +309,56 @@ def build_train_step(
                 metrics["aux"] = aux
         return state.replace(**changes), metrics
 
-    return TrainStep(train_step, update.state_layout, update.must_agree)
+    layout = None if sync.state_layout is None else sync.state_layout(tx)
+    return TrainStep(train_step, layout, sync.must_agree)
+
+
+def _takes_batch_stats(loss_fn: Callable[..., Any]) -> bool:
+    """Whether `loss_fn` is `(params, batch_stats, batch)` (else `(params, batch)`).
+
+    Read from its required positional parameters: two or three.
+    """
+    try:
+        signature = inspect.signature(loss_fn)
+    except (TypeError, ValueError) as e:
+        raise TypeError(
+            "`jdp.make_train_step` reads `loss_fn`'s parameters to tell "
+            "`loss_fn(params, batch)` from `loss_fn(params, batch_stats, batch)`, "
+            f"but cannot read them from {loss_fn!r} ({e}). Wrap it in a `def` "
+            "with those parameters."
+        ) from e
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    params = signature.parameters.values()
+    required = [p for p in params if p.kind in kinds and p.default is p.empty]
+    var = any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params)
+    if len(required) in (2, 3) and not (var and len(required) < 3):
+        return len(required) == 3
+    raise TypeError(
+        "`jdp.make_train_step` needs `loss_fn(params, batch)` or, for a state "
+        "with batch statistics, `loss_fn(params, batch_stats, batch)`; got a "
+        f"`loss_fn{signature}` with {len(required)} required positional "
+        "parameter(s)" + (" and *args" if var else "") + ". Wrap it in a `def` "
+        "with those parameters."
+    )
+
+
+def _check_batch_stats(state: PyTree, takes_stats: bool, api: str) -> None:
+    """`loss_fn`'s parameters and the state's `batch_stats` must go together."""
+    has_stats = getattr(state, "batch_stats", None) is not None
+    if takes_stats and not has_stats:
+        raise ValueError(
+            f"`{api}`: `loss_fn` takes three parameters, `(params, batch_stats, "
+            "batch)`, but the state has no `batch_stats` (None). Pass "
+            "`jdp.TrainState.create(..., batch_stats=...)`, or write "
+            "`loss_fn(params, batch)`."
+        )
+    if has_stats and not takes_stats:
+        raise ValueError(
+            f"`{api}`: the state has `batch_stats`, but `loss_fn` takes two "
+            "parameters, `(params, batch)`, so they would never be updated. Write "
+            "`loss_fn(params, batch_stats, batch) -> (loss, new_batch_stats)`, or "
+            "create the state without `batch_stats`."
+        )
 
 
 # -- gradients ------------------------------------------------------------------
@@ -478,43 +409,32 @@ def _gradients(value_and_grad, loss_fn, state, batch, *, has_aux, microbatches):
     return losses.mean(), aux, new_stats, grads
 
 
-def _loss_scaled(
-    scale,
-    loss_fn,
-    state,
-    batch,
-    tx,
-    update,
-    changes,
-    *,
-    has_aux,
-    microbatches,
-    axis_name,
-):
-    """Gradients through a flax `DynamicScale` (float16 loss scaling).
-
-    The scaled loss is differentiated, the gradients unscaled and averaged over
-    replicas by `DynamicScale.value_and_grad(axis_name=...)`, so every replica
-    sees the same finiteness verdict; a non-finite step leaves params and
-    optimizer state unchanged and the scale backs off (the flax ImageNet recipe).
-    """
-    if update.apply_synced is None:
+def _check_loss_scaling(sync: _sync.Sync, microbatches: int) -> None:
+    if sync.apply_averaged is None:
         raise ValueError(
             "A state with a `dynamic_scale` (loss scaling) needs "
-            '`make_train_step(..., grad_sync="all_reduce")`: the loss scaler '
-            "averages the gradients itself; sharded or local updates with loss "
-            "scaling are not supported."
+            "`sync=jdp.all_reduce()`: the loss scaler averages the gradients "
+            "itself; sharded or local updates with loss scaling are not supported."
         )
     if microbatches != 1:
         raise ValueError(
             "A state with a `dynamic_scale` (loss scaling) cannot be combined with "
             "`microbatches`: accumulate in float32 instead, or drop the scaler."
         )
-    verdict = {}
-    axis = _collectives.resolve_axis(axis_name)
 
-    def scaled_value_and_grad(fun, *, has_aux):
-        grad_fn = scale.value_and_grad(fun, has_aux=has_aux, axis_name=axis)
+
+def _scaled(scale, axis_name):
+    """`(value_and_grad, verdict)` through a flax `DynamicScale` (loss scaling).
+
+    The scaled loss is differentiated, the gradients unscaled and averaged over
+    replicas by `DynamicScale.value_and_grad(axis_name=...)`, so every replica
+    sees the same finiteness verdict; `verdict` receives the new scale and
+    whether the gradients were finite (the flax ImageNet recipe).
+    """
+    verdict = {}
+
+    def value_and_grad(fun, *, has_aux):
+        grad_fn = scale.value_and_grad(fun, has_aux=has_aux, axis_name=axis_name)
 
         def value_and_grads(*args):
             verdict["scale"], verdict["finite"], value, grads = grad_fn(*args)
@@ -522,29 +442,22 @@ def _loss_scaled(
 
         return value_and_grads
 
-    loss, aux, new_stats, grads = loss_and_grads(
-        scaled_value_and_grad, loss_fn, state, batch, has_aux=has_aux
-    )
-    params, opt_state, extra = update.apply_synced(grads, state, tx)
+    return value_and_grad, verdict
+
+
+def _keep_if_finite(verdict, state, params, opt_state, extra):
+    """The update where the loss scaler found the gradients finite, else the old."""
     finite = verdict["finite"]
-    keep = lambda new, old: jax.tree.map(  # noqa: E731
-        lambda n, o: jax.numpy.where(finite, n, o), new, old
-    )
-    changes["dynamic_scale"] = verdict["scale"]
+
+    def keep(new, old):
+        return jax.tree.map(lambda n, o: jax.numpy.where(finite, n, o), new, old)
+
     extra = {
         **extra,
-        "loss_scale": scale.scale,
+        "loss_scale": state.dynamic_scale.scale,
         "skipped": 1 - finite.astype(jax.numpy.int32),
     }
-    return (
-        loss,
-        aux,
-        new_stats,
-        grads,
-        keep(params, state.params),
-        keep(opt_state, state.opt_state),
-        extra,
-    )
+    return keep(params, state.params), keep(opt_state, state.opt_state), extra
 
 
 def loss_and_grads(value_and_grad, loss_fn, state, batch, *, has_aux):
@@ -586,25 +499,6 @@ def _fresh_arguments(loss_fn: Callable[..., Any]) -> Callable[..., Any]:
         return loss_fn(params, *jax.tree.map(lambda x: x, rest))
 
     return with_fresh_arguments
-
-
-def apply_remat(loss_fn: Callable[..., Any], remat: Any) -> Callable[..., Any]:
-    """`loss_fn` under `jax.checkpoint` as `remat` asks (validated here)."""
-    if remat is None:
-        return loss_fn
-    if isinstance(remat, str):
-        if remat != "full":
-            raise ValueError(
-                f"`remat` must be one of {REMAT_MODES} or a "
-                f"`jax.checkpoint_policies` policy; got {remat!r}."
-            )
-        return jax.checkpoint(loss_fn)
-    if not callable(remat):
-        raise TypeError(
-            "`remat` must be None, 'full' or a `jax.checkpoint_policies` policy "
-            f"(a function); got a {type(remat).__name__}."
-        )
-    return jax.checkpoint(loss_fn, policy=remat)
 
 
 #: The state fields a train step reads and writes (static fields, such as a flax
@@ -681,111 +575,3 @@ def _nnx_hint(params: PyTree) -> str:
         "`nnx.merge`s them and returns `(loss, nnx.state(model, "
         "nnx.Not(nnx.Param)))`."
     )
-
-
-# -- synchronising and applying gradients ---------------------------------------------
-
-
-def _apply(grads, state, tx, clip_grad_norm):
-    """`tx` applied to `grads` (clipped first if asked); returns the step's parts."""
-    extra = {}
-    if clip_grad_norm is not None:
-        grads, extra["grad_norm"] = _clip_by_global_norm(grads, clip_grad_norm)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    return optax.apply_updates(state.params, updates), opt_state, extra
-
-
-def _all_reduce_update(*, axis_name, bucket_bytes, reduce_dtype, clip_grad_norm):
-    def apply(grads, state, tx):
-        grads = _collectives.all_reduce_gradients(
-            grads,
-            axis_name=axis_name,
-            bucket_bytes=bucket_bytes,
-            reduce_dtype=reduce_dtype,
-        )
-        return _apply(grads, state, tx, clip_grad_norm)
-
-    return apply
-
-
-def _local_update(*, clip_grad_norm):
-    def apply(grads, state, tx):
-        if isinstance(state.opt_state, optax.MultiStepsState):
-            # Its `jdp.sync_gradients` then all-reduces once per update.
-            update = functools.partial(_transforms.update_multisteps, tx)
-            tx = optax.GradientTransformation(tx.init, update)
-        # BMUF syncs the updated params after the update (cheaper than inside
-        # the optimizer, and every replica then holds exactly the same bits).
-        with _bmuf.merge_after_update() as merges:
-            params, opt_state, extra = _apply(grads, state, tx, clip_grad_norm)
-        params, opt_state = _bmuf.merge_updated(
-            params, state.opt_state, opt_state, merges
-        )
-        return params, opt_state, extra
-
-    return apply
-
-
-def _skipping(apply, *, axis_name):
-    """`apply` that leaves params and optimizer state alone for non-finite grads.
-
-    Every replica's own gradients are checked and the verdict is combined over
-    replicas (one scalar collective), so all replicas take the same branch: an
-    average of gradients is finite exactly when every replica's is (barring an
-    overflow of the sum).
-    """
-
-    def skipping(grads, state, tx):
-        if getattr(state, "skipped_steps", None) is None:
-            raise ValueError(
-                "`jdp.make_train_step(..., skip_nonfinite=True)` counts skipped "
-                "steps in the state's `skipped_steps` field, which this state does "
-                f"not have (or holds None): {type(state).__name__}. Use "
-                "`jdp.TrainState.create(...)`, or add a `skipped_steps` field "
-                "(an int32 zero) to your state."
-            )
-        leaves = [g for g in jax.tree.leaves(grads) if is_float(g)]
-        finite = jax.numpy.array(True)
-        for g in leaves:
-            finite &= jax.numpy.all(jax.numpy.isfinite(g))
-        axis = _collectives.resolve_axis(axis_name)
-        finite = lax.pmin(finite.astype(jax.numpy.int32), axis) > 0
-
-        def run(_):
-            params, opt_state, extra = apply(grads, state, tx)
-            return params, opt_state, extra
-
-        def skip(_):
-            shapes = jax.eval_shape(run, None)
-            extra = jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), shapes[2])
-            return state.params, state.opt_state, extra
-
-        params, opt_state, extra = lax.cond(finite, run, skip, None)
-        return (
-            params,
-            opt_state,
-            {**extra, "skipped": 1 - finite.astype(jax.numpy.int32)},
-        )
-
-    return skipping
-
-
-def _agreed_locally(state: PyTree) -> PyTree:
-    """What replicas that train on their own gradients still agree on.
-
-    The step counter and batch statistics (synced every step), and the global
-    parts of `jdp.bmuf`'s state; not the params or other optimizer state.
-    """
-    if not hasattr(state, "replace"):
-        return None
-    return state.replace(params=None, opt_state=_bmuf.agreed_parts(state.opt_state))
-
-
-def _clip_by_global_norm(grads: PyTree, max_norm: float) -> tuple[PyTree, jax.Array]:
-    """`optax.clip_by_global_norm` on the floating leaves; also returns the norm."""
-    floats = [g for g in jax.tree.leaves(grads) if is_float(g)]
-    norm = optax.tree.norm(floats)
-    clipped = jax.tree.map(
-        lambda g: _zero.clip_to_norm(g, norm, max_norm) if is_float(g) else g, grads
-    )
-    return clipped, norm

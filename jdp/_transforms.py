@@ -45,7 +45,7 @@ def sync_gradients(
       >>> import optax, jdp
       >>> tx = optax.chain(jdp.sync_gradients(), optax.clip_by_global_norm(1.0),
       ...                  optax.adam(1e-3))
-      >>> # use it with `jdp.make_train_step(loss_fn, tx, grad_sync="none")`
+      >>> # use it with `jdp.make_train_step(loss_fn, tx, sync=jdp.local())`
     """
     _collectives.check_bucket_bytes(bucket_bytes)
     options = dict(axis_name=axis_name, bucket_bytes=bucket_bytes, reverse=reverse)
@@ -54,8 +54,10 @@ def sync_gradients(
         del params
         return optax.EmptyState()
 
-    def update_fn(updates, state, params=None):
+    def update_fn(updates, state, params=None, **extra_args):
         del params
+        if not extra_args.get(_collectives.COLLECTIVES_ARG, True):
+            return updates, state
         synced = _collectives.all_reduce(
             updates,
             reduce_dtype=reduce_dtype,
@@ -65,34 +67,46 @@ def sync_gradients(
         )
         return synced, state
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def update_multisteps(
-    tx: optax.GradientTransformation, grads: Any, opt_state: Any, params: Any
+def update(
+    tx: optax.GradientTransformation,
+    grads: Any,
+    opt_state: Any,
+    params: Any,
+    **extra_args: Any,
 ) -> tuple[Any, Any]:
-    """`tx.update` for an `optax.MultiSteps` whose collectives run only when it updates.
+    """`tx.update` with optax's extra arguments, run as a train step runs it.
 
-    `optax.MultiSteps` runs its inner optimizer on every micro-step and masks the
-    result on the steps that only accumulate, so a `jdp.sync_gradients()` inside
-    it would all-reduce on every micro-step. Here the micro-steps that only
-    accumulate run with jdp's collectives turned off (their inner result is
+    Transforms that take no extra arguments ignore them. An `optax.MultiSteps`
+    (recognised here, and only here) runs its collectives only on the
+    micro-steps that update: `optax.MultiSteps` runs its inner optimizer on
+    every micro-step and masks the result on the steps that only accumulate, so
+    a `jdp.sync_gradients()` inside it would all-reduce on every micro-step.
+    Here the micro-steps that only accumulate run with jdp's collectives turned
+    off (the extra argument `COLLECTIVES_ARG=False`; their inner result is
     discarded anyway) and the updating ones as they are, under `lax.cond`: the
     all-reduce sits in the branch taken once per update. Whether a micro-step
     updates is read from the optimizer's own bookkeeping (a first evaluation
-    whose only kept output is the `gradient_step` counter; XLA removes the rest),
-    so any `every_k_schedule` works. The numbers equal `tx.update`'s.
+    whose only kept output is the `gradient_step` counter; XLA removes the
+    rest), so any `every_k_schedule` works. The numbers equal `tx.update`'s.
 
-    `opt_state` must be an `optax.MultiStepsState`. The decision is the same on
-    every replica as long as the counters are: they are, unless a
-    `should_skip_update_fn` decides differently on different replicas (which
-    would stall optax's own conditional around the inner optimizer too).
+    The decision is the same on every replica as long as the counters are: they
+    are, unless a `should_skip_update_fn` decides differently on different
+    replicas (which would stall optax's own conditional around the inner
+    optimizer too).
     """
+    tx = optax.with_extra_args_support(tx)
+    if not isinstance(opt_state, optax.MultiStepsState):
+        return tx.update(grads, opt_state, params, **extra_args)
 
     def accumulate():
-        with _collectives.local_only():
-            return tx.update(grads, opt_state, params)
+        quiet = {**extra_args, _collectives.COLLECTIVES_ARG: False}
+        return tx.update(grads, opt_state, params, **quiet)
 
     probe = accumulate()[1]
     updates = probe.gradient_step != opt_state.gradient_step
-    return lax.cond(updates, lambda: tx.update(grads, opt_state, params), accumulate)
+    return lax.cond(
+        updates, lambda: tx.update(grads, opt_state, params, **extra_args), accumulate
+    )

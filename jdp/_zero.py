@@ -1,6 +1,6 @@
 """Private: ZeRO-style sharded optimizer state (stages 1 and 2) for `make_train_step`.
 
-With `jdp.make_train_step(loss_fn, tx, grad_sync="zero")` each replica
+With `jdp.make_train_step(loss_fn, tx, sync=jdp.zero())` each replica
 keeps only its 1/N slice of the optimizer state instead of a full copy:
 
 1. every parameter leaf is flattened and zero-padded to a multiple of N; replica
@@ -16,7 +16,7 @@ This equals plain synchronous training for any optimizer that acts element by
 element (SGD, momentum, Adam, AdamW, RMSProp, Lion, Adagrad, with schedules).
 Optimizers that look at whole parameters (global-norm clipping, LAMB, Adafactor)
 are detected from their jaxpr and refused with a message; global-norm clipping is
-available as `make_train_step(..., clip_grad_norm=...)`, which computes the norm
+available as `jdp.zero(clip_grad_norm=...)`, which computes the norm
 across replicas with a `psum`.
 
 Layout. The optimizer state lives in the train state as a `ShardedOptState`: the
@@ -51,20 +51,21 @@ from flax import struct
 from jax import lax
 from jax.extend import core as jex_core
 
-from jdp import _collectives
-from jdp._layout import CustomLayout
+from jdp import _collectives, _jax_compat
+from jdp._layout import CustomLayout, abstract
 from jdp._tree import format_problems, keystr
 
 PyTree = Any
 
-API = 'jdp.make_train_step(..., grad_sync="zero")'
+API = "jdp.zero"
+PLACING = "Placing a ZeRO optimizer state (`step.replicate`, a checkpoint restore): "
 
 #: Leading sizes of the probe parameters used to tell per-element state leaves
 #: from others; far from any real shape, and never allocated (`jax.eval_shape`).
 _SENTINEL = 1_000_003_000
 
 ELEMENTWISE_HINT = (
-    'With `grad_sync="zero"` each replica updates only its slice of '
+    "With `sync=jdp.zero()` each replica updates only its slice of "
     "every parameter (seen by the optimizer as a 1-D vector), so the optimizer "
     "must act element by element, as SGD, momentum, Adam, AdamW, RMSProp, Lion and "
     "Adagrad do (with any schedule)."
@@ -142,16 +143,12 @@ def _refuse(what: str, fix: str) -> ValueError:
     return ValueError(f"`{API}`: the optimizer {what}. {ELEMENTWISE_HINT} Fix: {fix}")
 
 
-_FIX_GENERIC = "use an element-wise optimizer, or `shard_optimizer_state=False`."
-
-
-def _abstract(x: Any) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x))
+_FIX_GENERIC = "use an element-wise optimizer, or `sync=jdp.all_reduce()`."
 
 
 def _check_params(params: PyTree) -> list[tuple[Any, jax.ShapeDtypeStruct]]:
     flat = [
-        (p, _abstract(x)) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]
+        (p, abstract(x)) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]
     ]
     bad = [
         f"{keystr(p)}: {x.dtype}"
@@ -162,7 +159,7 @@ def _check_params(params: PyTree) -> list[tuple[Any, jax.ShapeDtypeStruct]]:
         raise ValueError(
             f"`{API}` shards floating-point parameters only; these leaves are not:"
             f"{format_problems(bad)}\nFix: keep integer state outside `params` "
-            "(e.g. in `batch_stats`), or use `shard_optimizer_state=False`."
+            "(e.g. in `batch_stats`), or use `sync=jdp.all_reduce()`."
         )
     return flat
 
@@ -207,11 +204,11 @@ def opt_state_layout(
             f"(`tx.init` on 1-D slices gives {probe_def.num_leaves} leaves, the "
             f"state has {state_def.num_leaves})",
             "choose masks by parameter path, not shape; or use "
-            "`shard_optimizer_state=False`.",
+            "`sync=jdp.all_reduce()`.",
         )
     chunks, shapes = [], []
     for (path, leaf), ref in zip(full, probe_leaves, strict=True):
-        leaf = _abstract(leaf)
+        leaf = abstract(leaf)
         owner = ref.shape[0] - _SENTINEL if len(ref.shape) == 1 else -1
         if 0 <= owner < len(flat_params):
             ppath, pshape = flat_params[owner][0], flat_params[owner][1].shape
@@ -280,14 +277,15 @@ def place(
         checkpoint).
       like: A `ShardedOptState` of replicated `jax.Array`s or
         `jax.ShapeDtypeStruct`s with the replica axis and a sharding.
-      place_whole: Places a leaf every replica holds whole (`place_like`'s rule).
+      place_whole: Places a leaf every replica holds whole (as `step.replicate`
+        does).
 
     Returns:
       The `ShardedOptState` with replica `r`'s row holding slice `r`.
     """
     if is_sharded(host_opt_state):
         raise ValueError(
-            "`place_like`: expected one full logical copy of the optimizer state, "
+            f"{PLACING}expected one full logical copy of the optimizer state, "
             "got an already sharded one; pass `step.unreplicate(state)` (or the "
             "state a checkpoint saved)."
         )
@@ -296,7 +294,7 @@ def place(
         values = treedef.flatten_up_to(host_opt_state)
     except (ValueError, TypeError) as e:
         raise ValueError(
-            "`place_like`: the optimizer state does not match the layout it is "
+            f"{PLACING}it does not match the layout it is "
             f"placed into ({e}). Restore a state saved for the same model and "
             "optimizer."
         ) from e
@@ -308,8 +306,7 @@ def place(
         x = np.asarray(jax.device_get(x)).astype(ref.dtype, copy=False)
         if x.shape != tuple(shape):
             raise ValueError(
-                f"`place_like`: an optimizer state leaf has shape {x.shape}, "
-                f"expected {tuple(shape)}."
+                f"{PLACING}a leaf has shape {x.shape}, expected {tuple(shape)}."
             )
         num, size = ref.shape[0], ref.shape[1]
         rows = np.zeros(num * size, ref.dtype)
@@ -356,23 +353,12 @@ def logical(node: ShardedOptState) -> PyTree:
 
 # -- the refusal check: is the optimizer element-wise? -------------------------------
 
-_REDUCTIONS = frozenset(
-    {
-        "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and",
-        "reduce_or", "reduce_xor", "argmax", "argmin", "dot_general", "cumsum",
-        "cumprod", "cummax", "cummin", "cumlogsumexp", "sort", "top_k",
-        "conv_general_dilated", "reduce",
-    }
-)  # fmt: skip
-_COLLECTIVES = frozenset(
-    {
-        "psum", "pmax", "pmin", "ppermute", "all_gather", "all_to_all",
-        "reduce_scatter", "psum_invariant", "pbroadcast", "axis_index",
-    }
-)  # fmt: skip
+# JAX's primitive names, kept with jdp's other assumptions about JAX.
+_REDUCTIONS = _jax_compat.REDUCTION_PRIMITIVES
+_COLLECTIVES = _jax_compat.COLLECTIVE_PRIMITIVES
 #: Primitives whose presence depends only on ranks, ignored when comparing the
 #: update on full parameters with the update on 1-D slices.
-_SHAPE_ONLY = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims"})
+_SHAPE_ONLY = _jax_compat.SHAPE_ONLY_PRIMITIVES
 
 
 def _primitives(jaxpr, out: list) -> list:
@@ -408,7 +394,7 @@ def check_elementwise(
       ValueError: Naming what was found and how to fix it.
     """
     slices, opt_slices, params, opt_state = jax.tree.map(
-        _abstract, (slices, opt_slices, params, opt_state)
+        abstract, (slices, opt_slices, params, opt_state)
     )
     eqns = _update_eqns(tx, slices, opt_slices, slices)
     for eqn in eqns:
@@ -428,9 +414,9 @@ def check_elementwise(
                 "clipping, `optax.apply_if_finite`, LAMB or Adafactor do; on a slice "
                 "that would see only part of each parameter",
                 "for global-norm clipping remove `optax.clip_by_global_norm` from "
-                "`tx` and pass `make_train_step(..., clip_grad_norm=max_norm)`, "
+                "`tx` and pass `sync=jdp.zero(clip_grad_norm=max_norm)`, "
                 "which computes the global norm across replicas; otherwise use "
-                "`shard_optimizer_state=False`.",
+                "`sync=jdp.all_reduce()`.",
             )
     full = _update_eqns(tx, params, opt_state, params)
     names = [e.primitive.name for e in eqns if e.primitive.name not in _SHAPE_ONLY]
@@ -443,7 +429,7 @@ def check_elementwise(
             "by `ndim` or shape",
             "choose masks by parameter path, e.g. `mask=lambda p: "
             "jax.tree_util.tree_map_with_path(lambda path, _: path[-1].key != 'b', "
-            "p)`; or use `shard_optimizer_state=False`.",
+            "p)`; or use `sync=jdp.all_reduce()`.",
         )
 
 
@@ -488,10 +474,10 @@ def _all_gather(slices, like, *, axis_name, bucket_bytes):
     ]
 
 
-def update_fn(*, axis_name, bucket_bytes, reduce_dtype, clip_grad_norm):
-    """The ZeRO update of a train step: `apply(grads, state, tx)`."""
+def update_fn(*, bucket_bytes, reduce_dtype, clip_grad_norm):
+    """The ZeRO update of a train step: `apply(grads, state, tx, axis_name)`."""
 
-    def apply(grads, state, tx):
+    def apply(grads, state, tx, axis_name):
         params, opt_state, grad_norm = sharded_update(
             grads,
             state.opt_state,

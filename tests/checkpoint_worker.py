@@ -49,11 +49,11 @@ MID_BLOCK_STEPS = 6
 
 
 def make_case(name):
-    """Returns `(tx, loss_fn, params, batches, grad_sync)` for a resume test."""
+    """Returns `(tx, loss_fn, params, batches, sync)` for a resume test."""
     if name in MID_BLOCK:
         params = init_mlp(jax.random.key(0))
         batches = make_batches(MID_BLOCK_STEPS, GLOBAL_BATCH)
-        return MID_BLOCK[name](), mlp_loss, params, batches, "none"
+        return MID_BLOCK[name](), mlp_loss, params, batches, jdp.local()
     if name == "bmuf":
         tx = jdp.bmuf(
             optax.sgd(0.01, momentum=0.9),
@@ -62,22 +62,23 @@ def make_case(name):
             inner_state_at_sync="average",
         )
         params = init_mlp(jax.random.key(0))
-        return tx, mlp_loss, params, make_batches(NUM_STEPS, GLOBAL_BATCH), "none"
+        return tx, mlp_loss, params, make_batches(NUM_STEPS, GLOBAL_BATCH), jdp.local()
     tx = {
         "sgd_momentum": lambda: optax.sgd(0.05, momentum=0.9),
         "adam": lambda: optax.adam(1e-2),
     }[name]()
     params = init_mlp(jax.random.key(0))
-    return tx, mlp_loss, params, make_batches(NUM_STEPS, GLOBAL_BATCH), "all_reduce"
+    batches = make_batches(NUM_STEPS, GLOBAL_BATCH)
+    return tx, mlp_loss, params, batches, jdp.all_reduce()
 
 
 def make_step(name, backend, num_devices=None):
-    tx, loss_fn, params, batches, grad_sync = make_case(name)
+    tx, loss_fn, params, batches, sync = make_case(name)
     if num_devices is None and name in MID_BLOCK:
         num_devices = MID_BLOCK_DEVICES
     devices = None if num_devices is None else jax.devices()[:num_devices]
     step = jdp.parallelize(
-        jdp.make_train_step(loss_fn, tx, grad_sync=grad_sync),
+        jdp.make_train_step(loss_fn, tx, sync=sync),
         backend=backend,
         devices=devices,
     )

@@ -9,6 +9,8 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "jdp"
 
 LAYERS = {
+    # The bottom of the foundation (layer 0): its other modules may import it.
+    "jdp._jax_compat": -1,
     "jdp._version": 0,
     "jdp._progress": 0,
     "jdp._tree": 0,
@@ -16,6 +18,7 @@ LAYERS = {
     "jdp._hlo": 0,
     "jdp._buckets": 0,
     "jdp._coordination": 0,
+    "jdp._replica_parts": 0,
     "jdp._layout": 1,
     "jdp._collectives": 2,
     "jdp._backends": 2,
@@ -30,16 +33,17 @@ LAYERS = {
     "jdp.sparse._lookup": 3,
     "jdp.sparse._gather": 3,
     "jdp.sparse._optim": 3,
-    "jdp._train_step": 4,
-    "jdp._parallel": 4,
-    "jdp.sparse": 5,
+    "jdp._sync": 4,
     "jdp.sparse._train_step": 5,
-    "jdp._export": 6,
-    "jdp.checkpoint": 6,
-    "jdp.distributed": 6,
-    "jdp.launch": 7,
-    "jdp": 8,
-    "jdp.demo": 9,
+    "jdp._train_step": 5,
+    "jdp._parallel": 5,
+    "jdp.sparse": 6,
+    "jdp._export": 7,
+    "jdp.checkpoint": 7,
+    "jdp.distributed": 7,
+    "jdp.launch": 8,
+    "jdp": 9,
+    "jdp.demo": 10,
 }
 
 
@@ -121,3 +125,7 @@ def test_only_the_backends_call_pmap_or_shard_map():
 
 def test_only_distributed_calls_jax_distributed():
     assert _calls(r"\bjax\.distributed\.") == ["jdp.distributed._runtime"]
+
+
+def test_only_jax_compat_imports_private_jax():
+    assert _calls(r"\b(from|import) jax\._src\b") == ["jdp._jax_compat"]

@@ -227,9 +227,9 @@ def test_sync_gradients_in_a_chain_equals_make_train_step(backend):
     base = optax.sgd(0.1, momentum=0.9)
     chained = optax.chain(jdp.sync_gradients(bucket_bytes=512), base)
 
-    def run(tx, grad_sync):
+    def run(tx, sync):
         step = jdp.parallelize(
-            jdp.make_train_step(mlp_loss, tx, grad_sync=grad_sync), backend=backend
+            jdp.make_train_step(mlp_loss, tx, sync=sync), backend=backend
         )
         state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
         for b in batches:
@@ -237,7 +237,9 @@ def test_sync_gradients_in_a_chain_equals_make_train_step(backend):
         jdp.assert_replicas_in_sync(state)
         return step.unreplicate(state).params
 
-    assert_trees_close(run(chained, "none"), run(base, "all_reduce"), rtol=1e-6)
+    assert_trees_close(
+        run(chained, jdp.local()), run(base, jdp.all_reduce()), rtol=1e-6
+    )
 
 
 def test_sync_gradients_contract():

@@ -194,14 +194,14 @@ def test_make_train_step_options_work_with_nnx_state():
 
     tx = optax.adam(1e-2)
 
-    def train(grad_sync):
-        train_step = jdp.make_train_step(loss_fn, tx, grad_sync=grad_sync)
+    def train(sync):
+        train_step = jdp.make_train_step(loss_fn, tx, sync=sync)
         step = jdp.parallelize(train_step, devices=jax.devices()[:4])
         state = jdp.TrainState.create(params=params, batch_stats=rest, tx=tx)
         state, _ = run_steps(step, step.replicate(state), make_batches(3, 16))
         return step.unreplicate(state)
 
-    zero, plain = train("zero"), train("all_reduce")
+    zero, plain = train(jdp.zero()), train(jdp.all_reduce())
     assert_trees_close(zero.params, plain.params, rtol=1e-6, atol=1e-7)
     assert_trees_close(zero.opt_state, plain.opt_state, rtol=1e-6, atol=1e-7)
     assert_trees_close(zero.batch_stats, plain.batch_stats, rtol=1e-6, atol=1e-7)
@@ -360,7 +360,7 @@ def test_bmuf_in_an_nnx_optimizer_equals_make_train_step():
         model = nnx.merge(split_graphdef, params, rest)
         return cross_entropy(model, batch), nnx.state(model, nnx.Not(nnx.Param))
 
-    made = jdp.parallelize(jdp.make_train_step(loss_fn, tx, grad_sync="none"))
+    made = jdp.parallelize(jdp.make_train_step(loss_fn, tx, sync=jdp.local()))
     made_state = made.replicate(
         jdp.TrainState.create(params=params, batch_stats=rest, tx=tx)
     )

@@ -1,3 +1,5 @@
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -80,7 +82,10 @@ def test_sparse_sgd_matches_dense_sgd_on_a_100k_table(big_problem, combine):
     params, batches, dense = big_problem
     tx = jdp.sparse.partition(optax.sgd(LR), {"embed": jdp.sparse.sgd(LR)})
     step, state = train(
-        jdp.sparse.make_train_step(loss_fn, tx, combine=combine), params, tx, batches
+        jdp.make_train_step(loss_fn, tx, sync=jdp.sparse.rows(combine=combine)),
+        params,
+        tx,
+        batches,
     )
     jdp.assert_replicas_in_sync(state)
     got = step.unreplicate(state).params
@@ -110,7 +115,11 @@ def test_sparse_adagrad_matches_optax_adagrad():
     expected = step.unreplicate(state).params
     tx = jdp.sparse.partition(optax.adagrad(0.3), {"embed": jdp.sparse.adagrad(0.3)})
     step, state = train(
-        jdp.sparse.make_train_step(loss_fn, tx), params, tx, batches, backend="pmap"
+        jdp.make_train_step(loss_fn, tx, sync=jdp.sparse.rows()),
+        params,
+        tx,
+        batches,
+        backend="pmap",
     )
     assert_trees_close(step.unreplicate(state).params, expected, rtol=1e-5, atol=1e-7)
     acc = np.asarray(step.unreplicate(state).opt_state.tables["embed"].sum_of_squares)
@@ -244,7 +253,10 @@ def test_out_of_range_ids_read_zeros_and_never_update_on_both_paths():
     dense = step.unreplicate(state).params
     tx = jdp.sparse.partition(optax.sgd(LR), {"embed": jdp.sparse.sgd(LR)})
     step, state = train(
-        jdp.sparse.make_train_step(loss_fn, tx, combine=True), params, tx, batches
+        jdp.make_train_step(loss_fn, tx, sync=jdp.sparse.rows(combine=True)),
+        params,
+        tx,
+        batches,
     )
     sparse = step.unreplicate(state).params
     assert_trees_close(sparse, dense, rtol=1e-5, atol=1e-7)
@@ -258,7 +270,8 @@ def test_check_ids_raises_a_clear_error():
     bad["ids"][9, 2] = -3
     tx = jdp.sparse.partition(optax.sgd(LR), {"embed": jdp.sparse.sgd(LR)})
     step = jdp.parallelize(
-        jdp.sparse.make_train_step(loss_fn, tx, check_ids=True), donate_state=False
+        jdp.make_train_step(loss_fn, tx, sync=jdp.sparse.rows(check_ids=True)),
+        donate_state=False,
     )
     state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
     state, _ = step(state, step.shard(good))
@@ -276,7 +289,9 @@ def test_sparse_step_communicates_rows_not_the_table():
     params = init_params(6, rows, dim)
     data = make_batches(1, batch, rows)[0]
     tx = jdp.sparse.partition(optax.sgd(LR), {"embed": jdp.sparse.sgd(LR)})
-    sparse_step = jdp.parallelize(jdp.sparse.make_train_step(loss_fn, tx))
+    sparse_step = jdp.parallelize(
+        jdp.make_train_step(loss_fn, tx, sync=jdp.sparse.rows())
+    )
     dense_step = jdp.parallelize(jdp.make_train_step(loss_fn, optax.sgd(LR)))
     table_bytes = rows * dim * 4
 
@@ -314,7 +329,7 @@ def test_sparse_step_with_batch_stats_matches_dense():
         return step.unreplicate(state)
 
     tx = jdp.sparse.partition(optax.sgd(LR), {"embed": jdp.sparse.sgd(LR)})
-    got = run(jdp.sparse.make_train_step, tx)
+    got = run(functools.partial(jdp.make_train_step, sync=jdp.sparse.rows()), tx)
     expected = run(jdp.make_train_step, optax.sgd(LR))
     assert_trees_close(got.params, expected.params, rtol=1e-5, atol=1e-7)
     assert_trees_close(got.batch_stats, expected.batch_stats, rtol=1e-5, atol=1e-7)
@@ -322,7 +337,9 @@ def test_sparse_step_with_batch_stats_matches_dense():
 
 def test_optimizer_errors():
     params = {"embed": jnp.ones((10, 2)), "w": jnp.ones(2)}
-    step = jdp.parallelize(jdp.sparse.make_train_step(loss_fn, optax.sgd(0.1)))
+    step = jdp.parallelize(
+        jdp.make_train_step(loss_fn, optax.sgd(0.1), sync=jdp.sparse.rows())
+    )
     state = step.replicate(jdp.TrainState.create(params=params, tx=optax.sgd(0.1)))
     with pytest.raises(
         TypeError, match="needs an optimizer made by `jdp.sparse.partition"
@@ -469,7 +486,11 @@ def test_lazy_optimizers_match_dense_optax_when_every_row_is_touched(kind, backe
     )
     tx = jdp.sparse.partition(optax.sgd(LR), {"embed": make_rows()})
     step, state = train(
-        jdp.sparse.make_train_step(loss_fn, tx), params, tx, batches, backend=backend
+        jdp.make_train_step(loss_fn, tx, sync=jdp.sparse.rows()),
+        params,
+        tx,
+        batches,
+        backend=backend,
     )
     got = step.unreplicate(state)
     assert_trees_close(got.params, expected, rtol=1e-5, atol=1e-6)
@@ -499,7 +520,7 @@ def test_lazy_optimizers_update_only_the_touched_rows_in_a_sparse_step(
     expected, expected_state = lazy_oracle(params, batches, optax.sgd(LR), make_optax())
     tx = jdp.sparse.partition(optax.sgd(LR), {"embed": make_rows()})
     step, state = train(
-        jdp.sparse.make_train_step(loss_fn, tx, combine=combine),
+        jdp.make_train_step(loss_fn, tx, sync=jdp.sparse.rows(combine=combine)),
         params,
         tx,
         batches,

@@ -46,7 +46,8 @@ def test_batch_stats_stay_in_sync(backend, mode):
     variables, loss_fn = bn_setup()
     tx = optax.sgd(0.05)
     step = jdp.parallelize(
-        jdp.make_train_step(loss_fn, tx, batch_stats_mode=mode), backend=backend
+        jdp.make_train_step(loss_fn, tx, sync=jdp.all_reduce(batch_stats=mode)),
+        backend=backend,
     )
     state = step.replicate(
         jdp.TrainState.create(
@@ -157,7 +158,9 @@ def test_bf16_reduce_dtype_trains_close():
 
     def run(reduce_dtype):
         step = jdp.parallelize(
-            jdp.make_train_step(mlp_loss, tx, reduce_dtype=reduce_dtype)
+            jdp.make_train_step(
+                mlp_loss, tx, sync=jdp.all_reduce(reduce_dtype=reduce_dtype)
+            )
         )
         state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
         for b in batches:
@@ -221,16 +224,14 @@ def nan_on_request(params, batch):
     return mlp_loss(params, batch) * scale
 
 
-@pytest.mark.parametrize("grad_sync", ["all_reduce", "none", "zero"])
+@pytest.mark.parametrize("grad_sync", ["all_reduce", "local", "zero"])
 def test_skip_nonfinite_leaves_params_and_optimizer_state_alone(backend, grad_sync):
     tx = optax.adam(1e-2)
-    if grad_sync == "none":
+    if grad_sync == "local":
         tx = jdp.bmuf(tx, sync_period=2)
+    sync = getattr(jdp, grad_sync)(skip_nonfinite=True)
     step = jdp.parallelize(
-        jdp.make_train_step(
-            nan_on_request, tx, grad_sync=grad_sync, skip_nonfinite=True
-        ),
-        backend=backend,
+        jdp.make_train_step(nan_on_request, tx, sync=sync), backend=backend
     )
     params = init_mlp(jax.random.key(0))
     state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
@@ -247,7 +248,7 @@ def test_skip_nonfinite_leaves_params_and_optimizer_state_alone(backend, grad_sy
     assert int(after.skipped_steps) == 1 and int(after.step) == 2
     assert_trees_close(after.params, before.params, rtol=0, atol=0)
     assert_trees_close(after.opt_state, before.opt_state, rtol=0, atol=0)
-    jdp.assert_replicas_in_sync(state.params if grad_sync != "none" else state.step)
+    jdp.assert_replicas_in_sync(state.params if grad_sync != "local" else state.step)
     state, metrics = step(state, step.shard(good))  # training goes on
     assert float(metrics["skipped"]) == 0.0
     assert np.isfinite(float(metrics["loss"]))
@@ -259,7 +260,8 @@ def test_skip_nonfinite_needs_a_counter_in_the_state():
         apply_fn=None, params=init_mlp(jax.random.key(0)), tx=tx
     )
     step = jdp.parallelize(
-        jdp.make_train_step(mlp_loss, skip_nonfinite=True), devices=jax.devices()[:2]
+        jdp.make_train_step(mlp_loss, sync=jdp.all_reduce(skip_nonfinite=True)),
+        devices=jax.devices()[:2],
     )
     with pytest.raises(ValueError, match=r"`skipped_steps` field.*TrainState"):
         step(step.replicate(state), step.shard(make_batches(1, 4)[0]))
@@ -329,7 +331,7 @@ def test_optax_multisteps_all_reduces_only_when_it_updates(backend):
     inner = optax.adam(0.01)
     tx = optax.MultiSteps(optax.chain(jdp.sync_gradients(), inner), every_k_schedule=2)
     step = jdp.parallelize(
-        jdp.make_train_step(mlp_loss, tx, grad_sync="none"),
+        jdp.make_train_step(mlp_loss, tx, sync=jdp.local()),
         devices=jax.devices()[:4],
         backend=backend,
     )
@@ -423,12 +425,12 @@ def test_dynamic_scale_with_a_sharded_update_is_refused():
 
     tx = optax.sgd(0.1)
     step = jdp.parallelize(
-        jdp.make_train_step(mlp_loss, tx, grad_sync="zero"), devices=jax.devices()[:2]
+        jdp.make_train_step(mlp_loss, tx, sync=jdp.zero()), devices=jax.devices()[:2]
     )
     state = step.replicate(
         jdp.TrainState.create(
             params=init_mlp(jax.random.key(0)), tx=tx, dynamic_scale=DynamicScale()
         )
     )
-    with pytest.raises(ValueError, match=r"`dynamic_scale`.*grad_sync=\"all_reduce\""):
+    with pytest.raises(ValueError, match=r"`dynamic_scale`.*sync=jdp.all_reduce\(\)"):
         step(state, step.shard(make_batches(1, 4)[0]))

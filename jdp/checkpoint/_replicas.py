@@ -19,7 +19,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jdp import _bmuf
+from jdp import _replica_parts
 from jdp._layout import replica_leaves
 
 PyTree = Any
@@ -78,10 +78,11 @@ def differing_paths(state: PyTree) -> list[str]:
 
 
 def block_start_params(host: PyTree) -> tuple[PyTree, str]:
-    """Sets the params of one copy of a `jdp.bmuf` state to its block start.
+    """Sets the params of one copy of a state to where replicas restart.
 
-    The block start is where every replica begins a block: the global model
-    `global_params` (or `start` with `nesterov=True`).
+    A state part that declares `restart_params` (`_replica_parts`) says where
+    every replica begins after a re-layout: for `jdp.bmuf`, the block start (the
+    global model `global_params`, or `start` with `nesterov=True`).
 
     Args:
       host: One logical copy (NumPy leaves) of a training state.
@@ -90,11 +91,10 @@ def block_start_params(host: PyTree) -> tuple[PyTree, str]:
       `(tree, note)`: the tree with its params set to the block start (or
       unchanged), and a sentence for the warning saying what was done.
     """
-    states = _bmuf.find_states(host)
-    if len(states) != 1:
+    starts = _replica_parts.restart_params(host)
+    if len(starts) != 1:
         return host, ""
-    (bmuf,) = states
-    start = bmuf.global_params if bmuf.start is None else bmuf.start
+    (start,) = starts
     params = getattr(host, "params", None)
     if params is None and isinstance(host, dict):
         params = host.get("params")

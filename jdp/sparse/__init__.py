@@ -13,11 +13,11 @@ gradients (`IndexedRows`), the replicas exchange those rows with
   rows outside the batch keep their values and state, where dense momentum and
   Adam keep moving them.
 
-`make_train_step` puts it together with the usual dense path for the rest of the
-model:
+`rows()`, a sync piece for `jdp.make_train_step`, puts it together with the
+usual dense path for the rest of the model:
 
     tx = jdp.sparse.partition(optax.adam(1e-3), {"embed": jdp.sparse.adagrad(0.1)})
-    step = jdp.parallelize(jdp.sparse.make_train_step(loss_fn, tx))
+    step = jdp.parallelize(jdp.make_train_step(loss_fn, tx, sync=jdp.sparse.rows()))
 
 where `loss_fn` reads the table with `jdp.sparse.lookup(params["embed"], ids)`.
 """
@@ -37,7 +37,7 @@ from jdp.sparse._optim import (
     partition,
     sgd,
 )
-from jdp.sparse._train_step import IdsOutOfRangeError, make_train_step
+from jdp.sparse._train_step import IdsOutOfRangeError, rows
 
 __all__ = [
     "AdagradRowState",
@@ -53,9 +53,9 @@ __all__ = [
     "all_gather_rows",
     "combine_rows",
     "lookup",
-    "make_train_step",
     "momentum",
     "partition",
+    "rows",
     "sgd",
     "value_and_grad",
 ]

@@ -1,18 +1,16 @@
-"""`jdp.sparse.make_train_step`: all-reduce for dense params, all-gather for tables."""
+"""`jdp.sparse.rows`: all-reduce for dense params, all-gather for tables."""
 
 from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jdp import _collectives
-from jdp._train_step import TrainStep, Update, apply_remat, build_train_step
+from jdp import _collectives, _sync
 from jdp.sparse._gather import all_gather_rows, combine_rows
 from jdp.sparse._lookup import IndexedRows, path_name, value_and_grad
 from jdp.sparse._optim import SparseTransformation, apply_sparse
@@ -79,46 +77,30 @@ def _check_ids(ids: jax.Array, num_rows: int, table: str) -> jax.Array:
     return jnp.where(ok, ids, -1)
 
 
-_OPTIONS = frozenset(
-    {
-        "has_aux",
-        "axis_name",
-        "bucket_bytes",
-        "reduce_dtype",
-        "batch_stats_mode",
-        "remat",
-    }
-)
-
-
-def make_train_step(
-    loss_fn: Callable[..., Any],
-    tx: SparseTransformation | None = None,
+def rows(
     *,
     combine: bool = False,
     check_ids: bool = False,
-    **options: Any,
-) -> TrainStep:
-    """Builds a per-replica step that trains embedding tables with sparse gradients.
+    bucket_bytes: int | None = _collectives.DEFAULT_BUCKET_BYTES,
+    reduce_dtype: Any = None,
+    batch_stats: _sync.BatchStatsMode = "mean",
+) -> _sync.Sync:
+    """A sync piece that trains embedding tables with sparse gradients.
 
-    Like `jdp.make_train_step`, except for the tables of `tx` (made by
-    `jdp.sparse.partition`): the dense parameters' gradients are averaged with
-    `jdp.all_reduce_gradients` and applied with `tx.dense`; each table's
+    For `jdp.make_train_step(loss_fn, tx, sync=jdp.sparse.rows())`, with `tx`
+    made by `jdp.sparse.partition`. The dense parameters' gradients are averaged
+    with `jdp.all_reduce_gradients` and applied with `tx.dense`; each table's
     gradient is kept as rows (`jdp.sparse.value_and_grad`), divided by the
     number of replicas, exchanged with `jdp.sparse.all_gather_rows` and applied
     by the table's row optimizer to the touched rows only. Communication per
     table is `num_replicas * ids_per_replica * (row bytes + id bytes)` instead of
     the whole table, and every replica applies the same gathered rows, so the
-    replicas stay identical. The result equals `jdp.make_train_step` with the
-    same `tx` (up to float rounding).
+    replicas stay identical. The result equals `jdp.all_reduce()` with the same
+    `tx` (up to float rounding).
 
     The loss reads each table only through `jdp.sparse.lookup(params[...], ids)`.
 
     Args:
-      loss_fn: `loss_fn(params, batch) -> loss`, or with batch statistics
-        `loss_fn(params, batch_stats, batch) -> (loss, new_batch_stats)`; with
-        `has_aux`, as in `jdp.make_train_step`.
-      tx: A `jdp.sparse.partition(...)` optimizer; None uses the state's `tx`.
       combine: Sum the rows of repeated ids after gathering (a sort of the
         gathered ids). It changes no result for `sgd` (a scatter-add sums them
         anyway); `adagrad`, `momentum` and `adam` combine by themselves.
@@ -134,16 +116,16 @@ def make_train_step(
         exit. A failed call consumes a donated state; use
         `jdp.parallelize(..., donate_state=False)` to keep it. Without the
         check, invalid ids read zero rows and never update the table.
-      **options: `has_aux`, `axis_name`, `bucket_bytes`, `reduce_dtype`,
-        `batch_stats_mode` and `remat`, as for `jdp.make_train_step` (the dense
-        parameters' all-reduce uses `bucket_bytes` and `reduce_dtype`).
+      bucket_bytes: Largest bucket of the dense parameters' all-reduce.
+      reduce_dtype: Wire dtype of the dense parameters' all-reduce.
+      batch_stats: How batch statistics are synced every step.
 
     Returns:
-      `train_step(state, batch) -> (state, metrics)` for `jdp.parallelize`.
+      A `jdp.Sync`.
 
     Raises:
-      TypeError: If an option is not one of the above; at trace time, if the
-        optimizer is not a `jdp.sparse.partition`.
+      ValueError: If `bucket_bytes` or `batch_stats` is out of range.
+      TypeError: At trace time, if the optimizer is not a `jdp.sparse.partition`.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, jdp
@@ -152,51 +134,47 @@ def make_train_step(
       ...     return jnp.mean((x @ params["w"] - batch["y"]) ** 2)
       >>> tx = jdp.sparse.partition(optax.sgd(0.1), {"embed": jdp.sparse.sgd(0.1)})
       >>> params = {"embed": jnp.ones((100_000, 4)) / 4, "w": jnp.ones(4)}
-      >>> step = jdp.parallelize(jdp.sparse.make_train_step(loss_fn, tx))
+      >>> train_step = jdp.make_train_step(loss_fn, tx, sync=jdp.sparse.rows())
+      >>> step = jdp.parallelize(train_step)
       >>> state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
       >>> batch = {"ids": jnp.arange(64).reshape(16, 4), "y": jnp.zeros(16)}
       >>> state, metrics = step(state, step.shard(batch))
       >>> float(metrics["loss"])
       16.0
     """
-    unknown = sorted(set(options) - _OPTIONS)
-    if unknown:
-        raise TypeError(
-            f"`jdp.sparse.make_train_step` got unknown option(s) {unknown}; it takes "
-            f"{sorted(_OPTIONS)} (as `jdp.make_train_step`), `combine` and "
-            "`check_ids`."
-        )
+    _collectives.check_bucket_bytes(bucket_bytes)
     if check_ids:
         _install_filter()
-    axis_name = options.get("axis_name")
-    bucket_bytes = options.get("bucket_bytes", _collectives.DEFAULT_BUCKET_BYTES)
-    _collectives.check_bucket_bytes(bucket_bytes)
+    api = "jdp.sparse.rows"
 
     def grads_fn(optimizer):
         if not isinstance(optimizer, SparseTransformation):
             raise TypeError(
-                "`jdp.sparse.make_train_step` needs an optimizer made by "
+                f"`{api}` needs an optimizer made by "
                 "`jdp.sparse.partition(dense_tx, {table_path: jdp.sparse.sgd(lr)})`"
                 f"; got {type(optimizer).__name__}. For dense table gradients use "
-                "`jdp.make_train_step`."
+                "`jdp.all_reduce()`."
             )
         return functools.partial(
             value_and_grad, tables=[t for t, _ in optimizer.tables]
         )
 
-    def apply(grads, state, optimizer):
-        num = _collectives.axis_size(axis_name, "jdp.sparse.make_train_step")
+    def apply(grads, state, optimizer, axis_name):
+        num = _collectives.axis_size(axis_name, api)
         is_rows = lambda x: isinstance(x, IndexedRows)  # noqa: E731
         leaves, treedef = jax.tree_util.tree_flatten(grads, is_leaf=is_rows)
         rows_at = [i for i, g in enumerate(leaves) if is_rows(g)]
         dense = jax.tree_util.tree_unflatten(
             treedef, [None if is_rows(g) else g for g in leaves]
         )
-        dense = _collectives.all_reduce_gradients(
+        dense = _collectives.all_reduce(
             dense,
             axis_name=axis_name,
             bucket_bytes=bucket_bytes,
-            reduce_dtype=options.get("reduce_dtype"),
+            reverse=True,
+            reduce_dtype=reduce_dtype,
+            flatten=None,
+            api=api,
         )
         merged = jax.tree_util.tree_leaves(dense, is_leaf=lambda x: x is None)
         param_leaves = jax.tree_util.tree_leaves(state.params)
@@ -213,16 +191,9 @@ def make_train_step(
         )
         return params, opt_state, {}
 
-    return build_train_step(
-        apply_remat(loss_fn, options.get("remat")),
-        tx,
-        value_and_grad=grads_fn,
-        update=Update(apply),
-        has_aux=options.get("has_aux", False),
-        axis_name=axis_name,
-        batch_stats_mode=options.get("batch_stats_mode", "mean"),
-        api="jdp.sparse.make_train_step",
-    )
+    sync = _sync.Sync(apply, value_and_grad=grads_fn, batch_stats=batch_stats)
+    _sync.check_batch_stats(batch_stats)
+    return sync
 
 
 def _row_paths(grads: PyTree, is_rows) -> list[str]:

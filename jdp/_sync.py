@@ -1,0 +1,318 @@
+"""Gradient synchronisation as pieces: `jdp.all_reduce`, `jdp.local`, `jdp.zero`.
+
+A train step made by `jdp.make_train_step` takes one piece, `sync=`, that says
+how the replicas' gradients are synchronised and applied, and declares what the
+rest of the library needs to know about the state that implies: its layout
+across replicas (`state_layout`) and the part of it replicas must agree on
+(`must_agree`). A new way to synchronise is a new piece, not a flag.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal, NamedTuple, get_args
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from jdp import _bmuf, _collectives, _replica_parts, _transforms, _validate, _zero
+from jdp._layout import StateLayout
+from jdp._tree import is_float
+
+PyTree = Any
+BatchStatsMode = Literal["mean", "broadcast"]
+
+
+class Sync(NamedTuple):
+    """How a train step synchronises and applies gradients: a piece for `sync=`.
+
+    Like optax's `GradientTransformation`, a tuple of pure functions plus data;
+    `jdp.all_reduce`, `jdp.local`, `jdp.zero` and `jdp.sparse.rows` make them.
+
+    Attributes:
+      apply: `apply(grads, state, tx, axis_name) -> (params, opt_state,
+        metrics)`, run inside the step on one replica's gradients (`axis_name`
+        is the replica axis, resolved).
+      averages: Whether the optimizer sees gradients averaged over replicas
+        (False: each replica's own, for optimizers that communicate themselves,
+        such as `jdp.bmuf`).
+      state_layout: None, or `state_layout(tx)`: the `StateLayout` the piece
+        needs for optimizer `tx` (`step.replicate` and checkpoints follow it).
+      must_agree: None (the whole state must agree), or `must_agree(state)`:
+        the state with the parts that may differ between replicas set to None
+        (the divergence guard compares the rest).
+      value_and_grad: None (`jax.value_and_grad`), or `value_and_grad(tx)`
+        returning how to differentiate the loss for optimizer `tx` (sparse row
+        gradients).
+      apply_averaged: None, or like `apply` for gradients a loss scaler has
+        already averaged over replicas (loss scaling needs it).
+      batch_stats: How batch statistics are synced every step: `"mean"` or
+        `"broadcast"` (see `jdp.sync_batch_stats`).
+    """
+
+    apply: Callable[..., tuple[PyTree, PyTree, dict[str, jax.Array]]]
+    averages: bool = True
+    state_layout: Callable[[Any], StateLayout | None] | None = None
+    must_agree: Callable[[PyTree], PyTree] | None = None
+    value_and_grad: Callable[[Any], Callable[..., Any]] | None = None
+    apply_averaged: Callable[..., tuple] | None = None
+    batch_stats: BatchStatsMode = "mean"
+
+
+def check_batch_stats(batch_stats: Any) -> None:
+    if batch_stats not in get_args(BatchStatsMode):
+        raise ValueError(
+            f"`batch_stats` must be one of {get_args(BatchStatsMode)}; got "
+            f"{batch_stats!r}."
+        )
+
+
+def apply_tx(grads, state, tx) -> tuple[PyTree, PyTree, dict[str, jax.Array]]:
+    """`tx` applied to `grads`: `(params, opt_state, {})`."""
+    updates, opt_state = _transforms.update(tx, grads, state.opt_state, state.params)
+    return optax.apply_updates(state.params, updates), opt_state, {}
+
+
+def all_reduce(
+    *,
+    bucket_bytes: int | None = _collectives.DEFAULT_BUCKET_BYTES,
+    reduce_dtype: Any = None,
+    skip_nonfinite: bool = False,
+    batch_stats: BatchStatsMode = "mean",
+) -> Sync:
+    """Averages gradients over replicas before the optimizer (PyTorch DDP).
+
+    The default piece of `jdp.make_train_step`: one bucketed all-reduce of the
+    gradients in reverse leaf order (`jdp.all_reduce_gradients`), then `tx` on
+    the average, the same on every replica.
+
+    Args:
+      bucket_bytes: Largest bucket of the gradient all-reduce (25 MiB); None for
+        one bucket per dtype.
+      reduce_dtype: Wire dtype of the all-reduce (e.g. `jnp.bfloat16`); the
+        gradients are divided by the replica count first, so a narrow type
+        cannot overflow.
+      skip_nonfinite: Skip a step whose gradients are not finite on any replica:
+        params and optimizer state stay as they were on every replica, the
+        state's `skipped_steps` grows by one and metric `"skipped"` is 1.
+      batch_stats: How batch statistics (`state.batch_stats`) are synced every
+        step: `"mean"` (default) or `"broadcast"` replica 0's.
+
+    Returns:
+      A `jdp.Sync`.
+
+    Raises:
+      ValueError: If `bucket_bytes` is not a positive int or None, or
+        `batch_stats` is unknown.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jdp
+      >>> def loss_fn(params, batch):
+      ...     return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
+      >>> sync = jdp.all_reduce(reduce_dtype=jnp.bfloat16)
+      >>> train_step = jdp.make_train_step(loss_fn, optax.sgd(0.1), sync=sync)
+    """
+    _collectives.check_bucket_bytes(bucket_bytes)
+    check_batch_stats(batch_stats)
+
+    def apply(grads, state, tx, axis_name):
+        grads = _collectives.all_reduce(
+            grads,
+            axis_name=axis_name,
+            bucket_bytes=bucket_bytes,
+            reverse=True,
+            reduce_dtype=reduce_dtype,
+            flatten=None,
+            api="jdp.all_reduce",
+        )
+        return apply_tx(grads, state, tx)
+
+    sync = Sync(
+        apply,
+        apply_averaged=lambda grads, state, tx, axis_name: apply_tx(grads, state, tx),
+        batch_stats=batch_stats,
+    )
+    return _skipping(sync) if skip_nonfinite else sync
+
+
+def local(
+    *, skip_nonfinite: bool = False, batch_stats: BatchStatsMode = "mean"
+) -> Sync:
+    """Each replica applies the optimizer to its OWN gradients: no all-reduce.
+
+    For optimizers that communicate themselves: `jdp.bmuf` (BMUF, DiLoCo, local
+    SGD), or `jdp.sync_gradients` inside `optax.MultiSteps` (whose all-reduce
+    then runs only on the micro-steps that update). With an optimizer that never
+    communicates, the replicas train different models.
+
+    `jdp.bmuf`'s block sync runs after the parameter update, on the updated
+    params (the optimizer is called with the extra argument that asks for it),
+    so every replica lands on exactly the same bits after a sync and a step
+    that does not sync costs what the local step costs.
+
+    Replicas agree on the step counter, the batch statistics and the global
+    parts of `jdp.bmuf`'s state; params and other optimizer state may differ
+    (the divergence guard compares only what agrees).
+
+    Args:
+      skip_nonfinite: As for `jdp.all_reduce`: skip a step whose gradients are
+        not finite on any replica (decided over all replicas).
+      batch_stats: How batch statistics are synced every step: `"mean"` or
+        `"broadcast"`.
+
+    Returns:
+      A `jdp.Sync`.
+
+    Raises:
+      ValueError: If `batch_stats` is unknown.
+
+    Example:
+      >>> import optax, jdp
+      >>> tx = jdp.bmuf(optax.sgd(0.1), sync_period=8)
+      >>> sync = jdp.local()  # jdp.make_train_step(loss_fn, tx, sync=sync)
+    """
+    check_batch_stats(batch_stats)
+
+    def apply(grads, state, tx, axis_name):
+        del axis_name
+        merges: list = []
+        updates, opt_state = _transforms.update(
+            tx,
+            grads,
+            state.opt_state,
+            state.params,
+            **{_bmuf.MERGES_ARG: merges},
+        )
+        params = optax.apply_updates(state.params, updates)
+        params, opt_state = _bmuf.merge_updated(
+            params, state.opt_state, opt_state, merges
+        )
+        return params, opt_state, {}
+
+    sync = Sync(
+        apply, averages=False, must_agree=_agreed_locally, batch_stats=batch_stats
+    )
+    return _skipping(sync) if skip_nonfinite else sync
+
+
+def zero(
+    *,
+    bucket_bytes: int | None = _collectives.DEFAULT_BUCKET_BYTES,
+    reduce_dtype: Any = None,
+    clip_grad_norm: float | None = None,
+    skip_nonfinite: bool = False,
+    batch_stats: BatchStatsMode = "mean",
+) -> Sync:
+    """ZeRO stages 1 and 2: the optimizer state sharded over replicas.
+
+    PyTorch's `ZeroRedundancyOptimizer`, DeepSpeed ZeRO-1/2: gradients are
+    reduce-scattered, each replica keeps and updates only its 1/N slice of the
+    (flattened, padded) optimizer state, and the updated parameters are
+    all-gathered. The same numbers as `jdp.all_reduce` for element-wise
+    optimizers (SGD, momentum, Adam, AdamW, RMSProp, Lion, Adagrad, with
+    schedules); others are refused with a message. `step.replicate` lays the
+    optimizer state out sharded; `step.unreplicate` and checkpoints see one full
+    logical copy.
+
+    Args:
+      bucket_bytes: Largest bucket of the reduce-scatters and all-gathers.
+      reduce_dtype: Wire dtype of the reduce-scatter.
+      clip_grad_norm: If set, clip the averaged gradients to this global L2
+        norm, computed across the replicas' slices (a `psum`; an
+        `optax.clip_by_global_norm` inside `tx` would see one slice only), and
+        report the norm before clipping as metric `"grad_norm"`.
+      skip_nonfinite: As for `jdp.all_reduce`.
+      batch_stats: How batch statistics are synced every step.
+
+    Returns:
+      A `jdp.Sync`.
+
+    Raises:
+      ValueError: If `clip_grad_norm` is not a positive finite number, or an
+        argument is out of range as for `jdp.all_reduce`; at trace time, if the
+        optimizer is not element-wise or the state was not placed by
+        `step.replicate`.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jdp
+      >>> def loss_fn(params, batch):
+      ...     return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
+      >>> tx = optax.adam(1e-3)
+      >>> params = {"w": jnp.zeros((800, 1))}
+      >>> batch = {"x": jnp.zeros((8, 800)), "y": jnp.zeros((8, 1))}
+      >>> def bytes_per_device(sync):
+      ...     step = jdp.parallelize(jdp.make_train_step(loss_fn, tx, sync=sync))
+      ...     state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
+      ...     return step.memory_analysis(state, step.shard(batch)).argument_bytes
+      >>> bytes_per_device(jdp.all_reduce()) - bytes_per_device(jdp.zero())
+      5600
+
+    References:
+      Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion
+      Parameter Models", SC 2020, https://arxiv.org/abs/1910.02054.
+    """
+    _collectives.check_bucket_bytes(bucket_bytes)
+    check_batch_stats(batch_stats)
+    if clip_grad_norm is not None:
+        _validate.finite_number(
+            "clip_grad_norm", clip_grad_norm, above=0, note="a global norm, or None"
+        )
+    apply = _zero.update_fn(
+        bucket_bytes=bucket_bytes,
+        reduce_dtype=reduce_dtype,
+        clip_grad_norm=clip_grad_norm,
+    )
+    sync = Sync(apply, state_layout=_zero.layout_fn, batch_stats=batch_stats)
+    return _skipping(sync) if skip_nonfinite else sync
+
+
+def _skipping(sync: Sync) -> Sync:
+    """`sync` that leaves params and optimizer state alone for non-finite grads.
+
+    Every replica's own gradients are checked and the verdict is combined over
+    replicas (one scalar collective), so all replicas take the same branch: an
+    average of gradients is finite exactly when every replica's is (barring an
+    overflow of the sum).
+    """
+    apply = sync.apply
+
+    def skipping(grads, state, tx, axis_name):
+        if getattr(state, "skipped_steps", None) is None:
+            raise ValueError(
+                "`skip_nonfinite=True` counts skipped steps in the state's "
+                "`skipped_steps` field, which this state does not have (or holds "
+                f"None): {type(state).__name__}. Use `jdp.TrainState.create(...)`, "
+                "or add a `skipped_steps` field (an int32 zero) to your state."
+            )
+        finite = jnp.array(True)
+        for g in jax.tree.leaves(grads):
+            if is_float(g):
+                finite &= jnp.all(jnp.isfinite(g))
+        finite = lax.pmin(finite.astype(jnp.int32), axis_name) > 0
+
+        def run(_):
+            return apply(grads, state, tx, axis_name)
+
+        def skip(_):
+            shapes = jax.eval_shape(run, None)
+            extra = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[2])
+            return state.params, state.opt_state, extra
+
+        params, opt_state, extra = lax.cond(finite, run, skip, None)
+        return params, opt_state, {**extra, "skipped": 1 - finite.astype(jnp.int32)}
+
+    return sync._replace(apply=skipping)
+
+
+def _agreed_locally(state: PyTree) -> PyTree:
+    """What replicas that train on their own gradients still agree on.
+
+    The step counter and batch statistics (synced every step), and the parts of
+    the optimizer state declared to agree (`_replica_parts`: the global parts
+    of `jdp.bmuf`'s state); not the params or other optimizer state.
+    """
+    if not hasattr(state, "replace"):
+        return None
+    return state.replace(params=None, opt_state=_replica_parts.agreed(state.opt_state))
