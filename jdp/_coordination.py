@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from jdp import _jax_compat
+
 
 def client() -> Any:
     """This process's coordination-service client, or None if it has not joined.
@@ -20,10 +22,5 @@ def client() -> Any:
       >>> _coordination.client() is None  # a single process never joined
       True
     """
-    # Private JAX, on purpose: JAX (0.10) has no public API for the coordination
-    # service's key-value store.
-    try:
-        from jax._src import distributed as jax_distributed_state
-    except ImportError:  # pragma: no cover - JAX moved it
-        return None
-    return getattr(jax_distributed_state.global_state, "client", None)
+    # Private JAX (no public API for the key-value store): see `_jax_compat`.
+    return _jax_compat.coordination_client()

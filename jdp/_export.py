@@ -42,6 +42,7 @@ import numpy as np
 from jax import export as jax_export
 from jax.sharding import NamedSharding
 
+from jdp import _jax_compat
 from jdp._layout import is_replicated, logical_copy
 from jdp._tree import format_problems, keystr
 from jdp._version import __version__
@@ -286,7 +287,7 @@ def export_predictor(
     try:
         exported = jax_export.export(jax.jit(predictor), platforms=platforms)(*specs)
     except Exception as e:  # add what jdp knows; keep JAX's own error type
-        if batch_polymorphic and "symbolic" in str(e).lower():
+        if batch_polymorphic and _jax_compat.is_symbolic_dimension_error(e):
             e.add_note(
                 "jdp: the batch axis was exported as the symbolic dimension "
                 f"{_BATCH!r}; if the model needs a concrete batch size, pass "

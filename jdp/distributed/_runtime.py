@@ -27,7 +27,7 @@ from typing import Literal
 
 import jax
 
-from jdp import _coordination, _validate
+from jdp import _coordination, _jax_compat, _validate
 
 ENV_COORDINATOR_ADDRESS = "JDP_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "JDP_NUM_PROCESSES"
@@ -229,19 +229,6 @@ def _check_coordinator_port(requested: dict) -> str | None:
     return bind
 
 
-def _backends_started() -> bool:
-    """Whether JAX's backends started (after which joining a job is too late)."""
-    try:
-        # Private JAX, on purpose: JAX (0.10) has no public way to ask whether its
-        # backends started without starting them. `jax.extend.backend.backends()`
-        # and `jax.devices()` start them; `jax.distributed.initialize` does the
-        # same check internally (with this very function) but only to raise.
-        from jax._src import xla_bridge
-    except ImportError:  # pragma: no cover - JAX moved it; JAX's own check remains
-        return False
-    return bool(xla_bridge.backends_are_initialized())
-
-
 def _wait_for_coordinator(address: str, deadline: float) -> bool:
     """Tries TCP connections to `address` until one succeeds or `deadline` passes."""
     host, port = _split_address(address)
@@ -383,7 +370,7 @@ def initialize(
         _check_same_job(requested)
         return
     given = [k for k, v in requested.items() if v is not None]
-    if _backends_started():
+    if _jax_compat.backends_started():
         if not given:  # nothing configured: a single process, already running
             return
         raise RuntimeError(_TOO_LATE_MSG)
@@ -504,12 +491,12 @@ def _join(
             coordinator_bind_address=bind,
         )
     except ValueError as e:
-        if not given and "coordinator_address" in str(e):
+        if not given and _jax_compat.is_no_cluster_found(e):
             _log.info("No multi-process configuration found; running as one process.")
             return False
         raise _incomplete_config_error(e, requested) from e
     except RuntimeError as e:
-        if "must be called before" in str(e):
+        if _jax_compat.is_initialize_too_late(e):
             raise RuntimeError(_TOO_LATE_MSG) from e
         raise
     finally:

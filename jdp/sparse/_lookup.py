@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jdp import _jax_compat
 from jdp._tree import format_problems, keystr
 
 PyTree = Any
@@ -104,13 +105,13 @@ def lookup(table: Any, ids: Any) -> jax.Array:
 
     On a plain array this is a gather whose gradient is the usual dense
     scatter-add (so the same model trains with `jdp.make_train_step`). Inside
-    `jdp.sparse.value_and_grad` / `jdp.sparse.make_train_step`, where the table
+    `jdp.sparse.value_and_grad` / `jdp.sparse.rows()`, where the table
     arrives as a handle, the gradient is kept as `(ids, row gradients)` instead
     (`jdp.sparse.IndexedRows`), never as a dense table.
 
     Ids outside `[0, num_rows)` (negative ones included: there is no wrap-around)
     read a row of zeros and receive no update, on both paths. Use
-    `jdp.sparse.make_train_step(..., check_ids=True)` to get an error instead.
+    `jdp.sparse.rows(check_ids=True)` to get an error instead.
 
     Args:
       table: The table, shape `(num_rows, ...)`: a parameter leaf (array or the
@@ -272,7 +273,7 @@ def value_and_grad(
         try:
             jax.eval_shape(lambda d, a: call(d, shapes, a), dense, args)
         except (TypeError, ValueError) as e:
-            if "_TableHandle" in str(e):
+            if _jax_compat.error_names_type(e, _TableHandle):
                 e.add_note(_DENSE_USE_NOTE.format(names=names))
             raise
         records = shapes.records

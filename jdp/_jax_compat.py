@@ -1,0 +1,200 @@
+"""Private: everything jdp assumes about JAX beyond its public API, in one place.
+
+Where JAX has no public API for what jdp needs, jdp reads JAX's private modules
+(`jax._src`), recognises JAX's errors by their text, or names JAX's primitives and
+loggers. Each such assumption is one small function or constant here, whose
+docstring names the JAX version it was checked against and the public API that is
+missing; no other module of jdp does any of this. `tests/test_jax_compat.py` checks
+each one against the installed JAX (it provokes the real error, calls the real
+private function), so after a JAX upgrade a failing test there names the
+assumption that broke, and the fix goes in this file.
+
+The private functions fall back to a safe answer if JAX moved them (JAX's own
+behaviour then shows through, e.g. its own error), and the text matchers to "not
+recognised" (the error is raised unchanged, without jdp's explanation).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+# -- private JAX ------------------------------------------------------------------
+
+
+def backends_started() -> bool:
+    """Whether JAX's backends started (e.g. after `jax.devices()` or an array).
+
+    Private JAX (`jax._src.xla_bridge.backends_are_initialized`, JAX 0.10): no
+    public API asks this without starting the backends (`jax.devices()` and
+    `jax.extend.backend.backends()` start them). `initialize` of
+    `jax.distributed` uses this very function to refuse to run too late, but only
+    to raise. False if JAX moved it (JAX's own check, `is_initialize_too_late`,
+    still applies).
+
+    Example:
+      >>> import jax
+      >>> from jdp import _jax_compat
+      >>> _ = jax.devices()
+      >>> _jax_compat.backends_started()
+      True
+    """
+    try:
+        from jax._src import xla_bridge
+    except ImportError:  # pragma: no cover - JAX moved it
+        return False
+    check = getattr(xla_bridge, "backends_are_initialized", None)
+    return bool(check()) if callable(check) else False
+
+
+def coordination_client() -> Any:
+    """This process's client of JAX's coordination service; None if not joined.
+
+    Private JAX (`jax._src.distributed.global_state.client`, JAX 0.10): JAX has no
+    public API for the coordination service's key-value store, which jdp uses
+    through the client's `key_value_set`, `blocking_key_value_get`,
+    `key_value_dir_get` and `key_value_delete`. None if JAX moved it.
+
+    Example:
+      >>> from jdp import _jax_compat
+      >>> _jax_compat.coordination_client() is None  # a single process never joined
+      True
+    """
+    try:
+        from jax._src import distributed
+    except ImportError:  # pragma: no cover - JAX moved it
+        return None
+    state = getattr(distributed, "global_state", None)
+    return getattr(state, "client", None)
+
+
+# -- JAX's errors, recognised by their text ----------------------------------------
+
+
+def is_initialize_too_late(error: BaseException) -> bool:
+    """Whether `error` is JAX's refusal to join a job after its backends started.
+
+    `initialize` of `jax.distributed` (JAX 0.10) raises a plain `RuntimeError`
+    ("... must be called before any JAX calls that might initialise the XLA
+    backend ...") when the backends already started; JAX has no exception type of
+    its own for this.
+
+    Example:
+      >>> from jdp import _jax_compat
+      >>> _jax_compat.is_initialize_too_late(RuntimeError("other"))
+      False
+    """
+    return isinstance(error, RuntimeError) and "must be called before" in str(error)
+
+
+def is_no_cluster_found(error: BaseException) -> bool:
+    """Whether `error` is JAX's `distributed.initialize` finding no job to join.
+
+    Called without a coordinator address, and with none in the environment or
+    from its cluster detection (SLURM, Open MPI, Kubernetes, Cloud TPU), JAX 0.10
+    raises a plain `ValueError("coordinator_address should be defined.")`; no
+    public API tells whether a cluster was detected.
+
+    Example:
+      >>> from jdp import _jax_compat
+      >>> _jax_compat.is_no_cluster_found(ValueError("bad process_id"))
+      False
+    """
+    return isinstance(error, ValueError) and "coordinator_address" in str(error)
+
+
+def is_symbolic_dimension_error(error: BaseException) -> bool:
+    """Whether `error` comes from a shape-polymorphic export's symbolic dimension.
+
+    A model traced with a symbolic batch size (`jax.export.symbolic_shape`) fails
+    where it needs a concrete one. In JAX 0.10 some of these errors are the
+    public `jax.errors.InconclusiveDimensionOperation` (a comparison or a
+    division of dimensions), others only say so in their text: a `TypeError`
+    naming JAX's private class of symbolic dimensions, `_DimExpr` (e.g. from
+    `float(x.shape[0])`), or a message about a "symbolic" dimension. JAX has no
+    common exception type for them.
+
+    Example:
+      >>> import jax
+      >>> from jdp import _jax_compat
+      >>> _jax_compat.is_symbolic_dimension_error(
+      ...     jax.errors.InconclusiveDimensionOperation("'batch' > '3'")
+      ... )
+      True
+    """
+    if isinstance(error, jax.errors.InconclusiveDimensionOperation):
+        return True
+    text = str(error)
+    return "_DimExpr" in text or "symbolic" in text.lower()
+
+
+def error_names_type(error: BaseException, cls: type) -> bool:
+    """Whether JAX's `error` about a value it cannot use names the type `cls`.
+
+    JAX 0.10 reports a value of a non-JAX type passed to (or returned from) a
+    traced function with a `TypeError` whose text names its type (e.g. "The
+    problematic value is of type <class '...Handle'>", "... returned a value of
+    type <class '...Handle'>, which is not a valid JAX type"), or shows the
+    value's default `repr`, which names it too. No public attribute of the error
+    carries the value or its type.
+
+    Example:
+      >>> from jdp import _jax_compat
+      >>> class Handle: ...
+      >>> _jax_compat.error_names_type(TypeError("type <class 'Handle'>"), Handle)
+      True
+    """
+    return cls.__name__ in str(error)
+
+
+def is_unbound_axis_error(error: BaseException) -> bool:
+    """Whether `error` is JAX's error for a collective over an unknown axis name.
+
+    A collective (`lax.psum`, `lax.axis_index`, ...) traced outside any mapping of
+    its axis name raises, in JAX 0.10, a plain `NameError` ("Found an unbound
+    axis name: data. ..."); JAX has no exception type of its own for it.
+
+    Example:
+      >>> from jdp import _jax_compat
+      >>> _jax_compat.is_unbound_axis_error(NameError("name 'x' is not defined"))
+      False
+    """
+    return isinstance(error, NameError) and "unbound axis name" in str(error)
+
+
+# -- JAX's names -------------------------------------------------------------------
+
+#: The loggers through which JAX 0.10 logs an exception raised inside a host
+#: callback (`jax.pure_callback`, `jax.debug.callback`) before the computation
+#: fails: `logging.getLogger(__name__)` in the private modules that run them.
+#: JAX has no public switch for this log; if the modules move, a filter added to
+#: these loggers just stops applying.
+CALLBACK_LOGGERS = ("jax._src.callback", "jax._src.debugging")
+
+#: Names of JAX 0.10's primitives that reduce over, or combine elements across, a
+#: whole operand (sums, norms, matrix products, scans, sorts). JAX has no public
+#: classification of its primitives; `jax.extend.core.Primitive` gives only the
+#: name.
+REDUCTION_PRIMITIVES = frozenset(
+    {
+        "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and",
+        "reduce_or", "reduce_xor", "argmax", "argmin", "dot_general", "cumsum",
+        "cumprod", "cummax", "cummin", "cumlogsumexp", "sort", "top_k",
+        "conv_general_dilated", "reduce",
+    }
+)  # fmt: skip
+
+#: Names of JAX 0.10's primitives that communicate across a mapped axis (or read
+#: the position on it). As for `REDUCTION_PRIMITIVES`, no public classification.
+COLLECTIVE_PRIMITIVES = frozenset(
+    {
+        "psum", "pmax", "pmin", "ppermute", "all_gather", "all_to_all",
+        "reduce_scatter", "psum_invariant", "pbroadcast", "axis_index",
+    }
+)  # fmt: skip
+
+#: Names of JAX 0.10's primitives that only change an operand's rank or shape,
+#: whose presence in a jaxpr depends on the operands' ranks (`jnp.expand_dims`
+#: is a `broadcast_in_dim` or a `reshape`, not a primitive of its own).
+SHAPE_ONLY_PRIMITIVES = frozenset({"broadcast_in_dim", "reshape", "squeeze"})

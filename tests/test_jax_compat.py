@@ -1,0 +1,313 @@
+"""Every assumption of `jdp._jax_compat`, checked against the installed JAX.
+
+Each test provokes the real behaviour (JAX's own error, its private function, its
+primitives and loggers) and checks that jdp's matcher or name still fits, so a
+JAX upgrade that breaks one fails the test named after it. Code that needs a fresh
+interpreter (JAX not started yet, a job joined) runs in a subprocess.
+"""
+
+import gc
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export as jax_export
+from jax import lax
+from jax.extend import core as jex_core
+
+from jdp import _jax_compat
+from jdp.launch._launcher import free_port
+
+
+def run_fresh(code, *args, env=None):
+    """Runs `code` in a fresh interpreter; its last stdout line, parsed as JSON."""
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# -- private JAX ------------------------------------------------------------------
+
+
+def test_backends_started_is_false_until_jax_starts_them():
+    found = run_fresh(
+        """
+        import json
+        import jax
+        from jdp import _jax_compat
+        before = _jax_compat.backends_started()
+        jax.devices()
+        print(json.dumps([before, _jax_compat.backends_started()]))
+        """
+    )
+    assert found == [False, True]
+    jax.devices()  # this test process started JAX long ago
+    assert _jax_compat.backends_started() is True
+
+
+def test_coordination_client_is_none_outside_a_job():
+    assert _jax_compat.coordination_client() is None
+
+
+def test_coordination_client_of_a_job_serves_the_key_value_store():
+    # The calls jdp makes: step.shard's batch comparison, the shutdown record.
+    found = run_fresh(
+        """
+        import json, sys
+        import jax
+        from jdp import _jax_compat
+        jax.distributed.initialize(sys.argv[1], 1, 0)
+        client = _jax_compat.coordination_client()
+        client.key_value_set("jdp_test/a", "1", allow_overwrite=True)
+        got = client.blocking_key_value_get("jdp_test/a", 10_000)
+        listed = client.key_value_dir_get("jdp_test/")
+        client.key_value_delete("jdp_test/a")
+        left = client.key_value_dir_get("jdp_test/")
+        jax.distributed.shutdown()
+        after = _jax_compat.coordination_client()
+        print(json.dumps([got, listed, left, after]))
+        """,
+        f"127.0.0.1:{free_port()}",
+    )
+    assert found == ["1", [["jdp_test/a", "1"]], [], None]
+
+
+# -- JAX's errors ------------------------------------------------------------------
+
+
+def test_is_initialize_too_late_recognises_jax_refusing_to_join_late():
+    jax.devices()  # the backends started
+    with pytest.raises(RuntimeError) as e:
+        jax.distributed.initialize("127.0.0.1:1234", 2, 0)
+    assert _jax_compat.is_initialize_too_late(e.value), e.value
+    assert not _jax_compat.is_initialize_too_late(RuntimeError("something else"))
+    assert not _jax_compat.is_initialize_too_late(ValueError(str(e.value)))
+
+
+def test_is_no_cluster_found_recognises_jax_finding_no_job():
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("JAX_COORDINATOR", "JDP_", "SLURM_", "OMPI_", "PMI_"))
+    }
+    found = run_fresh(
+        """
+        import json
+        import jax
+        from jdp import _jax_compat
+        found = []
+        for args in [(), ("127.0.0.1:1234", 2, 5)]:  # no job; a bad process_id
+            try:
+                jax.distributed.initialize(*args)
+            except ValueError as e:
+                found.append([str(e), _jax_compat.is_no_cluster_found(e)])
+        print(json.dumps(found))
+        """,
+        env=env,
+    )
+    assert [recognised for _, recognised in found] == [True, False], found
+
+
+def _symbolic_export(fn):
+    (batch,) = jax_export.symbolic_shape("batch")
+    spec = jax.ShapeDtypeStruct((batch, 3), np.float32)
+    with pytest.raises(Exception) as e:
+        jax_export.export(jax.jit(fn))(spec)
+    return e.value
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x: jnp.zeros(int(x.shape[0])),  # "Symbolic dimension ... constant"
+        lambda x: x.reshape(2, -1),  # InconclusiveDimensionOperation, no "symbolic"
+        lambda x: x * float(x.shape[0]),  # TypeError naming `_DimExpr`
+    ],
+    ids=["int-of-dimension", "reshape", "float-of-dimension"],
+)
+def test_is_symbolic_dimension_error_recognises_a_symbolic_batch(fn):
+    error = _symbolic_export(fn)
+    assert _jax_compat.is_symbolic_dimension_error(error), repr(error)
+
+
+def test_is_symbolic_dimension_error_leaves_other_errors():
+    spec = jax.ShapeDtypeStruct((4, 3), np.float32)
+    with pytest.raises(TypeError) as e:
+        jax_export.export(jax.jit(lambda x: x @ x))(spec)  # (4, 3) @ (4, 3)
+    assert not _jax_compat.is_symbolic_dimension_error(e.value), e.value
+
+
+class _Handle:
+    """Stands in for a value JAX cannot use (as `jdp.sparse`'s table handles)."""
+
+
+@pytest.mark.parametrize(
+    "use",
+    [
+        lambda h: jnp.take(h, jnp.arange(2), axis=0),  # passed to a jnp function
+        lambda h: jnp.asarray(h),  # made an array
+        lambda h: jax.eval_shape(lambda: h),  # returned from a traced function
+    ],
+    ids=["argument", "asarray", "returned"],
+)
+def test_error_names_type_recognises_a_value_of_another_type(use):
+    with pytest.raises(TypeError) as e:
+        use(_Handle())
+    assert _jax_compat.error_names_type(e.value, _Handle), e.value
+    assert not _jax_compat.error_names_type(e.value, np.ndarray)
+
+
+@pytest.mark.parametrize(
+    "trace",
+    [
+        lambda: jax.make_jaxpr(lambda x: lax.psum(x, "data"))(1.0),
+        lambda: jax.jit(lambda x: x + lax.axis_index("data"))(1.0),
+    ],
+    ids=["psum", "axis_index"],
+)
+def test_is_unbound_axis_error_recognises_a_collective_outside_its_axis(trace):
+    with pytest.raises(NameError) as e:
+        trace()
+    assert _jax_compat.is_unbound_axis_error(e.value), e.value
+    assert not _jax_compat.is_unbound_axis_error(NameError("name 'x' is not defined"))
+    assert not _jax_compat.is_unbound_axis_error(ValueError(str(e.value)))
+
+
+# -- JAX's names -------------------------------------------------------------------
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def emit(self, record):
+        self.names.append(record.name)
+
+
+def _failing(x):
+    raise ValueError("a host callback fails on purpose")
+
+
+def _pure_callback():
+    shape = jax.ShapeDtypeStruct((), jnp.float32)
+    jax.jit(lambda x: jax.pure_callback(_failing, shape, x))(1.0).block_until_ready()
+
+
+def _debug_callback():
+    jax.jit(lambda x: jax.debug.callback(_failing, x))(1.0)
+    jax.effects_barrier()
+
+
+@pytest.mark.parametrize(
+    ("run", "logger"),
+    [(_pure_callback, "jax._src.callback"), (_debug_callback, "jax._src.debugging")],
+    ids=["pure_callback", "debug.callback"],
+)
+def test_callback_loggers_log_a_failed_host_callback(run, logger):
+    # A filter on a logger sees only the records created by that very logger.
+    assert logger in _jax_compat.CALLBACK_LOGGERS
+    records = _Records()
+    jax_logger = logging.getLogger("jax")
+    jax_logger.addHandler(records)
+    try:
+        with pytest.raises(Exception, match="a host callback fails on purpose"):
+            run()
+    finally:
+        jax_logger.removeHandler(records)
+    assert logger in records.names, records.names
+
+
+@pytest.fixture(scope="module")
+def primitive_names():
+    """The names of every primitive the installed JAX defines (and imported)."""
+    return {p.name for p in gc.get_objects() if isinstance(p, jex_core.Primitive)}
+
+
+@pytest.mark.parametrize(
+    "name",
+    sorted(
+        _jax_compat.REDUCTION_PRIMITIVES
+        | _jax_compat.COLLECTIVE_PRIMITIVES
+        | _jax_compat.SHAPE_ONLY_PRIMITIVES
+    ),
+)
+def test_listed_primitive_exists(primitive_names, name):
+    assert name in primitive_names
+
+
+def _primitive_names(fn, *args, axis_env=()):
+    """The primitives of `fn`'s jaxpr, inner jaxprs included (as `_zero` reads it)."""
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            yield eqn.primitive.name
+            for inner in jex_core.jaxprs_in_params(eqn.params):
+                yield from walk(inner)
+
+    return set(walk(jax.make_jaxpr(fn, axis_env=list(axis_env))(*args).jaxpr))
+
+
+@pytest.mark.parametrize(
+    ("fn", "axis_env", "listed"),
+    [
+        (jnp.sum, (), _jax_compat.REDUCTION_PRIMITIVES),
+        (jnp.linalg.norm, (), _jax_compat.REDUCTION_PRIMITIVES),
+        (lambda x: x @ x.T, (), _jax_compat.REDUCTION_PRIMITIVES),
+        (jnp.cumsum, (), _jax_compat.REDUCTION_PRIMITIVES),
+        (lambda x: lax.psum(x, "i"), (("i", 2),), _jax_compat.COLLECTIVE_PRIMITIVES),
+        (lambda x: lax.pmax(x, "i"), (("i", 2),), _jax_compat.COLLECTIVE_PRIMITIVES),
+        (
+            lambda x: x * lax.axis_index("i"),
+            (("i", 2),),
+            _jax_compat.COLLECTIVE_PRIMITIVES,
+        ),
+        (lambda x: x.reshape(-1), (), _jax_compat.SHAPE_ONLY_PRIMITIVES),
+        (lambda x: jnp.expand_dims(x, 0), (), _jax_compat.SHAPE_ONLY_PRIMITIVES),
+        (lambda x: x[None].squeeze(0), (), _jax_compat.SHAPE_ONLY_PRIMITIVES),
+        (
+            lambda x: jnp.broadcast_to(x, (2, 2, 3)),
+            (),
+            _jax_compat.SHAPE_ONLY_PRIMITIVES,
+        ),
+    ],
+    ids=[
+        "sum",
+        "norm",
+        "matmul",
+        "cumsum",
+        "psum",
+        "pmax",
+        "axis_index",
+        "reshape",
+        "expand_dims",
+        "squeeze",
+        "broadcast",
+    ],
+)
+def test_operations_trace_to_listed_primitives(fn, axis_env, listed):
+    names = _primitive_names(fn, jnp.ones((2, 3)), axis_env=axis_env)
+    assert names & listed, f"{sorted(names)} has none of {sorted(listed)}"
+
+
+def test_element_wise_operations_trace_to_no_listed_primitive():
+    names = _primitive_names(lambda x: jnp.sqrt(x * x + 1.0) / 2.0, jnp.ones(3))
+    listed = (
+        _jax_compat.REDUCTION_PRIMITIVES
+        | _jax_compat.COLLECTIVE_PRIMITIVES
+        | _jax_compat.SHAPE_ONLY_PRIMITIVES
+    )
+    assert not names & listed, sorted(names & listed)
