@@ -7,8 +7,10 @@ grouped), which exercises the same hierarchical program on one machine.
 
 import errno
 import ipaddress
+import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -29,6 +31,7 @@ from helpers import (
 import jdp
 from jdp import _layout
 from jdp.distributed import _runtime
+from jdp.launch import _launcher
 from jdp.launch._launcher import free_port
 
 HOST_MESH = ("host", "device")
@@ -55,6 +58,7 @@ def no_job_env(monkeypatch):
         "JDP_COORDINATOR_ADDRESS",
         "JDP_NUM_PROCESSES",
         "JDP_PROCESS_ID",
+        "JDP_FAIL_FAST",
         "JAX_COORDINATOR_ADDRESS",
     ):
         monkeypatch.delenv(name, raising=False)
@@ -110,6 +114,12 @@ def test_initialize_rejects_bad_arguments(no_job_env, args, kwargs, message):
         ((1234, 2, 0), {}, r"`coordinator_address` must be a str 'host:port'.*"),
         ((), {"timeout_s": 1.5}, r"`timeout_s` .* got 1\.5 \(a float\)"),
         ((), {"heartbeat_timeout_s": 1.5}, r"`heartbeat_timeout_s` must be an int"),
+        (
+            (),
+            {"fail_fast": 1},
+            r"`fail_fast` must be a bool, or None to read \$JDP_FAIL_FAST; got 1 "
+            r"\(an int\)\.",
+        ),
     ],
     ids=[
         "num-str",
@@ -119,6 +129,7 @@ def test_initialize_rejects_bad_arguments(no_job_env, args, kwargs, message):
         "address",
         "timeout",
         "heartbeat",
+        "fail-fast",
     ],
 )
 def test_initialize_rejects_arguments_of_the_wrong_type(
@@ -135,6 +146,37 @@ def test_initialize_names_a_malformed_environment_variable(no_job_env, monkeypat
         ValueError, match=r"\$JDP_NUM_PROCESSES must be an integer, got 'two'"
     ):
         jdp.distributed.initialize()
+    monkeypatch.delenv("JDP_NUM_PROCESSES")
+    monkeypatch.setenv("JDP_FAIL_FAST", "yes")
+    with pytest.raises(
+        ValueError, match=r"\$JDP_FAIL_FAST must be '1' \(fail fast\) or '0', got 'yes'"
+    ):
+        jdp.distributed.initialize()
+
+
+@pytest.mark.parametrize(
+    ("fail_fast", "env", "expected"),
+    [
+        (None, None, False),
+        (None, "0", False),
+        (None, "1", True),
+        (False, "1", False),
+        (True, None, True),
+    ],
+)
+def test_fail_fast_defaults_to_the_environment(
+    no_job_env, monkeypatch, fail_fast, env, expected
+):
+    if env is not None:
+        monkeypatch.setenv("JDP_FAIL_FAST", env)
+    assert _runtime._fail_fast(fail_fast) is expected
+
+
+def test_launcher_asks_its_processes_to_fail_fast():
+    env = _launcher.process_env(
+        {}, process_id=0, num_processes=2, port=1234, devices_per_process=None
+    )
+    assert env[_runtime.ENV_FAIL_FAST] == "1"
 
 
 def test_initialize_after_jax_started_says_to_call_it_first(no_job_env):
@@ -273,6 +315,80 @@ def test_coordinator_at_a_loopback_address_listens_on_loopback_only(no_job_env):
     assert ready == "ready\n", err
     # JAX's default would be every address: [::] (and so 0.0.0.0).
     assert addresses == [ipaddress.ip_address("127.0.0.1")]
+
+
+# What `initialize` changes process-wide: by default nothing beyond JAX's own
+# set-up. `signal.signal` is wrapped to see every handler jdp sets; SIGTERM's own
+# handler (set before `initialize`) shows whether SIGTERM still reaches Python
+# afterwards (JAX's preemption service takes the signal over).
+HOOKS = """
+import atexit, json, os, signal, sys
+import jdp
+
+kwargs = json.loads(sys.argv[2])
+received = []
+signal.signal(signal.SIGTERM, lambda *_: received.append("SIGTERM"))
+set_handlers = []
+set_handler = signal.signal
+signal.signal = lambda sig, handler: set_handlers.append(sig) or set_handler(
+    sig, handler
+)
+excepthook, sigterm = sys.excepthook, signal.getsignal(signal.SIGTERM)
+callbacks = atexit._ncallbacks()
+jdp.distributed.initialize(sys.argv[1], 1, 0, timeout_s=30, **kwargs)
+found = {
+    "excepthook": "replaced" if sys.excepthook is not excepthook else "kept",
+    "fail_fast_hook": getattr(sys.excepthook, "jdp_fail_fast", False),
+    "signal_handlers_set": set_handlers,
+    "sigterm_handler": "kept" if signal.getsignal(signal.SIGTERM) is sigterm else "?",
+    "atexit_added": atexit._ncallbacks() - callbacks,
+}
+if kwargs.get("fail_fast") or os.environ.get("JDP_FAIL_FAST") == "1":
+    signal.raise_signal(signal.SIGTERM)  # reaches the handler set above again
+    found["sigterm_received"] = received
+jdp.distributed.shutdown()
+print(json.dumps(found), flush=True)
+"""
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "env", "fail_fast"),
+    [({}, None, False), ({"fail_fast": True}, None, True), ({}, "1", True)],
+    ids=["default", "fail-fast", "launcher-env"],
+)
+def test_initialize_installs_process_hooks_only_when_asked(
+    no_job_env, kwargs, env, fail_fast
+):
+    environ = {k: v for k, v in os.environ.items() if k != "JDP_FAIL_FAST"}
+    if env is not None:
+        environ["JDP_FAIL_FAST"] = env
+    proc = subprocess.run(
+        [sys.executable, "-c", HOOKS, f"127.0.0.1:{free_port()}", json.dumps(kwargs)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=environ,
+    )
+    assert proc.returncode == 0, proc.stderr
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    if not fail_fast:
+        assert found == {
+            "excepthook": "kept",
+            "fail_fast_hook": False,
+            "signal_handlers_set": [],
+            "sigterm_handler": "kept",
+            "atexit_added": 0,
+        }
+    else:
+        # The exit hook, SIGTERM's handler put back, the fail-fast excepthook.
+        assert found == {
+            "excepthook": "replaced",
+            "fail_fast_hook": True,
+            "signal_handlers_set": [signal.SIGTERM],
+            "sigterm_handler": "kept",
+            "atexit_added": 1,
+            "sigterm_received": ["SIGTERM"],
+        }
 
 
 # -- parallelize(..., axis_name=("host", "device")) -----------------------------

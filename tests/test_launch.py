@@ -588,7 +588,7 @@ def test_process_env_sets_the_job_and_replaces_the_device_count():
     assert env["JDP_NUM_PROCESSES"] == "3"
     assert env["JDP_PROCESS_ID"] == "1"
     assert env["JAX_COORDINATOR_BIND_ADDRESS"] == "127.0.0.1:1234"
-    assert env["JDP_LAUNCHER_PID"] == str(os.getpid())
+    assert env["JDP_FAIL_FAST"] == "1"  # `initialize()` fails fast
     assert env["XLA_FLAGS"].split() == [
         "--foo=1",
         "--bar",

@@ -5,8 +5,9 @@ around it: the configuration read from `JDP_*` environment variables (set by
 `python -m jdp.launch`), gloo collectives on CPU, arguments checked before anything
 starts, a clear error instead of a native abort (or crash) when the processes cannot
 meet, leave, or host the coordinator, a coordinator that listens on loopback only
-when the job is on one machine, and a failing process that exits at once instead of
-waiting for its peers.
+when the job is on one machine, and, when asked (`fail_fast`, the default under
+`python -m jdp.launch`), a failing process that exits at once instead of waiting
+for its peers.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ from jdp import _coordination, _jax_compat, _validate
 ENV_COORDINATOR_ADDRESS = "JDP_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "JDP_NUM_PROCESSES"
 ENV_PROCESS_ID = "JDP_PROCESS_ID"
-#: Set by `python -m jdp.launch` (to its PID) in the processes it starts.
-ENV_LAUNCHER_PID = "JDP_LAUNCHER_PID"
+#: The default of `initialize`'s `fail_fast`: "1" or "0" (unset: "0"). Set to "1"
+#: by `python -m jdp.launch` in the processes it starts.
+ENV_FAIL_FAST = "JDP_FAIL_FAST"
 #: JAX's own setting of the coordinator's listening address (it wins over jdp's).
 ENV_JAX_BIND_ADDRESS = "JAX_COORDINATOR_BIND_ADDRESS"
 
@@ -283,7 +285,7 @@ def initialize(
     cpu_collectives: Literal["gloo", "mpi"] | None = "gloo",
     timeout_s: int = 300,
     heartbeat_timeout_s: int = 100,
-    fail_fast: bool = True,
+    fail_fast: bool | None = None,
 ) -> None:
     """Connects this process to the others of a multi-process job.
 
@@ -311,14 +313,20 @@ def initialize(
     firewall. Before starting it, process 0 checks that it can listen on the
     port, which JAX does not do (its process crashes).
 
-    Leaving the job is a barrier: at `shutdown` (or the interpreter's exit) a
-    process waits for the others, for up to `timeout_s`; past that it prints which
-    processes did not arrive and exits with status 1.
+    Leaving the job is a barrier: at `shutdown` a process waits for the others,
+    for up to `timeout_s`; past that it prints which processes did not arrive and
+    exits with status 1. At the interpreter's exit, with `fail_fast`, the same;
+    without it, JAX's own exit handler waits (for `timeout_s` + 10 s) and then
+    aborts the process.
 
-    Under `python -m jdp.launch`, SIGTERM stops the process as in any Python
-    program. Otherwise JAX's preemption service takes SIGTERM over: it only
-    records a preemption notice (see `jax.experimental.multihost_utils`) and the
-    process runs on.
+    With `fail_fast` (as under `python -m jdp.launch`), SIGTERM stops the process
+    as in any Python program. Otherwise JAX's preemption service takes SIGTERM
+    over: it only records a preemption notice (see
+    `jax.experimental.multihost_utils`) and the process runs on.
+
+    By default `initialize` changes nothing process-wide beyond JAX's own set-up:
+    not `sys.excepthook`, not a signal handler, no `atexit` handler; a program
+    (or a library calling it) keeps its own. `fail_fast=True` asks for them.
 
     Args:
       coordinator_address: `"host:port"` of process 0, which hosts JAX's
@@ -334,17 +342,27 @@ def initialize(
         before it exits with status 1.
       heartbeat_timeout_s: Seconds without a heartbeat after which the runtime
         declares a process dead and stops the others (100 by default).
-      fail_fast: If True (default), with several processes an uncaught exception
-        prints its traceback and exits the process at once (status 1). Without
-        this, the interpreter's exit waits for the other processes at JAX's
-        shutdown barrier, for up to `timeout_s`, and the job hangs.
+      fail_fast: Whether a failing process ends at once instead of holding up
+        the job. None (default): `$JDP_FAIL_FAST` decides, which
+        `python -m jdp.launch` sets to "1" (unset: False). If True, once the job
+        is joined, `initialize` installs three process-wide hooks: a
+        `sys.excepthook` that prints an uncaught exception's traceback and exits
+        the process at once (status 1; 130 for Ctrl-C), where the interpreter's
+        exit would wait for the other processes at JAX's shutdown barrier (up to
+        `timeout_s` + 10 s) and the job would hang; an `atexit` handler that
+        leaves the job through `shutdown` (which names the processes that did
+        not arrive, see above); and SIGTERM's handler from before the call, put
+        back after JAX's preemption service took SIGTERM over. If False, none of
+        these.
 
     Raises:
       TypeError: If an argument has the wrong type (e.g. `num_processes="2"`;
-        counts, ids and seconds are ints, not bools).
-      ValueError: If an argument or `JDP_*` variable is malformed, a count or
-        timeout is below 1, `process_id` is outside `[0, num_processes)`, or the
-        configuration is incomplete.
+        counts, ids and seconds are ints, not bools; `fail_fast` is a bool or
+        None).
+      ValueError: If an argument or `JDP_*` variable is malformed (e.g.
+        `$JDP_FAIL_FAST` other than "0" or "1"), a count or timeout is below 1,
+        `process_id` is outside `[0, num_processes)`, or the configuration is
+        incomplete.
       RuntimeError: If JAX's backends already started, or this process was
         already initialized with different arguments.
       OSError: On process 0, if the coordinator cannot listen on its port
@@ -361,9 +379,14 @@ def initialize(
       >>> import jdp
       >>> jdp.distributed.initialize("10.0.0.1:1234", 2, 0)  # doctest: +SKIP
       >>> jdp.distributed.initialize()  # under `python -m jdp.launch` # doctest: +SKIP
+
+      A job started otherwise (SLURM, by hand) that should fail fast too:
+
+      >>> jdp.distributed.initialize(fail_fast=True)  # doctest: +SKIP
     """
     global _config, _shutdown_timeout_s
     _check_options(cpu_collectives, timeout_s, heartbeat_timeout_s)
+    fail_fast = _fail_fast(fail_fast)
     requested = _requested_config(coordinator_address, num_processes, process_id)
     _check_config(**requested)
     if _config is not None or jax.distributed.is_initialized():
@@ -389,10 +412,9 @@ def initialize(
         return
     _config = _joined_config(requested)
     _shutdown_timeout_s = timeout_s
-    _install_exit_hook()
-    if os.environ.get(ENV_LAUNCHER_PID):
+    if fail_fast:
+        _install_exit_hook()
         _restore_sigterm(sigterm)
-    if fail_fast and _config["num_processes"] > 1:
         _install_fail_fast()
 
 
@@ -407,6 +429,25 @@ def _check_options(
         )
     _validate.positive_int("timeout_s", timeout_s, note="seconds")
     _validate.positive_int("heartbeat_timeout_s", heartbeat_timeout_s, note="seconds")
+
+
+def _fail_fast(fail_fast: bool | None) -> bool:
+    """`initialize`'s `fail_fast`, checked; None: from `$JDP_FAIL_FAST`."""
+    if fail_fast is None:
+        value = os.environ.get(ENV_FAIL_FAST, "")
+        if value not in ("", "0", "1"):
+            raise ValueError(
+                f"Environment variable ${ENV_FAIL_FAST} must be '1' (fail fast) or "
+                f"'0', got {value!r}. Set it to one of these, or pass `fail_fast` "
+                "to `jdp.distributed.initialize`."
+            )
+        return value == "1"
+    if not isinstance(fail_fast, bool):
+        raise TypeError(
+            f"`fail_fast` must be a bool, or None to read ${ENV_FAIL_FAST}; got "
+            f"{_validate.describe(fail_fast)}."
+        )
+    return fail_fast
 
 
 def _requested_config(
@@ -581,8 +622,9 @@ def _restore_sigterm(handler) -> None:
 
     JAX's preemption service takes SIGTERM over: the signal then only records a
     preemption notice (for `jax.experimental.multihost_utils`' sync points) and
-    the process runs on. Under `python -m jdp.launch`, SIGTERM comes from the
-    launcher stopping the job, and must stop the process as in any program.
+    the process runs on. With `fail_fast` (under `python -m jdp.launch`, SIGTERM
+    comes from the launcher stopping the job), it must stop the process as in
+    any program.
     """
     if handler is None or threading.current_thread() is not threading.main_thread():
         return
@@ -618,7 +660,8 @@ def _give_up(address: str, num: int, pid: int, timeout: int) -> None:
 def shutdown() -> None:
     """Leaves the multi-process job (a barrier: waits for the other processes).
 
-    Called automatically when the interpreter exits; call it yourself to leave
+    Called automatically when the interpreter exits (by jdp's exit hook with
+    `initialize`'s `fail_fast`, else by JAX's own); call it yourself to leave
     earlier. Does nothing if this process is not initialized.
 
     Example:

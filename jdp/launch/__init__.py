@@ -10,11 +10,13 @@ From the command line:
 
 starts N processes on 127.0.0.1 with a free coordinator port, sets
 `JDP_COORDINATOR_ADDRESS`, `JDP_NUM_PROCESSES` and `JDP_PROCESS_ID` (read by
-`jdp.distributed.initialize()`), prefixes every output line with its process index,
-forwards Ctrl-C / SIGTERM to every process, and, as soon as one process fails, stops
-the others and exits non-zero. A process that is alive but stuck (the others wait
-for it) is found from the progress the processes report at each jdp step: after
-`--stall-timeout` seconds (300 by default) the job is stopped, naming it.
+`jdp.distributed.initialize()`) and `JDP_FAIL_FAST=1` (so that `initialize()`
+makes a failing process exit at once: its `fail_fast`), prefixes every output line
+with its process index, forwards Ctrl-C / SIGTERM to every process, and, as soon
+as one process fails, stops the others and exits non-zero. A process that is alive
+but stuck (the others wait for it) is found from the progress the processes report
+at each jdp step: after `--stall-timeout` seconds (300 by default) the job is
+stopped, naming it.
 """
 
 from jdp.launch._launcher import run

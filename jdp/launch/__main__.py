@@ -15,7 +15,9 @@ _DESCRIPTION = """\
 Run a training script as N processes of one job on this machine (127.0.0.1).
 Every process runs the same script; `jdp.distributed.initialize()` in the script
 reads the job from the JDP_COORDINATOR_ADDRESS, JDP_NUM_PROCESSES and
-JDP_PROCESS_ID variables set here. Output lines are prefixed with "[process_id]".
+JDP_PROCESS_ID variables set here, and fails fast (JDP_FAIL_FAST=1: a process
+with an uncaught exception exits at once). Output lines are prefixed with
+"[process_id]".
 If one process fails, the others are stopped and the launcher exits non-zero.
 If the processes furthest behind report no progress (a jdp step) for
 --stall-timeout seconds while the others wait for them, the job is stopped and

@@ -1,7 +1,8 @@
 """Private: start N processes of one job on this machine, watch them, stop them.
 
 The JAX counterpart of `torchrun --standalone`: a free port on 127.0.0.1 for the
-coordinator, the `JDP_*` variables that `jdp.distributed.initialize` reads, the CPU
+coordinator, the `JDP_*` variables that `jdp.distributed.initialize` reads
+(`JDP_FAIL_FAST=1` among them: its fail-fast hooks), the CPU
 device count per process, output prefixed with each line's process index, and a
 job that fails as soon as one process fails. JAX notices a dead peer only at its
 heartbeat timeout (100 s by default), and a process blocked in a collective with a
@@ -29,7 +30,7 @@ from typing import Any
 from jdp import _validate
 from jdp.distributed._runtime import (
     ENV_COORDINATOR_ADDRESS,
-    ENV_LAUNCHER_PID,
+    ENV_FAIL_FAST,
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
     listen_error,
@@ -76,7 +77,9 @@ def process_env(
     env[ENV_PROCESS_ID] = str(process_id)
     # The coordinator listens on loopback only (JAX's default is every address).
     env["JAX_COORDINATOR_BIND_ADDRESS"] = f"127.0.0.1:{port}"
-    env[ENV_LAUNCHER_PID] = str(os.getpid())  # SIGTERM from us stops the process
+    # `initialize()` installs its fail-fast hooks: a failing process exits at once,
+    # and SIGTERM from the launcher stops it.
+    env[ENV_FAIL_FAST] = "1"
     env["PYTHONUNBUFFERED"] = "1"
     if devices_per_process is not None:
         flags = _DEVICE_COUNT_FLAG.sub("", env.get("XLA_FLAGS", "")).split()

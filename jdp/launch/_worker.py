@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import linecache
-import logging
 import os
 import pickle
 import runpy
@@ -41,15 +40,20 @@ PROGRESS_MODULE = "jdp._progress"
 REPORT_S = 0.5
 
 
-def flush_and_exit(code: int) -> None:
-    """Flushes the standard streams and logging, then `os._exit(code)`."""
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # pragma: no cover - e.g. a closed pipe
-            pass
-    logging.shutdown()
-    os._exit(code)
+def _exit_now(code: int) -> None:
+    """`jdp.distributed`'s `flush_and_exit(code)`: flushes, then `os._exit(code)`.
+
+    Imported only now, when the process ends: before its target runs, this
+    process imports nothing but the standard library (importing jdp imports
+    JAX). A target that fails has usually imported jdp already; otherwise the
+    import costs a few seconds at the exit. If jdp cannot be imported at all, the
+    process still exits (its output is unbuffered under the launcher).
+    """
+    try:
+        from jdp.distributed._runtime import flush_and_exit
+    except BaseException:  # pragma: no cover - a broken installation
+        os._exit(code)
+    flush_and_exit(code)
 
 
 def _run_script(path: str, args: list[str]) -> None:
@@ -115,7 +119,7 @@ def _exit_when_orphaned(period_s: float = 1.0) -> None:
                     print("jdp.launch: the launcher died; exiting.", file=sys.stderr)
                 except Exception:
                     pass
-                flush_and_exit(1)
+                _exit_now(1)
 
     threading.Thread(target=watch, name="jdp-orphan-watch", daemon=True).start()
 
@@ -214,7 +218,7 @@ def main(argv: list[str]) -> None:
     """Runs the target named by `argv`; exits at once if it fails."""
     if len(argv) < 2 or argv[0] not in ("--script", "--module", "--call"):
         print(__doc__, file=sys.stderr)
-        flush_and_exit(2)
+        raise SystemExit(2)  # nothing ran yet: a normal exit is as quick
     _exit_when_orphaned()
     if os.environ.get(ENV_PROGRESS_FILE):
         report_progress(os.environ[ENV_PROGRESS_FILE])
@@ -231,13 +235,13 @@ def main(argv: list[str]) -> None:
             return
         if not isinstance(e.code, int):
             print(e.code, file=sys.stderr)
-        flush_and_exit(e.code if isinstance(e.code, int) else 1)
+        _exit_now(e.code if isinstance(e.code, int) else 1)
     except KeyboardInterrupt:
         traceback.print_exc()
-        flush_and_exit(130)
+        _exit_now(130)
     except BaseException:
         traceback.print_exc()
-        flush_and_exit(1)
+        _exit_now(1)
 
 
 if __name__ == "__main__":

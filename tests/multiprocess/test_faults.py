@@ -160,7 +160,7 @@ def test_unreachable_coordinator_fails_within_the_timeout():
 RAISE_AFTER_INITIALIZE = """
 import time
 import jax, jdp
-jdp.distributed.initialize(timeout_s=60)
+jdp.distributed.initialize(timeout_s=60, fail_fast=True)
 if jax.process_index() == 1:
     raise ZeroDivisionError("process 1 fails on purpose")
 time.sleep(120)  # process 0 is still training

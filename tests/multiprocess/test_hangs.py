@@ -68,7 +68,7 @@ STUCK_LINE = (
 LEAVE_EARLY = """
 import os, time
 import jax, jdp
-jdp.distributed.initialize(timeout_s=3)
+jdp.distributed.initialize(timeout_s=3, fail_fast=True)  # its exit hook
 if jax.process_index() == 1:
     os._exit(0)  # no shutdown: process 0 waits for it in vain
 time.sleep(0.5)
@@ -192,7 +192,7 @@ def test_sigterm_stops_a_training_job_within_seconds(tmp_path):
 
 
 def test_waiting_at_shutdown_for_a_process_that_left_ends_with_a_message(tmp_path):
-    """Without jdp, process 0 aborts (SIGABRT) when JAX's shutdown barrier fails."""
+    """Without jdp's exit hook (`fail_fast`), JAX's failed shutdown barrier aborts."""
     script = tmp_path / "leave_early.py"
     script.write_text(textwrap.dedent(LEAVE_EARLY))
     port = free_port()
@@ -207,7 +207,7 @@ def test_waiting_at_shutdown_for_a_process_that_left_ends_with_a_message(tmp_pat
                 JDP_PROCESS_ID=str(rank),
                 JAX_NUM_CPU_DEVICES="1",
             )
-            env.pop("JDP_LAUNCHER_PID", None)
+            env.pop("JDP_FAIL_FAST", None)
             procs.append(
                 subprocess.Popen(
                     [sys.executable, str(script)],
