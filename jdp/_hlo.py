@@ -328,8 +328,8 @@ class Introspection:
         """Per-device memory of one step, from XLA's analysis of the compiled step.
 
         Compiles the step for these arguments (nothing runs) and reads
-        `Compiled.memory_analysis()`. Use it to compare `donate_state`, `remat`
-        and `grad_sync="zero"` before committing to a run.
+        `Compiled.memory_analysis()`. Use it to compare `donate_state`,
+        `jax.checkpoint` and `sync=jdp.zero()` before committing to a run.
 
         Args:
           state: Replicated state, as for a call.

@@ -109,7 +109,7 @@ def block_start_params(host: PyTree) -> tuple[PyTree, str]:
     )
     if not same:
         return host, (
-            " The state holds a `jdp.BMUFState`, but no `params` of the same "
+            " The state holds a `jdp.bmuf` state, but no `params` of the same "
             "structure to reset: set them to `jdp.bmuf_global_params(state)` "
             "(with flax NNX: `nnx.update(model, jdp.bmuf_global_params(state))`) "
             "before training on, so that a new block starts from the global model."
@@ -124,7 +124,7 @@ def block_start_params(host: PyTree) -> tuple[PyTree, str]:
     else:  # named tuples
         host = host._replace(params=new)
     return host, (
-        " The state holds a `jdp.BMUFState`: its params are set to the block start "
+        " The state holds a `jdp.bmuf` state: its params are set to the block start "
         "(its `global_params`, or the look-ahead `start` with `nesterov=True`), so "
         "a new block starts from the global model."
     )

@@ -75,7 +75,7 @@ def all_gather_rows(
 
     The rows are concatenated, not averaged: to get the mean over replicas that
     `jdp.all_reduce_gradients` gives dense gradients, divide the rows by the
-    number of replicas first (`jdp.sparse.make_train_step` does).
+    number of replicas first (`jdp.sparse.rows()` does).
 
     Args:
       ids: This replica's integer ids, any shape.

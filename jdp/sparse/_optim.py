@@ -389,7 +389,7 @@ class SparseTransformation(optax.GradientTransformation):
 
     Made by `jdp.sparse.partition`. Its `init`/`update` follow optax (`update`
     takes dense gradients, so the same optimizer also works with
-    `jdp.make_train_step`); `jdp.sparse.make_train_step` instead applies the
+    `jdp.make_train_step`); `jdp.sparse.rows()` instead applies the
     tables' row optimizers to sparse gradients directly.
 
     Attributes:
@@ -424,7 +424,7 @@ def partition(
     The state for `jdp.TrainState.create(params=..., tx=...)` holds `dense_tx`'s
     state for every parameter except the tables (no dense optimizer state is
     allocated for a table) and each table's row-optimizer state. Use it with
-    `jdp.sparse.make_train_step` for sparse table gradients; it also works with
+    `sync=jdp.sparse.rows()` for sparse table gradients; it also works with
     `jdp.make_train_step` (dense table gradients). With `sgd` and `adagrad` both
     give the same updates; with `momentum` and `adam` a dense gradient touches
     every row, so `jdp.make_train_step` gives dense momentum / dense Adam, which
@@ -483,7 +483,7 @@ def partition(
         if any(isinstance(g, IndexedRows) for g in grads):
             raise TypeError(
                 "`jdp.sparse.partition(...).update` got sparse `IndexedRows` "
-                "gradients; apply those with `jdp.sparse.make_train_step`, or pass "
+                "gradients; apply those with `sync=jdp.sparse.rows()`, or pass "
                 "dense gradients."
             )
         at_table = set(index.values())
@@ -514,7 +514,7 @@ def apply_sparse(
 ) -> tuple[PyTree, PartitionState]:
     """Applies dense grads with `tx.dense` and `IndexedRows` with the row optimizers."""
     leaves, treedef, index, dense_params = _split(
-        params, tx, "jdp.sparse.make_train_step"
+        params, tx, "jdp.sparse.rows"
     )
     flat = jax.tree_util.tree_leaves(
         grads, is_leaf=lambda x: isinstance(x, IndexedRows)
