@@ -4,7 +4,7 @@ Part 1, on simulated CPU devices with an MLP of about 10M parameters: the bytes
 all-reduced per step, read from the compiled HLO with `step.collectives` (a
 collective inside a conditional branch, BMUF's block sync, is counted once per
 block, i.e. divided by the sync period), and the time per step, for synchronous
-SGD, the same step without the all-reduce (`grad_sync="none"`, the floor BMUF
+SGD, the same step without the all-reduce (`sync=jdp.local()`, the floor BMUF
 can reach) and `jdp.bmuf` with sync periods 1, 4 and 16. Each round times one
 block of 16 steps (a whole number of blocks for every period) of every variant,
 in a fresh order; ratios are taken within a round, then the median over rounds.
@@ -32,9 +32,6 @@ from _common import set_devices, tanh_mlp
 
 PAGE = resource.getpagesize()
 
-#: `make_train_step`'s `grad_sync` for a run that does / does not all-reduce.
-SYNC = {True: "all_reduce", False: "none"}
-
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -53,6 +50,8 @@ def main(argv=None) -> None:
 
     import jdp
 
+    # `make_train_step`'s `sync` for a run that does / does not all-reduce.
+    sync = {True: jdp.all_reduce(), False: jdp.local()}
     devices = jax.devices()[: args.devices]
     n = len(devices)
 
@@ -102,7 +101,7 @@ def main(argv=None) -> None:
     runners, comm, copies, layout, step_memory = {}, {}, {}, {}, {}
     for name, (tx, all_reduce, k) in variants.items():
         step = jdp.parallelize(
-            jdp.make_train_step(xent, tx, grad_sync=SYNC[all_reduce]), devices=devices
+            jdp.make_train_step(xent, tx, sync=sync[all_reduce]), devices=devices
         )
         state = [step.replicate(jdp.TrainState.create(params=params, tx=tx))]
         batch = step.shard(host_batch)
@@ -247,7 +246,7 @@ def main(argv=None) -> None:
     results = {}
     for name, (tx, all_reduce) in runs.items():
         step = jdp.parallelize(
-            jdp.make_train_step(xent, tx, grad_sync=SYNC[all_reduce]), devices=devices
+            jdp.make_train_step(xent, tx, sync=sync[all_reduce]), devices=devices
         )
         state = step.replicate(jdp.TrainState.create(params=small, tx=tx))
         data = batches()

@@ -9,7 +9,7 @@ run at the end of its schedule compares the methods at rest rather than wherever
 a noisy constant-rate run happens to stop):
 
 - `sync`: `jdp.make_train_step(loss, tx)`, the gradients all-reduced every step.
-- `local step`: `grad_sync="none"` without BMUF: no communication at all, the
+- `local step`: `sync=jdp.local()` without BMUF: no communication at all, the
   floor for any method that trains locally.
 - `BMUF k=4`, `BMUF k=16`: `jdp.bmuf(tx, sync_period=k)` (classical block
   momentum, the default `1 - 1/N`): one all-reduce of the parameters per block.
@@ -124,8 +124,8 @@ def worker(steps: int, pin: bool, seed: int, lr: float = LR) -> dict:
             tx = jdp.bmuf(inner, sync_period=k, outer=outer)
         else:
             tx = inner
-        grad_sync = "all_reduce" if kind == "sync" else "none"
-        step = jdp.parallelize(jdp.make_train_step(_loss, tx, grad_sync=grad_sync))
+        sync = jdp.all_reduce() if kind == "sync" else jdp.local()
+        step = jdp.parallelize(jdp.make_train_step(_loss, tx, sync=sync))
         run[name] = [step, step.replicate(jdp.TrainState.create(params=params, tx=tx))]
 
     # The same global batches in the same order for every configuration; each

@@ -78,14 +78,20 @@ def device_bytes(tree) -> int:
     )
 
 
+#: Rematerialisation is `jax.checkpoint` around the loss, with or without a policy.
+REMAT_FULL = jax.checkpoint(loss_fn)
+REMAT_DOTS = jax.checkpoint(loss_fn, policy=jax.checkpoint_policies.dots_saveable)
+
+#: Per configuration: `make_train_step`'s options, plus the loss (`loss_fn` unless
+#: given) and `parallelize`'s `donate_state` (True unless given).
 CONFIGS = {
     "plain": {},
     "no donation": {"donate_state": False},
-    "remat full": {"remat": "full"},
-    "remat dots_saveable": {"remat": jax.checkpoint_policies.dots_saveable},
-    "ZeRO": {"grad_sync": "zero"},
-    "ZeRO + remat full": {"grad_sync": "zero", "remat": "full"},
-    "ZeRO, no donation": {"grad_sync": "zero", "donate_state": False},
+    "remat full": {"loss_fn": REMAT_FULL},
+    "remat dots_saveable": {"loss_fn": REMAT_DOTS},
+    "ZeRO": {"sync": jdp.zero()},
+    "ZeRO + remat full": {"sync": jdp.zero(), "loss_fn": REMAT_FULL},
+    "ZeRO, no donation": {"sync": jdp.zero(), "donate_state": False},
     "microbatches 2": {"microbatches": 2},
     "microbatches 8": {"microbatches": 8},
 }
@@ -97,9 +103,10 @@ class Config:
     def __init__(self, name, options, params, tx, batch_np):
         options = dict(options)
         donate = options.pop("donate_state", True)
+        loss = options.pop("loss_fn", loss_fn)
         self.name = name
         self.step = jdp.parallelize(
-            jdp.make_train_step(loss_fn, tx, **options), donate_state=donate
+            jdp.make_train_step(loss, tx, **options), donate_state=donate
         )
         self.params, self.tx = params, tx
         self.batch = self.step.shard(batch_np)

@@ -5,7 +5,7 @@ trained with SGD momentum on 8 examples per process, in 2 processes x 1 CPU devi
 on 127.0.0.1 started by `jdp.launch.run` and joined by `jdp.distributed.initialize`
 (JAX's gloo collectives). Per size, in the same processes and interleaved:
 
-- `local step, no all-reduce`: `jdp.make_train_step(..., grad_sync="none")`, what a
+- `local step, no all-reduce`: `jdp.make_train_step(..., sync=jdp.local())`, what a
   step costs without communication.
 - `jdp`: `jdp.make_train_step` as shipped (bucketed all-reduce; across CPU processes
   small leaves are packed into flat buffers and leaves of 8 MiB or more travel
@@ -132,7 +132,7 @@ def jax_job(width: int, kinds: list[str], steps: int, warmup: int, pin: bool):
             out[kind] = {"ms": ms}
             continue
         train_step = {
-            "local": lambda: jdp.make_train_step(loss_fn, tx, grad_sync="none"),
+            "local": lambda: jdp.make_train_step(loss_fn, tx, sync=jdp.local()),
             "jdp": lambda: jdp.make_train_step(loss_fn, tx),
             "jdp+shard": lambda: jdp.make_train_step(loss_fn, tx),
             "jdp+place": lambda: jdp.make_train_step(loss_fn, tx),

@@ -5,7 +5,7 @@ params; `jdp.demo`), on random images shaped like its 8x8 digits, trained by
 
 - `sync`: synchronous SGD (momentum 0.9), `jdp.make_train_step(loss_fn, tx)`;
 - `bmuf`: `jdp.bmuf(optax.sgd(lr), sync_period=K)` (K = 16 unless `--sync-period`)
-  with `jdp.make_train_step(..., grad_sync="none")`,
+  with `jdp.make_train_step(..., sync=jdp.local())`,
 
 both through `jdp.parallelize` (shard_map backend unless `--backend pmap`), on 8,
 16, 32 and 64 simulated CPU devices in one process, and on 2 processes x 4 and 2
@@ -82,7 +82,7 @@ def measure(
         block = 1
     else:
         tx = jdp.bmuf(optax.sgd(LR), sync_period=sync_period)
-        train_step = jdp.make_train_step(_model.loss_fn, tx, grad_sync="none")
+        train_step = jdp.make_train_step(_model.loss_fn, tx, sync=jdp.local())
         block = sync_period
     step = jdp.parallelize(train_step, backend=backend)
     state = step.replicate(

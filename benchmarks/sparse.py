@@ -4,8 +4,8 @@ A recommender-style model (an embedding table of R x 64 plus a small MLP) traine
 with SGD on 8 simulated CPU devices at a global batch of 1024 (one id per
 example, uniform over the table: the worst case for sparsity). The dense path is
 `jdp.make_train_step` (the table's gradient is a dense R x 64 array, all-reduced);
-the sparse path is `jdp.sparse.make_train_step` (ids and row gradients are
-all-gathered and applied to the touched rows only).
+the sparse path is `jdp.make_train_step(..., sync=jdp.sparse.rows())` (ids and
+row gradients are all-gathered and applied to the touched rows only).
 
 Bytes are read from the compiled HLO (`step.collectives`, sum of every
 collective's logical buffer). The physical limit for the table's traffic is
@@ -116,10 +116,16 @@ def main() -> None:
         sparse_tx = jdp.sparse.partition(optax.sgd(LR), {"embed": jdp.sparse.sgd(LR)})
         variants = [
             ("dense", jdp.make_train_step(loss_fn, optax.sgd(LR)), optax.sgd(LR)),
-            ("sparse", jdp.sparse.make_train_step(loss_fn, sparse_tx), sparse_tx),
+            (
+                "sparse",
+                jdp.make_train_step(loss_fn, sparse_tx, sync=jdp.sparse.rows()),
+                sparse_tx,
+            ),
             (
                 "sparse+combine",
-                jdp.sparse.make_train_step(loss_fn, sparse_tx, combine=True),
+                jdp.make_train_step(
+                    loss_fn, sparse_tx, sync=jdp.sparse.rows(combine=True)
+                ),
                 sparse_tx,
             ),
         ]

@@ -60,7 +60,7 @@ def build_algo(args: argparse.Namespace) -> Algo:
     if args.algo == "sync":
         return Algo("sync", sgd, jdp.make_train_step(_model.loss_fn, sgd))
     if args.algo == "zero":
-        step = jdp.make_train_step(_model.loss_fn, sgd, grad_sync="zero")
+        step = jdp.make_train_step(_model.loss_fn, sgd, sync=jdp.zero())
         return Algo("zero", sgd, step)
     # The block momentum (1 - 1/devices by default) plays the part of momentum:
     # inner momentum on top of it overshoots, so the local optimizer is plain SGD.
@@ -69,7 +69,7 @@ def build_algo(args: argparse.Namespace) -> Algo:
         sync_period=args.sync_period,
         block_momentum=args.block_momentum,
     )
-    step = jdp.make_train_step(_model.loss_fn, tx, grad_sync="none")
+    step = jdp.make_train_step(_model.loss_fn, tx, sync=jdp.local())
     return Algo(
         "bmuf",
         tx,
