@@ -26,9 +26,12 @@ import uuid
 import warnings
 from typing import Any
 
+import jax
+import numpy as np
 from etils import epath
 
 from jdp._version import __version__
+from jdp.checkpoint._common import same_kind_of_error
 
 #: The lock file's name inside the checkpoint directory.
 LOCK_NAME = ".jdp-checkpoint.lock"
@@ -308,7 +311,39 @@ def _unwritable(lock: DirectoryLock, error: OSError) -> OSError:
         directory=lock.directory,
         error=f"{type(error).__name__}: {error}",
     )
-    try:
-        return type(error)(msg)
-    except TypeError:
-        return OSError(msg)
+    return same_kind_of_error(error, msg)
+
+
+def acquire_for_job(lock: DirectoryLock) -> None:
+    """Takes `lock` on process 0 of a job; every process raises if that fails.
+
+    Every process of a job must call it (the broadcast is a collective), so
+    whether the lock is held is decided by process 0's lock, alike on every
+    process. Called by `CheckpointManager.save` itself: a reclaimed stale lock
+    is reported at the caller of `save`.
+
+    Args:
+      lock: The checkpoint directory's lock.
+
+    Raises:
+      RuntimeError: If another manager holds the lock (on process 0; the other
+        processes raise that process 0 could not lock the directory).
+      OSError: If the lock file cannot be written.
+    """
+    error = None
+    if jax.process_index() == 0:
+        try:
+            lock.acquire()
+        except (RuntimeError, OSError) as e:
+            error = e
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        ok = multihost_utils.broadcast_one_to_all(np.int32(error is None))
+        if not int(ok) and error is None:
+            raise RuntimeError(
+                f"`CheckpointManager.save`: process 0 could not lock "
+                f"{lock.directory} (see its error); nothing was saved."
+            )
+    if error is not None:
+        raise error

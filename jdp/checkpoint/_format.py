@@ -1,0 +1,393 @@
+"""The on-disk format of a checkpoint step, and the checks of its integrity.
+
+A step directory holds orbax items: `state`, one logical copy of the state (NumPy
+arrays, written by tensorstore); `jdp_metadata`, a JSON record of the jdp version,
+the replica count, the backend and every leaf's path, shape, dtype and CRC-32;
+and, when the replicas of some leaves differed, `jdp_replicas`, those leaves with
+every replica (`_per_replica`). This module writes the record, checks the arrays
+read back against it, and moves damaged steps aside. It reads with tensorstore
+and JSON only: nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import collections
+import sys
+import warnings
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+
+from jdp._layout import is_key, key_impl
+from jdp._tree import keystr
+from jdp._version import __version__
+from jdp.checkpoint._common import same_kind_of_error
+
+PyTree = Any
+
+#: Orbax item names inside one step directory.
+STATE_ITEM = "state"
+METADATA_ITEM = "jdp_metadata"
+#: Leaves whose replicas differed when saved, with every replica.
+REPLICAS_ITEM = "jdp_replicas"
+#: Marks a step's JSON as written by this module (and its layout version).
+FORMAT = "jdp.checkpoint/1"
+#: What a damaged step is renamed to: `<step>.damaged-<n>`.
+DAMAGED_SUFFIX = ".damaged-"
+
+CORRUPT_MSG = (
+    "`CheckpointManager.restore`: the checkpoint of step {step} in {directory} is "
+    "corrupted or truncated: {detail} Restore an older step "
+    "(`manager.restore(like, step=...)`; `manager.all_steps()` lists the complete "
+    "ones), or save again: the next `save` of step {step} or an earlier step moves "
+    "the damaged files aside to {directory}/{step}" + DAMAGED_SUFFIX + "<n> "
+    "(nothing is deleted)."
+)
+
+SET_ASIDE_MSG = (
+    "`CheckpointManager.save`: step {step} in {directory} was incomplete or "
+    "damaged ({detail}); moved it to {target} so that step {step} can be saved "
+    "again. Nothing was deleted: inspect or delete {target} yourself."
+)
+
+
+class Corrupt(ValueError):
+    """A damaged checkpoint (not a `like` that does not match it).
+
+    Args:
+      message: The whole error message.
+      detail: What is wrong with the step, one sentence (for warnings that
+        name the step).
+    """
+
+    def __init__(self, message: str, detail: str):
+        super().__init__(message)
+        self.detail = detail
+
+
+def corrupt(directory: epath.Path, step: int, detail: str) -> Corrupt:
+    """The error for a damaged checkpoint of `step`.
+
+    Args:
+      directory: The checkpoint directory.
+      step: The damaged step.
+      detail: What is wrong with it.
+
+    Returns:
+      The error, naming the step and what to do.
+    """
+    return Corrupt(
+        CORRUPT_MSG.format(step=step, directory=directory, detail=detail), detail
+    )
+
+
+# -- leaves as saved --------------------------------------------------------------
+
+
+def dtype_name(dtype: Any) -> str:
+    """The name a record gives a dtype, e.g. `"float32"`."""
+    return np.dtype(dtype).name
+
+
+def crc32(x: np.ndarray) -> int:
+    """The CRC-32 of an array's bytes in C order."""
+    return zlib.crc32(memoryview(np.ascontiguousarray(x)).cast("B"))
+
+
+def key_impl_name(x: Any) -> str | None:
+    """The PRNG implementation of a typed-key leaf (array or struct), else None."""
+    return key_impl(x) if is_key(x) else None
+
+
+def as_key_data(x: Any) -> Any:
+    """Typed PRNG keys as their raw key data (an array or a struct), else `x`."""
+    if not is_key(x):
+        return x
+    if isinstance(x, jax.Array):
+        return jax.random.key_data(x)
+    return jax.eval_shape(jax.random.key_data, x)
+
+
+def host_copy(x: Any) -> Any:
+    """A leaf of the logical copy as a fresh NumPy array this process owns.
+
+    Copying (rather than viewing device memory) keeps an async save correct when
+    the next step donates the state's buffers. A leaf that is not fully
+    addressable (one logical copy spread over several hosts) stays a `jax.Array`:
+    orbax writes each host's part. Typed PRNG keys are saved as their key data.
+
+    Args:
+      x: A leaf of one logical copy of the state.
+
+    Returns:
+      What orbax writes for it.
+    """
+    x = as_key_data(x)
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return x
+    return np.array(x, copy=True)
+
+
+# -- the record -------------------------------------------------------------------
+
+
+def make_metadata(
+    step: int,
+    state: PyTree,
+    logical: PyTree,
+    host: PyTree,
+    replicas: dict[str, Any],
+    parallel: Any,
+) -> dict[str, Any]:
+    """The JSON record of a step (see `CheckpointManager.metadata`).
+
+    Args:
+      step: The step number.
+      state: The replicated state being saved.
+      logical: One logical copy of `state` (typed keys still keys).
+      host: What is written of `logical` (`host_copy` of each leaf).
+      replicas: The leaves saved with every replica, by path (`host_copy`s).
+      parallel: The `jdp.Parallel` given to `save`, or None.
+
+    Returns:
+      The record, ready for `json.dumps`.
+    """
+    leaves = []
+    for (path, x), one in zip(
+        jax.tree_util.tree_flatten_with_path(host)[0],
+        jax.tree.leaves(logical),
+        strict=True,
+    ):
+        record = {
+            "path": keystr(path),
+            "shape": list(x.shape),
+            "dtype": dtype_name(x.dtype),
+            "crc32": crc32(x) if isinstance(x, np.ndarray) else None,
+        }
+        if is_key(one):  # saved as its key data
+            record["key_impl"] = key_impl_name(one)
+        every = replicas.get(record["path"])
+        if every is not None:
+            record["per_replica"] = {
+                "crc32": crc32(every) if isinstance(every, np.ndarray) else None
+            }
+        leaves.append(record)
+    flat = jax.tree.leaves(state)
+    num_replicas = (
+        parallel.num_replicas if parallel is not None else int(flat[0].shape[0])
+    )
+    cls = type(state)
+    return {
+        "format": FORMAT,
+        "step": step,
+        "jdp_version": __version__,
+        "jax_version": jax.__version__,
+        "python_version": sys.version.split()[0],
+        "num_replicas": num_replicas,
+        "backend": getattr(parallel, "backend", None),
+        "axis_name": getattr(parallel, "axis_name", None),
+        "process_count": jax.process_count(),
+        "state_type": f"{cls.__module__}.{cls.__qualname__}",
+        "leaves": leaves,
+    }
+
+
+# -- reading ----------------------------------------------------------------------
+
+
+def restore_item(
+    manager: ocp.CheckpointManager, step: int, name: str, item: PyTree, restore_args
+) -> PyTree:
+    """Reads one orbax PyTree item of a step into `item`'s structure.
+
+    Args:
+      manager: The orbax manager of the directory.
+      step: The step to read.
+      name: The item's name (`STATE_ITEM` or `REPLICAS_ITEM`).
+      item: The tree to read into (`jax.ShapeDtypeStruct` leaves).
+      restore_args: Orbax's restore arguments, a tree like `item`.
+
+    Returns:
+      The item, shaped like `item`.
+    """
+    args = ocp.args.PyTreeRestore(item=item, restore_args=restore_args)
+    return manager.restore(step, args=ocp.args.Composite(**{name: args}))[name]
+
+
+def read_metadata(
+    manager: ocp.CheckpointManager, directory: epath.Path, step: int
+) -> dict[str, Any]:
+    """The step's JSON record.
+
+    Args:
+      manager: The orbax manager of `directory`.
+      directory: The checkpoint directory.
+      step: The step to read.
+
+    Returns:
+      The record as a dict.
+
+    Raises:
+      Corrupt: If it is missing, unreadable or not a `FORMAT` record.
+    """
+    try:
+        meta = manager.restore(
+            step, args=ocp.args.Composite(**{METADATA_ITEM: ocp.args.JsonRestore()})
+        )[METADATA_ITEM]
+    except Exception as e:  # orbax/json raise many types for a damaged file
+        detail = f"its metadata could not be read ({type(e).__name__}: {e})."
+        raise corrupt(directory, step, detail) from e
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise corrupt(directory, step, f"its metadata is not a {FORMAT!r} record.")
+    return meta
+
+
+def check_leaves(
+    directory: epath.Path,
+    step: int,
+    records: Sequence[dict[str, Any]],
+    leaves: Sequence[Any],
+) -> None:
+    """Checks the leaves read back against their records: shape, dtype, CRC-32.
+
+    Args:
+      directory: The checkpoint directory.
+      step: The step the leaves were read from.
+      records: The step's leaf records, in the order of `leaves`.
+      leaves: The arrays read back.
+
+    Raises:
+      Corrupt: Naming the first leaf that differs from its record.
+    """
+    for record, x in zip(records, leaves, strict=True):
+        x = np.asarray(x)
+        detail = None
+        if x.shape != tuple(record["shape"]) or dtype_name(x.dtype) != record["dtype"]:
+            detail = (
+                f"leaf {record['path']} was read back with shape {x.shape} "
+                f"{dtype_name(x.dtype)}, but was saved with shape "
+                f"{tuple(record['shape'])} {record['dtype']}."
+            )
+        elif record.get("crc32") is not None and crc32(x) != record["crc32"]:
+            detail = (
+                f"leaf {record['path']} does not match the CRC-32 recorded when "
+                "it was saved."
+            )
+        if detail:
+            raise corrupt(directory, step, detail)
+
+
+def verify_arrays(
+    manager: ocp.CheckpointManager, step: int, meta: dict[str, Any]
+) -> str | None:
+    """Reads every array of a step and checks its CRC-32.
+
+    Needs no `like`: the arrays are matched to the records by shape, dtype and
+    checksum. Reading a whole step is slow: only for a step that would block a
+    save.
+
+    Args:
+      manager: The orbax manager of the directory.
+      step: The step to read.
+      meta: The step's record.
+
+    Returns:
+      What is wrong with the step, or None if every array matches its record.
+    """
+    want = collections.Counter()
+    for r in meta["leaves"]:
+        if r.get("crc32") is not None:
+            want[(tuple(r["shape"]), r["dtype"], r["crc32"])] += 1
+        per = r.get("per_replica") or {}
+        if per.get("crc32") is not None:
+            shape = (meta["num_replicas"], *r["shape"])
+            want[(shape, r["dtype"], per["crc32"])] += 1
+    have = collections.Counter()
+    items = [STATE_ITEM]
+    if any(r.get("per_replica") for r in meta["leaves"]):
+        items.append(REPLICAS_ITEM)
+    try:
+        for item in items:
+            tree = manager.item_metadata(step)[item]
+            args = _numpy_restore(getattr(tree, "tree", tree))
+            got = manager.restore(step, args=ocp.args.Composite(**{item: args}))
+            for x in jax.tree.leaves(got[item]):
+                x = np.asarray(x)
+                have[(x.shape, dtype_name(x.dtype), crc32(x))] += 1
+    except Exception as e:  # tensorstore/orbax raise many types for bad files
+        return f"reading its arrays failed ({type(e).__name__}: {e})"
+    bad = sum((want - have).values())
+    if bad:
+        return f"{bad} of its arrays do not match the CRC-32 recorded at save"
+    return None
+
+
+def _numpy_restore(tree: PyTree) -> ocp.args.PyTreeRestore:
+    """Orbax arguments that read a saved item's tree (its metadata) as NumPy."""
+
+    def is_leaf(m):
+        return hasattr(m, "shape") and hasattr(m, "dtype")
+
+    return ocp.args.PyTreeRestore(
+        item=jax.tree.map(
+            lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), tree, is_leaf=is_leaf
+        ),
+        restore_args=jax.tree.map(
+            lambda m: ocp.RestoreArgs(restore_type=np.ndarray, dtype=np.dtype(m.dtype)),
+            tree,
+            is_leaf=is_leaf,
+        ),
+    )
+
+
+# -- damaged steps ----------------------------------------------------------------
+
+
+def set_aside(directory: epath.Path, damaged: dict[int, str]) -> None:
+    """Renames damaged steps to `<step>.damaged-<n>` (process 0), with warnings.
+
+    Called by `CheckpointManager.save` itself: the warnings name its caller.
+    Every process of a job calls it; process 0 renames, the others wait for it.
+
+    Args:
+      directory: The checkpoint directory.
+      damaged: What is wrong with each step to move aside, by step.
+
+    Raises:
+      OSError: If a step cannot be renamed (naming it and what to do).
+    """
+    if not damaged:
+        return
+    if jax.process_index() == 0:
+        for step, detail in sorted(damaged.items()):
+            n = 1
+            while (directory / f"{step}{DAMAGED_SUFFIX}{n}").exists():
+                n += 1
+            target = directory / f"{step}{DAMAGED_SUFFIX}{n}"
+            try:
+                (directory / str(step)).rename(target)
+            except OSError as e:
+                raise same_kind_of_error(
+                    e,
+                    f"`CheckpointManager.save`: step {step} in {directory} "
+                    f"is incomplete or damaged ({detail}), and moving it aside "
+                    f"to {target} failed ({type(e).__name__}: {e}). Nothing was "
+                    f"saved.\nFix: move or delete {directory / str(step)} "
+                    "yourself, then save again.",
+                ) from e
+            warnings.warn(
+                SET_ASIDE_MSG.format(
+                    step=step, directory=directory, detail=detail, target=target
+                ),
+                RuntimeWarning,
+                stacklevel=3,
+            )
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("jdp_checkpoint_set_aside")

@@ -1,0 +1,409 @@
+"""Reading one saved step into the layout of `like`, or as one copy.
+
+A replicated `like` (every leaf with a leading replica axis) gets the saved copy
+in every replica (`jdp._layout.place_like`); a `like` without replica axis gets
+one copy back. Before any array is read, the saved structure, shapes and dtypes
+are checked against `like`; every array read is checked against its record.
+`CheckpointManager.restore` decides which step to read; this module reads it.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+
+from jdp._layout import abstract, is_custom, is_key, logical_like, place_like
+from jdp._tree import format_problems, keystr
+from jdp.checkpoint import _per_replica
+from jdp.checkpoint._common import check_step_number, short_list
+from jdp.checkpoint._format import (
+    DAMAGED_SUFFIX,
+    STATE_ITEM,
+    as_key_data,
+    check_leaves,
+    corrupt,
+    dtype_name,
+    key_impl_name,
+    restore_item,
+)
+from jdp.checkpoint._store import NO_CHECKPOINT_MSG, StepStore
+
+PyTree = Any
+
+MISMATCH_MSG = (
+    "`CheckpointManager.restore`: the checkpoint of step {step} in {directory} does "
+    "not match `like` ({count} leaves differ; shapes are per replica, without the "
+    "replica axis):{probs}\nFix: build `like` from the same model and optimizer "
+    "as the saved state, e.g. `step.replicate(init_state)` or its "
+    "`jax.ShapeDtypeStruct`s."
+)
+
+ONE_COPY_HINT = (
+    "\n`like` is read as one copy (no replica axis: its shapes are the saved "
+    "shapes), which must match the saved leaves exactly. To restore into every "
+    "replica instead, pass a state replicated by the `jdp.Parallel` that will run "
+    "it: `manager.restore(step.replicate(init_state))`."
+)
+
+MIXED_LIKE_MSG = (
+    "`CheckpointManager.restore`: `like` mixes one-copy leaves (shaped as saved in "
+    "step {step}, e.g. {one}) and leaves with a replica axis (e.g. {rep}), so it "
+    "is neither one copy nor a replicated state.\nFix: pass one copy (e.g. "
+    "`init_state`) to get one copy back, or `step.replicate(init_state)` to "
+    "restore into every replica."
+)
+
+NEWER_INCOMPLETE_MSG = (
+    "`CheckpointManager.restore`: step {step} in {directory} is incomplete or "
+    "damaged ({detail}); restoring step {older}, the newest complete step, "
+    "instead. If no save is still writing step {step}, the next `save` of step "
+    "{step} or an earlier step moves it aside to {directory}/{step}"
+    + DAMAGED_SUFFIX
+    + "<n> (nothing is deleted)."
+)
+
+
+# -- which step -------------------------------------------------------------------
+
+
+def resolve_step(store: StepStore, step: Any) -> int:
+    """A complete step to read: `step` itself, or the newest for None.
+
+    Args:
+      store: The checkpoint directory's steps.
+      step: A step number, or None for the newest complete step.
+
+    Returns:
+      The step number.
+
+    Raises:
+      TypeError: If `step` is not an integer.
+      ValueError: If `step` is negative.
+      FileNotFoundError: If there is no such complete step (naming the
+        incomplete or damaged ones).
+    """
+    steps = store.complete_steps()
+    ignored = sorted(set(store.steps_on_disk()) - set(steps))
+    note = (
+        f" Step(s) {ignored} exist but are incomplete or damaged (a save that "
+        "was interrupted or is still running, or corrupted files) and are "
+        "ignored; the next `save` of one of these step numbers or an earlier "
+        "one moves them aside."
+        if ignored
+        else ""
+    )
+    if step is None:
+        if not steps:
+            missing = not store.directory.exists()
+            why = " (the directory does not exist)" if missing else ""
+            raise FileNotFoundError(
+                NO_CHECKPOINT_MSG.format(directory=store.directory, why=why) + note
+            )
+        return steps[-1]
+    step = check_step_number(step, "step")
+    if step not in steps:
+        raise FileNotFoundError(
+            f"`CheckpointManager.restore`: no complete checkpoint for step {step} "
+            f"in {store.directory}; the complete steps are {steps}. Pass one of "
+            "them, or `step=None` for the latest." + note
+        )
+    return step
+
+
+def warn_newer_incomplete(store: StepStore, newest: int) -> None:
+    """Warns about each step on disk after `newest` (incomplete or damaged).
+
+    Called by `CheckpointManager.restore` itself: the warnings name its caller.
+
+    Args:
+      store: The checkpoint directory's steps.
+      newest: The newest complete step.
+    """
+    for s in store.steps_on_disk():
+        if s > newest:
+            warnings.warn(
+                NEWER_INCOMPLETE_MSG.format(
+                    step=s,
+                    directory=store.directory,
+                    detail=store.incomplete(s),
+                    older=newest,
+                ),
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+
+# -- reading a step ---------------------------------------------------------------
+
+
+def restore_step(store: StepStore, step: int, like: PyTree) -> PyTree:
+    """Reads a complete step into `like`'s layout, or as one copy.
+
+    Called by `CheckpointManager.restore` itself (warnings name its caller).
+
+    Args:
+      store: The checkpoint directory's steps.
+      step: A complete step.
+      like: A replicated state, or one copy (see `CheckpointManager.restore`).
+
+    Returns:
+      A tree like `like`.
+
+    Raises:
+      TypeError: If a leaf of a replicated `like` has no dtype or sharding.
+      ValueError: If `like` does not match the saved leaves, or mixes one-copy
+        and replicated leaves, or has a 0-d leaf where a replica axis belongs.
+      Corrupt: If the step's files are damaged.
+    """
+    meta = store.metadata(step)
+    flat_like = jax.tree_util.tree_flatten_with_path(like)[0]
+    if _is_one_copy(step, meta, flat_like):
+        return _restore_one_copy(store, step, meta, like, flat_like)
+    return _restore_replicated(store, step, meta, like, flat_like)
+
+
+def _is_one_copy(
+    step: int, meta: dict[str, Any], flat_like: Sequence[tuple[Any, Any]]
+) -> bool:
+    """Whether `like` is one copy (True) or replicated; raises if it mixes."""
+    saved = {r["path"]: tuple(r["shape"]) for r in meta.get("leaves", [])}
+    one, rep = [], []
+    for path, x in flat_like:
+        name, shape = keystr(path), _data_shape(x)
+        if name not in saved or shape is None:
+            continue
+        if shape == saved[name]:
+            one.append(f"{name} {shape}")
+        elif len(shape) >= 1 and shape[1:] == saved[name]:
+            rep.append(f"{name} {shape}")
+    if one and rep:
+        raise ValueError(
+            MIXED_LIKE_MSG.format(step=step, one=short_list(one), rep=short_list(rep))
+        )
+    return bool(one)
+
+
+def _restore_replicated(
+    store: StepStore, step: int, meta: dict[str, Any], like: PyTree, flat_like
+) -> PyTree:
+    """Every replica of `like`'s layout gets the saved copy (or its own value)."""
+    _check_like(flat_like)
+    # One logical copy of `like`: what was saved (ZeRO-sharded optimizer
+    # state appears as the full optimizer state).
+    flat_logical, treedef = jax.tree_util.tree_flatten_with_path(logical_like(like))
+    flat_logical = [
+        (path, as_key_data(x), key_impl_name(x)) for path, x in flat_logical
+    ]
+    _check_matches(store.directory, step, meta, flat_logical)
+    records = meta["leaves"]
+    host = jax.tree_util.tree_unflatten(
+        treedef, _read_state(store, step, records, treedef)
+    )
+    per = _per_replica.records_of(records)
+    if not per:
+        return place_like(host, like)
+    like_by_path = {
+        keystr(path): x
+        for path, x in jax.tree_util.tree_flatten_with_path(like, is_leaf=is_custom)[0]
+    }
+    counts = set()
+    for r in per.values():
+        ref = like_by_path.get(r["path"])
+        counts.add(None if ref is None or is_custom(ref) else ref.shape[0])
+    if counts == {meta["num_replicas"]}:
+        manager = store.open(create=False)
+        own = _per_replica.read_replicas(
+            manager, store.directory, step, meta, per, like_by_path
+        )
+        return _per_replica.place_with(host, like, own)
+    count = next(iter(counts)) if len(counts) == 1 else None
+    why = f"`like` has {count} replicas" if count else "`like` lays them out"
+    host = _per_replica.one_copy_of_differing(
+        store.directory, step, meta, host, per, why
+    )
+    return place_like(host, like)
+
+
+def _restore_one_copy(
+    store: StepStore, step: int, meta: dict[str, Any], like: PyTree, flat_like
+) -> PyTree:
+    """One logical copy, shaped like `like` (which has no replica axis)."""
+    flat_logical = []
+    for path, x in flat_like:
+        ref = x if isinstance(x, jax.Array | jax.ShapeDtypeStruct) else abstract(x)
+        flat_logical.append((path, as_key_data(ref), key_impl_name(ref)))
+    _check_matches(store.directory, step, meta, flat_logical, hint=ONE_COPY_HINT)
+    records = meta["leaves"]
+    treedef = jax.tree.structure(like)
+    host_leaves = _read_state(store, step, records, treedef)
+    per = _per_replica.records_of(records)
+    if per:
+        host = jax.tree_util.tree_unflatten(treedef, host_leaves)
+        host = _per_replica.one_copy_of_differing(
+            store.directory, step, meta, host, per, "`like` is one copy"
+        )
+        host_leaves = jax.tree.leaves(host)
+    out = [
+        _place_one(x, ref, r.get("key_impl"))
+        for x, (_, ref), r in zip(host_leaves, flat_like, records, strict=True)
+    ]
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _read_state(
+    store: StepStore, step: int, records: Sequence[dict[str, Any]], treedef
+) -> list[np.ndarray]:
+    """The saved copy's leaves as NumPy arrays, checked against their records."""
+    item = jax.tree_util.tree_unflatten(
+        treedef,
+        [jax.ShapeDtypeStruct(tuple(r["shape"]), r["dtype"]) for r in records],
+    )
+    restore_args = jax.tree_util.tree_unflatten(
+        treedef,
+        [
+            ocp.RestoreArgs(restore_type=np.ndarray, dtype=np.dtype(r["dtype"]))
+            for r in records
+        ],
+    )
+    manager = store.open(create=False)
+    try:
+        host = restore_item(manager, step, STATE_ITEM, item, restore_args)
+        leaves = treedef.flatten_up_to(host)
+    except Exception as e:  # tensorstore/orbax raise many types for bad files
+        detail = f"reading its arrays failed ({type(e).__name__}: {e})."
+        raise corrupt(store.directory, step, detail) from e
+    check_leaves(store.directory, step, records, leaves)
+    return leaves
+
+
+# -- checks of `like` -------------------------------------------------------------
+
+
+def _check_like(flat_like: Sequence[tuple[Any, Any]]) -> None:
+    """Checks that every leaf of a replicated `like` can be placed."""
+    for path, ref in flat_like:
+        if getattr(ref, "sharding", None) is None or not hasattr(ref, "dtype"):
+            raise TypeError(
+                f"`CheckpointManager.restore`: leaf {keystr(path)} of `like` is "
+                f"a {type(ref).__name__} without a sharding, not a "
+                "replicated `jax.Array` or a `jax.ShapeDtypeStruct` with a "
+                "sharding. Pass `step.replicate(init_state)`, or "
+                "`jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, "
+                "sharding=x.sharding), replicated_state)`; or one copy whose "
+                "shapes are the saved ones to get one copy back."
+            )
+        if len(ref.shape) == 0:
+            raise ValueError(
+                f"`CheckpointManager.restore`: leaf {keystr(path)} of `like` has "
+                "shape (), so it has no replica axis. Pass a state replicated by "
+                "the `jdp.Parallel` that will run it: "
+                "`manager.restore(step.replicate(init_state))`."
+            )
+
+
+def _check_matches(
+    directory: epath.Path,
+    step: int,
+    meta: dict[str, Any],
+    flat_logical: Sequence[tuple[Any, Any, Any]],
+    *,
+    hint: str = "",
+) -> None:
+    """Raises a `ValueError` listing where the saved leaves and `like`'s differ."""
+    saved = {
+        r["path"]: (tuple(r["shape"]), _describe_dtype(r["dtype"], r.get("key_impl")))
+        for r in meta.get("leaves", [])
+    }
+    wanted = {
+        keystr(path): (tuple(ref.shape), _describe_dtype(dtype_name(ref.dtype), impl))
+        for path, ref, impl in flat_logical
+    }
+    probs = _differences(saved, wanted)
+    if probs:
+        raise ValueError(
+            MISMATCH_MSG.format(
+                step=step,
+                directory=directory,
+                count=len(probs),
+                probs=format_problems(probs),
+            )
+            + hint
+        )
+
+
+def _describe_dtype(dtype: str, key_impl: str | None) -> str:
+    """A saved dtype for messages; typed keys: `uint32 (threefry2x32 key data)`."""
+    return dtype if key_impl is None else f"{dtype} ({key_impl} key data)"
+
+
+def _differences(
+    saved: dict[str, tuple[Any, str]], wanted: dict[str, tuple[Any, str]]
+) -> list[str]:
+    """Where two `{path: (shape, dtype)}` maps differ, first difference first."""
+    # (position in pytree order, checkpoint side first, message): the first
+    # entry is the first leaf where the two trees part.
+    found = []
+    for i, (path, (shape, dtype)) in enumerate(saved.items()):
+        if path not in wanted:
+            found.append(
+                (
+                    i,
+                    0,
+                    f"{path}: in the checkpoint with shape {shape} {dtype}, not in "
+                    "`like`",
+                )
+            )
+    for i, (path, (shape, dtype)) in enumerate(wanted.items()):
+        if path not in saved:
+            found.append(
+                (
+                    i,
+                    1,
+                    f"{path}: not in the checkpoint; `like` has shape {shape} {dtype}",
+                )
+            )
+        elif saved[path] != (shape, dtype):
+            s_shape, s_dtype = saved[path]
+            found.append(
+                (
+                    i,
+                    1,
+                    f"{path}: the checkpoint has shape {s_shape} {s_dtype}, "
+                    f"`like` has shape {shape} {dtype}",
+                )
+            )
+    probs = [text for _, _, text in sorted(found)]
+    if not probs and list(saved) != list(wanted):
+        probs.append("the leaves are the same but in a different pytree order")
+    return probs
+
+
+# -- leaves of `like` -------------------------------------------------------------
+
+
+def _data_shape(x: Any) -> tuple[int, ...] | None:
+    """A `like` leaf's shape as saved (key data for typed keys); None if shapeless."""
+    if is_key(x):
+        return tuple(as_key_data(x).shape)
+    try:
+        return tuple(np.shape(x))
+    except Exception:  # an object NumPy cannot size
+        return None
+
+
+def _place_one(x: np.ndarray, ref: Any, impl: str | None) -> Any:
+    """One restored leaf of a one-copy `like`: NumPy, or placed like `ref`."""
+    sharding = getattr(ref, "sharding", None)
+    if isinstance(ref, jax.Array | jax.ShapeDtypeStruct) and sharding is not None:
+        x = jax.make_array_from_callback(x.shape, sharding, lambda i: x[i])
+    elif impl is not None:
+        x = jax.numpy.asarray(x)
+    if impl is not None:
+        x = jax.random.wrap_key_data(x, impl=impl)
+    return x

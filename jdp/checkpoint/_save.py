@@ -1,0 +1,137 @@
+"""What a save checks and writes: a replicated state, never over a saved step.
+
+`CheckpointManager.save` decides whether to save a step; this module checks that
+the state is replicated and that no complete step would be overwritten, and
+builds the orbax items of the step (`_format` for the record, `_per_replica` for
+the leaves whose replicas differ).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from jdp._layout import logical_copy
+from jdp._tree import format_problems, keystr
+from jdp.checkpoint._format import (
+    METADATA_ITEM,
+    REPLICAS_ITEM,
+    STATE_ITEM,
+    host_copy,
+    make_metadata,
+)
+from jdp.checkpoint._per_replica import host_replicas, replicas_save
+from jdp.checkpoint._store import StepStore
+
+PyTree = Any
+
+NOT_REPLICATED_MSG = (
+    "`CheckpointManager.save`: `state` is not a replicated state. Expected every "
+    "leaf to be a `jax.Array` with a leading replica axis, as returned by a "
+    "`jdp.Parallel` step or `step.replicate`. Offending leaves:{probs}\n"
+    "Fix: `manager.save(step_number, step.replicate(state))`."
+)
+
+
+def check_replicated(
+    state: PyTree, flat: Sequence[tuple[Any, Any]], parallel: Any
+) -> None:
+    """Checks that every leaf of `state` is a `jax.Array` with a replica axis.
+
+    Args:
+      state: The state to save.
+      flat: `state` flattened with paths.
+      parallel: The `jdp.Parallel` given to `save` (its layout is checked too),
+        or None.
+
+    Raises:
+      ValueError: If `state` has no leaves, or a leaf is not a `jax.Array` with
+        at least one axis (naming the leaves), or does not have `parallel`'s
+        layout.
+    """
+    if not flat:
+        raise ValueError("`CheckpointManager.save`: `state` has no array leaves.")
+    probs = []
+    for path, x in flat:
+        if not isinstance(x, jax.Array) or x.ndim == 0:
+            kind = "0-d jax.Array" if isinstance(x, jax.Array) else type(x).__name__
+            probs.append(f"{keystr(path)}: a {kind} of shape {np.shape(x)}")
+    if probs:
+        raise ValueError(NOT_REPLICATED_MSG.format(probs=format_problems(probs)))
+    if parallel is not None:
+        parallel._check_state(state)
+
+
+def check_not_overwriting(store: StepStore, step: int) -> dict[int, str]:
+    """Raises if a complete step >= `step` is on disk; returns the damaged ones.
+
+    A step that looks complete is read in full (its checksums checked) before
+    it is allowed to block the save.
+
+    Args:
+      store: The checkpoint directory's steps.
+      step: The step about to be saved.
+
+    Returns:
+      What is wrong with each incomplete or damaged step >= `step`, by step:
+      the steps to move aside before saving.
+
+    Raises:
+      ValueError: If `step` or a later step has an intact checkpoint.
+    """
+    damaged, intact = {}, []
+    for s in store.steps_on_disk():
+        if s < step:
+            continue
+        reason = store.incomplete(s) or store.verify_arrays(s)
+        if reason is None:
+            intact.append(s)
+        else:
+            damaged[s] = reason
+    if step in intact:
+        raise ValueError(
+            f"`CheckpointManager.save`: step {step} already has a checkpoint in "
+            f"{store.directory}; checkpoints are never overwritten. Save under a "
+            "new step number, or delete that step's directory first."
+        )
+    if intact:
+        raise ValueError(
+            f"`CheckpointManager.save`: step {step} is older than the latest "
+            f"checkpoint ({max(intact)}) in {store.directory}. Step numbers must "
+            "increase; to branch off an older step, save into a new directory."
+        )
+    return damaged
+
+
+def save_items(
+    step: int, state: PyTree, flat: Sequence[tuple[Any, Any]], parallel: Any
+) -> dict[str, Any]:
+    """The orbax items of a step: one copy, its record, the differing replicas.
+
+    Copies every array to host memory before returning, so the next step may
+    donate `state` while an async save is still writing.
+
+    Args:
+      step: The step number.
+      state: The replicated state to save (checked by `check_replicated`).
+      flat: `state` flattened with paths.
+      parallel: The `jdp.Parallel` given to `save`, or None.
+
+    Returns:
+      Orbax's save arguments, by item name.
+    """
+    replicas = host_replicas(state, flat)
+    logical = logical_copy(state)
+    host = jax.tree.map(host_copy, logical)
+    meta = make_metadata(step, state, logical, host, replicas, parallel)
+    items = {
+        STATE_ITEM: ocp.args.PyTreeSave(host),
+        METADATA_ITEM: ocp.args.JsonSave(meta),
+    }
+    if replicas:
+        items[REPLICAS_ITEM] = replicas_save(meta, replicas)
+    return items

@@ -1,0 +1,267 @@
+"""The steps in a checkpoint directory: orbax's manager, and which are complete.
+
+`StepStore` owns the `orbax.checkpoint.CheckpointManager` of one directory (made
+lazily, so that reading never creates directories; dropped after a failed save),
+writes steps through it, and tells the complete steps from the incomplete or
+damaged ones, remembering their records. It decides nothing about which step to
+save or restore: `CheckpointManager` does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import orbax.checkpoint as ocp
+from etils import epath
+
+from jdp.checkpoint import _format
+from jdp.checkpoint._common import same_kind_of_error
+from jdp.checkpoint._format import METADATA_ITEM, REPLICAS_ITEM, STATE_ITEM, Corrupt
+
+NO_CHECKPOINT_MSG = (
+    "`CheckpointManager.restore`: no checkpoint in {directory}{why}. Save one with "
+    "`manager.save(step, state)` first, or check the directory path."
+)
+
+WRITE_FAILED_MSG = (
+    "`CheckpointManager.save`: {what} step {step} to {directory} failed "
+    "({error}). Step {step} was not committed; the steps saved before it are "
+    "intact{kept}.\nFix: check that {directory} is writable and has free space "
+    "(or pass another directory), then save again."
+)
+
+
+class StepStore:
+    """The step directories under one checkpoint directory.
+
+    Args:
+      directory: The checkpoint directory (absolute, or a URL).
+      max_to_keep: How many of the newest steps orbax keeps; None keeps all.
+      save_interval_steps: Orbax saves the step numbers that are multiples of
+        this (and any step on preemption).
+      async_save: Whether orbax writes in the background.
+    """
+
+    def __init__(
+        self,
+        directory: epath.Path,
+        *,
+        max_to_keep: int | None,
+        save_interval_steps: int,
+        async_save: bool,
+    ):
+        self.directory = directory
+        self.max_to_keep = max_to_keep
+        self.save_interval_steps = save_interval_steps
+        self.async_save = async_save
+        self._manager: ocp.CheckpointManager | None = None
+        self._complete: dict[int, dict[str, Any]] = {}
+        # Steps whose arrays a restore found damaged: {step: what is wrong}.
+        self._damaged: dict[int, str] = {}
+        self._pending: int | None = None  # the step an async save is writing
+
+    # -- orbax's manager ----------------------------------------------------------
+
+    def open(self, *, create: bool) -> ocp.CheckpointManager | None:
+        """The orbax manager; made lazily so that reading never creates directories.
+
+        Args:
+          create: Make the manager (and with it the directory) if the directory
+            does not exist yet.
+
+        Returns:
+          The manager, or None if the directory does not exist and `create` is
+          False.
+        """
+        if self._manager is None and (create or self.directory.exists()):
+            policies = ocp.checkpoint_managers
+            options = ocp.CheckpointManagerOptions(
+                create=True,
+                enable_async_checkpointing=self.async_save,
+                # Directories are made before `save` returns: when that fails,
+                # orbax's background threads would otherwise wait for them for
+                # minutes (its coordination timeout) and keep the process from
+                # exiting.
+                async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
+                save_decision_policy=policies.AnySavePolicy(
+                    [
+                        policies.FixedIntervalPolicy(self.save_interval_steps),
+                        policies.PreemptionCheckpointingPolicy(),
+                    ]
+                ),
+                preservation_policy=policies.LatestN(n=self.max_to_keep),
+            )
+            self._manager = ocp.CheckpointManager(
+                self.directory,
+                options=options,
+                item_names=(STATE_ITEM, METADATA_ITEM, REPLICAS_ITEM),
+            )
+        return self._manager
+
+    def reload_if_changed(self) -> None:
+        """Makes orbax list the steps again if another manager wrote here since."""
+        manager = self.open(create=True)
+        if set(manager.all_steps()) != set(self.steps_on_disk()):
+            manager.reload()
+
+    def due(self, manager: ocp.CheckpointManager, step: int) -> bool:
+        """Whether `save_interval_steps` (or a preemption) asks for this step."""
+        return step % self.save_interval_steps == 0 or manager.reached_preemption(step)
+
+    def write(self, step: int, items: dict[str, Any]) -> None:
+        """Saves `items` (orbax save arguments by item name) as `step`.
+
+        With `async_save`, only starts the write: `finish_pending` waits for it.
+
+        Args:
+          step: The step number.
+          items: The orbax save arguments of each item.
+
+        Raises:
+          OSError: If the write fails (the orbax manager is dropped).
+        """
+        manager = self.open(create=True)
+        self._complete.pop(step, None)
+        try:
+            manager.save(step, args=ocp.args.Composite(**items), force=True)
+        except Exception as e:
+            self._discard()
+            raise self.write_failed(step, e, what="writing") from e
+        self._pending = step if self.async_save else None
+
+    def finish_pending(self) -> None:
+        """Waits for an async save; raises its failure as a jdp error.
+
+        Raises:
+          OSError: If the background write failed, naming the directory and step.
+        """
+        if self._manager is None:
+            return
+        try:
+            self._manager.wait_until_finished()
+        except Exception as e:
+            step, self._pending = self._pending, None
+            self._discard()
+            raise self.write_failed(step, e, what="the background write of") from e
+        self._pending = None
+
+    def write_failed(
+        self, step: int | None, error: BaseException, *, what: str
+    ) -> OSError:
+        """The error for a save that could not be written, naming the step.
+
+        Args:
+          step: The step that was being saved.
+          error: What orbax (or the file system) raised.
+          what: What failed, e.g. `"writing"`, as in "writing step 3 to ...".
+
+        Returns:
+          An `OSError` (of `error`'s type where it is one) to raise.
+        """
+        try:
+            kept = self.complete_steps()
+        except Exception:  # the directory may be unreadable too
+            kept = []
+        message = WRITE_FAILED_MSG.format(
+            what=what,
+            step=step,
+            directory=self.directory,
+            error=f"{type(error).__name__}: {error}",
+            kept=f" ({kept})" if kept else "",
+        )
+        return same_kind_of_error(error, message)
+
+    def close(self) -> None:
+        """Releases orbax's resources (after `finish_pending`)."""
+        if self._manager is not None:
+            self._manager.close()
+            self._manager = None
+
+    def _discard(self) -> None:
+        """Drops the orbax manager after a failed save; the next save makes anew."""
+        manager, self._manager = self._manager, None
+        if manager is not None:
+            try:
+                manager.close()
+            except Exception:  # the failure was already reported
+                pass
+
+    # -- which steps are complete -------------------------------------------------
+
+    def steps_on_disk(self) -> list[int]:
+        """Every step directory on disk, committed or not, damaged or not."""
+        try:
+            entries = list(self.directory.iterdir())
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        return sorted(
+            int(p.name)
+            for p in entries
+            if p.name.isascii() and p.name.isdigit() and p.is_dir()
+        )
+
+    def complete_steps(self) -> list[int]:
+        """Step numbers of the complete checkpoints, oldest first."""
+        if self.open(create=False) is None:
+            return []
+        return [s for s in self.steps_on_disk() if self.incomplete(s) is None]
+
+    def incomplete(self, step: int) -> str | None:
+        """Why the step on disk is not a complete checkpoint, or None if it is.
+
+        Args:
+          step: A step on disk.
+
+        Returns:
+          What is wrong with it (never committed, an item or the record missing
+          or unreadable, or damaged arrays a restore found), or None.
+        """
+        if step in self._complete:
+            return None
+        if step in self._damaged:
+            return self._damaged[step]
+        path = self.directory / str(step)
+        try:
+            if not ocp.step.is_path_finalized(path):
+                return "it was never committed: a save was interrupted or is running"
+            if not (path / STATE_ITEM).exists():
+                return f"its `{STATE_ITEM}` item is missing"
+            meta = self._read_metadata(step)
+        except Corrupt as e:
+            return e.detail
+        except OSError as e:
+            return f"it cannot be read ({type(e).__name__}: {e})"
+        self._complete[step] = meta
+        return None
+
+    def metadata(self, step: int) -> dict[str, Any]:
+        """The record of a step: the one `incomplete` kept, else read from disk.
+
+        Raises:
+          Corrupt: If it is missing or unreadable.
+        """
+        return self._complete.get(step) or self._read_metadata(step)
+
+    def _read_metadata(self, step: int) -> dict[str, Any]:
+        """The step's record, read from disk.
+
+        Raises:
+          Corrupt: If it is missing or unreadable.
+        """
+        return _format.read_metadata(self.open(create=False), self.directory, step)
+
+    def verify_arrays(self, step: int) -> str | None:
+        """What is wrong with a step's arrays (`_format.verify_arrays`), or None."""
+        return _format.verify_arrays(self.open(create=False), step, self.metadata(step))
+
+    def mark_damaged(self, step: int, detail: str) -> None:
+        """Records that a restore found `step` damaged: no longer complete."""
+        self._damaged[step] = detail
+        self._complete.pop(step, None)
+
+    def forget(self, steps: Iterable[int]) -> None:
+        """Forgets what is known of `steps` (e.g. after they were moved aside)."""
+        for step in steps:
+            self._complete.pop(step, None)
+            self._damaged.pop(step, None)
