@@ -72,7 +72,7 @@ def replicas_in_sync(state: PyTree, *, atol: float = 0.0) -> bool:
     lays it out) with replica 0. Synchronous steps keep replicas bit-identical, so
     the default tolerance is exact; NaNs in the same places count as equal. The
     slices of a sharded optimizer state (`make_train_step(...,
-    grad_sync="zero")`) differ between replicas by design and are
+    sync=jdp.zero())`) differ between replicas by design and are
     skipped; its step counts are compared.
 
     Args:

@@ -97,7 +97,8 @@ def update(
     replicas (which would stall optax's own conditional around the inner
     optimizer too).
     """
-    tx = optax.with_extra_args_support(tx)
+    if not isinstance(tx, optax.MultiSteps):  # whose `update` takes extra args
+        tx = optax.with_extra_args_support(tx)
     if not isinstance(opt_state, optax.MultiStepsState):
         return tx.update(grads, opt_state, params, **extra_args)
 

@@ -113,7 +113,7 @@ def reference_bmuf(
 def run_bmuf(params, batches, *, devices, backend="shard_map", **kw):
     tx = jdp.bmuf(optax.sgd(LR, momentum=MOMENTUM), **kw)
     step = jdp.parallelize(
-        jdp.make_train_step(linear_loss, tx, grad_sync="none"),
+        jdp.make_train_step(linear_loss, tx, sync=jdp.local()),
         devices=devices,
         backend=backend,
     )
@@ -214,7 +214,7 @@ def test_sync_period_one_model_averaging_is_synchronous_sgd(backend, devices):
     sgd = optax.sgd(0.1)
     bmuf = jdp.bmuf(sgd, sync_period=1, block_momentum=0.0, block_learning_rate=1.0)
     step_b = jdp.parallelize(
-        jdp.make_train_step(linear_loss, bmuf, grad_sync="none"),
+        jdp.make_train_step(linear_loss, bmuf, sync=jdp.local()),
         devices=devices,
         backend=backend,
     )
@@ -240,7 +240,7 @@ def test_sync_leaves_mlp_replicas_bit_identical(backend):
     params = init_mlp(jax.random.key(3))
     tx = jdp.bmuf(optax.sgd(0.05, momentum=0.9), sync_period=2, nesterov=True)
     step = jdp.parallelize(
-        jdp.make_train_step(mlp_loss, tx, grad_sync="none"), backend=backend
+        jdp.make_train_step(mlp_loss, tx, sync=jdp.local()), backend=backend
     )
     state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
     for i, batch in enumerate(make_batches(4, 32)):
@@ -257,7 +257,7 @@ def test_sync_leaves_mlp_replicas_bit_identical(backend):
 
 
 def test_steps_between_syncs_are_the_local_step_bit_for_bit(backend):
-    """A plain BMUF step applies `inner` exactly as `grad_sync="none"` alone does.
+    """A plain BMUF step applies `inner` exactly as `sync=jdp.local()` alone does.
 
     (`jdp.make_train_step` runs the sync after the update, in a conditional that
     takes the updated params: that may not change a bit.)
@@ -268,7 +268,7 @@ def test_steps_between_syncs_are_the_local_step_bit_for_bit(backend):
     states = []
     for tx in (inner, jdp.bmuf(inner, sync_period=6)):
         step = jdp.parallelize(
-            jdp.make_train_step(mlp_loss, tx, grad_sync="none"), backend=backend
+            jdp.make_train_step(mlp_loss, tx, sync=jdp.local()), backend=backend
         )
         state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
         for batch in batches:
@@ -308,7 +308,7 @@ def test_train_step_and_optax_path_agree(option):
     # Warmup, four blocks of 3 updates, and one more update.
     batches = linear_batches((kw.get("warmup_steps", 0) + 4 * 3 + 1) * every, 16)
     states = []
-    for fn in (jdp.make_train_step(linear_loss, tx, grad_sync="none"), optax_path_step):
+    for fn in (jdp.make_train_step(linear_loss, tx, sync=jdp.local()), optax_path_step):
         step = jdp.parallelize(fn, devices=jax.devices()[:4], check_sync=1)
         state = step.replicate(jdp.TrainState.create(params=linear_params(), tx=tx))
         for batch in batches:
@@ -329,7 +329,7 @@ def test_gradient_accumulation_keeps_the_block_sync():
     states = []
     for kw in ({}, {"microbatches": 2}):
         step = jdp.parallelize(
-            jdp.make_train_step(linear_loss, tx, grad_sync="none", **kw),
+            jdp.make_train_step(linear_loss, tx, sync=jdp.local(), **kw),
             devices=jax.devices()[:4],
         )
         state = step.replicate(jdp.TrainState.create(params=linear_params(), tx=tx))
@@ -366,7 +366,7 @@ def test_a_step_without_sync_keeps_no_parameter_sized_temporary():
     temp = {}
     for name, tx in [("local", inner), ("bmuf", jdp.bmuf(inner, sync_period=4))]:
         step = jdp.parallelize(
-            jdp.make_train_step(loss_fn, tx, grad_sync="none"),
+            jdp.make_train_step(loss_fn, tx, sync=jdp.local()),
             devices=jax.devices()[:4],
         )
         state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
@@ -382,7 +382,7 @@ def test_one_replica_is_the_inner_optimizer_alone(backend):
     inner = optax.adam(1e-2)
     tx = jdp.bmuf(inner, sync_period=3)
     step = jdp.parallelize(
-        jdp.make_train_step(mlp_loss, tx, grad_sync="none"),
+        jdp.make_train_step(mlp_loss, tx, sync=jdp.local()),
         devices=jax.devices()[:1],
         backend=backend,
     )
@@ -397,7 +397,7 @@ def test_one_replica_is_the_inner_optimizer_alone(backend):
 
 def run_generic(tx, params, batches, num=4):
     step = jdp.parallelize(
-        jdp.make_train_step(linear_loss, tx, grad_sync="none"),
+        jdp.make_train_step(linear_loss, tx, sync=jdp.local()),
         devices=jax.devices()[:num],
     )
     state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
@@ -506,7 +506,7 @@ def test_parameter_all_reduce_runs_only_in_the_sync_branch(backend, stage):
     param_bytes = sum(x.size * 4 for x in jax.tree.leaves(params))
     tx = jdp.bmuf(optax.sgd(0.1, momentum=0.9), sync_period=4)
     step = jdp.parallelize(
-        jdp.make_train_step(mlp_loss, tx, grad_sync="none"), backend=backend
+        jdp.make_train_step(mlp_loss, tx, sync=jdp.local()), backend=backend
     )
     state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
     batch = step.shard(make_batches(1, 16)[0])
@@ -524,7 +524,7 @@ def test_average_inner_state_all_reduces_it_on_sync_steps_too():
     tx = jdp.bmuf(
         optax.sgd(0.1, momentum=0.9), sync_period=4, inner_state_at_sync="average"
     )
-    step = jdp.parallelize(jdp.make_train_step(mlp_loss, tx, grad_sync="none"))
+    step = jdp.parallelize(jdp.make_train_step(mlp_loss, tx, sync=jdp.local()))
     state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
     ops = step.collectives(state, step.shard(make_batches(1, 16)[0]), stage="lowered")
     assert sum(c.bytes for c in ops if c.in_conditional) == 2 * param_bytes
@@ -600,7 +600,7 @@ def test_all_reducing_train_step_refuses_bmuf_state():
         jdp.make_train_step(linear_loss, tx), devices=jax.devices()[:2]
     )
     state = step.replicate(jdp.TrainState.create(params=linear_params(), tx=tx))
-    with pytest.raises(ValueError, match='grad_sync="none"'):
+    with pytest.raises(ValueError, match="sync=jdp.local()"):
         step(state, step.shard(linear_batches(1, 4)[0]))
 
 
@@ -608,7 +608,7 @@ def test_train_step_refuses_two_bmufs_in_one_optimizer():
     inner = optax.sgd(0.1)
     tx = optax.chain(jdp.bmuf(inner, sync_period=2), jdp.bmuf(inner, sync_period=3))
     step = jdp.parallelize(
-        jdp.make_train_step(linear_loss, tx, grad_sync="none"),
+        jdp.make_train_step(linear_loss, tx, sync=jdp.local()),
         devices=jax.devices()[:2],
     )
     state = step.replicate(jdp.TrainState.create(params=linear_params(), tx=tx))

@@ -381,7 +381,7 @@ def test_bmuf_mid_block_into_another_count_starts_from_the_global_model(tmp_path
         manager.save(MID_BLOCK_SAVE_AT, odd)
         with pytest.warns(
             RuntimeWarning,
-            match=r"(?s)was saved between syncs.*holds a `jdp.BMUFState`, but no "
+            match=r"(?s)was saved between syncs.*holds a `jdp.bmuf` state, but no "
             r"`params` of the same structure to reset: set them to "
             r"`jdp.bmuf_global_params\(state\)` .*before training on",
         ):
@@ -423,7 +423,7 @@ def test_zero_slices_are_not_saved_per_replica(tmp_path):
     """ZeRO's optimizer-state slices differ by design: their layout restores them."""
     tx = optax.adam(1e-2)
     step = jdp.parallelize(
-        jdp.make_train_step(mlp_loss, tx, grad_sync="zero"),
+        jdp.make_train_step(mlp_loss, tx, sync=jdp.zero()),
         devices=jax.devices()[:4],
     )
     init = init_state(tx=tx)
@@ -432,7 +432,7 @@ def test_zero_slices_are_not_saved_per_replica(tmp_path):
         manager.save(2, state)
         assert not any(r.get("per_replica") for r in manager.metadata()["leaves"])
         two = jdp.parallelize(
-            jdp.make_train_step(mlp_loss, tx, grad_sync="zero"),
+            jdp.make_train_step(mlp_loss, tx, sync=jdp.zero()),
             devices=jax.devices()[:2],
         )
         with warnings.catch_warnings():

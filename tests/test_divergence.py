@@ -86,7 +86,7 @@ def test_synchronous_steps_pass_the_check():
 def test_bmuf_local_params_between_syncs_are_not_checked():
     tx = jdp.bmuf(optax.sgd(0.1), sync_period=4)
     step = jdp.parallelize(
-        jdp.make_train_step(mlp_loss, tx, grad_sync="none"), check_sync=1
+        jdp.make_train_step(mlp_loss, tx, sync=jdp.local()), check_sync=1
     )
     params = init_mlp(jax.random.key(0))
     state = run(

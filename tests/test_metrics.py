@@ -135,7 +135,7 @@ def test_every_in_step_helper_uses_the_axis_given_to_parallelize(backend):
 
     tx = jdp.bmuf(optax.sgd(0.1), sync_period=2)
     train = jdp.make_train_step(
-        lambda p, b: jnp.mean((b * p["w"] - 1.0) ** 2), tx, grad_sync="none"
+        lambda p, b: jnp.mean((b * p["w"] - 1.0) ** 2), tx, sync=jdp.local()
     )
     step = jdp.parallelize(
         train, devices=jax.devices()[:n], backend=backend, axis_name="batch"

@@ -344,6 +344,10 @@ def test_optax_multisteps_all_reduces_only_when_it_updates(backend):
         if c.kind == "all-reduce" and c.bytes > 4
     ]
     assert grads and all(c.in_conditional for c in grads), grads
+    # One all-reduce of the gradients, in the branch that updates: the branch
+    # that only accumulates issues none.
+    param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+    assert sum(c.bytes for c in grads) == param_bytes, grads
     history = []
     for batch in batches:
         state, _ = step(state, step.shard(batch))

@@ -513,9 +513,7 @@ def apply_sparse(
     tx: SparseTransformation, grads: PyTree, opt_state: PartitionState, params: PyTree
 ) -> tuple[PyTree, PartitionState]:
     """Applies dense grads with `tx.dense` and `IndexedRows` with the row optimizers."""
-    leaves, treedef, index, dense_params = _split(
-        params, tx, "jdp.sparse.rows"
-    )
+    leaves, treedef, index, dense_params = _split(params, tx, "jdp.sparse.rows")
     flat = jax.tree_util.tree_leaves(
         grads, is_leaf=lambda x: isinstance(x, IndexedRows)
     )

@@ -199,7 +199,7 @@ def _in_sync_check():
 def bmuf_train(*, batches, params, devices=None):
     tx = jdp.bmuf(optax.sgd(0.05), sync_period=4, block_momentum=0.5)
     step = jdp.parallelize(
-        jdp.make_train_step(mlp_loss, tx, grad_sync="none"), devices=devices
+        jdp.make_train_step(mlp_loss, tx, sync=jdp.local()), devices=devices
     )
     state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
     for batch in batches:
@@ -325,7 +325,7 @@ def _multisteps_and_loss_scaling():
     tx = optax.MultiSteps(
         optax.chain(jdp.sync_gradients(), optax.adam(1e-2)), every_k_schedule=2
     )
-    step = jdp.parallelize(jdp.make_train_step(mlp_loss, tx, grad_sync="none"))
+    step = jdp.parallelize(jdp.make_train_step(mlp_loss, tx, sync=jdp.local()))
     state = step.replicate(
         jdp.TrainState.create(params=init_mlp(jax.random.key(0)), tx=tx)
     )

@@ -1,0 +1,240 @@
+"""The sync pieces (`jdp.Sync`) and the declarations they and optimizer states make."""
+
+from typing import NamedTuple
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from helpers import init_mlp, make_batches, mlp_loss, single_device_train
+
+import jdp
+from jdp import _replica_parts
+
+
+def train(train_step, tx, batches, *, backend="shard_map", devices=4, params=None):
+    step = jdp.parallelize(train_step, backend=backend, devices=jax.devices()[:devices])
+    params = init_mlp(jax.random.key(0)) if params is None else params
+    state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
+    for b in batches:
+        state, metrics = step(state, step.shard(b))
+    return step, state, metrics
+
+
+def test_the_default_piece_is_a_hand_written_all_reduce_step_bit_for_bit(backend):
+    tx = optax.adam(1e-2)
+    batches = make_batches(4, 32)
+
+    def hand_written(state, batch):
+        loss, grads = jax.value_and_grad(mlp_loss)(state.params, batch)
+        grads = jdp.all_reduce_gradients(grads)
+        return state.apply_gradients(grads=grads), {"loss": loss}
+
+    _, piece, _ = train(jdp.make_train_step(mlp_loss, tx), tx, batches, backend=backend)
+    step, hand, _ = train(hand_written, tx, batches, backend=backend)
+    chex.assert_trees_all_equal(jax.device_get(piece), jax.device_get(hand))
+    expected, _ = single_device_train(
+        mlp_loss, init_mlp(jax.random.key(0)), tx, batches
+    )
+    chex.assert_trees_all_close(
+        step.unreplicate(piece).params, expected, rtol=1e-5, atol=1e-6
+    )
+
+
+def test_local_with_sync_gradients_in_tx_is_the_all_reduce_piece(backend):
+    base = optax.sgd(0.1, momentum=0.9)
+    chained = optax.chain(jdp.sync_gradients(), base)
+    batches = make_batches(4, 32)
+    _, a, _ = train(
+        jdp.make_train_step(mlp_loss, chained, sync=jdp.local()),
+        chained,
+        batches,
+        backend=backend,
+    )
+    _, b, _ = train(jdp.make_train_step(mlp_loss, base), base, batches, backend=backend)
+    chex.assert_trees_all_equal(jax.device_get(a.params), jax.device_get(b.params))
+
+
+def test_a_piece_of_ones_own_plugs_in():
+    """A `jdp.Sync` written by a user: sum the gradients instead of averaging."""
+
+    def summed(grads, state, tx, axis_name):
+        grads = jax.lax.psum(grads, axis_name)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        return optax.apply_updates(state.params, updates), opt_state, {}
+
+    tx = optax.sgd(0.01)
+    batches = make_batches(3, 32)
+    _, got, _ = train(
+        jdp.make_train_step(mlp_loss, tx, sync=jdp.Sync(summed)), tx, batches
+    )
+    # Summing over 4 replicas is averaging with a 4x learning rate.
+    _, want, _ = train(jdp.make_train_step(mlp_loss, optax.sgd(0.04)), tx, batches)
+    chex.assert_trees_all_close(got.params, want.params, rtol=1e-5, atol=1e-7)
+
+
+def test_bmuf_in_a_hand_written_step_runs_the_same_block_sync():
+    """The optax path (sync inside the optimizer) and `jdp.local()` agree."""
+    tx = jdp.bmuf(optax.sgd(0.1, momentum=0.9), sync_period=3, block_momentum=0.5)
+    batches = make_batches(7, 32)
+
+    def hand_written(state, batch):
+        loss, grads = jax.value_and_grad(mlp_loss)(state.params, batch)
+        return state.apply_gradients(grads=grads), {"loss": loss}
+
+    step, piece, _ = train(
+        jdp.make_train_step(mlp_loss, tx, sync=jdp.local()), tx, batches
+    )
+    _, hand, _ = train(hand_written, tx, batches)
+    # The hand-written step reaches the merged model through
+    # `optax.apply_updates` (up to an ulp), which the next blocks carry along.
+    chex.assert_trees_all_close(
+        jdp.bmuf_global_params(piece), jdp.bmuf_global_params(hand), rtol=1e-5
+    )
+    chex.assert_trees_all_close(piece.params, hand.params, rtol=1e-5, atol=1e-6)
+    assert int(step.unreplicate(piece).opt_state.count) == 7
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: jdp.all_reduce(batch_stats="sum"), r"`batch_stats` must be one of"),
+        (lambda: jdp.local(batch_stats=None), r"`batch_stats` must be one of"),
+        (lambda: jdp.all_reduce(bucket_bytes=0), r"`bucket_bytes`"),
+        (lambda: jdp.zero(bucket_bytes=-1), r"`bucket_bytes`"),
+        (lambda: jdp.sparse.rows(batch_stats="max"), r"`batch_stats` must be one of"),
+    ],
+)
+def test_bad_piece_options_are_refused(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+# -- the loss's parameters say whether it takes batch statistics ------------------
+
+
+def stats_loss(params, batch_stats, batch):
+    return mlp_loss(params, batch), batch_stats
+
+
+def test_a_loss_that_takes_no_stats_refuses_a_state_with_stats():
+    tx = optax.sgd(0.1)
+    step = jdp.parallelize(jdp.make_train_step(mlp_loss, tx), devices=jax.devices()[:2])
+    state = jdp.TrainState.create(
+        params=init_mlp(jax.random.key(0)), tx=tx, batch_stats={"n": jnp.zeros(2)}
+    )
+    with pytest.raises(ValueError, match=r"state has `batch_stats`.*two\s+parameters"):
+        step(step.replicate(state), step.shard(make_batches(1, 4)[0]))
+
+
+def test_a_loss_that_takes_stats_refuses_a_state_without():
+    tx = optax.sgd(0.1)
+    step = jdp.parallelize(
+        jdp.make_train_step(stats_loss, tx), devices=jax.devices()[:2]
+    )
+    state = jdp.TrainState.create(params=init_mlp(jax.random.key(0)), tx=tx)
+    with pytest.raises(ValueError, match=r"takes three parameters.*no `batch_stats`"):
+        step(step.replicate(state), step.shard(make_batches(1, 4)[0]))
+
+
+def test_stats_flow_through_a_three_parameter_loss():
+    tx = optax.sgd(0.1)
+
+    def counting(params, batch_stats, batch):
+        return mlp_loss(params, batch), {"n": batch_stats["n"] + 1}
+
+    step = jdp.parallelize(jdp.make_train_step(counting, tx), devices=jax.devices()[:2])
+    state = step.replicate(
+        jdp.TrainState.create(
+            params=init_mlp(jax.random.key(0)), tx=tx, batch_stats={"n": jnp.zeros(())}
+        )
+    )
+    for b in make_batches(3, 4):
+        state, _ = step(state, step.shard(b))
+    assert float(step.unreplicate(state).batch_stats["n"]) == 3.0
+
+
+@pytest.mark.parametrize(
+    "loss_fn, match",
+    [
+        (lambda params: 0.0, r"1 required positional parameter"),
+        (lambda *args: 0.0, r"0 required positional parameter\(s\) and \*args"),
+        (lambda p, s, b, extra: 0.0, r"4 required positional"),
+    ],
+    ids=["one", "varargs", "four"],
+)
+def test_a_loss_of_another_shape_is_refused_when_the_step_is_made(loss_fn, match):
+    with pytest.raises(TypeError, match=match):
+        jdp.make_train_step(loss_fn, optax.sgd(0.1))
+
+
+def test_defaults_and_wrappers_keep_the_loss_readable():
+    def with_default(params, batch, scale=1.0):
+        return mlp_loss(params, batch) * scale
+
+    tx = optax.sgd(0.1)
+    for loss_fn in (with_default, jax.checkpoint(mlp_loss)):
+        _, state, metrics = train(
+            jdp.make_train_step(loss_fn, tx), tx, make_batches(1, 8), devices=2
+        )
+        assert np.isfinite(float(metrics["loss"]))
+
+
+# -- declarations of per-replica state parts ---------------------------------------
+
+
+def test_bmuf_state_is_found_in_the_layout_nnx_gives_it():
+    model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(
+        model, jdp.bmuf(optax.adam(1e-3), sync_period=4), wrt=nnx.Param
+    )
+    state = nnx.state(optimizer)
+    (found,) = _replica_parts.find(state)
+    assert isinstance(found, jdp.BMUFState)
+    assert _replica_parts.trains_locally(state)
+    agreed = _replica_parts.agreed(state)
+    paths = [
+        jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(agreed)
+    ]
+    assert any("global_params" in p for p in paths)
+    assert not any("inner_state" in p for p in paths)
+    (start,) = _replica_parts.restart_params(state)
+    chex.assert_trees_all_equal(start, found.global_params)
+
+
+def test_plain_optimizer_states_declare_nothing():
+    state = optax.adam(1e-3).init({"w": jnp.ones(3)})
+    assert _replica_parts.find(state) == []
+    assert _replica_parts.agreed(state) is None
+    assert not _replica_parts.trains_locally(state)
+
+
+def test_a_declaration_names_fields_the_class_has():
+    class ErrorBuffers(NamedTuple):
+        error: jax.Array
+        count: jax.Array
+
+    with pytest.raises(
+        ValueError, match=r"ErrorBuffers has no field\(s\) \['errors'\]"
+    ):
+        _replica_parts.declare(local=("errors",), required=("count",))(ErrorBuffers)
+
+
+def test_a_declared_state_of_ones_own_is_left_out_of_the_guard():
+    """A new per-replica state (error buffers) plugs in without touching jdp."""
+
+    @_replica_parts.declare(local=("error",), required=("error", "count"))
+    class Buffers(NamedTuple):
+        error: jax.Array
+        count: jax.Array
+
+    try:
+        tree = {"opt": Buffers(jnp.arange(3.0), jnp.zeros((), jnp.int32))}
+        agreed = _replica_parts.agreed(tree)
+        assert agreed["opt"].error is None and agreed["opt"].count is not None
+        assert not _replica_parts.trains_locally(tree)
+    finally:
+        _replica_parts._DECLARED.pop()
