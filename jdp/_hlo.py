@@ -61,6 +61,15 @@ _PAIRS = re.compile(r"source_target_pairs=\{((?:\{[0-9,]*\},?)*)\}")
 class Collective:
     """One collective operation of a compiled (or lowered) step.
 
+    A debugging aid, read by parsing XLA's HLO text. Stable: the fields and
+    their meaning, `kind` for the six collectives listed, `bytes`, and
+    `in_conditional`. Not stable: `name` and `order` (XLA's choices), and which
+    collectives a compiled module holds at all (XLA combines, splits and
+    retypes them from one version or platform to the next: compare within one
+    run, not against numbers saved elsewhere). HLO text is no public JAX
+    interface, so a JAX upgrade may need this parser to follow it
+    (`tests/test_hlo.py` pins what it reads).
+
     Attributes:
       kind: `"all-reduce"`, `"all-gather"`, `"reduce-scatter"`, `"all-to-all"`,
         `"collective-permute"` or `"collective-broadcast"`.
@@ -237,6 +246,11 @@ def _creation_index(c: Collective) -> tuple[int, int]:
 @dataclasses.dataclass(frozen=True)
 class MemoryAnalysis:
     """Per-device memory of one compiled step, from XLA (`step.memory_analysis`).
+
+    A debugging aid. Stable: the fields and their meaning; the figures are
+    XLA's own estimates for this platform and version (`Compiled.
+    memory_analysis()`, a public JAX call whose figures XLA may change), so
+    compare configurations within one run.
 
     Attributes:
       argument_bytes: Inputs held by one device: its replica of the state and its

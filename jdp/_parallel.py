@@ -20,6 +20,7 @@ from jdp import (
     _collectives,
     _divergence,
     _hlo,
+    _jax_compat,
     _layout,
     _metrics,
     _progress,
@@ -93,7 +94,7 @@ class Parallel(_hlo.Introspection):
             with _collectives.bound_axis(self.axis_name):
                 out = self.train_step(state, batch)
         except NameError as e:
-            if "unbound axis name" not in str(e):
+            if not _jax_compat.is_unbound_axis_error(e):
                 raise
             raise RuntimeError(
                 UNBOUND_AXIS_MSG.format(error=e, axis=self.axis_name)

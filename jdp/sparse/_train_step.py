@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jdp import _collectives, _sync
+from jdp import _collectives, _jax_compat, _sync
 from jdp.sparse._gather import all_gather_rows, combine_rows
 from jdp.sparse._lookup import IndexedRows, path_name, value_and_grad
 from jdp.sparse._optim import SparseTransformation, apply_sparse
@@ -38,10 +38,9 @@ _FILTER = _QuietIdErrors()
 
 
 def _install_filter() -> None:
-    # Private JAX, by name only (no import): the loggers of JAX's host-callback
-    # modules (`logging.getLogger(__name__)` there, JAX 0.10). JAX has no public
-    # switch for this log; if the modules move, the filter just stops applying.
-    for name in ("jax._src.callback", "jax._src.debugging"):
+    # JAX has no public switch for this log; if the loggers move, the filter
+    # just stops applying (`_jax_compat.CALLBACK_LOGGERS` has a test).
+    for name in _jax_compat.CALLBACK_LOGGERS:
         logger = logging.getLogger(name)
         if _FILTER not in logger.filters:
             logger.addFilter(_FILTER)
