@@ -106,7 +106,7 @@ class CheckpointManager:
     restore into the same number of replicas gives each replica its own values
     back, so the run resumes bit for bit. Into another number of replicas (or as
     one copy) those leaves get replica 0's copy, with a warning; for a
-    `jdp.BMUFState` the params are set to the block start, so a new block starts
+    `jdp.bmuf` state the params are set to the block start, so a new block starts
     from the global model.
 
     `restore(like)` with one copy (no replica axis, e.g. `init_state` itself or

@@ -204,7 +204,7 @@ def one_copy_of_differing(
       why: Why their replicas cannot be restored, e.g. "`like` is one copy".
 
     Returns:
-      `host`, with the params of a `jdp.BMUFState` set to its block start.
+      `host`, with the params of a `jdp.bmuf` state set to its block start.
     """
     host, note = block_start_params(host)
     paths = [r["path"] for r in per.values()]
