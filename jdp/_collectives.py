@@ -175,7 +175,16 @@ def all_reduce_gradients(
     )
 
 
-def all_reduce(grads, *, axis_name, bucket_bytes, reverse, reduce_dtype, flatten, api):
+def all_reduce(
+    grads,
+    *,
+    axis_name,
+    api,
+    bucket_bytes=DEFAULT_BUCKET_BYTES,
+    reduce_dtype=None,
+    reverse=True,
+    flatten=None,
+):
     """`jdp.all_reduce_gradients` under the public name `api` (for its errors)."""
     check_bucket_bytes(bucket_bytes)
     axis_name = resolve_axis(axis_name)

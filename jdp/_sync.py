@@ -122,9 +122,7 @@ def all_reduce(
             grads,
             axis_name=axis_name,
             bucket_bytes=bucket_bytes,
-            reverse=True,
             reduce_dtype=reduce_dtype,
-            flatten=None,
             api="jdp.all_reduce",
         )
         return apply_tx(grads, state, tx)

@@ -170,9 +170,7 @@ def rows(
             dense,
             axis_name=axis_name,
             bucket_bytes=bucket_bytes,
-            reverse=True,
             reduce_dtype=reduce_dtype,
-            flatten=None,
             api=api,
         )
         merged = jax.tree_util.tree_leaves(dense, is_leaf=lambda x: x is None)
