@@ -24,6 +24,7 @@ from jdp._collectives import (
 from jdp._divergence import ReplicaDivergenceError
 from jdp._export import export_predictor, load_predictor, save_predictor
 from jdp._hlo import Collective, MemoryAnalysis
+from jdp._metrics import weighted
 from jdp._parallel import Parallel, parallelize
 from jdp._sync import Sync, all_reduce, local, zero
 from jdp._train_step import TrainState, make_train_step
@@ -54,5 +55,6 @@ __all__ = [
     "save_predictor",
     "sync_batch_stats",
     "sync_gradients",
+    "weighted",
     "zero",
 ]

@@ -9,10 +9,11 @@ which is the global batch order for per-example values.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jdp._layout import AxisName
@@ -23,10 +24,86 @@ PyTree = Any
 
 @dataclasses.dataclass(frozen=True)
 class Reduced:
-    """A metric value and how to combine it over replicas (not a pytree node)."""
+    """A metric value and how to combine it over replicas.
+
+    A pytree node (the value its child, `how` static), so a marked value may be
+    returned through `jax.value_and_grad(..., has_aux=True)` and `lax.scan`.
+    """
 
     value: Any
     how: Literal["sum", "gather"]
+
+
+jax.tree_util.register_dataclass(Reduced, data_fields=["value"], meta_fields=["how"])
+
+
+class Weighted(NamedTuple):
+    """A total and the weight it is to be divided by, once, over all replicas."""
+
+    total: Any
+    weight: Any
+
+
+def weighted(total: Any, weight: Any) -> Weighted:
+    """A loss or metric normalised by a count that differs between replicas.
+
+    For a loss that is a sum over a varying number of items, the padded tokens of
+    a language model's batch or the masked entries of any masked loss: return
+    `jdp.weighted(jnp.sum(loss * mask), jnp.sum(mask))` instead of dividing by
+    the replica's own count. `jdp.make_train_step` then differentiates the
+    total, sums the totals, the weights and the gradients over replicas (and
+    microbatches) and divides once by the global weight: the global per-item
+    mean, exactly what one device computes on the global batch, for any split
+    of the items between replicas (fairseq's `sample_size`). A replica whose
+    slice is all padding contributes nothing (no 0 / 0); a global weight of 0
+    gives a zero gradient and a loss of 0.
+
+    Dividing per replica instead (`jnp.sum(loss * mask) / jnp.sum(mask)`) and
+    letting jdp average the replicas' means weights every replica alike, however
+    many items it had: not one device's numbers.
+
+    Returned among a step's metrics (or in the loss's auxiliary metrics), a
+    weighted value comes back as `sum(total) / sum(weight)` over replicas and
+    microbatches: token accuracy, say.
+
+    Under `jdp.local()` (local SGD, BMUF) each replica applies its own summed
+    gradient scaled by `num_replicas / global weight`: replicas with more items
+    step further, and their average is the global per-item mean.
+
+    Args:
+      total: The replica's sum (a scalar), e.g. of per-token losses times the mask.
+      weight: What it is to be divided by (a scalar), e.g. the number of real
+        tokens. No gradient flows into it.
+
+    Returns:
+      A `Weighted` pair for the step to return.
+
+    Raises:
+      ValueError: If `total` or `weight` is not a scalar.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jdp
+      >>> def eval_step(state, batch):
+      ...     real = (batch > 0).astype(jnp.float32)
+      ...     return {"mean": jdp.weighted(jnp.sum(batch * real), jnp.sum(real))}
+      >>> step = jdp.parallelize(eval_step, devices=jax.devices()[:2])
+      >>> batch = jnp.array([0.0, 0.0, 3.0, 5.0])  # replica 0: all padding
+      >>> float(step(step.replicate({}), step.shard(batch))["mean"])
+      4.0
+    """
+    for name, x in (("total", total), ("weight", weight)):
+        if np.ndim(x) != 0:
+            raise ValueError(
+                f"`jdp.weighted` takes a scalar {name} (a sum over the replica's "
+                f"items); got shape {np.shape(x)}. Sum it first, e.g. "
+                "`jdp.weighted(jnp.sum(loss * mask), jnp.sum(mask))`."
+            )
+    return Weighted(total, weight)
+
+
+def is_marker(x: Any) -> bool:
+    """Whether `x` says how to combine it (`jdp.metrics.sum`, `jdp.weighted`, ...)."""
+    return isinstance(x, (Reduced, Weighted))
 
 
 def sum(x: Any) -> Reduced:  # noqa: A001 - `jdp.metrics.sum`, as users write it
@@ -83,15 +160,16 @@ def gather(x: Any) -> Reduced:
     return Reduced(x, "gather")
 
 
-def _is_reduced(x: Any) -> bool:
-    return isinstance(x, Reduced)
-
-
 def reduce_metrics(metrics: PyTree, axis_name: AxisName) -> PyTree:
     """A step's metrics combined over replicas: averaged unless marked otherwise."""
 
     def combine(path, m):
         how = "mean"
+        if isinstance(m, Weighted):
+            total, weight = (_as_array(path, x) for x in m)
+            total, weight = lax.psum((total, weight.astype(total.dtype)), axis_name)
+            some = weight > 0
+            return jnp.where(some, total / jnp.where(some, weight, 1), 0)
         if isinstance(m, Reduced):
             m, how = m.value, m.how
         m = _as_array(path, m)
@@ -103,9 +181,12 @@ def reduce_metrics(metrics: PyTree, axis_name: AxisName) -> PyTree:
             return lax.all_gather(m, axis_name, tiled=m.ndim >= 1)
         if not jnp.issubdtype(m.dtype, jnp.inexact):
             m = m.astype(jnp.result_type(float))  # integer counts average to floats
-        return lax.pmean(m, axis_name)
+        # A value every replica holds alike (a learning rate, a global loss)
+        # comes back as it is, not a sum divided by N (an ulp off).
+        same = lax.pmin(m, axis_name) == lax.pmax(m, axis_name)
+        return jnp.where(same, m, lax.pmean(m, axis_name))
 
-    return jax.tree_util.tree_map_with_path(combine, metrics, is_leaf=_is_reduced)
+    return jax.tree_util.tree_map_with_path(combine, metrics, is_leaf=is_marker)
 
 
 def _as_array(path, m) -> jax.Array:

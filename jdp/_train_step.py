@@ -19,7 +19,7 @@ import dataclasses
 import functools
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -27,7 +27,7 @@ import optax
 from flax import struct
 from jax import lax
 
-from jdp import _collectives, _replica_parts, _sync, _validate
+from jdp import _collectives, _metrics, _replica_parts, _sync, _validate
 from jdp._layout import StateLayout
 from jdp._tree import format_problems, is_float, keystr
 
@@ -274,9 +274,10 @@ def make_train_step(
         if scale is not None:
             _check_loss_scaling(sync, microbatches)
             value_and_grad, verdict = _scaled(scale, axis)
-            loss, aux, new_stats, grads = _gradients(
+            out = _gradients(
                 value_and_grad, loss_fn, state, batch, has_aux=has_aux, microbatches=1
             )
+            loss, grads = _normalise(out, axis)
             params, opt_state, extra = sync.apply_averaged(
                 grads, state, optimizer, axis
             )
@@ -285,7 +286,7 @@ def make_train_step(
             )
             changes["dynamic_scale"] = verdict["scale"]
         else:
-            loss, aux, new_stats, grads = _gradients(
+            out = _gradients(
                 value_and_grad,
                 loss_fn,
                 state,
@@ -293,14 +294,23 @@ def make_train_step(
                 has_aux=has_aux,
                 microbatches=microbatches,
             )
+            loss, grads = _normalise(out, axis)
             params, opt_state, extra = sync.apply(grads, state, optimizer, axis)
+        aux, new_stats = out.aux, out.new_stats
         changes.update(step=state.step + 1, params=params, opt_state=opt_state)
         if "skipped" in extra and getattr(state, "skipped_steps", None) is not None:
             changes["skipped_steps"] = state.skipped_steps + extra["skipped"]
         if new_stats is not None:
-            changes["batch_stats"] = _collectives.sync_batch_stats(
+            new_stats = _collectives.sync_batch_stats(
                 new_stats, mode=sync.batch_stats, axis_name=axis
             )
+            if "skipped" in extra:  # a skipped step keeps its statistics too
+                new_stats = jax.tree.map(
+                    lambda n, o: lax.select(extra["skipped"] > 0, o, n),
+                    new_stats,
+                    state.batch_stats,
+                )
+            changes["batch_stats"] = new_stats
         metrics = {"loss": loss, **extra}
         if has_aux:
             if isinstance(aux, dict):
@@ -364,15 +374,30 @@ def _check_batch_stats(state: PyTree, takes_stats: bool, api: str) -> None:
 # -- gradients ------------------------------------------------------------------
 
 
+class _Gradients(NamedTuple):
+    """One replica's loss, gradients and what came with them."""
+
+    loss: jax.Array  # the loss, or a `jdp.weighted` loss's total
+    weight: jax.Array | None  # a `jdp.weighted` loss's weight, else None
+    aux: PyTree
+    new_stats: PyTree
+    grads: PyTree
+
+
 def _gradients(value_and_grad, loss_fn, state, batch, *, has_aux, microbatches):
     """`loss_and_grads` over the whole batch, or accumulated over microbatches.
 
     With `microbatches=k` the replica's batch is split into `k` equal parts along
     its leading axis and processed in sequence (`lax.scan`, so activations of one
-    part are live at a time); gradients are summed and divided by `k`, which for
-    a loss that is a mean over examples equals the gradient on the whole batch.
-    Batch statistics flow from one part to the next; the loss and floating
-    auxiliary values are averaged over the parts.
+    part are live at a time). For a loss that is a mean over examples, gradients
+    and losses are averaged over the parts, which equals the whole batch at once;
+    for a `jdp.weighted` loss, totals, weights and gradients are summed, which
+    is exact whatever the parts' weights. Every part starts from the step's
+    batch statistics: their floating leaves (BatchNorm's running averages) end
+    as the mean over the parts, one update per step as with the whole batch,
+    while the others (RNG counters) carry from one part to the next, so each
+    part draws its own dropout masks. Auxiliary values are combined as
+    `_combine_parts` says.
     """
     if microbatches == 1:
         return loss_and_grads(value_and_grad, loss_fn, state, batch, has_aux=has_aux)
@@ -394,19 +419,93 @@ def _gradients(value_and_grad, loss_fn, state, batch, *, has_aux, microbatches):
     stats = getattr(state, "batch_stats", None)
 
     def body(carry, part):
-        total, stats = carry
-        current = state if stats is None else state.replace(batch_stats=stats)
-        loss, aux, new_stats, grads = loss_and_grads(
-            value_and_grad, loss_fn, current, part, has_aux=has_aux
-        )
-        total = jax.tree.map(lambda a, g: a + g, total, grads)
-        return (total, new_stats if stats is not None else None), (loss, aux)
+        total, carried = carry
+        current = state
+        if stats is not None:  # floats from the step's start, the rest carried
+            current = state.replace(
+                batch_stats=jax.tree.map(
+                    lambda s, c: s if is_float(s) else c, stats, carried
+                )
+            )
+        out = loss_and_grads(value_and_grad, loss_fn, current, part, has_aux=has_aux)
+        total = jax.tree.map(lambda a, g: a + g, total, out.grads)
+        carried = carried if stats is None else out.new_stats
+        return (total, carried), out._replace(grads=None)
 
     zeros = jax.tree.map(jax.numpy.zeros_like, state.params)
-    (total, new_stats), (losses, auxs) = lax.scan(body, (zeros, stats), parts)
+    (total, carried), outs = lax.scan(body, (zeros, stats), parts)
+    new_stats = None
+    if stats is not None:
+        new_stats = jax.tree.map(
+            lambda per_part, c: per_part.mean(0) if is_float(per_part) else c,
+            outs.new_stats,
+            carried,
+        )
+    aux = _combine_parts(outs.aux, k)
+    if outs.weight is not None:
+        return _Gradients(outs.loss.sum(0), outs.weight.sum(0), aux, new_stats, total)
     grads = jax.tree.map(lambda g: g / k, total)
-    aux = jax.tree.map(lambda a: a.mean(0) if is_float(a) else a[-1], auxs)
-    return losses.mean(), aux, new_stats, grads
+    return _Gradients(outs.loss.mean(0), None, aux, new_stats, grads)
+
+
+def _combine_parts(aux: PyTree, k: int) -> PyTree:
+    """The auxiliary values of `k` microbatches (stacked) as one step's.
+
+    `jdp.weighted` values: totals and weights summed; `jdp.metrics.sum`: summed;
+    `jdp.metrics.gather`: concatenated in batch order; unmarked scalars:
+    averaged (as over replicas). An unmarked array is refused: whether it holds
+    one value per example (to concatenate) or something to average, only the
+    step's author knows.
+    """
+
+    def combine(path, x):
+        if isinstance(x, _metrics.Weighted):
+            return _metrics.Weighted(x.total.sum(0), x.weight.sum(0))
+        if isinstance(x, _metrics.Reduced):
+            value = x.value
+            if x.how == "sum":
+                if value.dtype == jax.numpy.bool_:
+                    value = value.astype(jax.numpy.int32)
+                return _metrics.Reduced(value.sum(0), "sum")
+            if value.ndim >= 2:
+                value = value.reshape((-1,) + value.shape[2:])
+            return _metrics.Reduced(value, "gather")
+        if np.ndim(x) > 1:
+            raise ValueError(
+                f"`make_train_step(..., microbatches={k})`: the auxiliary value "
+                f"{keystr(path)} has shape {np.shape(x)[1:]} per microbatch, and "
+                "jdp cannot tell how to combine the microbatches' values. Mark "
+                "per-example values `jdp.metrics.gather(x)` (concatenated in batch "
+                "order), counts `jdp.metrics.sum(x)`, ratios `jdp.weighted(total, "
+                "weight)`, or reduce it to a scalar (averaged)."
+            )
+        if not is_float(x):
+            x = x.astype(jax.numpy.result_type(float))
+        return x.mean(0)
+
+    return jax.tree_util.tree_map_with_path(combine, aux, is_leaf=_metrics.is_marker)
+
+
+def _normalise(out: _Gradients, axis_name) -> tuple[jax.Array, PyTree]:
+    """The loss metric and the gradients the sync piece averages.
+
+    For a `jdp.weighted` loss, every replica's summed gradients are scaled by
+    `num_replicas / global weight`, so that their mean over replicas (what the
+    pieces compute) is the global sum over the global weight, exactly one
+    device's per-token mean whatever the split; a global weight of 0 (nothing
+    but padding) gives zero gradients. The loss is the global total over the
+    global weight, the same on every replica.
+    """
+    if out.weight is None:
+        return out.loss, out.grads
+    num = _collectives.axis_size(axis_name, "jdp.weighted")
+    total, weight = lax.psum((out.loss, out.weight.astype(out.loss.dtype)), axis_name)
+    some = weight > 0
+    scale = jax.numpy.where(some, num / jax.numpy.where(some, weight, 1), 0)
+    grads = jax.tree.map(
+        lambda g: g * scale.astype(g.dtype) if is_float(g) else g, out.grads
+    )
+    return jax.numpy.where(some, total / jax.numpy.where(some, weight, 1), 0), grads
 
 
 def _check_loss_scaling(sync: _sync.Sync, microbatches: int) -> None:
@@ -460,25 +559,36 @@ def _keep_if_finite(verdict, state, params, opt_state, extra):
     return keep(params, state.params), keep(opt_state, state.opt_state), extra
 
 
-def loss_and_grads(value_and_grad, loss_fn, state, batch, *, has_aux):
-    """`(loss, aux, new_batch_stats, grads)` of one replica's `loss_fn`.
+def loss_and_grads(value_and_grad, loss_fn, state, batch, *, has_aux) -> _Gradients:
+    """One replica's `loss_fn`, differentiated.
 
     A state with `batch_stats` calls `loss_fn(params, batch_stats, batch) ->
     (loss, new_batch_stats)` (or `(loss, (new_batch_stats, aux))` with
-    `has_aux`); otherwise `loss_fn(params, batch)`. `aux` and `new_batch_stats`
-    are None when absent.
+    `has_aux`); otherwise `loss_fn(params, batch)`. The loss may be a
+    `jdp.weighted(total, weight)`: the total is differentiated, the weight
+    returned beside it (no gradient flows into it). `aux` and `new_stats` are
+    None when absent.
     """
     loss_fn = _fresh_arguments(loss_fn)
-    batch_stats = getattr(state, "batch_stats", None)
-    if batch_stats is None:
-        out, grads = value_and_grad(loss_fn, has_aux=has_aux)(state.params, batch)
-        loss, aux = out if has_aux else (out, None)
-        return loss, aux, None, grads
-    (loss, rest), grads = value_and_grad(loss_fn, has_aux=True)(
-        state.params, batch_stats, batch
+    with_stats = getattr(state, "batch_stats", None) is not None
+
+    def split(*args):
+        out = loss_fn(*args)
+        if with_stats:
+            loss, rest = out
+            new_stats, aux = rest if has_aux else (rest, None)
+        else:
+            (loss, aux), new_stats = (out if has_aux else (out, None)), None
+        weight = None
+        if isinstance(loss, _metrics.Weighted):
+            loss, weight = loss.total, lax.stop_gradient(loss.weight)
+        return loss, (weight, aux, new_stats)
+
+    args = (state.batch_stats, batch) if with_stats else (batch,)
+    (loss, (weight, aux, new_stats)), grads = value_and_grad(split, has_aux=True)(
+        state.params, *args
     )
-    new_stats, aux = rest if has_aux else (rest, None)
-    return loss, aux, new_stats, grads
+    return _Gradients(loss, weight, aux, new_stats, grads)
 
 
 def _fresh_arguments(loss_fn: Callable[..., Any]) -> Callable[..., Any]:

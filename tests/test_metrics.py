@@ -149,3 +149,106 @@ def test_every_in_step_helper_uses_the_axis_given_to_parallelize(backend):
 def test_replica_key_outside_a_step_says_so():
     with pytest.raises(RuntimeError, match=r"jdp\.replica_key.*not bound"):
         jdp.replica_key(jax.random.key(0))
+
+
+# -- metrics of a step with microbatches -------------------------------------------
+
+
+def _counting_loss(params, batch):
+    pred = batch["x"] @ params["w"]
+    loss = jnp.mean((pred - batch["y"]) ** 2)
+    return loss, {
+        "examples": jdp.metrics.sum(jnp.asarray(batch["x"].shape[0], jnp.int32)),
+        "abs_error": jdp.metrics.sum(jnp.sum(jnp.abs(pred - batch["y"]))),
+        "pred": jdp.metrics.gather(pred[:, 0]),
+        "parts": jnp.asarray(1, jnp.int32),
+    }
+
+
+@pytest.mark.parametrize("microbatches", [1, 2, 4])
+def test_microbatch_metrics_are_the_whole_batch(backend, microbatches):
+    """Sums over every microbatch and replica, gathers in batch order, the loss
+    and a parameter-dependent sum inside the loss's aux (once a JAX tracer
+    error) as on the whole batch at once."""
+    params = {"w": jnp.arange(6.0).reshape(3, 2) / 10}
+    x = np.arange(48.0, dtype=np.float32).reshape(16, 3) / 10
+    batch = {"x": x, "y": np.ones((16, 2), np.float32)}
+    step = jdp.parallelize(
+        jdp.make_train_step(
+            _counting_loss, optax.sgd(0.0), has_aux=True, microbatches=microbatches
+        ),
+        backend=backend,
+        devices=jax.devices()[:4],
+    )
+    state = step.replicate(jdp.TrainState.create(params=params, tx=optax.sgd(0.0)))
+    _, metrics = step(state, step.shard(batch))
+    pred = x @ np.asarray(params["w"])
+    assert metrics["examples"].dtype == jnp.int32 and int(metrics["examples"]) == 16
+    np.testing.assert_allclose(
+        float(metrics["abs_error"]), np.abs(pred - 1).sum(), rtol=1e-5
+    )
+    np.testing.assert_allclose(np.asarray(metrics["pred"]), pred[:, 0], rtol=1e-6)
+    np.testing.assert_allclose(float(metrics["loss"]), ((pred - 1) ** 2).mean(), 1e-5)
+    assert float(metrics["parts"]) == 1.0
+
+
+def test_an_unmarked_array_in_the_aux_of_microbatches_is_refused():
+    def loss_fn(params, batch):
+        pred = batch["x"] @ params["w"]
+        return jnp.mean((pred - batch["y"]) ** 2), {"pred": pred}
+
+    step = jdp.parallelize(
+        jdp.make_train_step(loss_fn, optax.sgd(0.1), has_aux=True, microbatches=2),
+        devices=jax.devices()[:2],
+    )
+    tx = optax.sgd(0.1)
+    state = step.replicate(jdp.TrainState.create(params={"w": jnp.ones((3, 2))}, tx=tx))
+    batch = {"x": np.ones((8, 3), np.float32), "y": np.ones((8, 2), np.float32)}
+    with pytest.raises(ValueError, match=r"\['pred'\] has shape \(2, 2\).*gather"):
+        step(state, step.shard(batch))
+
+
+def test_batch_statistics_update_once_per_step_with_microbatches(backend):
+    """A running average updated by each microbatch from the step's start and
+    averaged: the whole batch's update (for equal parts), not k updates."""
+
+    def loss_fn(params, stats, batch):
+        loss = jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
+        mean = jnp.mean(batch["x"], axis=0)
+        return loss, {
+            "mean": 0.9 * stats["mean"] + 0.1 * mean,
+            "calls": stats["calls"] + 1,
+        }
+
+    tx = optax.sgd(0.0)
+    x = np.arange(48.0, dtype=np.float32).reshape(16, 3)
+    batch = {"x": x, "y": np.ones((16, 2), np.float32)}
+    results = []
+    for k in (1, 4):
+        step = jdp.parallelize(
+            jdp.make_train_step(loss_fn, tx, microbatches=k),
+            backend=backend,
+            devices=jax.devices()[:2],
+        )
+        stats = {"mean": jnp.zeros(3), "calls": jnp.zeros((), jnp.int32)}
+        state = jdp.TrainState.create(
+            params={"w": jnp.ones((3, 2))}, tx=tx, batch_stats=stats
+        )
+        state, _ = step(step.replicate(state), step.shard(batch))
+        results.append(step.unreplicate(state).batch_stats)
+    whole, parts = results
+    np.testing.assert_allclose(parts["mean"], 0.1 * x.mean(0), rtol=1e-6)
+    np.testing.assert_allclose(parts["mean"], whole["mean"], rtol=1e-6)
+    assert int(parts["calls"]) == 4  # integer state carries from part to part
+
+
+def test_a_value_every_replica_holds_alike_comes_back_exactly(backend):
+    values = np.float32([0.1, 1 / 3, 2e-5, 7.123457, 1e-3 * 3])
+
+    def step_fn(state, batch):
+        return {f"v{i}": jnp.asarray(v) for i, v in enumerate(values)}
+
+    step = jdp.parallelize(step_fn, backend=backend, devices=jax.devices()[:7])
+    out = step(step.replicate({}), step.shard(np.zeros(7)))
+    got = np.array([out[f"v{i}"] for i in range(len(values))], np.float32)
+    assert got.tobytes() == values.tobytes()

@@ -38,6 +38,7 @@ def test_public_names_are_pinned():
             "save_predictor",
             "sync_batch_stats",
             "sync_gradients",
+            "weighted",
             "zero",
         ]
     )
