@@ -197,10 +197,15 @@ def all_reduce(
         # a collective costs a fixed latency (gloo between processes). Elsewhere
         # one tuple all-reduce per bucket moves the same bytes with no copies.
         flatten = jax.process_count() > 1 and jax.default_backend() == "cpu"
-    if reduce_dtype is None:
-        wire = [leaves[i] for i in float_idx]
-    else:  # divide first, so that a narrow wire type cannot overflow
-        wire = [(leaves[i] / num).astype(reduce_dtype) for i in float_idx]
+    # Divide first where the sum could overflow: a narrow wire type, or float16
+    # leaves (8 replicas of 12000 sum past float16's 65504).
+    first = [
+        reduce_dtype is not None or leaves[i].dtype == jnp.float16 for i in float_idx
+    ]
+    wire = [
+        (leaves[i] / num).astype(reduce_dtype or leaves[i].dtype) if d else leaves[i]
+        for i, d in zip(float_idx, first, strict=True)
+    ]
     summed = bucketed(
         "psum",
         wire,
@@ -211,10 +216,10 @@ def all_reduce(
         alone_bytes=ALONE_BYTES,
     )
     out = list(leaves)
-    for i, total in zip(float_idx, summed, strict=True):
+    for i, total, divided in zip(float_idx, summed, first, strict=True):
         ref = leaves[i]
         value = total.reshape(ref.shape).astype(ref.dtype)
-        out[i] = value if reduce_dtype is not None else value / num
+        out[i] = value if divided else value / num
     return jax.tree_util.tree_unflatten(treedef, out)
 
 

@@ -9,6 +9,7 @@ across replicas (`state_layout`) and the part of it replicas must agree on
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple, get_args
 
@@ -16,8 +17,17 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
+from jax.extend import core as jex_core
 
-from jdp import _bmuf, _collectives, _replica_parts, _transforms, _validate, _zero
+from jdp import (
+    _bmuf,
+    _collectives,
+    _jax_compat,
+    _replica_parts,
+    _transforms,
+    _validate,
+    _zero,
+)
 from jdp._layout import StateLayout
 from jdp._tree import is_float
 
@@ -117,6 +127,15 @@ def all_reduce(
     _collectives.check_bucket_bytes(bucket_bytes)
     check_batch_stats(batch_stats)
 
+    def apply_averaged(grads, state, tx, axis_name):
+        if not skip_nonfinite:
+            return apply_tx(grads, state, tx)
+        # The average is the same on every replica, and checking it (not each
+        # replica's own) also catches a sum that overflowed.
+        return _unless_nonfinite(
+            _finite(grads), lambda: apply_tx(grads, state, tx), state
+        )
+
     def apply(grads, state, tx, axis_name):
         grads = _collectives.all_reduce(
             grads,
@@ -125,14 +144,9 @@ def all_reduce(
             reduce_dtype=reduce_dtype,
             api="jdp.all_reduce",
         )
-        return apply_tx(grads, state, tx)
+        return apply_averaged(grads, state, tx, axis_name)
 
-    sync = Sync(
-        apply,
-        apply_averaged=lambda grads, state, tx, axis_name: apply_tx(grads, state, tx),
-        batch_stats=batch_stats,
-    )
-    return _skipping(sync) if skip_nonfinite else sync
+    return Sync(apply, apply_averaged=apply_averaged, batch_stats=batch_stats)
 
 
 def local(
@@ -174,7 +188,18 @@ def local(
     check_batch_stats(batch_stats)
 
     def apply(grads, state, tx, axis_name):
-        del axis_name
+        if not _communicates(tx, grads, state.opt_state, state.params):
+            num = _collectives.axis_size(axis_name, "jdp.local")
+            warnings.warn(
+                "`jdp.local()` applies the optimizer to each replica's own "
+                "gradients, and this optimizer never communicates (no `jdp.bmuf`, "
+                f"no `jdp.sync_gradients`): the {num} replicas train {num} "
+                "different models. Use `sync=jdp.all_reduce()` for synchronous "
+                "training, or an optimizer that syncs (`jdp.bmuf(tx, "
+                "sync_period=...)`).",
+                UserWarning,
+                stacklevel=2,
+            )
         merges: list = []
         updates, opt_state = _transforms.update(
             tx,
@@ -266,40 +291,68 @@ def zero(
     return _skipping(sync) if skip_nonfinite else sync
 
 
+def _communicates(tx, grads, opt_state, params) -> bool:
+    """Whether `tx.update` issues a collective (traced, nothing runs)."""
+    closed = jax.make_jaxpr(
+        lambda g, s, p: _transforms.update(tx, g, s, p, **{_bmuf.MERGES_ARG: None})
+    )(grads, opt_state, params)
+
+    def found(jaxpr) -> bool:
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name in _jax_compat.COLLECTIVE_PRIMITIVES:
+                return True
+            if any(found(sub) for sub in jex_core.jaxprs_in_params(eqn.params)):
+                return True
+        return False
+
+    return found(closed.jaxpr)
+
+
+def _finite(grads: PyTree) -> jax.Array:
+    finite = jnp.array(True)
+    for g in jax.tree.leaves(grads):
+        if is_float(g):
+            finite &= jnp.all(jnp.isfinite(g))
+    return finite
+
+
+def _unless_nonfinite(finite, run, state):
+    """`run()`'s `(params, opt_state, metrics)` if `finite`, else the state's own.
+
+    `finite` must be the same on every replica; metric `"skipped"` is 1 for a
+    skipped step.
+    """
+    if getattr(state, "skipped_steps", None) is None:
+        raise ValueError(
+            "`skip_nonfinite=True` counts skipped steps in the state's "
+            "`skipped_steps` field, which this state does not have (or holds "
+            f"None): {type(state).__name__}. Use `jdp.TrainState.create(...)`, "
+            "or add a `skipped_steps` field (an int32 zero) to your state."
+        )
+
+    def skip():
+        shapes = jax.eval_shape(run)
+        extra = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[2])
+        return state.params, state.opt_state, extra
+
+    params, opt_state, extra = lax.cond(finite, run, skip)
+    return params, opt_state, {**extra, "skipped": 1 - finite.astype(jnp.int32)}
+
+
 def _skipping(sync: Sync) -> Sync:
     """`sync` that leaves params and optimizer state alone for non-finite grads.
 
-    Every replica's own gradients are checked and the verdict is combined over
-    replicas (one scalar collective), so all replicas take the same branch: an
-    average of gradients is finite exactly when every replica's is (barring an
-    overflow of the sum).
+    For pieces that do not average before the optimizer: every replica's own
+    gradients are checked and the verdict is combined over replicas (one scalar
+    collective), so all replicas take the same branch.
     """
     apply = sync.apply
 
     def skipping(grads, state, tx, axis_name):
-        if getattr(state, "skipped_steps", None) is None:
-            raise ValueError(
-                "`skip_nonfinite=True` counts skipped steps in the state's "
-                "`skipped_steps` field, which this state does not have (or holds "
-                f"None): {type(state).__name__}. Use `jdp.TrainState.create(...)`, "
-                "or add a `skipped_steps` field (an int32 zero) to your state."
-            )
-        finite = jnp.array(True)
-        for g in jax.tree.leaves(grads):
-            if is_float(g):
-                finite &= jnp.all(jnp.isfinite(g))
-        finite = lax.pmin(finite.astype(jnp.int32), axis_name) > 0
-
-        def run(_):
-            return apply(grads, state, tx, axis_name)
-
-        def skip(_):
-            shapes = jax.eval_shape(run, None)
-            extra = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[2])
-            return state.params, state.opt_state, extra
-
-        params, opt_state, extra = lax.cond(finite, run, skip, None)
-        return params, opt_state, {**extra, "skipped": 1 - finite.astype(jnp.int32)}
+        finite = lax.pmin(_finite(grads).astype(jnp.int32), axis_name) > 0
+        return _unless_nonfinite(
+            finite, lambda: apply(grads, state, tx, axis_name), state
+        )
 
     return sync._replace(apply=skipping)
 

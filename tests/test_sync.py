@@ -238,3 +238,94 @@ def test_a_declared_state_of_ones_own_is_left_out_of_the_guard():
         assert not _replica_parts.trains_locally(tree)
     finally:
         _replica_parts._DECLARED.pop()
+
+
+# -- silent numbers the pieces now refuse or get right -----------------------------
+
+
+@pytest.mark.parametrize(
+    "tx, warns",
+    [
+        (optax.adam(1e-2), True),
+        (optax.MultiSteps(optax.sgd(0.1), every_k_schedule=2), True),
+        (jdp.bmuf(optax.sgd(0.1), sync_period=2), False),
+        (optax.chain(jdp.sync_gradients(), optax.adam(1e-2)), False),
+    ],
+    ids=["adam", "multisteps-sgd", "bmuf", "sync_gradients"],
+)
+def test_local_warns_when_nothing_communicates(tx, warns):
+    step = jdp.parallelize(
+        jdp.make_train_step(mlp_loss, tx, sync=jdp.local()), devices=jax.devices()[:2]
+    )
+    state = step.replicate(
+        jdp.TrainState.create(params=init_mlp(jax.random.key(0)), tx=tx)
+    )
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step(state, step.shard(make_batches(1, 4)[0]))
+    messages = [
+        str(w.message) for w in caught if "never communicates" in str(w.message)
+    ]
+    assert bool(messages) == warns, messages
+    if warns:
+        assert "the 2 replicas train 2 different models" in messages[0]
+
+
+def test_skip_nonfinite_with_a_float16_wire():
+    """Gradients whose float16 sum would overflow are divided first (finite, no
+    skip); an infinite gradient on one replica skips the step everywhere."""
+    params = {"w": jnp.zeros((), jnp.float32)}
+
+    def loss_fn(params, batch):
+        return jnp.sum(params["w"] * batch["g"])
+
+    tx = optax.sgd(1.0)
+    sync = jdp.all_reduce(skip_nonfinite=True, reduce_dtype=jnp.float16)
+    step = jdp.parallelize(
+        jdp.make_train_step(loss_fn, tx, sync=sync), devices=jax.devices()[:4]
+    )
+    state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
+    batch = {"g": np.full((4,), 6e4, np.float32)}
+    state, metrics = step(state, step.shard(batch))
+    # Divided before the narrow wire, the mean is finite: no skip, exact update.
+    assert float(metrics["skipped"]) == 0.0
+    np.testing.assert_allclose(
+        float(step.unreplicate(state).params["w"]), -6e4, rtol=1e-3
+    )
+    batch = {"g": np.array([6e4, 6e4, 6e4, np.inf], np.float32)}
+    state, metrics = step(state, step.shard(batch))
+    assert float(metrics["skipped"]) == 1.0
+    assert int(step.unreplicate(state).skipped_steps) == 1
+
+
+def test_float16_gradients_average_without_overflow():
+    def step_fn(state, batch):
+        return state, {"g": jdp.all_reduce_gradients({"g": batch[0]})["g"]}
+
+    step = jdp.parallelize(step_fn, devices=jax.devices()[:8])
+    out = step(step.replicate({}), step.shard(np.full((8,), 12000, np.float16)))[1]
+    assert out["g"].dtype == jnp.float16 and float(out["g"]) == 12000.0
+
+
+def test_a_skipped_step_keeps_its_batch_statistics(backend):
+    def loss_fn(params, stats, batch):
+        loss = jnp.mean((batch["x"] @ params["w"]) ** 2) * batch["scale"][0]
+        return loss, {"mean": stats["mean"] + jnp.mean(batch["x"]) * batch["scale"][0]}
+
+    tx = optax.sgd(0.1)
+    step = jdp.parallelize(
+        jdp.make_train_step(loss_fn, tx, sync=jdp.all_reduce(skip_nonfinite=True)),
+        backend=backend,
+        devices=jax.devices()[:2],
+    )
+    state = jdp.TrainState.create(
+        params={"w": jnp.ones((3, 1))}, tx=tx, batch_stats={"mean": jnp.zeros(())}
+    )
+    state = step.replicate(state)
+    x = np.ones((4, 3), np.float32)
+    bad = {"x": x, "scale": np.array([1.0, 1.0, np.nan, 1.0], np.float32)}
+    state, metrics = step(state, step.shard(bad))
+    assert float(metrics["skipped"]) == 1.0
+    assert float(step.unreplicate(state).batch_stats["mean"]) == 0.0
