@@ -462,6 +462,9 @@ def deleted(tree: PyTree) -> list[str]:
 def check_same_structure(before: PyTree, after: PyTree) -> None:
     """The state a step returns must have the structure of the one it received.
 
+    `before` may be the received state's structure (a `PyTreeDef`), taken before
+    a step that changes the state in place ran.
+
     Checked while tracing the step (any layout, any call that compiles): the
     donating step rebuilds the new state with the input's structure.
     """
@@ -471,8 +474,79 @@ def check_same_structure(before: PyTree, after: PyTree) -> None:
 
 
 def _structure_change(before: PyTree, after: PyTree) -> list[str]:
-    old, new = jax.tree.structure(before), jax.tree.structure(after)
-    return [] if old == new else [f"the structure changed from {old} to {new}"]
+    old, new = _structure(before), jax.tree.structure(after)
+    if old == new:
+        return []
+    return [
+        _first_change(old, new, "state")
+        or f"the structure changed from {old} to {new}"
+    ]
+
+
+def _structure(tree: Any) -> Any:
+    """`tree`'s structure (a `PyTreeDef` is taken as it is)."""
+    if isinstance(tree, jax.tree_util.PyTreeDef):
+        return tree
+    return jax.tree.structure(tree)
+
+
+def _child_names(treedef) -> list[str]:
+    """Names of a node's children: a flax NNX object's attribute names, else indices."""
+    data = treedef.node_data()
+    aux = None if data is None else data[1]
+    names = aux[0] if isinstance(aux, tuple) and aux else None
+    if isinstance(names, tuple) and len(names) == len(treedef.children()):
+        return [str(n) for n in names]
+    return [f"[{i}]" for i in range(len(treedef.children()))]
+
+
+def _first_change(old, new, path: str) -> str | None:
+    """Where two pytree structures first differ, in words (None if not found).
+
+    A flax NNX object keeps its Python attributes (counters, flags such as
+    BatchNorm's `use_running_average`) as static data: a changed one is named
+    with its old and new values.
+    """
+    od, nd = old.node_data(), new.node_data()
+    if od is None or nd is None or od[0] is not nd[0]:
+        return None
+    if len(old.children()) != len(new.children()) or od[1] != nd[1]:
+        static = _static_attributes(od[1]), _static_attributes(nd[1])
+        changed = [
+            f"`{path}.{k}`: {static[0][k]!r} -> {static[1].get(k)!r}"
+            for k in static[0]
+            if static[0][k] != static[1].get(k)
+        ]
+        if changed:
+            return (
+                f"a Python attribute of a {od[0].__name__} changed in the step, "
+                f"{', '.join(changed)} (jdp returns the arrays a step computes, not "
+                "its Python attributes; set them outside the step, e.g. "
+                "`model.eval()` before the evaluation step is built, or keep a "
+                "counter in an `nnx.Variable`)"
+            )
+        return None
+    names = _child_names(old)
+    for name, a, b in zip(names, old.children(), new.children(), strict=True):
+        if a != b:
+            return _first_change(a, b, f"{path}.{name}")
+    return None
+
+
+def _static_attributes(aux: Any) -> dict[str, Any]:
+    """A flax NNX object's static attributes by name (empty for other nodes)."""
+    if not (isinstance(aux, tuple) and len(aux) == 3):
+        return {}
+    names, values = aux[1], aux[2]
+    if not (isinstance(names, tuple) and isinstance(values, tuple)):
+        return {}
+    if len(names) != len(values):
+        return {}
+    return {
+        str(n): v
+        for n, v in zip(names, values, strict=True)
+        if not str(n).startswith("_pytree__")
+    }
 
 
 def changes(before: PyTree, after: PyTree) -> list[str]:

@@ -90,6 +90,9 @@ class Parallel(_hlo.Introspection):
         functools.update_wrapper(self, train_step, updated=())
 
     def _body(self, state, batch):
+        # What came in, before a step that changes its state in place (a flax
+        # NNX module's Python attributes) has run.
+        received = jax.tree.structure(state)
         try:
             with _collectives.bound_axis(self.axis_name):
                 out = self.train_step(state, batch)
@@ -106,7 +109,7 @@ class Parallel(_hlo.Introspection):
         else:
             raise TypeError(BAD_OUTPUT_MSG.format(got=type(out).__name__))
         if new_state is not None:
-            _layout.check_same_structure(state, new_state)
+            _layout.check_same_structure(received, new_state)
         return new_state, _metrics.reduce_metrics(metrics, self.axis_name)
 
     def __call__(self, state: PyTree, batch: PyTree):

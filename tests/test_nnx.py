@@ -692,3 +692,32 @@ def test_modules_with_large_leaves_train_like_one_device():
     assert_trees_close(
         nnx.state(step.unreplicate(state)[0]), nnx.state(model), rtol=1e-5, atol=1e-6
     )
+
+
+class _Counting(nnx.Module):
+    def __init__(self):
+        self.lin = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+        self.bn = nnx.BatchNorm(2, rngs=nnx.Rngs(0))
+        self.calls = 0
+
+
+@pytest.mark.parametrize("change", ["counter", "eval"])
+def test_a_python_attribute_changed_in_the_step_is_refused_by_name(backend, change):
+    """`nnx.jit` would keep it; jdp returns arrays only, so it says which."""
+
+    def step_fn(model, batch):
+        if change == "counter":
+            model.calls += 1
+        else:
+            model.eval()  # flips BatchNorm's `use_running_average`
+        return model, {"s": model.lin(batch).sum()}
+
+    step = jdp.parallelize(step_fn, backend=backend, devices=jax.devices()[:2])
+    model = step.replicate(_Counting())
+    expected = (
+        r"`state.calls`: 0 -> 1"
+        if change == "counter"
+        else r"`state.bn.use_running_average`: False -> True"
+    )
+    with pytest.raises(TypeError, match=expected):
+        step(model, step.shard(jnp.ones((4, 2))))
