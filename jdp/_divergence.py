@@ -110,11 +110,24 @@ def _bits(x: jax.Array) -> jax.Array:
 
 
 def _fingerprints(leaves: list[jax.Array]) -> jax.Array:
-    """`(num_leaves, num_replicas)` wrapping bit sums, per leaf and replica."""
+    """`(num_leaves, num_replicas)` 32-bit hashes, per leaf and replica.
+
+    Each element's bits are mixed with its position (a multiply-xorshift hash,
+    as in MurmurHash3's finaliser) before the wrapping sum, so permuted values
+    and changes that cancel in a plain sum (one element an ulp up, another an
+    ulp down) change the fingerprint too. One fused pass over the leaf, as the
+    plain sum was; two states that differ still collide with probability about
+    2**-32 per leaf.
+    """
     rows = []
     for x in leaves:
         bits = _bits(x).reshape(x.shape[0], -1).astype(jnp.uint32)
-        rows.append(jnp.sum(bits, axis=1, dtype=jnp.uint32))
+        position = lax.broadcasted_iota(jnp.uint32, bits.shape, 1)
+        h = bits ^ (position * jnp.uint32(0x9E3779B9))
+        h = (h ^ (h >> 16)) * jnp.uint32(0x85EBCA6B)
+        h = (h ^ (h >> 13)) * jnp.uint32(0xC2B2AE35)
+        h = h ^ (h >> 16)
+        rows.append(jnp.sum(h, axis=1, dtype=jnp.uint32))
     return jnp.stack(rows)
 
 

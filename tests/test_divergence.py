@@ -173,3 +173,30 @@ def test_the_check_runs_on_the_first_call_then_every_k():
 def test_bad_check_sync(value, error, match):
     with pytest.raises(error, match=match):
         jdp.parallelize(lambda s, b: (s, {}), check_sync=value)
+
+
+@pytest.mark.parametrize("drift", ["permuted", "compensating ulps"])
+def test_drifts_a_plain_bit_sum_would_miss_are_caught(drift):
+    """Replica 1's `w` has replica 0's values in another order, or one element an
+    ulp up and another an ulp down: both kept every bit sum the same."""
+    values = jnp.array([1.0, 2.0, 3.0, 4.0])
+    if drift == "permuted":
+        other = values[::-1]
+    else:
+        bits = lax.bitcast_convert_type(values, jnp.uint32)
+        other = lax.bitcast_convert_type(
+            bits
+            + jnp.array([1, 0, 0, 0], jnp.uint32)
+            - jnp.array([0, 0, 1, 0], jnp.uint32),
+            jnp.float32,
+        )
+
+    def step_fn(state, batch):
+        w = jnp.where(lax.axis_index("data") == 1, other, state["w"])
+        return {"w": w}, {}
+
+    step = jdp.parallelize(step_fn, devices=jax.devices()[:2], check_sync=1)
+    state = step.replicate({"w": values})
+    batch = step.shard(make_batches(1, 2)[0])
+    with pytest.raises(jdp.ReplicaDivergenceError, match=r"\['w'\] differs"):
+        step(state, batch)
