@@ -9,6 +9,7 @@ what it is given.
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -442,11 +443,30 @@ def parallelize(
 def _agreed_by_default(state: PyTree) -> PyTree:
     """What replicas must agree on when the step declares nothing: all of it.
 
-    Except in a step of one's own whose state holds parts declared to differ
-    between replicas (`_replica_parts`: a `jdp.bmuf` applied by flax's
-    `apply_gradients` or an `nnx.Optimizer`, which trains replicas locally
-    between syncs): there only the declared parts that agree (BMUF's global
-    parts).
+    Except in a step of one's own whose optimizer trains replicas locally
+    between syncs (`_replica_parts`: a `jdp.bmuf` applied by flax's
+    `apply_gradients` or an `nnx.Optimizer`): there the params and the declared
+    per-replica parts (BMUF's inner state) may differ, and everything else
+    (BMUF's global parts, batch statistics, counters) must agree.
     """
-    local = _replica_parts.agreed(state)
-    return state if local is None else local
+    if not _replica_parts.trains_locally(state):
+        return state
+    return _without_params(_replica_parts.without_local(state))
+
+
+def _without_params(state: PyTree) -> PyTree:
+    """`state` with its trained params set to None.
+
+    The params are a `params` field or key, or flax NNX `Param` variables.
+    """
+    if isinstance(state, dict) and "params" in state:
+        return {**state, "params": None}
+    if hasattr(state, "params") and hasattr(state, "replace"):
+        return state.replace(params=None)
+    nnx = sys.modules.get("flax.nnx")  # no NNX variables unless it was imported
+    if nnx is None:
+        return state
+    is_variable = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+    return jax.tree.map(
+        lambda x: None if isinstance(x, nnx.Param) else x, state, is_leaf=is_variable
+    )

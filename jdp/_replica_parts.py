@@ -124,6 +124,20 @@ def agreed(tree: PyTree) -> PyTree | None:
     return jax.tree.map(keep, tree, is_leaf=_is_declared)
 
 
+def without_local(tree: PyTree) -> PyTree:
+    """`tree` with the local fields of its declared nodes set to None."""
+
+    def drop(x):
+        d = _declaration(x)
+        if d is None:
+            return x
+        if isinstance(x, d.cls):
+            return x._replace(**{f: None for f in d.local})
+        return {k: v for k, v in x.items() if k not in d.local}
+
+    return jax.tree.map(drop, tree, is_leaf=_is_declared)
+
+
 def restart_params(tree: PyTree) -> list[PyTree]:
     """The `restart_params()` of every declared node in `tree` that has one."""
     return [x.restart_params() for x in find(tree) if hasattr(x, "restart_params")]

@@ -200,3 +200,20 @@ def test_drifts_a_plain_bit_sum_would_miss_are_caught(drift):
     batch = step.shard(make_batches(1, 2)[0])
     with pytest.raises(jdp.ReplicaDivergenceError, match=r"\['w'\] differs"):
         step(state, batch)
+
+
+def test_own_bmuf_step_still_checks_batch_statistics():
+    """Between syncs the params may differ; batch statistics must not."""
+    tx = jdp.bmuf(optax.sgd(0.1), sync_period=4)
+    params = init_mlp(jax.random.key(0))
+    inner = bmuf_step(tx)
+
+    def step_fn(state, batch):
+        new, metrics = inner({k: state[k] for k in ("params", "opt_state")}, batch)
+        stats = state["stats"] + jnp.mean(batch["x"])  # not averaged: drifts
+        return {**new, "stats": stats}, metrics
+
+    step = jdp.parallelize(step_fn, check_sync=1)
+    init = {"params": params, "opt_state": tx.init(params), "stats": jnp.zeros(())}
+    with pytest.raises(jdp.ReplicaDivergenceError, match=r"\['stats'\] differs"):
+        run(step, step.replicate(init), make_batches(1, 16))
