@@ -1,10 +1,11 @@
 """Private: `step.shard`, splitting a global batch across replicas.
 
 With several processes each process passes its own share of the global batch;
-the processes' sizes, structures and dtypes are compared through JAX's
+the processes' sizes, structures, dtypes and padding are compared through JAX's
 coordination service, because a mismatch would otherwise train on misaligned
 data without an error. A process waits for that comparison only when its batch's
-shapes change; a steady loop is checked in the background (see `_ProcessCheck`).
+shapes change (or it pads to the largest batch); in a steady loop each call only
+counts itself, in one round trip to the service (see `_ProcessCheck`).
 """
 
 from __future__ import annotations
@@ -142,24 +143,23 @@ def shard(
       The placed batch, or `(batch, mask)` when `pad`.
     """
     flat, treedef = jax.tree_util.tree_flatten_with_path(batch)
-    if not flat:
-        raise ValueError("`step.shard`: the batch has no array leaves.")
-    host = [(path, _host_leaf(path, x)) for path, x in flat]
-    for path, x in host:
-        if x.ndim == 0:
-            raise ValueError(
-                f"`step.shard`: leaf {keystr(path)} is a scalar; every batch leaf "
-                "needs a leading example axis to split across "
-                f"num_replicas={num_replicas}."
-            )
+    several = jax.process_count() > 1
+    try:
+        host = _host_leaves(flat, num_replicas)
+        if pad_to is not None:
+            per_process = _local_pad_to(pad_to, pad, num_replicas)
+    except (TypeError, ValueError):
+        if several:  # the call still counts, so that the processes' counts agree
+            _PROCESS_CHECK.count_only()
+        raise
     padded_everywhere = None
-    if jax.process_count() > 1:
+    if several:
         padded_everywhere = _check_process_batches(
-            host, pad=pad, num_local=num_local, need_sizes=pad and pad_to is None
+            host, pad=pad, pad_to=pad_to, num_local=num_local
         )
-    mask = None
     if pad_to is not None:
-        padded_everywhere = _local_pad_to(pad_to, pad, num_replicas)
+        padded_everywhere = per_process
+    mask = None
     if pad:
         host, mask = _pad(host, padded_everywhere, num_local)
     else:
@@ -173,6 +173,21 @@ def shard(
         remember_layout([placed_mask], backend)
         return placed, placed_mask
     return placed
+
+
+def _host_leaves(flat, num_replicas: int) -> list:
+    """`(path, NumPy array)` of every batch leaf, checked (see `_host_leaf`)."""
+    if not flat:
+        raise ValueError("`step.shard`: the batch has no array leaves.")
+    host = [(path, _host_leaf(path, x)) for path, x in flat]
+    for path, x in host:
+        if x.ndim == 0:
+            raise ValueError(
+                f"`step.shard`: leaf {keystr(path)} is a scalar; every batch leaf "
+                "needs a leading example axis to split across "
+                f"num_replicas={num_replicas}."
+            )
+    return host
 
 
 def _host_leaf(path, x) -> np.ndarray:
@@ -284,34 +299,64 @@ def _check_divisible(host, num_local: int, num_replicas: int) -> None:
             )
 
 
-#: Keys, in JAX's coordination service: each process's published signatures, and
-#: the requests that ask a process to publish how far it has got.
-_KEY = "jdp/step.shard/process/"
-_REQUEST_KEY = "jdp/step.shard/request/"
-#: Signature changes each process keeps published (the older ones are verified).
-_KEEP_CHANGES = 64
+#: Keys in JAX's coordination service (see `_ProcessCheck`): per process, the
+#: counter of its calls and its last compared rows; per call, every process's
+#: row where they disagreed.
+_CALLS_KEY = "jdp/step.shard/calls/"
+_ROWS_KEY = "jdp/step.shard/rows/"
+_ERROR_KEY = "jdp/step.shard/error/"
+#: The store's counters are 32-bit: a process's counter holds its calls modulo
+#: `_FLAG`, plus `_FLAG` for each disagreement reported to it and not yet taken
+#: off (which it does at its next call).
+_FLAG = 1 << 22
+#: Every process compares at the calls that are multiples of this, which keeps
+#: any two processes within this many calls of each other: counts modulo
+#: `_FLAG` then still tell whether a process has reached a call.
+_REFRESH = 1 << 20
+#: Compared rows each process keeps published (2 would do: see `_ProcessCheck`).
+_KEEP_ROWS = 4
 #: Longest pause between two reads while waiting for the other processes.
 _POLL_S = 0.02
-#: How long the background thread's blocking read waits before it reads again.
-_LISTEN_MS = 10_000
 
 
-def _encode(reached: int, answered: int, changes) -> str:
-    rows = " ".join(f"{c}:" + ",".join(map(str, row)) for c, row in changes)
-    return f"{reached};{answered};{rows}"
+def _encode(entries) -> str:
+    """`[(call, row)]` as text for the store (rows are tuples of ints)."""
+    return " ".join(f"{c}:" + ",".join(map(str, row)) for c, row in entries)
 
 
-def _decode(value: str):
-    reached, answered, rows = value.split(";")
-    changes = []
-    for item in rows.split():
+def _decode(value: str) -> list:
+    entries = []
+    for item in value.split():
         call, _, row = item.partition(":")
-        changes.append((int(call), tuple(int(v) for v in row.split(","))))
-    return int(reached), int(answered), changes
+        entries.append((int(call), tuple(int(v) for v in row.split(","))))
+    return entries
 
 
-def row_at(changes, call: int):
-    """The signature in force at `call`, from a list of `(call, signature)` changes.
+def _by_number(pairs) -> dict:
+    """`{n: value}` from a directory read of the store (keys ending in `/n`)."""
+    found = {}
+    for key, value in pairs:
+        tail = key.rstrip("/").rpartition("/")[2]
+        if tail.isdigit():
+            found[int(tail)] = value
+    return found
+
+
+def reached(counter: int, call: int) -> bool:
+    """Whether a process whose counter reads `counter` has made call `call`.
+
+    Example:
+      >>> from jdp._batching import reached, _FLAG
+      >>> reached(5, 4), reached(5, 5), reached(3 * _FLAG + 5, 4)
+      (True, False, True)
+      >>> reached(1, _FLAG), reached(_FLAG - 1, _FLAG)  # counts wrap around
+      (True, False)
+    """
+    return (counter - (call + 1)) % _FLAG < _FLAG // 2
+
+
+def row_at(entries, call: int):
+    """The row in force at `call`, from a process's `(call, row)` entries.
 
     Example:
       >>> from jdp._batching import row_at
@@ -319,250 +364,252 @@ def row_at(changes, call: int):
       ((8,), (6,))
     """
     found = None
-    for c, row in changes:
+    for c, row in entries:
         if c > call:
             break
         found = row
     return found
 
 
-def rows_agree(rows) -> bool:
-    """Whether the processes' signature rows agree (sizes may differ when padding).
+def mismatch(rows) -> str | None:
+    """What the processes' rows disagree on: "layout", "pad", "pad_to", "sizes".
 
     A row is `(fewest examples, most examples, layout checksum, pad, local
-    replicas)`.
-
-    Example:
-      >>> from jdp._batching import rows_agree
-      >>> rows_agree([(8, 8, 7, 1, 1), (5, 5, 7, 1, 1)])
-      True
-      >>> rows_agree([(8, 8, 7, 0, 1), (5, 5, 7, 0, 1)])
-      False
-    """
-    if len({row[2:4] for row in rows}) > 1:
-        return False
-    return bool(rows[0][3]) or len({row[:2] for row in rows}) == 1
-
-
-def first_disagreement(
-    every_changes, start: int, through: int, skip=(), agree=rows_agree
-):
-    """The first call in `(start, through]` at which the processes' signatures differ.
-
-    Each process's signature only changes at its listed calls, so checking the
-    calls where any process changed covers every call in between.
+    replicas, pad_to or 0)`. Sizes may differ when the processes pad.
 
     Args:
-      every_changes: Per process, its `(call, signature)` changes.
-      start: The last call already verified.
-      through: The last call every process has reached.
-      skip: Calls not to check (this process compared them itself).
-      agree: Whether a list of rows (one per process) agrees.
+      rows: One row per process.
 
     Returns:
-      `(call, rows)` (the rows of every process at that call), or None.
+      The first field that differs, or None if the rows agree.
 
     Example:
-      >>> from jdp._batching import first_disagreement
-      >>> a, b = [(0, (8,))], [(0, (8,)), (3, (6,))]
-      >>> same = lambda rows: len(set(rows)) == 1
-      >>> first_disagreement([a, b], -1, 2, agree=same)
-      >>> first_disagreement([a, b], -1, 4, agree=same)
-      (3, [(8,), (6,)])
+      >>> from jdp._batching import mismatch
+      >>> mismatch([(8, 8, 7, 1, 1, 0), (5, 5, 7, 1, 1, 0)]) is None
+      True
+      >>> mismatch([(8, 8, 7, 0, 1, 0), (5, 5, 7, 0, 1, 0)])
+      'sizes'
     """
-    calls = sorted(
-        {c for changes in every_changes for c, _ in changes if start < c <= through}
-        - set(skip)
-    )
-    for call in calls:
-        rows = [row_at(changes, call) for changes in every_changes]
-        if not agree(rows):
-            return call, rows
+    for name, column in (("layout", 2), ("pad", 3), ("pad_to", 5)):
+        if len({row[column] for row in rows}) > 1:
+            return name
+    if not rows[0][3] and len({n for row in rows for n in row[:2]}) > 1:
+        return "sizes"
     return None
 
 
 class _ProcessCheck:
-    """The cross-process batch check, through JAX's coordination service.
+    """The cross-process batch check, made by the calling thread (no thread).
 
-    Each process publishes, in the coordination service's key-value store (which
-    `jdp.distributed.initialize` set up; not a collective on the devices), the
-    calls at which its batch signature (sizes, structure, trailing shapes,
-    dtypes, padding) changed and how many `shard` calls it had made then. A
-    process whose signature changes (its first call, a short last batch, ...)
-    publishes, waits until every process has reached the same call, compares,
-    and raises at once if they disagree; with `pad=True` and no `pad_to` it does
-    so on every call, for the largest size. A process whose signature did not
-    change does nothing but count: a background thread, blocked in a read of the
-    store, wakes only when another process asks how far this one has got, then
-    publishes, checks the asker's changes, and a disagreement it finds is raised
-    at this process's next call. A steady loop therefore costs no message at all.
+    It reads and writes the key-value store of JAX's coordination service (which
+    `jdp.distributed.initialize` set up), not the devices.
+
+    Every process makes the same `shard` calls in the same order, so a call has
+    the same index `n` on every process. In the store, process `p` keeps a
+    counter `calls/p` (its calls, plus `_FLAG` for each disagreement reported to
+    it) and `rows/p`, its last few compared `(call, row)`; `error/n` holds every
+    process's row at a call `n` where they disagreed. At its call `n`, `p`:
+
+    1. compares if its row changed (its first call, a call after an error, new
+       shapes, ...), if it pads to the largest batch (`pad=True` without
+       `pad_to`), or if `n` is a multiple of `_REFRESH`: it then appends
+       `(n, row)` to `rows/p` (one write);
+    2. always adds 1 to `calls/p` (less the flags it saw at its last call), one
+       round trip that answers the counter's value: a steady loop costs this
+       alone, and never waits;
+    3. when it compares: waits until every counter shows call `n` made, reads
+       every `rows/q` (the row of `q` at `n` is its last entry at or before `n`)
+       and raises if they disagree. The first process that compared then writes
+       `error/n` and adds `_FLAG` to the counter of each process that did not
+       compare (unless that process has not counted a call since its last flag
+       from this process, which keeps the counters small);
+    4. when the counter it read in step 2 holds a flag, raises the earliest
+       disagreement in `error/` that it has not raised yet.
+
+    Every disagreement is found: at the first call at which the rows differ,
+    some process's row changed (or it is call 0), and that process compares;
+    the processes that did not compare raise at their next call; each process
+    that raised compares again at its next call. Nothing deadlocks: a process
+    waits only for the others to make the call it is at, and each of them gets
+    there without waiting for it (a process waits at an earlier call only for
+    processes that made that call, and a device collective that follows call
+    `n` in the program comes after call `n` on every process). The row of `q` at
+    `n` is still in `rows/q` when `p` reads it: `q` compares at most once past
+    `n` while `p` waits at `n` (it then waits there for `p`).
     """
 
-    def __init__(self):
-        self._lock = threading.Lock()  # guards the fields below
-        self._publishing = threading.Lock()  # keeps publications in order
+    def __init__(self, *, client=None, process: tuple[int, int] | None = None):
+        """A check for this process.
+
+        Args:
+          client: A key-value store to use instead of the coordination
+            service's client (for tests).
+          process: `(index, count)` to use instead of JAX's process index and
+            count (for tests).
+        """
+        self._given_client = client
+        self._process = process
         self._reset(None)
+
+    def _index(self) -> int:
+        return jax.process_index() if self._process is None else self._process[0]
+
+    def _count(self) -> int:
+        return jax.process_count() if self._process is None else self._process[1]
 
     def _reset(self, client) -> None:
         self.client = client
         self.calls = 0  # `shard` calls so far (in multi-process mode)
-        self.last = None  # this process's last signature row
-        self.changes: list = []  # [(call, row)] where it changed
-        self.reached = -1  # the last call this process made
-        self.answered = 0  # requests to publish answered so far
-        self.published = None  # (reached, answered) last published
-        self.verified = -1  # disagreements up to here were looked for
+        self.last = None  # this process's last row
+        self.entries: list = []  # its last compared (call, row), as published
+        self.held = 0  # flags in its counter, seen and not yet taken off
+        self.flagged: dict = {}  # process -> its count when last flagged by this one
+        self.reported = -1  # the last call whose disagreement it has raised
+        self.pending = None  # (call, rows) reported by another process, to raise
         self.waits = 0  # calls that waited for the other processes
-        self.late = None  # (call, rows) of a disagreement found in the background
-        self.moved = threading.Event()  # set on every call
-        self.thread = None
 
-    def check(self, row: tuple, *, need_sizes: bool):
-        """Records this call's `row`; every process's rows when it must wait.
-
-        Returns:
-          `(call, rows)`: the rows of every process at this call when this
-          process waited, or a disagreement found earlier (`call` < this call);
-          None otherwise.
-        """
-        client = _coordination.client()
+    def _client(self):
+        client = self._given_client or _coordination.client()
         if client is None:
             raise RuntimeError(
                 "`step.shard` across processes compares the processes' batches "
                 "through JAX's coordination service, which is not running: call "
                 "`jdp.distributed.initialize()` first."
             )
-        with self._lock:
-            if client is not self.client:
-                self._reset(client)
-            call = self.calls
-            self.calls += 1
-            self.reached = call
-            wait = need_sizes or row != self.last
-            if wait:
-                self.changes.append((call, row))
-                del self.changes[:-_KEEP_CHANGES]
-                self.last = row
-            late, self.late = self.late, None
-            if self.thread is None:
-                self.thread = threading.Thread(
-                    target=self._listen, name="jdp-shard-check", daemon=True
-                )
-                self.thread.start()
-        self.moved.set()
-        if late is None and not wait:
-            return None
-        self._publish()  # before raising too: the others may wait for this call
-        if late is not None:
-            return late
-        self.waits += 1
-        every = self._wait_for(call)
-        with self._lock:
-            self.verified = max(self.verified, call)
-        return call, [row_at(changes, call) for changes in every]
+        if client is not self.client:
+            self._reset(client)
+        return client
+
+    def check(self, row: tuple, *, need_sizes: bool):
+        """Counts this call, with `row`; compares it when it must (see the class).
+
+        Args:
+          row: This process's row at this call.
+          need_sizes: Compare even if the row did not change (to agree on the
+            largest size).
+
+        Returns:
+          `(call, rows)`: every process's row at this call when this process
+          compared, or at an earlier call (`call` < this call) at which another
+          process found a disagreement; None otherwise.
+        """
+        client = self._client()
+        call = self.calls
+        self.calls += 1
+        compare = need_sizes or row != self.last or call % _REFRESH == 0
+        self.last = row
+        if compare:
+            self.entries = [*self.entries, (call, row)][-_KEEP_ROWS:]
+            client.key_value_set(
+                f"{_ROWS_KEY}{self._index()}",
+                _encode(self.entries),
+                allow_overwrite=True,
+            )
+        self._arrive(client)
+        now = None
+        if compare:
+            self.waits += 1
+            now = (call, self._rows_at(client, call))
+            if mismatch(now[1]) is not None:
+                self.pending = None  # this call raises already
+                return now
+        late, self.pending = self.pending, None
+        return late or now
+
+    def count_only(self) -> None:
+        """Counts a call that failed its own checks (the next call compares)."""
+        try:
+            client = self._client()
+        except RuntimeError:  # no service: the caller's own error says enough
+            return
+        self.calls += 1
+        self.last = None
+        self._arrive(client)
 
     def forget_last(self) -> None:
-        """Makes the next call count as a change (after a disagreement)."""
-        with self._lock:
-            self.last = None
+        """Makes the next call compare (after a disagreement)."""
+        self.last = None
 
-    def _publish(self) -> None:
-        with self._publishing:
-            with self._lock:
-                now = (self.reached, self.answered)
-                value = _encode(*now, self.changes)
-            if now != self.published:
-                self.client.key_value_set(
-                    f"{_KEY}{jax.process_index()}", value, allow_overwrite=True
-                )
-                self.published = now
+    @property
+    def late(self):
+        """A disagreement another process reported and this one has not raised.
 
-    def _read(self):
-        """Every process's `(reached, answered, changes)`, in process order."""
-        found = [None] * jax.process_count()
-        for key, value in self.client.key_value_dir_get(_KEY):
-            tail = key.rstrip("/").rpartition("/")[2]
-            if tail.isdigit() and int(tail) < len(found):
-                found[int(tail)] = _decode(value)
-        return found
-
-    def _wait_for(self, call: int):
-        """Waits until every process has reached `call`; their change lists.
-
-        A process that has not published that far is asked to (it may be in a
-        steady loop, which publishes nothing unasked).
+        Reads this process's counter (one round trip) unless one is known.
         """
-        asked = set()
+        if self.pending is None and self.client is not None and self.calls:
+            key = f"{_CALLS_KEY}{self._index()}"
+            self._note_flags(self.client, int(self.client.key_value_try_get(key)))
+        return self.pending
+
+    def _arrive(self, client) -> None:
+        """Counts this call in the store; takes off the flags seen, notes new ones."""
+        one = 1 if self.calls % _FLAG else 1 - _FLAG  # the count wraps around
+        key = f"{_CALLS_KEY}{self._index()}"
+        counter = client.key_value_increment(key, one - _FLAG * self.held)
+        self.held = 0
+        self._note_flags(client, counter)
+
+    def _note_flags(self, client, counter: int) -> None:
+        flags = counter // _FLAG
+        if flags > self.held:  # a new one: read what was reported
+            records = _by_number(client.key_value_dir_get(_ERROR_KEY))
+            found = {
+                call: [tuple(int(v) for v in r.split(",")) for r in value.split()]
+                for call, value in records.items()
+                if call > self.reported
+            }
+            if found and self.pending is None:
+                self.pending = (min(found), found[min(found)])
+            self.reported = max([self.reported, *found])
+        self.held = flags
+
+    def _rows_at(self, client, call: int) -> list:
+        """Waits until every process has made `call`; their rows there.
+
+        Reports a disagreement to the processes that did not compare at `call`.
+        """
+        num = self._count()
         pause = 0.0005
         while True:
-            found = self._read()
-            if all(f is not None and f[0] >= call for f in found):
-                return [f[2] for f in found]
-            for process, f in enumerate(found):
-                if f is not None and f[0] < call and (process, f[1]) not in asked:
-                    self.client.key_value_set(
-                        f"{_REQUEST_KEY}{process}/{f[1]}",
-                        str(call),
-                        allow_overwrite=True,
-                    )
-                    asked.add((process, f[1]))
+            read = _by_number(client.key_value_dir_get(_CALLS_KEY))
+            counters = {p: int(v) for p, v in read.items()}
+            if all(p in counters and reached(counters[p], call) for p in range(num)):
+                break
             time.sleep(pause)
             pause = min(2 * pause, _POLL_S)
-
-    def _listen(self) -> None:
-        """The background thread: answers the other processes' requests."""
-        client = self.client
-        me = jax.process_index()
-        while self.client is client:
-            key = f"{_REQUEST_KEY}{me}/{self.answered}"
-            try:
-                wanted = int(client.blocking_key_value_get(key, _LISTEN_MS))
-            except Exception as e:
-                if "DEADLINE_EXCEEDED" in str(e):
-                    continue  # nobody asked: listen again
-                return  # the service is gone (shutdown): stop
-            while self.client is client and self.reached < wanted:
-                self.moved.wait(_POLL_S)  # until this process gets that far
-                self.moved.clear()
-            with self._lock:
-                if self.client is not client:
-                    return
-                self.answered += 1
-            try:
-                self._publish()
-                client.key_value_delete(key)
-                found = self._read()
-            except Exception:
-                return
-            self._verify(client, found)
-
-    def _verify(self, client, found) -> None:
-        """Looks for a disagreement at the other processes' changes."""
-        if any(f is None for f in found):
-            return
-        through = min(f[0] for f in found)
-        with self._lock:
-            if self.client is not client or through <= self.verified:
-                return
-            own = {c for c, _ in self.changes}  # this process compared those
-            bad = first_disagreement(
-                [f[2] for f in found], self.verified, through, skip=own
+        found = _by_number(client.key_value_dir_get(_ROWS_KEY))
+        every = [_decode(found.get(p, "")) for p in range(num)]
+        rows = [row_at(entries, call) for entries in every]
+        if any(row is None for row in rows):  # pragma: no cover - see the class
+            raise RuntimeError(
+                f"`step.shard`: lost track of the processes' batches at call {call}."
             )
-            self.verified = through if bad is None else bad[0]
-            if bad is not None and self.late is None:
-                self.late = bad
+        compared = [p for p, e in enumerate(every) if any(c == call for c, _ in e)]
+        if mismatch(rows) is not None and compared[0] == self._index():
+            client.key_value_set(
+                f"{_ERROR_KEY}{call}",
+                " ".join(",".join(map(str, row)) for row in rows),
+                allow_overwrite=True,
+            )
+            for p in set(range(num)) - set(compared):
+                if self.flagged.get(p) != counters[p] % _FLAG:
+                    counter = client.key_value_increment(f"{_CALLS_KEY}{p}", _FLAG)
+                    self.flagged[p] = counter % _FLAG
+        if mismatch(rows) is not None:
+            self.reported = max(self.reported, call)
+        return rows
 
 
 _PROCESS_CHECK = _ProcessCheck()
 
 
 def _check_process_batches(
-    host, *, pad: bool, num_local: int, need_sizes: bool
+    host, *, pad: bool, pad_to: int | None, num_local: int
 ) -> int | None:
     """Compares this process's batch with the other processes' batches.
 
-    With `pad`, the processes' sizes may differ. With `need_sizes` (padding to the
-    largest process's batch) this process waits on every call and returns the
+    With `pad`, the processes' sizes may differ; without `pad_to` (padding to the
+    largest process's batch) this process compares on every call and returns the
     padded per-process size every process uses; otherwise None.
     """
     rows = [x.shape[0] for _, x in host]
@@ -573,21 +620,18 @@ def _check_process_batches(
         zlib.crc32(layout.encode()) & 0x7FFFFFFF,
         int(pad),
         num_local,
+        pad_to or 0,
     )
     check = _PROCESS_CHECK
+    need_sizes = pad and pad_to is None
     answer = check.check(mine, need_sizes=need_sizes)
     if answer is None:
         return None
     call, every = answer
-    late = call < check.reached  # found by the background check
+    late = call < check.calls - 1  # reported by another process
     try:
         padded = _compare_processes(
-            np.array(every),
-            host,
-            # This process's own flag at that call (a late answer's may differ).
-            pad=bool(every[jax.process_index()][3]),
-            num_local=num_local,
-            late=call if late else None,
+            every, host, num_local=num_local, late=call if late else None
         )
     except ValueError:
         check.forget_last()  # the next call compares again, at once
@@ -595,19 +639,20 @@ def _check_process_batches(
     return padded if need_sizes and not late else None
 
 
-def _compare_processes(every, host, *, pad: bool, num_local: int, late: int | None):
-    """Raises unless every process's row agrees; the padded size when `pad`.
+def _compare_processes(every, host, *, num_local: int, late: int | None):
+    """Raises unless every process's row agrees; the padded size when padding.
 
     `late`: the earlier call (counted from 0 over this process's `step.shard`
-    calls) at which the background check found the disagreement.
+    calls) at which another process found the disagreement.
     """
     when = (
         f"at an earlier call (call {late} of `step.shard` on this process), "
         if late is not None
         else ""
     )
-    if len(set(every[:, 2].tolist())) > 1:
-        odd = [p for p in range(len(every)) if every[p, 2] != every[0, 2]]
+    what = mismatch(every)
+    if what == "layout":
+        odd = [p for p in range(len(every)) if every[p][2] != every[0][2]]
         raise ValueError(
             f"`step.shard`: {when}the processes passed batches of different "
             "structure, "
@@ -617,20 +662,27 @@ def _compare_processes(every, host, *, pad: bool, num_local: int, late: int | No
             + "). Every process must pass the same leaves with the same shapes "
             "(except the leading size) and dtypes."
         )
-    if len(set(every[:, 3].tolist())) > 1:
+    if what == "pad":
         listed = ", ".join(
-            f"process {p}: pad={bool(v)}" for p, v in enumerate(every[:, 3].tolist())
+            f"process {p}: pad={bool(row[3])}" for p, row in enumerate(every)
         )
         raise ValueError(
             f"`step.shard`: {when}the processes called `step.shard` with different "
             f"`pad` ({listed}); every process must pad, or none."
         )
-    if pad:
-        return max(padded_size(int(n), num_local) for n in every[:, 1])
-    if every[:, :2].min() != every[:, :2].max():
+    if what == "pad_to":
         listed = ", ".join(
-            f"process {p}: {lo}" + (f"-{hi}" if hi != lo else "")
-            for p, (lo, hi) in enumerate(every[:, :2].tolist())
+            f"process {p}: pad_to={row[5] or None}" for p, row in enumerate(every)
+        )
+        raise ValueError(
+            f"`step.shard`: {when}the processes called `step.shard` with different "
+            f"`pad_to` ({listed}); every process must pass the same `pad_to` (the "
+            "global batch size to pad to), or none."
+        )
+    if what == "sizes":
+        listed = ", ".join(
+            f"process {p}: {row[0]}" + (f"-{row[1]}" if row[1] != row[0] else "")
+            for p, row in enumerate(every)
         )
         raise ValueError(
             f"`step.shard`: {when}the processes passed local batches of "
@@ -641,6 +693,8 @@ def _compare_processes(every, host, *, pad: bool, num_local: int, late: int | No
             "batch of an epoch), or call `step.shard(batch, pad=True)`, which "
             "pads every process to the largest local batch and returns a mask."
         )
+    if every[0][3]:
+        return max(padded_size(row[1], num_local) for row in every)
     return None
 
 
@@ -653,9 +707,9 @@ def prefetch(iterable, *, size: int, place: Callable[[Any], Any]):
     In one process a background thread loads and places the next batches while
     the caller's steps run (even when the caller reads each step's results);
     with several processes the batches are placed on the calling thread, ahead
-    of use (placing checks sizes across processes with a collective, which must
-    run in the same order on every process), and JAX's asynchronous dispatch
-    overlaps the transfers with the running step.
+    of use (placing counts and compares the batches across processes, in the
+    same order on every process), and JAX's asynchronous dispatch overlaps the
+    transfers with the running step.
     """
     _validate.positive_int("size", size)
     if jax.process_count() > 1:
