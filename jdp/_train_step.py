@@ -55,6 +55,11 @@ class TrainState(struct.PyTreeNode):
         skip_nonfinite=True)`, or a loss scaler's overflow; an int32 array).
       dynamic_scale: A flax `DynamicScale` for float16 training (loss scaling),
         or None.
+      rng: A PRNG key (typed or raw) from which `jdp.make_train_step` derives
+        each replica's key for each step, for a `loss_fn` with an `rng`
+        parameter (dropout); or None. It does not change: the key of a step is
+        `fold_in(fold_in(rng, step), replica)`, so a restored checkpoint draws
+        the same numbers again.
       tx: The optax optimizer (static: not a pytree leaf).
 
     Example:
@@ -70,6 +75,7 @@ class TrainState(struct.PyTreeNode):
     batch_stats: PyTree = None
     skipped_steps: jax.Array | None = None
     dynamic_scale: Any = None
+    rng: jax.Array | None = None
     tx: optax.GradientTransformation = struct.field(pytree_node=False, default=None)
 
     @classmethod
@@ -80,6 +86,7 @@ class TrainState(struct.PyTreeNode):
         tx: optax.GradientTransformation,
         batch_stats: PyTree = None,
         dynamic_scale: Any = None,
+        rng: jax.Array | None = None,
     ) -> TrainState:
         """Makes a state at step 0 with `tx.init(params)` as optimizer state."""
         return cls(
@@ -89,6 +96,7 @@ class TrainState(struct.PyTreeNode):
             batch_stats=batch_stats,
             skipped_steps=jax.numpy.zeros((), jax.numpy.int32),
             dynamic_scale=dynamic_scale,
+            rng=rng,
             tx=tx,
         )
 
@@ -161,7 +169,15 @@ def make_train_step(
         `(loss, (new_batch_stats, aux))` with `has_aux`) and trains a state with
         `batch_stats` (BatchNorm statistics, NNX's non-trained state); the
         state must then have batch statistics, and a two-parameter `loss_fn`
-        a state without.
+        a state without. The loss may be `jdp.weighted(total, weight)` (a
+        masked or token-weighted loss: divided by the global weight once). A
+        `loss_fn` that declares a parameter named `rng` receives this replica's
+        PRNG key for this step (and microbatch), derived from the state's
+        `rng` (`jdp.TrainState.create(..., rng=key)`): different on every
+        replica and step, the same again after a checkpoint restore (linen
+        dropout: `model.apply(..., rngs={"dropout": rng})`). One that declares
+        `step` receives the state's step counter (for schedules inside the
+        loss).
       tx: The optax optimizer; None uses the state's own `tx` (flax `TrainState`).
       sync: How gradients are synchronised and applied: `jdp.all_reduce()`
         (default, PyTorch DDP), `jdp.local()` (each replica's own gradients, for
@@ -244,6 +260,7 @@ def make_train_step(
         )
     _validate.positive_int("microbatches", microbatches)
     takes_stats = _takes_batch_stats(loss_fn)
+    keywords = _loss_keywords(loss_fn)
     api = "jdp.make_train_step"
 
     def train_step(state, batch):
@@ -264,6 +281,7 @@ def make_train_step(
         _check_known_fields(state, api)
         _check_batch_stats(state, takes_stats, api)
         axis = _collectives.resolve_axis(axis_name)
+        loss_kwargs = _loss_kwargs(state, keywords, axis, api)
         value_and_grad = (
             jax.value_and_grad
             if sync.value_and_grad is None
@@ -275,7 +293,13 @@ def make_train_step(
             _check_loss_scaling(sync, microbatches)
             value_and_grad, verdict = _scaled(scale, axis)
             out = _gradients(
-                value_and_grad, loss_fn, state, batch, has_aux=has_aux, microbatches=1
+                value_and_grad,
+                loss_fn,
+                state,
+                batch,
+                has_aux=has_aux,
+                microbatches=1,
+                loss_kwargs=loss_kwargs,
             )
             loss, grads = _normalise(out, axis)
             params, opt_state, extra = sync.apply_averaged(
@@ -293,6 +317,7 @@ def make_train_step(
                 batch,
                 has_aux=has_aux,
                 microbatches=microbatches,
+                loss_kwargs=loss_kwargs,
             )
             loss, grads = _normalise(out, axis)
             params, opt_state, extra = sync.apply(grads, state, optimizer, axis)
@@ -323,10 +348,22 @@ def make_train_step(
     return TrainStep(train_step, layout, sync.must_agree)
 
 
+#: Parameters a `loss_fn` may declare by name to receive them from the step.
+LOSS_KEYWORDS = ("rng", "step")
+
+
+def _loss_keywords(loss_fn: Callable[..., Any]) -> tuple[str, ...]:
+    """The `LOSS_KEYWORDS` `loss_fn` declares (it was read before, so it can be)."""
+    params = inspect.signature(loss_fn).parameters
+    keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return tuple(k for k in LOSS_KEYWORDS if k in params and params[k].kind in keyword)
+
+
 def _takes_batch_stats(loss_fn: Callable[..., Any]) -> bool:
     """Whether `loss_fn` is `(params, batch_stats, batch)` (else `(params, batch)`).
 
-    Read from its required positional parameters: two or three.
+    Read from its required positional parameters: two or three, not counting
+    the `LOSS_KEYWORDS` it declares (`rng`, `step`).
     """
     try:
         signature = inspect.signature(loss_fn)
@@ -339,7 +376,11 @@ def _takes_batch_stats(loss_fn: Callable[..., Any]) -> bool:
         ) from e
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     params = signature.parameters.values()
-    required = [p for p in params if p.kind in kinds and p.default is p.empty]
+    required = [
+        p
+        for p in params
+        if p.kind in kinds and p.default is p.empty and p.name not in LOSS_KEYWORDS
+    ]
     var = any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params)
     if len(required) in (2, 3) and not (var and len(required) < 3):
         return len(required) == 3
@@ -384,7 +425,38 @@ class _Gradients(NamedTuple):
     grads: PyTree
 
 
-def _gradients(value_and_grad, loss_fn, state, batch, *, has_aux, microbatches):
+def _loss_kwargs(state, keywords, axis_name, api) -> Callable[[Any], dict]:
+    """`part -> {keyword: value}` for the `LOSS_KEYWORDS` the loss declares.
+
+    `step` is the state's step counter; `rng` this replica's key for this step
+    (and microbatch `part`, unless None): `fold_in` of the state's `rng` with
+    the step, the part and the replica index.
+    """
+    if "rng" in keywords and getattr(state, "rng", None) is None:
+        raise ValueError(
+            f"`{api}`: `loss_fn` takes `rng`, but the state has no `rng` (None). "
+            "Create it with a key, e.g. `jdp.TrainState.create(..., "
+            "rng=jax.random.key(0))`; the step then hands `loss_fn` a key of its "
+            "own on every replica and step."
+        )
+
+    def kwargs(part):
+        out = {}
+        if "step" in keywords:
+            out["step"] = state.step
+        if "rng" in keywords:
+            key = jax.random.fold_in(state.rng, state.step)
+            if part is not None:
+                key = jax.random.fold_in(key, part)
+            out["rng"] = _collectives.replica_key(key, axis_name=axis_name)
+        return out
+
+    return kwargs
+
+
+def _gradients(
+    value_and_grad, loss_fn, state, batch, *, has_aux, microbatches, loss_kwargs
+):
     """`loss_and_grads` over the whole batch, or accumulated over microbatches.
 
     With `microbatches=k` the replica's batch is split into `k` equal parts along
@@ -400,7 +472,14 @@ def _gradients(value_and_grad, loss_fn, state, batch, *, has_aux, microbatches):
     `_combine_parts` says.
     """
     if microbatches == 1:
-        return loss_and_grads(value_and_grad, loss_fn, state, batch, has_aux=has_aux)
+        return loss_and_grads(
+            value_and_grad,
+            loss_fn,
+            state,
+            batch,
+            has_aux=has_aux,
+            kwargs=loss_kwargs(None),
+        )
     k = microbatches
     bad = [
         f"{keystr(p)}: {np.shape(x)[0] if np.ndim(x) else 'a scalar'}"
@@ -418,7 +497,8 @@ def _gradients(value_and_grad, loss_fn, state, batch, *, has_aux, microbatches):
     parts = jax.tree.map(lambda x: x.reshape((k, x.shape[0] // k) + x.shape[1:]), batch)
     stats = getattr(state, "batch_stats", None)
 
-    def body(carry, part):
+    def body(carry, indexed):
+        index, part = indexed
         total, carried = carry
         current = state
         if stats is not None:  # floats from the step's start, the rest carried
@@ -427,13 +507,21 @@ def _gradients(value_and_grad, loss_fn, state, batch, *, has_aux, microbatches):
                     lambda s, c: s if is_float(s) else c, stats, carried
                 )
             )
-        out = loss_and_grads(value_and_grad, loss_fn, current, part, has_aux=has_aux)
+        out = loss_and_grads(
+            value_and_grad,
+            loss_fn,
+            current,
+            part,
+            has_aux=has_aux,
+            kwargs=loss_kwargs(index),
+        )
         total = jax.tree.map(lambda a, g: a + g, total, out.grads)
         carried = carried if stats is None else out.new_stats
         return (total, carried), out._replace(grads=None)
 
     zeros = jax.tree.map(jax.numpy.zeros_like, state.params)
-    (total, carried), outs = lax.scan(body, (zeros, stats), parts)
+    indices = jax.numpy.arange(k, dtype=jax.numpy.uint32)
+    (total, carried), outs = lax.scan(body, (zeros, stats), (indices, parts))
     new_stats = None
     if stats is not None:
         new_stats = jax.tree.map(
@@ -559,7 +647,9 @@ def _keep_if_finite(verdict, state, params, opt_state, extra):
     return keep(params, state.params), keep(opt_state, state.opt_state), extra
 
 
-def loss_and_grads(value_and_grad, loss_fn, state, batch, *, has_aux) -> _Gradients:
+def loss_and_grads(
+    value_and_grad, loss_fn, state, batch, *, has_aux, kwargs
+) -> _Gradients:
     """One replica's `loss_fn`, differentiated.
 
     A state with `batch_stats` calls `loss_fn(params, batch_stats, batch) ->
@@ -567,13 +657,13 @@ def loss_and_grads(value_and_grad, loss_fn, state, batch, *, has_aux) -> _Gradie
     `has_aux`); otherwise `loss_fn(params, batch)`. The loss may be a
     `jdp.weighted(total, weight)`: the total is differentiated, the weight
     returned beside it (no gradient flows into it). `aux` and `new_stats` are
-    None when absent.
+    None when absent. `kwargs` (`rng`, `step`) are passed by name.
     """
     loss_fn = _fresh_arguments(loss_fn)
     with_stats = getattr(state, "batch_stats", None) is not None
 
     def split(*args):
-        out = loss_fn(*args)
+        out = loss_fn(*args, **kwargs)
         if with_stats:
             loss, rest = out
             new_stats, aux = rest if has_aux else (rest, None)
@@ -605,8 +695,8 @@ def _fresh_arguments(loss_fn: Callable[..., Any]) -> Callable[..., Any]:
     """
 
     @functools.wraps(loss_fn)
-    def with_fresh_arguments(params, *rest):
-        return loss_fn(params, *jax.tree.map(lambda x: x, rest))
+    def with_fresh_arguments(params, *rest, **kwargs):
+        return loss_fn(params, *jax.tree.map(lambda x: x, rest), **kwargs)
 
     return with_fresh_arguments
 
@@ -620,6 +710,7 @@ KNOWN_FIELDS = (
     "batch_stats",
     "skipped_steps",
     "dynamic_scale",
+    "rng",
 )
 
 

@@ -438,3 +438,80 @@ def test_dynamic_scale_with_a_sharded_update_is_refused():
     )
     with pytest.raises(ValueError, match=r"`dynamic_scale`.*sync=jdp.all_reduce\(\)"):
         step(state, step.shard(make_batches(1, 4)[0]))
+
+
+# -- what the loss may ask for: rng and step ----------------------------------------
+
+
+class _DropoutMLP(nn.Module):
+    @nn.compact
+    def __call__(self, x, *, train):
+        x = nn.Dense(16)(x)
+        x = nn.Dropout(0.5, deterministic=not train)(x)
+        return nn.Dense(4)(x)
+
+
+def _dropout_setup():
+    model = _DropoutMLP()
+    params = model.init(jax.random.key(0), jnp.ones((1, 8)), train=False)["params"]
+
+    def loss_fn(params, batch, rng):
+        out = model.apply(
+            {"params": params}, batch["x"], train=True, rngs={"dropout": rng}
+        )
+        loss = jnp.mean((out - batch["y"]) ** 2)
+        return loss, {"mask": jdp.metrics.gather(jnp.sum(out, axis=1))}
+
+    return model, params, loss_fn
+
+
+def test_linen_dropout_draws_a_mask_per_replica_and_step_and_again_on_restore(backend):
+    _, params, loss_fn = _dropout_setup()
+    tx = optax.sgd(0.0)  # params stay put: only the masks change the outputs
+    step = jdp.parallelize(
+        jdp.make_train_step(loss_fn, tx, has_aux=True),
+        backend=backend,
+        devices=jax.devices()[:4],
+        donate_state=False,
+    )
+    state = step.replicate(
+        jdp.TrainState.create(params=params, tx=tx, rng=jax.random.key(7))
+    )
+    batch = {"x": np.ones((8, 8), np.float32), "y": np.zeros((8, 4), np.float32)}
+    batch = step.shard(batch)  # every replica sees the same examples
+    first, m1 = step(state, batch)
+    _, m2 = step(first, batch)
+    _, again = step(state, batch)  # the same state (a restored checkpoint)
+    rows = np.asarray(m1["mask"]).reshape(4, 2)
+    assert len({tuple(r) for r in rows}) == 4  # a different mask per replica
+    assert not np.allclose(np.asarray(m1["mask"]), np.asarray(m2["mask"]))
+    np.testing.assert_array_equal(np.asarray(again["mask"]), np.asarray(m1["mask"]))
+
+
+def test_a_loss_that_takes_rng_needs_a_key_in_the_state():
+    _, params, loss_fn = _dropout_setup()
+    tx = optax.sgd(0.1)
+    step = jdp.parallelize(
+        jdp.make_train_step(loss_fn, tx, has_aux=True), devices=jax.devices()[:2]
+    )
+    state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
+    batch = {"x": np.ones((4, 8), np.float32), "y": np.zeros((4, 4), np.float32)}
+    with pytest.raises(ValueError, match=r"takes `rng`, but the state has no `rng`"):
+        step(state, step.shard(batch))
+
+
+def test_the_loss_may_read_the_step_counter():
+    def loss_fn(params, batch, *, step):
+        return mlp_loss(params, batch), {"seen_step": step}
+
+    tx = optax.sgd(0.1)
+    step = jdp.parallelize(
+        jdp.make_train_step(loss_fn, tx, has_aux=True, microbatches=2),
+        devices=jax.devices()[:2],
+    )
+    state = step.replicate(
+        jdp.TrainState.create(params=init_mlp(jax.random.key(0)), tx=tx)
+    )
+    for expected, batch in enumerate(make_batches(3, 8)):
+        state, metrics = step(state, step.shard(batch))
+        assert float(metrics["seen_step"]) == expected
