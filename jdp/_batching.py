@@ -232,10 +232,7 @@ def _check_sizes(host) -> None:
             "Give every leaf the same leading (example) size."
         )
     if sizes == {0}:
-        raise ValueError(
-            "`step.shard`: the batch is empty (leading size 0); a step on it "
-            "would average over no examples. Skip empty batches."
-        )
+        raise ValueError(_empty_message(host))
 
 
 def _local_pad_to(pad_to: int, pad: bool, num_replicas: int) -> int:
@@ -274,11 +271,32 @@ def _pad(host, padded_everywhere: int | None, num_local: int):
     extra = padded - size
     if extra:
         if size == 0:
-            raise ValueError("`step.shard(pad=True)`: the batch is empty.")
-        host = [
-            (p, np.concatenate([x, np.repeat(x[-1:], extra, axis=0)])) for p, x in host
-        ]
+            raise ValueError(_empty_message(host))
+        host = [(p, np.concatenate([x, _padding(x, extra)])) for p, x in host]
     return host, np.arange(padded) < size
+
+
+def _padding(x: np.ndarray, extra: int) -> np.ndarray:
+    """The rows `pad=True` appends: zeros for integers, else copies of the last.
+
+    Integer leaves are ids (tokens, labels), whose 0 is padding by convention:
+    a padded row then counts for nothing in a loss or metric weighted by
+    `inputs > 0`. Other leaves repeat the last real row, a valid input for any
+    model (zeros could divide by zero, and a NaN in a padded row would spoil a
+    masked sum).
+    """
+    if x.dtype.kind in "iub":
+        return np.zeros((extra,) + x.shape[1:], x.dtype)
+    return np.repeat(x[-1:], extra, axis=0)
+
+
+def _empty_message(host) -> str:
+    listed = ", ".join(f"{keystr(p)}: shape {x.shape}" for p, x in host[:5])
+    return (
+        f"`step.shard`: the batch is empty ({listed}): a step on it would average "
+        "over no examples. Skip empty batches (e.g. the last one of a data set "
+        "whose size is a multiple of the batch size)."
+    )
 
 
 def _check_divisible(host, num_local: int, num_replicas: int) -> None:

@@ -218,12 +218,15 @@ class Parallel(_hlo.Introspection):
 
         Args:
           batch: Pytree of arrays whose leading axis is the example axis.
-          pad: If True, pad the batch (repeating its last example) to a multiple of
-            the replica count (with several processes: to the largest process's
-            padded batch) and also return a boolean mask, True for real
-            examples. Weigh per-example metrics by it, e.g. return
-            `{"correct": jnp.sum(ok * mask), "count": jnp.sum(mask)}` and divide
-            the two averaged metrics: the ratio is then exact.
+          pad: If True, pad the batch to a multiple of the replica count (with
+            several processes: to the largest process's padded batch) and also
+            return a boolean mask, True for real examples. Padded rows hold
+            zeros in integer (and boolean) leaves, so padded token ids are
+            padding (0) and count for nothing in a metric weighted by `inputs >
+            0`, and a copy of the last real example in floating leaves (a valid
+            input for any model). Weigh per-example metrics by the mask, e.g.
+            return `{"accuracy": jdp.weighted(jnp.sum(ok * mask),
+            jnp.sum(mask))}`: the ratio is then exact.
           pad_to: With `pad=True`, pad to this global batch size instead (a
             multiple of the replica count), so that a short last batch has the
             shape of the others and evaluation compiles one program (flax's
@@ -234,10 +237,10 @@ class Parallel(_hlo.Introspection):
 
         Raises:
           ValueError: If a leaf's leading size is not divisible by the replica count
-            (and `pad` is False), a leaf is a scalar, or leaves disagree on the batch
-            size when padding; with several processes, if the processes' batches
-            differ in size (and `pad` is False) or in structure, trailing shapes
-            or dtypes.
+            (and `pad` is False), the batch is empty (naming its leaves), a leaf
+            is a scalar, or leaves disagree on the batch size when padding;
+            with several processes, if the processes' batches differ in size
+            (and `pad` is False) or in structure, trailing shapes or dtypes.
         """
         _progress.beat()  # its cross-process size check waits for the others
         return _batching.shard(

@@ -31,8 +31,27 @@ def test_leaves_with_different_numbers_of_examples_are_refused(backend):
 
 def test_an_empty_batch_is_refused(backend):
     step = echo_step(backend)
-    with pytest.raises(ValueError, match=r"the batch is empty \(leading size 0\)"):
+    match = r"the batch is empty \(\['x'\]: shape \(0, 3\), \['y'\]: shape \(0,\)\)"
+    with pytest.raises(ValueError, match=match):
         step.shard({"x": np.zeros((0, 3)), "y": np.zeros((0,))})
+    with pytest.raises(ValueError, match=match):
+        step.shard({"x": np.zeros((0, 3)), "y": np.zeros((0,))}, pad=True)
+
+
+def test_padded_rows_hold_zeros_for_ids_and_the_last_example_for_floats():
+    """An evaluation that weights tokens by `inputs > 0` counts no padded copy."""
+    step = echo_step("shard_map")
+    tokens = np.array([[3, 4, 0], [5, 0, 0], [6, 7, 8]], np.int32)
+    x = np.arange(9.0, dtype=np.float32).reshape(3, 3)
+    batch, mask = step.shard({"tokens": tokens, "x": x}, pad=True)
+    got = np.asarray(batch["tokens"])
+    assert got.shape[0] == 4 and int((got > 0).sum()) == int((tokens > 0).sum())
+    np.testing.assert_array_equal(
+        np.asarray(batch["x"])[3:], np.repeat(x[-1:], got.shape[0] - 3, 0)
+    )
+    assert np.asarray(mask).reshape(-1).tolist() == [True] * 3 + [False] * (
+        got.shape[0] - 3
+    )
 
 
 def test_int64_values_that_do_not_fit_int32_are_refused():
