@@ -172,12 +172,19 @@ def reduce_metrics(metrics: PyTree, axis_name: AxisName) -> PyTree:
             return jnp.where(some, total / jnp.where(some, weight, 1), 0)
         if isinstance(m, Reduced):
             m, how = m.value, m.how
+            if is_marker(m):
+                raise TypeError(
+                    f"The step's metric {keystr(path)} is marked twice (a "
+                    f"`jdp.metrics.{how}` of a {_marker_name(m)}); mark it once."
+                )
         m = _as_array(path, m)
         if how == "sum":
             if m.dtype == jnp.bool_:
                 m = m.astype(jnp.int32)
             return lax.psum(m, axis_name)
         if how == "gather":
+            if m.ndim and m.shape[0] == 0:  # nothing on any replica (same shapes)
+                return m
             return lax.all_gather(m, axis_name, tiled=m.ndim >= 1)
         if not jnp.issubdtype(m.dtype, jnp.inexact):
             m = m.astype(jnp.result_type(float))  # integer counts average to floats
@@ -189,8 +196,39 @@ def reduce_metrics(metrics: PyTree, axis_name: AxisName) -> PyTree:
     return jax.tree_util.tree_map_with_path(combine, metrics, is_leaf=is_marker)
 
 
+def check_no_markers(state: PyTree) -> None:
+    """A step's new state must hold no metric marker (they belong in metrics)."""
+    flat = jax.tree_util.tree_flatten_with_path(state, is_leaf=is_marker)[0]
+    marked = [(path, x) for path, x in flat if is_marker(x)]
+    if marked:
+        path, x = marked[0]
+        raise TypeError(
+            f"The step returned a {_marker_name(x)} in its state, at "
+            f"{keystr(path)}; markers say how to combine a metric over replicas, "
+            "so return it among the metrics (the step's second result), and keep "
+            "the plain value in the state."
+        )
+
+
+def _marker_name(m: Any) -> str:
+    if isinstance(m, Weighted):
+        return "`jdp.weighted`"
+    return f"`jdp.metrics.{m.how}`"
+
+
 def _as_array(path, m) -> jax.Array:
+    if is_marker(m):
+        raise TypeError(
+            f"The step's metric {keystr(path)} is marked twice (a "
+            f"{_marker_name(m)} inside another marker); mark it once."
+        )
     dtype = getattr(m, "dtype", None)
+    if dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key):
+        raise TypeError(
+            f"The step's metric {keystr(path)} is a PRNG key; metrics must be "
+            "numbers or numeric arrays. Return `jax.random.key_data(key)` if you "
+            "need its bits, or keep the key in the state."
+        )
     if (dtype is None and not isinstance(m, (bool, int, float, complex))) or (
         getattr(dtype, "kind", "") in ("U", "S", "O", "V")
     ):

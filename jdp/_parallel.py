@@ -110,6 +110,7 @@ class Parallel(_hlo.Introspection):
         else:
             raise TypeError(BAD_OUTPUT_MSG.format(got=type(out).__name__))
         if new_state is not None:
+            _metrics.check_no_markers(new_state)
             _layout.check_same_structure(received, new_state)
         return new_state, _metrics.reduce_metrics(metrics, self.axis_name)
 

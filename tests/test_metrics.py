@@ -252,3 +252,43 @@ def test_a_value_every_replica_holds_alike_comes_back_exactly(backend):
     out = step(step.replicate({}), step.shard(np.zeros(7)))
     got = np.array([out[f"v{i}"] for i in range(len(values))], np.float32)
     assert got.tobytes() == values.tobytes()
+
+
+@pytest.mark.parametrize(
+    "step_fn, error, match",
+    [
+        (
+            lambda s, b: (s, {"m": jdp.metrics.sum(jdp.metrics.gather(b))}),
+            TypeError,
+            r"\[.m.\] is marked twice \(a `jdp.metrics.sum` of a `jdp.metrics.gather`",
+        ),
+        (
+            lambda s, b: (s, {"w": jdp.metrics.sum(jdp.weighted(b.sum(), 1.0))}),
+            TypeError,
+            r"\['w'\] is marked twice .*`jdp.weighted`",
+        ),
+        (
+            lambda s, b: ({"x": jdp.metrics.sum(s["x"])}, {}),
+            TypeError,
+            r"returned a `jdp.metrics.sum` in its state, at \['x'\]",
+        ),
+        (
+            lambda s, b: (s, {"k": jax.random.key(0)}),
+            TypeError,
+            r"metric \['k'\] is a PRNG key.*key_data",
+        ),
+    ],
+    ids=["nested", "weighted-in-sum", "marker-in-state", "key"],
+)
+def test_misused_markers_are_named(step_fn, error, match):
+    step = jdp.parallelize(step_fn, devices=jax.devices()[:2])
+    with pytest.raises(error, match=match):
+        step(step.replicate({"x": jnp.ones(2)}), step.shard(jnp.ones(4)))
+
+
+def test_gathering_nothing_gives_nothing():
+    step = jdp.parallelize(
+        lambda s, b: {"g": jdp.metrics.gather(b[:0])}, devices=jax.devices()[:2]
+    )
+    out = step(step.replicate({}), step.shard(jnp.ones((4, 3))))
+    assert out["g"].shape == (0, 3)
