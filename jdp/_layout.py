@@ -447,7 +447,29 @@ def check_unchanged(before: PyTree, after: PyTree) -> None:
     """The state a step returns must be laid out as the one it received."""
     probs = changes(before, after)
     if probs:
-        raise TypeError(STATE_CHANGED_MSG.format(probs=format_problems(probs)))
+        message = STATE_CHANGED_MSG.format(probs=format_problems(probs))
+        raise TypeError(message + _low_precision_hint(probs))
+
+
+def _low_precision_hint(probs: list[str]) -> str:
+    """Why an optimizer state of float16 (bfloat16) params comes back float32."""
+    widened = [
+        p
+        for p in probs
+        if "opt_state" in p
+        and ("float16[" in p or "bfloat16[" in p)
+        and "-> float32" in p
+    ]
+    if not widened:
+        return ""
+    return (
+        "\nThe optimizer state of low-precision params came back in float32: the "
+        "optimizer computed its moments from float32 values (a float32 loss, or a "
+        "loss scaler's float32 arithmetic), and optax keeps them in that dtype. "
+        "Keep the params (and so the optimizer state) in float32 and cast them to "
+        "float16 inside the loss: mixed precision with float32 master weights, as "
+        "flax's examples do, which a loss scaler expects."
+    )
 
 
 def deleted(tree: PyTree) -> list[str]:
@@ -478,8 +500,7 @@ def _structure_change(before: PyTree, after: PyTree) -> list[str]:
     if old == new:
         return []
     return [
-        _first_change(old, new, "state")
-        or f"the structure changed from {old} to {new}"
+        _first_change(old, new, "state") or f"the structure changed from {old} to {new}"
     ]
 
 

@@ -515,3 +515,22 @@ def test_the_loss_may_read_the_step_counter():
     for expected, batch in enumerate(make_batches(3, 8)):
         state, metrics = step(state, step.shard(batch))
         assert float(metrics["seen_step"]) == expected
+
+
+def test_float16_params_under_adam_and_a_loss_scaler_name_the_cause():
+    from flax.training.dynamic_scale import DynamicScale
+
+    params = {"w": jnp.ones((3, 2), jnp.float16)}
+
+    def loss_fn(p, b):
+        return jnp.mean((b["x"].astype(jnp.float16) @ p["w"]) ** 2).astype(jnp.float32)
+
+    tx = optax.adam(1e-3)
+    step = jdp.parallelize(jdp.make_train_step(loss_fn, tx), devices=jax.devices()[:2])
+    state = step.replicate(
+        jdp.TrainState.create(params=params, tx=tx, dynamic_scale=DynamicScale())
+    )
+    with pytest.raises(
+        TypeError, match=r"(?s)mu\['w'\]: float16.*came back in float32.*master weights"
+    ):
+        step(state, step.shard({"x": np.ones((4, 3), np.float32)}))
