@@ -16,6 +16,7 @@ recognised" (the error is raised unchanged, without jdp's explanation).
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import jax
@@ -198,3 +199,29 @@ COLLECTIVE_PRIMITIVES = frozenset(
 #: whose presence in a jaxpr depends on the operands' ranks (`jnp.expand_dims`
 #: is a `broadcast_in_dim` or a `reshape`, not a primitive of its own).
 SHAPE_ONLY_PRIMITIVES = frozenset({"broadcast_in_dim", "reshape", "squeeze"})
+
+
+def devices() -> list[Any]:
+    """`jax.devices()`, with a clear error where JAX found no backend at all.
+
+    Asked for a platform it cannot start (`JAX_PLATFORMS=cuda` on a machine
+    without a GPU, or without the `jax[cuda]` plugin), JAX 0.10 logs the
+    failure and then fails an internal `assert` with no message; no public
+    exception says so.
+
+    Raises:
+      RuntimeError: Naming `JAX_PLATFORMS` and how to fix it, in place of
+        JAX's bare `AssertionError`.
+    """
+    try:
+        return jax.devices()
+    except AssertionError as e:
+        requested = os.environ.get("JAX_PLATFORMS")
+        raise RuntimeError(
+            "JAX could not start any backend"
+            + (f" for JAX_PLATFORMS={requested!r}" if requested else "")
+            + ": the platform asked for is not available here (e.g. 'cuda' on a "
+            "machine without a GPU, or without `pip install -e '.[cuda]'`). Unset "
+            "JAX_PLATFORMS, or set it to a platform this machine has (e.g. "
+            "JAX_PLATFORMS=cpu); JAX's log above says why the backend failed."
+        ) from e

@@ -28,6 +28,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jdp import _jax_compat
 from jdp._tree import format_problems, keystr, repeated_paths
 from jdp._validate import describe as describe_value
 
@@ -98,7 +99,7 @@ def mesh_for(devices: Sequence[jax.Device] | None, axis_name: Any) -> Mesh:
         processes hold different numbers of `devices`.
       TypeError: If `axis_name` is neither a str nor a tuple.
     """
-    devices = list(jax.devices() if devices is None else devices)
+    devices = list(_jax_compat.devices() if devices is None else devices)
     if not devices:
         raise ValueError("`devices` is empty; pass at least one device (or None).")
     if len(set(devices)) != len(devices):

@@ -311,3 +311,20 @@ def test_element_wise_operations_trace_to_no_listed_primitive():
         | _jax_compat.SHAPE_ONLY_PRIMITIVES
     )
     assert not names & listed, sorted(names & listed)
+
+
+def test_no_backend_for_the_requested_platform_is_a_clear_error():
+    """JAX fails a bare `assert`; jdp names JAX_PLATFORMS (in a fresh process)."""
+    code = "import jdp; jdp.parallelize(lambda s, b: (s, {}))"
+    env = {**os.environ, "JAX_PLATFORMS": "cuda"}
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode != 0
+    assert "RuntimeError: JAX could not start any backend for JAX_PLATFORMS='cuda'" in (
+        done.stderr
+    ), done.stderr[-2000:]
