@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -309,6 +310,7 @@ def make_train_step(
                 verdict, state, params, opt_state, extra
             )
             changes["dynamic_scale"] = verdict["scale"]
+            _warn_if_collapsed(verdict["scale"].scale, axis)
         else:
             out = _gradients(
                 value_and_grad,
@@ -594,6 +596,35 @@ def _normalise(out: _Gradients, axis_name) -> tuple[jax.Array, PyTree]:
         lambda g: g * scale.astype(g.dtype) if is_float(g) else g, out.grads
     )
     return jax.numpy.where(some, total / jax.numpy.where(some, weight, 1), 0), grads
+
+
+#: A loss scale below this no longer scales anything up: flax's `DynamicScale`
+#: got there by halving on one non-finite step after another.
+COLLAPSED_SCALE = 1.0
+
+
+def _report_collapse(scale) -> None:
+    warnings.warn(
+        f"The loss scale collapsed to {float(scale):.3g}: flax's `DynamicScale` "
+        "halves it on every step whose gradients are not finite, and it got below "
+        f"{COLLAPSED_SCALE} (from 2**15 by default), so every recent step was "
+        "skipped. Scaling does not cure a loss or gradient that is NaN or inf "
+        "whatever the scale: look for NaN/inf in the data, a log of 0 or a "
+        "division by 0, or train in float32/bfloat16.",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+
+
+def _warn_if_collapsed(scale, axis_name) -> None:
+    """A host warning (from replica 0, on the steps it happens) for a dead scale."""
+    first = lax.axis_index(axis_name) == 0
+    lax.cond(
+        first & (scale < COLLAPSED_SCALE),
+        lambda s: jax.debug.callback(_report_collapse, s),
+        lambda s: None,
+        scale,
+    )
 
 
 def _check_loss_scaling(sync: _sync.Sync, microbatches: int) -> None:

@@ -534,3 +534,27 @@ def test_float16_params_under_adam_and_a_loss_scaler_name_the_cause():
         TypeError, match=r"(?s)mu\['w'\]: float16.*came back in float32.*master weights"
     ):
         step(state, step.shard({"x": np.ones((4, 3), np.float32)}))
+
+
+def test_a_collapsed_loss_scale_is_reported():
+    from flax.training.dynamic_scale import DynamicScale
+
+    def loss_fn(params, batch):
+        return mlp_loss(params, batch) * jnp.nan  # never finite
+
+    tx = optax.sgd(0.1)
+    step = jdp.parallelize(jdp.make_train_step(loss_fn, tx), devices=jax.devices()[:2])
+    scale = DynamicScale(scale=4.0)
+    state = step.replicate(
+        jdp.TrainState.create(
+            params=init_mlp(jax.random.key(0)), tx=tx, dynamic_scale=scale
+        )
+    )
+    batch = step.shard(make_batches(1, 4)[0])
+    state, metrics = step(state, batch)  # 4 -> 2
+    state, metrics = step(state, batch)  # 2 -> 1
+    jax.effects_barrier()
+    with pytest.warns(RuntimeWarning, match=r"loss scale collapsed to 0\.5"):
+        state, metrics = step(state, batch)  # 1 -> 0.5
+        jax.effects_barrier()
+    assert int(step.unreplicate(state).skipped_steps) == 3
