@@ -62,7 +62,7 @@ def padded_batches(num_steps, rows=8, seed=0):
     2-3 are short, the rest long.
     """
     rng = np.random.default_rng(seed)
-    lengths = np.array([0, 0, 1, 2, 6, 6, 5, 6])[:rows]
+    lengths = np.resize(np.array([0, 0, 1, 2, 6, 6, 5, 6]), rows)
     out = []
     for _ in range(num_steps):
         tokens = rng.integers(1, VOCAB, size=(rows, LENGTH + 1))
@@ -194,3 +194,44 @@ def test_a_batch_of_only_padding_trains_nothing_and_stays_finite():
 def test_weighted_refuses_what_is_not_a_scalar():
     with pytest.raises(ValueError, match=r"`jdp.weighted`.*scalar.*shape \(3,\)"):
         jdp.weighted(jnp.ones(3), 3.0)
+
+
+def test_an_lm1b_style_port_equals_one_device():
+    """The flax lm1b recipe's conventions together: a token-weighted loss on
+    padded sequences, dropout through `rng` (rate 0 here, so one device can be
+    the oracle), microbatches, then evaluation on a padded short last batch
+    weighted by `inputs > 0` alone (padded rows hold padding ids)."""
+    rate = 0.0
+
+    def loss_fn(params, batch, rng):
+        keep = jax.random.bernoulli(rng, 1 - rate, (DIM,)) / (1 - rate)
+        logits = (params["embed"][batch["inputs"]] * keep) @ params["out"]
+        xent = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+        weights = (batch["inputs"] > 0).astype(jnp.float32)
+        return jdp.weighted(jnp.sum(xent * weights), jnp.sum(weights))
+
+    def eval_step(params, batch):
+        _, correct, weights = token_losses(params, batch["inputs"], batch["targets"])
+        return {"accuracy": jdp.weighted(jnp.sum(correct * weights), jnp.sum(weights))}
+
+    tx = optax.adamw(0.05, weight_decay=0.01)
+    batches = padded_batches(5, rows=16, seed=1)
+    expected, expected_losses, _ = one_device(tx, batches)
+    train_step = jdp.make_train_step(loss_fn, tx, microbatches=2)
+    step = jdp.parallelize(train_step, devices=jax.devices()[:4])
+    state = jdp.TrainState.create(params=init_params(), tx=tx, rng=jax.random.key(1))
+    state = step.replicate(state)
+    losses = []
+    for b in batches:
+        state, metrics = step(state, step.shard(b))
+        losses.append(float(metrics["loss"]))
+    params = step.unreplicate(state).params
+    chex.assert_trees_all_close(params, expected, rtol=5e-5, atol=5e-6)
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+
+    evaluate = jdp.parallelize(eval_step, devices=jax.devices()[:4])
+    last = {k: v[:5] for k, v in padded_batches(1, rows=16, seed=2)[0].items()}
+    placed, _ = evaluate.shard(last, pad=True)  # 5 sequences on 4 replicas
+    got = evaluate(evaluate.replicate(params), placed)["accuracy"]
+    _, want = one_device_loss(params, last)
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
