@@ -114,7 +114,8 @@ def assert_replicas_in_sync(state: PyTree, *, atol: float = 0.0) -> None:
             for path, r, d in problems
         ]
         raise AssertionError(
-            f"[jdp] Replicas are out of sync in {len(problems)} leaves (atol={atol}):"
+            "`jdp.assert_replicas_in_sync`: replicas are out of sync in "
+            f"{len(problems)} leaves (atol={atol}):"
             f"{format_problems(lines)}\nA step that updates the state without "
             "averaging its gradients (`jdp.all_reduce_gradients`) or syncing "
             "computed state (`jdp.sync_batch_stats`) lets replicas drift; "

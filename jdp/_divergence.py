@@ -33,7 +33,8 @@ from jdp._tree import keystr
 PyTree = Any
 
 DIVERGED_MSG = (
-    "[jdp] The replicas' states diverged during step call {call}: {leaf} differs "
+    "`jdp.parallelize(..., check_sync=...)`: the replicas' states diverged "
+    "during step call {call}: {leaf} differs "
     "between replica 0 and replica {replica} ({count} of {total} checked leaves "
     "differ{more}). A synchronous step keeps every replica identical, so the step "
     "most likely does not average its gradients (or syncs computed state on one "
@@ -47,7 +48,8 @@ DIVERGED_MSG = (
 
 
 METRICS_MSG = (
-    "[jdp] The replicas' states diverged during step call {call}: {leaf} differs "
+    "`jdp.parallelize(..., check_sync=...)`: the replicas' states diverged "
+    "during step call {call}: {leaf} differs "
     "between replica 0 and replica {replica} ({count} of {total} checked leaves "
     "differ, all of them flax NNX metric accumulators). Each replica's metrics "
     "(an `nnx.MultiMetric` in the state, as in the NNX tutorial) counted only its "
@@ -63,7 +65,8 @@ METRICS_MSG = (
 
 
 BATCH_STATS_MSG = (
-    "[jdp] The replicas' states diverged during step call {call}: {leaf} differs "
+    "`jdp.parallelize(..., check_sync=...)`: the replicas' states diverged "
+    "during step call {call}: {leaf} differs "
     "between replica 0 and replica {replica} ({count} of {total} checked leaves "
     "differ, all of them BatchNorm statistics). Each replica normalised with the "
     "statistics of its own examples. Give BatchNorm the replica axis, "

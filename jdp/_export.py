@@ -289,9 +289,9 @@ def export_predictor(
     except Exception as e:  # add what jdp knows; keep JAX's own error type
         if batch_polymorphic and _jax_compat.is_symbolic_dimension_error(e):
             e.add_note(
-                "jdp: the batch axis was exported as the symbolic dimension "
-                f"{_BATCH!r}; if the model needs a concrete batch size, pass "
-                "`batch_polymorphic=False`."
+                "`jdp.export_predictor`: the batch axis was exported as the "
+                f"symbolic dimension {_BATCH!r}; if the model needs a concrete "
+                "batch size, pass `batch_polymorphic=False`."
             )
         raise
     meta = {

@@ -109,8 +109,8 @@ def test_quickstart(kernel_dirs, tmp_path):
     joined = "\n".join(text)
     assert "same parameters as the single-device run" in joined
     assert "in sync: True" in joined
-    assert "Replicas are out of sync" in joined
-    assert "The replicas' states diverged during step call 1" in joined
+    assert "replicas are out of sync" in joined
+    assert "the replicas' states diverged during step call 1" in joined
     # Section 6: accumulation gives the whole batch's params; exact eval counts.
     gap = float(re.search(r"microbatches=2: largest difference .* (\S+)\n", joined)[1])
     assert gap < 1e-3, gap
