@@ -188,12 +188,26 @@ def reduce_metrics(metrics: PyTree, axis_name: AxisName) -> PyTree:
             return lax.all_gather(m, axis_name, tiled=m.ndim >= 1)
         if not jnp.issubdtype(m.dtype, jnp.inexact):
             m = m.astype(jnp.result_type(float))  # integer counts average to floats
-        # A value every replica holds alike (a learning rate, a global loss)
-        # comes back as it is, not a sum divided by N (an ulp off).
-        same = lax.pmin(m, axis_name) == lax.pmax(m, axis_name)
-        return jnp.where(same, m, lax.pmean(m, axis_name))
+        return _mean(m, axis_name)
 
     return jax.tree_util.tree_map_with_path(combine, metrics, is_leaf=is_marker)
+
+
+def _mean(m: jax.Array, axis_name: AxisName) -> jax.Array:
+    """The mean over replicas; exactly the value itself where all hold it alike.
+
+    A sum divided by N is often an ulp off a value every replica holds (a
+    learning rate, a global loss). One sum (XLA combines it with the step's
+    other metric sums) also brings replica 0's value; where the mean is within
+    N ulps of it, which includes every case of equal values, that value is
+    returned, itself within rounding of the mean.
+    """
+    first = jnp.where(lax.axis_index(axis_name) == 0, m, jnp.zeros_like(m))
+    total, first = lax.psum((m, first), axis_name)
+    num = lax.axis_size(axis_name)
+    mean = total / num
+    ulp = jnp.finfo(m.dtype).eps * jnp.abs(first)
+    return jnp.where(jnp.abs(mean - first) <= num * ulp, first, mean)
 
 
 def check_no_markers(state: PyTree) -> None:
