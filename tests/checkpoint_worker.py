@@ -9,6 +9,7 @@ environment, so a resumed run really is a new process:
     python tests/checkpoint_worker.py save-unwritable DIR
     python tests/checkpoint_worker.py hold DIR SEED  (saves step 1, waits for stdin)
     python tests/checkpoint_worker.py save DIR STEP SEED
+    python tests/checkpoint_worker.py save-async-and-exit DIR STEP MIB KEEP
 """
 
 from __future__ import annotations
@@ -255,6 +256,44 @@ def save_in_a_job(directory):
     return None
 
 
+def save_into_own_directory(base):
+    """Run by every process of a `jdp.launch` job: each names its own directory.
+
+    Returns:
+      The error message this process got, or what `save` returned and whether
+      the step is on disk, e.g. `"saved=True on_disk=False"`.
+    """
+    directory = os.path.join(base, f"process-{jax.process_index()}")
+    step = jdp.parallelize(lambda s, b: (s, {}))  # every device of every process
+    state = step.replicate({"w": np.zeros(4, np.float32)})
+    try:
+        with jdp.checkpoint.CheckpointManager(directory) as manager:
+            saved = manager.save(5, state)
+    except ValueError as e:
+        return str(e)
+    on_disk = os.path.isdir(os.path.join(directory, "5"))
+    return f"saved={saved} on_disk={on_disk}"
+
+
+_KEPT = []
+
+
+def save_async_and_exit(directory, step_number, mib, keep):
+    """Starts an async save and leaves without `close` or `wait_until_finished`.
+
+    With `keep` "1" the manager stays referenced until the interpreter exits;
+    with "0" it is dropped (garbage collected) when this function returns.
+    """
+    size = int(mib) * 2**20 // 4
+    values = np.random.default_rng(int(step_number)).random(size, dtype=np.float32)
+    step = jdp.parallelize(lambda s, b: (s, {}), devices=jax.devices()[:2])
+    manager = jdp.checkpoint.CheckpointManager(directory, async_save=True)
+    manager.save(int(step_number), step.replicate({"w": values}))
+    if keep == "1":
+        _KEPT.append(manager)
+    print("started", flush=True)
+
+
 def save(directory, step_number, seed):
     with jdp.checkpoint.CheckpointManager(directory) as manager:
         manager.save(int(step_number), small_state(seed))
@@ -282,4 +321,5 @@ if __name__ == "__main__":
         "save-unwritable": save_unwritable,
         "hold": hold,
         "save": save,
+        "save-async-and-exit": save_async_and_exit,
     }[command](*args)

@@ -1,3 +1,4 @@
+import asyncio
 import json
 import os
 import pickle
@@ -26,11 +27,12 @@ from checkpoint_worker import (
     flat_leaves,
     make_step,
     save_in_a_job,
+    save_into_own_directory,
 )
 from helpers import init_mlp, make_batches, mlp_loss
 
 import jdp
-from jdp.checkpoint import CheckpointManager
+from jdp.checkpoint import CheckpointCorruptedError, CheckpointManager
 
 WORKER = Path(__file__).with_name("checkpoint_worker.py")
 TX = optax.adam(1e-2)
@@ -99,8 +101,9 @@ def saved(tmp_path_factory):
 
 
 def test_public_names():
-    assert jdp.checkpoint.__all__ == ["CheckpointManager"]
+    assert jdp.checkpoint.__all__ == ["CheckpointCorruptedError", "CheckpointManager"]
     assert jdp.checkpoint.CheckpointManager is CheckpointManager
+    assert issubclass(CheckpointCorruptedError, ValueError)
 
 
 def test_restore_gives_every_replica_the_saved_copy(saved, backend):
@@ -204,6 +207,19 @@ def test_restore_never_unpickles(saved, monkeypatch):
     step = make_parallel(num_devices=2)
     with CheckpointManager(directory) as manager:
         restored = manager.restore(step.replicate(init_state()))
+    assert_bitwise_equal(step.unreplicate(restored), copy)
+
+
+def test_restore_inside_a_running_event_loop(saved):
+    """As in a notebook, whose cells run inside an asyncio event loop."""
+    directory, copy = saved
+    step = make_parallel(num_devices=2)
+
+    async def cell():
+        with CheckpointManager(directory) as manager:
+            return manager.restore(step.replicate(init_state()))
+
+    restored = asyncio.run(cell())
     assert_bitwise_equal(step.unreplicate(restored), copy)
 
 
@@ -507,6 +523,33 @@ def test_save_killed_midway_leaves_the_previous_checkpoint(tmp_path):
     np.testing.assert_array_equal(step.unreplicate(restored)["w"], np.arange(1000.0))
 
 
+@pytest.mark.parametrize("reference", ["kept", "dropped"])
+def test_async_save_is_finished_when_the_process_exits_without_close(
+    tmp_path, reference
+):
+    """A script that ends right after an async `save` still commits the step.
+
+    The manager stays referenced until exit, or is garbage collected first.
+    """
+    keep = "1" if reference == "kept" else "0"
+    proc = subprocess.run(
+        [sys.executable, WORKER, "save-async-and-exit", tmp_path, "3", "32", keep],
+        env=child_env(2),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "started", proc.stderr[
+        -3000:
+    ]
+    assert not (tmp_path / ".jdp-checkpoint.lock").exists()  # released at exit
+    expected = np.random.default_rng(3).random(32 * 2**20 // 4, dtype=np.float32)
+    with CheckpointManager(tmp_path) as manager:
+        assert manager.all_steps() == [3]
+        got = manager.restore({"w": np.zeros_like(expected)})
+    np.testing.assert_array_equal(got["w"], expected)
+
+
 # -- a save that fails ----------------------------------------------------------------
 
 
@@ -582,9 +625,9 @@ def test_unwritable_directory_names_the_directory_and_step(tmp_path):
         with CheckpointManager(blocker / "ckpt", async_save=async_save) as manager:
             with pytest.raises(
                 NotADirectoryError,
-                match=rf"creating the directory for step 4 to "
-                rf"{re.escape(str(blocker / 'ckpt'))} failed \(NotADirectoryError: .*"
-                r"Step 4 was not committed",
+                match=rf"`CheckpointManager\.save`: the checkpoint directory "
+                rf"{re.escape(str(blocker / 'ckpt'))} cannot be created: "
+                rf"{re.escape(str(blocker))}, above it, is a file, not a directory",
             ):
                 manager.save(4, state)
 
@@ -705,6 +748,33 @@ def test_every_process_of_a_job_raises_when_the_directory_is_locked(tmp_path):
         f"`CheckpointManager.save`: process 0 could not lock {tmp_path} (see its "
         "error); nothing was saved."
     )
+
+
+@pytest.mark.multiprocess
+def test_processes_of_a_job_saving_into_different_directories_raise(tmp_path):
+    """Process 1's `save` returned True while only process 0 wrote anything."""
+    results = jdp.launch.run(
+        save_into_own_directory,
+        2,
+        args=(str(tmp_path),),
+        devices_per_process=1,
+        timeout_s=120,
+        quiet=True,
+    )
+    assert results[0] == results[1], results  # every process raises the same
+    assert results[0] == (
+        "`CheckpointManager.save`: the processes of this job save into different "
+        f"directories:\n  process 0: {tmp_path}/process-0\n  process 1: "
+        f"{tmp_path}/process-1\nEvery process of a job must pass the same "
+        "directory: process 0 writes the checkpoint into its own directory and the "
+        "other processes only synchronise with it, so the steps would be saved "
+        "into one directory only and a restore from the others would find "
+        "nothing. Nothing was saved.\nFix: pass the same path on every process "
+        "(e.g. `CheckpointManager(base_dir)`, not a path that holds the process "
+        "index; an absolute path if the processes run in different working "
+        "directories)."
+    )
+    assert list(tmp_path.iterdir()) == []  # nothing was created
 
 
 def _dead_pid():
@@ -923,6 +993,84 @@ def test_resume_or_start_in_one_line(tmp_path):
             manager.restore(like, step=5, default=like)  # `default` is for step=None
 
 
+def test_a_file_as_the_directory_raises_even_with_a_default(tmp_path):
+    """A typo naming a file must not start training from scratch."""
+    like = make_parallel(num_devices=2).replicate(init_state())
+    config = tmp_path / "config.json"
+    config.write_text("{}")
+    where = re.escape(str(config))
+    for path, what in (
+        (config, rf"{where} is a file, not a directory"),
+        (config / "ckpt", rf"{where}/ckpt cannot be created: {where}, above it, is a"),
+    ):
+        with CheckpointManager(path) as manager:
+            for call in ("restore", "save"):
+                with pytest.raises(
+                    NotADirectoryError,
+                    match=rf"`CheckpointManager\.{call}`: the checkpoint directory "
+                    rf"{what}.*\. Expected a directory holding one subdirectory per "
+                    rf"saved step.*\nFix: check the path for a typo, or move {where}",
+                ):
+                    if call == "restore":
+                        manager.restore(like, default=like)
+                    else:
+                        manager.save(1, like)
+    assert config.read_text() == "{}"
+    # A directory that does not exist yet still gives the default.
+    with CheckpointManager(tmp_path / "new") as manager:
+        assert manager.restore(like, default=like) is like
+
+
+def test_dangling_and_looping_symlinks_are_named(tmp_path):
+    like = make_parallel(num_devices=2).replicate(init_state())
+    dangling = tmp_path / "dangling"
+    dangling.symlink_to(tmp_path / "scratch")
+    loop_a, loop_b = tmp_path / "a", tmp_path / "b"
+    loop_a.symlink_to(loop_b)
+    loop_b.symlink_to(loop_a)
+    cases = (
+        (
+            dangling,
+            dangling,
+            rf"is a symbolic link to {re.escape(str(tmp_path / 'scratch'))}, "
+            rf"which does not exist.*\nFix: create "
+            rf"{re.escape(str(tmp_path / 'scratch'))}",
+        ),
+        (
+            loop_a,
+            loop_a,
+            rf"is a symbolic link to {re.escape(str(loop_b))} that loops .*\n"
+            rf"Fix: point {re.escape(str(loop_a))} at a real directory",
+        ),
+        (
+            loop_a / "ckpt",
+            loop_a,
+            r"cannot be created: .*, above it, is a symbolic link to .* that loops",
+        ),
+    )
+    for path, link, what in cases:
+        with CheckpointManager(path) as manager:
+            for call in ("save", "restore"):
+                with pytest.raises(OSError) as info:
+                    if call == "restore":
+                        manager.restore(like, default=like)
+                    else:
+                        manager.save(1, like)
+                assert not isinstance(info.value, FileExistsError | FileNotFoundError)
+                message = str(info.value)
+                assert message.startswith(
+                    f"`CheckpointManager.{call}`: the checkpoint directory {path} "
+                ), message
+                assert str(link) in message
+                assert re.search(what, message, re.S), message
+    # Once the link's target exists, the link is a directory like any other.
+    (tmp_path / "scratch").mkdir()
+    with CheckpointManager(dangling) as manager:
+        assert manager.restore(like, default=like) is like
+        assert manager.save(1, like)
+    assert (tmp_path / "scratch" / "1").is_dir()
+
+
 def _copy_checkpoint(src, dst):
     shutil.copytree(src, dst)
     return dst
@@ -977,14 +1125,23 @@ def test_checksum_catches_data_that_still_decodes(saved, tmp_path):
     where = re.escape(str(directory))
     with CheckpointManager(directory) as manager:
         with pytest.raises(
-            ValueError,
+            CheckpointCorruptedError,
             match=rf"the checkpoint of step 2 in {where} is corrupted or truncated: "
             r"leaf \.params\['layer0'\]\['w'\] does not match the CRC-32 recorded "
             r"when it was saved\. Restore an older step .* or save again: the next "
             rf"`save` of step 2 or an earlier step moves the damaged files aside to "
             rf"{where}/2\.damaged-<n> \(nothing is deleted\)",
-        ):
+        ) as info:
             manager.restore(like)
+    error = info.value
+    assert isinstance(error, ValueError)  # what `restore` raised before 0.3
+    assert (error.directory, error.step) == (str(directory), 2)
+    assert error.detail == (
+        "leaf .params['layer0']['w'] does not match the CRC-32 recorded when it "
+        "was saved."
+    )
+    copy = pickle.loads(pickle.dumps(error))  # e.g. from a `jdp.launch` process
+    assert (str(copy), copy.step, copy.detail) == (str(error), 2, error.detail)
     # A manager that never restored it finds the damage before refusing a save.
     with CheckpointManager(directory) as manager:
         with pytest.warns(

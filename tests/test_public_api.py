@@ -50,7 +50,7 @@ def test_public_subpackages_are_pinned():
     import jdp.launch
     import jdp.sparse
 
-    assert jdp.checkpoint.__all__ == ["CheckpointManager"]
+    assert jdp.checkpoint.__all__ == ["CheckpointCorruptedError", "CheckpointManager"]
     assert sorted(jdp.distributed.__all__) == [
         "initialize",
         "is_initialized",

@@ -7,15 +7,30 @@ and, when the replicas of some leaves differed, `jdp_replicas`, those leaves wit
 every replica (`_per_replica`). This module writes the record, checks the arrays
 read back against it, and moves damaged steps aside. It reads with tensorstore
 and JSON only: nothing is ever unpickled.
+
+The arrays of an item are read one by one, by name (`read_arrays`), not through
+orbax's PyTree restore: orbax sorts the saved key paths to rebuild a tree, which
+fails for trees whose nodes mix integer and string keys (flax NNX's
+`nnx.Sequential` and `nnx.List`, whose layers are keyed by position next to
+attributes), though the files are intact.
+
+Only a real integrity failure (a checksum that differs, a file missing,
+truncated or undecodable) is a `CheckpointCorruptedError`; anything else that
+fails while reading a step (`is_damage` tells them apart) is raised as a
+`RuntimeError` that says the files are not judged damaged, and nothing is
+moved aside for it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import concurrent.futures
+import json
 import sys
 import warnings
 import zlib
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from typing import Any
 
 import jax
@@ -56,21 +71,72 @@ SET_ASIDE_MSG = (
 )
 
 
-class Corrupt(ValueError):
-    """A damaged checkpoint (not a `like` that does not match it).
+NOT_DAMAGE_MSG = (
+    "`CheckpointManager.{caller}`: reading step {step} in {directory} failed "
+    "({error}). This is not a sign of damaged files (a checksum that differs, or "
+    "a file that is missing, truncated or undecodable, raises "
+    "`jdp.checkpoint.CheckpointCorruptedError`), so step {step} was left as it "
+    "is: nothing was moved aside.\nFix: check that the installed "
+    "orbax-checkpoint and tensorstore are versions jdp supports; if they are, "
+    "please report this error with its traceback."
+)
+
+
+class CheckpointCorruptedError(ValueError):
+    """A checkpoint step whose files are damaged (not a `like` that does not match).
+
+    Raised by `CheckpointManager.restore` when a step's files fail an integrity
+    check: an array whose CRC-32 differs from the one recorded at save, or a
+    file that is missing, truncated or cannot be decoded. A subclass of
+    `ValueError`, which `restore` raised for damaged files before this class
+    existed. Any other failure while reading a step is not reported as damage.
+
+    The next `save` of that step number (or an earlier one) moves the damaged
+    step aside to `<directory>/<step>.damaged-<n>` (nothing is deleted).
 
     Args:
       message: The whole error message.
-      detail: What is wrong with the step, one sentence (for warnings that
-        name the step).
+      directory: The checkpoint directory.
+      step: The damaged step.
+      detail: What is wrong with the step, one sentence.
+
+    Attributes:
+      directory: The checkpoint directory (a string), or None.
+      step: The damaged step number, or None.
+      detail: What is wrong with the step, or None.
+
+    Example:
+      >>> import jdp
+      >>> issubclass(jdp.checkpoint.CheckpointCorruptedError, ValueError)
+      True
     """
 
-    def __init__(self, message: str, detail: str):
+    def __init__(
+        self,
+        message: str,
+        *,
+        directory: Any = None,
+        step: int | None = None,
+        detail: str | None = None,
+    ):
         super().__init__(message)
+        self.directory = None if directory is None else str(directory)
+        self.step = step
         self.detail = detail
 
+    def __reduce__(self):
+        kwargs = {"directory": self.directory, "step": self.step, "detail": self.detail}
+        return _rebuild_corrupted, (str(self), kwargs)
 
-def corrupt(directory: epath.Path, step: int, detail: str) -> Corrupt:
+
+def _rebuild_corrupted(
+    message: str, kwargs: dict[str, Any]
+) -> CheckpointCorruptedError:
+    """Unpickles a `CheckpointCorruptedError` with its attributes."""
+    return CheckpointCorruptedError(message, **kwargs)
+
+
+def corrupt(directory: epath.Path, step: int, detail: str) -> CheckpointCorruptedError:
     """The error for a damaged checkpoint of `step`.
 
     Args:
@@ -81,8 +147,61 @@ def corrupt(directory: epath.Path, step: int, detail: str) -> Corrupt:
     Returns:
       The error, naming the step and what to do.
     """
-    return Corrupt(
-        CORRUPT_MSG.format(step=step, directory=directory, detail=detail), detail
+    return CheckpointCorruptedError(
+        CORRUPT_MSG.format(step=step, directory=directory, detail=detail),
+        directory=directory,
+        step=step,
+        detail=detail,
+    )
+
+
+def is_damage(error: BaseException) -> bool:
+    """Whether an error raised while reading a step's files means they are damaged.
+
+    Tensorstore raises a `ValueError` for data it cannot find or decode, the file
+    system an `OSError`, JSON a `ValueError`, orbax a `KeyError` for a missing
+    item: these are damage. Anything else (a `TypeError` inside orbax, say) is a
+    failure of the reader, not of the files.
+
+    Args:
+      error: What reading raised.
+
+    Returns:
+      True for damage.
+
+    Example:
+      >>> from jdp.checkpoint._format import is_damage
+      >>> is_damage(ValueError("DATA_LOSS: ...")), is_damage(TypeError("'<'"))
+      (True, False)
+    """
+    return isinstance(error, OSError | ValueError | KeyError | EOFError | zlib.error)
+
+
+def not_damage(
+    directory: epath.Path,
+    step: int,
+    error: BaseException,
+    *,
+    caller: str = "restore",
+) -> RuntimeError:
+    """The error for a failure to read a step that is not damage (`is_damage`).
+
+    Args:
+      directory: The checkpoint directory.
+      step: The step being read.
+      error: What reading raised.
+      caller: The `CheckpointManager` method, for the message.
+
+    Returns:
+      A `RuntimeError` to raise `from error`.
+    """
+    return RuntimeError(
+        NOT_DAMAGE_MSG.format(
+            caller=caller,
+            step=step,
+            directory=directory,
+            error=f"{type(error).__name__}: {error}",
+        )
     )
 
 
@@ -233,13 +352,17 @@ def read_metadata(
       The record as a dict.
 
     Raises:
-      Corrupt: If it is missing, unreadable or not a `FORMAT` record.
+      CheckpointCorruptedError: If it is missing, unreadable or not a `FORMAT`
+        record.
+      RuntimeError: If reading it fails for another reason (`is_damage`).
     """
     try:
         meta = manager.restore(
             step, args=ocp.args.Composite(**{METADATA_ITEM: ocp.args.JsonRestore()})
         )[METADATA_ITEM]
     except Exception as e:  # orbax/json raise many types for a damaged file
+        if not is_damage(e):
+            raise not_damage(directory, step, e) from e
         detail = f"its metadata could not be read ({type(e).__name__}: {e})."
         raise corrupt(directory, step, detail) from e
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
@@ -262,7 +385,8 @@ def check_leaves(
       leaves: The arrays read back.
 
     Raises:
-      Corrupt: Naming the first leaf that differs from its record.
+      CheckpointCorruptedError: Naming the first leaf that differs from its
+        record.
     """
     for record, x in zip(records, leaves, strict=True):
         x = np.asarray(x)
@@ -282,9 +406,150 @@ def check_leaves(
             raise corrupt(directory, step, detail)
 
 
-def verify_arrays(
-    manager: ocp.CheckpointManager, step: int, meta: dict[str, Any]
-) -> str | None:
+def param_name(path: Sequence[Any]) -> str:
+    """The name orbax gives a leaf's arrays inside an item: its keys joined by ".".
+
+    Args:
+      path: The leaf's key path in the saved tree.
+
+    Returns:
+      E.g. `"0.layers.2.kernel.value"` for `[0].layers[2].kernel.value`.
+
+    Raises:
+      TypeError: For a key that is not a sequence, dict, attribute or flattened
+        index key (orbax cannot save those).
+
+    Example:
+      >>> import jax
+      >>> from jdp.checkpoint._format import param_name
+      >>> path = jax.tree_util.tree_flatten_with_path({"a": [0, {1: 2}]})[0][1][0]
+      >>> param_name(path)
+      'a.1.1'
+    """
+    tu = jax.tree_util
+    parts = []
+    for key in path:
+        if isinstance(key, tu.SequenceKey):
+            parts.append(str(key.idx))
+        elif isinstance(key, tu.DictKey):
+            parts.append(str(key.key))
+        elif isinstance(key, tu.GetAttrKey):
+            parts.append(key.name)
+        elif isinstance(key, tu.FlattenedIndexKey):
+            parts.append(str(key.key))
+        else:
+            raise TypeError(
+                f"key {key!r} of leaf {keystr(path)} is a {type(key).__name__}: "
+                "expected a sequence, dict, attribute or flattened-index key."
+            )
+    return ".".join(parts)
+
+
+def _item_tree(directory: epath.Path, step: int, item: str) -> dict[str, Any]:
+    """Orbax's JSON record of a PyTree item (`<step>/<item>/_METADATA`)."""
+    tree = json.loads((directory / str(step) / item / "_METADATA").read_text())
+    if not isinstance(tree, dict):
+        raise ValueError(f"the `{item}` item's _METADATA is not a JSON object")
+    return tree
+
+
+def item_array_names(directory: epath.Path, step: int, item: str) -> list[str]:
+    """The names of the arrays orbax wrote into an item (empty nodes left out).
+
+    Args:
+      directory: The checkpoint directory.
+      step: The step.
+      item: The item's name.
+
+    Returns:
+      The names, as `read_arrays` takes them.
+
+    Raises:
+      OSError, ValueError: If orbax's record of the item is missing or damaged.
+    """
+    entries = _item_tree(directory, step, item).get("tree_metadata")
+    if not isinstance(entries, dict):
+        raise ValueError(f"the `{item}` item's _METADATA lists no tree")
+    names = []
+    for entry in entries.values():
+        try:
+            if entry["value_metadata"].get("skip_deserialize"):
+                continue  # an empty node (None, an empty tuple or state)
+            names.append(".".join(str(k["key"]) for k in entry["key_metadata"]))
+        except (KeyError, TypeError, AttributeError) as e:
+            raise ValueError(
+                f"the `{item}` item's _METADATA has a malformed entry ({e!r})"
+            ) from e
+    return names
+
+
+def read_arrays(
+    directory: epath.Path,
+    step: int,
+    item: str,
+    names: Sequence[str],
+    dtypes: Sequence[Any] | None = None,
+) -> list[np.ndarray]:
+    """Reads arrays of an orbax PyTree item by name, as NumPy arrays.
+
+    Uses orbax's array reader (`NumpyHandler`, tensorstore underneath) but not
+    its PyTree restore, which rebuilds the saved tree first and fails for trees
+    whose nodes mix integer and string keys (see the module docstring).
+
+    Args:
+      directory: The checkpoint directory.
+      step: The step.
+      item: The item's name (`STATE_ITEM` or `REPLICAS_ITEM`).
+      names: The arrays' names (`param_name` of their paths).
+      dtypes: The dtype to read each array as; None for the saved dtypes.
+
+    Returns:
+      The arrays, in the order of `names`.
+
+    Raises:
+      OSError, ValueError: If a file is missing or cannot be decoded (damage).
+    """
+    th = ocp.type_handlers
+    parent = directory / str(step) / item
+    tree = _item_tree(directory, step, item)
+    use_ocdbt = tree.get("use_ocdbt")
+    if use_ocdbt is None:
+        use_ocdbt = th.is_ocdbt_checkpoint(parent)
+    context = th.get_ts_context(use_ocdbt=bool(use_ocdbt))
+    infos = [
+        th.ParamInfo(
+            name=name,
+            parent_dir=parent,
+            is_ocdbt_checkpoint=bool(use_ocdbt),
+            use_zarr3=bool(tree.get("use_zarr3")),
+            ts_context=context,
+        )
+        for name in names
+    ]
+    args = [
+        th.RestoreArgs(
+            restore_type=np.ndarray,
+            dtype=None if dtypes is None else np.dtype(dtypes[i]),
+        )
+        for i in range(len(names))
+    ]
+    if not infos:
+        return []
+    return list(_run(th.NumpyHandler().deserialize(infos, args)))
+
+
+def _run(coroutine: Coroutine[Any, Any, Any]) -> Any:
+    """Runs a coroutine to completion, also where an event loop already runs."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:  # none (a script): run it here
+        return asyncio.run(coroutine)
+    # In a running loop (a notebook's): in a thread of its own.
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coroutine).result()
+
+
+def verify_arrays(directory: epath.Path, step: int, meta: dict[str, Any]) -> str | None:
     """Reads every array of a step and checks its CRC-32.
 
     Needs no `like`: the arrays are matched to the records by shape, dtype and
@@ -292,12 +557,16 @@ def verify_arrays(
     save.
 
     Args:
-      manager: The orbax manager of the directory.
+      directory: The checkpoint directory.
       step: The step to read.
       meta: The step's record.
 
     Returns:
       What is wrong with the step, or None if every array matches its record.
+
+    Raises:
+      RuntimeError: If reading fails for a reason that is not damage
+        (`is_damage`): the step is then neither damaged nor known intact.
     """
     want = collections.Counter()
     for r in meta["leaves"]:
@@ -313,36 +582,18 @@ def verify_arrays(
         items.append(REPLICAS_ITEM)
     try:
         for item in items:
-            tree = manager.item_metadata(step)[item]
-            args = _numpy_restore(getattr(tree, "tree", tree))
-            got = manager.restore(step, args=ocp.args.Composite(**{item: args}))
-            for x in jax.tree.leaves(got[item]):
+            names = item_array_names(directory, step, item)
+            for x in read_arrays(directory, step, item, names):
                 x = np.asarray(x)
                 have[(x.shape, dtype_name(x.dtype), crc32(x))] += 1
-    except Exception as e:  # tensorstore/orbax raise many types for bad files
+    except Exception as e:  # tensorstore raises many types for bad files
+        if not is_damage(e):
+            raise not_damage(directory, step, e, caller="save") from e
         return f"reading its arrays failed ({type(e).__name__}: {e})"
     bad = sum((want - have).values())
     if bad:
         return f"{bad} of its arrays do not match the CRC-32 recorded at save"
     return None
-
-
-def _numpy_restore(tree: PyTree) -> ocp.args.PyTreeRestore:
-    """Orbax arguments that read a saved item's tree (its metadata) as NumPy."""
-
-    def is_leaf(m):
-        return hasattr(m, "shape") and hasattr(m, "dtype")
-
-    return ocp.args.PyTreeRestore(
-        item=jax.tree.map(
-            lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), tree, is_leaf=is_leaf
-        ),
-        restore_args=jax.tree.map(
-            lambda m: ocp.RestoreArgs(restore_type=np.ndarray, dtype=np.dtype(m.dtype)),
-            tree,
-            is_leaf=is_leaf,
-        ),
-    )
 
 
 # -- damaged steps ----------------------------------------------------------------

@@ -17,6 +17,7 @@ not see it).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import socket
@@ -312,6 +313,54 @@ def _unwritable(lock: DirectoryLock, error: OSError) -> OSError:
         error=f"{type(error).__name__}: {error}",
     )
     return same_kind_of_error(error, msg)
+
+
+DIFFERENT_DIRECTORIES_MSG = (
+    "`CheckpointManager.save`: the processes of this job save into different "
+    "directories:\n{listing}\nEvery process of a job must pass the same "
+    "directory: process 0 writes the checkpoint into its own directory and the "
+    "other processes only synchronise with it, so the steps would be saved into "
+    "one directory only and a restore from the others would find nothing. "
+    "Nothing was saved.\nFix: pass the same path on every process (e.g. "
+    "`CheckpointManager(base_dir)`, not a path that holds the process index; an "
+    "absolute path if the processes run in different working directories)."
+)
+
+
+def check_same_directory(directory: epath.Path) -> None:
+    """Raises on every process of a job if the processes name different directories.
+
+    Every process of a job must call it (it is a collective): the processes
+    gather a digest of their directory's path, and where the digests differ,
+    the paths themselves, so that every process raises the same error naming
+    each process and its directory. A single process returns at once.
+
+    Args:
+      directory: The checkpoint directory of this process's manager.
+
+    Raises:
+      ValueError: If the processes' directories differ (naming them all).
+    """
+    if jax.process_count() < 2:
+        return
+    from jax.experimental import multihost_utils
+
+    path = os.fspath(directory).encode()
+    digest = np.frombuffer(hashlib.sha256(path).digest(), np.int32)
+    row = np.concatenate([np.array([len(path)], np.int32), digest])
+    rows = np.asarray(multihost_utils.process_allgather(row))
+    if (rows == rows[0]).all():
+        return
+    longest = int(rows[:, 0].max())
+    padded = np.zeros(longest, np.uint8)
+    padded[: len(path)] = np.frombuffer(path, np.uint8)
+    paths = np.asarray(multihost_utils.process_allgather(padded))
+    names = [
+        bytes(paths[i, : int(rows[i, 0])]).decode(errors="replace")
+        for i in range(len(rows))
+    ]
+    listing = "\n".join(f"  process {i}: {name}" for i, name in enumerate(names))
+    raise ValueError(DIFFERENT_DIRECTORIES_MSG.format(listing=listing))
 
 
 def acquire_for_job(lock: DirectoryLock) -> None:

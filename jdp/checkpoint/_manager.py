@@ -13,8 +13,10 @@ replica, as a third item (`_per_replica`).
 
 Orbax writes each step into a temporary directory and renames it when complete
 (or writes a commit marker on object stores), so a save that is killed midway
-leaves nothing that `latest_step` reports. One manager at a time may save into a
-directory (`_lock`). Checkpoints are read with tensorstore and JSON only:
+leaves nothing that `latest_step` reports; an async save still writing when the
+interpreter exits is finished first (`_finish_saves_at_exit`). One manager at a
+time may save into a directory (`_lock`), and the processes of a job must all
+name the same one. Checkpoints are read with tensorstore and JSON only:
 restoring never unpickles or runs code from the files.
 
 `CheckpointManager` decides what to save and which step to restore; the work is
@@ -26,7 +28,10 @@ replicas differ) and `_lock` (the directory's writer lock).
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
+import threading
 import warnings
 import weakref
 from typing import Any
@@ -35,15 +40,23 @@ import jax
 from etils import epath
 
 from jdp.checkpoint._common import check_step_number
-from jdp.checkpoint._format import DAMAGED_SUFFIX, Corrupt, set_aside
-from jdp.checkpoint._lock import DirectoryLock, acquire_for_job
+from jdp.checkpoint._format import (
+    DAMAGED_SUFFIX,
+    CheckpointCorruptedError,
+    set_aside,
+)
+from jdp.checkpoint._lock import (
+    DirectoryLock,
+    acquire_for_job,
+    check_same_directory,
+)
 from jdp.checkpoint._restore import (
     resolve_step,
     restore_step,
     warn_newer_incomplete,
 )
 from jdp.checkpoint._save import check_not_overwriting, check_replicated, save_items
-from jdp.checkpoint._store import StepStore
+from jdp.checkpoint._store import StepStore, check_directory
 
 PyTree = Any
 
@@ -62,6 +75,58 @@ ONLY_DAMAGED_MSG = (
 )
 
 _NO_DEFAULT = object()
+
+#: The step stores whose async save may still be writing, finished before the
+#: interpreter exits (`_finish_saves_at_exit`). It holds the stores, not their
+#: managers: a manager dropped without `close` is garbage collected as before,
+#: and its last save is still committed at exit.
+_UNFINISHED: set[StepStore] = set()
+_exit_hook_registered = False
+_exit_hook_guard = threading.Lock()
+
+EXIT_FAILED_MSG = (
+    "`CheckpointManager`: the async save still running when the interpreter "
+    "exited failed: {error}\n"
+)
+
+
+def _finish_saves_at_exit() -> None:
+    """Waits for every pending async save, so that exiting never loses a step.
+
+    A script that ends without `close()` or `wait_until_finished()` would
+    otherwise lose its last async save: orbax writes it in background threads,
+    and commits it with thread pools that the interpreter shuts down first.
+    Failures are printed (the process is exiting: nothing could catch them).
+    """
+    while _UNFINISHED:
+        store = _UNFINISHED.pop()
+        try:
+            store.finish_pending()
+        except Exception as e:  # a failed write: report it, finish the others
+            sys.stderr.write(EXIT_FAILED_MSG.format(error=f"{type(e).__name__}: {e}"))
+
+
+def _register_exit_hook() -> None:
+    """Registers `_finish_saves_at_exit` once per process (at the first async save).
+
+    `concurrent.futures` shuts its thread pools down before `atexit` hooks run,
+    and orbax commits a step with them: the hook must run before that, which
+    `threading`'s own exit hooks do (registered later, they run earlier).
+    Where they do not exist, `atexit` is the fallback.
+    """
+    global _exit_hook_registered
+    # Imported first, it registers its pools' shutdown first: ours runs before.
+    import concurrent.futures.thread  # noqa: F401
+
+    with _exit_hook_guard:
+        if _exit_hook_registered:
+            return
+        register = getattr(threading, "_register_atexit", atexit.register)
+        try:
+            register(_finish_saves_at_exit)
+        except RuntimeError:  # the interpreter is already shutting down
+            return
+        _exit_hook_registered = True
 
 
 def _check_positive(name: str, value: Any, *, optional: bool) -> None:
@@ -134,7 +199,8 @@ class CheckpointManager:
     background write is raised by the next `save`, `wait_until_finished`,
     `restore` or `close`. The process can always exit afterwards.
 
-    With several processes, every process calls `save` and `restore`; orbax lets
+    With several processes, every process calls `save` and `restore` with the
+    same directory (the first `save` checks it on every process); orbax lets
     one process write the copy and the metadata and synchronises the others.
 
     Args:
@@ -147,7 +213,9 @@ class CheckpointManager:
         (1 by default: every call to `save`); `save(..., force=True)` overrides.
       async_save: If True, `save` returns once the state is copied to host memory
         and writes in the background; `wait_until_finished`, `close` and leaving
-        the `with` block wait for it. False by default.
+        the `with` block wait for it, and so does the interpreter's exit (a
+        script that ends without `close` still commits its last step). False
+        by default.
 
     Raises:
       TypeError: If `max_to_keep` or `save_interval_steps` is not an integer
@@ -210,6 +278,7 @@ class CheckpointManager:
         )
         self._lock = DirectoryLock(self.directory)
         self._lock_settled = False
+        self._job_checked = False  # every process of a job names this directory
         # Releases the lock if the manager is dropped (or at exit) unclosed.
         self._release_at_exit = weakref.finalize(self, self._lock.release)
         self._store.open(create=False)
@@ -301,15 +370,22 @@ class CheckpointManager:
           TypeError: If `step` is not an integer.
           ValueError: If `state` is not replicated, `step` already has a
             checkpoint, or `step` is older than the latest checkpoint (nothing is
-            overwritten).
+            overwritten); or, at the first save, if the processes of a job pass
+            different directories (naming each process's directory).
           RuntimeError: If another manager (in this process or another one)
             holds the directory's lock, naming its process id and host.
+          NotADirectoryError: If the directory (or one above it) is a file.
           OSError: If the directory cannot be written (naming it and the step),
-            or an earlier async save failed.
+            is a dangling or looping symbolic link, or an earlier async save
+            failed.
         """
         step = check_step_number(step, "step")
         flat, _ = jax.tree_util.tree_flatten_with_path(state)
         check_replicated(state, flat, parallel)
+        if not self._job_checked:  # a collective: before any process may raise
+            check_same_directory(self.directory)
+            self._job_checked = True
+        check_directory(self.directory, "save")
         store = self._store
         try:
             manager = store.open(create=True)
@@ -326,6 +402,9 @@ class CheckpointManager:
         store.forget(damaged)
         store.reload_if_changed()
         store.write(step, save_items(step, state, flat, parallel))
+        if self.async_save:  # finished at exit if nothing waits for it before
+            _UNFINISHED.add(store)
+            _register_exit_hook()
         return True
 
     def restore(
@@ -347,9 +426,12 @@ class CheckpointManager:
             (e.g. `TrainState.tx`) are kept.
           step: The step number to load; None (default) loads the latest.
           default: Returned as it is when `step` is None and the directory holds
-            no complete checkpoint (none yet, or only damaged ones: then with a
-            warning), so that `state = manager.restore(like, default=like)`
-            resumes a run or starts it. Without it, that raises.
+            no complete checkpoint (it does not exist yet or holds none, or only
+            damaged ones: then with a warning), so that
+            `state = manager.restore(like, default=like)` resumes a run or
+            starts it. Without it, that raises. A path that can never hold
+            checkpoints (a file, or a dangling or looping symbolic link) raises
+            even with a `default`: a typo must not start training from scratch.
 
         Returns:
           A pytree like `like` (same structure and static fields). For a
@@ -368,16 +450,22 @@ class CheckpointManager:
             `like` (naming the first differing leaf paths and both shapes), if
             `like` mixes one-copy and replicated leaves or has a 0-d leaf where
             the replica axis belongs, if `step` is negative, or if its files are
-            corrupted or truncated (and no older step is intact).
-          OSError: If an earlier async save of this manager failed.
+            corrupted or truncated (and no older step is intact): then a
+            `jdp.checkpoint.CheckpointCorruptedError`.
+          NotADirectoryError: If the directory (or one above it) is a file.
+          OSError: If the directory (or one above it) is a dangling or looping
+            symbolic link, or an earlier async save of this manager failed.
+          RuntimeError: If reading a step fails for a reason that is not damage
+            (its files are then left as they are, and not reported damaged).
         """
+        check_directory(self.directory, "restore")
         store = self._store
         store.finish_pending()
         if step is not None:
             step = resolve_step(store, step)
             try:
                 return restore_step(store, step, like)
-            except Corrupt as e:
+            except CheckpointCorruptedError as e:
                 store.mark_damaged(step, e.detail)  # a later save may set it aside
                 raise
         candidates = self.all_steps()[::-1]
@@ -399,7 +487,7 @@ class CheckpointManager:
         for i, candidate in enumerate(candidates):
             try:
                 return restore_step(store, candidate, like)
-            except Corrupt as e:
+            except CheckpointCorruptedError as e:
                 store.mark_damaged(candidate, e.detail)
                 first_error = first_error or e
                 if i + 1 < len(candidates):
@@ -421,7 +509,10 @@ class CheckpointManager:
         Raises:
           OSError: If the background save failed, naming the directory and step.
         """
-        self._store.finish_pending()
+        try:
+            self._store.finish_pending()
+        finally:
+            _UNFINISHED.discard(self._store)
 
     def close(self) -> None:
         """Waits for pending saves, releases orbax's resources and the lock.
@@ -433,6 +524,7 @@ class CheckpointManager:
             self._store.finish_pending()
             self._store.close()
         finally:
+            _UNFINISHED.discard(self._store)
             self._lock.release()
             self._lock_settled = False
 

@@ -26,6 +26,8 @@ from jdp.checkpoint._format import (
     corrupt,
     crc32,
     host_copy,
+    is_damage,
+    not_damage,
     restore_item,
 )
 from jdp.checkpoint._replicas import block_start_params, differing_paths
@@ -108,7 +110,9 @@ def read_replicas(
       The arrays, by path (typed PRNG keys as keys).
 
     Raises:
-      Corrupt: If the item cannot be read or a leaf's CRC-32 differs.
+      CheckpointCorruptedError: If the item's files are damaged or a leaf's
+        CRC-32 differs.
+      RuntimeError: If reading fails for another reason (not damage).
     """
     num = meta["num_replicas"]
     item, restore_args = {}, {}
@@ -123,6 +127,8 @@ def read_replicas(
     try:
         got = restore_item(manager, step, REPLICAS_ITEM, item, restore_args)
     except Exception as e:  # tensorstore/orbax raise many types for bad files
+        if not is_damage(e):
+            raise not_damage(directory, step, e) from e
         detail = (
             "reading the leaves saved with every replica failed "
             f"({type(e).__name__}: {e})."

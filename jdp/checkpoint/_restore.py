@@ -15,7 +15,6 @@ from typing import Any
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 from etils import epath
 
 from jdp._layout import abstract, is_custom, is_key, logical_like, place_like
@@ -29,8 +28,11 @@ from jdp.checkpoint._format import (
     check_leaves,
     corrupt,
     dtype_name,
+    is_damage,
     key_impl_name,
-    restore_item,
+    not_damage,
+    param_name,
+    read_arrays,
 )
 from jdp.checkpoint._store import NO_CHECKPOINT_MSG, StepStore
 
@@ -159,7 +161,9 @@ def restore_step(store: StepStore, step: int, like: PyTree) -> PyTree:
       TypeError: If a leaf of a replicated `like` has no dtype or sharding.
       ValueError: If `like` does not match the saved leaves, or mixes one-copy
         and replicated leaves, or has a 0-d leaf where a replica axis belongs.
-      Corrupt: If the step's files are damaged.
+      CheckpointCorruptedError: If the step's files are damaged.
+      RuntimeError: If reading the step fails for another reason (its files
+        are then not judged damaged).
     """
     meta = store.metadata(step)
     flat_like = jax.tree_util.tree_flatten_with_path(like)[0]
@@ -202,8 +206,9 @@ def _restore_replicated(
     ]
     _check_matches(store.directory, step, meta, flat_logical)
     records = meta["leaves"]
+    paths = [path for path, _, _ in flat_logical]
     host = jax.tree_util.tree_unflatten(
-        treedef, _read_state(store, step, records, treedef)
+        treedef, _read_state(store, step, records, paths)
     )
     per = _per_replica.records_of(records)
     if not per:
@@ -241,7 +246,7 @@ def _restore_one_copy(
     _check_matches(store.directory, step, meta, flat_logical, hint=ONE_COPY_HINT)
     records = meta["leaves"]
     treedef = jax.tree.structure(like)
-    host_leaves = _read_state(store, step, records, treedef)
+    host_leaves = _read_state(store, step, records, [path for path, _ in flat_like])
     per = _per_replica.records_of(records)
     if per:
         host = jax.tree_util.tree_unflatten(treedef, host_leaves)
@@ -257,25 +262,36 @@ def _restore_one_copy(
 
 
 def _read_state(
-    store: StepStore, step: int, records: Sequence[dict[str, Any]], treedef
+    store: StepStore,
+    step: int,
+    records: Sequence[dict[str, Any]],
+    paths: Sequence[Any],
 ) -> list[np.ndarray]:
-    """The saved copy's leaves as NumPy arrays, checked against their records."""
-    item = jax.tree_util.tree_unflatten(
-        treedef,
-        [jax.ShapeDtypeStruct(tuple(r["shape"]), r["dtype"]) for r in records],
-    )
-    restore_args = jax.tree_util.tree_unflatten(
-        treedef,
-        [
-            ocp.RestoreArgs(restore_type=np.ndarray, dtype=np.dtype(r["dtype"]))
-            for r in records
-        ],
-    )
-    manager = store.open(create=False)
+    """The saved copy's leaves as NumPy arrays, checked against their records.
+
+    Args:
+      store: The checkpoint directory's steps.
+      step: The step to read.
+      records: The step's leaf records.
+      paths: The key paths of `like`'s leaves (checked to be the saved ones),
+        in the order of `records`.
+
+    Returns:
+      The leaves, in the order of `records`.
+
+    Raises:
+      CheckpointCorruptedError: If a file is missing or damaged, or a leaf
+        differs from its record.
+      RuntimeError: If reading fails for another reason (not damage).
+    """
     try:
-        host = restore_item(manager, step, STATE_ITEM, item, restore_args)
-        leaves = treedef.flatten_up_to(host)
-    except Exception as e:  # tensorstore/orbax raise many types for bad files
+        names = [param_name(path) for path in paths]
+        leaves = read_arrays(
+            store.directory, step, STATE_ITEM, names, [r["dtype"] for r in records]
+        )
+    except Exception as e:  # tensorstore raises many types for bad files
+        if not is_damage(e):
+            raise not_damage(store.directory, step, e) from e
         detail = f"reading its arrays failed ({type(e).__name__}: {e})."
         raise corrupt(store.directory, step, detail) from e
     check_leaves(store.directory, step, records, leaves)

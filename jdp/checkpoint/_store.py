@@ -9,6 +9,9 @@ save or restore: `CheckpointManager` does.
 
 from __future__ import annotations
 
+import errno
+import os
+import stat
 from collections.abc import Iterable
 from typing import Any
 
@@ -17,7 +20,12 @@ from etils import epath
 
 from jdp.checkpoint import _format
 from jdp.checkpoint._common import same_kind_of_error
-from jdp.checkpoint._format import METADATA_ITEM, REPLICAS_ITEM, STATE_ITEM, Corrupt
+from jdp.checkpoint._format import (
+    METADATA_ITEM,
+    REPLICAS_ITEM,
+    STATE_ITEM,
+    CheckpointCorruptedError,
+)
 
 NO_CHECKPOINT_MSG = (
     "`CheckpointManager.restore`: no checkpoint in {directory}{why}. Save one with "
@@ -30,6 +38,103 @@ WRITE_FAILED_MSG = (
     "intact{kept}.\nFix: check that {directory} is writable and has free space "
     "(or pass another directory), then save again."
 )
+
+
+NOT_A_DIRECTORY_MSG = (
+    "`CheckpointManager.{caller}`: the checkpoint directory {directory} {what}. "
+    "Expected a directory holding one subdirectory per saved step, or a path "
+    "that does not exist yet (to start a new run).\nFix: {fix}"
+)
+
+
+def check_directory(directory: epath.Path, caller: str) -> None:
+    """Raises if `directory` can never hold checkpoints (a local path only).
+
+    A directory that does not exist yet is fine (the first `save` creates it).
+    A regular file, a path under a file, a symbolic link to nothing (dangling)
+    and a symbolic link that loops are not: orbax would report them as an
+    unnamed `FileExistsError`, and `restore(like, default=...)` would return
+    the default as if no run had started.
+
+    Args:
+      directory: The checkpoint directory (absolute, or a URL: not checked).
+      caller: The `CheckpointManager` method, for the message.
+
+    Raises:
+      NotADirectoryError: If it, or a directory above it, is a file.
+      OSError: If it, or a directory above it, is a dangling or looping
+        symbolic link (naming the link and its target).
+    """
+    path = os.fspath(directory)
+    if "://" in path:
+        return  # object stores have no files in the way
+    problem = _first_problem(path)
+    if problem is None:
+        return
+    error, where, what, fix = problem
+    if where != path:
+        what = f"cannot be created: {where}, above it, {what}"
+    raise error(
+        NOT_A_DIRECTORY_MSG.format(
+            caller=caller, directory=directory, what=what, fix=fix
+        )
+    )
+
+
+def _first_problem(path: str) -> tuple[type[OSError], str, str, str] | None:
+    """What makes `path` unusable: `(error type, where, what is wrong, fix)`.
+
+    Looks at `path`, then at each directory above it until one exists. None if
+    `path` is a directory, or does not exist yet under a directory.
+    """
+    current = path
+    while True:
+        link = os.path.islink(current)
+        target = _link_target(current) if link else None
+        try:
+            info = os.stat(current)
+        except FileNotFoundError:
+            if link:
+                return (
+                    OSError,
+                    current,
+                    f"is a symbolic link to {target}, which does not exist",
+                    f"create {target} (`mkdir -p`), point {current} at an "
+                    "existing directory, or pass another path.",
+                )
+        except NotADirectoryError:
+            pass  # a file above it: found further up
+        except OSError as e:
+            if e.errno != errno.ELOOP:
+                return None  # unreadable: the caller's own error says so
+            if link:
+                return (
+                    OSError,
+                    current,
+                    f"is a symbolic link to {target} that loops (following the "
+                    "links never reaches a directory)",
+                    f"point {current} at a real directory (or remove it), or "
+                    "pass another path.",
+                )
+        else:
+            if stat.S_ISDIR(info.st_mode):
+                return None
+            what = f"a symbolic link to {target}, which is " if link else ""
+            return (
+                NotADirectoryError,
+                current,
+                f"is {what}a file, not a directory",
+                f"check the path for a typo, or move {current} away.",
+            )
+        parent = os.path.dirname(current)
+        if parent == current:
+            return None
+        current = parent
+
+
+def _link_target(link: str) -> str:
+    """Where a symbolic link points, as an absolute path (relative targets too)."""
+    return os.path.normpath(os.path.join(os.path.dirname(link), os.readlink(link)))
 
 
 class StepStore:
@@ -228,7 +333,7 @@ class StepStore:
             if not (path / STATE_ITEM).exists():
                 return f"its `{STATE_ITEM}` item is missing"
             meta = self._read_metadata(step)
-        except Corrupt as e:
+        except CheckpointCorruptedError as e:
             return e.detail
         except OSError as e:
             return f"it cannot be read ({type(e).__name__}: {e})"
@@ -239,7 +344,7 @@ class StepStore:
         """The record of a step: the one `incomplete` kept, else read from disk.
 
         Raises:
-          Corrupt: If it is missing or unreadable.
+          CheckpointCorruptedError: If it is missing or unreadable.
         """
         return self._complete.get(step) or self._read_metadata(step)
 
@@ -247,13 +352,13 @@ class StepStore:
         """The step's record, read from disk.
 
         Raises:
-          Corrupt: If it is missing or unreadable.
+          CheckpointCorruptedError: If it is missing or unreadable.
         """
         return _format.read_metadata(self.open(create=False), self.directory, step)
 
     def verify_arrays(self, step: int) -> str | None:
         """What is wrong with a step's arrays (`_format.verify_arrays`), or None."""
-        return _format.verify_arrays(self.open(create=False), step, self.metadata(step))
+        return _format.verify_arrays(self.directory, step, self.metadata(step))
 
     def mark_damaged(self, step: int, detail: str) -> None:
         """Records that a restore found `step` damaged: no longer complete."""
