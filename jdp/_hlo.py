@@ -328,8 +328,8 @@ class Introspection:
           ...     return state, {"s": batch.sum()}
           >>> step = jdp.parallelize(step_fn, devices=jax.devices()[:2])
           >>> ops = step.collectives(step.replicate({}), step.shard(jnp.ones(4)))
-          >>> [(c.kind, c.dtype, c.bytes) for c in ops]
-          [('all-reduce', 'f32', 4)]
+          >>> [(c.kind, c.dtype, c.bytes) for c in ops]  # the sum, replica 0's value
+          [('all-reduce', 'f32', 8)]
         """
         if stage not in ("compiled", "lowered"):
             raise ValueError(f"`stage` must be 'compiled' or 'lowered', got {stage!r}.")

@@ -194,7 +194,7 @@ def reduce_metrics(metrics: PyTree, axis_name: AxisName) -> PyTree:
 
 
 def _mean(m: jax.Array, axis_name: AxisName) -> jax.Array:
-    """The mean over replicas; exactly the value itself where all hold it alike.
+    """The mean over replicas; for a scalar all replicas hold alike, that value.
 
     A sum divided by N is often an ulp off a value every replica holds (a
     learning rate, a global loss). One sum (XLA combines it with the step's
@@ -202,6 +202,8 @@ def _mean(m: jax.Array, axis_name: AxisName) -> jax.Array:
     N ulps of it, which includes every case of equal values, that value is
     returned, itself within rounding of the mean.
     """
+    if m.ndim:  # arrays: a plain mean (their second copy would cost real bytes)
+        return lax.pmean(m, axis_name)
     first = jnp.where(lax.axis_index(axis_name) == 0, m, jnp.zeros_like(m))
     total, first = lax.psum((m, first), axis_name)
     num = lax.axis_size(axis_name)

@@ -60,6 +60,24 @@ class Sync(NamedTuple):
         already averaged over replicas (loss scaling needs it).
       batch_stats: How batch statistics are synced every step: `"mean"` or
         `"broadcast"` (see `jdp.sync_batch_stats`).
+
+    Example:
+      A piece of one's own: sum the gradients instead of averaging them.
+
+      >>> import jax, jax.numpy as jnp, optax, jdp
+      >>> def summed(grads, state, tx, axis_name):
+      ...     grads = jax.lax.psum(grads, axis_name)
+      ...     updates, opt_state = tx.update(grads, state.opt_state, state.params)
+      ...     return optax.apply_updates(state.params, updates), opt_state, {}
+      >>> def loss_fn(params, batch):
+      ...     return jnp.mean((batch * params["w"] - 1.0) ** 2)
+      >>> tx = optax.sgd(0.1)
+      >>> train_step = jdp.make_train_step(loss_fn, tx, sync=jdp.Sync(summed))
+      >>> step = jdp.parallelize(train_step, devices=jax.devices()[:2])
+      >>> state = step.replicate(jdp.TrainState.create(params={"w": 0.0}, tx=tx))
+      >>> state, metrics = step(state, step.shard(jnp.ones(4)))
+      >>> round(float(step.unreplicate(state).params["w"]), 4)  # 0.1 * (2 + 2)
+      0.4
     """
 
     apply: Callable[..., tuple[PyTree, PyTree, dict[str, jax.Array]]]
@@ -72,6 +90,7 @@ class Sync(NamedTuple):
 
 
 def check_batch_stats(batch_stats: Any) -> None:
+    """A clear error unless `batch_stats` is a known mode."""
     if batch_stats not in get_args(BatchStatsMode):
         raise ValueError(
             f"`batch_stats` must be one of {get_args(BatchStatsMode)}; got "

@@ -142,6 +142,7 @@ def rows(
       16.0
     """
     _collectives.check_bucket_bytes(bucket_bytes)
+    _sync.check_batch_stats(batch_stats)
     if check_ids:
         _install_filter()
     api = "jdp.sparse.rows"
@@ -188,9 +189,7 @@ def rows(
         )
         return params, opt_state, {}
 
-    sync = _sync.Sync(apply, value_and_grad=grads_fn, batch_stats=batch_stats)
-    _sync.check_batch_stats(batch_stats)
-    return sync
+    return _sync.Sync(apply, value_and_grad=grads_fn, batch_stats=batch_stats)
 
 
 def _row_paths(grads: PyTree, is_rows) -> list[str]:
