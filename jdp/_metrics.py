@@ -179,7 +179,11 @@ def reduce_metrics(metrics: PyTree, axis_name: AxisName) -> PyTree:
                 )
         m = _as_array(path, m)
         if how == "sum":
-            if m.dtype == jnp.bool_:
+            # Booleans and narrow integers (a uint8 mask's sum) count in int32,
+            # so that a total over replicas cannot wrap around.
+            if m.dtype == jnp.bool_ or (
+                jnp.issubdtype(m.dtype, jnp.integer) and m.dtype.itemsize < 4
+            ):
                 m = m.astype(jnp.int32)
             return lax.psum(m, axis_name)
         if how == "gather":

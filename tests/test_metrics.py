@@ -292,3 +292,12 @@ def test_gathering_nothing_gives_nothing():
     )
     out = step(step.replicate({}), step.shard(jnp.ones((4, 3))))
     assert out["g"].shape == (0, 3)
+
+
+def test_sums_of_narrow_integers_do_not_wrap(backend):
+    def eval_step(state, batch):
+        return {"n": jdp.metrics.sum(jnp.sum(batch, dtype=jnp.uint8))}
+
+    step = jdp.parallelize(eval_step, backend=backend, devices=jax.devices()[:8])
+    out = step(step.replicate({}), step.shard(np.full(16, 100, np.uint8)))
+    assert int(out["n"]) == 1600 and out["n"].dtype == jnp.int32
