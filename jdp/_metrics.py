@@ -206,14 +206,17 @@ def _mean(m: jax.Array, axis_name: AxisName) -> jax.Array:
     N ulps of it, which includes every case of equal values, that value is
     returned, itself within rounding of the mean.
     """
+    dtype = m.dtype
+    if jnp.finfo(dtype).bits < 32:  # a float16 sum over replicas could overflow
+        m = m.astype(jnp.float32)
     if m.ndim:  # arrays: a plain mean (their second copy would cost real bytes)
-        return lax.pmean(m, axis_name)
+        return lax.pmean(m, axis_name).astype(dtype)
     first = jnp.where(lax.axis_index(axis_name) == 0, m, jnp.zeros_like(m))
     total, first = lax.psum((m, first), axis_name)
     num = lax.axis_size(axis_name)
     mean = total / num
-    ulp = jnp.finfo(m.dtype).eps * jnp.abs(first)
-    return jnp.where(jnp.abs(mean - first) <= num * ulp, first, mean)
+    ulp = jnp.finfo(dtype).eps * jnp.abs(first)
+    return jnp.where(jnp.abs(mean - first) <= num * ulp, first, mean).astype(dtype)
 
 
 def check_no_markers(state: PyTree) -> None:

@@ -104,6 +104,23 @@ def trains_locally(tree: PyTree) -> bool:
     return any(_declaration(x).trains_locally for x in find(tree))
 
 
+def _less_local(x: Any, d: _Declaration) -> Any:
+    """A declared node without its local fields (set to None, or dropped)."""
+    if isinstance(x, d.cls):
+        return x._replace(**{f: None for f in d.local})
+    return {k: v for k, v in x.items() if k not in d.local}
+
+
+def _map_declared(tree: PyTree, other: Callable[[Any], Any]) -> PyTree:
+    """Declared nodes less their local fields; every other leaf through `other`."""
+
+    def one(x):
+        d = _declaration(x)
+        return other(x) if d is None else _less_local(x, d)
+
+    return jax.tree.map(one, tree, is_leaf=_is_declared)
+
+
 def agreed(tree: PyTree) -> PyTree | None:
     """What replicas agree on in `tree`: its declared nodes less their local fields.
 
@@ -112,30 +129,12 @@ def agreed(tree: PyTree) -> PyTree | None:
     """
     if not find(tree):
         return None
-
-    def keep(x):
-        d = _declaration(x)
-        if d is None:
-            return None
-        if isinstance(x, d.cls):
-            return x._replace(**{f: None for f in d.local})
-        return {k: v for k, v in x.items() if k not in d.local}
-
-    return jax.tree.map(keep, tree, is_leaf=_is_declared)
+    return _map_declared(tree, lambda x: None)
 
 
 def without_local(tree: PyTree) -> PyTree:
     """`tree` with the local fields of its declared nodes set to None."""
-
-    def drop(x):
-        d = _declaration(x)
-        if d is None:
-            return x
-        if isinstance(x, d.cls):
-            return x._replace(**{f: None for f in d.local})
-        return {k: v for k, v in x.items() if k not in d.local}
-
-    return jax.tree.map(drop, tree, is_leaf=_is_declared)
+    return _map_declared(tree, lambda x: x)
 
 
 def restart_params(tree: PyTree) -> list[PyTree]:

@@ -293,16 +293,17 @@ def make_train_step(
         if scale is not None:
             _check_loss_scaling(sync, microbatches)
             value_and_grad, verdict = _scaled(scale, axis)
-            out = _gradients(
-                value_and_grad,
-                loss_fn,
-                state,
-                batch,
-                has_aux=has_aux,
-                microbatches=1,
-                loss_kwargs=loss_kwargs,
-            )
-            loss, grads = _normalise(out, axis)
+        out = _gradients(
+            value_and_grad,
+            loss_fn,
+            state,
+            batch,
+            has_aux=has_aux,
+            microbatches=microbatches,
+            loss_kwargs=loss_kwargs,
+        )
+        loss, grads = _normalise(out, axis)
+        if scale is not None:  # the scaler averaged the gradients already
             params, opt_state, extra = sync.apply_averaged(
                 grads, state, optimizer, axis
             )
@@ -312,16 +313,6 @@ def make_train_step(
             changes["dynamic_scale"] = verdict["scale"]
             _warn_if_collapsed(verdict["scale"].scale, axis)
         else:
-            out = _gradients(
-                value_and_grad,
-                loss_fn,
-                state,
-                batch,
-                has_aux=has_aux,
-                microbatches=microbatches,
-                loss_kwargs=loss_kwargs,
-            )
-            loss, grads = _normalise(out, axis)
             params, opt_state, extra = sync.apply(grads, state, optimizer, axis)
         aux, new_stats = out.aux, out.new_stats
         changes.update(step=state.step + 1, params=params, opt_state=opt_state)
