@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-dev
 
-.PHONY: demo test bench lint format clean
+.PHONY: demo test bench lint format clean docs
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -14,6 +14,12 @@ $(STAMP): pyproject.toml | $(VENV)/bin/python
 	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $(STAMP)
 
+DOCS_STAMP := $(VENV)/.installed-docs
+
+$(DOCS_STAMP): pyproject.toml | $(VENV)/bin/python
+	$(PY) -m pip install --quiet -e ".[docs]"
+	touch $(DOCS_STAMP)
+
 demo: $(STAMP)
 	$(PY) -m jdp.demo $(ARGS)
 
@@ -21,6 +27,11 @@ test: $(STAMP)
 	$(PY) -m ruff check jdp tests benchmarks notebooks
 	$(PY) -m ruff format --check jdp tests benchmarks notebooks
 	$(PY) -m pytest -n 2 --dist loadgroup $(PYTEST_ARGS)
+
+# The documentation site (docs/README.md): notebooks executed, warnings are errors.
+docs: $(DOCS_STAMP)
+	$(PY) -m sphinx -W --keep-going -q -b html docs docs/_build/html
+	@echo "docs/_build/html/index.html"
 
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
