@@ -11,11 +11,19 @@ The fingerprint of a leaf on one replica is the wrapping sum of its bits (as
 unsigned integers): exact and independent of summation order, so equal replicas
 always give equal fingerprints on every platform, and a replica that differs in
 any value almost surely gives another.
+
+With several processes, the check is a collective across them that runs on some
+calls only, so every process must pass the same `check_sync`: otherwise one
+process runs the check while another runs its next step, and both wait for each
+other forever. At its first call, a step over several processes compares the
+values through JAX's coordination service (`Guard`) and raises a `ValueError`
+naming each process's value.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -27,6 +35,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jdp import _coordination
 from jdp._layout import replica_leaves
 from jdp._tree import keystr
 
@@ -62,6 +71,39 @@ METRICS_MSG = (
     "`error.state`; `step.broadcast(error.state)` resets every replica to "
     "replica 0."
 )
+
+
+DIFFERENT_CHECK_SYNC_MSG = (
+    "`jdp.parallelize(..., check_sync=...)`: the processes passed different "
+    "values of `check_sync` to this step: {values}. The check is a collective "
+    "across the processes that runs on some step calls only (the first, then "
+    "every `check_sync`-th), so with different values the processes would run "
+    "different programs at those calls and wait for each other forever. Pass "
+    "the same `check_sync` on every process. (Steps are matched across processes "
+    "by the order in which each process builds them: this is the {nth} step over "
+    "several processes built in each process.)"
+)
+
+MISSING_CHECK_SYNC_MSG = (
+    "`jdp.parallelize(..., check_sync=...)`: at its first call of this step, "
+    "process {me} waited {timeout:g} s for {who} to make its first call of the "
+    "same step (the {nth} step over several processes built in each process) "
+    "and compare `check_sync`, in vain. Every process must build the same steps, "
+    "in the same order, and call each of them."
+)
+
+#: Seconds a process waits, at its first call of a step over several processes,
+#: for the other processes' `check_sync` (see `Guard`).
+AGREE_TIMEOUT_S = 300.0
+
+# Steps over several processes built so far in this process: numbers them, the
+# same on every process when they build their steps in the same order.
+_multi_process_guards = itertools.count()
+
+
+def _ordinal(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10)
+    return f"{n}{suffix or 'th'}"
 
 
 BATCH_STATS_MSG = (
@@ -215,6 +257,13 @@ class Guard:
 
     After the first call, then every `every` calls; never with one replica or
     `every=None`.
+
+    When the mesh spans several processes, the first `due` call (each process's
+    first call of the step) first compares `every` across those processes: each
+    publishes its value in the coordination service under a key of this guard's
+    own (the number of steps over several processes the process built before
+    it) and reads the others'. Different values raise a `ValueError` naming each
+    process's value, on every process, at this and every later call.
     """
 
     def __init__(
@@ -223,9 +272,55 @@ class Guard:
         self.every = every if mesh.size > 1 else None
         self.agreed = agreed
         self.mesh = mesh
+        processes = sorted({d.process_index for d in mesh.devices.flat})
+        # The processes whose `check_sync` this one must match (None: compared,
+        # or a single process).
+        self._processes = processes if len(processes) > 1 else None
+        self._number = next(_multi_process_guards) if self._processes else None
+        self._requested = every
+        self._error: str | None = None  # the message of differing values
 
     def due(self, calls: int) -> bool:
+        if self._processes is not None or self._error is not None:
+            self._agree()
         return self.every is not None and (calls == 1 or calls % self.every == 0)
+
+    def _agree(self, client: Any = None) -> None:
+        """Compares `check_sync` with the other processes (once); raises if they differ.
+
+        Args:
+          client: A key-value store to use instead of the coordination
+            service's client (for tests).
+        """
+        if self._error is not None:
+            raise ValueError(self._error)
+        processes, self._processes = self._processes, None
+        if client is None and _coordination.client() is None:
+            return  # not joined through `jax.distributed`: nothing to compare with
+        me = jax.process_index()
+        nth = _ordinal(self._number + 1)
+        values = _coordination.exchange(
+            f"jdp/check_sync/{self._number}",
+            repr(self._requested),
+            process=me,
+            processes=processes,
+            timeout_s=AGREE_TIMEOUT_S,
+            client=client,
+        )
+        missing = [p for p in processes if p not in values]
+        if missing:
+            who = ("process " if len(missing) == 1 else "processes ") + ", ".join(
+                map(str, missing)
+            )
+            raise TimeoutError(
+                MISSING_CHECK_SYNC_MSG.format(
+                    me=me, timeout=AGREE_TIMEOUT_S, who=who, nth=nth
+                )
+            )
+        if len(set(values.values())) > 1:
+            listed = ", ".join(f"process {p}: {values[p]}" for p in processes)
+            self._error = DIFFERENT_CHECK_SYNC_MSG.format(values=listed, nth=nth)
+            raise ValueError(self._error)
 
     def __call__(self, state: PyTree, *, call: int) -> None:
         check(self.agreed(state), self.mesh, state=state, call=call)

@@ -217,3 +217,91 @@ def test_own_bmuf_step_still_checks_batch_statistics():
     init = {"params": params, "opt_state": tx.init(params), "stats": jnp.zeros(())}
     with pytest.raises(jdp.ReplicaDivergenceError, match=r"\['stats'\] differs"):
         run(step, step.replicate(init), make_batches(1, 16))
+
+
+class _Store(dict):
+    """The coordination service's key-value store, in memory (one process's view)."""
+
+    def key_value_set(self, key, value, allow_overwrite=False):
+        self[key] = value
+
+    def blocking_key_value_get(self, key, timeout_in_ms):
+        import time
+
+        if key not in self:
+            time.sleep(timeout_in_ms / 1000)
+            raise RuntimeError("DEADLINE_EXCEEDED")  # what JAX's client does
+        return self[key]
+
+
+def _guard_over_two_processes(check_sync, number):
+    """A guard as process 0 of two builds it (each with one of the devices)."""
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from jdp import _divergence
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+    guard = _divergence.Guard(check_sync, lambda state: state, mesh)
+    guard._processes, guard._number = [0, 1], number
+    return guard
+
+
+def test_check_sync_that_differs_between_processes_is_refused():
+    guard = _guard_over_two_processes(5, 3)
+    store = _Store({"jdp/check_sync/3/1": "None"})
+    with pytest.raises(
+        ValueError,
+        match=r"^`jdp\.parallelize\(\.\.\., check_sync=\.\.\.\)`: the processes "
+        r"passed different values of `check_sync` to this step: process 0: 5, "
+        r"process 1: None\. The check is a collective across the processes that "
+        r"runs on some step calls only .* wait for each other forever\. Pass the "
+        r"same `check_sync` on every process\. .*this is the 4th step over "
+        r"several processes built in each process\.\)$",
+    ):
+        guard._agree(client=store)
+    assert store["jdp/check_sync/3/0"] == "5"  # published for process 1
+    with pytest.raises(ValueError, match=r"process 0: 5, process 1: None"):
+        guard.due(2)  # and refused at every later call
+
+
+def test_check_sync_that_agrees_between_processes_is_compared_once():
+    guard = _guard_over_two_processes(5, 0)
+    store = _Store({"jdp/check_sync/0/1": "5"})
+    guard._agree(client=store)
+    assert store["jdp/check_sync/0/0"] == "5"
+    assert guard._processes is None  # compared: not again
+    assert guard.due(1) and not guard.due(2) and guard.due(5)
+
+
+def test_a_process_that_never_compares_check_sync_is_named(monkeypatch):
+    from jdp import _divergence
+
+    monkeypatch.setattr(_divergence, "AGREE_TIMEOUT_S", 0.2)
+    guard = _guard_over_two_processes(None, 1)
+    with pytest.raises(
+        TimeoutError,
+        match=r"at its first call of this step, process 0 waited 0\.2 s for "
+        r"process 1 to make its first call of the same step \(the 2nd step over "
+        r"several processes built in each process\)",
+    ):
+        guard._agree(client=_Store())
+
+
+def test_steps_over_several_processes_are_numbered_in_build_order():
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from jdp import _divergence
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+    guard = _divergence.Guard(5, lambda state: state, mesh)
+    assert guard._processes is None and guard._number is None  # one process
+    before = next(_divergence._multi_process_guards)
+    # A mesh over two processes' devices (as seen from process 0).
+    devices = [type("Device", (), {"process_index": p, "id": p})() for p in range(2)]
+    fake = type("FakeMesh", (), {"size": 2, "devices": np.array(devices)})()
+    first = _divergence.Guard(5, lambda state: state, fake)
+    second = _divergence.Guard(None, lambda state: state, fake)
+    assert (first._processes, first._number) == ([0, 1], before + 1)
+    assert (second._processes, second._number) == ([0, 1], before + 2)

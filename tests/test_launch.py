@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import types
 
 import pytest
 
@@ -630,3 +631,238 @@ def test_run_accepts_a_function_of_the_launching_script(tmp_path):
 def test_run_rejects_an_unpicklable_function():
     with pytest.raises(TypeError, match=r"`fn` is pickled by reference.*lambda"):
         jdp.launch.run(lambda: 0, 1, initialize=False)
+
+
+# -- a process that finishes early; the process that ended first -----------------
+
+# Both processes start stepping together (files in the directory argv[2]);
+# process 1 makes STEPS_1 (argv[1]) step calls and finishes; process 0 goes on to
+# one more, in which it waits for process 1 (as in a collective) forever.
+FINISHES_EARLY = """
+import os, sys, time
+from jdp import _progress
+steps_1, meet = int(sys.argv[1]), sys.argv[2]
+rank = os.environ["JDP_PROCESS_ID"]
+print(f"ready {os.getpid()}", flush=True)
+open(os.path.join(meet, rank), "w").close()
+deadline = time.monotonic() + 60
+while len(os.listdir(meet)) < 2 and time.monotonic() < deadline:
+    time.sleep(0.01)
+for step in range(1, steps_1 + 2):
+    if rank == "1" and step > steps_1:
+        break  # its data ran out
+    _progress.beat()  # what a jdp step does as it starts
+    if step > steps_1:
+        time.sleep(300)  # waits in the step for process 1
+    time.sleep(0.02)
+print("done", flush=True)
+"""
+WAITS_LINE = (
+    textwrap.dedent(FINISHES_EARLY)
+    .splitlines()
+    .index("        time.sleep(300)  # waits in the step for process 1")
+    + 1
+)
+
+# Both processes make 3 step calls; process 0 then works for LINGER_S (argv[1])
+# seconds more (an evaluation, a checkpoint) while process 1 has finished.
+FINISH_APART = """
+import os, sys, time
+from jdp import _progress
+linger_s = float(sys.argv[1])
+for step in range(3):
+    _progress.beat()
+    time.sleep(0.1)
+if os.environ["JDP_PROCESS_ID"] == "0":
+    time.sleep(linger_s)
+print("done", flush=True)
+"""
+
+
+def finished_progress(path, beats):
+    path.write_text(json.dumps({"pid": 1, "beats": beats, "finished": True}))
+
+
+def test_stall_monitor_finds_processes_waiting_for_one_that_finished(tmp_path):
+    paths = [tmp_path / f"progress-{r}.json" for r in range(3)]
+    monitor = _stall.StallMonitor(
+        [str(p) for p in paths], 300, how_to_change="x", finished_grace_s=2
+    )
+    for path in paths:
+        write_progress(path, 4)
+    assert monitor.finished_early(now=10.0) is None
+    finished_progress(paths[1], 4)  # waits at shutdown
+    write_progress(paths[0], 5, "train.py:9 in main")
+    write_progress(paths[2], 5, "train.py:9 in main")
+    assert monitor.finished_early(now=11.0) is None  # within the grace period
+    assert monitor.stalled(now=100.0) == []  # not a stall: see finished_early
+    found = monitor.finished_early(now=13.5)
+    assert found == (1, [0, 2])
+    assert monitor.finished_message(found, [10, 11, 12]) == (
+        "process 1 of 3 (pid 11) finished its program (it waits at shutdown for "
+        "the others) after 4 step calls while processes 0, 2 (pids 10, 12) are "
+        "still running (at step call 5) and have stopped making progress (none "
+        "for 2 s): they wait in a step that process 1 will never join. "
+        + _stall.UNEVEN_STEPS_HINT
+        + " Process 0 was last seen at train.py:9 in main. Process 2 was last "
+        "seen at train.py:9 in main. Stopped the job."
+    )
+    # Once it has exited (status 0), with process 2 gone too.
+    found = monitor.finished_early(now=14.0, running=[0], exited={1: 12.0})
+    assert found == (1, [0])
+    assert monitor.finished_message(found, [10, 11, 12], {1: 12.0}).startswith(
+        "process 1 of 3 (pid 11) finished (exit 0) after 4 step calls while "
+        "process 0 (pid 10) is still running (at step call 5) and has stopped "
+        "making progress (none for 2 s): it waits in a step that process 1 will "
+        "never join. Every process must make the same number of step calls"
+    )
+
+
+def test_stall_monitor_leaves_processes_that_finish_together(tmp_path):
+    paths = [tmp_path / f"progress-{r}.json" for r in range(2)]
+    monitor = _stall.StallMonitor(
+        [str(p) for p in paths], 5, how_to_change="x", finished_grace_s=1
+    )
+    write_progress(paths[0], 4)
+    finished_progress(paths[1], 4)
+    # Process 0 finishes its work after its last step (no step beyond 4).
+    assert monitor.finished_early(now=10.0) is None
+    assert monitor.finished_early(now=14.0) is None
+    assert monitor.stalled(now=14.0) == []  # a finished process is not stuck
+    assert monitor.stalled(now=15.5) == [0]  # the stall limit still holds
+    # Ahead of it, but still making progress (steps on its own devices).
+    for now, beats in ((16.0, 5), (16.8, 6), (17.6, 7)):
+        write_progress(paths[0], beats)
+        assert monitor.finished_early(now=now) is None
+    assert monitor.finished_early(now=18.7) == (1, [0])
+
+
+def test_stall_message_names_a_process_that_exited_after_fewer_steps(tmp_path):
+    # It left with `os._exit(0)`: no last record, so its count may lag behind
+    # and the others are stopped at the stall limit only; the message says why.
+    paths = [tmp_path / f"progress-{r}.json" for r in range(2)]
+    monitor = _stall.StallMonitor([str(p) for p in paths], 1, how_to_change="x")
+    write_progress(paths[0], 4, "train.py:9 in main")
+    write_progress(paths[1], 3)
+    assert monitor.finished_early(now=10.0, running=[0], exited={1: 10.0}) is None
+    assert monitor.stalled(now=11.5, running=[0]) == [0]
+    assert monitor.message([0], [10, 11], {1: 10.0}) == (
+        "process 0 (pid 10), the only one of 2 still running, made no progress "
+        "for more than 1 s (each reported progress 4 times): the processes wait "
+        "for each other (a deadlock), or a step takes longer than that. Process 0 "
+        "was last seen at train.py:9 in main. Process 1 finished (exit 0) "
+        "earlier, after at least 3 step calls: the others may wait in a step that "
+        "it never joined. "
+        + _stall.UNEVEN_STEPS_HINT
+        + " Stopped the job. If a process may take longer than that between two "
+        "steps (an evaluation, a checkpoint), x."
+    )
+
+
+def test_the_grace_period_is_at_most_the_stall_limit(tmp_path):
+    monitor = _stall.StallMonitor([str(tmp_path / "p")], 3, how_to_change="x")
+    assert monitor.finished_grace_s == 3
+    monitor = _stall.StallMonitor([str(tmp_path / "p")], 300, how_to_change="x")
+    assert monitor.finished_grace_s == _stall.FINISHED_GRACE_S == 15
+
+
+def test_cli_stops_a_job_whose_process_waits_for_one_that_finished(tmp_path):
+    script = write(tmp_path, "early.py", FINISHES_EARLY)
+    start = time.monotonic()
+    proc = launcher(
+        ["--num-processes", 2, "--stall-timeout", 2, script, 3, meeting_dir(tmp_path)]
+    )
+    out, err = finish(proc)
+    assert proc.returncode == 124, err
+    assert re.search(
+        r"jdp\.launch: process 1 of 2 \(pid \d+\) finished \(exit 0\) after 3 step "
+        r"calls while process 0 \(pid \d+\) is still running \(at step call 4\) "
+        r"and has stopped making progress \(none for 2 s\): it waits in a step "
+        r"that process 1 will never join\. Every process must make the same "
+        r"number of step calls .*a data set that ends at different steps on "
+        r"different processes .* Process 0 was last seen at "
+        rf"early\.py:{WAITS_LINE} in <module>: `time\.sleep\(300\)  # waits in the "
+        r"step for process 1`\. Stopped the job\.\n",
+        err,
+    ), err
+    assert "[1] done" in out and "[0] done" not in out
+    assert time.monotonic() - start < PROMPT_S
+    pids = [int(p) for p in re.findall(r"^\[\d\] ready (\d+)$", out, re.M)]
+    assert len(pids) == 2
+    assert wait_dead(pids, 5) == []
+
+
+def test_cli_lets_processes_finish_a_little_apart(tmp_path):
+    script = write(tmp_path, "apart.py", FINISH_APART)
+    proc = launcher(["--num-processes", 2, "--stall-timeout", 3, script, 1.5])
+    out, err = finish(proc)
+    assert proc.returncode == 0, err
+    assert "[0] done" in out and "[1] done" in out
+
+
+# Process 1 dies (status 3) once process 0 is connected to it; process 0 fails
+# (status 1) 20 ms after it notices, as a peer in a collective does. With
+# argv[2] == "slow", process 1 closes its files (its connection, its output)
+# 0.3 s before it exits, as a large process does whose memory takes a while to
+# free: process 0 then exits first, but process 1 ended first.
+DIES_FIRST = """
+import os, socket, sys, time
+port, how, rank = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+if rank == "0":
+    server = socket.create_server(("127.0.0.1", port))
+    conn, _ = server.accept()
+    conn.recv(1)  # returns once process 1 has closed the connection
+    time.sleep(0.02)
+    os._exit(1)
+deadline = time.monotonic() + 30
+while True:
+    try:
+        conn = socket.create_connection(("127.0.0.1", port))
+        break
+    except OSError:
+        if time.monotonic() > deadline:
+            raise
+        time.sleep(0.01)
+time.sleep(0.05)
+if how == "slow":
+    conn.close()
+    os.close(1)
+    os.close(2)
+    time.sleep(0.3)
+os._exit(3)
+"""
+
+
+@pytest.mark.parametrize("how", ["quick", "slow"])
+def test_job_reports_the_process_that_ended_first(how):
+    # Both exits usually fall between two of the launcher's looks (every
+    # `POLL_S`), and the "slow" one is reaped last; the process that died first
+    # is named all the same, every time.
+    source = textwrap.dedent(DIES_FIRST)
+    for _ in range(8):
+        port = _launcher.free_port()
+        commands = [
+            [sys.executable, "-c", source, str(port), how, str(rank)]
+            for rank in range(2)
+        ]
+        job = _launcher.Job(commands, [os.environ] * 2, echo=False)
+        job.start()
+        try:
+            assert job.wait(timeout_s=30) is False
+        finally:
+            job.kill(grace_s=0)
+        assert job.failure == (1, 3), job.failure_message()
+        assert re.fullmatch(
+            r"process 1 of 2 \(pid \d+\) exited with status 3(; then process 0 "
+            r"exited with status 1|; stopped the other process)\.",
+            job.failure_message(with_tail=False),
+        )
+
+
+def test_worker_reports_no_progress_from_a_progress_module_being_imported(
+    monkeypatch,
+):
+    # Caught mid-import, the module has no `count` yet: the reporter thread
+    # must go on (it used to die, and the process never reported again).
+    monkeypatch.setitem(sys.modules, _worker.PROGRESS_MODULE, types.ModuleType("p"))
+    assert _worker._progress_record()["beats"] == 0

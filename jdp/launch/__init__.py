@@ -16,7 +16,11 @@ with its process index, forwards Ctrl-C / SIGTERM to every process, and, as soon
 as one process fails, stops the others and exits non-zero. A process that is alive
 but stuck (the others wait for it) is found from the progress the processes report
 at each jdp step: after `--stall-timeout` seconds (300 by default) the job is
-stopped, naming it.
+stopped, naming it. Processes that wait in a step for one that has finished (it
+made fewer step calls: its data ran out first) are stopped sooner, after 15 s
+without progress (or the stall limit, if shorter), naming the finished process.
+When several processes fail at once (one died; the others' collectives with it
+failed), the one that ended first is named.
 """
 
 from jdp.launch._launcher import run

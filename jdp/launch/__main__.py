@@ -22,6 +22,9 @@ If one process fails, the others are stopped and the launcher exits non-zero.
 If the processes furthest behind report no progress (a jdp step) for
 --stall-timeout seconds while the others wait for them, the job is stopped and
 the stuck processes are named, with where they were last seen (exit status 124).
+If a process has finished while the others wait in a step it never started (it
+made fewer step calls, e.g. its data ran out first), the job is stopped after
+15 s without progress (or --stall-timeout, if shorter), naming it (status 124).
 """
 
 

@@ -8,7 +8,17 @@ job that fails as soon as one process fails. JAX notices a dead peer only at its
 heartbeat timeout (100 s by default), and a process blocked in a collective with a
 dead peer may never return, so the launcher itself kills the others, by the PIDs
 it started. A process that is alive but stuck is found from the progress each
-process reports (`_stall`), and the job is stopped too.
+process reports (`_stall`), and the job is stopped too; so is a job whose
+processes wait in a step for one that has finished (`_stall`'s `finished_early`).
+
+When one process dies, the others fail soon after it (a collective whose peer
+left fails with a connection error), often within the same few milliseconds,
+and sometimes before the dead one is reaped (a large process's memory takes a
+while to free, after its connections closed). So the launcher records when each
+process ended: when its output closed (at the same moment as its connections)
+or, if sooner, when it was reaped (a thread per process waits for it). When a
+process fails while another's output has closed but it is not yet reaped, the
+launcher waits for it (`ENDING_WAIT_S`) before it decides which ended first.
 """
 
 from __future__ import annotations
@@ -36,7 +46,14 @@ from jdp.distributed._runtime import (
     listen_error,
     listen_reason,
 )
-from jdp.launch._stall import DEFAULT_STALL_TIMEOUT_S, StallError, StallMonitor
+from jdp.launch._stall import (
+    DEFAULT_STALL_TIMEOUT_S,
+    UNEVEN_STEPS_HINT,
+    StallError,
+    StallMonitor,
+    plural,
+    process_list,
+)
 from jdp.launch._worker import ENV_PROGRESS_FILE
 
 #: Seconds between SIGTERM and SIGKILL when stopping processes after a failure.
@@ -48,6 +65,13 @@ FORWARD_GRACE_S = 30.0
 POLL_S = 0.05
 #: Output lines of each process kept for error messages.
 TAIL_LINES = 40
+#: Once a process failed, seconds to wait for processes whose output has closed
+#: (they are ending) before deciding which process ended first.
+ENDING_WAIT_S = 2.0
+#: A failure this many seconds (or less) after a process finished (exit 0) while
+#: the failing one still ran is reported as most likely caused by that finish (a
+#: step that the finished process never joined fails at once on the others).
+FINISHED_THEN_FAILED_S = 5.0
 
 #: The entry point of every process, run by path (see its docstring).
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_worker.py")
@@ -136,6 +160,17 @@ class Job:
         self._write_lock = threading.Lock()
         self.failure: tuple[int, int] | None = None  # (process_id, returncode)
         self.also_failed: list[tuple[int, int]] = []  # failed before being stopped
+        self.stopped = 0  # processes still running when a failure stopped the job
+        # (time.monotonic(), process_id, returncode) of each exit, in the order
+        # reaped, and when each process's output pipes closed.
+        self.exits: list[tuple[float, int, int]] = []
+        self._closed: list[list[float]] = [[] for _ in self.commands]
+        self._exits_lock = threading.Lock()
+        self._failed_at: float | None = None  # when a failure was first seen
+        self._seen_exits = 0  # exits the stall check has taken into account
+        # A process that finished (exit 0) shortly before the failure, while the
+        # failing one still ran: (process_id, seconds before the failure).
+        self.finished_first: tuple[int, float] | None = None
         self._stop_requested_at: float | None = None
 
     @property
@@ -158,6 +193,9 @@ class Job:
                     start_new_session=True,
                 )
                 self.procs.append(proc)
+                threading.Thread(
+                    target=self._reap, args=(rank, proc), daemon=True
+                ).start()
                 for pipe, name in ((proc.stdout, "stdout"), (proc.stderr, "stderr")):
                     t = threading.Thread(
                         target=self._pump, args=(rank, pipe, name), daemon=True
@@ -167,6 +205,18 @@ class Job:
         except BaseException:
             self.kill()
             raise
+
+    def _reap(self, rank: int, proc: subprocess.Popen) -> None:
+        """Waits for `proc` to exit and records when (the exits' order)."""
+        code = proc.wait()
+        now = time.monotonic()
+        with self._exits_lock:
+            self.exits.append((now, rank, code))
+
+    def _exited(self) -> dict[int, tuple[float, int]]:
+        """`{process_id: (exit time, returncode)}` of the processes that exited."""
+        with self._exits_lock:
+            return {r: (t, code) for t, r, code in self.exits}
 
     def _pump(self, rank: int, pipe, name: str) -> None:
         for raw in iter(pipe.readline, b""):
@@ -183,6 +233,9 @@ class Job:
                     stream.flush()
                 except (ValueError, OSError):  # stream closed under us
                     pass
+        now = time.monotonic()
+        with self._exits_lock:
+            self._closed[rank].append(now)
         pipe.close()
 
     def send(self, sig: int) -> None:
@@ -254,18 +307,56 @@ class Job:
             self.kill()
             raise
 
+    def _ends(self) -> tuple[list[tuple[float, int, int]], list[int]]:
+        """The exits in the order they ended, and the processes that are ending.
+
+        The exits are `(ended at, process_id, returncode)`; the processes ending
+        are those not yet reaped whose output has closed. A process ended when
+        its output pipes closed (the moment its connections closed too), or
+        when it was reaped if that was sooner (a process it started may keep
+        its pipes open).
+        """
+        with self._exits_lock:
+            exits = list(self.exits)
+            closed = [list(c) for c in self._closed]
+        reaped = {r for _, r, _ in exits}
+        # Each time is taken when a thread of the launcher runs, late on a busy
+        # machine: the earliest of a process's observations is the best.
+        ends = sorted(
+            (min(t, *closed[r]) if len(closed[r]) == 2 else t, r, code)
+            for t, r, code in exits
+        )
+        ending = [r for r in range(len(closed)) if len(closed[r]) == 2]
+        return ends, [r for r in ending if r not in reaped]
+
     def _outcome(self) -> bool | None:
         """True if every process succeeded, False if the job failed, else None."""
-        codes = [p.poll() for p in self.procs]
-        failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+        exits, ending = self._ends()
+        failed = [(t, r, c) for t, r, c in exits if c != 0]
         if failed:
-            # A peer of a killed process fails soon after it (a closed
-            # connection): report a death by signal first, then by rank.
-            failed.sort(key=lambda rc: (rc[1] >= 0, rc[0]))
-            self.failure, self.also_failed = failed[0], failed[1:]
+            # A peer of a dead process fails soon after it (a closed
+            # connection), often before the dead one is reaped: wait for those
+            # that are ending, then name the process that ended first.
+            now = time.monotonic()
+            if self._failed_at is None:
+                self._failed_at = now
+            if ending and now - self._failed_at < ENDING_WAIT_S:
+                return None
+            (self.failure, *self.also_failed) = [(r, c) for _, r, c in failed]
+            self.stopped = len(self.procs) - len(exits)
+            at = failed[0][0]
+            finished = [
+                (r, at - t)
+                for t, r, c in exits
+                if c == 0 and 0 <= at - t <= FINISHED_THEN_FAILED_S
+            ]
+            if finished:
+                self.finished_first = finished[0]
+                if self.stall is not None:
+                    self.stall.read(time.monotonic())  # the counts at the end
             self.kill()
             return False
-        if all(code == 0 for code in codes):
+        if len(exits) == len(self.procs):
             self._join_pumps()
             return True
         if (
@@ -280,10 +371,22 @@ class Job:
         """Stops the job and raises `StallError` if `stall` finds stalled processes."""
         if self.stall is None or self._stop_requested_at is not None:
             return
-        running = [r for r, p in enumerate(self.procs) if p.poll() is None]
+        if self._failed_at is not None:  # the job is failing: `_outcome` decides
+            return
+        exited = self._exited()
+        if len(exited) != self._seen_exits:  # their last records are written
+            self._seen_exits = len(exited)
+            self.stall.read(time.monotonic())
+        running = [r for r in range(len(self.procs)) if r not in exited]
+        finished = {r: t for r, (t, code) in exited.items() if code == 0}
+        early = self.stall.finished_early(running=running, exited=finished)
+        if early is not None:
+            message = self.stall.finished_message(early, self.pids, finished)
+            self.kill()
+            raise StallError(message)
         behind = self.stall.stalled(running=running)
         if behind:
-            message = self.stall.message(behind, self.pids)
+            message = self.stall.message(behind, self.pids, finished)
             self.kill()
             raise StallError(message)
 
@@ -294,19 +397,63 @@ class Job:
         rank, code = self.failure
         n = len(self.procs)
         pid = self.procs[rank].pid
-        msg = f"process {rank} of {n} (pid {pid}) {_describe_exit(code)}"
-        for r, c in self.also_failed:
-            msg += f"; then process {r} {_describe_exit(c)}"
-        stopped = n - 1 - len(self.also_failed)
-        if stopped:
-            msg += "; stopped the other " + (
-                "process" if stopped == 1 else f"{stopped} processes"
+        stopped = ""
+        if self.stopped:
+            stopped = "stopped the other " + (
+                "process" if self.stopped == 1 else f"{self.stopped} processes"
             )
-        msg += "."
+        early = self._finished_first_message()
+        if early is not None:
+            msg = early + (f" {stopped[0].upper()}{stopped[1:]}." if stopped else "")
+        else:
+            msg = f"process {rank} of {n} (pid {pid}) {_describe_exit(code)}"
+            for r, c in self.also_failed:
+                msg += f"; then process {r} {_describe_exit(c)}"
+            msg += f"; {stopped}." if stopped else "."
         if with_tail and self.tails[rank]:
             lines = "\n    ".join(self.tails[rank])
             msg += f"\n  Last output of process {rank}:\n    {lines}"
         return msg
+
+    def _finished_first_message(self) -> str | None:
+        """The failure, told from the process that finished just before it.
+
+        A process that finished (exit 0) while the others still ran, shortly
+        before one of them failed (`finished_first`), most likely left them in
+        a step without it. None if there is no such process, or if its count is
+        final (its last record said it finished) and no failing process went
+        past it (then they did not fail in a step it left).
+        """
+        if self.finished_first is None or self.failure is None:
+            return None
+        first, before = self.finished_first
+        failures = [self.failure, *self.also_failed]
+        ended = {r: t for t, r, _ in self._ends()[0]}
+        others = [
+            r
+            for r in range(len(self.procs))
+            if r not in ended or ended[r] > ended[first]
+        ]
+        stall = self.stall
+        exact = stall is not None and stall.finished_at[first] is not None
+        if exact and all(stall.beats[r] <= stall.beats[first] for r, _ in failures):
+            return None
+        pid = self.procs[first].pid
+        msg = f"process {first} of {len(self.procs)} (pid {pid}) finished (exit 0)"
+        if exact or (stall is not None and stall.beats[first]):
+            count = plural(stall.beats[first], "step call")
+            msg += f" after {count}" if exact else f" after at least {count}"
+        # (Not the others' counts: their last reports may lag behind.)
+        one = len(others) == 1
+        msg += f" while {process_list(others)} {'was' if one else 'were'} still running"
+        (r, c), *later = failures
+        msg += f"; {before:.2g} s later process {r} {_describe_exit(c)}"
+        for r, c in later:
+            msg += f", then process {r} {_describe_exit(c)}"
+        return (
+            f"{msg}, most likely in a step that process {first} never joined (a "
+            f"collective whose peer has left fails). {UNEVEN_STEPS_HINT}"
+        )
 
 
 def script_command(target: str, args: Sequence[str], *, module: bool) -> list[str]:
@@ -537,7 +684,10 @@ def run(
     Raises:
       RuntimeError: If a process fails (exits non-zero or is killed).
       TimeoutError: If the job runs longer than `timeout_s`, or stalls for
-        `stall_timeout_s` (the message names the processes that stalled).
+        `stall_timeout_s` (the message names the processes that stalled), or
+        its processes wait in a step for one that has finished (it made fewer
+        step calls), for 15 s or `stall_timeout_s` if shorter (the message
+        names it).
       TypeError: If `num_processes`, `devices_per_process`, `timeout_s` or
         `stall_timeout_s` has the wrong type, or `fn` or its arguments cannot be
         pickled.

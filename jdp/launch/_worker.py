@@ -14,7 +14,11 @@ shutdown timeout) and turns a failure into a hang.
 
 With `$JDP_PROGRESS_FILE` set, a thread also reports the process's progress there
 for the launcher: the count of `jdp._progress.beat()` calls and where the
-main thread is (see `report_progress`).
+main thread is (see `report_progress`). When the target has finished without an
+error, the process writes a last record at once, marked `"finished": true`, with
+its exact count, before the interpreter's exit (which, in a job, waits at JAX's
+shutdown barrier for the other processes): the launcher then knows that it will
+make no more steps (see `_stall.StallMonitor.finished_early`).
 """
 
 from __future__ import annotations
@@ -38,6 +42,12 @@ ENV_PROGRESS_FILE = "JDP_PROGRESS_FILE"
 PROGRESS_MODULE = "jdp._progress"
 #: Seconds between two progress reports.
 REPORT_S = 0.5
+
+# Set once the target has finished without an error (see `report_finished`).
+_finished = threading.Event()
+# Held while a record is made and written, so that the last record written is
+# the newest (the reporter thread and `report_finished` both write).
+_write_lock = threading.Lock()
 
 
 def _exit_now(code: int) -> None:
@@ -176,17 +186,33 @@ def where(thread_id: int, library_dirs: tuple[str, ...]) -> str | None:
 
 
 def _progress_record() -> dict:
-    module = sys.modules.get(PROGRESS_MODULE)
-    beats = module.count() if module is not None else 0
-    return {"pid": os.getpid(), "beats": beats}
+    # The module may be caught while it is being imported, without `count` yet.
+    count = getattr(sys.modules.get(PROGRESS_MODULE), "count", None)
+    beats = count() if count is not None else 0
+    record = {"pid": os.getpid(), "beats": beats}
+    if _finished.is_set():
+        record["finished"] = True
+    return record
+
+
+def _write_record(path: str, record: dict) -> bool:
+    """Replaces the record at `path` atomically; False if that failed."""
+    try:
+        with open(path + ".tmp", "w") as f:
+            json.dump(record, f)
+        os.replace(path + ".tmp", path)
+    except OSError:  # the launcher removed its directory: it is ending
+        return False
+    return True
 
 
 def report_progress(path: str, period_s: float = REPORT_S) -> threading.Thread:
     """Writes this process's progress to `path` every `period_s` seconds (a thread).
 
-    The record, `{"pid", "beats", "where"}`, is replaced atomically, and
-    only when it changed. `where` is where the main thread was last seen (see
-    `where`), which the launcher shows if this process stops making progress.
+    The record, `{"pid", "beats", "where"}` (plus `"finished": true` once
+    `report_finished` ran), is replaced atomically, and only when it changed.
+    `where` is where the main thread was last seen (see `where`), which the
+    launcher shows if this process stops making progress.
     """
     main_id = threading.main_thread().ident
     library_dirs = _library_dirs()
@@ -194,24 +220,31 @@ def report_progress(path: str, period_s: float = REPORT_S) -> threading.Thread:
     def report():
         last = None
         while True:
-            record = _progress_record()
-            try:
-                record["where"] = where(main_id, library_dirs)
-            except Exception:  # a frame caught mid-change: the count still goes out
-                record["where"] = last.get("where") if last else None
-            if record != last:
+            with _write_lock:
+                record = _progress_record()
                 try:
-                    with open(path + ".tmp", "w") as f:
-                        json.dump(record, f)
-                    os.replace(path + ".tmp", path)
+                    record["where"] = where(main_id, library_dirs)
+                except Exception:  # a frame caught mid-change: the count goes out
+                    record["where"] = last.get("where") if last else None
+                if record != last and _write_record(path, record):
                     last = record
-                except OSError:  # the launcher removed its directory: it is ending
-                    pass
             time.sleep(period_s)
 
     thread = threading.Thread(target=report, name="jdp-progress", daemon=True)
     thread.start()
     return thread
+
+
+def report_finished(path: str) -> None:
+    """Writes the last progress record: the target finished, with its exact count.
+
+    Written at once (the reporter thread writes only every `REPORT_S`), before
+    the interpreter's exit, which in a job first waits at JAX's shutdown barrier
+    for the other processes. From then on, every record says `"finished": true`.
+    """
+    with _write_lock:
+        _finished.set()
+        _write_record(path, {**_progress_record(), "where": None})
 
 
 def main(argv: list[str]) -> None:
@@ -220,8 +253,9 @@ def main(argv: list[str]) -> None:
         print(__doc__, file=sys.stderr)
         raise SystemExit(2)  # nothing ran yet: a normal exit is as quick
     _exit_when_orphaned()
-    if os.environ.get(ENV_PROGRESS_FILE):
-        report_progress(os.environ[ENV_PROGRESS_FILE])
+    progress = os.environ.get(ENV_PROGRESS_FILE)
+    if progress:
+        report_progress(progress)
     mode, target, rest = argv[0], argv[1], argv[2:]
     try:
         if mode == "--script":
@@ -232,6 +266,8 @@ def main(argv: list[str]) -> None:
             _run_call(target, rest[0])
     except SystemExit as e:
         if e.code is None or e.code == 0:
+            if progress:
+                report_finished(progress)
             return
         if not isinstance(e.code, int):
             print(e.code, file=sys.stderr)
@@ -242,6 +278,8 @@ def main(argv: list[str]) -> None:
     except BaseException:
         traceback.print_exc()
         _exit_now(1)
+    if progress:
+        report_finished(progress)
 
 
 if __name__ == "__main__":

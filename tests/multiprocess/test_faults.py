@@ -205,3 +205,78 @@ def test_raising_process_exits_at_once_without_the_launcher(tmp_path):
             if proc.poll() is None:
                 proc.kill()
             proc.communicate()
+
+
+# Process 1 leaves with `os._exit(3)` from another thread, 1 s into a loop of
+# steps: mostly while both processes are in a step's collective. Process 0 then
+# fails too (a connection reset by its peer), within milliseconds.
+EXIT_DURING_A_COLLECTIVE = """
+import os, threading
+import jdp
+jdp.distributed.initialize(timeout_s=60)
+import jax, jax.numpy as jnp, numpy as np, optax
+
+
+def loss_fn(params, batch):
+    return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
+
+
+tx = optax.sgd(0.1)
+step = jdp.parallelize(jdp.make_train_step(loss_fn, tx))
+state = step.replicate(jdp.TrainState.create(params={"w": jnp.zeros((64, 1))}, tx=tx))
+ones = np.ones((2, 1), np.float32)
+batch = step.shard({"x": np.ones((2, 64), np.float32), "y": ones})
+state, metrics = step(state, batch)
+float(metrics["loss"])
+print(f"pid {os.getpid()}", flush=True)
+if jax.process_index() == 1:
+    threading.Timer(1.0, os._exit, (3,)).start()
+for i in range(1, 1_000_000):
+    state, metrics = step(state, batch)
+    if i % 100 == 0:
+        print(f"step {i} loss {float(metrics['loss']):.4f}", flush=True)
+"""
+
+
+def test_the_process_that_exits_first_is_named_every_time(tmp_path):
+    """Not process 0, whose own error (its peer left) often ends it in the same
+    instant, or even first: the launcher names the process that ended first.
+
+    Three jobs at once (a busy machine makes the order of the exits vary more).
+    """
+    script = tmp_path / "exit_during_a_collective.py"
+    script.write_text(EXIT_DURING_A_COLLECTIVE)
+    start = time.monotonic()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "jdp.launch", "--num-processes=2"]
+            + ["--devices-per-process=1", str(script)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(3)
+    ]
+    results = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(
+                timeout=max(BOUND_S - (time.monotonic() - start), 1)
+            )
+            results.append((proc.returncode, out, err))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()  # its processes exit when their launcher dies
+                proc.communicate()
+    for code, out, err in results:
+        pids = [int(p) for p in re.findall(r"^\[\d\] pid (\d+)$", out, re.M)]
+        assert code == 3, out + err
+        assert re.search(
+            r"^jdp\.launch: process 1 of 2 \(pid \d+\) exited with status 3(; then "
+            r"process 0 exited with status 1|; stopped the other process)\.$",
+            err,
+            re.M,
+        ), err
+        assert len(pids) == 2 and not any(pid_alive(p) for p in pids)
+    assert time.monotonic() - start < BOUND_S

@@ -234,3 +234,175 @@ def test_waiting_at_shutdown_for_a_process_that_left_ends_with_a_message(tmp_pat
     ), err
     assert "Check failure stack trace" not in err
     assert time.monotonic() - start < BOUND_S
+
+
+# Process r makes STEPS[r] steps (argv[1], comma-separated); with argv[2] == "exit",
+# a process leaves with `os._exit(0)` (no shutdown) when its steps are done,
+# else it waits at shutdown for the others (jdp's exit hook); LINGER_S (argv[3])
+# seconds of work of process 0's own after its steps (an evaluation, a checkpoint).
+UNEVEN_STEPS = """
+import os, sys, time
+import jdp
+jdp.distributed.initialize(timeout_s=60)
+import jax, jax.numpy as jnp, numpy as np, optax
+
+STEPS = [int(s) for s in sys.argv[1].split(",")]
+HOW, LINGER_S = sys.argv[2], float(sys.argv[3])
+
+
+def loss_fn(params, batch):
+    return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
+
+
+tx = optax.sgd(0.1)
+step = jdp.parallelize(jdp.make_train_step(loss_fn, tx))
+state = step.replicate(jdp.TrainState.create(params={"w": jnp.zeros((4, 1))}, tx=tx))
+ones = np.ones((2, 1), np.float32)
+batch = step.shard({"x": np.ones((2, 4), np.float32), "y": ones})
+print(f"pid {os.getpid()}", flush=True)
+for i in range(1, STEPS[jax.process_index()] + 1):
+    state, metrics = step(state, batch)
+    print(f"step {i} loss {float(metrics['loss']):.4f}", flush=True)
+if jax.process_index() == 0:
+    time.sleep(LINGER_S)
+print("done", flush=True)
+if HOW == "exit":
+    os._exit(0)
+"""
+
+# The advice that ends both messages about a process that finished early.
+SAME_STEPS = (
+    r"Every process must make the same number of step calls \(calls of a "
+    r"`jdp\.parallelize` step, and of `step\.shard` across processes\); a data "
+    r"set that ends at different steps on different processes .* is the usual "
+    r"cause: give every process the same number of batches"
+)
+
+
+def run_uneven(tmp_path, steps, how, linger_s=0, stall_timeout_s=3):
+    script = tmp_path / "uneven.py"
+    script.write_text(textwrap.dedent(UNEVEN_STEPS))
+    start = time.monotonic()
+    proc = start_launcher(
+        [
+            "--num-processes=2",
+            "--devices-per-process=1",
+            f"--stall-timeout={stall_timeout_s}",
+            script,
+            steps,
+            how,
+            linger_s,
+        ]
+    )
+    out, err = finish(proc, BOUND_S + 30)
+    pids = [int(p) for p in re.findall(r"^\[\d\] pid (\d+)$", out, re.M)]
+    assert len(pids) == 2, out + err
+    assert wait_dead(pids, 5) == []
+    return proc.returncode, out, err, time.monotonic() - start
+
+
+def test_processes_waiting_for_one_that_finished_are_stopped_with_the_cause(
+    tmp_path,
+):
+    code, out, err, elapsed = run_uneven(tmp_path, "6,3", "wait")
+    assert code == 124, out + err
+    assert "[1] done" in out and "[0] step 4 " not in out, out
+    # Each process's `step.shard` call counts too: 1 + 3 for process 1.
+    assert re.search(
+        r"jdp\.launch: process 1 of 2 \(pid \d+\) finished its program \(it waits "
+        r"at shutdown for the others\) after 4 step calls while process 0 \(pid "
+        r"\d+\) is still running \(at step call 5\) and has stopped making "
+        r"progress \(none for 3 s\): it waits in a step that process 1 will never "
+        rf"join\. {SAME_STEPS}.* Process 0 was last seen at uneven\.py:\d+ in "
+        r"<module>: `state, metrics = step\(state, batch\)`.*\. Stopped the job\.",
+        err,
+    ), err
+    assert "--stall-timeout" not in err  # not a limit to raise
+    assert elapsed < BOUND_S
+
+
+def test_a_process_that_exits_early_is_named_as_the_cause(tmp_path):
+    code, out, err, elapsed = run_uneven(tmp_path, "6,3", "exit")
+    # Process 0 fails at once in the step's collective (its peer has left).
+    assert code == 1, out + err
+    assert "[1] done" in out, out
+    assert re.search(
+        r"jdp\.launch: process 1 of 2 \(pid \d+\) finished \(exit 0\) after at "
+        r"least \d step calls while process 0 was still running; \S+ s later "
+        r"process 0 exited with status 1, most likely in a step that process 1 "
+        rf"never joined \(a collective whose peer has left fails\)\. {SAME_STEPS}",
+        err,
+    ), err
+    assert elapsed < BOUND_S
+
+
+def test_processes_that_finish_a_little_apart_end_the_job_normally(tmp_path):
+    # Process 1 waits at shutdown while process 0 works 2 s more.
+    code, out, err, _ = run_uneven(
+        tmp_path, "3,3", "wait", linger_s=2, stall_timeout_s=4
+    )
+    assert code == 0, out + err
+    assert "[0] done" in out and "[1] done" in out
+
+
+# `check_sync` of each process (argv[1], comma-separated: an int or None).
+CHECK_SYNC = """
+import os, sys
+import jdp
+jdp.distributed.initialize(timeout_s=60)
+import jax, jax.numpy as jnp, numpy as np, optax
+
+K = [None if s == "None" else int(s) for s in sys.argv[1].split(",")]
+
+
+def loss_fn(params, batch):
+    return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
+
+
+tx = optax.sgd(0.1)
+step = jdp.parallelize(
+    jdp.make_train_step(loss_fn, tx), check_sync=K[jax.process_index()]
+)
+state = step.replicate(jdp.TrainState.create(params={"w": jnp.zeros((4, 1))}, tx=tx))
+ones = np.ones((2, 1), np.float32)
+batch = step.shard({"x": np.ones((2, 4), np.float32), "y": ones})
+print(f"pid {os.getpid()}", flush=True)
+for i in range(1, 8):
+    state, metrics = step(state, batch)
+    print(f"step {i} loss {float(metrics['loss']):.4f}", flush=True)
+"""
+
+
+def test_check_sync_that_differs_between_processes_fails_at_once(tmp_path):
+    """Else one process runs the check while the other runs its next step."""
+    script = tmp_path / "check_sync.py"
+    script.write_text(textwrap.dedent(CHECK_SYNC))
+    start = time.monotonic()
+    proc = start_launcher(
+        ["--num-processes=2", "--devices-per-process=1", "--stall-timeout=10"]
+        + [script, "2,3"]
+    )
+    out, err = finish(proc, BOUND_S + 30)
+    pids = [int(p) for p in re.findall(r"^\[\d\] pid (\d+)$", out, re.M)]
+    assert proc.returncode == 1, out + err
+    failed = re.search(
+        r"^jdp\.launch: process (\d) of 2 \(pid \d+\) exited with "
+        r"status 1",
+        err,
+        re.M,
+    )
+    assert failed, err
+    # The process that failed first says why, at its first step call.
+    assert re.search(
+        rf"^\[{failed.group(1)}\] ValueError: `jdp\.parallelize\(\.\.\., "
+        r"check_sync=\.\.\.\)`: the processes passed different values of "
+        r"`check_sync` to this step: process 0: 2, process 1: 3\. The check is a "
+        r"collective across the processes .* Pass the same `check_sync` on every "
+        r"process\.",
+        err,
+        re.M,
+    ), err
+    assert "step 2 " not in out, out
+    assert time.monotonic() - start < BOUND_S
+    assert len(pids) == 2
+    assert wait_dead(pids, 5) == []
