@@ -11,8 +11,9 @@ on 127.0.0.1 started by `jdp.launch.run` and joined by `jdp.distributed.initiali
   small leaves are packed into flat buffers and leaves of 8 MiB or more travel
   uncopied; `jdp, every leaf packed` is the same without that rule, an ablation).
   `jdp + step.shard` also places the batch every step, as a training
-  loop does (with `shard`'s cross-process batch check, which in a loop of steady
-  shapes sends no message); `jdp + batch placed by hand` places it with
+  loop does (with `shard`'s cross-process batch check, which sends a message only
+  when a process's batch shapes change: none in this loop of steady shapes);
+  `jdp + batch placed by hand` places it with
   `jax.make_array_from_process_local_data`, unchecked.
 - `hand: lax.pmean tree`: the flax recipe, `lax.pmean(grads)` in a `shard_map` step.
 - `hand: ravel_pytree + pmean`: one flat buffer made by `jax.flatten_util`.

@@ -200,7 +200,7 @@ class FakeStore:
     def __init__(self):
         self.data = {}
         self.lock = threading.Lock()
-        self.most = 0  # the largest counter value so far
+        self.longest = 0  # the longest value written so far
 
     def client(self, log):
         """A client of this store that appends the name of each request to `log`."""
@@ -216,21 +216,7 @@ class FakeClient:
         with self.store.lock:
             assert allow_overwrite or key not in self.store.data
             self.store.data[key] = value
-
-    def key_value_increment(self, key, increment):
-        self.log.append("increment")
-        with self.store.lock:
-            value = int(self.store.data.get(key, "0")) + increment
-            # The service's counters are 32-bit (it fails to parse larger values).
-            assert 0 <= value < 2**31, f"{key} would hold {value}"
-            self.store.data[key] = str(value)
-            self.store.most = max(self.store.most, value)
-            return value
-
-    def key_value_try_get(self, key):
-        self.log.append("try_get")
-        with self.store.lock:
-            return self.store.data[key]
+            self.store.longest = max(self.store.longest, len(value))
 
     def key_value_dir_get(self, prefix):
         self.log.append("dir_get")
@@ -247,24 +233,32 @@ def row(size, layout=7, pad=0, pad_to=0):
     return (size, size, layout, pad, 1, pad_to)
 
 
-def run_processes(scripts, *, steps=True, timeout_s=30.0, jitter=None, slow=None):
+def run_processes(
+    scripts, *, steps=True, timeout_s=10.0, jitter=None, slow=None, join_s=60.0
+):
     """Runs one check per script, each on its own thread ("process").
 
     A script lists, per `shard` call, a row (compared when it changes), `("pad",
     row)` (compared on every call), or "fail" (a call that failed its own checks).
     With `steps`, every process waits for the others after each call, as a step's
-    collective would; process `slow` sleeps before each call. Returns, per process
-    and call, None (nothing to report), ("ok", call), ("bad", call) or ("late",
-    earlier call); and the checks, their request logs and the store.
+    collective would (a process whose batch did not change goes on into it); a
+    check waits at most `timeout_s` for the others; process `slow` sleeps before
+    each call. Returns, per process and call, None (nothing to report), ("ok",
+    call), ("bad", call) (a confirmed disagreement), ("timeout", call) (the wait
+    ran out) or ("late", earlier call) (reported by another process); the checks,
+    their request logs (with the log's length after each call) and the store.
     """
     store, n = FakeStore(), len(scripts)
     logs = [[] for _ in scripts]
     checks = [
-        _batching._ProcessCheck(client=store.client(logs[i]), process=(i, n))
+        _batching._ProcessCheck(
+            client=store.client(logs[i]), process=(i, n), timeout_s=timeout_s
+        )
         for i in range(n)
     ]
-    barrier = threading.Barrier(n, timeout=timeout_s) if steps else None
+    barrier = threading.Barrier(n, timeout=join_s) if steps else None
     outcomes = [[] for _ in scripts]
+    lengths = [[] for _ in scripts]
     errors = []
 
     def run(i):
@@ -279,10 +273,11 @@ def run_processes(scripts, *, steps=True, timeout_s=30.0, jitter=None, slow=None
                     outcomes[i].append(None)
                 else:
                     need = isinstance(item[0], str)
-                    answer = checks[i].check(item[1] if need else item, need_sizes=need)
-                    outcomes[i].append(_outcome(answer, call))
+                    found = checks[i].check(item[1] if need else item, need_sizes=need)
+                    outcomes[i].append(_outcome(found, call))
                     if outcomes[i][-1] and outcomes[i][-1][0] != "ok":
                         checks[i].forget_last()  # as `_check_process_batches` does
+                lengths[i].append(len(logs[i]))
                 if barrier is not None:
                     barrier.wait()
         except BaseException as e:  # reported by the test
@@ -293,100 +288,120 @@ def run_processes(scripts, *, steps=True, timeout_s=30.0, jitter=None, slow=None
     threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(n)]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + join_s
     for t in threads:
         t.join(max(deadline - time.monotonic(), 0))
     assert not any(t.is_alive() for t in threads), "the processes deadlocked"
     assert not errors, errors
-    return outcomes, checks, logs, store
+    return outcomes, checks, (logs, lengths), store
 
 
-def _outcome(answer, call):
-    if answer is None:
+def _outcome(found, call):
+    if found is None:
         return None
-    at, rows = answer
-    if at < call:
-        return ("late", at)
-    return ("bad" if _batching.mismatch(rows) else "ok", at)
+    if found.call < call:
+        return ("late", found.call)
+    if found.unconfirmed:
+        return ("timeout", call)
+    return ("bad" if _batching.mismatch(found.rows.values()) else "ok", call)
 
 
-A, B = row(8), row(6)
+A, B, C = row(8), row(6), row(4)
 
 
-def test_a_change_on_one_process_is_raised_there_at_once_and_next_call_elsewhere():
-    outcomes, checks, _, _ = run_processes([[A] * 6, [A, A, A, B, A, A]])
-    # Process 1 changed at call 3: it compares, and raises at once.
-    assert outcomes[1] == [("ok", 0), None, None, ("bad", 3), ("ok", 4), None]
-    # Process 0 did not: its next call raises what process 1 reported, then
-    # compares again.
-    assert outcomes[0] == [("ok", 0), None, None, None, ("late", 3), ("ok", 5)]
-    assert checks[0].waits == 2 and checks[1].waits == 3
+def test_a_process_whose_batch_did_not_change_sends_nothing_and_goes_on():
+    """Process 1's batch shrinks at call 3, process 0's does not: process 0 goes
+    into the step; process 1 waits for it to confirm, in vain, and raises."""
+    start = time.monotonic()
+    outcomes, checks, _, _ = run_processes([[A] * 6, [A, A, A, B, A, A]], timeout_s=0.3)
+    assert outcomes[0] == [("ok", 0), None, None, None, None, None]
+    # After the error process 1 publishes again: process 0's row agrees.
+    assert outcomes[1] == [("ok", 0), None, None, ("timeout", 3), ("ok", 4), None]
+    assert 0.3 <= time.monotonic() - start < 10
+    assert checks[0].waits == 1 and checks[1].waits == 3
 
 
-@pytest.mark.parametrize("wrap", [False, True], ids=["", "counts-wrap-around"])
-def test_every_process_hears_of_the_disagreement_and_nobody_waits_forever(
-    wrap, monkeypatch
-):
-    """Random scripts over 3 processes: every run of disagreeing calls is raised by
-    every process (at its first call, or at the next one), and only those."""
-    if wrap:  # counts modulo 16, every process compares every 4 calls
-        monkeypatch.setattr(_batching, "_FLAG", 16)
-        monkeypatch.setattr(_batching, "_REFRESH", 4)
-    for seed in range(12):
-        rng = random.Random(seed)
-        scripts = [[A] for _ in range(3)]
-        for script in scripts:
-            for _ in range(24):
-                script.append(script[-1] if rng.random() < 0.8 else rng.choice([A, B]))
-        outcomes, _, _, _ = run_processes(scripts, jitter=rng)
-        disagree = [len({s[c] for s in scripts}) > 1 for c in range(25)]
-        for p, seen in enumerate(outcomes):
-            raised = {c: o for c, o in enumerate(seen) if o and o[0] != "ok"}
-            # No false alarm: each error names a call at which the rows differ.
-            assert all(disagree[o[1]] for o in raised.values()), (seed, p, seen)
-            for c in range(25):
-                if disagree[c] and (c == 0 or not disagree[c - 1]):
-                    assert c in raised or c + 1 in raised or c == 24, (seed, p, c)
+def test_a_change_that_disagrees_with_another_change_is_raised_at_once():
+    start = time.monotonic()
+    outcomes, _, _, _ = run_processes([[A, A, C, A], [A, A, B, A]], timeout_s=30)
+    assert outcomes[0][2] == outcomes[1][2] == ("bad", 2)
+    assert outcomes[0][3] == outcomes[1][3] == ("ok", 3)
+    assert time.monotonic() - start < 10  # nobody waited for the time limit
 
 
-def test_processes_running_apart_never_lose_track_of_each_other():
-    """No step between calls: processes drift apart, and still agree."""
-    for seed in range(8):
+def test_a_process_that_reached_the_call_is_seen_to_disagree_without_a_timeout():
+    """Process 0 runs ahead (no step) and publishes a later change: process 1,
+    whose batch changed at call 3, reads process 0's row there and raises."""
+    start = time.monotonic()
+    outcomes, _, _, _ = run_processes(
+        [[A] * 6 + [C], [A, A, A, B, B, B, B]], steps=False, slow=1, timeout_s=30
+    )
+    assert outcomes[1][3] == ("bad", 3)
+    assert time.monotonic() - start < 10
+
+
+def test_processes_changing_at_the_same_call_at_different_times_agree():
+    """No step between calls: processes drift apart, change at the same calls at
+    different times, and never raise a false alarm (the one ahead waits)."""
+    for seed in range(6):
         rng = random.Random(seed)
         scripts = [[A] * 10 + [B] * 5 + [A] * 10 for _ in range(3)]
-        outcomes, checks, _, _ = run_processes(scripts, steps=False, jitter=rng)
+        outcomes, checks, _, _ = run_processes(
+            scripts, steps=False, jitter=rng, slow=seed % 3
+        )
         for seen in outcomes:
             assert [o for o in seen if o] == [("ok", 0), ("ok", 10), ("ok", 15)]
 
 
-def test_counts_that_wrap_around_still_tell_who_is_ahead(monkeypatch):
-    """Counts modulo 16: a process far behind must not look ahead. The calls every
-    process compares (every 4th here) keep the processes close enough."""
-    monkeypatch.setattr(_batching, "_FLAG", 16)
-    monkeypatch.setattr(_batching, "_REFRESH", 4)
-    scripts = [[A] * 40 + [B] * 5 + [A] * 5 for _ in range(2)]
-    outcomes, _, _, _ = run_processes(scripts, steps=False, slow=1)
-    for seen in outcomes:
-        assert [o for o in seen if o and o[1] % 4] == [("ok", 45)]
-        assert all(o[0] == "ok" for o in seen if o)
+def _random_scripts(rng, processes=3, calls=25):
+    """A common script of A/B/C with some steady runs, and short runs where
+    one process passes another batch."""
+    common = [A]
+    for _ in range(calls - 1):
+        common.append(common[-1] if rng.random() < 0.75 else rng.choice([A, B, C]))
+    scripts = [list(common) for _ in range(processes)]
+    for _ in range(3):
+        p, at = rng.randrange(processes), rng.randrange(calls)
+        for c in range(at, min(at + rng.randint(1, 3), calls)):
+            scripts[p][c] = rng.choice([A, B, C])
+    return scripts
 
 
-def test_counters_stay_small_when_one_process_disagrees_again_and_again():
-    """Process 1 disagrees at every call (and goes on after each error) while
-    process 0 runs ahead: process 0's counter holds few flags at any time."""
-    outcomes, _, _, store = run_processes([[A] * 300, [A] + [B] * 299], steps=False)
-    assert outcomes[1][1:] == [("bad", c) for c in range(1, 300)]
-    assert outcomes[0][0] == ("ok", 0)
-    assert all(o is None or o[0] in ("late", "bad") for o in outcomes[0][1:])
-    assert store.most < 3 * _batching._FLAG
+@pytest.mark.parametrize("steps", [True, False], ids=["steps", "no-steps"])
+def test_every_disagreement_is_raised_by_a_process_whose_batch_changed(steps):
+    """Random scripts over 3 processes, with a step after each call or none (the
+    processes drift apart): no false alarm, the first call of every run of
+    disagreeing calls is raised there by a process that compared (also after
+    earlier errors, the processes going on), and nobody waits forever."""
+    for seed in range(8):
+        rng = random.Random(seed)
+        scripts = _random_scripts(rng)
+        calls = len(scripts[0])
+        outcomes, _, _, _ = run_processes(
+            scripts, steps=steps, jitter=rng, timeout_s=0.5
+        )
+        disagree = [len({s[c] for s in scripts}) > 1 for c in range(calls)]
+        raised = set()
+        for p, seen in enumerate(outcomes):
+            for c, o in enumerate(seen):
+                if o and o[0] in ("bad", "timeout"):
+                    # No false alarm: each error is at a call where rows differ.
+                    assert disagree[c], (seed, p, c, seen)
+                    raised.add(c)
+        for c in range(calls):
+            if disagree[c] and (c == 0 or not disagree[c - 1]):
+                assert c in raised, (seed, c, scripts, outcomes)
 
 
-def test_a_steady_loop_makes_one_request_a_call_and_never_waits():
-    outcomes, checks, logs, _ = run_processes([[A] * 50, [A] * 50], steps=False)
-    for check, log in zip(checks, logs, strict=True):
+def test_a_steady_loop_makes_no_request_at_all():
+    outcomes, checks, (logs, lengths), _ = run_processes(
+        [[A] * 50, [A] * 50], steps=False
+    )
+    for check, log, length in zip(checks, logs, lengths, strict=True):
         assert check.waits == 1  # the first call
-        first = len(log) - 49
-        assert log[first:] == ["increment"] * 49
+        assert log[:2] == ["set", "dir_get"]
+        assert length[1:] == [length[0]] * 49  # nothing after the first call
+    assert all(seen[1:] == [None] * 49 for seen in outcomes)
 
 
 def test_padding_to_the_largest_batch_compares_every_call():
@@ -397,14 +412,53 @@ def test_padding_to_the_largest_batch_compares_every_call():
     assert all(check.waits == 3 for check in checks)
 
 
+def test_padding_with_pad_to_sends_nothing_when_only_the_sizes_change():
+    scripts = [
+        [row(s, pad=1, pad_to=32) for s in mine] for mine in [[8, 8, 3], [5] * 3]
+    ]
+    outcomes, checks, _, _ = run_processes(scripts)
+    assert outcomes == [[("ok", 0), None, None]] * 2
+    assert all(check.waits == 1 for check in checks)
+
+
+def test_records_stay_small():
+    """Each record drops the changes every process is past: a long padded loop
+    (a change every call) and many changes keep the values short."""
+    sizes = [[8, 5] * 100, [3] * 200]
+    scripts = [[("pad", row(s, pad=1)) for s in mine] for mine in sizes]
+    run_processes(scripts, steps=False)
+    scripts = [[A, B] * 50 for _ in range(2)]
+    _, _, _, store = run_processes(scripts, steps=False)
+    assert store.longest < 200
+
+
 def test_a_call_that_fails_its_own_checks_still_counts():
     outcomes, _, _, _ = run_processes([[A, "fail", A, B], [A, A, A, B]])
-    # Process 0 compares again after the failed call; both agree at call 3.
+    # Process 0 publishes again after the failed call; both agree at call 3.
     assert outcomes[0] == [("ok", 0), None, ("ok", 2), ("ok", 3)]
     assert outcomes[1] == [("ok", 0), None, None, ("ok", 3)]
 
 
-def test_late_peeks_at_a_disagreement_without_a_call():
+def test_a_first_call_does_not_wait_past_the_limit_for_a_process_yet_to_start():
+    """The process that comes later compares with this one's first record."""
+    store, logs = FakeStore(), [[], []]
+    p0, p1 = (
+        _batching._ProcessCheck(
+            client=store.client(logs[i]), process=(i, 2), timeout_s=0.1
+        )
+        for i in range(2)
+    )
+    assert _outcome(p0.check(A, need_sizes=False), 0) == ("ok", 0)
+    assert p0.check(A, need_sizes=False) is None
+    assert _outcome(p1.check(B, need_sizes=False), 0) == ("bad", 0)
+    # A later change waits for the others (in vain: process 1 makes no call 2).
+    found = p0.check(C, need_sizes=False)
+    assert found.unconfirmed == {1: 0} and found.rows == {0: C, 1: B}
+
+
+def test_late_tells_how_far_this_process_got_and_reads_what_others_found():
+    """Process 1's batch changed, process 0's did not: process 0 sends nothing,
+    until it asks `late`, which lets process 1 see its row and raise."""
     store, logs = FakeStore(), [[], []]
     p0, p1 = (
         _batching._ProcessCheck(client=store.client(logs[i]), process=(i, 2))
@@ -417,13 +471,30 @@ def test_late_peeks_at_a_disagreement_without_a_call():
 
     thread = threading.Thread(target=second, daemon=True)
     thread.start()
-    assert p0.check(A, need_sizes=False)[0] == 0
+    assert p0.check(A, need_sizes=False).call == 0
     assert p0.check(A, need_sizes=False) is None
+    deadline = time.monotonic() + 10
+    while p0.late is None and time.monotonic() < deadline:
+        time.sleep(0.01)
     thread.join(10)
-    assert results[1][1] == (1, [A, B])
-    assert p0.late == (1, [A, B])
-    assert p0.check(A, need_sizes=False) == (1, [A, B])
+    assert results[1][1] == _batching.Found(1, {0: A, 1: B}, {}, results[1][1][3])
+    assert p0.late == _batching.Found(1, {0: A, 1: B}, {})
+    assert p0.check(A, need_sizes=False) == _batching.Found(1, {0: A, 1: B}, {})
     assert p0.late is None
+
+
+def test_the_time_limit_comes_from_the_environment(monkeypatch):
+    check = _batching._ProcessCheck(process=(0, 2))
+    monkeypatch.delenv("JDP_SHARD_CHECK_TIMEOUT", raising=False)
+    assert check.timeout_s() == 60
+    monkeypatch.setenv("JDP_SHARD_CHECK_TIMEOUT", "2.5")
+    assert check.timeout_s() == 2.5
+    for bad in ("soon", "0", "-1", "inf"):
+        monkeypatch.setenv("JDP_SHARD_CHECK_TIMEOUT", bad)
+        with pytest.raises(
+            ValueError, match="JDP_SHARD_CHECK_TIMEOUT=.*seconds above 0"
+        ):
+            check.timeout_s()
 
 
 def test_a_signature_is_in_force_from_its_change_until_the_next():
@@ -449,23 +520,55 @@ def test_processes_agree_on_sizes_unless_they_pad():
     assert _batching.mismatch([row(8, pad=1), row(5, pad=1)]) is None
     assert _batching.mismatch([row(8, pad=1, pad_to=16), row(8, pad=1)]) == "pad_to"
     assert _batching.mismatch([(8, 8, 7, 0, 1, 0), (6, 8, 7, 0, 1, 0)]) == "sizes"
+    assert _batching.signature(row(8, pad=1)) == _batching.signature(row(5, pad=1))
+    assert _batching.signature(A) != _batching.signature(B)
 
 
 def test_different_pad_to_is_named_with_each_process():
     host = [("x", np.ones((8, 3), np.float32))]
-    every = [row(8, pad=1, pad_to=16), row(8, pad=1, pad_to=32)]
+    found = _batching.Found(
+        3, {0: row(8, pad=1, pad_to=16), 1: row(8, pad=1, pad_to=32)}, {}
+    )
     with pytest.raises(
         ValueError,
-        match=r"different `pad_to` \(process 0: pad_to=16, process 1: pad_to=32\)",
+        match=r"^`step.shard`: the processes called `step.shard` with different "
+        r"`pad_to` \(process 0: pad_to=16, process 1: pad_to=32\)",
     ):
-        _batching._compare_processes(every, host, num_local=2, late=None)
-    every = [row(8, pad=1, pad_to=16), row(8, pad=1)]
+        _batching._compare_processes(found, host, num_local=2)
+    found = _batching.Found(4, {0: row(8, pad=1, pad_to=16), 1: row(8, pad=1)}, {})
     with pytest.raises(
         ValueError,
         match=r"at an earlier call \(call 4 of `step.shard` on this process\), the "
         r"processes called `step.shard` with different `pad_to` \(process 0: "
         r"pad_to=16, process 1: pad_to=None\)",
     ):
-        _batching._compare_processes(every, host, num_local=2, late=4)
-    every = [row(8, pad=1), row(5, pad=1)]
-    assert _batching._compare_processes(every, host, num_local=2, late=None) == 8
+        _batching._compare_processes(found, host, num_local=2, late=True)
+    found = _batching.Found(5, {0: row(8, pad=1), 1: row(5, pad=1)}, {})
+    assert _batching._compare_processes(found, host, num_local=2) == 8
+
+
+def test_a_wait_that_ran_out_names_both_processes_and_both_batches():
+    host = [("x", np.ones((6, 3), np.float32))]
+    found = _batching.Found(7, {0: B, 1: A}, {1: 2}, waited_s=60.0)
+    with pytest.raises(ValueError) as info:
+        _batching._compare_processes(found, host, num_local=2, timeout_s=60.0)
+    message = str(info.value)
+    assert message.startswith(
+        "`step.shard`: at call 7 of `step.shard` the batch of this process "
+        "(process 0) changed to 6 examples, pad=False, pad_to=None, layout "
+        "checksum 00000007, while process 1 passes 8 examples, pad=False, "
+        "pad_to=None, layout checksum 00000007 (since its call 2), and passed no "
+        "other batch in the 60 s this process waited: the processes passed local "
+        "batches of different sizes"
+    ), message
+    assert "got process 0: 6, process 1: 8 examples" in message
+    assert message.endswith(
+        "give it more time with the environment variable JDP_SHARD_CHECK_TIMEOUT.)"
+    )
+    found = _batching.Found(7, {0: B}, {1: None}, waited_s=60.0)
+    with pytest.raises(
+        ValueError,
+        match=r"process 1 has passed no batch yet.*"
+        r"every process must call `step.shard` as often",
+    ):
+        _batching._compare_processes(found, host, num_local=2, timeout_s=60.0)
