@@ -212,10 +212,22 @@ class Parallel(_hlo.Introspection):
         With several processes, `batch` is this process's share (each process
         loads its own slice, like `jax.make_array_from_process_local_data`): the
         global batch is the shares in process order. Every process must pass the
-        same number of examples; `shard` compares the processes' batches through
-        JAX's coordination service (not the devices) whenever a process's batch
-        shapes change, and raises on a mismatch, which would otherwise train on
-        misaligned data (README, "Many hosts").
+        same number of examples (unless padding), with the same leaves, trailing
+        shapes, dtypes, `pad` and `pad_to`: a mismatch would train on misaligned
+        data. `shard` compares the processes' batches through JAX's coordination
+        service (not the devices), and only when a process's batch changes (its
+        first call, a short last batch, a change back; with `pad=True` and no
+        `pad_to`, every call, to agree on the largest size): a loop whose batch
+        shapes stay the same sends no message at all. A process whose batch
+        changed raises a `ValueError` naming each process's batch when another
+        process's differs; it waits for a process that has not reached that call
+        yet (it may change there too) for at most `$JDP_SHARD_CHECK_TIMEOUT`
+        seconds (60), then raises naming that process and both batches. A process
+        whose batch did not change sends nothing and so learns nothing: when it is
+        the one in the wrong, it goes on into its step, whose collective blocks
+        until the job is stopped (`python -m jdp.launch` stops every process when
+        one fails). Processes more than that time apart when their batches change
+        (one loading data for minutes) need a larger `$JDP_SHARD_CHECK_TIMEOUT`.
 
         Args:
           batch: Pytree of arrays whose leading axis is the example axis.
@@ -449,28 +461,25 @@ def _agreed_by_default(state: PyTree) -> PyTree:
 
     Except in a step of one's own whose optimizer trains replicas locally
     between syncs (`_replica_parts`: a `jdp.bmuf` applied by flax's
-    `apply_gradients` or an `nnx.Optimizer`): there the params and the declared
-    per-replica parts (BMUF's inner state) may differ, and everything else
-    (BMUF's global parts, batch statistics, counters) must agree.
+    `apply_gradients` or an `nnx.Optimizer`): there the params (a `params`
+    field or key, or flax NNX `Param`s) and the optimizer state (under an
+    `opt_state` field or key: BMUF's inner state, an `optax.MultiSteps`
+    accumulator around it) may differ, except the declared parts that agree
+    (BMUF's global model and counters); everything else (batch statistics, the
+    step counter) must agree.
     """
     if not _replica_parts.trains_locally(state):
         return state
-    return _without_params(_replica_parts.without_local(state))
-
-
-def _without_params(state: PyTree) -> PyTree:
-    """`state` with its trained params set to None.
-
-    The params are a `params` field or key, or flax NNX `Param` variables.
-    """
     if isinstance(state, dict) and "params" in state:
-        return {**state, "params": None}
-    if hasattr(state, "params") and hasattr(state, "replace"):
-        return state.replace(params=None)
+        state = {**state, "params": None}
+    elif hasattr(state, "params") and hasattr(state, "replace"):
+        state = state.replace(params=None)
     nnx = sys.modules.get("flax.nnx")  # no NNX variables unless it was imported
-    if nnx is None:
-        return state
-    is_variable = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
-    return jax.tree.map(
-        lambda x: None if isinstance(x, nnx.Param) else x, state, is_leaf=is_variable
-    )
+    variables = (nnx.Variable,) if nnx is not None else ()
+    params = (nnx.Param,) if nnx is not None else ()
+
+    def keep(path, x):
+        names = (getattr(k, "key", getattr(k, "name", None)) for k in path)
+        return None if "opt_state" in names or isinstance(x, params) else x
+
+    return _replica_parts.map_declared(state, keep, stop_at=variables)

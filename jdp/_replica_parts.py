@@ -111,14 +111,22 @@ def _less_local(x: Any, d: _Declaration) -> Any:
     return {k: v for k, v in x.items() if k not in d.local}
 
 
-def _map_declared(tree: PyTree, other: Callable[[Any], Any]) -> PyTree:
-    """Declared nodes less their local fields; every other leaf through `other`."""
+def map_declared(
+    tree: PyTree, other: Callable[[Any, Any], Any], *, stop_at: tuple[type, ...] = ()
+) -> PyTree:
+    """Declared nodes less their local fields; other leaves as `other(path, x)`.
 
-    def one(x):
+    `stop_at`: further node types handed to `other` whole (flax NNX variables).
+    """
+
+    def is_leaf(x):
+        return _is_declared(x) or isinstance(x, stop_at)
+
+    def one(path, x):
         d = _declaration(x)
-        return other(x) if d is None else _less_local(x, d)
+        return other(path, x) if d is None else _less_local(x, d)
 
-    return jax.tree.map(one, tree, is_leaf=_is_declared)
+    return jax.tree_util.tree_map_with_path(one, tree, is_leaf=is_leaf)
 
 
 def agreed(tree: PyTree) -> PyTree | None:
@@ -129,12 +137,7 @@ def agreed(tree: PyTree) -> PyTree | None:
     """
     if not find(tree):
         return None
-    return _map_declared(tree, lambda x: None)
-
-
-def without_local(tree: PyTree) -> PyTree:
-    """`tree` with the local fields of its declared nodes set to None."""
-    return _map_declared(tree, lambda x: x)
+    return map_declared(tree, lambda path, x: None)
 
 
 def restart_params(tree: PyTree) -> list[PyTree]:

@@ -322,12 +322,8 @@ def make_train_step(
             new_stats = _collectives.sync_batch_stats(
                 new_stats, mode=sync.batch_stats, axis_name=axis
             )
-            if "skipped" in extra:  # a skipped step keeps its statistics too
-                new_stats = jax.tree.map(
-                    lambda n, o: lax.select(extra["skipped"] > 0, o, n),
-                    new_stats,
-                    state.batch_stats,
-                )
+            if "skipped" in extra:
+                new_stats = _keep_finite_stats(new_stats, state.batch_stats, extra)
             changes["batch_stats"] = new_stats
         metrics = {"loss": loss, **extra}
         if has_aux:
@@ -565,6 +561,24 @@ def _combine_parts(aux: PyTree, k: int) -> PyTree:
         return x.mean(0)
 
     return jax.tree_util.tree_map_with_path(combine, aux, is_leaf=_metrics.is_marker)
+
+
+def _keep_finite_stats(new: PyTree, old: PyTree, extra: dict) -> PyTree:
+    """A skipped step's batch statistics: the new ones where they are finite.
+
+    A loss scaler's overflow (gradients only) leaves the forward pass's
+    statistics finite, and flax's recipe keeps them; a NaN or inf in the forward
+    pass would make them NaN for good, so a skipped step keeps the old leaf.
+    """
+    skipped = extra["skipped"] > 0
+
+    def one(n, o):
+        if not is_float(n):
+            return n
+        bad = skipped & ~jax.numpy.all(jax.numpy.isfinite(n))
+        return lax.select(bad, o, n)
+
+    return jax.tree.map(one, new, old)
 
 
 def _normalise(out: _Gradients, axis_name) -> tuple[jax.Array, PyTree]:

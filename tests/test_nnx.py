@@ -381,7 +381,7 @@ def test_bmuf_in_an_nnx_optimizer_equals_make_train_step():
         atol=1e-6,
     )
 
-    # The modules passed directly (the README's recipe without its all-reduce):
+    # The modules passed directly (the NNX guide's recipe without its all-reduce):
     # the same numbers.
     def direct_step(state, batch):
         model, optimizer = state
@@ -513,13 +513,21 @@ def test_nnx_metrics_in_the_state_count_the_global_batch():
     np.testing.assert_allclose(metrics["loss"], expected["loss"], rtol=1e-5)
 
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+GUIDE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "guides" / "nnx.md"
 
 
 def readme_recipe(model, optimizer):
-    """Runs the README's NNX recipe: returns its `step` and replicated `state`."""
-    text = README.read_text()
-    code = re.search(r"## flax NNX\n\n.*?```python\n(.*?)```", text, re.S).group(1)
+    """Runs the NNX guide's recipe: returns its `step` and replicated `state`.
+
+    The guide's step and `step.replicate`, applied to this test's modules.
+    """
+    text = GUIDE.read_text()
+    code = re.search(
+        r"## Modules as they are\n.*?```python\n.*?(def train_step.*?"
+        r"state = step\.replicate\([^\n]*\n)",
+        text,
+        re.S,
+    ).group(1)
     namespace = {
         "jdp": jdp,
         "nnx": nnx,
@@ -527,7 +535,7 @@ def readme_recipe(model, optimizer):
         "optimizer": optimizer,
         "loss_of": cross_entropy,
     }
-    exec(compile(code, "README.md", "exec"), namespace)
+    exec(compile(code, str(GUIDE), "exec"), namespace)
     return namespace["step"], namespace["state"]
 
 
@@ -537,7 +545,7 @@ def modules(seed):
 
 
 def test_modules_passed_directly_train_like_the_tutorial(single_device, tmp_path):
-    """The README's recipe: no split or merge, `step.replicate((model, optimizer,
+    """The NNX guide's recipe: no split or merge, `step.replicate((model, optimizer,
     rngs))` and the tutorial's step returning the modules. Same numbers as one
     device; checkpoints resume bit for bit."""
     step, init = readme_recipe(*modules(0))

@@ -376,13 +376,15 @@ def test_collectives_report(backend):
     compiled = step.collectives(state, batch)
     assert {c.kind for c in compiled} == {"all-reduce"}
     # Gradients (one bucket) plus the loss metric; XLA:CPU may combine them.
-    assert sum(c.bytes for c in compiled) == grad_bytes + 4
+    # The loss metric: its sum and replica 0's value (exact when alike).
+    assert sum(c.bytes for c in compiled) == grad_bytes + 8
     assert all(not c.in_conditional for c in compiled)
     assert compiled[0].replica_groups == (tuple(range(8)),)
     lowered = step.collectives(state, batch, stage="lowered")
-    # One process: a psum per gradient leaf, last layer first, then the loss.
+    # One process: a psum per gradient leaf, last layer first, then the loss
+    # (its sum, and replica 0's value).
     leaf_bytes = [x.size * 4 for x in jax.tree.leaves(params)]
-    assert [c.bytes for c in lowered] == leaf_bytes[::-1] + [4]
+    assert [c.bytes for c in lowered] == leaf_bytes[::-1] + [4, 4]
     with pytest.raises(ValueError, match="`stage`"):
         step.collectives(state, batch, stage="optimized")
 

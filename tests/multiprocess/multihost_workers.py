@@ -153,7 +153,8 @@ def _shard_checks():
     metrics = pad_step(pad_step.replicate({}), (placed, mask))
     out["pad_to_global_shape"] = placed.shape
     out["pad_to_count"] = float(metrics["count"]) * pad_step.num_replicas
-    # One process pads, the other does not: both raise.
+    # One process stops padding: it raises (its batch changed); the other, whose
+    # batch did not change, sends nothing.
     try:
         if r == 0:
             pad_step.shard(np.ones(6, np.float32), pad=True, pad_to=16)
