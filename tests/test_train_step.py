@@ -465,7 +465,9 @@ def _dropout_setup():
     return model, params, loss_fn
 
 
-def test_linen_dropout_draws_a_mask_per_replica_and_step_and_again_on_restore(backend):
+def test_linen_dropout_draws_a_mask_per_replica_and_step_and_again_on_restore(
+    backend, tmp_path
+):
     _, params, loss_fn = _dropout_setup()
     tx = optax.sgd(0.0)  # params stay put: only the masks change the outputs
     step = jdp.parallelize(
@@ -479,9 +481,13 @@ def test_linen_dropout_draws_a_mask_per_replica_and_step_and_again_on_restore(ba
     )
     batch = {"x": np.ones((8, 8), np.float32), "y": np.zeros((8, 4), np.float32)}
     batch = step.shard(batch)  # every replica sees the same examples
+    with jdp.checkpoint.CheckpointManager(tmp_path / "ckpt") as manager:
+        manager.save(0, state, parallel=step)
     first, m1 = step(state, batch)
     _, m2 = step(first, batch)
-    _, again = step(state, batch)  # the same state (a restored checkpoint)
+    with jdp.checkpoint.CheckpointManager(tmp_path / "ckpt") as manager:
+        restored = manager.restore(state)
+    _, again = step(restored, batch)  # the restored checkpoint draws alike
     rows = np.asarray(m1["mask"]).reshape(4, 2)
     assert len({tuple(r) for r in rows}) == 4  # a different mask per replica
     assert not np.allclose(np.asarray(m1["mask"]), np.asarray(m2["mask"]))
