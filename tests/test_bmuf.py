@@ -256,6 +256,14 @@ def test_sync_leaves_mlp_replicas_bit_identical(backend):
     assert_trees_close(state.params, start, rtol=0, atol=0)
 
 
+# These compare BMUF with its inner optimizer alone under `jdp.local()`: an
+# optimizer that never communicates, on purpose (jdp warns about it elsewhere).
+_LOCAL_ALONE = pytest.mark.filterwarnings(
+    r"ignore:`jdp.local\(\)` applies the optimizer:UserWarning"
+)
+
+
+@_LOCAL_ALONE
 def test_steps_between_syncs_are_the_local_step_bit_for_bit(backend):
     """A plain BMUF step applies `inner` exactly as `sync=jdp.local()` alone does.
 
@@ -347,6 +355,7 @@ def test_gradient_accumulation_keeps_the_block_sync():
     assert int(find_bmuf_state(accumulated.opt_state).count[0]) == len(batches)
 
 
+@_LOCAL_ALONE
 def test_a_step_without_sync_keeps_no_parameter_sized_temporary():
     """The sync runs on the updated params: compiled, a BMUF step needs no more
     temporary memory than the local step (inside the optimizer it holds the
