@@ -124,37 +124,8 @@ def test_different_pad_to_is_refused_naming_each_process_and_value(job):
     assert r0["changed"] is None and r0["next"] is None
 
 
-SHORT_JOB = """
-import os
-import jdp
-jdp.distributed.initialize(timeout_s=60)
-import jax.numpy as jnp, numpy as np, optax
-print(f"pid {os.getpid()}", flush=True)
-
-
-def loss_fn(params, batch):
-    return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
-
-
-tx = optax.sgd(0.1)
-step = jdp.parallelize(jdp.make_train_step(loss_fn, tx))
-state = step.replicate(jdp.TrainState.create(params={"w": jnp.zeros((4, 1))}, tx=tx))
-for _ in range(5):
-    batch = {"x": np.ones((2, 4), np.float32), "y": np.ones((2, 1), np.float32)}
-    state, metrics = step(state, step.shard(batch))
-print("loss", float(metrics["loss"]), flush=True)
-"""
-
-
-def _kill(pids):
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-DISAGREEING_JOB = """
+#: A job's set-up: a small linear model on every process.
+JOB_SETUP = """
 import os
 import jdp
 jdp.distributed.initialize(timeout_s=60)
@@ -169,6 +140,30 @@ def loss_fn(params, batch):
 tx = optax.sgd(0.1)
 step = jdp.parallelize(jdp.make_train_step(loss_fn, tx))
 state = step.replicate(jdp.TrainState.create(params={"w": jnp.zeros((4, 1))}, tx=tx))
+"""
+
+SHORT_JOB = (
+    JOB_SETUP
+    + """
+for _ in range(5):
+    batch = {"x": np.ones((2, 4), np.float32), "y": np.ones((2, 1), np.float32)}
+    state, metrics = step(state, step.shard(batch))
+print("loss", float(metrics["loss"]), flush=True)
+"""
+)
+
+
+def _kill(pids):
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+DISAGREEING_JOB = (
+    JOB_SETUP
+    + """
 for i in range(5):
     # Process 1's last batch is short; process 0's is not.
     n = 2 if i < 3 or jax.process_index() == 0 else 1
@@ -176,6 +171,7 @@ for i in range(5):
     state, metrics = step(state, step.shard(batch))
     print("step", i, float(metrics["loss"]), flush=True)
 """
+)
 
 
 def _run_job(script, env=None):
