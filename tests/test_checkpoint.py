@@ -1386,3 +1386,115 @@ def test_prng_keys_resume_bit_for_bit(tmp_path, backend):
 def test_constructor_arguments_are_checked(tmp_path, kwargs, message):
     with pytest.raises(ValueError, match=message):
         CheckpointManager(tmp_path, **kwargs)
+
+
+# -- extras: the data position and RNG saved with the state -----------------------
+
+
+def test_extra_is_saved_with_the_step_and_restored_with_it(tmp_path):
+    step = make_parallel(num_devices=2)
+    state = trained_state(step, num_steps=1)
+    key = jax.random.split(jax.random.key(7))[1]
+    perm = np.random.default_rng(3).permutation(10).astype(np.int32)
+    extra = {
+        "epoch": 3,
+        "batch": 17,
+        "lr": 0.125,
+        "name": "run-a",
+        "done": None,
+        "key": key,
+        "perm": perm,
+        "scalar": np.float32(2.5),
+        "jax": jnp.arange(4.0),
+        "nested": {"pos": (1, 2), "flags": [True, False]},
+    }
+    with CheckpointManager(tmp_path, async_save=True) as manager:
+        assert manager.save(1, state, extra=extra)
+        state, _ = step(state, step.shard(make_batches(1, 32)[0]))
+        assert manager.save(2, state, extra={"epoch": 4})
+        assert manager.save(3, state)  # no extra
+    like = step.replicate(init_state())
+    with CheckpointManager(tmp_path) as manager:
+        restored, got = manager.restore(like, step=1, with_extra=True)
+        assert int(step.unreplicate(restored).step) == 1
+        assert got.keys() == extra.keys()
+        for k in ("epoch", "batch", "lr", "name", "done"):
+            assert got[k] == extra[k] and type(got[k]) is type(extra[k]), k
+        assert got["nested"] == {"pos": [1, 2], "flags": [True, False]}
+        assert jnp.issubdtype(got["key"].dtype, jax.dtypes.prng_key)
+        assert_bitwise_equal(jax.random.key_data(got["key"]), jax.random.key_data(key))
+        assert got["perm"].dtype == np.int32
+        np.testing.assert_array_equal(got["perm"], perm)
+        assert got["scalar"].shape == () and got["scalar"].dtype == np.float32
+        np.testing.assert_array_equal(got["jax"], np.arange(4.0, dtype=np.float32))
+        _, newest = manager.restore(like, step=2, with_extra=True)
+        assert newest == {"epoch": 4}
+        latest, none = manager.restore(like, with_extra=True)
+        assert none == {} and int(step.unreplicate(latest).step) == 2
+        # One copy too (evaluation): the same extras.
+        _, again = manager.restore(init_state(), step=1, with_extra=True)
+        assert again["batch"] == 17
+        # Without `with_extra`, `restore` returns the state alone, as before.
+        assert not isinstance(manager.restore(like, step=1), tuple)
+
+
+def test_restore_with_extra_and_default_starts_a_run(tmp_path):
+    step = make_parallel(num_devices=2)
+    like = step.replicate(init_state())
+    with CheckpointManager(tmp_path / "new") as manager:
+        state, extra = manager.restore(like, default=like, with_extra=True)
+    assert state is like and extra == {}
+
+
+def test_extra_of_a_fallback_step_is_that_steps_extra(tmp_path):
+    step = make_parallel(num_devices=2)
+    state = step.replicate(init_state())
+    with CheckpointManager(tmp_path) as manager:
+        manager.save(1, state, extra={"batch": 1})
+        manager.save(2, state, extra={"batch": 2})
+    # Damage step 2's arrays: restore falls back to step 1, with step 1's extras.
+    for f in (tmp_path / "2" / "state").rglob("*"):
+        if f.is_file() and f.stat().st_size > 64 and "METADATA" not in f.name:
+            f.write_bytes(b"\0" * f.stat().st_size)
+    with CheckpointManager(tmp_path) as manager:
+        with pytest.warns(RuntimeWarning, match="step 2 .* is damaged"):
+            restored, extra = manager.restore(state, with_extra=True)
+    assert extra == {"batch": 1}
+
+
+@pytest.mark.parametrize(
+    "extra, where",
+    [
+        ({"loader": object()}, r"extra\['loader'\] is a builtins\.object"),
+        ({"data": {"it": iter([])}}, r"extra\['data'\]\['it'\] is a builtins\."),
+        ({"pos": [1, {2: 3}]}, r"extra\['pos'\]\[1\]\[2\] has a key of type int"),
+        ({"a": np.array([object()])}, r"extra\['a'\] is a NumPy array of Python"),
+        ({"__jdp_array__": 1}, r"extra\['__jdp_array__'\] uses a key reserved"),
+        ([1, 2], r"`extra` must be a dict with string keys, got a list"),
+    ],
+    ids=["object", "nested-iterator", "int-key", "object-array", "tag", "list"],
+)
+def test_extra_that_cannot_be_saved_names_the_key(tmp_path, extra, where):
+    step = make_parallel(num_devices=2)
+    state = step.replicate(init_state())
+    with CheckpointManager(tmp_path, save_interval_steps=10) as manager:
+        with pytest.raises(TypeError, match=where):
+            manager.save(10, state, extra=extra)
+        # Also checked at a step that is not saved: the error comes at once.
+        with pytest.raises(TypeError, match=where):
+            manager.save(3, state, extra=extra)
+        assert manager.all_steps() == []
+
+
+def test_damaged_extra_is_reported_as_damage(tmp_path):
+    step = make_parallel(num_devices=2)
+    state = step.replicate(init_state())
+    with CheckpointManager(tmp_path) as manager:
+        manager.save(1, state, extra={"perm": np.arange(3)})
+    path = tmp_path / "1" / "jdp_metadata" / "metadata"  # orbax's JSON item
+    record = json.loads(path.read_text())
+    record["extra"]["perm"]["__jdp_array__"]["data"] = "not base64!"
+    path.write_text(json.dumps(record))
+    with CheckpointManager(tmp_path) as manager:
+        with pytest.raises(CheckpointCorruptedError, match="its extras could not be"):
+            manager.restore(state, step=1, with_extra=True)

@@ -43,6 +43,7 @@ from jdp.checkpoint._common import check_step_number
 from jdp.checkpoint._format import (
     DAMAGED_SUFFIX,
     CheckpointCorruptedError,
+    encode_extra,
     set_aside,
 )
 from jdp.checkpoint._lock import (
@@ -51,6 +52,7 @@ from jdp.checkpoint._lock import (
     check_same_directory,
 )
 from jdp.checkpoint._restore import (
+    read_extra,
     resolve_step,
     restore_step,
     warn_newer_incomplete,
@@ -312,7 +314,9 @@ class CheckpointManager:
         `{"path", "shape", "dtype", "crc32"}` per leaf of the saved copy, in
         pytree order, plus `"key_impl"` for typed PRNG keys and
         `"per_replica": {"crc32": ...}` for a leaf whose replicas differed (saved
-        with every replica, shape `(num_replicas, *shape)`).
+        with every replica, shape `(num_replicas, *shape)`). A step saved with
+        `extra` also has `extra`, in its JSON form (arrays base64-encoded):
+        `restore(..., with_extra=True)` decodes it.
 
         Args:
           step: The step number; None for the latest.
@@ -333,6 +337,7 @@ class CheckpointManager:
         *,
         parallel: Any = None,
         force: bool = False,
+        extra: dict[str, Any] | None = None,
     ) -> bool:
         """Saves one copy of a replicated state under a step number.
 
@@ -360,6 +365,15 @@ class CheckpointManager:
             and axis name are recorded in the metadata, and the state's layout is
             checked against it.
           force: Save even if `step` is not a multiple of `save_interval_steps`.
+          extra: What a resume needs besides the state, saved with it: e.g. the
+            data position and a PRNG key, `{"epoch": 3, "batch": 120, "key":
+            key}`. A dict with string keys of JSON values (None, bool, int,
+            float, str, lists, tuples, dicts with string keys) and NumPy or JAX
+            arrays (typed PRNG keys included), nested as you like; kept in the
+            step's JSON record (arrays base64-encoded), so keep it small: large
+            arrays belong in the state. `restore(..., with_extra=True)` returns
+            it. Process 0's `extra` is written: give every process the same.
+            Checked at every call, also when the step is skipped.
 
         Returns:
           True if a checkpoint was written (or, with `async_save`, started), False
@@ -368,6 +382,8 @@ class CheckpointManager:
 
         Raises:
           TypeError: If `step` is not an integer.
+          TypeError: If `extra` is not a dict or holds a value that cannot be
+            saved (naming its key, e.g. `extra['loader']`).
           ValueError: If `state` is not replicated, `step` already has a
             checkpoint, or `step` is older than the latest checkpoint (nothing is
             overwritten); or, at the first save, if the processes of a job pass
@@ -380,6 +396,7 @@ class CheckpointManager:
             failed.
         """
         step = check_step_number(step, "step")
+        encode_extra(extra, encode=False)  # raises naming the key, at any step
         flat, _ = jax.tree_util.tree_flatten_with_path(state)
         check_replicated(state, flat, parallel)
         if not self._job_checked:  # a collective: before any process may raise
@@ -401,15 +418,20 @@ class CheckpointManager:
         set_aside(self.directory, damaged)
         store.forget(damaged)
         store.reload_if_changed()
-        store.write(step, save_items(step, state, flat, parallel))
+        store.write(step, save_items(step, state, flat, parallel, extra))
         if self.async_save:  # finished at exit if nothing waits for it before
             _UNFINISHED.add(store)
             _register_exit_hook()
         return True
 
     def restore(
-        self, like: PyTree, *, step: int | None = None, default: Any = _NO_DEFAULT
-    ) -> PyTree:
+        self,
+        like: PyTree,
+        *,
+        step: int | None = None,
+        default: Any = _NO_DEFAULT,
+        with_extra: bool = False,
+    ) -> PyTree | tuple[PyTree, dict[str, Any]]:
         """Loads a saved copy into every replica of `like`'s layout, or as one copy.
 
         With `step=None`, a newest step that turns out damaged (or was never
@@ -432,6 +454,11 @@ class CheckpointManager:
             starts it. Without it, that raises. A path that can never hold
             checkpoints (a file, or a dangling or looping symbolic link) raises
             even with a `default`: a typo must not start training from scratch.
+          with_extra: Return `(state, extra)`: the `extra` saved with the
+            restored step (the same step as the state, also after a fallback
+            from a damaged step), `{}` if it was saved without, or when
+            `default` is returned. JSON values come back as saved (tuples as
+            lists), arrays as NumPy arrays, typed PRNG keys as typed keys.
 
         Returns:
           A pytree like `like` (same structure and static fields). For a
@@ -439,7 +466,8 @@ class CheckpointManager:
           `like`'s, every replica equal to the saved copy (or, for leaves saved
           with every replica and as many replicas, its own value). For one
           copy: NumPy arrays, or `jax.Array`s placed like `like`'s arrays (typed
-          PRNG keys are always keys).
+          PRNG keys are always keys). With `with_extra`, a pair
+          `(state, extra)`.
 
         Raises:
           FileNotFoundError: If the directory holds no complete checkpoint (and
@@ -461,10 +489,15 @@ class CheckpointManager:
         check_directory(self.directory, "restore")
         store = self._store
         store.finish_pending()
+
+        def read(s: int) -> Any:
+            state = restore_step(store, s, like)
+            return (state, read_extra(store, s)) if with_extra else state
+
         if step is not None:
             step = resolve_step(store, step)
             try:
-                return restore_step(store, step, like)
+                return read(step)
             except CheckpointCorruptedError as e:
                 store.mark_damaged(step, e.detail)  # a later save may set it aside
                 raise
@@ -481,12 +514,12 @@ class CheckpointManager:
                     RuntimeWarning,
                     stacklevel=2,
                 )
-            return default
+            return (default, {}) if with_extra else default
         warn_newer_incomplete(store, candidates[0])
         first_error = None
         for i, candidate in enumerate(candidates):
             try:
-                return restore_step(store, candidate, like)
+                return read(candidate)
             except CheckpointCorruptedError as e:
                 store.mark_damaged(candidate, e.detail)
                 first_error = first_error or e

@@ -27,6 +27,7 @@ from jdp.checkpoint._format import (
     as_key_data,
     check_leaves,
     corrupt,
+    decode_extra,
     dtype_name,
     is_damage,
     key_impl_name,
@@ -296,6 +297,27 @@ def _read_state(
         raise corrupt(store.directory, step, detail) from e
     check_leaves(store.directory, step, records, leaves)
     return leaves
+
+
+def read_extra(store: StepStore, step: int) -> dict[str, Any]:
+    """The extras saved with a step (`save(..., extra=...)`); {} if none were.
+
+    Args:
+      store: The checkpoint directory's steps.
+      step: A complete step.
+
+    Returns:
+      The extras: JSON values as saved (tuples as lists), arrays as NumPy
+      arrays, typed PRNG keys as typed keys.
+
+    Raises:
+      CheckpointCorruptedError: If the saved extras cannot be decoded.
+    """
+    try:
+        return decode_extra(store.metadata(step).get("extra"))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        detail = f"its extras could not be decoded ({type(e).__name__}: {e})."
+        raise corrupt(store.directory, step, detail) from e
 
 
 # -- checks of `like` -------------------------------------------------------------

@@ -21,6 +21,7 @@ from jdp.checkpoint._format import (
     METADATA_ITEM,
     REPLICAS_ITEM,
     STATE_ITEM,
+    encode_extra,
     host_copy,
     make_metadata,
 )
@@ -108,7 +109,11 @@ def check_not_overwriting(store: StepStore, step: int) -> dict[int, str]:
 
 
 def save_items(
-    step: int, state: PyTree, flat: Sequence[tuple[Any, Any]], parallel: Any
+    step: int,
+    state: PyTree,
+    flat: Sequence[tuple[Any, Any]],
+    parallel: Any,
+    extra: Any = None,
 ) -> dict[str, Any]:
     """The orbax items of a step: one copy, its record, the differing replicas.
 
@@ -120,6 +125,8 @@ def save_items(
       state: The replicated state to save (checked by `check_replicated`).
       flat: `state` flattened with paths.
       parallel: The `jdp.Parallel` given to `save`, or None.
+      extra: `save`'s `extra` (checked by `_format.encode_extra`), or None:
+        stored, encoded, in the record under `"extra"`.
 
     Returns:
       Orbax's save arguments, by item name.
@@ -128,6 +135,8 @@ def save_items(
     logical = logical_copy(state)
     host = jax.tree.map(host_copy, logical)
     meta = make_metadata(step, state, logical, host, replicas, parallel)
+    if extra is not None:
+        meta["extra"] = encode_extra(extra)
     items = {
         STATE_ITEM: ocp.args.PyTreeSave(host),
         METADATA_ITEM: ocp.args.JsonSave(meta),
