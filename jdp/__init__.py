@@ -13,6 +13,7 @@ from jdp import distributed as distributed
 from jdp import launch as launch
 from jdp import metrics as metrics
 from jdp import sparse as sparse
+from jdp import wire as wire
 from jdp._bmuf import BMUFState, bmuf, bmuf_global_params
 from jdp._checks import assert_replicas_in_sync, replicas_in_sync
 from jdp._collectives import (

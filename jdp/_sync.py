@@ -26,6 +26,7 @@ from jdp import (
     _replica_parts,
     _transforms,
     _validate,
+    _wire,
     _zero,
 )
 from jdp._layout import StateLayout
@@ -60,6 +61,12 @@ class Sync(NamedTuple):
         already averaged over replicas (loss scaling needs it).
       batch_stats: How batch statistics are synced every step: `"mean"` or
         `"broadcast"` (see `jdp.sync_batch_stats`).
+      init: None (the piece keeps no state), or `init(params) -> sync_state`:
+        the piece's own state (error-feedback buffers, low-rank factors), kept
+        in the train state's `sync_state` field, which
+        `jdp.TrainState.create(..., sync=piece)` fills. A piece with `init`
+        reads `state.sync_state` in `apply` and returns a 4-tuple `(params,
+        opt_state, metrics, sync_state)`.
 
     Example:
       A piece of one's own: sum the gradients instead of averaging them.
@@ -87,6 +94,7 @@ class Sync(NamedTuple):
     value_and_grad: Callable[[Any], Callable[..., Any]] | None = None
     apply_averaged: Callable[..., tuple] | None = None
     batch_stats: BatchStatsMode = "mean"
+    init: Callable[[PyTree], PyTree] | None = None
 
 
 def check_batch_stats(batch_stats: Any) -> None:
@@ -108,6 +116,8 @@ def all_reduce(
     *,
     bucket_bytes: int | None = _collectives.DEFAULT_BUCKET_BYTES,
     reduce_dtype: Any = None,
+    wire: _wire.Wire | None = None,
+    error_feedback: bool = False,
     skip_nonfinite: bool = False,
     batch_stats: BatchStatsMode = "mean",
 ) -> Sync:
@@ -122,7 +132,21 @@ def all_reduce(
         one bucket per dtype.
       reduce_dtype: Wire dtype of the all-reduce (e.g. `jnp.bfloat16`); the
         gradients are divided by the replica count first, so a narrow type
-        cannot overflow.
+        cannot overflow. XLA may compute it wider (on CPU a bfloat16
+        all-reduce runs in float32); `wire` is sure to send fewer bytes.
+      wire: A compressed exchange instead of the all-reduce: `jdp.wire.bf16()`,
+        `jdp.wire.int8()` or `jdp.wire.fp8()`. The gradients are quantised,
+        exchanged by an all-to-all (each replica owns a chunk), averaged in
+        float32 by each chunk's owner, quantised again and all-gathered, so
+        both exchanges move the narrow type (see `jdp.wire`). On a host mesh
+        (`axis_name=("host", "device")`) the devices of a host average in
+        float32 first and only the exchange between hosts is compressed.
+      error_feedback: With `wire`: add what quantisation dropped at one step
+        to the next step's gradients, per replica (the worker error) and per
+        chunk owner (the server error). The buffers are the piece's state
+        (`jdp.TrainState.create(..., sync=sync)`), two float32 vectors the
+        size of the gradients, different on every replica; checkpoints save
+        them per replica.
       skip_nonfinite: Skip a step whose gradients are not finite on any replica:
         params and optimizer state stay as they were on every replica, the
         state's `skipped_steps` grows by one and metric `"skipped"` is 1.
@@ -133,18 +157,43 @@ def all_reduce(
       A `jdp.Sync`.
 
     Raises:
-      ValueError: If `bucket_bytes` is not a positive int or None, or
-        `batch_stats` is unknown.
+      ValueError: If `bucket_bytes` is not a positive int or None,
+        `batch_stats` is unknown, `error_feedback` is asked for without a
+        `wire`, or both `wire` and `reduce_dtype` are given.
+      TypeError: If `wire` is not a wire format.
 
     Example:
-      >>> import jax.numpy as jnp, optax, jdp
+      >>> import jax, jax.numpy as jnp, optax, jdp
       >>> def loss_fn(params, batch):
       ...     return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
-      >>> sync = jdp.all_reduce(reduce_dtype=jnp.bfloat16)
+      >>> sync = jdp.all_reduce(wire=jdp.wire.int8(), error_feedback=True)
       >>> train_step = jdp.make_train_step(loss_fn, optax.sgd(0.1), sync=sync)
+      >>> step = jdp.parallelize(train_step, devices=jax.devices()[:4])
+      >>> params = {"w": jnp.zeros((512, 1))}
+      >>> state = jdp.TrainState.create(params=params, tx=optax.sgd(0.1), sync=sync)
+      >>> state = step.replicate(state)
+      >>> batch = step.shard({"x": jnp.ones((8, 512)), "y": jnp.ones((8, 1))})
+      >>> sorted({(c.kind, c.dtype) for c in step.collectives(state, batch)})[:2]
+      [('all-gather', 's8'), ('all-to-all', 's8')]
     """
     _collectives.check_bucket_bytes(bucket_bytes)
     check_batch_stats(batch_stats)
+    _wire.check_wire(wire, "jdp.all_reduce")
+    _validate.boolean("error_feedback", error_feedback)
+    if error_feedback and wire is None:
+        raise ValueError(
+            "`jdp.all_reduce(error_feedback=True)` feeds back what a compressed "
+            "exchange drops, and no `wire` format is given: pass e.g. "
+            "`wire=jdp.wire.int8()`, or leave `error_feedback=False`."
+        )
+    if wire is not None and reduce_dtype is not None:
+        raise ValueError(
+            f"`jdp.all_reduce` got both `wire={wire.name}` and `reduce_dtype="
+            f"{reduce_dtype}`: `wire` says what the exchange sends; drop "
+            "`reduce_dtype`."
+        )
+    if wire is not None:
+        return _compressed(wire, error_feedback, skip_nonfinite, batch_stats)
 
     def apply_averaged(grads, state, tx, axis_name):
         if not skip_nonfinite:
@@ -166,6 +215,49 @@ def all_reduce(
         return apply_averaged(grads, state, tx, axis_name)
 
     return Sync(apply, apply_averaged=apply_averaged, batch_stats=batch_stats)
+
+
+def _compressed(wire, error_feedback, skip_nonfinite, batch_stats) -> Sync:
+    """`jdp.all_reduce(wire=...)`: the compressed exchange, then `tx`."""
+
+    def apply_averaged(grads, state, tx, axis_name):
+        if not skip_nonfinite:
+            return apply_tx(grads, state, tx)
+        return _unless_nonfinite(
+            _finite(grads), lambda: apply_tx(grads, state, tx), state
+        )
+
+    def apply(grads, state, tx, axis_name):
+        error = state.sync_state if error_feedback else None
+        grads, new_error = _wire.mean(
+            grads, wire=wire, axis_name=axis_name, error=error
+        )
+        params, opt_state, metrics = apply_averaged(grads, state, tx, axis_name)
+        if not error_feedback:
+            return params, opt_state, metrics
+        if skip_nonfinite:  # a skipped step leaves the buffers as they were
+            keep = metrics["skipped"] > 0
+            new_error = jax.tree.map(
+                lambda old, new: jnp.where(keep, old, new), error, new_error
+            )
+        return params, opt_state, metrics, new_error
+
+    if not error_feedback:
+        return Sync(apply, apply_averaged=apply_averaged, batch_stats=batch_stats)
+    return Sync(
+        apply,
+        apply_averaged=apply_averaged,
+        batch_stats=batch_stats,
+        must_agree=_agreed_sync_state,
+        init=_wire.init_state,
+    )
+
+
+def _agreed_sync_state(state: PyTree) -> PyTree:
+    """The state less the per-replica parts of its `sync_state` (error buffers)."""
+    if not hasattr(state, "replace"):
+        return state
+    return state.replace(sync_state=_replica_parts.agreed(state.sync_state))
 
 
 def local(

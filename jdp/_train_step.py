@@ -61,6 +61,9 @@ class TrainState(struct.PyTreeNode):
         parameter (dropout); or None. It does not change: the key of a step is
         `fold_in(fold_in(rng, step), replica)`, so a restored checkpoint draws
         the same numbers again.
+      sync_state: The state of a sync piece that keeps one (e.g. the error
+        buffers of `jdp.all_reduce(wire=..., error_feedback=True)`), made by
+        `create(..., sync=piece)`; or None.
       tx: The optax optimizer (static: not a pytree leaf).
 
     Example:
@@ -77,6 +80,7 @@ class TrainState(struct.PyTreeNode):
     skipped_steps: jax.Array | None = None
     dynamic_scale: Any = None
     rng: jax.Array | None = None
+    sync_state: PyTree = None
     tx: optax.GradientTransformation = struct.field(pytree_node=False, default=None)
 
     @classmethod
@@ -88,8 +92,20 @@ class TrainState(struct.PyTreeNode):
         batch_stats: PyTree = None,
         dynamic_scale: Any = None,
         rng: jax.Array | None = None,
+        sync: _sync.Sync | None = None,
     ) -> TrainState:
-        """Makes a state at step 0 with `tx.init(params)` as optimizer state."""
+        """Makes a state at step 0 with `tx.init(params)` as optimizer state.
+
+        Pass the train step's `sync` piece when it keeps state of its own
+        (`sync.init` is set, e.g. `jdp.all_reduce(wire=..., error_feedback=
+        True)`): the state then holds `sync_state=sync.init(params)`.
+        """
+        if sync is not None and not isinstance(sync, _sync.Sync):
+            raise TypeError(
+                "`jdp.TrainState.create`: `sync` must be a `jdp.Sync` (the piece "
+                f"given to `jdp.make_train_step`), or None; got {type(sync).__name__}."
+            )
+        sync_state = None if sync is None or sync.init is None else sync.init(params)
         return cls(
             step=jax.numpy.zeros((), jax.numpy.int32),
             params=params,
@@ -98,6 +114,7 @@ class TrainState(struct.PyTreeNode):
             skipped_steps=jax.numpy.zeros((), jax.numpy.int32),
             dynamic_scale=dynamic_scale,
             rng=rng,
+            sync_state=sync_state,
             tx=tx,
         )
 
@@ -280,6 +297,7 @@ def make_train_step(
             )
         _check_trainable(state.params, api)
         _check_known_fields(state, api)
+        _check_sync_state(state, sync, api)
         _check_batch_stats(state, takes_stats, api)
         axis = _collectives.resolve_axis(axis_name)
         loss_kwargs = _loss_kwargs(state, keywords, axis, api)
@@ -312,8 +330,12 @@ def make_train_step(
             )
             changes["dynamic_scale"] = verdict["scale"]
             _warn_if_collapsed(verdict["scale"].scale, axis)
-        else:
+        elif sync.init is None:
             params, opt_state, extra = sync.apply(grads, state, optimizer, axis)
+        else:
+            params, opt_state, extra, changes["sync_state"] = sync.apply(
+                grads, state, optimizer, axis
+            )
         aux, new_stats = out.aux, out.new_stats
         changes.update(step=state.step + 1, params=params, opt_state=opt_state)
         if "skipped" in extra and getattr(state, "skipped_steps", None) is not None:
@@ -747,6 +769,7 @@ KNOWN_FIELDS = (
     "skipped_steps",
     "dynamic_scale",
     "rng",
+    "sync_state",
 )
 
 
@@ -776,6 +799,27 @@ def _check_known_fields(state: PyTree, api: str) -> None:
             "step of your own around this one, e.g. `def step(state, batch): new, "
             f"metrics = train_step(state.replace({name}=None), batch); return "
             f"new.replace({name}=...), metrics`, or remove it from the state."
+        )
+
+
+def _check_sync_state(state: PyTree, sync: _sync.Sync, api: str) -> None:
+    """A piece that keeps state needs the state's `sync_state`, and only it does."""
+    held = getattr(state, "sync_state", None)
+    if sync.init is not None and held is None:
+        raise ValueError(
+            f"`{api}`: this sync piece keeps state of its own (error buffers, "
+            "low-rank factors) in the train state's `sync_state`, which this "
+            f"{type(state).__name__} does not hold (None or no such field). Create "
+            "the state with the piece: `jdp.TrainState.create(params=..., tx=..., "
+            "sync=sync)`, passing the same `sync` as to `jdp.make_train_step`."
+        )
+    if sync.init is None and jax.tree.leaves(held):
+        raise ValueError(
+            f"`{api}`: the state holds a `sync_state` (made for a sync piece that "
+            "keeps state, e.g. `jdp.all_reduce(error_feedback=True)`), but this "
+            "step's sync piece keeps none, so it would be carried along unchanged. "
+            "Use the same piece for `jdp.TrainState.create(..., sync=...)` and "
+            "`jdp.make_train_step(..., sync=...)`."
         )
 
 

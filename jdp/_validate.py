@@ -42,6 +42,13 @@ def _at_least(
     return value
 
 
+def boolean(name: str, value: Any) -> bool:
+    """Returns `value` if it is a bool; a `TypeError` naming `name` otherwise."""
+    if not isinstance(value, bool):
+        raise TypeError(f"`{name}` must be True or False, got {describe(value)}.")
+    return value
+
+
 def positive_int(
     name: str, value: Any, *, allow_none: bool = False, note: str = ""
 ) -> int | None:

@@ -27,7 +27,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 PACKAGES = ["jdp", "jdp.checkpoint", "jdp.distributed", "jdp.launch", "jdp.metrics"]
-PACKAGES += ["jdp.sparse"]
+PACKAGES += ["jdp.sparse", "jdp.wire"]
 # Languages of blocks that are deliberately not run.
 NOT_RUN = {"bash", "console", "text", "diff", "toml", "yaml", "json", "ini"}
 FENCE = re.compile(r"^(```+|~~~+)(.*)$")

@@ -49,7 +49,9 @@ def test_public_subpackages_are_pinned():
     import jdp.distributed
     import jdp.launch
     import jdp.sparse
+    import jdp.wire
 
+    assert sorted(jdp.wire.__all__) == ["Wire", "WireState", "bf16", "fp8", "int8"]
     assert jdp.checkpoint.__all__ == ["CheckpointCorruptedError", "CheckpointManager"]
     assert sorted(jdp.distributed.__all__) == [
         "initialize",
@@ -86,6 +88,7 @@ def test_public_subpackages_are_pinned():
         jdp.launch,
         jdp.metrics,
         jdp.sparse,
+        jdp.wire,
     ):
         for name in module.__all__:
             assert getattr(module, name).__doc__, f"{module.__name__}.{name}"
