@@ -10,6 +10,7 @@ into a global model with a momentum filter.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple, get_args
 
@@ -47,15 +48,24 @@ class _Options(NamedTuple):
     inner_state_at_sync: InnerStateAtSync
     warmup_steps: int
     outer: optax.GradientTransformation | None
+    fragments: int = 1
+    delay: int = 0
+    mix: float = 0.0
+    sync_period: int = 1
 
     @property
     def stores_start(self) -> bool:
         """Whether the state keeps `start` (else the block start is `g`)."""
         return self.nesterov and self.outer is None
 
+    @property
+    def streaming(self) -> bool:
+        """Whether the schedule is Streaming DiLoCo's (else today's block sync)."""
+        return self.fragments > 1 or self.delay > 0 or self.mix > 0
+
 
 @_replica_parts.declare(
-    local=("inner_state",),
+    local=("inner_state", "pending"),
     required=("count", "synced", "global_params"),
     trains_locally=True,
 )
@@ -76,9 +86,15 @@ class BMUFState(NamedTuple):
         the block start is then `g` itself.
       velocity: The block velocity `v`, the paper's Δ(t), shaped like the params
         and zero until the first sync; with `outer`, the outer optimizer's state
-        instead.
+        instead (with `fragments`, `delay` or `mix` set: a tuple of one outer
+        state per fragment, each over the list of that fragment's slices).
       inner_state: The state of the `inner` optimizer.
-      synced: Whether the last update ended a block (bool, shape ()).
+      synced: Whether the last update ended a block, or with `fragments` > 1 a
+        fragment's sync (bool, shape ()).
+      pending: With `delay` >= 1, the fragment sync in flight, shaped like the
+        params: the fragment's slices hold this replica's local params from
+        `delay` steps before its sync, and each chunk already all-reduced holds
+        the replicas' mean instead. None otherwise.
     """
 
     count: jax.Array  # int32, shape ()
@@ -87,6 +103,7 @@ class BMUFState(NamedTuple):
     velocity: PyTree
     inner_state: optax.OptState
     synced: jax.Array  # bool, shape ()
+    pending: PyTree = None
 
     def restart_params(self) -> PyTree:
         """The block start: where every replica begins after a re-layout."""
@@ -103,6 +120,9 @@ def bmuf(
     inner_state_at_sync: InnerStateAtSync = "keep",
     warmup_steps: int = 0,
     outer: optax.GradientTransformation | None = None,
+    fragments: int = 1,
+    delay: int = 0,
+    mix: float = 0.0,
     axis_name: _collectives.AxisName | None = None,
 ) -> optax.GradientTransformation:
     r"""Blockwise model-update filtering: local training, periodic filtered merge.
@@ -145,6 +165,11 @@ def bmuf(
     `block_momentum * s` to its smoothed update and then makes that point the
     new global model, which is exactly CBM with a block learning rate scaled by
     `1 + block_momentum`. Both agree with the paper (and with jdp) for CBM.
+
+    Streaming DiLoCo (`fragments`, `delay`, `mix`) syncs one fragment of the
+    parameters at a time, spreads its all-reduce over `delay` steps and mixes
+    the merged fragment with the local one; the defaults are the block sync
+    above, unchanged. See the BMUF guide for the exact schedule.
 
     Must be the LAST transform of a chain (its updates move the params to the
     merged model on sync steps): `optax.chain(optax.clip_by_global_norm(1.0),
@@ -189,6 +214,26 @@ def bmuf(
         `optax.sgd(ζ, momentum=η, nesterov=True)` the paper's NBM (its `g` is
         then the look-ahead point). Cannot be combined with
         `block_learning_rate`, `block_momentum` or `nesterov`.
+      fragments: Streaming DiLoCo's fragments, F (an int >= 1 dividing
+        `sync_period`; torchft's `len(model_fragments)`): the parameters are
+        split into F fragments of nearly equal bytes (leaves in tree order, a
+        leaf cut along its first axis where needed; a function of the shapes
+        alone), each with its own slices of `g`, `start` and `v` (or its own
+        `outer` state). One fragment syncs every `sync_period / F` updates,
+        round-robin from fragment 0, so each syncs every `sync_period` updates.
+        1 (default): the whole model at once.
+      delay: τ, the number of updates over which a fragment's all-reduce is
+        spread (0 <= τ <= `sync_period / fragments`; torchft's
+        `fragment_sync_delay`, the paper's overlap τ). The fragment's local
+        params are taken τ updates before its sync, all-reduced one chunk per
+        update during the next τ updates (from a buffer in the state, so that
+        the collective does not wait for the step's gradients), and merged at
+        the sync; the local progress of those τ updates is kept by `mix` only.
+        0 (default): taken and all-reduced at the sync.
+      mix: α in [0, 1], how much of the local fragment to keep at its sync
+        (torchft's `fragment_update_alpha`, the paper's α): the local slices
+        become `(1 - α) * new + α * local`, `new` being what they become
+        without it (`g`, or `start` with `nesterov=True`). 0.0 (default).
       axis_name: Replica axis; None (default) uses the one bound by the
         enclosing `jdp.parallelize`.
 
@@ -197,9 +242,13 @@ def bmuf(
       `update(updates, state, params)` requires `params`.
 
     Raises:
-      TypeError: If `sync_period` or `warmup_steps` is not an int, or
+      TypeError: If `sync_period`, `warmup_steps`, `fragments` or `delay` is not
+        an int, `mix` not a number, or
         `block_learning_rate` or `block_momentum` is not a number.
-      ValueError: At construction, for a `sync_period` < 1, a
+      ValueError: At construction, for a `sync_period` not divisible by
+        `fragments`, a `delay` above `sync_period / fragments`, a `mix` outside
+        [0, 1], negative `fragments` or `delay`, `inner_state_at_sync` other
+        than "keep" with `fragments` > 1; for a `sync_period` < 1, a
         `block_momentum` outside [0, 1), a `block_learning_rate` <= 0 (or either
         of them NaN or infinite), a
         negative `warmup_steps`, an unknown `inner_state_at_sync`, or `outer`
@@ -232,6 +281,11 @@ def bmuf(
 
       Douillard et al., "DiLoCo: Distributed Low-Communication Training of
       Language Models", 2023, https://arxiv.org/abs/2311.08105.
+
+      Douillard et al., "Streaming DiLoCo with overlapping communication:
+      Towards a Distributed Free Lunch", 2025, https://arxiv.org/abs/2501.18512
+      (`fragments`, `delay`, `mix`); torchft's `torchft/local_sgd.py`,
+      `DiLoCo(model_fragments, ..., fragment_sync_delay, fragment_update_alpha)`.
     """
     options = _Options(
         block_learning_rate=block_learning_rate,
@@ -240,16 +294,28 @@ def bmuf(
         inner_state_at_sync=inner_state_at_sync,
         warmup_steps=warmup_steps,
         outer=outer,
+        fragments=fragments,
+        delay=delay,
+        mix=mix,
+        sync_period=sync_period,
     )
     _check_options(inner, sync_period, options)
     stores_start = options.stores_start
+    streaming = options.streaming
+    period = sync_period // fragments  # steps between two fragment syncs
     axis = axis_name
 
     def init_fn(params):
         if outer is None:
             velocity = jax.tree.map(jnp.zeros_like, params)
+        elif streaming:
+            plan = _plan(params, fragments, delay)
+            leaves = [jnp.asarray(x) for x in jax.tree.leaves(params)]
+            velocity = tuple(outer.init(_take(leaves, f)) for f in plan.fragments)
         else:
             velocity = outer.init(params)
+        if streaming:
+            _plan(params, fragments, delay)  # refuses a tree too small to split
         return BMUFState(
             count=jnp.zeros((), jnp.int32),
             global_params=jax.tree.map(jnp.asarray, params),
@@ -257,9 +323,15 @@ def bmuf(
             velocity=velocity,
             inner_state=inner.init(params),
             synced=jnp.zeros((), jnp.bool_),
+            pending=jax.tree.map(jnp.array, params) if delay else None,
         )
 
-    merge = functools.partial(_merge, inner=inner, axis=axis, options=options)
+    merge = functools.partial(
+        _merge_streaming if streaming else _merge,
+        inner=inner,
+        axis=axis,
+        options=options,
+    )
 
     def update_fn(updates, state, params=None, **extra_args):
         if params is None:
@@ -274,9 +346,7 @@ def bmuf(
                 lambda u: u,
                 updates,
             )
-        is_sync = (count >= warmup_steps) & (
-            (count - warmup_steps + 1) % sync_period == 0
-        )
+        is_sync = (count >= warmup_steps) & ((count - warmup_steps + 1) % period == 0)
         inner_updates, inner_state = inner.update(updates, state.inner_state, params)
         new_state = state._replace(
             count=count + jnp.ones((), jnp.int32),
@@ -347,7 +417,7 @@ def _merge(params, old_state, state, *, inner, axis, options):
 
     def sync(operands):
         params, g, start, v, inner_state = operands
-        avg = _mean(params, axis_name)
+        avg = _average_params(params, start if stores_start else g, axis_name)
         g, start, v = _block_update(
             g,
             start,
@@ -381,6 +451,284 @@ def _merge(params, old_state, state, *, inner, axis, options):
         velocity=v,
         inner_state=state.inner_state if keeps else inner_state,
     )
+
+
+def _merge_streaming(params, old_state, state, *, inner, axis, options):
+    """The fragment syncs of Streaming DiLoCo (`fragments`, `delay`, `mix`).
+
+    Same arguments and results as `_merge`. Counting the updates after warmup
+    from 1, with `P = sync_period // fragments` and `τ = delay`, update `n`:
+
+    1. all-reduces chunk `j` of the fragment in flight, if `n` is one of the `τ`
+       updates that end at that fragment's sync: the chunk of the state's
+       `pending` buffer (this replica's snapshot, taken `τ` updates earlier)
+       becomes the replicas' mean; the operand comes from the state, never from
+       this step's gradients;
+    2. syncs fragment `(n // P - 1) mod fragments` if `P` divides `n`: the outer
+       update of its slices of `g` (and `start`, `v` or its outer state), then
+       its local slices become `lerp(target, local, mix)`;
+    3. with `τ >= 1`, snapshots the local slices of the fragment whose sync
+       falls `τ` updates later into `pending`.
+
+    Each of the three is a `lax.switch` on int32 counters: one compiled step.
+    """
+    fragments, delay, alpha = options.fragments, options.delay, options.mix
+    stores_start, outer = options.stores_start, options.outer
+    at_sync, warmup_steps = options.inner_state_at_sync, options.warmup_steps
+    period = options.sync_period // fragments
+    axis_name = _collectives.resolve_axis(axis)
+    eta = _eta(axis_name, options.block_momentum)
+    plan = _plan(params, fragments, delay)
+    treedef = jax.tree.structure(params)
+    flat, tree = jax.tree.leaves, functools.partial(jax.tree.unflatten, treedef)
+    applied = state.count != old_state.count  # not an accumulation micro-step
+    g, start, pending = state.global_params, state.start, state.pending
+    if warmup_steps:
+
+        def follow_replicas(operands):
+            params, g, _, pending = operands
+            g = _cast_like(params, g)
+            pending = None if pending is None else _cast_like(params, pending)
+            return g, (g if stores_start else None), pending
+
+        g, start, pending = lax.cond(
+            applied & (old_state.count < warmup_steps),
+            follow_replicas,
+            lambda operands: operands[1:],
+            (params, g, start, pending),
+        )
+    active = applied & (old_state.count >= warmup_steps)
+    n = state.count - warmup_steps  # this update's number, from 1 after warmup
+    phase = (n - 1) % period + 1  # 1 .. period; `period`: a sync step
+    fragment = ((n - 1) // period) % fragments  # whose sync ends this window
+
+    if delay:  # 1. One chunk of the fragment in flight, from the state.
+        in_flight = active & (phase > period - delay)
+        chunk = fragment * delay + (phase - (period - delay) - 1)
+        pending = _reduce_chunk(
+            pending,
+            start if stores_start else g,
+            jnp.where(in_flight, chunk + 1, 0),
+            plan,
+            axis_name,
+        )
+
+    # 2. The sync of one fragment.
+    def sync_fragment(f):
+        pieces = plan.fragments[f]
+
+        def run(operands):
+            params, g, start, v, inner_state, pending = operands
+            p_leaves, g_leaves = flat(params), flat(g)
+            local, g_f = _take(p_leaves, pieces), _take(g_leaves, pieces)
+            s_f = _take(flat(start), pieces) if stores_start else None
+            if delay:
+                avg = _take(flat(pending), pieces)
+            else:
+                avg = _average_params(local, s_f if stores_start else g_f, axis_name)
+            v_f = v[f] if outer is not None else _take(flat(v), pieces)
+            g_f, s_f, v_f = _block_update(
+                g_f, s_f, v_f, avg, eta, options.block_learning_rate,
+                options.nesterov, outer,
+            )  # fmt: skip
+            target = s_f if stores_start else g_f
+            if alpha:  # torchft's `lerp(target, local, alpha)`
+                target = _float_map(
+                    lambda t, x: t + alpha * (x.astype(t.dtype) - t), target, local
+                )
+            params = tree(_put(p_leaves, pieces, _cast_like(target, local)))
+            g = tree(_put(g_leaves, pieces, g_f))
+            if stores_start:
+                start = tree(_put(flat(start), pieces, s_f))
+            if outer is not None:
+                v = v[:f] + (v_f,) + v[f + 1 :]
+            else:
+                v = tree(_put(flat(v), pieces, v_f))
+            if at_sync != "keep":  # one fragment: the whole tree
+                whole = tree(_put(flat(params), pieces, s_f if stores_start else g_f))
+                inner_state = _inner_state_at_sync(
+                    inner_state, whole, inner, at_sync, axis_name
+                )
+            return params, g, start, v, inner_state, pending
+
+        return run
+
+    keeps = at_sync == "keep"
+    is_sync = active & (phase == period)
+    params, g, start, v, inner_state, _ = lax.switch(
+        jnp.where(is_sync, fragment + 1, 0),
+        [_keep] + [sync_fragment(f) for f in range(fragments)],
+        (
+            params,
+            g,
+            start,
+            state.velocity,
+            None if keeps else state.inner_state,
+            pending,
+        ),
+    )
+
+    if delay:  # 3. The fragment whose sync is `delay` updates ahead.
+        ahead = n + delay
+        due = active & (ahead % period == 0)
+        which = (ahead // period - 1) % fragments
+        pending = _snapshot(pending, params, jnp.where(due, which + 1, 0), plan)
+    return params, state._replace(
+        global_params=g,
+        start=start,
+        velocity=v,
+        inner_state=state.inner_state if keeps else inner_state,
+        pending=pending,
+    )
+
+
+def _keep(operands):
+    return operands
+
+
+def _reduce_chunk(pending, ref, index, plan, axis_name):
+    """`pending` with chunk `index - 1` (0: none) all-reduced (`plan.chunks`)."""
+    flat, tree = (
+        jax.tree.leaves,
+        functools.partial(jax.tree.unflatten, jax.tree.structure(pending)),
+    )
+
+    def reduce(pieces):
+        def run(operands):
+            pending, ref = operands
+            leaves = flat(pending)
+            avg = _average_params(
+                _take(leaves, pieces), _take(flat(ref), pieces), axis_name
+            )
+            return tree(_put(leaves, pieces, avg)), ref
+
+        return run if pieces else _keep
+
+    branches = [_keep] + [reduce(c) for chunks in plan.chunks for c in chunks]
+    return lax.switch(index, branches, (pending, ref))[0]
+
+
+def _snapshot(pending, params, index, plan):
+    """`pending` with fragment `index - 1` (0: none) copied from `params`."""
+    flat, tree = (
+        jax.tree.leaves,
+        functools.partial(jax.tree.unflatten, jax.tree.structure(pending)),
+    )
+
+    def copy(pieces):
+        def run(operands):
+            pending, params = operands
+            leaves = flat(pending)
+            taken = _cast_like(_take(flat(params), pieces), _take(leaves, pieces))
+            return tree(_put(leaves, pieces, taken)), params
+
+        return run
+
+    branches = [_keep] + [copy(pieces) for pieces in plan.fragments]
+    return lax.switch(index, branches, (pending, params))[0]
+
+
+class _Piece(NamedTuple):
+    """Rows `start:stop` (first axis) of leaf number `leaf`; `whole`: all of it."""
+
+    leaf: int
+    start: int
+    stop: int
+    whole: bool
+
+
+class _Plan(NamedTuple):
+    """The fragments (tuples of pieces) and, per fragment, its `delay` chunks."""
+
+    fragments: tuple[tuple[_Piece, ...], ...]
+    chunks: tuple[tuple[tuple[_Piece, ...], ...], ...]
+
+
+def _plan(params: PyTree, fragments: int, delay: int) -> _Plan:
+    """The split of `params` into fragments and chunks: a function of the shapes."""
+    shapes = tuple(
+        (tuple(jnp.shape(x)), jnp.dtype(jnp.result_type(x)).itemsize)
+        for x in jax.tree.leaves(params)
+    )
+    return _plan_of_shapes(shapes, fragments, delay)
+
+
+@functools.lru_cache(maxsize=64)
+def _plan_of_shapes(shapes, fragments: int, delay: int) -> _Plan:
+    rows = [shape[0] if shape else 1 for shape, _ in shapes]
+    row_bytes = [itemsize * int(math.prod(shape[1:])) for shape, itemsize in shapes]
+    pieces = tuple(
+        _Piece(i, 0, r, True) for i, r in enumerate(rows) if r and row_bytes[i]
+    )
+    frags = _split(pieces, rows, row_bytes, fragments)
+    empty = [f for f, pieces in enumerate(frags) if not pieces]
+    if empty:
+        total = sum(rows[p.leaf] for p in pieces)
+        raise ValueError(
+            f"`jdp.bmuf`: cannot split the parameters into `fragments={fragments}` "
+            f"fragments: they have {total} rows (first-axis slices) in all, and "
+            f"fragment {empty[0]} would be empty. Use fewer fragments."
+        )
+    chunks = tuple(_split(f, rows, row_bytes, delay) for f in frags) if delay else ()
+    return _Plan(frags, chunks)
+
+
+def _split(pieces, rows, row_bytes, parts: int) -> tuple[tuple[_Piece, ...], ...]:
+    """`pieces` cut at row boundaries into `parts` runs of nearly equal bytes."""
+    total = sum((p.stop - p.start) * row_bytes[p.leaf] for p in pieces)
+    cuts = [total * k / parts for k in range(1, parts)] + [math.inf]
+    groups: list[list[_Piece]] = [[] for _ in range(parts)]
+    offset, group = 0, 0
+
+    def emit(leaf, a, b):
+        if b > a:
+            groups[group].append(_Piece(leaf, a, b, a == 0 and b == rows[leaf]))
+
+    for p in pieces:
+        size = (p.stop - p.start) * row_bytes[p.leaf]
+        row = p.start
+        while cuts[group] < offset + size:
+            cut = p.start + round((cuts[group] - offset) / row_bytes[p.leaf])
+            cut = min(max(cut, row), p.stop)
+            emit(p.leaf, row, cut)
+            row, group = cut, group + 1
+        emit(p.leaf, row, p.stop)
+        offset += size
+    return tuple(tuple(g) for g in groups)
+
+
+def _take(leaves, pieces) -> list:
+    """The pieces' slices of `leaves`, in order."""
+    return [
+        leaves[p.leaf] if p.whole else leaves[p.leaf][p.start : p.stop] for p in pieces
+    ]
+
+
+def _put(leaves, pieces, values) -> list:
+    """`leaves` with the pieces' slices replaced by `values`."""
+    leaves = list(leaves)
+    for p, value in zip(pieces, values, strict=True):
+        x = leaves[p.leaf]
+        value = jnp.asarray(value).astype(jnp.result_type(x))
+        if p.whole:
+            leaves[p.leaf] = value
+        else:
+            leaves[p.leaf] = lax.dynamic_update_slice_in_dim(x, value, p.start, 0)
+    return leaves
+
+
+def _average_params(local, ref, axis_name):
+    """The replicas' mean of their `local` params at a sync: the one place.
+
+    Every block or fragment sync averages the replicas' params here: today's
+    block sync on the whole tree, a fragment's sync with `delay=0`, and each
+    chunk of a delayed one. `ref` (the same structure) is the block start every
+    replica began from, so that `ref - local` is the replica's outer
+    pseudo-gradient (for a compressed all-reduce of it); with a plain mean it
+    is not needed.
+    """
+    del ref
+    return _mean(local, axis_name)
 
 
 def _inner_state_at_sync(inner_state, target, inner, mode, axis_name):
@@ -478,6 +826,7 @@ def _check_options(inner, sync_period, options: _Options) -> None:
             note="or None for the default 1 - 1 / num_replicas",
         )
     _validate.non_negative_int("warmup_steps", options.warmup_steps)
+    _check_streaming(sync_period, options)
     if inner_state_at_sync not in get_args(InnerStateAtSync):
         raise ValueError(
             "`inner_state_at_sync` must be one of 'keep', 'reset', 'average'; got "
@@ -492,6 +841,42 @@ def _check_options(inner, sync_period, options: _Options) -> None:
                 "into `outer`, e.g. `outer=optax.sgd(block_learning_rate, "
                 "momentum=block_momentum, nesterov=True)`."
             )
+
+
+def _check_streaming(sync_period: int, options: _Options) -> None:
+    """The checks of `fragments`, `delay` and `mix` (Streaming DiLoCo)."""
+    fragments, delay, mix = options.fragments, options.delay, options.mix
+    _validate.positive_int("fragments", fragments, note="1: the whole model at once")
+    _validate.non_negative_int("delay", delay)
+    if sync_period % fragments:
+        raise ValueError(
+            f"`sync_period` ({sync_period}) must be divisible by `fragments` "
+            f"({fragments}): one fragment syncs every sync_period / fragments "
+            "steps, so that each syncs every `sync_period` steps. Use e.g. "
+            f"`sync_period={fragments * max(1, round(sync_period / fragments))}`."
+        )
+    period = sync_period // fragments
+    if delay > period:
+        raise ValueError(
+            f"`delay` ({delay}) must be at most sync_period / fragments "
+            f"({sync_period} / {fragments} = {period}): a fragment's all-reduce "
+            "must end before the next fragment's begins."
+        )
+    mix = _validate.finite_number(
+        "mix", mix, at_least=0, note="at most 1; 0 discards the delayed local steps"
+    )
+    if mix > 1:
+        raise ValueError(
+            f"`mix` must be a finite number in [0, 1] (the weight of the local "
+            f"params in the merged fragment), got {mix!r}."
+        )
+    if fragments > 1 and options.inner_state_at_sync != "keep":
+        raise ValueError(
+            f"`inner_state_at_sync={options.inner_state_at_sync!r}` acts on the "
+            f"whole inner state at once, but with `fragments={fragments}` each "
+            "sync merges one fragment: use `inner_state_at_sync='keep'` (as "
+            "Streaming DiLoCo does) or `fragments=1`."
+        )
 
 
 def _check_transform(tx: Any, name: str) -> None:
