@@ -29,6 +29,7 @@ from typing import Literal
 import jax
 
 from jdp import _coordination, _jax_compat, _validate
+from jdp.distributed import _cluster, _watchdog
 
 ENV_COORDINATOR_ADDRESS = "JDP_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "JDP_NUM_PROCESSES"
@@ -95,6 +96,9 @@ _config: dict | None = None
 # Its `timeout_s`: how long `shutdown` waits for the other processes.
 _shutdown_timeout_s: int = 300
 _exit_hook_installed = False
+# The stall check of this process (`stall_timeout_s`), while it is in a job.
+_stall_watch: _watchdog.Watchdog | None = None
+_finish_hook_installed = False
 
 
 def _env_int(name: str) -> int | None:
@@ -286,6 +290,7 @@ def initialize(
     timeout_s: int = 300,
     heartbeat_timeout_s: int = 100,
     fail_fast: bool | None = None,
+    stall_timeout_s: float | None = None,
 ) -> None:
     """Connects this process to the others of a multi-process job.
 
@@ -298,7 +303,22 @@ def initialize(
     variables `JDP_COORDINATOR_ADDRESS`, `JDP_NUM_PROCESSES` and `JDP_PROCESS_ID`
     (set by `python -m jdp.launch`); otherwise JAX's own detection of SLURM, Open
     MPI, Kubernetes or Cloud TPU. With none of these, it does nothing and the
-    program runs as one process, so one script runs alone or under a launcher.
+    program runs as one process, so one script runs alone or under a launcher;
+    but where the environment says that the job has several processes (a task
+    count such as `$SLURM_NTASKS=4` or `$OMPI_COMM_WORLD_SIZE=4`, an indexed
+    Kubernetes Job's `$JOB_COMPLETION_INDEX` above 0, a JobSet's
+    `$REPLICATED_JOB_REPLICAS`), a process that finds itself alone raises
+    instead of training a model of its own (an indexed Job at index 0 without
+    the `kubernetes` package, which may have one pod, only logs a warning).
+
+    A process that SLURM or Open MPI started gets the GPUs that belong to it
+    (JAX alone would give it one, numbered like its local rank): the only task
+    on its node, all of them; several tasks sharing the node's GPUs
+    (`$SLURM_NTASKS_PER_NODE`, `$OMPI_COMM_WORLD_LOCAL_SIZE`), an equal share
+    each by local rank (`$SLURM_LOCALID`, `$OMPI_COMM_WORLD_LOCAL_RANK`); a task
+    whose `$CUDA_VISIBLE_DEVICES` is a subset of the node's
+    (`$SLURM_GPUS_ON_NODE`; SLURM's `--gpus-per-task`), all it sees. The choice
+    is logged at INFO (logger `jdp.distributed`).
 
     On CPU, collectives between processes use gloo over TCP. Calling it again with
     the same (or no) arguments does nothing.
@@ -326,7 +346,9 @@ def initialize(
 
     By default `initialize` changes nothing process-wide beyond JAX's own set-up:
     not `sys.excepthook`, not a signal handler, no `atexit` handler; a program
-    (or a library calling it) keeps its own. `fail_fast=True` asks for them.
+    (or a library calling it) keeps its own. `fail_fast=True` asks for them
+    (and `stall_timeout_s` adds an `atexit` handler that tells the other
+    processes' stall checks that this one has finished).
 
     Args:
       coordinator_address: `"host:port"` of process 0, which hosts JAX's
@@ -335,6 +357,9 @@ def initialize(
       process_id: This process's index, in `[0, num_processes)`.
       local_device_ids: Restricts this process to these local accelerator ids
         (e.g. one GPU per process); passed to `jax.distributed.initialize`.
+        None (default): under SLURM or Open MPI, the GPUs of this process as
+        described above; otherwise every device the process sees. Given, it
+        always wins.
       cpu_collectives: CPU collectives between processes: `"gloo"` (default),
         `"mpi"` (needs an MPI installation), or None to leave JAX's setting.
       timeout_s: Seconds to wait for all processes to connect (300 by default);
@@ -354,17 +379,39 @@ def initialize(
         not arrive, see above); and SIGTERM's handler from before the call, put
         back after JAX's preemption service took SIGTERM over. If False, none of
         these.
+      stall_timeout_s: Seconds after which a job whose processes furthest
+        behind made no progress (no jdp step started) is stopped, or None.
+        None (default): `$JDP_STALL_TIMEOUT_S` decides (unset, empty or "0":
+        no check). Off by default because what is a stall depends on the job
+        (a long evaluation or checkpoint between two steps is not one). When
+        on, each process publishes its step count through JAX's coordination
+        service and a daemon thread reads the others'; when the processes
+        furthest behind made no progress for `stall_timeout_s` (or processes
+        wait in a step that a finished process never started), every process
+        prints on stderr which process stopped first and at which step call,
+        with that process's Python stack, and exits with status 124 within a
+        few seconds. Nothing is judged before the first step of some process.
+        Under `python -m jdp.launch`, the launcher's own check
+        (`--stall-timeout`) does this already.
 
     Raises:
       TypeError: If an argument has the wrong type (e.g. `num_processes="2"`;
         counts, ids and seconds are ints, not bools; `fail_fast` is a bool or
-        None).
+        None; `stall_timeout_s` is a number or None).
       ValueError: If an argument or `JDP_*` variable is malformed (e.g.
-        `$JDP_FAIL_FAST` other than "0" or "1"), a count or timeout is below 1,
-        `process_id` is outside `[0, num_processes)`, or the configuration is
-        incomplete.
+        `$JDP_FAIL_FAST` other than "0" or "1", `$JDP_STALL_TIMEOUT_S` not a
+        number), a count or timeout is below 1 (`stall_timeout_s`: not above
+        0), `process_id` is outside `[0, num_processes)`, or the configuration
+        is incomplete; or if the SLURM / Open MPI variables contradict each
+        other or the tasks of a node cannot share its GPUs evenly (the message
+        names the variables; pass `local_device_ids` to choose yourself).
       RuntimeError: If JAX's backends already started, or this process was
-        already initialized with different arguments.
+        already initialized with different arguments, or the environment says
+        that the job has several processes (`$SLURM_NTASKS`,
+        `$OMPI_COMM_WORLD_SIZE`, `$PMI_SIZE`, `$JOB_COMPLETION_INDEX`, a
+        JobSet's counts) but this process would run alone (the message names
+        the variable and the fix, e.g. install `jdp[k8s]` or start the
+        processes with `srun`).
       OSError: On process 0, if the coordinator cannot listen on its port
         (`errno.EADDRINUSE` if the port is in use: the message names the port).
       TimeoutError: If process 0's coordinator accepts no connection within
@@ -380,13 +427,16 @@ def initialize(
       >>> jdp.distributed.initialize("10.0.0.1:1234", 2, 0)  # doctest: +SKIP
       >>> jdp.distributed.initialize()  # under `python -m jdp.launch` # doctest: +SKIP
 
-      A job started otherwise (SLURM, by hand) that should fail fast too:
+      A job started otherwise (SLURM, by hand) that should fail fast too, and
+      stop within a minute when a process gets stuck:
 
       >>> jdp.distributed.initialize(fail_fast=True)  # doctest: +SKIP
+      >>> jdp.distributed.initialize(stall_timeout_s=60)  # doctest: +SKIP
     """
     global _config, _shutdown_timeout_s
     _check_options(cpu_collectives, timeout_s, heartbeat_timeout_s)
     fail_fast = _fail_fast(fail_fast)
+    stall_timeout_s = _watchdog.timeout_from(stall_timeout_s, os.environ)
     requested = _requested_config(coordinator_address, num_processes, process_id)
     _check_config(**requested)
     if _config is not None or jax.distributed.is_initialized():
@@ -395,6 +445,11 @@ def initialize(
     given = [k for k, v in requested.items() if v is not None]
     if _jax_compat.backends_started():
         if not given:  # nothing configured: a single process, already running
+            _check_alone(
+                "JAX's backends started before `jdp.distributed.initialize` "
+                "(call it first, before any other JAX call), so this process "
+                "runs alone"
+            )
             return
         raise RuntimeError(_TOO_LATE_MSG)
     bind = _check_coordinator_port(requested)
@@ -412,10 +467,69 @@ def initialize(
         return
     _config = _joined_config(requested)
     _shutdown_timeout_s = timeout_s
+    if requested["num_processes"] is None and _config["num_processes"] == 1:
+        _leave_alone_job()
     if fail_fast:
         _install_exit_hook()
         _restore_sigterm(sigterm)
         _install_fail_fast()
+    if stall_timeout_s is not None:
+        _start_stall_watch(stall_timeout_s)
+
+
+def _check_alone(found: str) -> None:
+    """Raises (or warns) if the environment says that this job has several processes."""
+    expected = _cluster.expected_processes(
+        os.environ, kubernetes=_cluster.kubernetes_installed()
+    )
+    if expected is None:
+        return
+    message = _cluster.one_process_message(expected, found=found)
+    if expected.certain:
+        raise RuntimeError(message)
+    _log.warning(message)
+
+
+def _leave_alone_job() -> None:
+    """Raises if JAX's cluster detection made a job of one where there are several."""
+    try:
+        _check_alone("JAX's cluster detection made a job of one process")
+    except RuntimeError:
+        global _config
+        _config = None
+        jax.distributed.shutdown()
+        raise
+
+
+def _start_stall_watch(timeout_s: float) -> None:
+    """Starts this process's stall check (see `initialize`'s `stall_timeout_s`)."""
+    global _stall_watch, _finish_hook_installed
+    client = _coordination.client()
+    if client is None or _config is None:
+        return
+    _stall_watch = _watchdog.Watchdog(
+        client,
+        _config["process_id"],
+        _config["num_processes"],
+        timeout_s,
+        exit_fn=flush_and_exit,
+    ).start()
+    _log.info(
+        "Stall check on: a process with no progress for %g s while others wait "
+        "stops the job.",
+        timeout_s,
+    )
+    if not _finish_hook_installed:
+        # Runs before JAX's own exit handler (registered earlier): a process at
+        # its exit makes no more steps, and is not to be judged as stuck.
+        atexit.register(_finished)
+        _finish_hook_installed = True
+
+
+def _finished() -> None:
+    """Tells the other processes' stall checks that this one made its last step."""
+    if _stall_watch is not None:
+        _stall_watch.mark_finished()
 
 
 def _check_options(
@@ -518,21 +632,19 @@ def _join(
     none), JAX's cluster detection fills in the rest (or fails).
     """
     given = [k for k, v in requested.items() if v is not None]
+    args = jax_initialize_args(
+        requested,
+        local_device_ids=local_device_ids,
+        timeout_s=timeout_s,
+        heartbeat_timeout_s=heartbeat_timeout_s,
+        bind=bind,
+    )
     watchdog = _start_watchdog(**requested, timeout_s=timeout_s)
     try:
-        jax.distributed.initialize(
-            requested["coordinator_address"],
-            requested["num_processes"],
-            requested["process_id"],
-            local_device_ids=local_device_ids,
-            initialization_timeout=timeout_s + _JAX_GRACE_S,
-            heartbeat_timeout_seconds=heartbeat_timeout_s,
-            # jdp's own watchdog (`shutdown`) ends the wait first, with a message.
-            shutdown_timeout_seconds=timeout_s + _JAX_GRACE_S,
-            coordinator_bind_address=bind,
-        )
+        jax.distributed.initialize(**args)
     except ValueError as e:
         if not given and _jax_compat.is_no_cluster_found(e):
+            _check_alone("JAX's cluster detection found no job to join")
             _log.info("No multi-process configuration found; running as one process.")
             return False
         raise _incomplete_config_error(e, requested) from e
@@ -544,6 +656,66 @@ def _join(
         if watchdog is not None:
             watchdog.cancel()
     return True
+
+
+def local_devices(
+    local_device_ids: int | Sequence[int] | None,
+    environ: dict | None = None,
+) -> int | Sequence[int] | None:
+    """The `local_device_ids` to pass to JAX: the argument, else the cluster's plan.
+
+    JAX gives a process started by SLURM or Open MPI one device, the one numbered
+    like its local rank, unless told otherwise; `_cluster.plan_local_devices`
+    gives it the GPUs that are its own. The choice is logged (INFO).
+    """
+    environ = os.environ if environ is None else environ
+    if local_device_ids is not None:
+        _log.info("local_device_ids=%s (given).", local_device_ids)
+        return local_device_ids
+    if environ.get("JAX_LOCAL_DEVICE_IDS"):
+        _log.info(
+            "local_device_ids from $JAX_LOCAL_DEVICE_IDS=%s (JAX reads it).",
+            environ["JAX_LOCAL_DEVICE_IDS"],
+        )
+        return None
+    plan = _cluster.plan_local_devices(environ, node_gpus=_cluster.node_gpus())
+    if plan is None:
+        return None
+    shown = "every device it sees" if plan.local_device_ids == [] else None
+    _log.info(
+        "local_device_ids=%s (%s).",
+        shown or plan.local_device_ids,
+        plan.reason,
+    )
+    return plan.local_device_ids
+
+
+def jax_initialize_args(
+    requested: dict,
+    *,
+    local_device_ids: int | Sequence[int] | None,
+    timeout_s: int,
+    heartbeat_timeout_s: int,
+    bind: str | None,
+    environ: dict | None = None,
+) -> dict:
+    """The keyword arguments of jdp's call of `jax.distributed.initialize`.
+
+    An empty `local_device_ids` (a process that has its node's devices to itself)
+    is passed as such: JAX 0.10 then restricts nothing, where None would let its
+    cluster detection restrict the process to one device.
+    """
+    return dict(
+        coordinator_address=requested["coordinator_address"],
+        num_processes=requested["num_processes"],
+        process_id=requested["process_id"],
+        local_device_ids=local_devices(local_device_ids, environ),
+        initialization_timeout=timeout_s + _JAX_GRACE_S,
+        heartbeat_timeout_seconds=heartbeat_timeout_s,
+        # jdp's own watchdog (`shutdown`) ends the wait first, with a message.
+        shutdown_timeout_seconds=timeout_s + _JAX_GRACE_S,
+        coordinator_bind_address=bind,
+    )
 
 
 def _start_watchdog(
@@ -668,12 +840,20 @@ def shutdown() -> None:
       >>> import jdp
       >>> jdp.distributed.shutdown()  # nothing to do in a single process
     """
-    global _config
+    global _config, _stall_watch
     config, _config = _config, None
-    if config is None or config["num_processes"] < 2 or not is_initialized():
-        jax.distributed.shutdown()
-        return
-    _leave(config["process_id"], config["num_processes"], _shutdown_timeout_s)
+    watch = _stall_watch
+    if watch is not None:
+        watch.mark_finished()  # waiting for the others is not being stuck
+    try:
+        if config is None or config["num_processes"] < 2 or not is_initialized():
+            jax.distributed.shutdown()
+            return
+        _leave(config["process_id"], config["num_processes"], _shutdown_timeout_s)
+    finally:
+        if watch is not None:
+            watch.stop()
+            _stall_watch = None
 
 
 def _leave(process_id: int, num_processes: int, timeout_s: int) -> None:

@@ -1,0 +1,454 @@
+"""Private: the stall check of a job started without `python -m jdp.launch`.
+
+A process that is alive but stuck (a deadlocked data loader, a rank waiting in a
+collective that another never joins) is invisible to JAX: its heartbeats go on,
+and the others wait for it forever. Under `srun`, `mpirun` or Kubernetes no
+launcher watches the processes, so each process watches the others itself,
+through JAX's coordination service (its key-value store):
+
+- every process publishes its progress count (`jdp._progress`, one more as each
+  jdp step starts) under `jdp/stall/p/<process>`, when it changes;
+- a daemon thread in every process reads all the counts and judges them as the
+  launcher does (`jdp/launch/_stall.py`): nothing is judged before the first
+  progress of some process; then the running processes furthest behind have
+  `timeout_s` seconds to progress;
+- the first process to find a stall writes the verdict (`jdp/stall/verdict`,
+  written once: the first writer wins, so every process acts on the same one);
+  the processes it names dump their own Python stacks (`faulthandler`) and
+  publish them; every process prints the verdict on stderr, then all exit with
+  status `EXIT_CODE` within a few seconds of one another.
+
+A process that reaches the end of its program (`shutdown`, or the interpreter's
+exit) says so (`"done"`): it is not judged as stuck, but processes in a step it
+never started wait for it in vain, which is reported after
+`min(FINISHED_GRACE_S, timeout_s)`.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import logging
+import os
+import socket
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+from jdp import _progress, _validate
+
+#: The default of `initialize`'s `stall_timeout_s` (seconds; unset or "0": off).
+ENV_STALL_TIMEOUT = "JDP_STALL_TIMEOUT_S"
+#: The exit status of every process of a stalled job (as `timeout(1)` and the
+#: launcher's stall check).
+EXIT_CODE = 124
+#: Seconds without progress of processes in a step that a finished process never
+#: started, after which they are stopped (at most the stall timeout).
+FINISHED_GRACE_S = 15.0
+#: How long a process waits for the stuck processes' stacks, and for the others
+#: to print, before it exits.
+STACK_WAIT_S = 5.0
+ACK_WAIT_S = 3.0
+
+_PREFIX = "jdp/stall/"
+_PROGRESS = _PREFIX + "p/"
+_VERDICT = _PREFIX + "verdict"
+_STACK = _PREFIX + "stack/"
+_ACK = _PREFIX + "ack/"
+
+_UNEVEN_HINT = (
+    "Every process must make the same number of step calls; a data set that "
+    "ends at different steps on different processes is the usual cause: give "
+    "every process the same number of batches (drop or pad the remainder; "
+    "`step.shard(..., pad=True)` pads a short last batch)."
+)
+
+_log = logging.getLogger("jdp.distributed")
+
+
+def timeout_from(
+    stall_timeout_s: float | None, environ: Mapping[str, str]
+) -> float | None:
+    """`initialize`'s `stall_timeout_s`, checked; None: from `$JDP_STALL_TIMEOUT_S`.
+
+    Returns None (no stall check) for None with the variable unset, empty or "0".
+    """
+    if stall_timeout_s is None:
+        value = environ.get(ENV_STALL_TIMEOUT, "").strip()
+        if value in ("", "0"):
+            return None
+        try:
+            seconds = float(value)
+        except ValueError:
+            seconds = -1.0
+        if not seconds > 0 or seconds == float("inf"):
+            raise ValueError(
+                f"Environment variable ${ENV_STALL_TIMEOUT} must be a number of "
+                f"seconds > 0 (or 0 / unset: no stall check), got {value!r}."
+            )
+        return seconds
+    if isinstance(stall_timeout_s, bool) or not isinstance(
+        stall_timeout_s, (int, float)
+    ):
+        raise TypeError(
+            "`stall_timeout_s` must be a number of seconds > 0, or None (read "
+            f"${ENV_STALL_TIMEOUT}; unset: no stall check); got "
+            f"{_validate.describe(stall_timeout_s)}."
+        )
+    if not stall_timeout_s > 0 or stall_timeout_s == float("inf"):
+        raise ValueError(
+            "`stall_timeout_s` must be a number of seconds > 0, or None for no "
+            f"stall check; got {stall_timeout_s!r}."
+        )
+    return float(stall_timeout_s)
+
+
+class Verdict(NamedTuple):
+    """What stopped the job."""
+
+    #: "stall" (the processes furthest behind made no progress for the
+    #: timeout) or "finished" (processes wait in a step that a finished process
+    #: never started).
+    kind: str
+    #: The processes that stopped making progress (their stacks are shown).
+    behind: list[int]
+    #: Every process's progress count, by process.
+    counts: dict[int, int]
+    #: The finished process the others wait for ("finished" only).
+    finished: int | None = None
+
+    def to_json(self) -> str:
+        return json.dumps(self._asdict())
+
+    @classmethod
+    def from_json(cls, text: str) -> Verdict:
+        d = json.loads(text)
+        d["counts"] = {int(k): v for k, v in d["counts"].items()}
+        return cls(**d)
+
+
+class Tracker:
+    """Judges the processes' progress counts, as the launcher's `StallMonitor`.
+
+    Args:
+      num_processes: The processes of the job.
+      timeout_s: Seconds without progress that stop the job.
+      finished_grace_s: Seconds without progress of processes in a step that a
+        finished process never started (at most `timeout_s`).
+    """
+
+    def __init__(
+        self,
+        num_processes: int,
+        timeout_s: float,
+        finished_grace_s: float = FINISHED_GRACE_S,
+    ):
+        self.n = num_processes
+        self.timeout_s = timeout_s
+        self.grace_s = min(finished_grace_s, timeout_s)
+        self.counts = [0] * num_processes
+        self.changed_at: list[float | None] = [None] * num_processes
+        self.finished_at: list[float | None] = [None] * num_processes
+
+    def update(self, reports: Mapping[int, tuple[int, bool]], now: float) -> None:
+        """Takes `{process: (count, finished)}`; a changed count restarts its clock."""
+        for rank, (count, finished) in reports.items():
+            if not 0 <= rank < self.n:
+                continue
+            if count != self.counts[rank]:
+                self.counts[rank] = count
+                self.changed_at[rank] = now
+            if finished and self.finished_at[rank] is None:
+                self.finished_at[rank] = now
+        if any(self.counts) and None in self.changed_at:
+            # The first progress of the job: every process's clock starts now.
+            self.changed_at = [now if t is None else t for t in self.changed_at]
+
+    def verdict(self, now: float) -> Verdict | None:
+        """The stall (or the wait for a finished process) found now, if any."""
+        running = [r for r in range(self.n) if self.finished_at[r] is None]
+        if not any(self.counts) or not running:
+            return None
+        counts = dict(enumerate(self.counts))
+        low = min(self.counts[r] for r in running)
+        done = [r for r in range(self.n) if self.finished_at[r] is not None]
+        early = [r for r in done if self.counts[r] < low]
+        if early:
+            first = min(early, key=lambda r: (self.counts[r], r))
+            quiet = max(
+                [self.finished_at[first]] + [self.changed_at[r] for r in running]
+            )
+            if now - quiet > self.grace_s:
+                return Verdict("finished", running, counts, first)
+            return None
+        behind = [r for r in running if self.counts[r] == low]
+        if all(now - self.changed_at[r] > self.timeout_s for r in behind):
+            return Verdict("stall", behind, counts)
+        return None
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def _ranks(ranks: list[int]) -> str:
+    one = len(ranks) == 1
+    return ("process " if one else "processes ") + ", ".join(map(str, ranks))
+
+
+def describe(verdict: Verdict, timeout_s: float, grace_s: float, who: Mapping) -> str:
+    """The message of `verdict`: who stopped making progress first, at which step.
+
+    `who`: `{process: "host, pid N"}` where known.
+    """
+    n = len(verdict.counts)
+    counts = verdict.counts
+
+    def named(r: int) -> str:
+        return f"process {r} of {n}" + (f" ({who[r]})" if who.get(r) else "")
+
+    if verdict.kind == "finished":
+        first, waiting = verdict.finished, verdict.behind
+        at = sorted({counts[r] for r in waiting})
+        one = len(waiting) == 1
+        return (
+            f"{named(first)} finished its program after "
+            f"{_plural(counts[first], 'step call')} while {_ranks(waiting)} "
+            f"{'is' if one else 'are'} still running (at step call "
+            f"{', '.join(map(str, at))}) and made no progress for {grace_s:g} s: "
+            f"{'it waits' if one else 'they wait'} in a step that process "
+            f"{first} will never join. {_UNEVEN_HINT}"
+        )
+    behind = verdict.behind
+    low, high = counts[behind[0]], max(counts.values())
+    limit = f"{timeout_s:g} s"
+    if low == high:
+        of = "" if len(behind) == n else f" (of {n}) still running"
+        return (
+            f"none of the {len(behind)} processes{of} made progress for more than "
+            f"{limit}, all at step call {low}: they wait for each other (a "
+            "deadlock), or a step takes longer than that."
+        )
+    last = (
+        "before its first step call"
+        if low == 0
+        else f"its last step call was number {low}"
+    )
+    subject = (
+        named(behind[0])
+        if len(behind) == 1
+        else f"processes {', '.join(map(str, behind))} of {n}"
+    )
+    one = len(behind) == 1
+    return (
+        f"{subject} stopped making progress first: none for more than {limit} "
+        f"({last}), while the others reached step call {high} and wait for "
+        f"{'it' if one else 'them'}."
+    )
+
+
+def _dump_stack() -> str:
+    """This process's Python stacks, as `faulthandler` prints them.
+
+    Every thread but the one dumping them (the stall check's own).
+    """
+    with tempfile.TemporaryFile(mode="w+") as f:
+        faulthandler.dump_traceback(file=f, all_threads=True)
+        f.seek(0)
+        text = f.read()
+    blocks = [b for b in text.split("\n\n") if b.strip()]
+    others = [b for b in blocks if not b.lstrip().startswith("Current thread")]
+    return "\n\n".join(others or blocks)
+
+
+def _indent(text: str) -> str:
+    return "".join(f"    {line}\n" for line in text.rstrip().splitlines())
+
+
+class Watchdog:
+    """The stall check of one process: a daemon thread (see the module's text).
+
+    Args:
+      client: The coordination-service client (its key-value store).
+      process_id: This process.
+      num_processes: The processes of the job.
+      timeout_s: Seconds without progress that stop the job.
+      exit_fn: Ends the process with a status (flushes, then `os._exit`).
+      count: This process's progress count (`jdp._progress.count`).
+      out: Where the message goes (stderr).
+    """
+
+    def __init__(
+        self,
+        client: Any,
+        process_id: int,
+        num_processes: int,
+        timeout_s: float,
+        *,
+        exit_fn: Callable[[int], None],
+        count: Callable[[], int] = _progress.count,
+        out: Any = None,
+    ):
+        self.client = client
+        self.me = process_id
+        self.n = num_processes
+        self.timeout_s = timeout_s
+        self.exit_fn = exit_fn
+        self.count = count
+        self.out = out
+        self.period_s = min(max(timeout_s / 10, 0.1), 2.0)
+        self.tracker = Tracker(num_processes, timeout_s)
+        self._stop = threading.Event()
+        self._finished = False
+        self._published: tuple[int, bool] | None = None
+        self.who: dict[int, str] = {}
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(
+            target=self._run, name="jdp-stall-watch", daemon=True
+        )
+
+    def start(self) -> Watchdog:
+        self._publish()
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def mark_finished(self) -> None:
+        """Says that this process makes no more steps (its program has finished)."""
+        self._finished = True
+        try:
+            self._publish()
+        except Exception:  # the service may be gone; the others then stop too
+            pass
+
+    def _publish(self) -> None:
+        with self._lock:
+            now = (self.count(), self._finished)
+            if now == self._published:
+                return
+            value = json.dumps(
+                {
+                    "n": now[0],
+                    "done": now[1],
+                    "who": f"{socket.gethostname()}, pid {os.getpid()}",
+                }
+            )
+            self.client.key_value_set(
+                f"{_PROGRESS}{self.me}", value, allow_overwrite=True
+            )
+            self._published = now
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            try:
+                verdict = self._check()
+            except Exception:  # the service went away (a shutdown, a crash)
+                if self._stop.is_set():
+                    return
+                continue
+            if verdict is not None and not self._stop.is_set():
+                self._act(verdict)
+                return
+
+    def _check(self) -> Verdict | None:
+        """One round: publish, read everything, judge; the job's verdict, if any."""
+        self._publish()
+        entries = dict(self.client.key_value_dir_get(_PREFIX))
+        reports = {}
+        for key, value in entries.items():
+            if key.startswith(_PROGRESS) and key[len(_PROGRESS) :].isdigit():
+                rank = int(key[len(_PROGRESS) :])
+                record = json.loads(value)
+                reports[rank] = (int(record["n"]), bool(record["done"]))
+                self.who[rank] = record.get("who", "")
+        if _VERDICT in entries:
+            return Verdict.from_json(entries[_VERDICT])
+        self.tracker.update(reports, time.monotonic())
+        found = self.tracker.verdict(time.monotonic())
+        if found is None:
+            return None
+        try:  # the first process to write it wins: every process acts on one
+            self.client.key_value_set(_VERDICT, found.to_json())
+        except Exception:
+            pass
+        return Verdict.from_json(self.client.key_value_try_get(_VERDICT))
+
+    def _act(self, verdict: Verdict) -> None:
+        """Prints the verdict (with the stuck processes' stacks), then exits."""
+        stacks: dict[int, str] = {}
+        if self.me in verdict.behind:
+            stacks[self.me] = _dump_stack()
+            try:
+                self.client.key_value_set(
+                    f"{_STACK}{self.me}", stacks[self.me], allow_overwrite=True
+                )
+            except Exception:
+                pass
+        show = [r for r in verdict.behind if r != self.me]
+        if self.me != 0 and self.me not in verdict.behind:
+            show = []  # process 0 shows them: one copy in a merged output
+        deadline = time.monotonic() + STACK_WAIT_S
+        for r in show:
+            left_ms = max(int((deadline - time.monotonic()) * 1000), 1)
+            try:
+                stacks[r] = self.client.blocking_key_value_get(f"{_STACK}{r}", left_ms)
+            except Exception:
+                stacks[r] = ""
+        self._print(verdict, stacks, show)
+        try:
+            self.client.key_value_set(f"{_ACK}{self.me}", "1", allow_overwrite=True)
+        except Exception:
+            pass
+        # Exit together: a process that leaves first may end the others (JAX
+        # stops a job one of whose processes disconnected) before they print.
+        deadline = time.monotonic() + ACK_WAIT_S
+        for r in range(self.n):
+            if r != self.me:
+                left_ms = max(int((deadline - time.monotonic()) * 1000), 1)
+                try:
+                    self.client.blocking_key_value_get(f"{_ACK}{r}", left_ms)
+                except Exception:
+                    pass
+        self.exit_fn(EXIT_CODE)
+
+    def _print(
+        self, verdict: Verdict, stacks: dict[int, str], shown: list[int]
+    ) -> None:
+        text = "jdp.distributed: " + describe(
+            verdict, self.timeout_s, self.tracker.grace_s, self.who
+        )
+        for r in verdict.behind:
+            if r in stacks and stacks[r]:
+                text += (
+                    f"\nThe Python stack of process {r} (faulthandler, every thread):\n"
+                )
+                text += _indent(stacks[r])
+            elif r in shown:
+                text += (
+                    f"\nProcess {r} did not send its stack within {STACK_WAIT_S:g} "
+                    "s: its threads cannot run (it may hold Python's GIL in "
+                    "native code) or it has gone."
+                )
+        if not stacks and verdict.behind:
+            text += (
+                f"\n(The stack of {_ranks(verdict.behind)} is in the output of "
+                f"{'process 0 and of ' if 0 not in verdict.behind else ''}"
+                f"{_ranks(verdict.behind)}.)"
+            )
+        text += (
+            f"\nStopping process {self.me} of {self.n} with status {EXIT_CODE}. If "
+            f"a process may take longer than {self.timeout_s:g} s between two steps "
+            "(an evaluation, a checkpoint), raise `stall_timeout_s` of "
+            f"`jdp.distributed.initialize` (or ${ENV_STALL_TIMEOUT})."
+        )
+        out = self.out if self.out is not None else sys.stderr
+        try:
+            print(text, file=out, flush=True)
+        except Exception:  # pragma: no cover - a closed stream must not block the exit
+            pass
+        _log.debug("stall check: %s", verdict)
