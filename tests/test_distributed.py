@@ -60,8 +60,18 @@ def no_job_env(monkeypatch):
         "JDP_PROCESS_ID",
         "JDP_FAIL_FAST",
         "JAX_COORDINATOR_ADDRESS",
+        "JDP_STALL_TIMEOUT_S",
     ):
         monkeypatch.delenv(name, raising=False)
+    # A cluster's variables (a test run inside a SLURM job or a pod) would make a
+    # process that runs alone an error.
+    for name in list(os.environ):
+        if name.startswith(("SLURM_", "OMPI_", "PMI_")) or name in (
+            "JOB_COMPLETION_INDEX",
+            "REPLICATED_JOB_REPLICAS",
+            "GLOBAL_REPLICAS",
+        ):
+            monkeypatch.delenv(name)
 
 
 @pytest.mark.parametrize(
