@@ -1,0 +1,512 @@
+"""`jdp.powersgd`: PowerSGD low-rank gradient compression.
+
+As a sync piece (`jdp.make_train_step(..., sync=jdp.powersgd(rank=4))`) and as
+an optax transform for hand-written steps (`jdp.powersgd_transform`). Both run
+the same function, `_average`: the matrices of the gradients travel as rank-r
+factors P and Q (two small bucketed all-reduces), everything else through one
+plain bucketed all-reduce.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from jdp import _collectives, _replica_parts, _sync, _validate
+from jdp._tree import is_float
+
+PyTree = Any
+
+
+@_replica_parts.declare(local=("error",), required=("count", "q"))
+class PowerSGDState(NamedTuple):
+    """State of `jdp.powersgd` (in `state.sync_state`) or `jdp.powersgd_transform`.
+
+    One entry of `q` and `error` per compressed matrix, in the order of the
+    gradient pytree's leaves. `count` and `q` are the same on every replica (`q`
+    is the all-reduced factor); `error` differs between replicas and is saved
+    with every replica by `jdp.checkpoint.CheckpointManager`.
+
+    Attributes:
+      count: Steps taken so far, the plain all-reduce steps before `start_step`
+        included (int32, shape ()).
+      q: The right factors Q, one `(m, r)` array per compressed matrix leaf
+        viewed as `(n, m)`: the last step's averaged Q (with `warm_start`, the
+        next step starts from it), or the initial draw before the first
+        compressed step.
+      error: Each replica's error feedback, one array per compressed matrix
+        leaf, shaped like the leaf: what its gradient (plus error) held beyond
+        the low-rank approximation the replicas applied. None without
+        `error_feedback`.
+    """
+
+    count: jax.Array  # int32, shape ()
+    q: tuple[jax.Array, ...]
+    error: tuple[jax.Array, ...] | None
+
+
+class _Options(NamedTuple):
+    rank: int
+    start_step: int
+    min_compression_rate: float
+    error_feedback: bool
+    warm_start: bool
+    orthogonalization_epsilon: float
+    seed: int
+    bucket_bytes: int | None
+
+
+class _Matrix(NamedTuple):
+    """A compressed leaf: its position among the leaves, its `(n, m)` view, rank."""
+
+    index: int
+    n: int
+    m: int
+    rank: int
+
+
+def _check_options(**options: Any) -> _Options:
+    _validate.positive_int("rank", options["rank"], note="the rank r of P and Q")
+    _validate.non_negative_int(
+        "start_step", options["start_step"], note="plain all-reduce steps first"
+    )
+    _validate.finite_number(
+        "min_compression_rate",
+        options["min_compression_rate"],
+        at_least=0,
+        note="compress a matrix only if (n + m) * r * rate < n * m",
+    )
+    for name in ("error_feedback", "warm_start"):
+        if not isinstance(options[name], bool):
+            raise TypeError(
+                f"`{name}` must be a bool, got {_validate.describe(options[name])}."
+            )
+    _validate.finite_number(
+        "orthogonalization_epsilon", options["orthogonalization_epsilon"], at_least=0
+    )
+    if not _validate.is_int(options["seed"]):
+        raise TypeError(
+            f"`seed` must be an int, got {_validate.describe(options['seed'])}."
+        )
+    _collectives.check_bucket_bytes(options["bucket_bytes"])
+    options["min_compression_rate"] = float(options["min_compression_rate"])
+    options["orthogonalization_epsilon"] = float(options["orthogonalization_epsilon"])
+    return _Options(**options)
+
+
+def _view(shape: tuple[int, ...]) -> tuple[int, int]:
+    """The `(n, m)` matrix view of a leaf: all axes but the last, then the last."""
+    return math.prod(shape[:-1]), shape[-1]
+
+
+def _plan(leaves: list[Any], options: _Options) -> list[_Matrix]:
+    """The leaves to compress: floating, 2-D or more, and worth it by the rate rule.
+
+    PyTorch's `_should_compress`: with `r = min(n, m, rank)`, compress only if
+    `(n + m) * r * min_compression_rate < n * m`.
+    """
+    plan = []
+    for i, x in enumerate(leaves):
+        shape = jnp.shape(x)
+        if len(shape) < 2 or not is_float(x) or math.prod(shape) == 0:
+            continue
+        n, m = _view(shape)
+        r = min(n, m, options.rank)
+        if (n + m) * r * options.min_compression_rate < n * m:
+            plan.append(_Matrix(i, n, m, r))
+    return plan
+
+
+def _draw(seed: int, matrix: _Matrix, dtype: Any, count: Any = None) -> jax.Array:
+    """A standard normal `(m, r)` Q, the same on every replica (no broadcast).
+
+    The key is `fold_in(key(seed), leaf index)`, folded with the step counter too
+    when Q is redrawn every step (`warm_start=False`).
+    """
+    key = jax.random.fold_in(jax.random.key(seed), matrix.index)
+    if count is not None:
+        key = jax.random.fold_in(key, count)
+    return jax.random.normal(key, (matrix.m, matrix.rank), jnp.float32).astype(dtype)
+
+
+def _init(params: PyTree, options: _Options) -> PowerSGDState:
+    leaves = jax.tree.leaves(params)
+    plan = _plan(leaves, options)
+    q = tuple(
+        _draw(options.seed, mat, jnp.result_type(leaves[mat.index])) for mat in plan
+    )
+    error = None
+    if options.error_feedback:
+        error = tuple(jnp.zeros_like(leaves[mat.index]) for mat in plan)
+    return PowerSGDState(count=jnp.zeros((), jnp.int32), q=q, error=error)
+
+
+def _orthogonalize(p: jax.Array, epsilon: float) -> jax.Array:
+    """The columns of `p` made orthonormal by modified Gram-Schmidt, as PyTorch.
+
+    PyTorch's `_orthogonalize_gram_schmidt`: each column in turn is divided by
+    its norm (plus `epsilon`; with `epsilon=0` a zero column stays zero rather
+    than becoming NaN) and projected out of the columns after it.
+    """
+    r = p.shape[1]
+    for i in range(r):
+        col = p[:, i]
+        norm = jnp.sqrt(jnp.sum(col * col))
+        if epsilon:
+            col = col / (norm + epsilon)
+        else:
+            col = jnp.where(norm > 0, col / jnp.where(norm > 0, norm, 1), 0)
+        p = p.at[:, i].set(col)
+        if i + 1 < r:
+            rest = p[:, i + 1 :]
+            dots = jnp.matmul(col, rest, precision=lax.Precision.HIGHEST)
+            p = p.at[:, i + 1 :].set(rest - dots[None, :] * col[:, None])
+    return p
+
+
+def _matmul(a: jax.Array, b: jax.Array) -> jax.Array:
+    return jnp.matmul(a, b, precision=lax.Precision.HIGHEST)
+
+
+def _check_state(state: Any, leaves: list[Any], plan: list[_Matrix], api: str):
+    fix = (
+        "Make the state with the same piece and params: `jdp.TrainState.create("
+        "params=..., tx=..., sync=piece)` for `jdp.powersgd`, `tx.init(params)` for "
+        "`jdp.powersgd_transform`."
+    )
+    if not isinstance(state, PowerSGDState):
+        raise TypeError(
+            f"`{api}` needs its own state, a `jdp.PowerSGDState`; got "
+            f"{type(state).__name__}. {fix}"
+        )
+    want = [(mat.m, mat.rank) for mat in plan]
+    got = [tuple(jnp.shape(q)) for q in state.q]
+    if got != want:
+        raise ValueError(
+            f"`{api}`: the state holds Q factors of shapes {got}, but these "
+            f"gradients compress {len(plan)} matrices whose Q have shapes {want} "
+            f"(the state was made for other params or another rank). {fix}"
+        )
+    if state.error is not None:
+        shapes = [tuple(jnp.shape(e)) for e in state.error]
+        want = [tuple(jnp.shape(leaves[mat.index])) for mat in plan]
+        if shapes != want:
+            raise ValueError(
+                f"`{api}`: the state's error buffers have shapes {shapes}, but the "
+                f"compressed gradients have shapes {want}. {fix}"
+            )
+
+
+def _psum_all(arrays: list[jax.Array], axis_name, bucket_bytes) -> list[jax.Array]:
+    """Sums over replicas, the arrays packed into one flat buffer per bucket."""
+    summed = _collectives.bucketed(
+        "psum", arrays, axis_name=axis_name, bucket_bytes=bucket_bytes, flatten=True
+    )
+    return [s.reshape(a.shape) for s, a in zip(summed, arrays, strict=True)]
+
+
+def _average(
+    grads: PyTree, state: PowerSGDState, options: _Options, axis_name, api: str
+) -> tuple[PyTree, PowerSGDState]:
+    """The replicas' gradients averaged by PowerSGD, and the new state.
+
+    Before `start_step` (a `lax.cond` on the counter, so one program) every leaf
+    goes through the plain bucketed all-reduce. From then on each compressed
+    leaf M (this replica's gradient plus its error, viewed as `(n, m)`) goes
+    through Vogels et al.'s Algorithm 1 with PyTorch's order of operations:
+    orthogonalise Q (warm start) or draw it; P = M Q; P summed over replicas
+    (all matrices' P in one bucketed all-reduce) and orthogonalised; Q = M^T P,
+    averaged over replicas (one bucketed all-reduce); the approximation P Q^T is
+    the average every replica applies, and M minus it the new error.
+    """
+    num = _collectives.axis_size(axis_name, api)
+    leaves, treedef = jax.tree.flatten(grads)
+    leaves = [jnp.asarray(x) for x in leaves]
+    plan = _plan(leaves, options)
+    _check_state(state, leaves, plan, api)
+    compressed = {mat.index for mat in plan}
+    count = state.count
+
+    def all_reduced(xs):
+        return _collectives.all_reduce(
+            xs, axis_name=axis_name, bucket_bytes=options.bucket_bytes, api=api
+        )
+
+    def plain():
+        return all_reduced(leaves), state._replace(count=count + 1)
+
+    def compress():
+        rest = [i for i in range(len(leaves)) if i not in compressed]
+        out = list(leaves)
+        for i, x in zip(rest, all_reduced([leaves[i] for i in rest]), strict=True):
+            out[i] = x
+        ms = []
+        for k, mat in enumerate(plan):
+            g = leaves[mat.index]
+            if state.error is not None:
+                g = g + state.error[k].astype(g.dtype)
+            ms.append(g.reshape(mat.n, mat.m))
+        if options.warm_start:
+            qs = [q.astype(m.dtype) for q, m in zip(state.q, ms, strict=True)]
+        else:
+            qs = [
+                _draw(options.seed, mat, m.dtype, count)
+                for mat, m in zip(plan, ms, strict=True)
+            ]
+        eps = options.orthogonalization_epsilon
+        qs = [_orthogonalize(q, eps) for q in qs]
+        ps = [_matmul(m, q) for m, q in zip(ms, qs, strict=True)]
+        # No division: P is orthogonalised next (PyTorch sums it too).
+        ps = [
+            _orthogonalize(p, eps)
+            for p in _psum_all(ps, axis_name, options.bucket_bytes)
+        ]
+        qs = [_matmul(m.T, p) for m, p in zip(ms, ps, strict=True)]
+        qs = [q / num for q in _psum_all(qs, axis_name, options.bucket_bytes)]
+        errors = []
+        for mat, m, p, q in zip(plan, ms, ps, qs, strict=True):
+            approx = _matmul(p, q.T)
+            g = leaves[mat.index]
+            out[mat.index] = approx.reshape(g.shape).astype(g.dtype)
+            errors.append((m - approx).reshape(g.shape))
+        error = None
+        if state.error is not None:
+            error = tuple(
+                e.astype(old.dtype) for e, old in zip(errors, state.error, strict=True)
+            )
+        new_q = tuple(q.astype(old.dtype) for q, old in zip(qs, state.q, strict=True))
+        return out, PowerSGDState(count=count + 1, q=new_q, error=error)
+
+    if not plan:
+        out, new_state = plain()
+    elif options.start_step == 0:
+        out, new_state = compress()
+    else:
+        out, new_state = lax.cond(count < options.start_step, plain, compress)
+    return jax.tree.unflatten(treedef, out), new_state
+
+
+def powersgd(
+    rank: int = 1,
+    *,
+    start_step: int = 0,
+    min_compression_rate: float = 2.0,
+    error_feedback: bool = True,
+    warm_start: bool = True,
+    orthogonalization_epsilon: float = 0.0,
+    seed: int = 0,
+    bucket_bytes: int | None = _collectives.DEFAULT_BUCKET_BYTES,
+    skip_nonfinite: bool = False,
+    batch_stats: _sync.BatchStatsMode = "mean",
+) -> _sync.Sync:
+    """PowerSGD: gradients averaged as rank-`rank` factors (PyTorch's `powerSGD_hook`).
+
+    Vogels et al.'s low-rank gradient compression as a sync piece. Each floating
+    leaf of two or more axes, viewed as an `(n, m)` matrix, travels as two thin
+    factors, P (`n x r`) and Q (`m x r`), instead of its `n * m` numbers; the
+    replicas apply the same approximation `P Q^T` of the averaged gradient, so
+    their params stay identical. Per step and matrix, on each replica (M = its
+    gradient plus its error feedback):
+
+    1. Q is the last step's (warm start), orthogonalised, or a fresh draw;
+    2. P = M Q, summed over replicas, orthogonalised (Gram-Schmidt);
+    3. Q = M^T P, averaged over replicas;
+    4. the averaged gradient is P Q^T, and M - P Q^T the replica's new error.
+
+    The P of all matrices travel in one bucketed all-reduce, then the Q in
+    another; vectors, scalars and matrices too small to gain go through one
+    plain bucketed all-reduce (as `jdp.all_reduce`). Then `tx` applies the
+    averaged gradient on every replica.
+
+    Compression is lossy, error feedback makes up for it over steps: the
+    quality of training depends on the rank (try 1, 2, 4, then more) and on
+    warming up with `start_step` plain steps. The state (Q, errors, a counter)
+    lives in the train state's `sync_state`: create it with
+    `jdp.TrainState.create(params=..., tx=..., sync=piece)`. Checkpoints save
+    each replica's errors; a restore into as many replicas resumes exactly.
+    Not combinable with loss scaling (`dynamic_scale`).
+
+    A leaf of shape `(d0, ..., dk)` is viewed as `(d0 * ... * dk-1, dk)`: flax
+    keeps output features last (a Dense kernel `(in, out)`, a conv kernel
+    `(kh, kw, in, out)`), so this is the transpose of PyTorch's
+    `(out, in * kh * kw)` view of the same layer; P Q^T approximates either.
+
+    Args:
+      rank: The rank r of the factors, PyTorch's `matrix_approximation_rank`
+        (an int >= 1; a matrix's rank is at most `min(n, m)`).
+      start_step: Steps of plain all-reduce before compression starts,
+        PyTorch's `start_powerSGD_iter` (0 by default: compress from the
+        first step). The switch is a `lax.cond` on the counter in the state:
+        one compiled program.
+      min_compression_rate: Compress a matrix only if `(n + m) * r *
+        min_compression_rate < n * m`, PyTorch's `min_compression_rate`
+        (2.0); others go through the plain all-reduce. 0 compresses every
+        matrix.
+      error_feedback: Keep each replica's compression error and add it to the
+        next step's gradient, PyTorch's `use_error_feedback` (True). Without
+        it the state holds no error buffers.
+      warm_start: Start each step's power iteration from the last step's Q,
+        PyTorch's `warm_start` (True); otherwise Q is drawn afresh every step
+        (from `seed`, the leaf's index and the counter).
+      orthogonalization_epsilon: Added to each column's norm in Gram-Schmidt,
+        PyTorch's `orthogonalization_epsilon` (0.0: a zero column is left
+        zero).
+      seed: Seed of the initial Q: leaf `i`'s is a standard normal draw from
+        `fold_in(key(seed), i)`, the same on every replica without a broadcast.
+      bucket_bytes: Largest bucket of the all-reduces (25 MiB); None for one
+        bucket per dtype.
+      skip_nonfinite: Skip a step whose averaged gradients are not finite:
+        params, optimizer state and PowerSGD state stay as they were, the
+        state's `skipped_steps` grows by one and metric `"skipped"` is 1.
+      batch_stats: How batch statistics are synced every step: `"mean"` or
+        `"broadcast"`.
+
+    Returns:
+      A `jdp.Sync` whose `init(params)` makes a `jdp.PowerSGDState`.
+
+    Raises:
+      TypeError: If an argument has the wrong type (`rank` not an int,
+        `warm_start` not a bool, ...).
+      ValueError: If `rank` < 1, `start_step` < 0, `min_compression_rate` or
+        `orthogonalization_epsilon` is negative or not finite, `bucket_bytes`
+        is not positive, or `batch_stats` is unknown; at trace time, if the
+        state's `sync_state` was made for other params or options.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, jdp
+      >>> def loss_fn(params, batch):
+      ...     return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
+      >>> sync = jdp.powersgd(rank=2)
+      >>> tx = optax.sgd(0.1)
+      >>> step = jdp.parallelize(jdp.make_train_step(loss_fn, tx, sync=sync),
+      ...                        devices=jax.devices()[:4])
+      >>> params = {"w": jnp.zeros((64, 32))}
+      >>> state = jdp.TrainState.create(params=params, tx=tx, sync=sync)
+      >>> [q.shape for q in state.sync_state.q]  # one Q per compressed matrix
+      [(32, 2)]
+      >>> state = step.replicate(state)
+      >>> batch = {"x": jnp.ones((8, 64)), "y": jnp.ones((8, 32))}
+      >>> state, metrics = step(state, step.shard(batch))
+      >>> sorted(c.bytes for c in step.collectives(state, step.shard(batch),
+      ...                                          stage="lowered"))[:2]  # P, Q
+      [4, 256]
+
+    References:
+      Vogels, Karimireddy and Jaggi, "PowerSGD: Practical Low-Rank Gradient
+      Compression for Distributed Optimization", NeurIPS 2019,
+      https://arxiv.org/abs/1905.13758.
+    """
+    options = _check_options(
+        rank=rank,
+        start_step=start_step,
+        min_compression_rate=min_compression_rate,
+        error_feedback=error_feedback,
+        warm_start=warm_start,
+        orthogonalization_epsilon=orthogonalization_epsilon,
+        seed=seed,
+        bucket_bytes=bucket_bytes,
+    )
+    _sync.check_batch_stats(batch_stats)
+    api = "jdp.powersgd"
+
+    def init(params):
+        return _init(params, options)
+
+    def apply(grads, state, tx, axis_name):
+        old = state.sync_state
+        averaged, new = _average(grads, old, options, axis_name, api)
+        if not skip_nonfinite:
+            return (*_sync.apply_tx(averaged, state, tx), new)
+        # The average is the same on every replica: so is the verdict.
+        finite = _sync._finite(averaged)
+        params, opt_state, extra = _sync._unless_nonfinite(
+            finite, lambda: _sync.apply_tx(averaged, state, tx), state
+        )
+        new = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+        return params, opt_state, extra, new
+
+    return _sync.Sync(apply, must_agree=_agreed, batch_stats=batch_stats, init=init)
+
+
+def _agreed(state: PyTree) -> PyTree:
+    """The state less each replica's error buffers (everything else agrees)."""
+    if not hasattr(state, "replace"):
+        return state
+    return state.replace(sync_state=_replica_parts.agreed(state.sync_state))
+
+
+def powersgd_transform(
+    rank: int = 1,
+    *,
+    start_step: int = 0,
+    min_compression_rate: float = 2.0,
+    error_feedback: bool = True,
+    warm_start: bool = True,
+    orthogonalization_epsilon: float = 0.0,
+    seed: int = 0,
+    bucket_bytes: int | None = _collectives.DEFAULT_BUCKET_BYTES,
+    axis_name: _collectives.AxisName | None = None,
+) -> optax.GradientTransformationExtraArgs:
+    """PowerSGD as an optax transform: put it first in an `optax.chain`.
+
+    The same averaging as `jdp.powersgd` (same options, same numbers), for a
+    step that does not average its gradients itself: use it with
+    `jdp.make_train_step(loss_fn, tx, sync=jdp.local())` or in a hand-written
+    step. Its state, a `jdp.PowerSGDState`, is part of the optimizer state.
+    Inside `optax.MultiSteps` it communicates only on the micro-steps that
+    update (jdp's extra argument, as `jdp.sync_gradients`).
+
+    Args:
+      rank: As for `jdp.powersgd`.
+      start_step: As for `jdp.powersgd`.
+      min_compression_rate: As for `jdp.powersgd`.
+      error_feedback: As for `jdp.powersgd`.
+      warm_start: As for `jdp.powersgd`.
+      orthogonalization_epsilon: As for `jdp.powersgd`.
+      seed: As for `jdp.powersgd`.
+      bucket_bytes: As for `jdp.powersgd`.
+      axis_name: Replica axis; None (default) uses the one bound by the
+        enclosing `jdp.parallelize`.
+
+    Returns:
+      An `optax.GradientTransformationExtraArgs` whose state is a
+      `jdp.PowerSGDState`.
+
+    Raises:
+      TypeError: As for `jdp.powersgd`.
+      ValueError: As for `jdp.powersgd`.
+      RuntimeError: At trace time, if the replica axis is not bound.
+
+    Example:
+      >>> import optax, jdp
+      >>> tx = optax.chain(jdp.powersgd_transform(rank=4), optax.adam(1e-3))
+      >>> # jdp.make_train_step(loss_fn, tx, sync=jdp.local())
+    """
+    options = _check_options(
+        rank=rank,
+        start_step=start_step,
+        min_compression_rate=min_compression_rate,
+        error_feedback=error_feedback,
+        warm_start=warm_start,
+        orthogonalization_epsilon=orthogonalization_epsilon,
+        seed=seed,
+        bucket_bytes=bucket_bytes,
+    )
+    api = "jdp.powersgd_transform"
+
+    def init_fn(params):
+        return _init(params, options)
+
+    def update_fn(updates, state, params=None, **extra_args):
+        del params
+        if not extra_args.get(_collectives.COLLECTIVES_ARG, True):
+            return updates, state
+        axis = _collectives.resolve_axis(axis_name)
+        return _average(updates, state, options, axis, api)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
