@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 
@@ -49,6 +50,16 @@ class PowerSGDState(NamedTuple):
     q: tuple[jax.Array, ...]
     error: tuple[jax.Array, ...] | None
 
+    def restart_local(self) -> PowerSGDState:
+        """Zero errors: a checkpoint restored into another replica count.
+
+        Each replica's error belongs to the replica; with another count there is
+        no replica to give it to. The agreed Q carries over (a warm start).
+        """
+        if self.error is None:
+            return self
+        return self._replace(error=tuple(np.zeros_like(e) for e in self.error))
+
 
 class _Options(NamedTuple):
     rank: int
@@ -81,11 +92,8 @@ def _check_options(**options: Any) -> _Options:
         at_least=0,
         note="compress a matrix only if (n + m) * r * rate < n * m",
     )
-    for name in ("error_feedback", "warm_start"):
-        if not isinstance(options[name], bool):
-            raise TypeError(
-                f"`{name}` must be a bool, got {_validate.describe(options[name])}."
-            )
+    _validate.boolean("error_feedback", options["error_feedback"])
+    _validate.boolean("warm_start", options["warm_start"])
     _validate.finite_number(
         "orthogonalization_epsilon", options["orthogonalization_epsilon"], at_least=0
     )

@@ -350,6 +350,26 @@ def test_checkpoint_mid_run_resumes_bit_identically(tmp_path):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
 
 
+def test_restore_into_another_replica_count_restarts_the_errors(tmp_path):
+    sync = powersgd(rank=2)
+    step, tx = make_step(sync, 4)
+    init = jdp.TrainState.create(params=init_params(), tx=tx, sync=sync)
+    state = run(step, step.replicate(init), make_batches(2))
+    with CheckpointManager(tmp_path) as manager:
+        manager.save(2, state, parallel=step)
+        other, _ = make_step(sync, 2)
+        with pytest.warns(
+            RuntimeWarning, match=r"(?s)sync_state\.error\[0\].*start again from zero"
+        ):
+            restored = manager.restore(other.replicate(init))
+    one = other.unreplicate(restored)
+    assert not any(np.any(e) for e in jax.device_get(restored.sync_state.error))
+    saved = step.unreplicate(state)
+    for a, b in zip(one.sync_state.q, saved.sync_state.q, strict=True):
+        np.testing.assert_array_equal(a, b)  # Q agreed: it carries over
+    run(other, restored, make_batches(1))  # and training goes on
+
+
 # -- the optax transform --------------------------------------------------------------
 
 
@@ -470,8 +490,8 @@ def test_skip_nonfinite_keeps_everything():
             ValueError,
             r"`min_compression_rate`",
         ),
-        ({"error_feedback": 1}, TypeError, r"`error_feedback` must be a bool"),
-        ({"warm_start": "yes"}, TypeError, r"`warm_start` must be a bool"),
+        ({"error_feedback": 1}, TypeError, r"`error_feedback` must be True or False"),
+        ({"warm_start": "yes"}, TypeError, r"`warm_start` must be True or False"),
         (
             {"orthogonalization_epsilon": -1e-8},
             ValueError,
