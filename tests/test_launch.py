@@ -866,3 +866,183 @@ def test_worker_reports_no_progress_from_a_progress_module_being_imported(
     # must go on (it used to die, and the process never reported again).
     monkeypatch.setitem(sys.modules, _worker.PROGRESS_MODULE, types.ModuleType("p"))
     assert _worker._progress_record()["beats"] == 0
+
+
+# -- restarts -----------------------------------------------------------------------
+
+# Records each attempt (restart count, process count) in argv[1]; process 1 exits
+# with status 5 in the first `argv[2]` attempts, or whenever 2 processes run if
+# argv[2] is "slot".
+FAIL_EARLY_ATTEMPTS = """
+import os, sys
+attempt = int(os.environ["JDP_RESTART_COUNT"])
+n = int(os.environ["JDP_NUM_PROCESSES"])
+rank = os.environ["JDP_PROCESS_ID"]
+with open(os.path.join(sys.argv[1], f"{attempt}-{rank}"), "w") as f:
+    f.write(f"{n} {os.environ['JDP_MAX_RESTARTS']} "
+            f"{os.environ['JDP_COORDINATOR_ADDRESS']}")
+bad = n == 2 if sys.argv[2] == "slot" else attempt < int(sys.argv[2])
+if rank == "1" and bad:
+    sys.exit(5)
+"""
+
+
+def attempts(directory):
+    """`{(attempt, rank): (processes, max restarts, coordinator)}` written."""
+    out = {}
+    for p in directory.iterdir():
+        a, r = p.name.split("-")
+        n, k, address = p.read_text().split()
+        out[int(a), int(r)] = (int(n), int(k), address)
+    return out
+
+
+def test_cli_restarts_a_failed_job_up_to_max_restarts(tmp_path):
+    script = write(tmp_path, "flaky.py", FAIL_EARLY_ATTEMPTS)
+    seen = meeting_dir(tmp_path)
+    proc = launcher(["--num-processes", 2, "--max-restarts", 3, script, seen, 2])
+    out, err = finish(proc)
+    assert proc.returncode == 0, out + err
+    got = attempts(seen)
+    assert sorted(got) == [(a, r) for a in range(3) for r in range(2)]
+    assert {(n, k) for n, k, _ in got.values()} == {(2, 3)}
+    # A fresh coordinator port for each attempt; one per attempt for all.
+    assert len({got[a, 0][2] for a in range(3)}) == 3
+    assert all(got[a, 0][2] == got[a, 1][2] for a in range(3))
+    lines = re.findall(r"^jdp\.launch: .*$", err, re.M)
+    assert len(lines) == 2, err
+    for i, line in enumerate(lines, 1):
+        assert re.fullmatch(
+            r"jdp\.launch: process 1 of 2 \(pid \d+\) exited with status 5.*\. "
+            rf"Restarting the job \(restart {i}/3\) with 2 processes\.",
+            line,
+        ), line
+
+
+def test_cli_returns_the_last_failure_when_no_restart_is_left(tmp_path):
+    script = write(tmp_path, "flaky.py", FAIL_EARLY_ATTEMPTS)
+    seen = meeting_dir(tmp_path)
+    proc = launcher(["--num-processes", 2, "--max-restarts", 1, script, seen, 5])
+    out, err = finish(proc)
+    assert proc.returncode == 5, out + err
+    assert sorted(attempts(seen)) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert "(restart 1/1)" in err
+    assert re.search(
+        r"^jdp\.launch: process 1 of 2 \(pid \d+\) exited with status 5.*\.$",
+        err.splitlines()[-1],
+    ), err
+
+
+def test_cli_min_processes_drops_a_slot_that_keeps_failing(tmp_path):
+    script = write(tmp_path, "slot.py", FAIL_EARLY_ATTEMPTS)
+    seen = meeting_dir(tmp_path)
+    proc = launcher(
+        [
+            "--num-processes",
+            2,
+            "--max-restarts",
+            3,
+            "--min-processes",
+            1,
+            script,
+            seen,
+            "slot",
+        ]
+    )
+    out, err = finish(proc)
+    assert proc.returncode == 0, out + err
+    got = attempts(seen)
+    # Twice with 2 processes (process 1 failed both times), then 1 process.
+    assert sorted(got) == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0)]
+    assert got[2, 0][0] == 1
+    assert "(restart 1/3) with 2 processes." in err
+    assert (
+        "(restart 2/3) with 1 process, one fewer: process 1 failed first in two "
+        "attempts in a row (--min-processes 1)." in err
+    )
+
+
+def test_restart_policy_shrinks_only_on_the_same_process_twice_in_a_row():
+    policy = _launcher.Restarts(4, 10, 2)
+    decisions = []
+    for failed in [1, 2, 2, 3, 3, 3, None, 0, 0, 0]:
+        line = policy.next_attempt(failed, "x.")
+        decisions.append(policy.num_processes)
+        assert line.startswith(f"x. Restarting the job (restart {policy.restarts}/10)")
+    assert decisions == [4, 4, 3, 3, 2, 2, 2, 2, 2, 2]
+    assert policy.next_attempt(0, "x.") is None  # 11 restarts > 10
+    assert _launcher.Restarts(2, 0, None).next_attempt(1, "x.") is None
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        (dict(max_restarts=-1), ValueError, r"`max_restarts` must be an int >= 0"),
+        (dict(max_restarts=1.5), TypeError, r"`max_restarts` must be an int >= 0"),
+        (dict(min_processes=0), ValueError, r"`min_processes` must be an int >= 1"),
+        (dict(min_processes=3), ValueError, r"`min_processes` \(3\) must be at most"),
+    ],
+    ids=["negative", "float", "zero-min", "min-above"],
+)
+def test_restart_arguments_are_checked(kwargs, error, message):
+    args = dict(max_restarts=1, min_processes=None) | kwargs
+    with pytest.raises(error, match=message):
+        _launcher.Restarts(2, args["max_restarts"], args["min_processes"])
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--max-restarts", "-1"], "argument --max-restarts: expected an integer >= 0"),
+        (["--max-restarts", "x"], "argument --max-restarts: expected an integer, got"),
+        (["--min-processes", "3"], "argument --min-processes: 3 is more than"),
+    ],
+    ids=["negative", "text", "above"],
+)
+def test_cli_rejects_bad_restart_arguments(args, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        launch_main.main(["--num-processes", "2", *args, "x.py"])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_passes_restart_arguments(monkeypatch):
+    calls = []
+    monkeypatch.setattr(
+        launch_main, "launch_command", lambda *a, **k: calls.append(k) or 0
+    )
+    launch_main.main(["--num-processes", "3", "x.py"])
+    launch_main.main(
+        ["--num-processes", "3", "--max-restarts", "4", "--min-processes", "2", "x.py"]
+    )
+    assert [(c["max_restarts"], c["min_processes"]) for c in calls] == [
+        (0, None),
+        (4, 2),
+    ]
+
+
+def fail_on_process_1_in_the_first_attempt():
+    if os.environ["JDP_PROCESS_ID"] == "1" and os.environ["JDP_RESTART_COUNT"] == "0":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return int(os.environ["JDP_RESTART_COUNT"])
+
+
+def test_run_restarts_with_max_restarts(capfd):
+    results = jdp.launch.run(
+        fail_on_process_1_in_the_first_attempt,
+        2,
+        initialize=False,
+        timeout_s=60,
+        max_restarts=1,
+    )
+    assert results == [1, 1]
+    err = capfd.readouterr().err
+    assert re.search(
+        r"jdp\.launch\.run: process 1 of 2 \(pid \d+\) was killed by SIGKILL.*\. "
+        r"Restarting the job \(restart 1/1\) with 2 processes\.",
+        err,
+    ), err
+    with pytest.raises(RuntimeError, match="was killed by SIGKILL"):
+        jdp.launch.run(
+            fail_on_process_1_in_the_first_attempt, 2, initialize=False, timeout_s=60
+        )

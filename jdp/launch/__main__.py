@@ -25,6 +25,11 @@ the stuck processes are named, with where they were last seen (exit status 124).
 If a process has finished while the others wait in a step it never started (it
 made fewer step calls, e.g. its data ran out first), the job is stopped after
 15 s without progress (or --stall-timeout, if shorter), naming it (status 124).
+With --max-restarts K, a failed or stalled job is started again, up to K times
+(a line per restart names the process that failed and how); every process sees
+JDP_RESTART_COUNT (0, 1, ...) and resumes from its latest checkpoint. With
+--min-processes M, a process index that fails first in two attempts in a row
+makes the next attempt run one process fewer, down to M.
 """
 
 
@@ -35,6 +40,16 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
     return value
 
 
@@ -102,6 +117,26 @@ def _parser() -> argparse.ArgumentParser:
         "is an error (exit status 2)",
     )
     p.add_argument(
+        "--max-restarts",
+        type=_non_negative_int,
+        default=0,
+        metavar="K",
+        help="when a process fails (or the job stalls), stop the others and "
+        "start the job again, up to K times (default: %(default)s), on a fresh "
+        "port; JDP_RESTART_COUNT tells the script which attempt it is, and it "
+        "resumes from its latest checkpoint",
+    )
+    p.add_argument(
+        "--min-processes",
+        type=_positive_int,
+        default=None,
+        metavar="M",
+        help="with restarts: when the same process index fails first in two "
+        "attempts in a row, restart with one process fewer, down to M "
+        "(default: --num-processes, never fewer); JDP_NUM_PROCESSES says how "
+        "many run",
+    )
+    p.add_argument(
         "-m",
         "--module",
         action="store_true",
@@ -114,7 +149,14 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Parses the command line, runs the job and returns its exit status."""
-    ns = _parser().parse_args(argv)
+    parser = _parser()
+    ns = parser.parse_args(argv)
+    if ns.min_processes is not None and ns.min_processes > ns.num_processes:
+        parser.error(
+            f"argument --min-processes: {ns.min_processes} is more than "
+            f"--num-processes ({ns.num_processes}); it is the fewest processes "
+            "a restarted job may shrink to"
+        )
     return launch_command(
         ns.target,
         ns.args,
@@ -124,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         timeout_s=ns.timeout,
         port=ns.port,
         stall_timeout_s=ns.stall_timeout,
+        max_restarts=ns.max_restarts,
+        min_processes=ns.min_processes,
     )
 
 

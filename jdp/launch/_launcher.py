@@ -76,6 +76,12 @@ FINISHED_THEN_FAILED_S = 5.0
 #: The entry point of every process, run by path (see its docstring).
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_worker.py")
 
+#: How many times the job was restarted before this attempt (0 at first), set in
+#: every process (torchrun's `TORCHELASTIC_RESTART_COUNT`).
+ENV_RESTART_COUNT = "JDP_RESTART_COUNT"
+#: The `--max-restarts` the job runs under (torchrun's `TORCHELASTIC_MAX_RESTARTS`).
+ENV_MAX_RESTARTS = "JDP_MAX_RESTARTS"
+
 _DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
 
 
@@ -93,9 +99,13 @@ def process_env(
     num_processes: int,
     port: int,
     devices_per_process: int | None,
+    restart_count: int = 0,
+    max_restarts: int = 0,
 ) -> dict[str, str]:
     """The environment of process `process_id`: `JDP_*` variables and device count."""
     env = dict(base)
+    env[ENV_RESTART_COUNT] = str(restart_count)
+    env[ENV_MAX_RESTARTS] = str(max_restarts)
     env[ENV_COORDINATOR_ADDRESS] = f"127.0.0.1:{port}"
     env[ENV_NUM_PROCESSES] = str(num_processes)
     env[ENV_PROCESS_ID] = str(process_id)
@@ -276,12 +286,15 @@ class Job:
         for t in self._pumps:
             t.join(timeout=2)
 
-    def wait(self, timeout_s: float | None = None) -> bool:
+    def wait(
+        self, timeout_s: float | None = None, *, limit_s: float | None = None
+    ) -> bool:
         """Waits until all processes succeed (True) or one fails (False).
 
         On a failure the others are stopped at once and `self.failure` says which
         process failed first and how. Raises `TimeoutError` (after stopping every
-        process) if the job is still running after `timeout_s` seconds, and
+        process) if the job is still running after `timeout_s` seconds (the
+        message names `limit_s`, the limit of the whole run, if given), and
         `StallError` (a `TimeoutError`) if `stall` finds stalled processes.
         """
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -298,8 +311,9 @@ class Job:
                         if p.poll() is None
                     ]
                     self.kill()
+                    limit = timeout_s if limit_s is None else limit_s
                     raise TimeoutError(
-                        f"the job did not finish within {timeout_s:g} s; stopped it "
+                        f"the job did not finish within {limit:g} s; stopped it "
                         f"(processes still running: {', '.join(running)})."
                     )
                 time.sleep(POLL_S)
@@ -506,75 +520,238 @@ def launch_command(
     timeout_s: float | None = None,
     port: int | None = None,
     stall_timeout_s: float | None = DEFAULT_STALL_TIMEOUT_S,
+    max_restarts: int = 0,
+    min_processes: int | None = None,
 ) -> int:
     """Runs `target` in `num_processes` processes; returns the job's exit status.
 
     Installs handlers that forward SIGINT/SIGTERM to every process; processes
     still running `FORWARD_GRACE_S` later, or after a second signal, are killed.
     Returns 2 without starting anything if `port` cannot be listened on, and 124
-    if the job runs past `timeout_s` or stalls for `stall_timeout_s` (0 or None:
-    no stall check).
+    if the job runs past `timeout_s` (the whole run, restarts included) or stalls
+    for `stall_timeout_s` (0 or None: no stall check) with no restart left.
+
+    A job that fails (a process exits non-zero or is killed) or stalls is
+    started again, up to `max_restarts` times (`Restarts`), on a fresh port,
+    with `JDP_RESTART_COUNT` set to the number of restarts so far; the script
+    resumes from its latest checkpoint. With `min_processes` below
+    `num_processes`, a process index that fails first in two attempts in a row
+    makes the next attempt run with one process fewer, down to `min_processes`.
     """
     _check_arguments(num_processes, devices_per_process, timeout_s, stall_timeout_s)
+    policy = Restarts(num_processes, max_restarts, min_processes)
     if port is not None and (problem := _port_taken_message(port)):
         print(f"jdp.launch: {problem}", file=sys.stderr, flush=True)
         return 2
-    port = port or free_port()
-    envs = [
-        process_env(
-            os.environ,
-            process_id=r,
-            num_processes=num_processes,
-            port=port,
-            devices_per_process=devices_per_process,
-        )
-        for r in range(num_processes)
-    ]
+    command = script_command(target, args, module=module)
+
+    def make_job(n: int, restart: int, directory: str) -> Job:
+        # A restart gets a fresh port: the last one's may linger.
+        job_port = port if restart == 0 and port else free_port()
+        envs = [
+            process_env(
+                os.environ,
+                process_id=r,
+                num_processes=n,
+                port=job_port,
+                devices_per_process=devices_per_process,
+                restart_count=restart,
+                max_restarts=max_restarts,
+            )
+            for r in range(n)
+        ]
+        stall = _progress_setup(envs, directory, stall_timeout_s, _CLI_STALL_HINT)
+        return Job([command] * n, envs, stall=stall)
+
     with tempfile.TemporaryDirectory(prefix="jdp-launch-") as tmp:
-        stall = _progress_setup(envs, tmp, stall_timeout_s, _CLI_STALL_HINT)
-        command = script_command(target, args, module=module)
-        job = Job([command] * num_processes, envs, stall=stall)
-        return _run_command_job(job, timeout_s)
+        return _run_command_job(make_job, policy, tmp, timeout_s)
 
 
-def _run_command_job(job: Job, timeout_s: float | None) -> int:
-    """Runs `job` for `launch_command`, forwarding signals; its exit status."""
+class Restarts:
+    """When to start a failed job again, and with how many processes.
+
+    Torchrun's `--max-restarts`, plus a simple elastic rule: when the same
+    process index is the first to fail in two attempts in a row (a bad device
+    or host slot, not a one-off fault), the next attempt runs with one process
+    fewer, down to `min_processes`. Each restart counts towards `max_restarts`.
+
+    Args:
+      num_processes: The processes of the first attempt.
+      max_restarts: How many times the job may be started again (0: never).
+      min_processes: The fewest processes an attempt may run with; None means
+        `num_processes` (no shrinking).
+
+    Raises:
+      TypeError: If an argument is not an integer.
+      ValueError: If `max_restarts` is negative, or `min_processes` is not
+        between 1 and `num_processes`.
+    """
+
+    def __init__(
+        self, num_processes: int, max_restarts: int, min_processes: int | None
+    ):
+        _validate.positive_int("num_processes", num_processes)
+        _validate.non_negative_int("max_restarts", max_restarts, note="0: never")
+        _validate.positive_int(
+            "min_processes",
+            min_processes,
+            allow_none=True,
+            note="or None for `num_processes`",
+        )
+        if min_processes is None:
+            min_processes = num_processes
+        if min_processes > num_processes:
+            raise ValueError(
+                f"`min_processes` ({min_processes}) must be at most "
+                f"`num_processes` ({num_processes}): it is the fewest processes a "
+                "restarted job may shrink to."
+            )
+        self.max_restarts = max_restarts
+        self.min_processes = min_processes
+        self.num_processes = num_processes  # of the current attempt
+        self.restarts = 0  # done so far
+        self._last_first: int | None = None  # who failed first, last attempt
+        #: `(restart, processes, who failed and how)` for each restart made.
+        self.history: list[tuple[int, int, str]] = []
+
+    def next_attempt(self, first_failed: int | None, how: str) -> str | None:
+        """Records a failed attempt; returns the restart line, or None to stop.
+
+        Args:
+          first_failed: The process index that failed first (None for a
+            stall: no process is to blame alone).
+          how: What happened, a sentence that starts the line (e.g. `process 1
+            of 2 (pid 7) was killed by SIGKILL.`).
+
+        Returns:
+          The line to print about the restart (it has been decided: the
+          attempt's process count is updated), or None when no restart is
+          left.
+        """
+        if self.restarts >= self.max_restarts:
+            return None
+        self.restarts += 1
+        repeat = first_failed is not None and first_failed == self._last_first
+        shrink = repeat and self.num_processes > self.min_processes
+        line = f"{how} Restarting the job (restart {self.restarts}/"
+        line += f"{self.max_restarts})"
+        if shrink:
+            self.num_processes -= 1
+            self._last_first = None
+            line += (
+                f" with {_processes(self.num_processes)}, one "
+                f"fewer: process {first_failed} failed first in two attempts in a "
+                f"row (--min-processes {self.min_processes})"
+            )
+        else:
+            self._last_first = first_failed
+            line += f" with {_processes(self.num_processes)}"
+        self.history.append((self.restarts, self.num_processes, how))
+        return line + "."
+
+
+def _processes(n: int) -> str:
+    return f"{n} process" if n == 1 else f"{n} processes"
+
+
+def _run_command_job(
+    make_job: Callable[[int, int, str], Job],
+    policy: Restarts,
+    directory: str,
+    timeout_s: float | None,
+) -> int:
+    """Runs the attempts of `launch_command`, forwarding signals; the exit status.
+
+    Args:
+      make_job: Builds an attempt's job: `(processes, restart, directory)`.
+      policy: Decides restarts.
+      directory: Where each attempt's progress files go (a folder each).
+      timeout_s: The limit of the whole run, restarts included.
+    """
     received: list[int] = []
+    current: list[Job] = []
 
     def forward(signum, frame):
         received.append(signum)
-        if len(received) > 1:
-            job.send(signal.SIGKILL)
-        else:
-            job.request_stop(signum)
+        for job in current:
+            if len(received) > 1:
+                job.send(signal.SIGKILL)
+            else:
+                job.request_stop(signum)
 
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        job.start()
-        try:
-            ok = job.wait(timeout_s)
-        except TimeoutError as e:
-            print(f"jdp.launch: {e}", file=sys.stderr, flush=True)
-            return 124
+        while not received:
+            folder = os.path.join(directory, f"attempt-{policy.restarts}")
+            os.makedirs(folder)
+            job = make_job(policy.num_processes, policy.restarts, folder)
+            current[:] = [job]
+            if received:
+                break
+            left = None if deadline is None else max(deadline - time.monotonic(), 0)
+            code = _attempt(job, left, timeout_s, policy, received)
+            if code is not None:
+                return code
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)
-    if received:
-        print(
-            f"jdp.launch: stopped by {signal.Signals(received[0]).name}.",
-            file=sys.stderr,
-            flush=True,
-        )
-        return 128 + received[0]
-    if ok:
-        return 0
     print(
-        f"jdp.launch: {job.failure_message(with_tail=False)}",
+        f"jdp.launch: stopped by {signal.Signals(received[0]).name}.",
         file=sys.stderr,
         flush=True,
     )
-    code = job.failure[1]
-    return code if code > 0 else 128 - code
+    return 128 + received[0]
+
+
+def _after_restarts(policy: Restarts) -> str:
+    """` (after 2 restarts)`, for a timeout that ends a restarted run; or ``."""
+    n = policy.restarts
+    return f" (after {n} restart{'s' if n > 1 else ''})" if n else ""
+
+
+def _say(line: str) -> None:
+    print(f"jdp.launch: {line}", file=sys.stderr, flush=True)
+
+
+def _attempt(
+    job: Job,
+    left: float | None,
+    timeout_s: float | None,
+    policy: Restarts,
+    received: list[int],
+) -> int | None:
+    """Runs one attempt of `launch_command`; its exit status, or None to go on.
+
+    None means: restart (the policy has counted it), or a forwarded signal
+    stopped the job (`received` is not empty).
+    """
+    job.start()
+    try:
+        ok = job.wait(left, limit_s=timeout_s)
+    except StallError as e:
+        if received:
+            return None
+        _say(str(e))
+        line = policy.next_attempt(None, "The job stalled (see above).")
+        if line is None:
+            return 124
+        _say(line)
+        return None
+    except TimeoutError as e:
+        _say(str(e) + _after_restarts(policy))
+        return 124
+    if received:
+        return None
+    if ok:
+        return 0
+    message = job.failure_message(with_tail=False)
+    rank, code = job.failure
+    line = policy.next_attempt(rank, message)
+    _say(message if line is None else line)
+    if line is None:
+        return code if code > 0 else 128 - code
+    return None
 
 
 def _check_arguments(
@@ -642,6 +819,7 @@ def run(
     stall_timeout_s: float | None = DEFAULT_STALL_TIMEOUT_S,
     env: Mapping[str, str] | None = None,
     quiet: bool = False,
+    max_restarts: int = 0,
 ) -> list[Any]:
     """Runs `fn(*args, **kwargs)` in `num_processes` new processes; returns the results.
 
@@ -677,23 +855,29 @@ def run(
       env: Extra environment variables for the processes.
       quiet: Do not print the processes' output (it still appears in errors).
         By default each line is printed with its process index, `[0] ...`.
+      max_restarts: When a process fails (or the job stalls), stop the others
+        and run the job again, up to this many times (0 by default), on a fresh
+        port, printing a line per restart to stderr. Each process sees the
+        number of restarts so far in `JDP_RESTART_COUNT`: `fn` resumes from
+        its latest checkpoint. `timeout_s` bounds all attempts together.
 
     Returns:
       The list of return values, indexed by process id.
 
     Raises:
-      RuntimeError: If a process fails (exits non-zero or is killed).
+      RuntimeError: If a process fails (exits non-zero or is killed) and no
+        restart is left.
       TimeoutError: If the job runs longer than `timeout_s`, or stalls for
         `stall_timeout_s` (the message names the processes that stalled), or
         its processes wait in a step for one that has finished (it made fewer
         step calls), for 15 s or `stall_timeout_s` if shorter (the message
         names it).
-      TypeError: If `num_processes`, `devices_per_process`, `timeout_s` or
-        `stall_timeout_s` has the wrong type, or `fn` or its arguments cannot be
-        pickled.
+      TypeError: If `num_processes`, `devices_per_process`, `timeout_s`,
+        `stall_timeout_s` or `max_restarts` has the wrong type, or `fn` or its
+        arguments cannot be pickled.
       ValueError: If `num_processes` or `devices_per_process` is below 1,
-        `timeout_s` is not positive, `stall_timeout_s` is negative, or `fn` was
-        defined interactively.
+        `timeout_s` is not positive, `stall_timeout_s` or `max_restarts` is
+        negative, or `fn` was defined interactively.
 
     Example:
       >>> import jdp.launch
@@ -704,9 +888,10 @@ def run(
       [(0, 4), (1, 4)]
     """
     _check_arguments(num_processes, devices_per_process, timeout_s, stall_timeout_s)
+    policy = Restarts(num_processes, max_restarts, None)
     base = dict(os.environ)
     base.update(env or {})
-    port = free_port()
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     with tempfile.TemporaryDirectory(prefix="jdp-launch-") as tmp:
         payload = os.path.join(tmp, "payload.pkl")
         with open(payload, "wb") as f:
@@ -728,47 +913,98 @@ def run(
                     f"`fn` is pickled by reference, so it must be a module-level "
                     f"function, not a lambda or a nested function ({e})."
                 ) from e
-        envs = [
-            process_env(
-                base,
-                process_id=r,
-                num_processes=num_processes,
-                port=port,
-                devices_per_process=devices_per_process,
-            )
-            for r in range(num_processes)
-        ]
-        commands = [
-            [
-                sys.executable,
-                WORKER,
-                "--call",
+        while True:
+            left = None if deadline is None else max(deadline - time.monotonic(), 0)
+            folder = os.path.join(tmp, f"attempt-{policy.restarts}")
+            os.makedirs(folder)
+            job = _call_job(
                 payload,
-                os.path.join(tmp, f"result-{r}.pkl"),
-            ]
-            for r in range(num_processes)
-        ]
-        stall = _progress_setup(
-            envs,
-            tmp,
-            stall_timeout_s,
-            "raise `stall_timeout_s` (0 or None turns the check off)",
-        )
-        job = Job(commands, envs, echo=not quiet, stall=stall)
-        job.start()
-        try:
-            ok = job.wait(timeout_s)
-        except TimeoutError as e:
-            tails = "".join(
-                f"\n  Last output of process {r}:\n    " + "\n    ".join(t)
-                for r, t in enumerate(job.tails)
-                if t
+                folder,
+                base,
+                num_processes,
+                devices_per_process,
+                stall_timeout_s,
+                quiet,
+                policy,
             )
-            raise TimeoutError(f"`jdp.launch.run`: {e}{tails}") from None
-        if not ok:
-            raise RuntimeError(f"`jdp.launch.run`: {job.failure_message()}")
-        results = []
-        for r in range(num_processes):
-            with open(os.path.join(tmp, f"result-{r}.pkl"), "rb") as f:
-                results.append(pickle.load(f))
-        return results
+            job.start()
+            try:
+                ok = job.wait(left, limit_s=timeout_s)
+            except StallError as e:
+                line = policy.next_attempt(None, str(e))
+                if line is None:
+                    raise TimeoutError(f"`jdp.launch.run`: {e}{_tails(job)}") from None
+                _say_run(line)
+                continue
+            except TimeoutError as e:
+                more = _after_restarts(policy) + _tails(job)
+                raise TimeoutError(f"`jdp.launch.run`: {e}{more}") from None
+            if not ok:
+                line = policy.next_attempt(
+                    job.failure[0], job.failure_message(with_tail=False)
+                )
+                if line is None:
+                    raise RuntimeError(f"`jdp.launch.run`: {job.failure_message()}")
+                _say_run(line)
+                continue
+            results = []
+            for r in range(num_processes):
+                with open(os.path.join(folder, f"result-{r}.pkl"), "rb") as f:
+                    results.append(pickle.load(f))
+            return results
+
+
+def _say_run(line: str) -> None:
+    print(f"jdp.launch.run: {line}", file=sys.stderr, flush=True)
+
+
+def _tails(job: Job) -> str:
+    """Every process's last output lines, for an error message."""
+    return "".join(
+        f"\n  Last output of process {r}:\n    " + "\n    ".join(t)
+        for r, t in enumerate(job.tails)
+        if t
+    )
+
+
+def _call_job(
+    payload: str,
+    folder: str,
+    base: Mapping[str, str],
+    num_processes: int,
+    devices_per_process: int | None,
+    stall_timeout_s: float | None,
+    quiet: bool,
+    policy: Restarts,
+) -> Job:
+    """One attempt of `run`: processes that call the pickled function."""
+    port = free_port()
+    envs = [
+        process_env(
+            base,
+            process_id=r,
+            num_processes=num_processes,
+            port=port,
+            devices_per_process=devices_per_process,
+            restart_count=policy.restarts,
+            max_restarts=policy.max_restarts,
+        )
+        for r in range(num_processes)
+    ]
+    commands = [
+        [
+            sys.executable,
+            WORKER,
+            "--call",
+            payload,
+            os.path.join(folder, f"result-{r}.pkl"),
+        ]
+        for r in range(num_processes)
+    ]
+    stall = _progress_setup(
+        envs,
+        folder,
+        stall_timeout_s,
+        "raise `stall_timeout_s` (0 or None turns the check off)",
+    )
+    return Job(commands, envs, echo=not quiet, stall=stall)
