@@ -17,6 +17,9 @@ equal on every replica declares so with `declare`:
 - A `restart_params(self)` method, if the class has one, returns the params
   every replica should hold when the state is laid out anew for another replica
   count (a checkpoint restored elsewhere): BMUF's block start.
+- A `restart_local(self)` method, if the class has one, returns the node as it
+  should be after such a re-layout (error-feedback buffers start from zero)
+  instead of replica 0's copy of its local fields.
 
 Readers (the divergence guard, `jdp.local()`, checkpoints, the train step's
 checks) ask only this module; none of them knows the declaring classes.
@@ -143,3 +146,22 @@ def agreed(tree: PyTree) -> PyTree | None:
 def restart_params(tree: PyTree) -> list[PyTree]:
     """The `restart_params()` of every declared node in `tree` that has one."""
     return [x.restart_params() for x in find(tree) if hasattr(x, "restart_params")]
+
+
+def restart_local(tree: PyTree) -> tuple[PyTree, bool]:
+    """`tree` with every declared node that has `restart_local()` replaced by it.
+
+    Returns:
+      `(tree, changed)`: whether any node was replaced.
+    """
+    changed = False
+
+    def one(x):
+        nonlocal changed
+        d = _declaration(x)
+        if d is not None and isinstance(x, d.cls) and hasattr(x, "restart_local"):
+            changed = True
+            return x.restart_local()
+        return x
+
+    return jax.tree.map(one, tree, is_leaf=_is_declared), changed

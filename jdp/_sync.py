@@ -178,20 +178,7 @@ def all_reduce(
     """
     _collectives.check_bucket_bytes(bucket_bytes)
     check_batch_stats(batch_stats)
-    _wire.check_wire(wire, "jdp.all_reduce")
-    _validate.boolean("error_feedback", error_feedback)
-    if error_feedback and wire is None:
-        raise ValueError(
-            "`jdp.all_reduce(error_feedback=True)` feeds back what a compressed "
-            "exchange drops, and no `wire` format is given: pass e.g. "
-            "`wire=jdp.wire.int8()`, or leave `error_feedback=False`."
-        )
-    if wire is not None and reduce_dtype is not None:
-        raise ValueError(
-            f"`jdp.all_reduce` got both `wire={wire.name}` and `reduce_dtype="
-            f"{reduce_dtype}`: `wire` says what the exchange sends; drop "
-            "`reduce_dtype`."
-        )
+    _wire.check_options(wire, error_feedback, reduce_dtype, "jdp.all_reduce")
     if wire is not None:
         return _compressed(wire, error_feedback, skip_nonfinite, batch_stats)
 

@@ -12,7 +12,7 @@ from typing import Any
 import optax
 from jax import lax
 
-from jdp import _collectives
+from jdp import _collectives, _wire
 
 
 def sync_gradients(
@@ -22,13 +22,17 @@ def sync_gradients(
     reverse: bool = True,
     reduce_dtype: Any = None,
     flatten: bool | None = None,
+    wire: _wire.Wire | None = None,
+    error_feedback: bool = False,
 ) -> optax.GradientTransformation:
     """Averages updates over replicas; put it first in an `optax.chain`.
 
     The optax form of `jdp.all_reduce_gradients` (same options), in the spirit of
     `optax.contrib.sam(batch_axis_name=...)`: a step that does not average its
     gradients itself gets synchronous data parallelism from its optimizer alone.
-    Stateless (`optax.EmptyState`).
+    Stateless (`optax.EmptyState`), unless `error_feedback` keeps its error
+    buffers (`jdp.wire.WireState`, different on every replica) in the optimizer
+    state.
 
     Args:
       axis_name: Replica axis; None (default) uses the one bound by the
@@ -37,9 +41,16 @@ def sync_gradients(
       reverse: Pack leaves last-first.
       reduce_dtype: Optional wire dtype (e.g. `jnp.bfloat16`).
       flatten: Flat buffers or tuples per bucket (see `jdp.all_reduce_gradients`).
+      wire: A compressed exchange (`jdp.wire.int8()`, ...) instead of the
+        all-reduce, as for `jdp.all_reduce(wire=...)`.
+      error_feedback: With `wire`, feed back what quantisation dropped.
 
     Returns:
       An `optax.GradientTransformation`.
+
+    Raises:
+      ValueError: As `jdp.all_reduce` for `wire`, `error_feedback` and
+        `reduce_dtype`.
 
     Example:
       >>> import optax, jdp
@@ -48,16 +59,25 @@ def sync_gradients(
       >>> # use it with `jdp.make_train_step(loss_fn, tx, sync=jdp.local())`
     """
     _collectives.check_bucket_bytes(bucket_bytes)
+    _wire.check_options(wire, error_feedback, reduce_dtype, "jdp.sync_gradients")
     options = dict(axis_name=axis_name, bucket_bytes=bucket_bytes, reverse=reverse)
 
     def init_fn(params):
-        del params
-        return optax.EmptyState()
+        return _wire.init_state(params) if error_feedback else optax.EmptyState()
 
     def update_fn(updates, state, params=None, **extra_args):
         del params
         if not extra_args.get(_collectives.COLLECTIVES_ARG, True):
             return updates, state
+        if wire is not None:
+            synced, error = _wire.mean(
+                updates,
+                wire=wire,
+                axis_name=_collectives.resolve_axis(axis_name),
+                error=state if error_feedback else None,
+                api="jdp.sync_gradients",
+            )
+            return synced, (error if error_feedback else state)
         synced = _collectives.all_reduce(
             updates,
             reduce_dtype=reduce_dtype,

@@ -63,7 +63,11 @@ class Wire(NamedTuple):
             return x.astype(self.dtype), None
         blocks = x.reshape(-1, self.block_size)
         amax = jnp.max(jnp.abs(blocks), axis=1)
-        scale = jnp.where(amax > 0, amax / self.qmax, 1.0).astype(jnp.float32)
+        # An all-zero block keeps scale 1; a block holding a NaN or an infinity
+        # gets a non-finite scale, so that it decodes non-finite (a skipped step
+        # sees it) rather than quantising to garbage.
+        inverse = np.float32(1.0 / self.qmax)
+        scale = jnp.where(amax == 0, 1.0, amax * inverse).astype(jnp.float32)
         scaled = blocks / scale[:, None]
         if jnp.issubdtype(self.dtype, jnp.integer):
             scaled = jnp.clip(jnp.round(scaled), -self.qmax, self.qmax)
@@ -162,6 +166,24 @@ def check_wire(wire: Any, api: str) -> None:
         )
 
 
+def check_options(wire: Any, error_feedback: Any, reduce_dtype: Any, api: str) -> None:
+    """Clear errors for `wire`, `error_feedback` and `reduce_dtype` together."""
+    check_wire(wire, api)
+    _validate.boolean("error_feedback", error_feedback)
+    if error_feedback and wire is None:
+        raise ValueError(
+            f"`{api}(error_feedback=True)` feeds back what a compressed exchange "
+            "drops, and no `wire` format is given: pass e.g. "
+            "`wire=jdp.wire.int8()`, or leave `error_feedback=False`."
+        )
+    if wire is not None and reduce_dtype is not None:
+        raise ValueError(
+            f"`{api}` got both `wire=jdp.wire.{wire.name}()` and `reduce_dtype="
+            f"{reduce_dtype}`: `wire` says what the exchange sends; drop "
+            "`reduce_dtype`."
+        )
+
+
 # -- error-feedback state -------------------------------------------------------------
 
 
@@ -180,6 +202,15 @@ class WireState(NamedTuple):
 
     worker: jax.Array
     server: jax.Array
+
+    def restart_local(self) -> WireState:
+        """Zero buffers: a checkpoint restored into another replica count.
+
+        The buffers belong to one replica and (the server error) to the chunks
+        it owned, which another replica count splits differently; at most one
+        step's quantisation error is lost.
+        """
+        return WireState(np.zeros_like(self.worker), np.zeros_like(self.server))
 
 
 def init_state(params: PyTree) -> WireState:

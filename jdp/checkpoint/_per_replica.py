@@ -18,6 +18,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from jdp import _replica_parts
 from jdp._layout import is_custom, place_like
 from jdp._tree import keystr
 from jdp.checkpoint._common import short_list
@@ -210,9 +211,16 @@ def one_copy_of_differing(
       why: Why their replicas cannot be restored, e.g. "`like` is one copy".
 
     Returns:
-      `host`, with the params of a `jdp.bmuf` state set to its block start.
+      `host`, with the params of a `jdp.bmuf` state set to its block start and
+      declared parts that restart (`_replica_parts.restart_local`) restarted.
     """
     host, note = block_start_params(host)
+    host, restarted = _replica_parts.restart_local(host)
+    if restarted:
+        note += (
+            " Error-feedback buffers (`jdp.wire.WireState`) start again from zero "
+            "on every replica."
+        )
     paths = [r["path"] for r in per.values()]
     warnings.warn(
         DIFFERING_MSG.format(
