@@ -4,7 +4,8 @@ Usage: python direct_stall_worker.py STALL_TIMEOUT_S STUCK_RANK STUCK_AT STEPS
 
 The job's configuration comes from the environment (simulated SLURM variables and
 `$JDP_COORDINATOR_ADDRESS`). Process STUCK_RANK stops before its step STUCK_AT,
-alive, in `sleep_forever` (-1: none stops); the loop ends after STEPS steps.
+alive, in `sleep_forever` (-1: none stops); the loop ends after STEPS steps (one
+count for every process, or one per process: "3,4").
 """
 
 import logging
@@ -41,7 +42,8 @@ step = jdp.parallelize(jdp.make_train_step(loss_fn, tx))
 state = step.replicate(jdp.TrainState.create(params={"w": jnp.zeros((4, 1))}, tx=tx))
 batch = step.shard({"x": np.ones((2, 4), np.float32), "y": np.ones((2, 1), np.float32)})
 print(f"pid {os.getpid()} processes {jax.process_count()}", flush=True)
-for i in range(1, int(STEPS) + 1):
+steps = [int(n) for n in STEPS.split(",")]
+for i in range(1, steps[jax.process_index() % len(steps)] + 1):
     if jax.process_index() == int(STUCK_RANK) and i == int(STUCK_AT):
         print(f"stuck after step call {_progress.count()} at {time.time()}", flush=True)
         sleep_forever()

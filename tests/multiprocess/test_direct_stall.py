@@ -33,7 +33,7 @@ SLEEP_LINE = (
 )
 
 
-def slurm_env(rank, port):
+def slurm_env(rank, port, **more):
     env = dict(os.environ)
     for name in list(env):
         if name.startswith(("JDP_", "SLURM_", "OMPI_", "PMI_")):
@@ -57,10 +57,11 @@ def slurm_env(rank, port):
         # The coordinator on loopback (SLURM's would be the first node, any port).
         JDP_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
     )
+    env.update(more)
     return env
 
 
-def run_job(tmp_path, args):
+def run_job(tmp_path, args, **env):
     """Runs the two processes; (returncodes, exit times, stdouts, stderrs)."""
     port = free_port()
     procs, files = [], []
@@ -72,7 +73,7 @@ def run_job(tmp_path, args):
             procs.append(
                 subprocess.Popen(
                     [sys.executable, WORKER, *map(str, args)],
-                    env=slurm_env(rank, port),
+                    env=slurm_env(rank, port, **env),
                     stdout=out,
                     stderr=err,
                     text=True,
@@ -144,5 +145,26 @@ def test_a_job_that_finishes_with_the_stall_check_on_exits_cleanly(tmp_path):
         assert re.search(
             rf"jdp\.distributed: local_device_ids=\[{rank}\] \(SLURM: task {rank} "
             r"of 2 on its node \(\$SLURM_LOCALID=\d, \$SLURM_NTASKS_PER_NODE=2\)",
+            errs[rank],
+        ), report
+
+
+def test_processes_waiting_for_a_finished_one_are_stopped(tmp_path):
+    """Process 0 finishes after 3 steps (at jdp's exit hook, in the shutdown
+    barrier); process 1 waits in its step 4 for it in vain."""
+    timeout_s = 3
+    codes, ended, outs, errs = run_job(
+        tmp_path, [timeout_s, -1, 0, "3,4"], JDP_FAIL_FAST="1"
+    )
+    report = f"codes {codes}\n--- 0\n{outs[0]}{errs[0]}\n--- 1\n{outs[1]}{errs[1]}"
+    assert None not in ended, "a process did not exit:\n" + report
+    assert codes == [124, 124], report
+    assert "done" in outs[0] and "done" not in outs[1], report
+    for rank in range(2):
+        assert re.search(
+            r"jdp\.distributed: process 0 of 2 \([^)]*\) finished its program after "
+            r"\d+ step calls while process 1 is still running \(at step call \d+\) "
+            rf"and made no progress for {timeout_s} s: it waits in a step that "
+            r"process 0 will never join\. Every process must make the same number",
             errs[rank],
         ), report
