@@ -9,6 +9,7 @@ tests/multiprocess/test_direct_stall.py).
 import inspect
 import logging
 import os
+import re
 import subprocess
 import sys
 
@@ -355,7 +356,7 @@ def test_a_real_initialize_that_finds_no_job_raises(env, message):
         timeout=120,
     )
     assert proc.returncode == 1, proc.stderr
-    assert __import__("re").search(message, proc.stderr), proc.stderr
+    assert re.search(message, proc.stderr), proc.stderr
 
 
 # -- the stall check outside the launcher --------------------------------------
@@ -471,3 +472,45 @@ def test_a_finished_process_is_not_stuck_but_may_be_waited_for():
 def test_a_verdict_travels_as_json():
     verdict = _watchdog.Verdict("stall", [1], {0: 4, 1: 3})
     assert _watchdog.Verdict.from_json(verdict.to_json()) == verdict
+
+
+def test_a_job_of_one_where_the_environment_says_several_raises():
+    """JAX's detection joins a job of one process (here a one-task SLURM step)
+    while a JobSet's variables say there are four one-pod jobs: the process
+    leaves the job and raises instead of training alone."""
+    from jdp.launch._launcher import free_port
+
+    clean = {
+        k: v
+        for k, v in os.environ.items()
+        if not (k.startswith(CLUSTER_PREFIXES) or k in CLUSTER_NAMES)
+    }
+    env = {
+        **clean,
+        "JAX_PLATFORMS": "cpu",
+        "SLURM_JOB_ID": "7",
+        "SLURM_STEP_NODELIST": "localhost",
+        "SLURM_NTASKS": "1",
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+        "JDP_COORDINATOR_ADDRESS": f"127.0.0.1:{free_port()}",
+        "KUBERNETES_SERVICE_HOST": "10.0.0.1",
+        "JOB_COMPLETION_INDEX": "0",
+        "REPLICATED_JOB_REPLICAS": "4",
+    }
+    code = ALONE + "\nprint('not reached')"
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert "not reached" not in proc.stdout
+    assert re.search(
+        r"RuntimeError: jdp\.distributed\.initialize: \$REPLICATED_JOB_REPLICAS=4 "
+        r"says that this job has several processes, but JAX's cluster detection "
+        r"made a job of one process",
+        proc.stderr,
+    ), proc.stderr
