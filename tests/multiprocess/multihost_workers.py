@@ -88,6 +88,39 @@ def _train_check(backend, axis_name="data"):
     return out
 
 
+def wire_train(axis_name="data", *, batches, params, devices=None):
+    """The MLP with an int8 exchange and error feedback (and the oracle's run)."""
+    tx = optax.adam(1e-2)
+    sync = jdp.all_reduce(wire=jdp.wire.int8(block_size=64), error_feedback=True)
+    step = jdp.parallelize(
+        jdp.make_train_step(mlp_loss, tx, sync=sync, axis_name=axis_name),
+        devices=devices,
+        axis_name=axis_name,
+    )
+    state = step.replicate(jdp.TrainState.create(params=params, tx=tx, sync=sync))
+    losses = []
+    for batch in batches:
+        state, metrics = step(state, step.shard(batch))
+        losses.append(float(metrics["loss"]))
+    return step, state, losses
+
+
+def _wire_check(axis_name):
+    params = init_mlp(jax.random.key(0))
+    batches = [local_share(b) for b in make_batches(NUM_STEPS, GLOBAL_BATCH)]
+    step, state, losses = wire_train(axis_name, batches=batches, params=params)
+    ops = step.collectives(state, step.shard(batches[0]))
+    return {
+        "params": jax.device_get(step.unreplicate(state).params),
+        "losses": losses,
+        "in_sync": jdp.replicas_in_sync(state.replace(sync_state=None)),
+        "errors_differ": bool(
+            np.any(np.diff(local_replicas(state.sync_state.worker), axis=0))
+        ),
+        "collectives": [(c.kind, c.dtype, c.replica_groups) for c in ops],
+    }
+
+
 def _replicate_check():
     own = init_mlp(jax.random.key(jax.process_index()))
     step = jdp.parallelize(lambda s, b: (s, {}))
@@ -386,6 +419,8 @@ def scenario(restore_dir, save_dir):
     _guarded(results, "train_shard_map", lambda: _train_check("shard_map"))
     _guarded(results, "train_pmap", lambda: _train_check("pmap"))
     _guarded(results, "train_host_mesh", lambda: _train_check("shard_map", HOST_MESH))
+    _guarded(results, "wire", lambda: _wire_check("data"))
+    _guarded(results, "wire_host_mesh", lambda: _wire_check(HOST_MESH))
     _guarded(results, "shard", _shard_checks)
     _guarded(results, "in_sync", _in_sync_check)
     _guarded(results, "bmuf", _bmuf_check)

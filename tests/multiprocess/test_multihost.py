@@ -165,6 +165,37 @@ def test_host_mesh_matches_flat_mesh(job, oracle_adam):
         assert kinds.index(("all-reduce", across)) > first
 
 
+def test_int8_exchange_across_processes_matches_one_process(job):
+    # The same exchange on 2 processes x 2 devices as on 1 process x 4.
+    step, state, losses = mw.wire_train(
+        batches=global_batches(),
+        params=init_mlp(jax.random.key(0)),
+        devices=oracle_devices(),
+    )
+    expected = jax.device_get(step.unreplicate(state).params)
+    for r in part(job, "wire"):
+        assert r["in_sync"] and r["errors_differ"]
+        assert_trees_close(r["params"], expected, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(r["losses"], losses, rtol=1e-5)
+        assert {k for k, dtype, _ in r["collectives"] if dtype == "s8"} == {
+            "all-to-all",
+            "all-gather",
+        }
+
+
+def test_int8_exchange_on_a_host_mesh_compresses_across_hosts_only(job, oracle_adam):
+    _, fp32_losses = oracle_adam
+    for r in part(job, "wire_host_mesh"):
+        assert r["in_sync"]
+        # int8 with error feedback trains as float32 does, to within a few %.
+        np.testing.assert_allclose(r["losses"][-5:], fp32_losses[-5:], rtol=0.05)
+        across = ((0, 2), (1, 3))
+        narrow = [(k, g) for k, dtype, g in r["collectives"] if dtype == "s8"]
+        assert narrow and all(tuple(map(tuple, g)) == across for _, g in narrow)
+        within = ((0, 1), (2, 3))
+        assert any(tuple(map(tuple, g)) == within for _, _, g in r["collectives"])
+
+
 def test_prefetch_metrics_and_replica_keys_across_processes(job):
     for r in part(job, "features"):
         for backend in ("shard_map", "pmap"):
