@@ -514,3 +514,11 @@ def test_a_job_of_one_where_the_environment_says_several_raises():
         r"made a job of one process",
         proc.stderr,
     ), proc.stderr
+
+
+def test_amd_gpus_bound_per_task():
+    env = slurm(1, 4, gpus=4)
+    env["ROCR_VISIBLE_DEVICES"] = "1"
+    plan = _cluster.plan_local_devices(env)
+    assert plan.local_device_ids == [0]
+    assert "$ROCR_VISIBLE_DEVICES=1 of 4" in plan.reason

@@ -34,6 +34,13 @@ SLURM_REQUIRED = (
     "SLURM_PROCID",
     "SLURM_LOCALID",
 )
+#: The variables that list the GPUs a process sees (NVIDIA, then AMD's), which
+#: the process then numbers from 0.
+VISIBLE_DEVICES = (
+    "CUDA_VISIBLE_DEVICES",
+    "ROCR_VISIBLE_DEVICES",
+    "HIP_VISIBLE_DEVICES",
+)
 #: Set in every Kubernetes pod; JAX then needs the `kubernetes` package.
 K8S_HOST = "KUBERNETES_SERVICE_HOST"
 #: An indexed Kubernetes Job's pod index (JAX's process id on Kubernetes).
@@ -134,11 +141,12 @@ def _visible_gpus(
     node_name = "SLURM_GPUS_ON_NODE"
     if node_count is None:
         node_count, node_name = node_gpus, "the node's /dev/nvidia* devices"
-    if "CUDA_VISIBLE_DEVICES" in environ:
-        listed = [d for d in environ["CUDA_VISIBLE_DEVICES"].split(",") if d.strip()]
+    visible = next((n for n in VISIBLE_DEVICES if n in environ), None)
+    if visible is not None:
+        listed = [d for d in environ[visible].split(",") if d.strip()]
         if listed == ["-1"] or listed == ["NoDevFiles"]:
             listed = []
-        said = _show(environ, "CUDA_VISIBLE_DEVICES")
+        said = _show(environ, visible)
         own = node_count is not None and len(listed) < node_count
         if own:
             said += (

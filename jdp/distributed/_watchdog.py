@@ -348,8 +348,8 @@ class Watchdog:
             try:
                 verdict = self._check()
             except Exception:  # the service went away (a shutdown, a crash)
-                if self._stop.is_set():
-                    return
+                if self._stop.is_set() or self._finished:
+                    return  # past this process's last step: nothing to watch
                 continue
             if verdict is not None and not self._stop.is_set():
                 self._act(verdict)
