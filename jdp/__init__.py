@@ -27,6 +27,7 @@ from jdp._export import export_predictor, load_predictor, save_predictor
 from jdp._hlo import Collective, MemoryAnalysis
 from jdp._metrics import weighted
 from jdp._parallel import Parallel, parallelize
+from jdp._powersgd import PowerSGDState, powersgd, powersgd_transform
 from jdp._sync import Sync, all_reduce, local, zero
 from jdp._train_step import TrainState, make_train_step
 from jdp._transforms import sync_gradients
@@ -37,6 +38,7 @@ __all__ = [
     "Collective",
     "MemoryAnalysis",
     "Parallel",
+    "PowerSGDState",
     "ReplicaDivergenceError",
     "Sync",
     "TrainState",
@@ -51,6 +53,8 @@ __all__ = [
     "local",
     "make_train_step",
     "parallelize",
+    "powersgd",
+    "powersgd_transform",
     "replica_key",
     "replicas_in_sync",
     "save_predictor",

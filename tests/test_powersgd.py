@@ -8,7 +8,7 @@ import pytest
 from flax.training import dynamic_scale as dynamic_scale_lib
 
 import jdp
-from jdp._powersgd import PowerSGDState, powersgd, powersgd_transform
+from jdp import PowerSGDState, powersgd, powersgd_transform
 from jdp.checkpoint import CheckpointManager
 
 LR = 0.1
