@@ -7,7 +7,10 @@ starts, a clear error instead of a native abort (or crash) when the processes ca
 meet, leave, or host the coordinator, a coordinator that listens on loopback only
 when the job is on one machine, and, when asked (`fail_fast`, the default under
 `python -m jdp.launch`), a failing process that exits at once instead of waiting
-for its peers.
+for its peers. Under a cluster's scheduler it also gives each process its own
+GPUs and refuses to run a process alone in a job of several (`_cluster`), and,
+when asked (`stall_timeout_s`), stops a job in which a process is stuck
+(`_watchdog`).
 """
 
 from __future__ import annotations
