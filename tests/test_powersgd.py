@@ -434,6 +434,34 @@ def test_training_converges_on_a_toy_regression():
     assert compressed[-1] < 1.1 * exact[-1], (compressed[-1], exact[-1])
 
 
+def test_a_2d_host_mesh_and_16_bit_leaves_train():
+    """The factors of a bfloat16 leaf stay bfloat16; a host-mesh axis works."""
+    params = {**init_params(), "w1": init_params()["w1"].astype(jnp.bfloat16)}
+
+    def loss(params, batch):
+        return loss_fn({**params, "w1": params["w1"].astype(jnp.float32)}, batch)
+
+    sync, tx = powersgd(rank=2), step_tx()
+    init = jdp.TrainState.create(params=params, tx=tx, sync=sync)
+    finals = []
+    for axis_name in ["data", ("host", "device")]:
+        step = jdp.parallelize(
+            jdp.make_train_step(loss, tx, sync=sync),
+            axis_name=axis_name,
+            devices=jax.devices()[:4],
+        )
+        state = run(step, step.replicate(init), make_batches(2))
+        finals.append(step.unreplicate(state))
+    one = finals[0]
+    assert one.sync_state.q[1].dtype == one.sync_state.error[1].dtype == jnp.bfloat16
+    assert one.params["w1"].dtype == jnp.bfloat16
+    assert np.any(np.asarray(one.params["w1"] != params["w1"]))
+    for a, b in zip(
+        jax.tree.leaves(finals[0]), jax.tree.leaves(finals[1]), strict=True
+    ):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
 def test_zero_gradients_stay_finite():
     params = {"w": jnp.ones((16, 16)), "unused": jnp.ones((16, 16))}
 
