@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jdp import _collectives, _replica_parts, _validate
+from jdp import _collectives, _replica_parts, _validate, _wire
 from jdp._tree import is_float
 
 PyTree = Any
@@ -52,6 +52,7 @@ class _Options(NamedTuple):
     delay: int = 0
     mix: float = 0.0
     sync_period: int = 1
+    wire: _wire.Wire | None = None
 
     @property
     def stores_start(self) -> bool:
@@ -123,6 +124,7 @@ def bmuf(
     fragments: int = 1,
     delay: int = 0,
     mix: float = 0.0,
+    wire: _wire.Wire | None = None,
     axis_name: _collectives.AxisName | None = None,
 ) -> optax.GradientTransformation:
     r"""Blockwise model-update filtering: local training, periodic filtered merge.
@@ -234,6 +236,13 @@ def bmuf(
         (torchft's `fragment_update_alpha`, the paper's α): the local slices
         become `(1 - α) * new + α * local`, `new` being what they become
         without it (`g`, or `start` with `nesterov=True`). 0.0 (default).
+      wire: A compressed exchange for the syncs: `jdp.wire.bf16()`,
+        `jdp.wire.int8()` or `jdp.wire.fp8()` (see `jdp.wire`). Each replica's
+        outer pseudo-gradient `start - params` (of the whole model, a fragment
+        or a chunk) is quantised and averaged by an all-to-all and an
+        all-gather of the narrow type, and the sync uses `start` minus that
+        mean (torchft's `should_quantize`). None (default): the params are
+        all-reduced in their own type.
       axis_name: Replica axis; None (default) uses the one bound by the
         enclosing `jdp.parallelize`.
 
@@ -254,7 +263,8 @@ def bmuf(
         negative `warmup_steps`, an unknown `inner_state_at_sync`, or `outer`
         combined with the block-filter options; at update time, for
         `params=None`.
-      TypeError: If `inner` or `outer` is not an optax transform.
+      TypeError: If `inner` or `outer` is not an optax transform, or `wire` not
+        a wire format.
       RuntimeError: At update time, if `axis_name` is not bound (called outside
         `jdp.parallelize`).
 
@@ -298,6 +308,7 @@ def bmuf(
         delay=delay,
         mix=mix,
         sync_period=sync_period,
+        wire=wire,
     )
     _check_options(inner, sync_period, options)
     stores_start = options.stores_start
@@ -417,7 +428,9 @@ def _merge(params, old_state, state, *, inner, axis, options):
 
     def sync(operands):
         params, g, start, v, inner_state = operands
-        avg = _average_params(params, start if stores_start else g, axis_name)
+        avg = _average_params(
+            params, start if stores_start else g, axis_name, options.wire
+        )
         g, start, v = _block_update(
             g,
             start,
@@ -511,6 +524,7 @@ def _merge_streaming(params, old_state, state, *, inner, axis, options):
             jnp.where(in_flight, chunk + 1, 0),
             plan,
             axis_name,
+            options.wire,
         )
 
     # 2. The sync of one fragment.
@@ -525,7 +539,9 @@ def _merge_streaming(params, old_state, state, *, inner, axis, options):
             if delay:
                 avg = _take(flat(pending), pieces)
             else:
-                avg = _average_params(local, s_f if stores_start else g_f, axis_name)
+                avg = _average_params(
+                    local, s_f if stores_start else g_f, axis_name, options.wire
+                )
             v_f = v[f] if outer is not None else _take(flat(v), pieces)
             g_f, s_f, v_f = _block_update(
                 g_f, s_f, v_f, avg, eta, options.block_learning_rate,
@@ -586,7 +602,7 @@ def _keep(operands):
     return operands
 
 
-def _reduce_chunk(pending, ref, index, plan, axis_name):
+def _reduce_chunk(pending, ref, index, plan, axis_name, wire):
     """`pending` with chunk `index - 1` (0: none) all-reduced (`plan.chunks`)."""
     flat, tree = (
         jax.tree.leaves,
@@ -598,7 +614,7 @@ def _reduce_chunk(pending, ref, index, plan, axis_name):
             pending, ref = operands
             leaves = flat(pending)
             avg = _average_params(
-                _take(leaves, pieces), _take(flat(ref), pieces), axis_name
+                _take(leaves, pieces), _take(flat(ref), pieces), axis_name, wire
             )
             return tree(_put(leaves, pieces, avg)), ref
 
@@ -717,18 +733,21 @@ def _put(leaves, pieces, values) -> list:
     return leaves
 
 
-def _average_params(local, ref, axis_name):
+def _average_params(local, ref, axis_name, wire=None):
     """The replicas' mean of their `local` params at a sync: the one place.
 
-    Every block or fragment sync averages the replicas' params here: today's
-    block sync on the whole tree, a fragment's sync with `delay=0`, and each
-    chunk of a delayed one. `ref` (the same structure) is the block start every
-    replica began from, so that `ref - local` is the replica's outer
-    pseudo-gradient (for a compressed all-reduce of it); with a plain mean it
-    is not needed.
+    Every block or fragment sync averages the replicas' params here: the block
+    sync on the whole tree, a fragment's sync with `delay=0`, and each chunk of
+    a delayed one. `ref` (the same structure) is the block start every replica
+    began from: with a `wire` format the outer pseudo-gradient `ref - local` is
+    what is compressed and averaged (`_wire.mean`), and the result is `ref`
+    minus that mean; without one, the params themselves are averaged.
     """
-    del ref
-    return _mean(local, axis_name)
+    if wire is None:
+        return _mean(local, axis_name)
+    pseudo = _float_map(lambda r, x: r - x.astype(r.dtype), ref, local)
+    mean, _ = _wire.mean(pseudo, wire=wire, axis_name=axis_name, api="jdp.bmuf")
+    return _float_map(lambda r, d: r - d, ref, mean)
 
 
 def _inner_state_at_sync(inner_state, target, inner, mode, axis_name):
@@ -810,6 +829,7 @@ def _check_options(inner, sync_period, options: _Options) -> None:
     block_momentum = options.block_momentum
     inner_state_at_sync, outer = options.inner_state_at_sync, options.outer
     _check_transform(inner, "inner")
+    _wire.check_wire(options.wire, "jdp.bmuf")
     _validate.positive_int("sync_period", sync_period, note="steps per block")
     _validate.finite_number(
         "block_learning_rate",
