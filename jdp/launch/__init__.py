@@ -21,6 +21,14 @@ made fewer step calls: its data ran out first) are stopped sooner, after 15 s
 without progress (or the stall limit, if shorter), naming the finished process.
 When several processes fail at once (one died; the others' collectives with it
 failed), the one that ended first is named.
+
+With `--max-restarts K` (`run(..., max_restarts=K)`), a failed or stalled job is
+started again on a fresh port, up to K times, with a line per restart; every
+process sees `JDP_RESTART_COUNT` (the restarts so far) and `JDP_MAX_RESTARTS`,
+and resumes from its latest checkpoint (`CheckpointManager.restore(like,
+default=like, with_extra=True)`). With `--min-processes M`, a process index that
+fails first in two attempts in a row makes the next attempt run with one
+process fewer, down to M (`JDP_NUM_PROCESSES` says how many run).
 """
 
 from jdp.launch._launcher import run
