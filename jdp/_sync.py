@@ -9,6 +9,7 @@ across replicas (`state_layout`) and the part of it replicas must agree on
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple, get_args
@@ -173,8 +174,9 @@ def all_reduce(
       >>> state = jdp.TrainState.create(params=params, tx=optax.sgd(0.1), sync=sync)
       >>> state = step.replicate(state)
       >>> batch = step.shard({"x": jnp.ones((8, 512)), "y": jnp.ones((8, 1))})
-      >>> sorted({(c.kind, c.dtype) for c in step.collectives(state, batch)})[:2]
-      [('all-gather', 's8'), ('all-to-all', 's8')]
+      >>> ops = step.collectives(state, batch)
+      >>> sorted((c.kind, c.dtype) for c in ops if c.dtype == "u8")  # 1 byte a value
+      [('all-gather', 'u8'), ('all-to-all', 'u8')]
     """
     _collectives.check_bucket_bytes(bucket_bytes)
     check_batch_stats(batch_stats)
@@ -236,7 +238,7 @@ def _compressed(wire, error_feedback, skip_nonfinite, batch_stats) -> Sync:
         apply_averaged=apply_averaged,
         batch_stats=batch_stats,
         must_agree=_agreed_sync_state,
-        init=_wire.init_state,
+        init=functools.partial(_wire.init_state, wire=wire),
     )
 
 

@@ -63,7 +63,9 @@ def sync_gradients(
     options = dict(axis_name=axis_name, bucket_bytes=bucket_bytes, reverse=reverse)
 
     def init_fn(params):
-        return _wire.init_state(params) if error_feedback else optax.EmptyState()
+        if error_feedback:
+            return _wire.init_state(params, wire)
+        return optax.EmptyState()
 
     def update_fn(updates, state, params=None, **extra_args):
         del params

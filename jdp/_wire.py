@@ -189,38 +189,47 @@ def check_options(wire: Any, error_feedback: Any, reduce_dtype: Any, api: str) -
 
 @_replica_parts.declare(local=("worker", "server"), required=("worker", "server"))
 class WireState(NamedTuple):
-    """The error-feedback buffers of a compressed all-reduce.
-
-    Both are float32 vectors as long as the gradients' float values together
-    (flattened in pytree order), and differ between replicas.
+    """The error-feedback buffers of a compressed all-reduce; differ per replica.
 
     Attributes:
-      worker: What this replica's quantisation dropped last step.
-      server: What this replica's re-quantisation of the chunks it owns
-        dropped last step (zero outside those chunks).
+      worker: What this replica's quantisation dropped last step: one float32
+        vector per float leaf of the gradients (in pytree order), the leaf's
+        values padded with zeros to whole blocks.
+      server: What this replica's re-quantisation of the chunk it owns dropped
+        last step: the chunk's values first, zeros after (one float32 vector
+        as long as the worker buffers together, so that its size does not
+        depend on the replica count).
     """
 
-    worker: jax.Array
+    worker: tuple[jax.Array, ...]
     server: jax.Array
 
     def restart_local(self) -> WireState:
         """Zero buffers: a checkpoint restored into another replica count.
 
-        The buffers belong to one replica and (the server error) to the chunks
+        The buffers belong to one replica and (the server error) to the chunk
         it owned, which another replica count splits differently; at most one
         step's quantisation error is lost.
         """
-        return WireState(np.zeros_like(self.worker), np.zeros_like(self.server))
+        return jax.tree.map(np.zeros_like, self)
 
 
-def init_state(params: PyTree) -> WireState:
+def _padded(size: int, block: int) -> int:
+    return -(-size // block) * block
+
+
+def init_state(params: PyTree, wire: Wire) -> WireState:
     """Zero error buffers for gradients shaped like `params`."""
-    size = sum(int(np.prod(np.shape(x))) for x in _float_leaves(params))
-    zeros = jnp.zeros((size,), jnp.float32)
-    return WireState(worker=zeros, server=zeros)
+    sizes = [
+        _padded(int(np.prod(np.shape(x))), wire.block_size) for x in _floats(params)
+    ]
+    return WireState(
+        worker=tuple(jnp.zeros((n,), jnp.float32) for n in sizes),
+        server=jnp.zeros((sum(sizes),), jnp.float32),
+    )
 
 
-def _float_leaves(tree: PyTree) -> list[Any]:
+def _floats(tree: PyTree) -> list[Any]:
     return [x for x in jax.tree.leaves(tree) if is_float(x)]
 
 
@@ -244,6 +253,11 @@ def mean(
 ) -> tuple[PyTree, WireState | None]:
     """Averages `grads` over replicas, sending `wire`'s format.
 
+    Each float leaf is quantised on its own (padded to whole blocks), with its
+    worker error added in the same pass; only the narrow payloads are joined
+    into the exchanged buffer, and each leaf is decoded straight from the
+    gathered result, so the float32 gradients are read once and written once.
+
     Args:
       grads: One replica's gradients (float leaves are averaged; others pass
         through).
@@ -262,108 +276,127 @@ def mean(
     idx = [i for i, x in enumerate(leaves) if is_float(x)]
     if not idx:
         return grads, error
+    block = wire.block_size
     sizes = [int(np.prod(leaves[i].shape)) for i in idx]
-    total = sum(sizes)
-    if error is not None and (
-        error.worker.shape != (total,) or error.server.shape != (total,)
-    ):
-        raise ValueError(
-            f"`{api}`: the error-feedback buffers hold {error.worker.shape} and "
-            f"{error.server.shape} values, but the gradients have {total} float "
-            "values: the state was made for other params. Create it again with "
-            "`jdp.TrainState.create(params=..., tx=..., sync=sync)` for these params."
-        )
-    flat = jnp.concatenate([leaves[i].astype(jnp.float32).reshape(-1) for i in idx])
+    padded = [_padded(n, block) for n in sizes]
+    if error is not None:
+        _check_error(error, padded, api)
+    values = [leaves[i].astype(jnp.float32).reshape(-1) for i in idx]
     if inner:
-        flat = lax.pmean(flat, inner)
+        values = lax.pmean(values, inner)
     num = lax.axis_size(outer)
     if num == 1:
-        averaged, new_error = flat, error
-    else:
-        averaged, new_error = _exchange(flat, wire, outer, num, error)
+        return grads if not inner else _unflatten(leaves, treedef, idx, values), error
+    workers, payload, scale = _quantise(values, sizes, padded, wire, error, num)
+    # 2. Chunk j to replica j: row i of what arrives is replica i's chunk. The
+    # scales travel in the same buffer: one collective, never two that could
+    # run in a different order on different processes.
+    chunk = payload.shape[0] // num
+    rows = _pack(payload.reshape(num, chunk), scale, num)
+    got = lax.all_to_all(rows, outer, 0, 0, tiled=False).reshape(rows.shape)
+    got, got_scale = _unpack(got, wire, chunk)
+    # 3. The owner's float32 average of its chunk, quantised again.
+    own = sum(
+        wire.decode(got[i], None if got_scale is None else got_scale[i])
+        for i in range(num)
+    ) / np.float32(num)
+    if error is not None:
+        own = own + error.server[:chunk]
+    own_q, own_scale = wire.encode(own)
+    new_error = None
+    if error is not None:
+        dropped = own - wire.decode(own_q, own_scale)
+        server = lax.dynamic_update_slice(error.server, dropped, (0,))
+        new_error = WireState(tuple(workers), server)
+    # 4. Every owner's average to every replica, decoded leaf by leaf.
+    packed = _pack(own_q[None], own_scale, 1)
+    gathered = lax.all_gather(packed, outer).reshape(num, -1)
+    gathered, own_scale = _unpack(gathered, wire, chunk)
+    gathered = gathered.reshape(-1)
+    if own_scale is not None:
+        own_scale = own_scale.reshape(-1)
     out = list(leaves)
     offset = 0
-    for i, size in zip(idx, sizes, strict=True):
-        ref = leaves[i]
-        out[i] = averaged[offset : offset + size].reshape(ref.shape).astype(ref.dtype)
-        offset += size
+    for i, n, p in zip(idx, sizes, padded, strict=True):
+        sc = None
+        if own_scale is not None:
+            sc = own_scale[offset // block : (offset + p) // block]
+        value = wire.decode(gathered[offset : offset + p], sc)[:n]
+        out[i] = value.reshape(leaves[i].shape).astype(leaves[i].dtype)
+        offset += p
     return jax.tree_util.tree_unflatten(treedef, out), new_error
 
 
-def _exchange(flat, wire: Wire, axis, num: int, error: WireState | None):
-    """Steps 1-4 of the module docstring on one float32 vector."""
-    total = flat.shape[0]
-    chunk = -(-total // (num * wire.block_size)) * wire.block_size
-    padded = chunk * num
+def _quantise(values, sizes, padded, wire: Wire, error, num: int):
+    """Step 1: each leaf (plus its worker error) quantised; what was dropped.
 
-    def pad(x):
-        return jnp.pad(x, (0, padded - total))
+    Returns:
+      `(worker errors, payload, scales)`: the leaves' payloads (and scales)
+      joined and padded to `num` equal chunks of whole blocks.
+    """
+    payloads, scales, workers = [], [], []
+    for k, (v, n, p) in enumerate(zip(values, sizes, padded, strict=True)):
+        x = jnp.pad(v, (0, p - n))
+        if error is not None:
+            x = x + error.worker[k]
+        q, sc = wire.encode(x)
+        payloads.append(q)
+        scales.append(sc)
+        if error is not None:
+            workers.append(x - wire.decode(q, sc))
+    total = sum(padded)
+    chunk = _padded(-(-total // num), wire.block_size)
+    extra = chunk * num - total
+    payload = jnp.pad(jnp.concatenate(payloads), (0, extra))
+    scale = None
+    if wire.qmax is not None:
+        scale = jnp.pad(jnp.concatenate(scales), (0, extra // wire.block_size))
+    return workers, payload, scale
 
-    x = pad(flat)
-    if error is not None:
-        x = x + pad(error.worker)
-    payload, scale = wire.encode(x)
-    if error is not None:
-        worker = (x - wire.decode(payload, scale))[:total]
-    # 2. chunk j to replica j: row i of what arrives is replica i's chunk j.
-    payload = _all_to_all(payload.reshape(num, chunk), axis)
-    if scale is not None:
-        scale = lax.all_to_all(scale.reshape(num, -1), axis, 0, 0, tiled=False).reshape(
-            num, -1
+
+def _unflatten(leaves, treedef, idx, values):
+    out = list(leaves)
+    for i, v in zip(idx, values, strict=True):
+        out[i] = v.reshape(leaves[i].shape).astype(leaves[i].dtype)
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _check_error(error: WireState, padded: list[int], api: str) -> None:
+    got = [tuple(np.shape(w)) for w in error.worker]
+    want = [(p,) for p in padded]
+    if got != want or tuple(np.shape(error.server)) != (sum(padded),):
+        raise ValueError(
+            f"`{api}`: the error-feedback buffers were made for other params: "
+            f"they hold {len(got)} worker buffers of sizes {[g[0] for g in got]}, "
+            f"and the gradients have {len(want)} float leaves needing "
+            f"{[w[0] for w in want]} (padded to whole blocks). Create the state "
+            "again with `jdp.TrainState.create(params=..., tx=..., sync=sync)` "
+            "for these params and this sync piece."
         )
-    # 3. the owner's float32 average, quantised again.
-    values = jnp.stack(
-        [
-            wire.decode(payload[i], None if scale is None else scale[i])
-            for i in range(num)
-        ]
-    )
-    own = jnp.sum(values, axis=0) / num
-    me = lax.axis_index(axis)
-    if error is not None:
-        own = own + lax.dynamic_slice(pad(error.server), (me * chunk,), (chunk,))
-    own_payload, own_scale = wire.encode(own)
-    if error is not None:
-        dropped = own - wire.decode(own_payload, own_scale)
-        server = lax.dynamic_update_slice(
-            jnp.zeros((padded,), jnp.float32), dropped, (me * chunk,)
-        )[:total]
-    # 4. every owner's average to every replica.
-    gathered = _all_gather(own_payload, axis).reshape(num, chunk)
-    if own_scale is not None:
-        own_scale = lax.all_gather(own_scale, axis).reshape(num, -1)
-    averaged = jnp.concatenate(
-        [
-            wire.decode(gathered[i], None if own_scale is None else own_scale[i])
-            for i in range(num)
-        ]
-    )[:total]
-    new_error = None if error is None else WireState(worker=worker, server=server)
-    return averaged, new_error
 
 
 _UINT = {1: jnp.uint8, 2: jnp.uint16}
 
 
-def _as_bytes(x):
-    """Narrow floats travel as unsigned ints of their width.
+def _pack(payload: jax.Array, scale: jax.Array | None, rows: int) -> jax.Array:
+    """`rows` rows of unsigned ints: each row's payload bits, then its scales' bytes.
 
-    XLA on CPU computes a bfloat16 all-to-all in float32 (twice the bytes), and
-    collectives of float8 need not exist; their bits as integers travel as they
-    are everywhere.
+    Narrow floats travel as the unsigned ints of their width: XLA on CPU
+    computes a bfloat16 all-to-all in float32 (twice the bytes), and
+    collectives of float8 need not exist.
     """
-    if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize in _UINT:
-        return lax.bitcast_convert_type(x, _UINT[x.dtype.itemsize]), x.dtype
-    return x, None
+    bits = _UINT[payload.dtype.itemsize]
+    raw = lax.bitcast_convert_type(payload, bits)
+    if scale is None:
+        return raw
+    scale_bytes = lax.bitcast_convert_type(scale, jnp.uint8).reshape(rows, -1)
+    return jnp.concatenate([raw, scale_bytes], axis=1)
 
 
-def _all_to_all(x, axis):
-    raw, dtype = _as_bytes(x)
-    out = lax.all_to_all(raw, axis, 0, 0, tiled=False).reshape(raw.shape)
-    return out if dtype is None else lax.bitcast_convert_type(out, dtype)
-
-
-def _all_gather(x, axis):
-    raw, dtype = _as_bytes(x)
-    out = lax.all_gather(raw, axis)
-    return out if dtype is None else lax.bitcast_convert_type(out, dtype)
+def _unpack(rows: jax.Array, wire: Wire, chunk: int):
+    """`_pack`'s inverse: `(payload rows, scale rows or None)`."""
+    payload = lax.bitcast_convert_type(rows[:, :chunk], wire.dtype)
+    if wire.qmax is None:
+        return payload, None
+    scale_bytes = rows[:, chunk:].reshape(rows.shape[0], -1, 4)
+    return payload, lax.bitcast_convert_type(scale_bytes, jnp.float32)

@@ -43,14 +43,17 @@ def np_decode(q, scale, block):
 
 
 def np_exchange(grads, name, block, worker=None, server=None):
-    """One compressed mean over replicas: `grads` is (N, size) float32.
+    """One compressed mean over replicas: `grads` is (N, size) float32, the
+    leaves' values each padded with zeros to whole blocks, side by side.
 
     Returns the mean every replica receives and the new worker and server errors
-    (None without error feedback).
+    (None without error feedback), the server error of the chunk each replica
+    owns first in its row.
     """
     num, total = grads.shape
     bsize = 1 if name == "bf16" else block
-    chunk = -(-total // (num * bsize)) * bsize
+    per_replica = -(-total // num)
+    chunk = -(-per_replica // bsize) * bsize  # whole blocks
     padded = chunk * num
     x = np.zeros((num, padded), np.float32)
     x[:, :total] = grads
@@ -71,10 +74,10 @@ def np_exchange(grads, name, block, worker=None, server=None):
             parts.append(np_decode(q[sl], s_j, bsize))
         own = np.sum(np.stack(parts), axis=0) / np.float32(num)
         if server is not None:
-            own = own + np.pad(server[j], (0, padded - total))[sl]
+            own = own + server[j, :chunk]
         q2, s2 = np_encode(own.astype(np.float32), name, bsize)
         back = np_decode(q2, s2, bsize)
-        new_server[j, sl] = own - back
+        new_server[j, :chunk] = own - back
         out[sl] = back
     if worker is None:
         return out[:total], None, None
@@ -150,30 +153,35 @@ def test_exchange_matches_numpy_reference_over_steps(backend, name, error_feedba
     grads = rng.normal(size=(steps, num, size)).astype(np.float32)
     grads *= np.linspace(0.01, 10, size, dtype=np.float32)  # uneven magnitudes
     _, state, seen = run(sync, grads, backend, num)
-    # What the replicas' gradients are, in the order the exchange flattens them
-    # (pytree order: "b" before "w").
-    flat = np.concatenate([grads[..., :3], grads], axis=-1)
+    # The exchanged values: each leaf padded to whole blocks, in pytree order
+    # ("b" before "w").
+    bsize = 1 if name == "bf16" else 32
+    pb, pw = -(-3 // bsize) * bsize, -(-size // bsize) * bsize
+    flat = np.zeros((steps, num, pb + pw), np.float32)
+    flat[..., :3] = grads[..., :3]
+    flat[..., pb : pb + size] = grads
     worker = server = None
     if error_feedback:
-        worker = np.zeros((num, size + 3), np.float32)
-        server = np.zeros((num, size + 3), np.float32)
+        worker = np.zeros((num, pb + pw), np.float32)
+        server = np.zeros((num, pb + pw), np.float32)
     w = np.zeros(size, np.float32)
     for t in range(steps):
         mean, worker, server = np_exchange(flat[t], name, 32, worker, server)
-        w = w - mean[3:]
+        w = w - mean[pb : pb + size]
         np.testing.assert_allclose(seen[t]["w"], w, rtol=2e-6, atol=2e-6)
-    if error_feedback:
-        w_rows = np.stack(
-            [np.asarray(s.data) for s in state.sync_state.worker.addressable_shards]
-        )
-        np.testing.assert_allclose(w_rows.reshape(num, -1), worker, atol=1e-5)
-        s_rows = np.stack(
-            [np.asarray(s.data) for s in state.sync_state.server.addressable_shards]
-        )
-        np.testing.assert_allclose(s_rows.reshape(num, -1), server, atol=1e-5)
-        assert w_rows.shape[-1] == size + 3
-    else:
+    if not error_feedback:
         assert state.sync_state is None
+        return
+
+    def rows(x):
+        return np.stack([np.asarray(s.data) for s in x.addressable_shards]).reshape(
+            num, -1
+        )
+
+    got_b, got_w = state.sync_state.worker
+    np.testing.assert_allclose(rows(got_b), worker[:, :pb], atol=1e-5)
+    np.testing.assert_allclose(rows(got_w), worker[:, pb:], atol=1e-5)
+    np.testing.assert_allclose(rows(state.sync_state.server), server, atol=1e-5)
 
 
 def test_error_feedback_recovers_what_quantisation_drops():
@@ -210,7 +218,7 @@ def test_error_buffers_differ_per_replica_and_the_guard_ignores_them():
         state, _ = step(state, step.shard(batch))
     assert not jdp.replicas_in_sync(state)
     assert jdp.replicas_in_sync(state.replace(sync_state=None))
-    rows = [np.asarray(s.data) for s in state.sync_state.worker.addressable_shards]
+    rows = [np.asarray(s.data) for s in state.sync_state.worker[1].addressable_shards]
     assert not np.array_equal(rows[0], rows[1])
 
 
@@ -238,8 +246,8 @@ def test_skipped_step_keeps_the_error_buffers():
     assert int(step.unreplicate(state).skipped_steps) == 1
     first_step, first, _ = run(sync, grads[:1], "shard_map", 2)
     np.testing.assert_array_equal(
-        jax.device_get(step.unreplicate(state).sync_state.worker),
-        jax.device_get(first_step.unreplicate(first).sync_state.worker),
+        jax.device_get(step.unreplicate(state).sync_state.server),
+        jax.device_get(first_step.unreplicate(first).sync_state.server),
     )
 
 
@@ -296,8 +304,13 @@ def test_compiled_program_sends_the_narrow_bytes():
     assert out["bf16"][0] <= 0.51 * f32
     assert out["int8"][0] <= 0.27 * f32
     assert out["fp8"][0] <= 0.27 * f32
-    assert {c.dtype for c in out["int8"][1]} == {"s8", "f32"}  # payload, scales
-    assert {c.dtype for c in out["bf16"][1]} == {"u16"}  # bf16 bits, not f32
+    # One all-to-all and one all-gather of bytes (values and scales together);
+    # bfloat16 travels as its bits, not widened to float32.
+    assert sorted((c.kind, c.dtype) for c in out["int8"][1]) == [
+        ("all-gather", "u8"),
+        ("all-to-all", "u8"),
+    ]
+    assert {c.dtype for c in out["bf16"][1]} == {"u16"}
 
 
 # -- checkpoints --------------------------------------------------------------------
@@ -354,7 +367,7 @@ def test_checkpoint_into_another_replica_count_restarts_the_buffers(tmp_path):
         with pytest.warns(RuntimeWarning, match="Error-feedback buffers .* zero"):
             restored = manager.restore(like, step=2)
     host = two.unreplicate(restored)
-    assert not np.any(np.asarray(host.sync_state.worker))
+    assert not any(np.any(np.asarray(w)) for w in host.sync_state.worker)
     assert not np.any(np.asarray(host.sync_state.server))
     assert host.params["w"].shape == (100,)
     restored, _ = two(restored, two.shard(jnp.asarray(grads[0, :2])))  # trains on
@@ -418,8 +431,10 @@ def test_buffers_for_other_params_are_refused():
     )
     params = {"w": jnp.zeros(8), "b": jnp.zeros(3)}
     state = jdp.TrainState.create(params=params, tx=tx, sync=sync)
-    state = state.replace(sync_state=jdp.wire.WireState(jnp.zeros(5), jnp.zeros(5)))
-    with pytest.raises(ValueError, match=r"buffers hold \(5,\).*11 float values"):
+    state = state.replace(
+        sync_state=jdp.wire.WireState((jnp.zeros(256),), jnp.zeros(256))
+    )
+    with pytest.raises(ValueError, match=r"made for other params.*1 worker buffers"):
         step(step.replicate(state), step.shard(jnp.ones((2, 8))))
 
 

@@ -218,7 +218,8 @@ def one_copy_of_differing(
     host, restarted = _replica_parts.restart_local(host)
     if restarted:
         note += (
-            " Error-feedback buffers (`jdp.wire.WireState`) start again from zero "
+            " Error-feedback buffers (of `jdp.all_reduce(wire=...)`, `jdp.powersgd`) "
+            "start again from zero "
             "on every replica."
         )
     paths = [r["path"] for r in per.values()]

@@ -1,0 +1,501 @@
+"""Compressed gradient exchanges: bytes, time across processes, and quality.
+
+Three measurements, each printed as a Markdown table (`benchmarks/README.md`):
+
+- `bytes`: the collectives of one train step of the 8.9M-parameter MLP
+  (256-2048-2048-2048-10), read from the compiled program (`step.collectives`,
+  scales included) on 2 and 8 simulated devices: float32 all-reduce, bf16,
+  int8 and fp8 with error feedback, PowerSGD rank 1 and 4. Two columns: the
+  logical buffer bytes NCCL's benchmarks quote (`Collective.bytes`), and the
+  bytes each device sends with a bandwidth-optimal algorithm (NCCL's "bus
+  bytes": an all-reduce sends 2(n-1)/n of its buffer, an all-gather, all-to-all
+  or reduce-scatter (n-1)/n), which is what compression saves on a link.
+- `time`: 2 processes x 1 CPU device over gloo (127.0.0.1, `jdp.launch.run`),
+  the MLP sweep of `multihost.py`: the local step (no communication), jdp's
+  float32 step, bf16, int8 + error feedback, PowerSGD rank 4; a breakdown of the
+  int8 step (quantise + dequantise alone, the int8 collectives alone, the whole
+  exchange alone); and, in two more processes if torch imports, PyTorch DDP in
+  float32, with `powerSGD_hook` (rank 4) and with `bf16_compress_hook`.
+- `quality`: 8 simulated devices, deterministic per seed: a synthetic-teacher
+  MLP regression and the scikit-learn digits classifier, float32 against every
+  compressed variant (and ablations without error feedback / warm start), final
+  loss and accuracy over 5 seeds.
+
+    python benchmarks/compression.py bytes
+    python benchmarks/compression.py time [--rounds 3] [--steps 15] [--sizes 1M 8.9M]
+    python benchmarks/compression.py quality [--seeds 5] [--steps 300]
+    python benchmarks/compression.py all --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+from _common import median_ms, mlp_loss, set_devices
+
+WIDTHS = {"0.1M": 192, "1M": 640, "2.4M": 1024, "8.9M": 2048, "39M": 4352}
+IN, OUT, PER_PROCESS_BATCH = 256, 10, 8
+LR, MOMENTUM = 1e-3, 0.9
+
+
+def sizes_of(width: int) -> list[int]:
+    return [IN, width, width, width, OUT]
+
+
+def num_params(width: int) -> int:
+    s = sizes_of(width)
+    return sum(a * b + b for a, b in zip(s[:-1], s[1:], strict=True))
+
+
+def syncs(jdp, names):
+    """The sync pieces compared, by row name."""
+    made = {
+        "f32": lambda: jdp.all_reduce(),
+        "bf16": lambda: jdp.all_reduce(wire=jdp.wire.bf16()),
+        "int8+EF": lambda: jdp.all_reduce(wire=jdp.wire.int8(), error_feedback=True),
+        "int8": lambda: jdp.all_reduce(wire=jdp.wire.int8()),
+        "fp8+EF": lambda: jdp.all_reduce(wire=jdp.wire.fp8(), error_feedback=True),
+        "PowerSGD r1": lambda: jdp.powersgd(rank=1),
+        "PowerSGD r4": lambda: jdp.powersgd(rank=4),
+        "PowerSGD r4, no EF": lambda: jdp.powersgd(rank=4, error_feedback=False),
+        "PowerSGD r4, no warm start": lambda: jdp.powersgd(rank=4, warm_start=False),
+        "local": lambda: jdp.local(),
+    }
+    return {n: made[n]() for n in names}
+
+
+# -- bytes ---------------------------------------------------------------------------
+
+BYTES_ROWS = ["f32", "bf16", "int8+EF", "fp8+EF", "PowerSGD r1", "PowerSGD r4"]
+
+
+def bus_bytes(collectives, num: int) -> float:
+    factor = {"all-reduce": 2 * (num - 1) / num, "collective-permute": 1.0}
+    return sum(c.bytes * factor.get(c.kind, (num - 1) / num) for c in collectives)
+
+
+def measure_bytes(width: int = 2048) -> None:
+    set_devices(8)
+    import jax
+    import numpy as np
+    import optax
+
+    import jdp
+
+    rng = np.random.default_rng(0)
+    s = sizes_of(width)
+    params = [
+        {"w": rng.normal(size=(a, b)).astype(np.float32), "b": np.zeros(b, np.float32)}
+        for a, b in zip(s[:-1], s[1:], strict=True)
+    ]
+    tx = optax.sgd(LR, momentum=MOMENTUM)
+    print(
+        f"\n### Bytes per step, compiled program, MLP {'-'.join(map(str, s))} "
+        f"({num_params(width) / 1e6:.1f}M parameters)\n"
+    )
+    print("| devices | sync | collectives (kind dtype) | buffer bytes | ratio "
+          "| bytes sent per device | ratio |")  # fmt: skip
+    print("|---|---|---|---:|---:|---:|---:|")
+    for num in (2, 8):
+        devices = jax.devices()[:num]
+        batch = {
+            "x": np.ones((num * 2, IN), np.float32),
+            "y": np.zeros((num * 2, OUT), np.float32),
+        }
+        base = None
+        for name, sync in syncs(jdp, BYTES_ROWS).items():
+            step = jdp.parallelize(
+                jdp.make_train_step(mlp_loss, tx, sync=sync), devices=devices
+            )
+            state = step.replicate(
+                jdp.TrainState.create(params=params, tx=tx, sync=sync)
+            )
+            ops = step.collectives(state, step.shard(batch))
+            # The loss metric's all-reduce (8 bytes) is not gradient traffic.
+            grads = [c for c in ops if not (c.kind == "all-reduce" and c.bytes <= 16)]
+            logical = sum(c.bytes for c in grads)
+            sent = bus_bytes(grads, num)
+            if base is None:
+                base = (logical, sent)
+            kinds = ", ".join(
+                sorted({f"{c.kind} {c.dtype}" for c in grads}, key=str.lower)
+            )
+            print(
+                f"| {num} | {name} | {kinds} | {logical / 1e6:.2f} MB | "
+                f"{logical / base[0]:.3f} | {sent / 1e6:.2f} MB | "
+                f"{sent / base[1]:.3f} |"
+            )
+            del state, step
+
+
+# -- time across processes -----------------------------------------------------------
+
+TIME_ROWS = ["local", "f32", "bf16", "int8+EF", "PowerSGD r4"]
+
+
+def _data(width: int, rank: int):
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    s = sizes_of(width)
+    weights = [
+        (rng.normal(size=(a, b)) / np.sqrt(a)).astype(np.float32)
+        for a, b in zip(s[:-1], s[1:], strict=True)
+    ]
+    rng = np.random.default_rng(1 + rank)
+    x = rng.normal(size=(PER_PROCESS_BATCH, IN)).astype(np.float32)
+    y = rng.normal(size=(PER_PROCESS_BATCH, OUT)).astype(np.float32)
+    return weights, x, y
+
+
+def jax_job(width: int, steps: int, warmup: int):
+    """Runs in both processes: median step time of each row, and the breakdown."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from jax import lax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jdp
+    from jdp import _wire
+
+    weights, x, y = _data(width, jax.process_index())
+    params = [{"w": w, "b": np.zeros(w.shape[1], np.float32)} for w in weights]
+    local = {"x": x, "y": y}
+    tx = optax.sgd(LR, momentum=MOMENTUM)
+    out = {}
+    for name, sync in syncs(jdp, TIME_ROWS).items():
+        step = jdp.parallelize(jdp.make_train_step(mlp_loss, tx, sync=sync))
+        box = {
+            "state": step.replicate(
+                jdp.TrainState.create(params=params, tx=tx, sync=sync)
+            )
+        }
+        batch = step.shard(local)
+
+        def one(step=step, box=box, batch=batch):
+            box["state"], metrics = step(box["state"], batch)
+            box["loss"] = float(metrics["loss"])
+
+        out[name] = {"ms": median_ms(one, steps, warmup), "loss": box["loss"]}
+        del box
+    # The int8 step in parts, on a gradient-sized float32 vector.
+    n = num_params(width)
+    wire = jdp.wire.int8()
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+    num = len(jax.devices())
+    size = -(-n // (num * wire.block_size)) * wire.block_size * num
+    vec = jax.device_put(
+        np.random.default_rng(2).normal(size=(num * size,)).astype(np.float32),
+        NamedSharding(mesh, P("data")),
+    )
+
+    def shard(fn):
+        return jax.jit(
+            jax.shard_map(fn, mesh=mesh, in_specs=P("data"), out_specs=P("data"))
+        )
+
+    def codec(v):  # quantise and dequantise, no communication
+        q, s = wire.encode(v)
+        return wire.decode(q, s)
+
+    # What the exchange sends: int8 values and their scales, one buffer each way.
+    per_device = int(size * wire.bytes_per_value) // num * num
+    q_all = jax.device_put(
+        np.zeros(num * per_device, np.uint8), NamedSharding(mesh, P("data"))
+    )
+
+    def collectives_only(q):  # what the int8 exchange sends, nothing else
+        got = lax.all_to_all(q.reshape(num, -1), "data", 0, 0, tiled=False)
+        own = got.sum(axis=0, dtype=jnp.uint8)
+        return lax.all_gather(own, "data").reshape(-1)
+
+    error = _wire.init_state(np.zeros(size, np.float32), wire)
+
+    def exchange(v):
+        mean, _ = _wire.mean(v, wire=wire, axis_name="data", error=error)
+        return mean
+
+    for name, fn, arg in [
+        ("quantise+dequantise", shard(codec), vec),
+        ("int8 collectives alone", shard(collectives_only), q_all),
+        ("int8 exchange alone", shard(exchange), vec),
+    ]:
+        out[name] = {
+            "ms": median_ms(
+                lambda fn=fn, arg=arg: fn(arg).block_until_ready(), steps, warmup
+            )
+        }
+    return out
+
+
+def torch_job(width: int, steps: int, warmup: int):
+    """Runs in both processes: DDP float32, with its PowerSGD and bf16 hooks."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.set_num_threads(1)
+    rank = int(os.environ["JDP_PROCESS_ID"])
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    dist.init_process_group(
+        "gloo",
+        rank=rank,
+        world_size=int(os.environ["JDP_NUM_PROCESSES"]),
+        init_method=f"tcp://127.0.0.1:{os.environ['TORCH_PORT']}",
+    )
+    weights, x, y = _data(width, rank)
+    x, y = torch.from_numpy(x), torch.from_numpy(y)
+    out = {}
+
+    def model():
+        layers = []
+        for i, w in enumerate(weights):
+            lin = torch.nn.Linear(*w.shape)
+            with torch.no_grad():
+                lin.weight.copy_(torch.from_numpy(w.T.copy()))
+                lin.bias.zero_()
+            layers.append(lin)
+            if i < len(weights) - 1:
+                layers.append(torch.nn.ReLU())
+        return torch.nn.Sequential(*layers)
+
+    def timed(net):
+        opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=MOMENTUM)
+
+        def one():
+            opt.zero_grad(set_to_none=True)
+            loss = torch.nn.functional.mse_loss(net(x), y)
+            loss.backward()
+            opt.step()
+
+        return median_ms(one, steps, warmup)
+
+    out["torch, no DDP"] = {"ms": timed(model())}
+    out["torch DDP"] = {"ms": timed(DistributedDataParallel(model()))}
+    ddp = DistributedDataParallel(model())
+    state = psgd.PowerSGDState(
+        process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=2
+    )
+    ddp.register_comm_hook(state, psgd.powerSGD_hook)
+    out["torch DDP + powerSGD_hook r4"] = {"ms": timed(ddp)}
+    try:
+        ddp = DistributedDataParallel(model())
+        ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+        out["torch DDP + bf16_compress_hook"] = {"ms": timed(ddp)}
+    except Exception as e:  # gloo may lack bfloat16 all-reduce
+        out["torch DDP + bf16_compress_hook"] = {"error": f"{type(e).__name__}: {e}"}
+    dist.destroy_process_group()
+    return out
+
+
+def measure_time(sizes, rounds: int, steps: int, warmup: int) -> None:
+    import socket
+
+    import jdp.launch
+
+    try:
+        import torch  # noqa: F401
+
+        have_torch = True
+    except ImportError:
+        have_torch = False
+    results: dict[str, dict[str, list[float]]] = {}
+    for r in range(rounds):
+        for size in sizes:
+            width = WIDTHS[size]
+            rows = results.setdefault(size, {})
+            got = jdp.launch.run(
+                jax_job, 2, args=(width, steps, warmup), devices_per_process=1,
+                quiet=True, timeout_s=1200,
+            )  # fmt: skip
+            for name, value in got[0].items():
+                rows.setdefault(name, []).append(value["ms"])
+            if have_torch:
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", 0))
+                    port = s.getsockname()[1]
+                got = jdp.launch.run(
+                    torch_job, 2, args=(width, steps, warmup), initialize=False,
+                    quiet=True, timeout_s=1200, env={"TORCH_PORT": str(port)},
+                )  # fmt: skip
+                for name, value in got[0].items():
+                    if "error" in value:
+                        rows.setdefault(name, []).append(float("nan"))
+                        rows[name + " error"] = value["error"]
+                    else:
+                        rows.setdefault(name, []).append(value["ms"])
+            print(f"round {r + 1}/{rounds} {size} done", file=sys.stderr)
+    print("\n### Step time, 2 processes x 1 CPU device (gloo), median of rounds\n")
+    print("| model | row | ms/step | / jdp f32 | / local step | / torch DDP |")
+    print("|---|---|---:|---:|---:|---:|")
+    for size, rows in results.items():
+        med = {
+            k: statistics.median(v) for k, v in rows.items() if not k.endswith("error")
+        }
+        for name, ms in med.items():
+            ddp = med.get("torch DDP")
+            print(
+                f"| {size} | {name} | {ms:.2f} | {ms / med['f32']:.2f} | "
+                f"{ms / med['local']:.2f} | "
+                f"{'' if ddp is None else f'{ms / ddp:.2f}'} |"
+            )
+        for k, v in rows.items():
+            if k.endswith("error"):
+                print(f"| {size} | {k} | {v} | | | |")
+
+
+# -- quality -------------------------------------------------------------------------
+
+QUALITY_ROWS = [
+    "f32",
+    "bf16",
+    "int8+EF",
+    "int8",
+    "fp8+EF",
+    "PowerSGD r1",
+    "PowerSGD r4",
+    "PowerSGD r4, no EF",
+    "PowerSGD r4, no warm start",
+]
+
+
+def _teacher_task(seed: int):
+    """A random teacher MLP 32-64-1 labels Gaussian inputs; a wider student fits it."""
+    import numpy as np
+
+    rng = np.random.default_rng(1000 + seed)
+    w1 = rng.normal(size=(32, 64)) / np.sqrt(32)
+    w2 = rng.normal(size=(64, 1)) / 8.0
+
+    def label(x):
+        return (np.tanh(x @ w1) @ w2).astype(np.float32)
+
+    x = rng.normal(size=(4096, 32)).astype(np.float32)
+    xt = rng.normal(size=(1024, 32)).astype(np.float32)
+    return (x, label(x)), (xt, label(xt)), [32, 256, 256, 1]
+
+
+def _digits_task(seed: int):
+    import numpy as np
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    x = (data.data / 16.0).astype(np.float32)
+    y = data.target.astype(np.int32)
+    order = np.random.default_rng(seed).permutation(len(x))
+    x, y = x[order], y[order]
+    return (x[:1280], y[:1280]), (x[1280:], y[1280:]), [64, 256, 256, 10]
+
+
+def measure_quality(seeds: int, steps: int) -> None:
+    set_devices(8)
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    import jdp
+
+    def init(sizes, seed):
+        rng = np.random.default_rng(seed)
+        return [
+            {
+                "w": (rng.normal(size=(a, b)) / np.sqrt(a)).astype(np.float32),
+                "b": np.zeros(b, np.float32),
+            }
+            for a, b in zip(sizes[:-1], sizes[1:], strict=True)
+        ]
+
+    def forward(params, x):
+        for i, layer in enumerate(params):
+            x = x @ layer["w"] + layer["b"]
+            if i < len(params) - 1:
+                x = jnp.tanh(x)
+        return x
+
+    def mse(params, batch):
+        return jnp.mean((forward(params, batch["x"]) - batch["y"]) ** 2)
+
+    def xent(params, batch):
+        logits = forward(params, batch["x"])
+        return optax.softmax_cross_entropy_with_integer_labels(
+            logits, batch["y"]
+        ).mean()
+
+    tasks = {
+        "teacher MLP (test MSE)": (_teacher_task, mse, optax.adam(1e-3), 256),
+        "digits (test loss, accuracy %)": (_digits_task, xent, optax.adam(1e-3), 128),
+    }
+    print(f"\n### Quality, 8 simulated devices, {steps} steps, {seeds} seeds\n")
+    print("| task | sync | final test loss (mean ± sd) | / f32 | accuracy % |")
+    print("|---|---|---:|---:|---:|")
+    for task, (make, loss_fn, tx, batch_size) in tasks.items():
+        base = None
+        for name, sync in syncs(jdp, QUALITY_ROWS).items():
+            step = jdp.parallelize(jdp.make_train_step(loss_fn, tx, sync=sync))
+            losses, accs = [], []
+            for seed in range(seeds):
+                (x, y), (xt, yt), sizes = make(seed)
+                state = step.replicate(
+                    jdp.TrainState.create(params=init(sizes, seed), tx=tx, sync=sync)
+                )
+                order = np.random.default_rng(seed).integers(
+                    0, len(x), size=(steps, batch_size)
+                )
+                for idx in order:
+                    state, _ = step(state, step.shard({"x": x[idx], "y": y[idx]}))
+                params = jax.device_get(step.unreplicate(state).params)
+                losses.append(float(loss_fn(params, {"x": xt, "y": yt})))
+                if "digits" in task:
+                    pred = np.argmax(np.asarray(forward(params, xt)), axis=1)
+                    accs.append(100.0 * float(np.mean(pred == yt)))
+            mean, sd = statistics.mean(losses), statistics.stdev(losses)
+            if base is None:
+                base = mean
+            acc = (
+                f"{statistics.mean(accs):.2f} ± {statistics.stdev(accs):.2f}"
+                if accs
+                else ""
+            )
+            print(
+                f"| {task} | {name} | {mean:.5f} ± {sd:.5f} | {mean / base:.4f} "
+                f"| {acc} |"
+            )
+            del step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("what", choices=["bytes", "time", "quality", "all"])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--sizes", nargs="+", default=None, choices=list(WIDTHS))
+    parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    if args.what in ("bytes", "all"):
+        measure_bytes()
+    if args.what in ("quality", "all"):
+        steps = args.steps or (100 if args.quick else 300)
+        measure_quality(2 if args.quick else args.seeds, steps)
+    if args.what in ("time", "all"):
+        sizes = args.sizes or (["1M", "8.9M"] if args.quick else list(WIDTHS))
+        measure_time(
+            sizes,
+            1 if args.quick else args.rounds,
+            args.steps or (5 if args.quick else 15),
+            args.warmup,
+        )
+
+
+if __name__ == "__main__":
+    main()
