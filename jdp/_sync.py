@@ -121,6 +121,7 @@ def all_reduce(
     error_feedback: bool = False,
     skip_nonfinite: bool = False,
     batch_stats: BatchStatsMode = "mean",
+    axis_name: _collectives.AxisName | None = None,
 ) -> Sync:
     """Averages gradients over replicas before the optimizer (PyTorch DDP).
 
@@ -153,6 +154,11 @@ def all_reduce(
         state's `skipped_steps` grows by one and metric `"skipped"` is 1.
       batch_stats: How batch statistics (`state.batch_stats`) are synced every
         step: `"mean"` (default) or `"broadcast"` replica 0's.
+      axis_name: The mesh axis (or axes) to average over; None (default): the
+        step's replica axis. On a host mesh `("host", "device")`,
+        `axis_name="device"` averages within each host only: hierarchical
+        local SGD, with an optimizer that syncs the hosts itself
+        (`jdp.bmuf(inner, sync_period=..., axis_name="host")`).
 
     Returns:
       A `jdp.Sync`.
@@ -182,46 +188,61 @@ def all_reduce(
     check_batch_stats(batch_stats)
     _wire.check_options(wire, error_feedback, reduce_dtype, "jdp.all_reduce")
     if wire is not None:
-        return _compressed(wire, error_feedback, skip_nonfinite, batch_stats)
+        return _compressed(wire, error_feedback, skip_nonfinite, batch_stats, axis_name)
 
-    def apply_averaged(grads, state, tx, axis_name):
+    def apply_averaged(grads, state, tx, step_axis):
         if not skip_nonfinite:
             return apply_tx(grads, state, tx)
-        # The average is the same on every replica, and checking it (not each
-        # replica's own) also catches a sum that overflowed.
-        return _unless_nonfinite(
-            _finite(grads), lambda: apply_tx(grads, state, tx), state
-        )
+        # The average is the same on every replica (of `axis_name`), and
+        # checking it (not each replica's own) also catches a sum that
+        # overflowed.
+        finite = _agreed_finite(grads, axis_name, step_axis)
+        return _unless_nonfinite(finite, lambda: apply_tx(grads, state, tx), state)
 
-    def apply(grads, state, tx, axis_name):
+    def apply(grads, state, tx, step_axis):
         grads = _collectives.all_reduce(
             grads,
-            axis_name=axis_name,
+            axis_name=step_axis if axis_name is None else axis_name,
             bucket_bytes=bucket_bytes,
             reduce_dtype=reduce_dtype,
             api="jdp.all_reduce",
         )
-        return apply_averaged(grads, state, tx, axis_name)
+        return apply_averaged(grads, state, tx, step_axis)
 
     return Sync(apply, apply_averaged=apply_averaged, batch_stats=batch_stats)
 
 
-def _compressed(wire, error_feedback, skip_nonfinite, batch_stats) -> Sync:
+def _agreed_finite(grads, axis_name, step_axis) -> jax.Array:
+    """Whether averaged `grads` are finite, agreed by every replica of the step.
+
+    Averaged over all of the step's axes, the verdict is the same everywhere;
+    averaged over some (`axis_name`), it is combined over the step's axis, so
+    that every replica takes the same branch.
+    """
+    finite = _finite(grads)
+    if axis_name is None or axis_name == step_axis:
+        return finite
+    return lax.pmin(finite.astype(jnp.int32), step_axis) > 0
+
+
+def _compressed(wire, error_feedback, skip_nonfinite, batch_stats, axis_name) -> Sync:
     """`jdp.all_reduce(wire=...)`: the compressed exchange, then `tx`."""
 
-    def apply_averaged(grads, state, tx, axis_name):
+    def apply_averaged(grads, state, tx, step_axis):
         if not skip_nonfinite:
             return apply_tx(grads, state, tx)
-        return _unless_nonfinite(
-            _finite(grads), lambda: apply_tx(grads, state, tx), state
-        )
+        finite = _agreed_finite(grads, axis_name, step_axis)
+        return _unless_nonfinite(finite, lambda: apply_tx(grads, state, tx), state)
 
-    def apply(grads, state, tx, axis_name):
+    def apply(grads, state, tx, step_axis):
         error = state.sync_state if error_feedback else None
         grads, new_error = _wire.mean(
-            grads, wire=wire, axis_name=axis_name, error=error
+            grads,
+            wire=wire,
+            axis_name=step_axis if axis_name is None else axis_name,
+            error=error,
         )
-        params, opt_state, metrics = apply_averaged(grads, state, tx, axis_name)
+        params, opt_state, metrics = apply_averaged(grads, state, tx, step_axis)
         if not error_feedback:
             return params, opt_state, metrics
         if skip_nonfinite:  # a skipped step leaves the buffers as they were
