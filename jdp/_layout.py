@@ -90,16 +90,27 @@ def host_groups(devices: Sequence[jax.Device]) -> list[list[jax.Device]]:
     return [groups[p] for p in sorted(groups)]
 
 
-def mesh_for(devices: Sequence[jax.Device] | None, axis_name: Any) -> Mesh:
+def mesh_for(devices: Any, axis_name: Any) -> Mesh:
     """The mesh of `jdp.parallelize(devices=..., axis_name=...)`, checked.
 
+    `devices` is None (every device), a sequence of devices (1-D), or a 2-D
+    array or nested list of devices whose rows stand for hosts: a
+    `(hosts, devices per host)` mesh in one process too, named by the two
+    names of `axis_name`.
+
     Raises:
-      ValueError: If `devices` is empty or lists a device twice, `axis_name` is
-        not one name or two distinct names, or, with several processes, the
-        processes hold different numbers of `devices`.
-      TypeError: If `axis_name` is neither a str nor a tuple.
+      ValueError: If `devices` is empty, lists a device twice, is not 1-D or
+        2-D (or its rows differ in length), is 2-D with one axis name,
+        `axis_name` is not one name or two distinct names, or, with several
+        processes, the processes hold different numbers of `devices` (or a row
+        of a 2-D layout holds devices of several processes).
+      TypeError: If `axis_name` is neither a str nor a tuple, or an entry of
+        `devices` is not a device.
     """
-    devices = list(_jax_compat.devices() if devices is None else devices)
+    grid = None if devices is None else _device_grid(devices)
+    if grid is not None and grid.ndim == 2:
+        return _grid_mesh(grid, axis_name)
+    devices = list(_jax_compat.devices() if grid is None else grid)
     if not devices:
         raise ValueError("`devices` is empty; pass at least one device (or None).")
     if len(set(devices)) != len(devices):
@@ -107,6 +118,82 @@ def mesh_for(devices: Sequence[jax.Device] | None, axis_name: Any) -> Mesh:
     axis_name = _check_axis_name(axis_name)
     _check_devices_per_process(devices)
     return make_mesh(devices, axis_name)
+
+
+def _device_grid(devices: Any) -> np.ndarray:
+    """`devices` as a 1-D or 2-D object array of devices, checked."""
+    if isinstance(devices, np.ndarray):
+        grid = devices
+    else:
+        rows = list(devices)
+        nested = [isinstance(r, (list, tuple, np.ndarray)) for r in rows]
+        if rows and any(nested):
+            if not all(nested) or len({len(r) for r in rows}) != 1:
+                lengths = [
+                    len(r) if n else "a device"
+                    for r, n in zip(rows, nested, strict=True)
+                ]
+                raise ValueError(
+                    "`devices`: a 2-D layout needs rows (hosts) of equal length, "
+                    f"each a list of devices; got rows of {lengths}. Pass e.g. "
+                    "`np.array(jax.devices()[:4]).reshape(2, 2)`."
+                )
+            grid = np.empty((len(rows), len(rows[0])), dtype=object)
+            for i, row in enumerate(rows):
+                for j, d in enumerate(row):
+                    grid[i, j] = d
+        else:
+            grid = np.empty(len(rows), dtype=object)
+            grid[:] = rows if rows else []
+    if grid.ndim not in (1, 2):
+        raise ValueError(
+            "`devices` must be a sequence of devices (1-D) or a 2-D array of "
+            "devices whose rows stand for hosts; got an array of shape "
+            f"{grid.shape} ({grid.ndim}-D). Reshape it, e.g. "
+            "`np.array(devices).reshape(hosts, -1)`."
+        )
+    bad = [d for d in grid.flat if not isinstance(d, jax.Device)]
+    if bad:
+        raise TypeError(
+            f"`devices` must hold `jax.Device`s (e.g. from `jax.devices()`); got "
+            f"{describe_value(bad[0])}."
+        )
+    return grid
+
+
+def _grid_mesh(grid: np.ndarray, axis_name: Any) -> Mesh:
+    """The `(hosts, devices per host)` mesh of a 2-D `devices=` layout, checked."""
+    if grid.size == 0:
+        raise ValueError("`devices` is empty; pass at least one device (or None).")
+    flat = list(grid.flat)
+    if len(set(flat)) != len(flat):
+        raise ValueError(f"`devices` lists a device twice: {flat}.")
+    names = _check_axis_name(axis_name)
+    if isinstance(names, str):
+        raise ValueError(
+            f"`devices` is a 2-D layout of shape {grid.shape} (hosts, devices per "
+            f"host), which needs two axis names, e.g. `axis_name=('host', "
+            f"'device')`; got axis_name={axis_name!r}. Pass a 1-D list of "
+            "devices for a flat mesh."
+        )
+    if jax.process_count() > 1:
+        _check_devices_per_process(flat)
+        for i, row in enumerate(grid):
+            processes = sorted({d.process_index for d in row})
+            if len(processes) != 1:
+                raise ValueError(
+                    f"`devices`: row {i} of the 2-D layout holds devices of "
+                    f"processes {processes}; with several processes each row "
+                    "stands for one host and must hold devices of one process "
+                    "(e.g. `jax.local_devices()` of each)."
+                )
+        order = [row[0].process_index for row in grid]
+        if order != sorted(order):
+            raise ValueError(
+                "`devices`: with several processes the rows of a 2-D layout must "
+                f"be in process order; got rows of processes {order}."
+            )
+    return Mesh(grid, names)
 
 
 def make_mesh(devices: Sequence[jax.Device], axis_name: AxisName) -> Mesh:

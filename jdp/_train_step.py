@@ -27,8 +27,16 @@ import numpy as np
 import optax
 from flax import struct
 from jax import lax
+from jax.extend import core as jex_core
 
-from jdp import _collectives, _metrics, _replica_parts, _sync, _validate
+from jdp import (
+    _collectives,
+    _metrics,
+    _replica_parts,
+    _sync,
+    _transforms,
+    _validate,
+)
 from jdp._layout import StateLayout
 from jdp._tree import format_problems, is_float, keystr
 
@@ -288,18 +296,13 @@ def make_train_step(
                 f"`{api}` got no optimizer: pass `tx` or use a state that "
                 "carries one (`jdp.TrainState.create(params=..., tx=...)`)."
             )
+        axis = _collectives.resolve_axis(axis_name)
         if sync.averages and _replica_parts.trains_locally(state.opt_state):
-            raise ValueError(
-                f"`{api}` averages gradients across replicas, but the optimizer "
-                "contains `jdp.bmuf`, which trains each replica on its own "
-                "gradients and syncs the models itself. Use "
-                "`jdp.make_train_step(loss_fn, tx, sync=jdp.local())`."
-            )
+            _check_hierarchical(sync, optimizer, state, axis, api)
         _check_trainable(state.params, api)
         _check_known_fields(state, api)
         _check_sync_state(state, sync, api)
         _check_batch_stats(state, takes_stats, api)
-        axis = _collectives.resolve_axis(axis_name)
         loss_kwargs = _loss_kwargs(state, keywords, axis, api)
         value_and_grad = (
             jax.value_and_grad
@@ -357,6 +360,84 @@ def make_train_step(
 
     layout = None if sync.state_layout is None else sync.state_layout(tx)
     return TrainStep(train_step, layout, sync.must_agree)
+
+
+AVERAGES_WITH_BMUF_MSG = (
+    "`{api}` averages gradients across replicas (over {piece}), but the "
+    "optimizer contains `jdp.bmuf`, which trains each replica on its own "
+    "gradients and syncs the models itself{bmuf}. Use `jdp.make_train_step("
+    "loss_fn, tx, sync=jdp.local())`; or, on a host mesh (`jdp.parallelize(..., "
+    "axis_name=('host', 'device'))`), hierarchical local SGD: average over some "
+    "axes every step and let `jdp.bmuf` sync over the others, e.g. "
+    "`sync=jdp.all_reduce(axis_name='device')` with `jdp.bmuf(inner, "
+    "sync_period=..., axis_name='host')`."
+)
+
+
+def _check_hierarchical(sync, tx, state, axis, api) -> None:
+    """Allows an averaging piece with `jdp.bmuf` only as hierarchical local SGD.
+
+    The piece must average over a strict subset of the step's axes (e.g.
+    `"device"` of `("host", "device")`), and the optimizer must sync over every
+    other axis (`jdp.bmuf(..., axis_name="host")`); anything else trains on
+    gradients averaged where `jdp.bmuf` expects each replica's own, or leaves
+    replicas that never sync.
+    """
+    step_axes = _axes(axis)
+    params = state.params
+    grads = jax.tree.map(lambda p: p if is_float(p) else None, params)
+    bare = state.replace(opt_state=optax.EmptyState())
+    if getattr(state, "sync_state", None) is None and sync.init is not None:
+        bare = bare.replace(sync_state=sync.init(params))
+    piece = _moving_axes(
+        lambda g: sync.apply(g, bare, optax.identity(), axis)[:2], grads
+    )
+    optimizer = _moving_axes(
+        lambda g: _transforms.update(tx, g, state.opt_state, params), grads
+    )
+    rest = step_axes - piece
+    if piece and rest and rest <= optimizer:
+        return
+
+    def names(axes):
+        return ", ".join(repr(a) for a in sorted(axes)) or "no axis"
+
+    bmuf = f" (over {names(optimizer)})" if optimizer else ""
+    raise ValueError(
+        AVERAGES_WITH_BMUF_MSG.format(api=api, piece=names(piece), bmuf=bmuf)
+    )
+
+
+def _axes(axis) -> set[str]:
+    """The mesh axis names in `axis` (a name or a tuple; positional axes dropped)."""
+    axes = (axis,) if isinstance(axis, str) else tuple(axis)
+    return {a for a in axes if isinstance(a, str)}
+
+
+def _moving_axes(fn, *args) -> set[str]:
+    """The mesh axes over which `fn`'s collectives move floating-point values.
+
+    Traced, nothing runs. Collectives of integer or boolean values (a
+    finiteness verdict agreed over the step's axis) do not count.
+    """
+    closed = jax.make_jaxpr(fn)(*args)
+    found: set[str] = set()
+
+    def visit(jaxpr) -> None:
+        for eqn in jaxpr.eqns:
+            axes = eqn.params.get("axes", eqn.params.get("axis_name"))
+            floats = any(
+                jax.numpy.issubdtype(v.aval.dtype, jax.numpy.inexact)
+                for v in eqn.outvars
+                if hasattr(v.aval, "dtype")
+            )
+            if axes is not None and floats:
+                found.update(_axes(axes))
+            for sub in jex_core.jaxprs_in_params(eqn.params):
+                visit(sub)
+
+    visit(closed.jaxpr)
+    return found
 
 
 #: Parameters a `loss_fn` may declare by name to receive them from the step.
