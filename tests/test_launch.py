@@ -1046,3 +1046,37 @@ def test_run_restarts_with_max_restarts(capfd):
         jdp.launch.run(
             fail_on_process_1_in_the_first_attempt, 2, initialize=False, timeout_s=60
         )
+
+
+def test_cli_restarts_a_stalled_job(tmp_path):
+    # Process 1 is stuck at its third step in the first attempt only.
+    source = STUCK_PROCESS_1.replace(
+        'if os.environ["JDP_PROCESS_ID"] == "1" and step == stuck_at:',
+        'if os.environ["JDP_PROCESS_ID"] == "1" and step == stuck_at and '
+        'os.environ["JDP_RESTART_COUNT"] == "0":',
+    ).replace("for step in range(1, 1_000_000):", "for step in range(1, 30):")
+    assert "JDP_RESTART_COUNT" in source and "range(1, 30)" in source
+    script = write(tmp_path, "stuck_once.py", source)
+    meet = meeting_dir(tmp_path)
+    proc = launcher(
+        [
+            "--num-processes",
+            2,
+            "--stall-timeout",
+            1,
+            "--max-restarts",
+            1,
+            script,
+            3,
+            meet,
+        ]
+    )
+    out, err = finish(proc)
+    assert proc.returncode == 0, out + err
+    assert re.search(r"process 1 of 2 \(pid \d+\) made no progress", err), err
+    assert re.search(
+        r"^jdp\.launch: The job stalled \(see above\)\. Restarting the job "
+        r"\(restart 1/1\) with 2 processes\.$",
+        err,
+        re.M,
+    ), err

@@ -98,7 +98,8 @@ def _parser() -> argparse.ArgumentParser:
         "--timeout",
         type=_positive_float,
         default=None,
-        help="stop the job after this many seconds (exit status 124)",
+        help="stop the job after this many seconds, restarts included (exit "
+        "status 124)",
     )
     p.add_argument(
         "--stall-timeout",
