@@ -27,6 +27,7 @@ from jdp._export import export_predictor, load_predictor, save_predictor
 from jdp._hlo import Collective, MemoryAnalysis
 from jdp._metrics import weighted
 from jdp._parallel import Parallel, parallelize
+from jdp._partition import partition
 from jdp._powersgd import PowerSGDState, powersgd, powersgd_transform
 from jdp._sync import Sync, all_reduce, local, zero
 from jdp._train_step import TrainState, make_train_step
@@ -53,6 +54,7 @@ __all__ = [
     "local",
     "make_train_step",
     "parallelize",
+    "partition",
     "powersgd",
     "powersgd_transform",
     "replica_key",

@@ -38,6 +38,7 @@ LAYERS = {
     "jdp.sparse._train_step": 5,
     "jdp._train_step": 5,
     "jdp._parallel": 5,
+    "jdp._partition": 5,
     "jdp._powersgd": 5,
     "jdp.sparse": 6,
     "jdp.wire": 6,

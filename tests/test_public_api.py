@@ -34,6 +34,7 @@ def test_public_names_are_pinned():
             "local",
             "make_train_step",
             "parallelize",
+            "partition",
             "powersgd",
             "powersgd_transform",
             "replica_key",

@@ -1,0 +1,499 @@
+"""`jdp.partition`: a sync piece per label of the params, like `optax.partition`.
+
+Each leaf of the params carries a label; each label has its own way to
+synchronise its gradients: a `jdp.Sync` piece (`jdp.all_reduce()`,
+`jdp.local()`), `"broadcast"` (replica 0's gradients on every replica) or
+`"per_replica"` (never synced: the leaves differ between replicas by design).
+The optimizer, an `optax.multi_transform` over the same labels, is applied once
+to the whole tree, so its state is exactly what `multi_transform` makes
+(`jdp.TrainState.create(params, tx)` works as it is).
+
+A piece's synchronisation is taken from the piece itself: its `apply` runs on
+its label's gradients with an optimizer that only records what it is given
+(the gradients the piece would hand to the real optimizer). `jdp.bmuf`'s block
+sync runs after the update, on the updated params of its label (as in
+`jdp.local()`), so the replicas land on exactly the same bits after a sync.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jdp import (
+    _bmuf,
+    _collectives,
+    _coordination,
+    _replica_parts,
+    _sync,
+    _transforms,
+)
+from jdp._tree import keystr
+
+PyTree = Any
+
+#: Labels whose leaves are synchronised without a `jdp.Sync` piece.
+BROADCAST = "broadcast"
+PER_REPLICA = "per_replica"
+_MODES = (BROADCAST, PER_REPLICA)
+
+#: Seconds every process waits for the others' labels at the first trace.
+AGREE_TIMEOUT_S = 120.0
+
+_traces = itertools.count()
+
+LABELS_DIFFER_MSG = (
+    "`jdp.partition`: the processes label the params differently: leaf {leaf} "
+    "is labelled {labels}. Every process must give every leaf the same label "
+    "(the label decides which collectives the step runs; different labels would "
+    "hang the step). Build the labels from the params' structure (e.g. a "
+    "function of the path), not from anything that differs between processes."
+)
+
+
+def partition(
+    labels: PyTree | Callable[[PyTree], PyTree],
+    pieces: Mapping[str, _sync.Sync | str],
+    *,
+    batch_stats: _sync.BatchStatsMode = "mean",
+) -> _sync.Sync:
+    """A sync piece per label of the params: some leaves all-reduced, others local.
+
+    Like `optax.multi_transform` (`optax.partition`) for the optimizer:
+    gradients are split by label, each label's piece synchronises its part,
+    and the optimizer (an `optax.multi_transform` over the same labels, or any
+    optimizer) is applied once to the whole tree. E.g. an embedding trained
+    locally and averaged by `jdp.bmuf` every 16 steps while the dense layers
+    are all-reduced every step:
+
+        sync = jdp.partition(labels, {"dense": jdp.all_reduce(),
+                                      "embed": jdp.local()})
+        tx = optax.multi_transform(
+            {"dense": adam, "embed": jdp.bmuf(adam, sync_period=16)}, labels)
+
+    A label's value is a `jdp.Sync` without state of its own (`jdp.all_reduce`,
+    `jdp.local`, ...), or one of two names:
+
+    - `"per_replica"`: never synced. Each replica trains its own copy (adapters,
+      per-replica heads): the divergence guard does not compare these params
+      (nor their optimizer state, under `optax.multi_transform`), and
+      checkpoints save them with every replica.
+    - `"broadcast"`: every replica applies replica 0's gradients
+      (`jdp.broadcast`), so the leaves stay equal without an all-reduce.
+
+    A `jdp.local()` label expects its part of the optimizer to sync itself (a
+    `jdp.bmuf`); if that part holds none, the step warns, as `jdp.local()` does
+    (`"per_replica"` says it is meant). Its params may differ between syncs:
+    the divergence guard compares only what `jdp.bmuf` keeps in agreement.
+
+    The labels are compared across processes when the step is first traced
+    (through the coordination service): a leaf labelled differently on two
+    processes fails there, naming the leaf, instead of hanging the step.
+
+    Args:
+      labels: A pytree of label strings with the params' structure (or a
+        prefix of it), or a function `params -> labels`: the same as given to
+        `optax.multi_transform`.
+      pieces: `{label: piece}`: a `jdp.Sync`, `"per_replica"` or `"broadcast"`
+        for every label that occurs. Labels that share one piece object are
+        synchronised together (one bucketed all-reduce).
+      batch_stats: How batch statistics are synced every step: `"mean"` or
+        `"broadcast"`.
+
+    Returns:
+      A `jdp.Sync`, for `jdp.make_train_step(..., sync=...)`.
+
+    Raises:
+      TypeError: If `pieces` is not a mapping of str labels to pieces, or a
+        piece is neither a `jdp.Sync` nor a known name.
+      ValueError: If `pieces` is empty, a piece keeps state of its own
+        (`Sync.init`: error feedback, PowerSGD), lays the state out itself
+        (`jdp.zero()`), differentiates in its own way (`jdp.sparse.rows()`),
+        or `batch_stats` is unknown; at trace time, if a leaf's label has no
+        piece, a piece skips non-finite steps (`skip_nonfinite=True`), the
+        labels are not a prefix of the params, or the processes label a leaf
+        differently.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, jdp
+      >>> params = {"embed": jnp.zeros((10, 2)), "head": jnp.zeros((2, 1))}
+      >>> labels = {"embed": "embed", "head": "dense"}
+      >>> def loss_fn(params, batch):
+      ...     h = params["embed"][batch["ids"]].mean(axis=1)
+      ...     return jnp.mean((h @ params["head"] - batch["y"]) ** 2)
+      >>> adam = optax.adam(0.1)
+      >>> tx = optax.multi_transform(
+      ...     {"dense": adam, "embed": jdp.bmuf(adam, sync_period=4)}, labels)
+      >>> sync = jdp.partition(labels, {"dense": jdp.all_reduce(),
+      ...                               "embed": jdp.local()})
+      >>> step = jdp.parallelize(jdp.make_train_step(loss_fn, tx, sync=sync),
+      ...                        devices=jax.devices()[:4])
+      >>> state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
+      >>> ids = jnp.arange(16).reshape(8, 2) % 10
+      >>> batch = step.shard({"ids": ids, "y": jnp.ones((8, 1))})
+      >>> for _ in range(4):
+      ...     state, metrics = step(state, batch)
+      >>> jdp.replicas_in_sync(state.params)  # the 4th step synced the embedding
+      True
+    """
+    _sync.check_batch_stats(batch_stats)
+    pieces = _check_pieces(pieces)
+
+    def apply(grads, state, tx, axis_name):
+        tree = _labels_of(labels, state.params)
+        leaf_labels = _leaf_labels(tree, grads, pieces)
+        _agree_across_processes(leaf_labels)
+        flat, treedef = jax.tree_util.tree_flatten(grads)
+        synced = list(flat)
+        metrics: dict[str, jax.Array] = {}
+        for group in _groups(pieces, {label for _, label in leaf_labels}):
+            mine = [label in group for _, label in leaf_labels]
+            part = treedef.unflatten(
+                [g if m else None for g, m in zip(flat, mine, strict=True)]
+            )
+            piece = pieces[group[0]]
+            done, extra = _synced(piece, group, part, state, axis_name)
+            metrics.update(extra)
+            done_flat = treedef.flatten_up_to(done)
+            for i, m in enumerate(mine):
+                if m:
+                    synced[i] = done_flat[i]
+        grads = treedef.unflatten(synced)
+        _warn_if_silent(pieces, tree, state, tx)
+        merges: list = []
+        updates, opt_state = _transforms.update(
+            tx, grads, state.opt_state, state.params, **{_bmuf.MERGES_ARG: merges}
+        )
+        params = optax.apply_updates(state.params, updates)
+        if merges:
+            params, opt_state = _merged(
+                params, tree, state.opt_state, opt_state, merges
+            )
+        return params, opt_state, metrics
+
+    averages = all(
+        p == BROADCAST or (isinstance(p, _sync.Sync) and p.averages)
+        for p in pieces.values()
+    )
+    return _sync.Sync(
+        apply,
+        averages=averages,
+        must_agree=None if averages else _agreed(labels, pieces),
+        batch_stats=batch_stats,
+    )
+
+
+# -- construction --------------------------------------------------------------------
+
+
+def _check_pieces(pieces: Any) -> dict[str, _sync.Sync | str]:
+    if not isinstance(pieces, Mapping):
+        raise TypeError(
+            "`jdp.partition`: `pieces` must be a mapping `{label: piece}`, e.g. "
+            "`{'dense': jdp.all_reduce(), 'embed': jdp.local()}`; got "
+            f"{type(pieces).__name__}."
+        )
+    if not pieces:
+        raise ValueError("`jdp.partition`: `pieces` is empty; give one per label.")
+    for label, piece in pieces.items():
+        if not isinstance(label, str):
+            raise TypeError(
+                f"`jdp.partition`: labels must be str; got {label!r} "
+                f"({type(label).__name__})."
+            )
+        if isinstance(piece, str):
+            if piece not in _MODES:
+                raise TypeError(
+                    f"`jdp.partition`: the piece of label {label!r} is {piece!r}; "
+                    f"a name must be one of {_MODES}, or give a `jdp.Sync` such "
+                    "as `jdp.all_reduce()` or `jdp.local()`."
+                )
+            continue
+        if not isinstance(piece, _sync.Sync):
+            raise TypeError(
+                f"`jdp.partition`: the piece of label {label!r} must be a "
+                f"`jdp.Sync` (e.g. `jdp.all_reduce()`, `jdp.local()`) or one of "
+                f"{_MODES}; got {type(piece).__name__}."
+            )
+        refused = (
+            (piece.init, "keeps state of its own (`sync_state`: error feedback, "
+             "PowerSGD)"),
+            (piece.state_layout, "lays the state out itself (`jdp.zero()`)"),
+            (piece.value_and_grad, "differentiates in its own way "
+             "(`jdp.sparse.rows()`)"),
+        )  # fmt: skip
+        for field, why in refused:
+            if field is not None:
+                raise ValueError(
+                    f"`jdp.partition`: the piece of label {label!r} {why}, which "
+                    "a partition does not support. Use it as the step's whole "
+                    "`sync=`, or a piece without it (e.g. `jdp.all_reduce()`)."
+                )
+    return dict(pieces)
+
+
+def _groups(pieces, used) -> list[tuple[str, ...]]:
+    """The used labels, grouped by piece object (one sync per group), in order."""
+    groups: dict[int, list[str]] = {}
+    for label in sorted(used):
+        groups.setdefault(id(pieces[label]), []).append(label)
+    return [tuple(g) for g in groups.values()]
+
+
+# -- labels --------------------------------------------------------------------------
+
+
+def _labels_of(labels, params) -> PyTree:
+    return labels(params) if callable(labels) else labels
+
+
+def _leaf_labels(tree, grads, pieces) -> list[tuple[str, str]]:
+    """`(path, label)` of every leaf of `grads`, checked against `pieces`."""
+    try:
+        full = jax.tree.broadcast(tree, grads)
+    except (ValueError, TypeError) as e:
+        raise ValueError(
+            "`jdp.partition`: `labels` must have the params' structure, or a "
+            "prefix of it (as for `optax.multi_transform`), one label string a "
+            f"leaf or subtree; they do not match: {e}"
+        ) from None
+    paths = jax.tree_util.tree_flatten_with_path(grads)[0]
+    found = jax.tree_util.tree_leaves(full)
+    out = [(keystr(p), lbl) for (p, _), lbl in zip(paths, found, strict=True)]
+    for path, label in out:
+        if label not in pieces:
+            raise ValueError(
+                f"`jdp.partition`: leaf {path} is labelled {label!r}, which has "
+                f"no piece; the pieces are for {sorted(pieces)}. Add "
+                f"`{label!r}: jdp.all_reduce()` (or the piece it needs)."
+            )
+    return out
+
+
+def differing_labels(values: Mapping[int, str]) -> str | None:
+    """The error for processes' label lists that differ, or None if all agree.
+
+    Args:
+      values: `{process: labels}`, each a JSON list of `[path, label]` pairs
+        (what every process publishes).
+
+    Returns:
+      A message naming the first leaf whose label differs (and each process's
+      label of it), or None.
+    """
+    lists = {p: [tuple(x) for x in json.loads(v)] for p, v in sorted(values.items())}
+    if len({json.dumps(v) for v in lists.values()}) <= 1:
+        return None
+    longest = max(len(v) for v in lists.values())
+    for i in range(longest):
+        seen = {
+            p: (v[i] if i < len(v) else ("<none>", "<none>")) for p, v in lists.items()
+        }
+        if len(set(seen.values())) > 1:
+            leaf = next(iter(seen.values()))[0]
+            named = ", ".join(
+                f"{lbl!r} on process {p}"
+                + ("" if path == leaf else f" (whose leaf is {path})")
+                for p, (path, lbl) in seen.items()
+            )
+            return LABELS_DIFFER_MSG.format(leaf=leaf, labels=named)
+    return None  # pragma: no cover (lists that differ differ at some index)
+
+
+def _agree_across_processes(leaf_labels, *, client: Any = None) -> None:
+    """Compares the labels with every other process's, at trace time (once a trace)."""
+    if jax.process_count() == 1 and client is None:
+        return
+    if client is None and _coordination.client() is None:
+        return
+    number = next(_traces)
+    values = _coordination.exchange(
+        f"jdp/partition/{number}",
+        json.dumps(leaf_labels),
+        process=jax.process_index(),
+        processes=list(range(jax.process_count())),
+        timeout_s=AGREE_TIMEOUT_S,
+        client=client,
+    )
+    missing = sorted(set(range(jax.process_count())) - values.keys())
+    if missing:
+        raise TimeoutError(
+            f"`jdp.partition`: processes {missing} did not publish their labels "
+            f"within {AGREE_TIMEOUT_S:.0f} s of process {jax.process_index()} "
+            "tracing the step; every process must run the same step."
+        )
+    message = differing_labels(values)
+    if message is not None:
+        raise ValueError(message)
+
+
+# -- the step ------------------------------------------------------------------------
+
+
+def _recorder(box: list) -> optax.GradientTransformationExtraArgs:
+    """An optimizer that records the updates it is given and applies none."""
+
+    def update(updates, state, params=None, **extra_args):
+        del params, extra_args
+        box.append(updates)
+        return jax.tree.map(jnp.zeros_like, updates), state
+
+    return optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(), update)
+
+
+def _synced(piece, group, part, state, axis_name) -> tuple[PyTree, dict]:
+    """A label group's gradients as its piece synchronises them, and its metrics."""
+    if piece == PER_REPLICA:
+        return part, {}
+    if piece == BROADCAST:
+        return _collectives.broadcast(part, root=0, axis_name=axis_name), {}
+    params = jax.tree.map(
+        lambda g, p: None if g is None else p,
+        part,
+        state.params,
+        is_leaf=lambda x: x is None,
+    )
+    bare = state.replace(params=params, opt_state=optax.EmptyState())
+    box: list = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = piece.apply(part, bare, _recorder(box), axis_name)
+    for w in caught:
+        # `jdp.local()`'s warning is about the recorder; the partition warns
+        # about the label's real optimizer (`_warn_if_silent`).
+        if not str(w.message).startswith("`jdp.local()`"):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    metrics = out[2]
+    if "skipped" in metrics:
+        raise ValueError(
+            f"`jdp.partition`: the piece of label(s) {list(group)} skips "
+            "non-finite steps (`skip_nonfinite=True`), which a partition does "
+            "not support (each label would decide on its own). Leave it out, or "
+            "put `optax.apply_if_finite` in the optimizer."
+        )
+    return box[-1], metrics
+
+
+def _label_state(opt_state, label):
+    """The part of an `optax.multi_transform` state that belongs to `label`."""
+    found = []
+
+    def visit(x):
+        if isinstance(x, optax.transforms.PartitionState) and label in x.inner_states:
+            found.append(x.inner_states[label])
+        return x
+
+    jax.tree.map(
+        visit,
+        opt_state,
+        is_leaf=lambda x: isinstance(x, optax.transforms.PartitionState),
+    )
+    return found
+
+
+def _warn_if_silent(pieces, tree, state, tx) -> None:
+    """Warns for a `jdp.local()` label whose part of the optimizer never syncs."""
+    for label, piece in pieces.items():
+        if not isinstance(piece, _sync.Sync) or piece.averages:
+            continue
+        parts = _label_state(state.opt_state, label)
+        if parts:
+            communicates = any(_replica_parts.trains_locally(p) for p in parts)
+        else:  # not a multi_transform: the whole optimizer
+            communicates = _replica_parts.trains_locally(state.opt_state)
+        if not communicates:
+            warnings.warn(
+                f"`jdp.partition`: label {label!r} is `jdp.local()`, but its "
+                "part of the optimizer holds no `jdp.bmuf`: its params are "
+                "trained on each replica's own gradients and never synced. Give "
+                f"it `jdp.bmuf(...)` in the optimizer, or say it is meant: "
+                f"`{label!r}: 'per_replica'`.",
+                UserWarning,
+                stacklevel=4,
+            )
+
+
+def _masked(tree, params, label) -> PyTree:
+    """`params` as `optax.masked` shows them to `label`'s optimizer."""
+    return jax.tree.map(
+        lambda lbl, p: p if lbl == label else optax.MaskedNode(), tree, params
+    )
+
+
+def _merged(params, tree, old_opt_state, opt_state, merges):
+    """`jdp.bmuf`'s block sync, run on the updated params its label holds."""
+    starts = _replica_parts.restart_params(old_opt_state)
+    want = [jax.tree.structure(s) for s in starts]
+    if jax.tree.structure(params) in want:
+        return _bmuf.merge_updated(params, old_opt_state, opt_state, merges)
+    labels = sorted({lbl for lbl in jax.tree.leaves(tree)})
+    for label in labels:
+        masked = _masked(tree, params, label)
+        if jax.tree.structure(masked) not in want:
+            continue
+        merged, opt_state = _bmuf.merge_updated(
+            masked, old_opt_state, opt_state, merges
+        )
+        flat, treedef = jax.tree_util.tree_flatten(params)
+        full = jax.tree.leaves(jax.tree.broadcast(tree, params))
+        new = iter(jax.tree.leaves(merged))
+        out = [
+            next(new) if lbl == label else x for x, lbl in zip(flat, full, strict=True)
+        ]
+        return treedef.unflatten(out), opt_state
+    raise ValueError(
+        "`jdp.partition`: the optimizer holds a `jdp.bmuf` over params that are "
+        "neither all the params nor one label's (as `optax.multi_transform` "
+        "gives them); put `jdp.bmuf` inside `optax.multi_transform` under one "
+        "label, with the same labels as the partition."
+    )
+
+
+# -- what replicas agree on ---------------------------------------------------------
+
+
+def _agreed(labels, pieces) -> Callable[[PyTree], PyTree]:
+    """`must_agree`: the state less the labels that may differ between replicas."""
+    differ = {
+        label
+        for label, piece in pieces.items()
+        if piece == PER_REPLICA
+        or (isinstance(piece, _sync.Sync) and not piece.averages)
+    }
+
+    def must_agree(state):
+        if not hasattr(state, "replace"):
+            return None
+        tree = _labels_of(labels, state.params)
+        full = jax.tree.broadcast(tree, state.params)
+        params = jax.tree.map(
+            lambda lbl, p: None if lbl in differ else p, full, state.params
+        )
+        is_partition = lambda x: isinstance(x, optax.transforms.PartitionState)  # noqa: E731
+
+        def one(x):
+            if not is_partition(x):
+                return x
+            inner = {
+                k: (_replica_parts.agreed(v) if k in differ else v)
+                for k, v in x.inner_states.items()
+            }
+            return x._replace(inner_states=inner)
+
+        if any(
+            is_partition(x)
+            for x in jax.tree.leaves(state.opt_state, is_leaf=is_partition)
+        ):
+            opt_state = jax.tree.map(one, state.opt_state, is_leaf=is_partition)
+        else:
+            opt_state = _replica_parts.agreed(state.opt_state)
+        return state.replace(params=params, opt_state=opt_state)
+
+    return must_agree
