@@ -355,7 +355,7 @@ class Parallel(_hlo.Introspection):
 def parallelize(
     train_step: Callable[[PyTree, PyTree], Any],
     *,
-    devices: Sequence[jax.Device] | None = None,
+    devices: Sequence[jax.Device] | Sequence[Sequence[jax.Device]] | None = None,
     backend: _backends.BackendName = "shard_map",
     axis_name: _layout.AxisName = "data",
     donate_state: bool = True,
@@ -379,7 +379,11 @@ def parallelize(
         or `(state, batch) -> metrics` for a forward-only step.
       devices: Devices to run on, one replica each. `None` (default) means every
         device: all local devices, or all global devices after
-        `jdp.distributed.initialize`.
+        `jdp.distributed.initialize`. A 2-D array (or nested list) of devices
+        lays them out as a `(hosts, devices per host)` mesh whose rows stand
+        for hosts, also in one process (to try a hierarchical schedule on one
+        machine); it needs two names in `axis_name`. With several processes,
+        each row must hold one process's devices, rows in process order.
       backend: `"shard_map"` (default; `jax.jit` over `jax.shard_map`) or
         `"pmap"` (`jax.pmap`). Both give the same numbers.
       axis_name: Name of the replica axis inside the step (`"data"`). Two names,
@@ -390,7 +394,9 @@ def parallelize(
         reduce-scatter), then across hosts (an all-reduce of a 1/devices-per-host
         slice), then gathers within the host: Caffe2's NCCL-then-Gloo path, with
         the cross-host traffic of one device per host. The numbers equal the flat
-        mesh's.
+        mesh's (up to the order of the sums). With `jdp.all_reduce(axis_name=
+        "device")` and `jdp.bmuf(..., axis_name="host")` the step is
+        hierarchical local SGD: synchronous within hosts, BMUF across them.
       donate_state: Donate the input state's buffers to the output (default), so
         a training step holds one copy of params and optimizer state, not two.
         The state you pass in is deleted by the call; use the returned one. A
@@ -415,12 +421,13 @@ def parallelize(
 
     Raises:
       ValueError: If `backend` is unknown, `check_sync` is not positive,
-        `devices` is empty or lists a device
-        twice, `axis_name` is not one name or two distinct names (two need
+        `devices` is empty, lists a device twice, is neither 1-D nor 2-D (or
+        has rows of different lengths), or is 2-D with one axis name,
+        `axis_name` is not one name or two distinct names (two need
         `"shard_map"`), or, with several processes, the processes hold different
-        numbers of `devices`.
-      TypeError: If `axis_name` is neither a str nor a tuple, or `check_sync` is
-        not an int.
+        numbers of `devices` (or a row of a 2-D layout spans processes).
+      TypeError: If `axis_name` is neither a str nor a tuple, `devices` holds
+        something other than devices, or `check_sync` is not an int.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, jdp
@@ -434,6 +441,15 @@ def parallelize(
       ...     state, metrics = step(state, batch)
       >>> round(float(step.unreplicate(state).params["w"]), 3)
       2.0
+
+      Two simulated hosts of two devices each, in one process:
+
+      >>> import numpy as np
+      >>> hosts = np.array(jax.devices()[:4]).reshape(2, 2)
+      >>> step = jdp.parallelize(jdp.make_train_step(loss_fn, tx), devices=hosts,
+      ...                        axis_name=("host", "device"))
+      >>> dict(step.mesh.shape)
+      {'host': 2, 'device': 2}
     """
     if backend not in _backends.BACKENDS:
         raise ValueError(
