@@ -483,7 +483,9 @@ def _merge_streaming(params, old_state, state, *, inner, axis, options):
     3. with `τ >= 1`, snapshots the local slices of the fragment whose sync
        falls `τ` updates later into `pending`.
 
-    Each of the three is a `lax.switch` on int32 counters: one compiled step.
+    Each is a `lax.cond` per fragment or chunk on int32 counters, over the
+    leaves it touches alone: one compiled step, which copies nothing when
+    nothing is due.
     """
     fragments, delay, alpha = options.fragments, options.delay, options.mix
     stores_start, outer = options.stores_start, options.outer
@@ -515,80 +517,68 @@ def _merge_streaming(params, old_state, state, *, inner, axis, options):
     phase = (n - 1) % period + 1  # 1 .. period; `period`: a sync step
     fragment = ((n - 1) // period) % fragments  # whose sync ends this window
 
+    p_leaves, g_leaves = flat(params), flat(g)
+    s_leaves = flat(start) if stores_start else None
+    v_leaves = flat(state.velocity) if outer is None else None
+    velocity = state.velocity
+    pend = flat(pending) if delay else None
+    wire = options.wire
+
     if delay:  # 1. One chunk of the fragment in flight, from the state.
         in_flight = active & (phase > period - delay)
         chunk = fragment * delay + (phase - (period - delay) - 1)
-        pending = _reduce_chunk(
-            pending,
-            start if stores_start else g,
-            jnp.where(in_flight, chunk + 1, 0),
-            plan,
-            axis_name,
-            options.wire,
-        )
+        pend = _reduce_chunks(
+            in_flight, chunk, plan, pend, s_leaves if stores_start else g_leaves,
+            axis_name, wire,
+        )  # fmt: skip
 
-    # 2. The sync of one fragment.
-    def sync_fragment(f):
-        pieces = plan.fragments[f]
-
-        def run(operands):
-            params, g, start, v, inner_state, pending = operands
-            p_leaves, g_leaves = flat(params), flat(g)
-            local, g_f = _take(p_leaves, pieces), _take(g_leaves, pieces)
-            s_f = _take(flat(start), pieces) if stores_start else None
-            if delay:
-                avg = _take(flat(pending), pieces)
-            else:
-                avg = _average_params(
-                    local, s_f if stores_start else g_f, axis_name, options.wire
-                )
-            v_f = v[f] if outer is not None else _take(flat(v), pieces)
-            g_f, s_f, v_f = _block_update(
-                g_f, s_f, v_f, avg, eta, options.block_learning_rate,
-                options.nesterov, outer,
-            )  # fmt: skip
-            target = s_f if stores_start else g_f
-            if alpha:  # torchft's `lerp(target, local, alpha)`
-                target = _float_map(
-                    lambda t, x: t + alpha * (x.astype(t.dtype) - t), target, local
-                )
-            params = tree(_put(p_leaves, pieces, _cast_like(target, local)))
-            g = tree(_put(g_leaves, pieces, g_f))
-            if stores_start:
-                start = tree(_put(flat(start), pieces, s_f))
-            if outer is not None:
-                v = v[:f] + (v_f,) + v[f + 1 :]
-            else:
-                v = tree(_put(flat(v), pieces, v_f))
-            if at_sync != "keep":  # one fragment: the whole tree
-                whole = tree(_put(flat(params), pieces, s_f if stores_start else g_f))
-                inner_state = _inner_state_at_sync(
-                    inner_state, whole, inner, at_sync, axis_name
-                )
-            return params, g, start, v, inner_state, pending
-
-        return run
-
+    # 2. The sync of one fragment. One conditional per tree it writes, each
+    # reading the others: XLA then updates every slice in place, and a step
+    # without a sync copies nothing.
     keeps = at_sync == "keep"
+    inner_state = None if keeps else state.inner_state
     is_sync = active & (phase == period)
-    params, g, start, v, inner_state, _ = lax.switch(
-        jnp.where(is_sync, fragment + 1, 0),
-        [_keep] + [sync_fragment(f) for f in range(fragments)],
-        (
-            params,
-            g,
-            start,
-            state.velocity,
-            None if keeps else state.inner_state,
-            pending,
-        ),
-    )
+    for f, pieces in enumerate(plan.fragments):
+        due = is_sync & (fragment == f)
+        source = pend if delay else p_leaves  # what the replicas average
+        g_leaves, s_leaves, v_leaves, v_f = _sync_fragment(
+            due, pieces, source, p_leaves, g_leaves, s_leaves, v_leaves,
+            velocity[f] if outer is not None else None,
+            eta=eta, options=options, axis_name=axis_name,
+        )  # fmt: skip
+        if outer is not None:
+            velocity = velocity[:f] + (v_f,) + velocity[f + 1 :]
+        target = s_leaves if stores_start else g_leaves
+
+        def adopt(pieces, written, read, extra):
+            (local,), (target,) = written, read
+            local_f, new = _take(local, pieces), _take(target, pieces)
+            if alpha:  # torchft's `lerp(target, local, alpha)`
+                new = _float_map(
+                    lambda t, x: t + alpha * (x.astype(t.dtype) - t), new, local_f
+                )
+            if not keeps:  # one fragment: every leaf with elements is in it
+                extra = _inner_state_at_sync(
+                    extra[0], tree(_put(extra[1], pieces, new)), inner, at_sync,
+                    axis_name,
+                ), extra[1]  # fmt: skip
+            return [_put(local, pieces, _cast_like(new, local_f))], extra
+
+        (p_leaves,), extra = _when(
+            due, pieces, adopt, [p_leaves], [target],
+            None if keeps else (inner_state, target),
+        )  # fmt: skip
+        if not keeps:
+            inner_state = extra[0]
+    params, g = tree(p_leaves), tree(g_leaves)
+    start = tree(s_leaves) if stores_start else None
+    v = tree(v_leaves) if outer is None else velocity
 
     if delay:  # 3. The fragment whose sync is `delay` updates ahead.
         ahead = n + delay
         due = active & (ahead % period == 0)
-        which = (ahead // period - 1) % fragments
-        pending = _snapshot(pending, params, jnp.where(due, which + 1, 0), plan)
+        pend = _snapshots(due, (ahead // period - 1) % fragments, plan, pend, p_leaves)
+        pending = tree(pend)
     return params, state._replace(
         global_params=g,
         start=start,
@@ -598,50 +588,130 @@ def _merge_streaming(params, old_state, state, *, inner, axis, options):
     )
 
 
-def _keep(operands):
-    return operands
+def _reduce_chunks(in_flight, chunk, plan, pending, ref, axis_name, wire):
+    """`pending` (flat leaves) with chunk number `chunk` averaged, if `in_flight`."""
+
+    def reduce(pieces, written, read, extra):
+        (pending,), (ref,) = written, read
+        avg = _average_params(
+            _take(pending, pieces), _take(ref, pieces), axis_name, wire
+        )
+        return [_put(pending, pieces, avg)], extra
+
+    delay = len(plan.chunks[0])
+    for f, chunks in enumerate(plan.chunks):
+        for j, pieces in enumerate(chunks):
+            if not pieces:  # a fragment of fewer rows than `delay`
+                continue
+            due = in_flight & (chunk == f * delay + j)
+            (pending,), _ = _when(due, pieces, reduce, [pending], [ref])
+    return pending
 
 
-def _reduce_chunk(pending, ref, index, plan, axis_name, wire):
-    """`pending` with chunk `index - 1` (0: none) all-reduced (`plan.chunks`)."""
-    flat, tree = (
-        jax.tree.leaves,
-        functools.partial(jax.tree.unflatten, jax.tree.structure(pending)),
-    )
+def _snapshots(due, which, plan, pending, local):
+    """`pending` (flat leaves) with fragment `which` copied from `local`, if `due`."""
 
-    def reduce(pieces):
-        def run(operands):
-            pending, ref = operands
-            leaves = flat(pending)
-            avg = _average_params(
-                _take(leaves, pieces), _take(flat(ref), pieces), axis_name, wire
+    def snapshot(pieces, written, read, extra):
+        (pending,), (local,) = written, read
+        taken = _cast_like(_take(local, pieces), _take(pending, pieces))
+        return [_put(pending, pieces, taken)], extra
+
+    for f, pieces in enumerate(plan.fragments):
+        (pending,), _ = _when(due & (which == f), pieces, snapshot, [pending], [local])
+    return pending
+
+
+def _sync_fragment(due, pieces, source, local, g, start, v, outer_state, *,
+                   eta, options, axis_name):  # fmt: skip
+    """The outer update of one fragment's slices (flat leaf lists), if `due`.
+
+    `source` holds what the replicas average (their params, or with `delay`
+    the averaged snapshot). Returns the new `g`, `start`, `v` leaf lists and
+    the fragment's outer state.
+    """
+    delay, wire, outer = options.delay, options.wire, options.outer
+    ref = start if options.stores_start else g
+
+    def average(pieces, ref_f, source):
+        if delay:  # already averaged, chunk by chunk
+            return _take(source, pieces)
+        return _average_params(_take(source, pieces), ref_f, axis_name, wire)
+
+    if outer is not None:
+
+        def outer_update(pieces, written, read, state_f):
+            (g,), (source,) = written, read
+            g_f = _take(g, pieces)
+            avg = average(pieces, g_f, source)
+            g_f, _, state_f = _block_update(
+                g_f, None, state_f, avg, eta, 1.0, False, outer
             )
-            return tree(_put(leaves, pieces, avg)), ref
+            return [_put(g, pieces, g_f)], state_f
 
-        return run if pieces else _keep
+        (g,), outer_state = _when(due, pieces, outer_update, [g], [source], outer_state)
+        return g, start, v, outer_state
 
-    branches = [_keep] + [reduce(c) for chunks in plan.chunks for c in chunks]
-    return lax.switch(index, branches, (pending, ref))[0]
+    def velocity_update(pieces, written, read, extra):
+        (v,), (ref, source) = written, read
+        ref_f = _take(ref, pieces)
+        avg = average(pieces, ref_f, source)
+        v_f = _float_map(
+            lambda v, a, s: eta * v + options.block_learning_rate * (a - s),
+            _take(v, pieces), avg, ref_f,
+        )  # fmt: skip
+        return [_put(v, pieces, v_f)], extra
+
+    def global_update(pieces, written, read, extra):
+        (g,), (v,) = written, read
+        g_f = _float_map(lambda g, v: g + v, _take(g, pieces), _take(v, pieces))
+        return [_put(g, pieces, g_f)], extra
+
+    (v,), _ = _when(due, pieces, velocity_update, [v], [ref, source])
+    (g,), _ = _when(due, pieces, global_update, [g], [v])
+    if options.nesterov:
+
+        def lookahead(pieces, written, read, extra):
+            (start,), (g, v) = written, read
+            s_f = _lookahead(_take(g, pieces), _take(v, pieces), eta)
+            return [_put(start, pieces, _cast_like(s_f, _take(start, pieces)))], extra
+
+        (start,), _ = _when(due, pieces, lookahead, [start], [g, v])
+    return g, start, v, outer_state
 
 
-def _snapshot(pending, params, index, plan):
-    """`pending` with fragment `index - 1` (0: none) copied from `params`."""
-    flat, tree = (
-        jax.tree.leaves,
-        functools.partial(jax.tree.unflatten, jax.tree.structure(pending)),
+def _when(pred, pieces, fn, written, read, extra=None):
+    """`fn` under a `lax.cond` on the leaves that `pieces` touch, else nothing.
+
+    `written` and `read` are lists of flat leaf lists (or None); only the leaves
+    the pieces touch cross the conditional, so that XLA can update them in place
+    and a step that does not take it copies nothing.
+    `fn(pieces, written, read, extra) -> (written, extra)` sees those leaves
+    alone, the pieces renumbered to match.
+
+    Returns:
+      `(written, extra)`: the lists with the touched leaves replaced.
+    """
+    ids = sorted({p.leaf for p in pieces})
+    where = {leaf: i for i, leaf in enumerate(ids)}
+    local = tuple(p._replace(leaf=where[p.leaf]) for p in pieces)
+
+    def sub(trees):
+        return [None if t is None else [t[i] for i in ids] for t in trees]
+
+    new, extra = lax.cond(
+        pred,
+        lambda ops: fn(local, ops[0], ops[1], ops[2]),
+        lambda ops: (ops[0], ops[2]),
+        (sub(written), sub(read), extra),
     )
-
-    def copy(pieces):
-        def run(operands):
-            pending, params = operands
-            leaves = flat(pending)
-            taken = _cast_like(_take(flat(params), pieces), _take(leaves, pieces))
-            return tree(_put(leaves, pieces, taken)), params
-
-        return run
-
-    branches = [_keep] + [copy(pieces) for pieces in plan.fragments]
-    return lax.switch(index, branches, (pending, params))[0]
+    out = []
+    for t, leaves in zip(written, new, strict=True):
+        if t is not None:
+            t = list(t)
+            for i, x in zip(ids, leaves, strict=True):
+                t[i] = x
+        out.append(t)
+    return out, extra
 
 
 class _Piece(NamedTuple):
