@@ -149,7 +149,7 @@ def partition(
     def apply(grads, state, tx, axis_name):
         tree = _labels_of(labels, state.params)
         leaf_labels = _leaf_labels(tree, grads, pieces)
-        _agree_across_processes(leaf_labels)
+        agree_across_processes(leaf_labels)
         flat, treedef = jax.tree_util.tree_flatten(grads)
         synced = list(flat)
         metrics: dict[str, jax.Array] = {}
@@ -297,7 +297,7 @@ def differing_labels(values: Mapping[int, str]) -> str | None:
             p: (v[i] if i < len(v) else ("<none>", "<none>")) for p, v in lists.items()
         }
         if len(set(seen.values())) > 1:
-            leaf = next(iter(seen.values()))[0]
+            leaf = next(path for path, _ in seen.values() if path != "<none>")
             named = ", ".join(
                 f"{lbl!r} on process {p}"
                 + ("" if path == leaf else f" (whose leaf is {path})")
@@ -307,9 +307,33 @@ def differing_labels(values: Mapping[int, str]) -> str | None:
     return None  # pragma: no cover (lists that differ differ at some index)
 
 
-def _agree_across_processes(leaf_labels, *, client: Any = None) -> None:
-    """Compares the labels with every other process's, at trace time (once a trace)."""
-    if jax.process_count() == 1 and client is None:
+def agree_across_processes(
+    leaf_labels: list[tuple[str, str]],
+    *,
+    client: Any = None,
+    process: int | None = None,
+    processes: list[int] | None = None,
+) -> None:
+    """Compares the labels with every other process's (at trace time).
+
+    Each process publishes its `(path, label)` pairs in the coordination
+    service and reads the others' (nothing to do in one process, or without
+    `jax.distributed`).
+
+    Args:
+      leaf_labels: This process's `(path, label)` of every leaf.
+      client: A key-value store to use instead of the coordination service's
+        client (for tests).
+      process: This process's index (default: `jax.process_index()`).
+      processes: The processes that compare (default: every process).
+
+    Raises:
+      ValueError: If another process labels a leaf differently (naming it).
+      TimeoutError: If a process did not publish in time.
+    """
+    process = jax.process_index() if process is None else process
+    processes = list(range(jax.process_count())) if processes is None else processes
+    if len(processes) == 1:
         return
     if client is None and _coordination.client() is None:
         return
@@ -317,17 +341,17 @@ def _agree_across_processes(leaf_labels, *, client: Any = None) -> None:
     values = _coordination.exchange(
         f"jdp/partition/{number}",
         json.dumps(leaf_labels),
-        process=jax.process_index(),
-        processes=list(range(jax.process_count())),
+        process=process,
+        processes=processes,
         timeout_s=AGREE_TIMEOUT_S,
         client=client,
     )
-    missing = sorted(set(range(jax.process_count())) - values.keys())
+    missing = sorted(set(processes) - values.keys())
     if missing:
         raise TimeoutError(
             f"`jdp.partition`: processes {missing} did not publish their labels "
-            f"within {AGREE_TIMEOUT_S:.0f} s of process {jax.process_index()} "
-            "tracing the step; every process must run the same step."
+            f"within {AGREE_TIMEOUT_S:.0f} s of process {process} tracing the "
+            "step; every process must run the same step."
         )
     message = differing_labels(values)
     if message is not None:
