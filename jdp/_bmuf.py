@@ -256,7 +256,7 @@ def bmuf(
         `block_learning_rate` or `block_momentum` is not a number.
       ValueError: At construction, for a `sync_period` not divisible by
         `fragments`, a `delay` above `sync_period / fragments`, a `mix` outside
-        [0, 1], negative `fragments` or `delay`, `inner_state_at_sync` other
+        [0, 1], `fragments` < 1 or a negative `delay`, `inner_state_at_sync` other
         than "keep" with `fragments` > 1; for a `sync_period` < 1, a
         `block_momentum` outside [0, 1), a `block_learning_rate` <= 0 (or either
         of them NaN or infinite), a
