@@ -17,7 +17,16 @@ shape on 8 simulated devices, inner Adam, DiLoCo's outer Nesterov SGD, the same
 {0, 1} and mix in {0, 0.5}. The loss of the global model
 (`jdp.bmuf_global_params`) on 4096 held-out examples after the last step.
 
-    python benchmarks/streaming.py [--devices 8] [--steps 512] [--quick]
+Part 3 (`--time-rig`), step times across processes: 2 processes x 1 CPU device
+joined over gloo by `jdp.launch.run` (127.0.0.1), each pinned to one core, train
+the part-1 MLP (8 examples per process per step, inner SGD) with the local step
+(no communication, the floor), BMUF, F=4 delay=0 and F=4 delay=4 (H=16), one
+cycle of 16 steps each in turn, in a shuffled order, every step timed on its own
+(waiting for its loss). Reported: p50, p99 and the largest step time over the
+timed cycles (the first cycle, which compiles, is not timed), and the mean.
+
+    python benchmarks/streaming.py [--devices 8] [--steps 2048] [--quick]
+        [--time-rig] [--rig-cycles 20]
 """
 
 from __future__ import annotations
@@ -26,16 +35,87 @@ import argparse
 import sys
 import time
 
-from _common import set_devices, tanh_mlp
+from _common import pin_to_core, set_devices, tanh_mlp
+
+H, F = 16, 4
+RIG_SIZES = (256, 2048, 2048, 2048, 10)
+RIG_CONFIGS = {
+    "local step": None,
+    "BMUF (F=1)": {},
+    "F=4 delay=0": {"fragments": F, "delay": 0},
+    "F=4 delay=4": {"fragments": F, "delay": H // F},
+}
+
+
+def rig_worker(cycles: int, seed: int) -> dict:
+    """Runs in each of the 2 processes: every configuration, a cycle at a time."""
+    pin_to_core(True)
+    import random
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    import jdp
+
+    rng = np.random.default_rng(seed)
+    params = [
+        {
+            "w": (rng.normal(size=(m, k)) / np.sqrt(m)).astype(np.float32),
+            "b": np.zeros(k, np.float32),
+        }
+        for m, k in zip(RIG_SIZES[:-1], RIG_SIZES[1:], strict=True)
+    ]
+
+    def mse(params, batch):
+        return jnp.mean((tanh_mlp(params, batch["x"]) - batch["y"]) ** 2)
+
+    inner = optax.sgd(0.01)
+    run = {}
+    for name, kw in RIG_CONFIGS.items():
+        tx = inner if kw is None else jdp.bmuf(inner, sync_period=H, **kw)
+        step = jdp.parallelize(jdp.make_train_step(mse, tx, sync=jdp.local()))
+        run[name] = [step, step.replicate(jdp.TrainState.create(params=params, tx=tx))]
+    r = jax.process_index()
+    data = np.random.default_rng(seed + 1 + r)
+    batches = [
+        run["local step"][0].shard(
+            {
+                "x": data.normal(size=(8, RIG_SIZES[0])).astype(np.float32),
+                "y": data.normal(size=(8, RIG_SIZES[-1])).astype(np.float32),
+            }
+        )
+        for _ in range(H)
+    ]
+    times = {name: [] for name in RIG_CONFIGS}
+    shuffle = random.Random(seed).shuffle
+    for c in range(cycles + 1):
+        names = list(RIG_CONFIGS)
+        shuffle(names)
+        for name in names:
+            step, state = run[name]
+            for batch in batches:
+                start = time.perf_counter()
+                state, metrics = step(state, batch)
+                float(metrics["loss"])
+                if c:  # the first cycle compiles
+                    times[name].append(1e3 * (time.perf_counter() - start))
+            run[name][1] = state
+    return {"times": times}
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--devices", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=512, help="part 2's steps")
+    parser.add_argument("--steps", type=int, default=2048, help="part 2's steps")
     parser.add_argument(
         "--quick", action="store_true", help="MLP width 512, 128 steps in part 2"
     )
+    parser.add_argument(
+        "--time-rig", action="store_true", help="part 3: 2 processes over gloo"
+    )
+    parser.add_argument("--rig-cycles", type=int, default=20)
     args = parser.parse_args(argv)
     if "jax" not in sys.modules:
         set_devices(args.devices)
@@ -49,7 +129,6 @@ def main(argv=None) -> None:
 
     devices = jax.devices()[: args.devices]
     n = len(devices)
-    H, F = 16, 4
 
     def init(sizes, seed):
         rng = np.random.default_rng(seed)
@@ -123,9 +202,9 @@ def main(argv=None) -> None:
     steps = 128 if args.quick else args.steps
     steps -= steps % H
     teacher = init((32, 128, 128, 8), 10)
-    for layer in teacher:  # a teacher with some curvature
-        layer["w"] *= 2.0
-        layer["b"] = np.random.default_rng(11).normal(size=layer["b"].shape) * 0.5
+    for i, layer in enumerate(teacher):  # some curvature: larger weights, biases
+        layer["w"] = 2.0 * layer["w"]
+        layer["b"] = 0.5 * np.random.default_rng(11 + i).normal(size=layer["b"].shape)
         layer["b"] = layer["b"].astype(np.float32)
     teach = jax.jit(lambda x: tanh_mlp(teacher, x))
 
@@ -182,6 +261,55 @@ def main(argv=None) -> None:
     print(
         "\nvs F=1: the held-out MSE over F=1's (same H, same examples, same initial "
         "model and batches). s: seconds for the run, compile included."
+    )
+    if args.time_rig:
+        time_rig(args.rig_cycles)
+
+
+def time_rig(cycles: int) -> None:
+    """Part 3: per-step times across 2 processes (gloo), p50 / p99 / max."""
+    import numpy as np
+
+    import jdp.launch
+
+    out = jdp.launch.run(
+        rig_worker,
+        2,
+        args=(cycles, 0),
+        devices_per_process=1,
+        timeout_s=1800,
+        quiet=True,
+    )
+    times = {name: [] for name in RIG_CONFIGS}
+    for proc in out:  # a step's time is the slower process's
+        for name, ms in proc["times"].items():
+            times[name].append(ms)
+    print(
+        f"\nStep times across 2 processes x 1 CPU device (gloo, 127.0.0.1, one core "
+        f"each), MLP {'-'.join(map(str, RIG_SIZES))}, 8 examples per process per "
+        f"step, inner optax.sgd, H={H}; {cycles} timed cycles of {H} steps per "
+        "variant, interleaved\n"
+    )
+    head = (
+        f"{'variant':<14} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'mean ms':>8} "
+        f"{'mean/local':>10}"
+    )
+    print(head)
+    print("-" * len(head))
+    local = None
+    for name, per_proc in times.items():
+        ms = np.max(np.asarray(per_proc), axis=0)
+        mean = float(np.mean(ms))
+        local = mean if local is None else local
+        print(
+            f"{name:<14} {np.percentile(ms, 50):>8.1f} {np.percentile(ms, 99):>8.1f} "
+            f"{ms.max():>8.1f} {mean:>8.1f} {mean / local:>10.3f}"
+        )
+    print(
+        "\nEach step's time is the larger of the two processes'. XLA:CPU is not "
+        "expected to overlap a collective with the step's compute, so what "
+        "streaming can change here is the spread of the step times and the peak "
+        "step, not the mean."
     )
 
 
