@@ -252,6 +252,74 @@ def _bmuf_check():
     }
 
 
+def hierarchical_train(*, batches, params, devices=None):
+    """Hierarchical local SGD: within hosts every step, BMUF across every 4."""
+    tx = jdp.bmuf(optax.sgd(0.05), sync_period=4, block_momentum=0.5, axis_name="host")
+    sync = jdp.all_reduce(axis_name="device")
+    step = jdp.parallelize(
+        jdp.make_train_step(mlp_loss, tx, sync=sync),
+        devices=devices,
+        axis_name=HOST_MESH,
+        check_sync=1,
+    )
+    state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
+    losses = []
+    for batch in batches:
+        state, metrics = step(state, step.shard(batch))
+        losses.append(float(metrics["loss"]))
+    return step, state, losses
+
+
+def partition_labels(params, *, embed="layer0"):
+    return {k: "embed" if k == embed else "dense" for k in params}
+
+
+def partition_train(*, batches, params, devices=None, embed="layer0"):
+    """`jdp.partition`: one layer local with BMUF, the others all-reduced."""
+    labels = partition_labels(params, embed=embed)
+    adam = optax.adam(1e-2)
+    tx = optax.multi_transform(
+        {"dense": adam, "embed": jdp.bmuf(adam, sync_period=4)}, labels
+    )
+    sync = jdp.partition(labels, {"dense": jdp.all_reduce(), "embed": jdp.local()})
+    step = jdp.parallelize(
+        jdp.make_train_step(mlp_loss, tx, sync=sync), devices=devices, check_sync=1
+    )
+    state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
+    for batch in batches:
+        state, _ = step(state, step.shard(batch))
+    return step, state
+
+
+def _hierarchical_check():
+    """Hierarchical local SGD on the 2-D host mesh, and `jdp.partition`, across
+    processes; then labels that differ between the processes."""
+    batches = [local_share(b) for b in make_batches(10, GLOBAL_BATCH)]
+    params = init_mlp(jax.random.key(0))
+    step, state, losses = hierarchical_train(batches=batches, params=params)
+    _, mixed = partition_train(batches=batches, params=params)
+    # Process 1 labels another layer "embed" (the optimizer state is the same
+    # on both processes: what differs is only which leaves are all-reduced).
+    embed = "layer0" if jax.process_index() == 0 else "layer1"
+    labels = partition_labels(params, embed=embed)
+    sync = jdp.partition(labels, {"dense": jdp.all_reduce(), "embed": "per_replica"})
+    tx = optax.adam(1e-2)
+    wrong = jdp.parallelize(jdp.make_train_step(mlp_loss, tx, sync=sync))
+    wrong_state = wrong.replicate(jdp.TrainState.create(params=params, tx=tx))
+    try:
+        wrong(wrong_state, wrong.shard(batches[0]))
+        differ = None
+    except ValueError as e:
+        differ = str(e)
+    return {
+        "mesh": dict(step.mesh.shape),
+        "replicas": local_replicas(state.params),
+        "losses": losses,
+        "partition": local_replicas(mixed.params),
+        "labels_differ": differ,
+    }
+
+
 def nnx_modules(seed):
     """A flax NNX MLP and its `nnx.Optimizer` (Adam), from `seed`."""
     from flax import nnx
@@ -424,6 +492,7 @@ def scenario(restore_dir, save_dir):
     _guarded(results, "shard", _shard_checks)
     _guarded(results, "in_sync", _in_sync_check)
     _guarded(results, "bmuf", _bmuf_check)
+    _guarded(results, "hierarchical", _hierarchical_check)
     _guarded(results, "checkpoint", lambda: _checkpoint_check(restore_dir, save_dir))
     _guarded(results, "features", _features_check)
     _guarded(results, "nnx", _nnx_check)

@@ -306,6 +306,38 @@ def test_step_broadcast_spans_every_process(job):
         np.testing.assert_array_equal(r["broadcast_values"], np.zeros((2, 3)))
 
 
+def test_hierarchical_across_processes_matches_a_one_process_2d_layout(job):
+    # 2 processes x 2 devices against 1 process x 4 devices laid out (2, 2).
+    batches = make_batches(10, mw.GLOBAL_BATCH)
+    params = init_mlp(jax.random.key(0))
+    hosts = np.array(oracle_devices()).reshape(NUM_PROCESSES, DEVICES_PER_PROCESS)
+    _, state, losses = mw.hierarchical_train(
+        batches=batches, params=params, devices=hosts
+    )
+    replicas = mw.local_replicas(state.params)
+    _, mixed = mw.partition_train(
+        batches=batches, params=params, devices=oracle_devices()
+    )
+    mixed = mw.local_replicas(mixed.params)
+    # 10 steps with sync_period=4: the hosts differ (mid-block).
+    assert not np.array_equal(replicas["layer0"]["w"][0], replicas["layer0"]["w"][2])
+    for p, r in enumerate(part(job, "hierarchical")):
+        assert r["mesh"] == {"host": NUM_PROCESSES, "device": DEVICES_PER_PROCESS}
+        mine = slice(p * DEVICES_PER_PROCESS, (p + 1) * DEVICES_PER_PROCESS)
+        ours = jax.tree.map(lambda x, s=mine: x[s], replicas)
+        assert_trees_close(r["replicas"], ours, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(r["losses"], losses, rtol=1e-5)
+        ours = jax.tree.map(lambda x, s=mine: x[s], mixed)
+        assert_trees_close(r["partition"], ours, rtol=1e-5, atol=1e-6)
+        # Labels that differ between processes fail at the first step, naming
+        # the first leaf whose label differs, on every process.
+        assert r["labels_differ"] is not None
+        assert (
+            "leaf ['layer0']['b'] is labelled 'embed' on process 0, 'dense'"
+            in (r["labels_differ"])
+        )
+
+
 def test_bmuf_across_processes_matches_one_process(job):
     step, state = mw.bmuf_train(
         batches=make_batches(10, mw.GLOBAL_BATCH),
