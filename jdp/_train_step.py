@@ -384,6 +384,12 @@ def _check_hierarchical(sync, tx, state, axis, api) -> None:
     replicas that never sync.
     """
     step_axes = _axes(axis)
+    if len(step_axes) < 2:  # a flat mesh: no axis left for `jdp.bmuf`
+        raise ValueError(
+            AVERAGES_WITH_BMUF_MSG.format(
+                api=api, piece=", ".join(map(repr, sorted(step_axes))), bmuf=""
+            )
+        )
     params = state.params
     grads = jax.tree.map(lambda p: p if is_float(p) else None, params)
     bare = state.replace(opt_state=optax.EmptyState())
