@@ -154,15 +154,10 @@ def _data(width: int, rank: int):
 def jax_job(width: int, steps: int, warmup: int):
     """Runs in both processes: median step time of each row, and the breakdown."""
     import jax
-    import jax.numpy as jnp
     import numpy as np
     import optax
-    from jax import lax
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
 
     import jdp
-    from jdp import _wire
 
     weights, x, y = _data(width, jax.process_index())
     params = [{"w": w, "b": np.zeros(w.shape[1], np.float32)} for w in weights]
@@ -183,7 +178,26 @@ def jax_job(width: int, steps: int, warmup: int):
             box["loss"] = float(metrics["loss"])
 
         out[name] = {"ms": median_ms(one, steps, warmup), "loss": box["loss"]}
+        ops = step.collectives(box["state"], batch)
+        grads = [c for c in ops if not (c.kind == "all-reduce" and c.bytes <= 16)]
+        out[name]["sent"] = bus_bytes(grads, len(jax.devices()))
         del box
+    return out
+
+
+def breakdown_job(width: int, steps: int, warmup: int):
+    """Runs in both processes (a job of its own): the int8 exchange in parts."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax import lax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jdp
+    from jdp import _wire
+
+    out = {}
     # The int8 step in parts, on a gradient-sized float32 vector.
     n = num_params(width)
     wire = jdp.wire.int8()
@@ -308,6 +322,7 @@ def measure_time(sizes, rounds: int, steps: int, warmup: int) -> None:
     except ImportError:
         have_torch = False
     results: dict[str, dict[str, list[float]]] = {}
+    sent_by: dict[str, dict[str, list[float]]] = {}
     for r in range(rounds):
         for size in sizes:
             width = WIDTHS[size]
@@ -316,8 +331,18 @@ def measure_time(sizes, rounds: int, steps: int, warmup: int) -> None:
                 jax_job, 2, args=(width, steps, warmup), devices_per_process=1,
                 quiet=True, timeout_s=1200,
             )  # fmt: skip
+            got[0].update(
+                jdp.launch.run(
+                    breakdown_job, 2, args=(width, steps, warmup),
+                    devices_per_process=1, quiet=True, timeout_s=1200,
+                )[0]
+            )  # fmt: skip
             for name, value in got[0].items():
                 rows.setdefault(name, []).append(value["ms"])
+                if "sent" in value:
+                    sent_by.setdefault(size, {}).setdefault(name, []).append(
+                        value["sent"]
+                    )
             if have_torch:
                 with socket.socket() as s:
                     s.bind(("127.0.0.1", 0))
@@ -350,6 +375,62 @@ def measure_time(sizes, rounds: int, steps: int, warmup: int) -> None:
         for k, v in rows.items():
             if k.endswith("error"):
                 print(f"| {size} | {k} | {v} | | | |")
+    print_model(results, sent_by)
+
+
+#: Links for the alpha-beta model: name -> bytes per second per host.
+MODEL_LINKS = {"1 GbE": 0.125e9, "10 GbE": 1.25e9, "100 GbE": 12.5e9}
+
+
+def print_model(results, sent_by) -> None:
+    """Where compression pays: an alpha-beta model fed with this run's numbers.
+
+    Per step, with n = 2 processes and P parameters, a bandwidth-optimal exchange
+    sends 2 (n-1)/n * B bytes per device for an all-reduce of B bytes, and
+    (n-1)/n * B for an all-to-all or an all-gather. Each row's step is its
+    compute (the local step plus what the row adds: quantising, low-rank
+    products, copies; measured here as the row's step time minus the local step
+    minus its bytes at the loopback's measured bandwidth) plus its bytes over
+    the link. Latency terms are equal for float32 and int8 (two messages each
+    way per step on a ring of 2) and are left out.
+    """
+    print("\n### Where compression pays: alpha-beta model from the measured steps\n")
+    print(
+        "| model | row | extra compute ms | bytes sent / device | break-even link "
+        "| step / f32 step at " + " | at ".join(MODEL_LINKS) + " |"
+    )
+    print("|---|---|---:|---:|---:|" + "---:|" * len(MODEL_LINKS))
+    for size, rows in results.items():
+        med = {k: statistics.median(v) for k, v in rows.items() if k in TIME_ROWS}
+        sent = {  # bytes each device sends per step, from the compiled programs
+            k: statistics.median(v) for k, v in sent_by.get(size, {}).items()
+        }
+        local = med["local"]
+        beta_loop = sent["f32"] / max(med["f32"] - local, 1e-9) * 1e3  # bytes/s
+        for name in ("f32", "bf16", "int8+EF", "PowerSGD r4"):
+            if name not in med or name not in sent:
+                continue
+            comm_loop = 1e3 * sent[name] / beta_loop
+            extra = max(med[name] - local - comm_loop, 0.0)
+            saved = sent["f32"] - sent[name]
+            even = "" if name == "f32" or extra == 0 else saved / (extra / 1e3)
+            ratios = []
+            for beta in MODEL_LINKS.values():
+                f32 = local + 1e3 * sent["f32"] / beta
+                mine = local + extra + 1e3 * sent[name] / beta
+                ratios.append(f"{mine / f32:.2f}")
+            print(
+                f"| {size} | {name} | {extra:.1f} | {sent[name] / 1e6:.2f} MB | "
+                f"{'' if even == '' else f'{even / 1e9:.2f} GB/s'} | "
+                + " | ".join(ratios)
+                + " |"
+            )
+    print(
+        "\nbreak-even link: the bandwidth per host below which the row's step is "
+        "faster than float32's (the bytes it saves take longer to send than its "
+        "extra compute). The loopback's own bandwidth, measured from the float32 "
+        "row, is the `f32` row's bytes / (f32 step - local step)."
+    )
 
 
 # -- quality -------------------------------------------------------------------------
