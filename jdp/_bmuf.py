@@ -24,6 +24,7 @@ from jdp._tree import is_float
 
 PyTree = Any
 InnerStateAtSync = Literal["keep", "reset", "average"]
+OnBadReplica = Literal["drop"]
 
 NO_PARAMS_MSG = (
     "`jdp.bmuf` needs the current parameters: call `tx.update(grads, opt_state, "
@@ -53,6 +54,8 @@ class _Options(NamedTuple):
     mix: float = 0.0
     sync_period: int = 1
     wire: _wire.Wire | None = None
+    on_bad_replica: OnBadReplica | None = None
+    bad_replica_max_norm: float | None = None
 
     @property
     def stores_start(self) -> bool:
@@ -96,6 +99,9 @@ class BMUFState(NamedTuple):
         params: the fragment's slices hold this replica's local params from
         `delay` steps before its sync, and each chunk already all-reduced holds
         the replicas' mean instead. None otherwise.
+      dropped: With `on_bad_replica="drop"`, how many replicas' blocks were left
+        out of the average so far, summed over syncs (int32, shape (), equal on
+        every replica). None otherwise.
     """
 
     count: jax.Array  # int32, shape ()
@@ -105,6 +111,7 @@ class BMUFState(NamedTuple):
     inner_state: optax.OptState
     synced: jax.Array  # bool, shape ()
     pending: PyTree = None
+    dropped: jax.Array | None = None  # int32, shape ()
 
     def restart_params(self) -> PyTree:
         """The block start: where every replica begins after a re-layout."""
@@ -125,6 +132,8 @@ def bmuf(
     delay: int = 0,
     mix: float = 0.0,
     wire: _wire.Wire | None = None,
+    on_bad_replica: OnBadReplica | None = None,
+    bad_replica_max_norm: float | None = None,
     axis_name: _collectives.AxisName | None = None,
 ) -> optax.GradientTransformation:
     r"""Blockwise model-update filtering: local training, periodic filtered merge.
@@ -243,6 +252,24 @@ def bmuf(
         all-gather of the narrow type, and the sync uses `start` minus that
         mean (torchft's `should_quantize`). None (default): the params are
         all-reduced in their own type.
+      on_bad_replica: `"drop"`: at a block sync, a replica whose locally
+        updated params are not finite (a NaN or inf gradient during the block),
+        or moved farther than `bad_replica_max_norm` from the block start, is
+        left out of the average: the sync averages the other replicas' params
+        (each replica multiplies its contribution by its validity bit, and the
+        count of valid replicas rides in the same all-reduce), and every
+        replica, the dropped ones included, starts the next block from the new
+        model; a dropped replica's floating `inner` state is reset (with
+        `inner_state_at_sync="average"`, the valid replicas' mean is taken).
+        If no replica is valid, the block update is skipped: `g`, `start` and
+        `v` (or the `outer` state) stay as they were and every replica restarts
+        from the previous block start. The state's `dropped` counts the
+        replicas left out. For `fragments=1, delay=0, mix=0` and without `wire`.
+        None (default): every replica is averaged, as is.
+      bad_replica_max_norm: With `on_bad_replica="drop"`, also drop a replica
+        whose params' L2 distance (over all floating leaves) from the block
+        start exceeds this (a finite number > 0). None (default): finiteness
+        alone.
       axis_name: Replica axis; None (default) uses the one bound by the
         enclosing `jdp.parallelize`.
 
@@ -261,8 +288,11 @@ def bmuf(
         `block_momentum` outside [0, 1), a `block_learning_rate` <= 0 (or either
         of them NaN or infinite), a
         negative `warmup_steps`, an unknown `inner_state_at_sync`, or `outer`
-        combined with the block-filter options; at update time, for
-        `params=None`.
+        combined with the block-filter options; for an `on_bad_replica` other
+        than None or "drop", a `bad_replica_max_norm` that is not a finite
+        number > 0 or is given without `on_bad_replica="drop"`, or
+        `on_bad_replica` combined with `fragments` > 1, `delay`, `mix` or
+        `wire`; at update time, for `params=None`.
       TypeError: If `inner` or `outer` is not an optax transform, or `wire` not
         a wire format.
       RuntimeError: At update time, if `axis_name` is not bound (called outside
@@ -309,6 +339,8 @@ def bmuf(
         mix=mix,
         sync_period=sync_period,
         wire=wire,
+        on_bad_replica=on_bad_replica,
+        bad_replica_max_norm=bad_replica_max_norm,
     )
     _check_options(inner, sync_period, options)
     stores_start = options.stores_start
@@ -335,6 +367,7 @@ def bmuf(
             inner_state=inner.init(params),
             synced=jnp.zeros((), jnp.bool_),
             pending=jax.tree.map(jnp.array, params) if delay else None,
+            dropped=jnp.zeros((), jnp.int32) if on_bad_replica else None,
         )
 
     merge = functools.partial(
@@ -448,6 +481,24 @@ def _merge(params, old_state, state, *, inner, axis, options):
             )
         return _cast_like(target, params), g, start, v, inner_state
 
+    if options.on_bad_replica is not None:
+        sync = functools.partial(
+            _sync_dropping, inner=inner, axis_name=axis_name, eta=eta, options=options
+        )
+        params, g, start, v, inner_state, dropped = lax.cond(
+            applied & state.synced,
+            sync,
+            lambda operands: operands,
+            (params, g, start, state.velocity, state.inner_state, state.dropped),
+        )
+        return params, state._replace(
+            global_params=g,
+            start=start,
+            velocity=v,
+            inner_state=inner_state,
+            dropped=dropped,
+        )
+
     # Only what the sync changes crosses the conditional; everything in it is
     # already in memory (the updated params are the step's output), so a step
     # that does not sync pays nothing for it.
@@ -464,6 +515,77 @@ def _merge(params, old_state, state, *, inner, axis, options):
         velocity=v,
         inner_state=state.inner_state if keeps else inner_state,
     )
+
+
+def _sync_dropping(operands, *, inner, axis_name, eta, options):
+    """The block sync with `on_bad_replica="drop"`: invalid replicas left out.
+
+    Each replica's validity bit (finite params, within `bad_replica_max_norm`
+    of the block start) multiplies its contribution, and the bit rides as one
+    more float32 leaf in the same all-reduce: the mean of the contributions
+    divided by the mean of the bits is the valid replicas' mean. With every
+    replica valid the divisor is exactly 1, so the result is the plain mean.
+    """
+    params, g, start, v, inner_state, dropped = operands
+    stores_start, at_sync = options.stores_start, options.inner_state_at_sync
+    ref = start if stores_start else g
+    valid = _replica_valid(params, ref, options.bad_replica_max_norm)
+    num = _collectives.axis_size(axis_name, "jdp.bmuf")
+    masked = _float_map(lambda x: jnp.where(valid, x, jnp.zeros_like(x)), params)
+    total, share = _mean((masked, valid.astype(jnp.float32)), axis_name)
+    any_valid = share > 0
+    avg = _float_map(lambda x: (x / share).astype(x.dtype), total)
+    new = _block_update(
+        g,
+        start,
+        v,
+        avg,
+        eta,
+        options.block_learning_rate,
+        options.nesterov,
+        options.outer,
+    )
+    # No valid replica: the block update is skipped, the previous model kept.
+    g, start, v = jax.tree.map(
+        lambda n, o: jnp.where(any_valid, n, o), new, (g, start, v)
+    )
+    target = start if stores_start else g
+    initial = inner.init(target)
+    if at_sync == "average":
+        kept = _float_map(lambda x: jnp.where(valid, x, jnp.zeros_like(x)), inner_state)
+        kept = _mean(kept, axis_name)
+        kept = _float_map(lambda x: (x / share).astype(x.dtype), kept)
+        inner_state = jax.tree.map(
+            lambda k, i: jnp.where(any_valid, k, i) if is_float(k) else k,
+            kept,
+            _reset(inner_state, initial),
+        )
+    elif at_sync == "reset":
+        inner_state = _reset(inner_state, initial)
+    else:  # a dropped replica's own accumulators may be what went bad
+        inner_state = jax.tree.map(
+            lambda x, i: jnp.where(valid, x, i) if is_float(x) else x,
+            inner_state,
+            _reset(inner_state, initial),
+        )
+    count = jnp.round(share * num).astype(jnp.int32)
+    dropped = dropped + (num - count)
+    return _cast_like(target, params), g, start, v, inner_state, dropped
+
+
+def _replica_valid(params, ref, max_norm) -> jax.Array:
+    """This replica's validity bit: finite params, within `max_norm` of `ref`."""
+    valid = jnp.array(True)
+    squares = jnp.zeros((), jnp.float32)
+    for x, r in zip(jax.tree.leaves(params), jax.tree.leaves(ref), strict=True):
+        if is_float(x):
+            valid &= jnp.all(jnp.isfinite(x))
+            if max_norm is not None:
+                d = x.astype(jnp.float32) - jnp.asarray(r).astype(jnp.float32)
+                squares += jnp.sum(d * d)
+    if max_norm is not None:
+        valid &= jnp.sqrt(squares) <= max_norm
+    return valid
 
 
 def _merge_streaming(params, old_state, state, *, inner, axis, options):
@@ -917,6 +1039,7 @@ def _check_options(inner, sync_period, options: _Options) -> None:
         )
     _validate.non_negative_int("warmup_steps", options.warmup_steps)
     _check_streaming(sync_period, options)
+    _check_bad_replica(options)
     if inner_state_at_sync not in get_args(InnerStateAtSync):
         raise ValueError(
             "`inner_state_at_sync` must be one of 'keep', 'reset', 'average'; got "
@@ -931,6 +1054,43 @@ def _check_options(inner, sync_period, options: _Options) -> None:
                 "into `outer`, e.g. `outer=optax.sgd(block_learning_rate, "
                 "momentum=block_momentum, nesterov=True)`."
             )
+
+
+def _check_bad_replica(options: _Options) -> None:
+    """The checks of `on_bad_replica` and `bad_replica_max_norm`."""
+    mode, max_norm = options.on_bad_replica, options.bad_replica_max_norm
+    if mode is not None and mode not in get_args(OnBadReplica):
+        raise ValueError(
+            "`on_bad_replica` must be None (average every replica) or 'drop' "
+            f"(leave out replicas whose params are not finite); got {mode!r}."
+        )
+    if max_norm is not None:
+        if mode is None:
+            raise ValueError(
+                "`bad_replica_max_norm` drops replicas that moved too far, which "
+                "needs `on_bad_replica='drop'`: pass both."
+            )
+        _validate.finite_number(
+            "bad_replica_max_norm",
+            max_norm,
+            above=0,
+            note="the largest L2 distance from the block start, or None",
+        )
+    if mode is None:
+        return
+    if options.streaming:
+        raise ValueError(
+            "`on_bad_replica='drop'` is supported for the block sync only: "
+            f"got `fragments={options.fragments}`, `delay={options.delay}`, "
+            f"`mix={options.mix}`. Use `fragments=1, delay=0, mix=0.0`, or "
+            "`on_bad_replica=None`."
+        )
+    if options.wire is not None:
+        raise ValueError(
+            "`on_bad_replica='drop'` counts the valid replicas in the params' "
+            "all-reduce, which a compressed exchange (`wire=`) does not carry: "
+            "use `wire=None` with it, or `on_bad_replica=None`."
+        )
 
 
 def _check_streaming(sync_period: int, options: _Options) -> None:
