@@ -35,6 +35,7 @@ from jdp._tree import is_float
 
 PyTree = Any
 BatchStatsMode = Literal["mean", "broadcast"]
+OnBadReplica = Literal["drop"]
 
 
 class Sync(NamedTuple):
@@ -122,6 +123,7 @@ def all_reduce(
     skip_nonfinite: bool = False,
     batch_stats: BatchStatsMode = "mean",
     axis_name: _collectives.AxisName | None = None,
+    on_bad_replica: OnBadReplica | None = None,
 ) -> Sync:
     """Averages gradients over replicas before the optimizer (PyTorch DDP).
 
@@ -159,6 +161,18 @@ def all_reduce(
         `axis_name="device"` averages within each host only: hierarchical
         local SGD, with an optimizer that syncs the hosts itself
         (`jdp.bmuf(inner, sync_period=..., axis_name="host")`).
+      on_bad_replica: `"drop"`: average only the replicas whose own gradients
+        are finite, instead of skipping the step. Each replica multiplies its
+        gradients by its validity bit and the bit rides as one more float32
+        value in the same all-reduce, so the sum is divided by the count of
+        valid replicas; metric `"dropped_replicas"` says how many were left
+        out. If every replica is bad, the step is skipped as with
+        `skip_nonfinite` (the state needs `skipped_steps`). With
+        `skip_nonfinite=True` as well, a step whose average of the valid
+        replicas is still not finite (an overflowing sum) is skipped too.
+        Not with `wire` (the compressed exchange carries no count) nor with
+        loss scaling (whose scaler averages the gradients itself). None
+        (default): every replica is averaged, as is.
 
     Returns:
       A `jdp.Sync`.
@@ -166,7 +180,9 @@ def all_reduce(
     Raises:
       ValueError: If `bucket_bytes` is not a positive int or None,
         `batch_stats` is unknown, `error_feedback` is asked for without a
-        `wire`, or both `wire` and `reduce_dtype` are given.
+        `wire`, both `wire` and `reduce_dtype` are given, `on_bad_replica` is
+        neither None nor "drop", or `on_bad_replica` is combined with `wire`;
+        at trace time, for `on_bad_replica` with loss scaling.
       TypeError: If `wire` is not a wire format.
 
     Example:
@@ -187,6 +203,11 @@ def all_reduce(
     _collectives.check_bucket_bytes(bucket_bytes)
     check_batch_stats(batch_stats)
     _wire.check_options(wire, error_feedback, reduce_dtype, "jdp.all_reduce")
+    _check_on_bad_replica(on_bad_replica, wire)
+    if on_bad_replica is not None:
+        return _dropping(
+            bucket_bytes, reduce_dtype, skip_nonfinite, batch_stats, axis_name
+        )
     if wire is not None:
         return _compressed(wire, error_feedback, skip_nonfinite, batch_stats, axis_name)
 
@@ -208,6 +229,70 @@ def all_reduce(
             api="jdp.all_reduce",
         )
         return apply_averaged(grads, state, tx, step_axis)
+
+    return Sync(apply, apply_averaged=apply_averaged, batch_stats=batch_stats)
+
+
+def _check_on_bad_replica(on_bad_replica, wire) -> None:
+    """`jdp.all_reduce`'s checks of `on_bad_replica`."""
+    if on_bad_replica is None:
+        return
+    if on_bad_replica not in get_args(OnBadReplica):
+        raise ValueError(
+            "`on_bad_replica` must be None (average every replica) or 'drop' "
+            "(average the replicas whose gradients are finite); got "
+            f"{on_bad_replica!r}."
+        )
+    if wire is not None:
+        raise ValueError(
+            "`on_bad_replica='drop'` counts the valid replicas in the gradients' "
+            "all-reduce, which a compressed exchange (`wire=`) does not carry: "
+            "use `wire=None` with it, or `on_bad_replica=None` (with "
+            "`skip_nonfinite=True` to skip the whole step)."
+        )
+
+
+def _dropping(bucket_bytes, reduce_dtype, skip_nonfinite, batch_stats, axis_name):
+    """`jdp.all_reduce(on_bad_replica="drop")`: the mean of the valid replicas."""
+
+    def apply(grads, state, tx, step_axis):
+        axis = step_axis if axis_name is None else axis_name
+        num = _collectives.axis_size(axis, "jdp.all_reduce")
+        valid = _finite(grads)
+        masked = jax.tree.map(
+            lambda g: jnp.where(valid, g, jnp.zeros_like(g)) if is_float(g) else g,
+            grads,
+        )
+        # The bit is the last leaf: one more value in the same all-reduce.
+        total, share = _collectives.all_reduce(
+            (masked, valid.astype(jnp.float32)),
+            axis_name=axis,
+            bucket_bytes=bucket_bytes,
+            reduce_dtype=reduce_dtype,
+            api="jdp.all_reduce",
+        )
+        count = jnp.round(share * num).astype(jnp.int32)
+        scale = num / jnp.maximum(count, 1).astype(jnp.float32)  # 1 if all valid
+        grads = jax.tree.map(
+            lambda g: (g * scale).astype(g.dtype) if is_float(g) else g, total
+        )
+        ok = count > 0
+        if skip_nonfinite:
+            ok &= _finite(grads)
+        if axis_name is not None and axis_name != step_axis:
+            ok = lax.pmin(ok.astype(jnp.int32), step_axis) > 0
+        params, opt_state, metrics = _unless_nonfinite(
+            ok, lambda: apply_tx(grads, state, tx), state
+        )
+        return params, opt_state, {**metrics, "dropped_replicas": num - count}
+
+    def apply_averaged(grads, state, tx, step_axis):
+        raise ValueError(
+            "`jdp.all_reduce(on_bad_replica='drop')` cannot be combined with loss "
+            "scaling (a state with a `dynamic_scale`): the scaler averages the "
+            "gradients before the piece sees them, so no replica can be left "
+            "out. Use `on_bad_replica=None`; the scaler skips non-finite steps."
+        )
 
     return Sync(apply, apply_averaged=apply_averaged, batch_stats=batch_stats)
 

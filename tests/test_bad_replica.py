@@ -97,3 +97,173 @@ def test_bmuf_drops_the_replica_with_a_nan_gradient(backend, block_momentum):
     np.testing.assert_allclose(params[0], expected, rtol=1e-5, atol=1e-6)
     assert dropped == 1
     assert np.all(np.asarray(state.opt_state.dropped) == 1)
+
+
+def test_bmuf_keeps_the_model_when_every_replica_is_bad(backend):
+    grads = make_grads(8)
+    grads[5][:] = np.nan  # every replica, second block
+    w0, state = run_bmuf(
+        backend, grads, sync_period=4, block_momentum=0.5, on_bad_replica="drop"
+    )
+    g = np.asarray(jdp.bmuf_global_params(state.opt_state)["w"])
+    expected, dropped = reference_bmuf(w0, grads[:4], sync_period=4, block_momentum=0.5)
+    np.testing.assert_allclose(g[0], expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(state.params["w"])[0], expected, rtol=1e-5)
+    assert np.all(np.asarray(state.opt_state.dropped) == NUM)
+
+
+def test_bmuf_drops_a_replica_that_moved_too_far():
+    grads = make_grads(4)
+    grads[2][3 * ROWS : 4 * ROWS] *= 100.0  # replica 3 jumps, finite
+    w0, state = run_bmuf(
+        "shard_map",
+        grads,
+        sync_period=4,
+        block_momentum=0.0,
+        on_bad_replica="drop",
+        bad_replica_max_norm=5.0,
+    )
+    expected, dropped = reference_bmuf(
+        w0, grads, sync_period=4, block_momentum=0.0, max_norm=5.0
+    )
+    assert dropped == 1
+    g = np.asarray(jdp.bmuf_global_params(state.opt_state)["w"])
+    np.testing.assert_allclose(g[0], expected, rtol=1e-5, atol=1e-6)
+    assert np.all(np.asarray(state.opt_state.dropped) == 1)
+
+
+def test_diloco_drops_the_bad_replica():
+    grads = make_grads(8, bad={6: 1})
+    outer = optax.sgd(1.0)  # the plain filter with block_momentum=0
+    w0, state = run_bmuf(
+        "shard_map", grads, sync_period=4, outer=outer, on_bad_replica="drop"
+    )
+    expected, _ = reference_bmuf(w0, grads, sync_period=4, block_momentum=0.0)
+    g = np.asarray(jdp.bmuf_global_params(state.opt_state)["w"])
+    np.testing.assert_allclose(g[0], expected, rtol=1e-5, atol=1e-6)
+    assert np.all(np.asarray(state.opt_state.dropped) == 1)
+
+
+def test_bmuf_without_the_option_spreads_the_nan():
+    grads = make_grads(4, bad={1: 0})
+    _, state = run_bmuf("shard_map", grads, sync_period=4, block_momentum=0.0)
+    assert np.all(np.isnan(np.asarray(state.params["w"])[:, 1]))
+    assert state.opt_state.dropped is None
+
+
+def collectives(tx, sync, stage="compiled"):
+    step = jdp.parallelize(
+        jdp.make_train_step(data_loss, tx, sync=sync), devices=jax.devices()[:NUM]
+    )
+    params = {"w": jnp.zeros(DIM)}
+    state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
+    return step.collectives(state, step.shard({"g": make_grads(1)[0]}), stage=stage)
+
+
+def test_bmuf_count_rides_in_the_parameter_all_reduce():
+    plain = collectives(jdp.bmuf(optax.sgd(LR), sync_period=4), jdp.local())
+    tx = jdp.bmuf(optax.sgd(LR), sync_period=4, on_bad_replica="drop")
+    drop = collectives(tx, jdp.local())
+    assert len(drop) == len(plain)
+    synced = [c for c in drop if c.in_conditional]
+    assert len(synced) == 1
+    assert synced[0].bytes == sum(c.bytes for c in plain if c.in_conditional) + 4
+
+
+def test_all_reduce_count_rides_in_the_gradient_all_reduce():
+    def exchanges(ops):  # the collectives that carry the gradients
+        return [c for c in ops if (DIM,) in c.shapes]
+
+    tx = optax.sgd(LR)
+    plain = collectives(tx, jdp.all_reduce())
+    skip = collectives(tx, jdp.all_reduce(skip_nonfinite=True))
+    drop = collectives(tx, jdp.all_reduce(on_bad_replica="drop"))
+    assert len(exchanges(drop)) == len(exchanges(plain)) == 1
+    # The count is a scalar of the gradients' all-reduce in the compiled program.
+    assert sorted(exchanges(drop)[0].shapes) == [(), (DIM,)]
+    # The metrics that depend on the result ("skipped", "dropped_replicas") are
+    # summed after it, as with `skip_nonfinite`: no further collective.
+    assert len(drop) == len(skip)
+    others = [c for c in drop if c not in exchanges(drop)]
+    assert all(set(c.shapes) == {()} for c in others)
+
+
+# -- the synchronous path --------------------------------------------------------
+
+
+def run_all_reduce(backend, grads, **kw):
+    tx = optax.sgd(LR)
+    step = jdp.parallelize(
+        jdp.make_train_step(data_loss, tx, sync=jdp.all_reduce(**kw)),
+        devices=jax.devices()[:NUM],
+        backend=backend,
+    )
+    w0 = np.linspace(-1, 1, DIM).astype(np.float32)
+    state = step.replicate(jdp.TrainState.create(params={"w": w0}, tx=tx))
+    state, metrics = step(state, step.shard({"g": grads}))
+    return w0, step.unreplicate(state), step.unreplicate(metrics)
+
+
+@pytest.mark.parametrize("skip_nonfinite", [False, True])
+def test_all_reduce_averages_the_finite_replicas(backend, skip_nonfinite):
+    (grads,) = make_grads(1, bad={0: 2})
+    w0, state, metrics = run_all_reduce(
+        backend, grads, on_bad_replica="drop", skip_nonfinite=skip_nonfinite
+    )
+    per_replica = grads.reshape(NUM, ROWS, DIM).mean(1)
+    expected = w0 - LR * np.mean(np.delete(per_replica, 2, axis=0), axis=0)
+    np.testing.assert_allclose(state.params["w"], expected, rtol=1e-6, atol=1e-7)
+    assert int(metrics["dropped_replicas"]) == 1
+    assert int(metrics["skipped"]) == 0
+    assert int(state.skipped_steps) == 0
+
+
+def test_all_reduce_with_every_replica_valid_is_the_plain_mean(backend):
+    (grads,) = make_grads(1)
+    _, plain, _ = run_all_reduce(backend, grads)
+    _, drop, metrics = run_all_reduce(backend, grads, on_bad_replica="drop")
+    np.testing.assert_array_equal(drop.params["w"], plain.params["w"])
+    assert int(metrics["dropped_replicas"]) == 0
+
+
+def test_all_reduce_skips_the_step_when_every_replica_is_bad(backend):
+    (grads,) = make_grads(1)
+    grads[::ROWS, 0] = np.inf
+    w0, state, metrics = run_all_reduce(backend, grads, on_bad_replica="drop")
+    np.testing.assert_array_equal(state.params["w"], w0)
+    assert int(metrics["dropped_replicas"]) == NUM
+    assert int(metrics["skipped"]) == 1
+    assert int(state.skipped_steps) == 1
+
+
+# -- errors ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"on_bad_replica": "skip"}, "`on_bad_replica` must be None .* got 'skip'"),
+        ({"bad_replica_max_norm": 1.0}, "needs `on_bad_replica='drop'`"),
+        (
+            {"on_bad_replica": "drop", "bad_replica_max_norm": 0.0},
+            "`bad_replica_max_norm` must be a finite number > 0",
+        ),
+        (
+            {"on_bad_replica": "drop", "bad_replica_max_norm": -1.0},
+            "`bad_replica_max_norm` must be a finite number > 0",
+        ),
+        ({"on_bad_replica": "drop", "fragments": 2}, "block sync only.*fragments=2"),
+        ({"on_bad_replica": "drop", "delay": 1}, "block sync only.*delay=1"),
+        ({"on_bad_replica": "drop", "wire": jdp.wire.bf16()}, "use `wire=None`"),
+    ],
+)
+def test_bmuf_refuses_bad_options(kw, match):
+    with pytest.raises(ValueError, match=match):
+        jdp.bmuf(optax.sgd(LR), sync_period=4, **kw)
+
+
+def test_all_reduce_refuses_bad_options():
+    with pytest.raises(ValueError, match="`on_bad_replica` must be None .* 'all'"):
+        jdp.all_reduce(on_bad_replica="all")
+    with pytest.raises(ValueError, match="use `wire=None` with it"):
+        jdp.all_reduce(on_bad_replica="drop", wire=jdp.wire.int8())
