@@ -6,7 +6,8 @@ default) averaged over each example's ids, then a small dense head (64-64-10).
 Part 1, bytes, from the compiled program (`step.collectives`) on 8 simulated
 CPU devices: full sync (`jdp.all_reduce()`), and `jdp.partition` with the head
 all-reduced and the embedding `jdp.local()` with `jdp.bmuf(adam,
-sync_period=16)` in an `optax.multi_transform`. The every-step collectives sit
+sync_period=16, block_momentum=0.9, nesterov=True)` in an
+`optax.multi_transform`. The every-step collectives sit
 outside any conditional, the embedding's block sync inside the branch that runs
 once per 16 steps, so the mean per step is `every-step + conditional / 16`.
 Target: exactly `dense + embedding / 16` (+ the loss metric's 4 bytes).
@@ -24,7 +25,7 @@ across hosts per step, told apart by the collectives' replica groups, against
 the flat all-reduce's.
 
     python benchmarks/hierarchical.py [--vocab 50000] [--quality-vocab 5000]
-        [--steps 300] [--seeds 5] [--quick]
+        [--steps 2048] [--seeds 5] [--quick]
 """
 
 from __future__ import annotations
@@ -81,7 +82,11 @@ def variants(lr=1e-2):
     adam = optax.adam(lr)
     full = (adam, jdp.all_reduce())
     tx = optax.multi_transform(
-        {"dense": adam, "embed": jdp.bmuf(adam, sync_period=H)}, LABELS
+        {
+            "dense": adam,
+            "embed": jdp.bmuf(adam, sync_period=H, block_momentum=0.9, nesterov=True),
+        },
+        LABELS,
     )
     sync = jdp.partition(LABELS, {"dense": jdp.all_reduce(), "embed": jdp.local()})
     return {"full sync": full, "partition (embed bmuf 16)": (tx, sync)}
@@ -240,12 +245,16 @@ def main():
     parser.add_argument("--vocab", type=int, default=50_000)
     parser.add_argument("--quality-vocab", type=int, default=5_000)
     parser.add_argument("--devices", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=2048)
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="fewer steps and seeds")
     args = parser.parse_args()
     if args.quick:
-        args.steps, args.seeds = 40, 2
+        args.steps, args.seeds = 64, 2
+    if args.steps % H:
+        parser.error(
+            f"--steps must be a multiple of {H} (the models are compared synced)"
+        )
     set_devices(max(args.devices, 8))
     start = time.perf_counter()
     part_bytes(args.vocab, args.devices)
