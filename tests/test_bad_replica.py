@@ -267,3 +267,55 @@ def test_all_reduce_refuses_bad_options():
         jdp.all_reduce(on_bad_replica="all")
     with pytest.raises(ValueError, match="use `wire=None` with it"):
         jdp.all_reduce(on_bad_replica="drop", wire=jdp.wire.int8())
+
+
+@pytest.mark.parametrize("inner_state_at_sync", ["keep", "reset", "average"])
+def test_a_dropped_replica_restarts_with_a_clean_inner_state(inner_state_at_sync):
+    # With momentum, the bad replica's accumulator turns NaN too: unless it is
+    # reset (or replaced by the valid replicas' mean), the replica would be bad
+    # again in the next block and be dropped a second time.
+    tx = jdp.bmuf(
+        optax.sgd(LR, momentum=0.9),
+        sync_period=4,
+        block_momentum=0.0,
+        inner_state_at_sync=inner_state_at_sync,
+        on_bad_replica="drop",
+    )
+    step = jdp.parallelize(
+        jdp.make_train_step(data_loss, tx, sync=jdp.local()),
+        devices=jax.devices()[:NUM],
+    )
+    state = step.replicate(jdp.TrainState.create(params={"w": jnp.zeros(DIM)}, tx=tx))
+    for g in make_grads(12, bad={1: 2}):
+        state, _ = step(state, step.shard({"g": g}))
+    assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(state))
+    assert np.all(np.asarray(state.opt_state.dropped) == 1)
+    params = np.asarray(state.params["w"])
+    np.testing.assert_array_equal(params, np.broadcast_to(params[0], params.shape))
+
+
+def test_a_hand_written_step_drops_the_bad_replica_too():
+    tx = jdp.bmuf(
+        optax.sgd(LR), sync_period=4, block_momentum=0.0, on_bad_replica="drop"
+    )
+
+    def train_step(state, batch):
+        grads = jax.grad(data_loss)(state.params, batch)
+        return state.apply_gradients(grads=grads), {}
+
+    step = jdp.parallelize(train_step, devices=jax.devices()[:NUM])
+    w0 = np.linspace(-1, 1, DIM).astype(np.float32)
+    state = step.replicate(jdp.TrainState.create(params={"w": w0}, tx=tx))
+    grads = make_grads(4, bad={3: 0})
+    for g in grads:
+        state, _ = step(state, step.shard({"g": g}))
+    expected, _ = reference_bmuf(w0, grads, sync_period=4, block_momentum=0.0)
+    g = np.asarray(jdp.bmuf_global_params(state.opt_state)["w"])
+    np.testing.assert_allclose(g[0], expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(state.params["w"]),
+        np.broadcast_to(expected, (NUM, DIM)),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+    assert np.all(np.asarray(state.opt_state.dropped) == 1)
