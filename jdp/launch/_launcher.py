@@ -19,6 +19,11 @@ process ended: when its output closed (at the same moment as its connections)
 or, if sooner, when it was reaped (a thread per process waits for it). When a
 process fails while another's output has closed but it is not yet reaped, the
 launcher waits for it (`ENDING_WAIT_S`) before it decides which ended first.
+
+With restarts (`Restarts`: `--max-restarts`, `--min-processes`), a failed or
+stalled job is started again as a new `Job` on a fresh port, with
+`JDP_RESTART_COUNT` set, possibly with one process fewer; the script resumes from
+its checkpoint. The launcher keeps nothing of a failed attempt but the count.
 """
 
 from __future__ import annotations
