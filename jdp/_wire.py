@@ -68,6 +68,9 @@ class Wire(NamedTuple):
         # sees it) rather than quantising to garbage.
         inverse = np.float32(1.0 / self.qmax)
         scale = jnp.where(amax == 0, 1.0, amax * inverse).astype(jnp.float32)
+        # A block of tiny values would get a scale below float32's smallest
+        # normal number, which CPUs flush to zero (and x / 0 is not finite).
+        scale = jnp.maximum(scale, np.finfo(np.float32).tiny)
         scaled = blocks / scale[:, None]
         if jnp.issubdtype(self.dtype, jnp.integer):
             scaled = jnp.clip(jnp.round(scaled), -self.qmax, self.qmax)

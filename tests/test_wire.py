@@ -27,6 +27,7 @@ def np_encode(x, name, block):
     blocks = x.reshape(-1, block)
     amax = np.abs(blocks).max(axis=1)
     scale = np.where(amax == 0, 1, amax * np.float32(1 / qmax)).astype(np.float32)
+    scale = np.maximum(scale, np.finfo(np.float32).tiny)
     scaled = blocks / scale[:, None]
     if name == "int8":
         q = np.clip(np.round(scaled), -127, 127).astype(np.int8)
@@ -109,6 +110,24 @@ def test_encode_and_decode_match_numpy(name):
     err = np.abs(decoded - x).reshape(-1, 64)
     rel = np.abs(x).reshape(-1, 64) if name != "int8" else blocks
     assert np.all(err <= bound * rel + 1e-30)
+
+
+@pytest.mark.parametrize("wire", [jdp.wire.int8(16), jdp.wire.fp8(16)], ids=str)
+def test_blocks_of_tiny_values_stay_finite(wire):
+    # A scale below float32's smallest normal number would be flushed to zero.
+    x = np.zeros(64, np.float32)
+    x[:16] = 1e-37
+    x[16:32] = np.linspace(-3e-38, 3e-38, 16)
+    x[32:48] = 5.0
+    q, s = jax.jit(wire.encode)(jnp.asarray(x))
+    decoded = np.asarray(jax.jit(wire.decode)(q, s))
+    assert np.all(np.isfinite(decoded))
+    np.testing.assert_allclose(decoded[32:48], 5.0)
+    assert np.all(np.abs(decoded[:32]) <= 1e-36)
+    nan = x.copy()
+    nan[40] = np.nan
+    decoded = np.asarray(jax.jit(lambda v: wire.decode(*wire.encode(v)))(nan))
+    assert np.all(np.isnan(decoded[32:48])) and np.all(np.isfinite(decoded[:32]))
 
 
 def test_bytes_per_value_counts_the_scales():
