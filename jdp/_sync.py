@@ -170,6 +170,8 @@ def all_reduce(
         `skip_nonfinite` (the state needs `skipped_steps`). With
         `skip_nonfinite=True` as well, a step whose average of the valid
         replicas is still not finite (an overflowing sum) is skipped too.
+        Averaging over some of the step's axes (`axis_name="device"`), the
+        skip decision is agreed over the step's axes by one scalar collective.
         Not with `wire` (the compressed exchange carries no count) nor with
         loss scaling (whose scaler averages the gradients itself). None
         (default): every replica is averaged, as is.
