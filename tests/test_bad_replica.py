@@ -319,3 +319,29 @@ def test_a_hand_written_step_drops_the_bad_replica_too():
         atol=1e-6,
     )
     assert np.all(np.asarray(state.opt_state.dropped) == 1)
+
+
+def test_the_dropped_count_is_checkpointed_and_agreed(tmp_path):
+    from jdp.checkpoint import CheckpointManager
+
+    tx = jdp.bmuf(
+        optax.sgd(LR), sync_period=4, block_momentum=0.0, on_bad_replica="drop"
+    )
+    # `check_sync=1`: the divergence guard compares the agreed parts of the
+    # state (`dropped` among them) after every call.
+    step = jdp.parallelize(
+        jdp.make_train_step(data_loss, tx, sync=jdp.local()),
+        devices=jax.devices()[:NUM],
+        check_sync=1,
+    )
+    init = jdp.TrainState.create(params={"w": jnp.zeros(DIM)}, tx=tx)
+    state = step.replicate(init)
+    for g in make_grads(4, bad={0: 1}):
+        state, _ = step(state, step.shard({"g": g}))
+    with CheckpointManager(tmp_path) as manager:
+        manager.save(4, state)
+        restored = manager.restore(step.replicate(init))
+    assert int(step.unreplicate(restored).opt_state.dropped) == 1
+    np.testing.assert_array_equal(
+        step.unreplicate(restored).params["w"], step.unreplicate(state).params["w"]
+    )
