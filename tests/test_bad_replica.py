@@ -345,3 +345,18 @@ def test_the_dropped_count_is_checkpointed_and_agreed(tmp_path):
     np.testing.assert_array_equal(
         step.unreplicate(restored).params["w"], step.unreplicate(state).params["w"]
     )
+
+
+@pytest.mark.parametrize("kw", [{"block_momentum": 0.5, "nesterov": True}, {}])
+def test_bmuf_with_every_replica_valid_matches_the_plain_sync_bit_for_bit(kw):
+    grads = make_grads(8)
+    _, plain = run_bmuf("shard_map", grads, sync_period=4, **kw)
+    _, drop = run_bmuf("shard_map", grads, sync_period=4, on_bad_replica="drop", **kw)
+    for a, b in zip(
+        jax.tree.leaves(plain.opt_state),
+        jax.tree.leaves(drop.opt_state)[:-1],
+        strict=True,
+    ):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(plain.params["w"], drop.params["w"])
+    assert np.all(np.asarray(drop.opt_state.dropped) == 0)
