@@ -363,14 +363,14 @@ def make_train_step(
 
 
 AVERAGES_WITH_BMUF_MSG = (
-    "`{api}` averages gradients across replicas (over {piece}), but the "
-    "optimizer contains `jdp.bmuf`, which trains each replica on its own "
-    "gradients and syncs the models itself{bmuf}. Use `jdp.make_train_step("
-    "loss_fn, tx, sync=jdp.local())`; or, on a host mesh (`jdp.parallelize(..., "
-    "axis_name=('host', 'device'))`), hierarchical local SGD: average over some "
-    "axes every step and let `jdp.bmuf` sync over the others, e.g. "
-    "`sync=jdp.all_reduce(axis_name='device')` with `jdp.bmuf(inner, "
-    "sync_period=..., axis_name='host')`."
+    "`{api}` averages gradients across replicas, but the optimizer contains "
+    "`jdp.bmuf`, which trains each replica on its own gradients and syncs the "
+    "models itself (the sync piece averages over {piece}; the optimizer syncs "
+    "over {bmuf}). Use `jdp.make_train_step(loss_fn, tx, sync=jdp.local())`; or, "
+    "on a host mesh (`jdp.parallelize(..., axis_name=('host', 'device'))`), "
+    "hierarchical local SGD: average over some axes every step and let "
+    "`jdp.bmuf` sync over the others, e.g. `sync=jdp.all_reduce(axis_name="
+    "'device')` with `jdp.bmuf(inner, sync_period=..., axis_name='host')`."
 )
 
 
@@ -387,7 +387,9 @@ def _check_hierarchical(sync, tx, state, axis, api) -> None:
     if len(step_axes) < 2:  # a flat mesh: no axis left for `jdp.bmuf`
         raise ValueError(
             AVERAGES_WITH_BMUF_MSG.format(
-                api=api, piece=", ".join(map(repr, sorted(step_axes))), bmuf=""
+                api=api,
+                piece=", ".join(map(repr, sorted(step_axes))),
+                bmuf="the same axis",
             )
         )
     params = state.params
@@ -408,9 +410,10 @@ def _check_hierarchical(sync, tx, state, axis, api) -> None:
     def names(axes):
         return ", ".join(repr(a) for a in sorted(axes)) or "no axis"
 
-    bmuf = f" (over {names(optimizer)})" if optimizer else ""
     raise ValueError(
-        AVERAGES_WITH_BMUF_MSG.format(api=api, piece=names(piece), bmuf=bmuf)
+        AVERAGES_WITH_BMUF_MSG.format(
+            api=api, piece=names(piece), bmuf=names(optimizer)
+        )
     )
 
 

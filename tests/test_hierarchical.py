@@ -278,7 +278,10 @@ def test_bmuf_must_sync_the_axes_the_piece_leaves_out():
     train_step = jdp.make_train_step(linear_loss, tx, sync=sync)
     step = jdp.parallelize(train_step, devices=grid(), axis_name=AXES)
     state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
-    with pytest.raises(ValueError, match=r"over 'device'.*syncs the models itself"):
+    with pytest.raises(
+        ValueError,
+        match=r"piece averages over 'device'; the optimizer syncs over 'device'\)",
+    ):
         step(state, step.shard(batches[0]))
 
 
