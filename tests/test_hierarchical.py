@@ -293,3 +293,33 @@ def test_a_flat_mesh_with_bmuf_and_all_reduce_is_still_refused():
     state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
     with pytest.raises(ValueError, match=r"over 'data'.*sync=jdp.local\(\)"):
         step(state, step.shard(batches[0]))
+
+
+def test_the_guard_catches_replicas_that_drift_on_a_2d_layout():
+    # Each replica on its own gradients, never synced: the guard names a leaf.
+    params, batches = linear_params(), linear_batches(1)
+    tx = optax.sgd(LR)
+    train_step = jdp.make_train_step(
+        linear_loss, tx, sync=jdp.partition(lambda p: "all", {"all": "broadcast"})
+    )
+    drifting = jdp.Sync(
+        lambda g, s, tx, axis: (
+            optax.apply_updates(s.params, tx.update(g, s.opt_state)[0]),
+            s.opt_state,
+            {},
+        )
+    )
+    for sync, diverges in ((drifting, True), (None, False)):
+        step_fn = (
+            train_step
+            if sync is None
+            else jdp.make_train_step(linear_loss, tx, sync=sync)
+        )
+        step = jdp.parallelize(step_fn, devices=grid(), axis_name=AXES, check_sync=1)
+        state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
+        if diverges:
+            with pytest.raises(jdp.ReplicaDivergenceError, match=r"\['b'\]"):
+                step(state, step.shard(batches[0]))
+        else:
+            state, _ = step(state, step.shard(batches[0]))
+            assert jdp.replicas_in_sync(state)
