@@ -24,7 +24,7 @@ Three measurements, each printed as a Markdown table (`benchmarks/README.md`):
     python benchmarks/compression.py bytes
     python benchmarks/compression.py time [--rounds 3] [--steps 15] [--sizes 1M 8.9M]
     python benchmarks/compression.py quality [--seeds 5] [--steps 300]
-    python benchmarks/compression.py all --quick
+    python benchmarks/compression.py [all] [--quick]     # all three
 """
 
 from __future__ import annotations
@@ -555,7 +555,9 @@ def measure_quality(seeds: int, steps: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=["bytes", "time", "quality", "all"])
+    parser.add_argument(
+        "what", nargs="?", default="all", choices=["bytes", "time", "quality", "all"]
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--warmup", type=int, default=3)

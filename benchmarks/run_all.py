@@ -36,12 +36,15 @@ README = HERE / "README.md"
 #: listed gets `--quick` if it has that option, else its defaults.
 QUICK_ARGS = {
     "bmuf": ["--quick"],
+    "compression": ["bytes"],
     "checkpoint": ["--mb", "20", "--rounds", "1"],
     "memory": ["--params", "5e6", "--steps", "2", "--rounds", "2"],
     "multihost": ["--quick"],
     "overhead": ["--quick"],
     "sparse": ["--rows", "100000", "--steps", "2"],
 }
+#: Benchmarks left out of quick mode (`make bench`): they take minutes however small.
+NOT_QUICK = {"goodput"}
 #: Third line of a saved output: date, duration, status, load when it started.
 HEADER = re.compile(r"# (.+?); (\d+) s; (.+?); load average ([\d.]+) at start")
 #: Seconds the whole quick run may take (`make bench` promises 10 minutes).
@@ -210,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"have {[p.stem for p in scripts]}"
             )
         scripts = [p for p in scripts if p.stem in args.only]
+    elif not args.full:
+        scripts = [p for p in scripts if p.stem not in NOT_QUICK]
     budget = args.budget or (None if args.full else QUICK_BUDGET_S)
     mode = "full" if args.full else "quick"
     os.makedirs(args.out, exist_ok=True)
