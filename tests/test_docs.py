@@ -271,7 +271,7 @@ def jdp_strings():
                         for v in node.values
                     )
                 )
-    return " ".join(" ".join(t.split()) for t in texts)
+    return [" ".join(t.split()) for t in texts]
 
 
 def quoted_messages():
@@ -288,8 +288,11 @@ def without_code(text):
 def test_troubleshooting_quotes_jdp_messages():
     messages = quoted_messages()
     assert len(messages) >= 8
-    strings = jdp_strings()
-    bare = without_code(strings)
+    texts = jdp_strings()
+    strings = " ".join(texts)
+    # Each string on its own: one with an odd number of backquotes must not
+    # shift the pairs of all the others.
+    bare = " ".join(without_code(t) for t in texts)
     for message in messages:
         # "..." stands for what the message fills in (names, numbers).
         for part in message.split("..."):
