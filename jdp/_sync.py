@@ -109,9 +109,19 @@ def check_batch_stats(batch_stats: Any) -> None:
 
 
 def apply_tx(grads, state, tx) -> tuple[PyTree, PyTree, dict[str, jax.Array]]:
-    """`tx` applied to `grads`: `(params, opt_state, {})`."""
-    updates, opt_state = _transforms.update(tx, grads, state.opt_state, state.params)
-    return optax.apply_updates(state.params, updates), opt_state, {}
+    """`tx` applied to `grads`: `(params, opt_state, {})`.
+
+    A `jdp.bmuf` inside `tx` (hierarchical local SGD, syncing over other axes
+    than the piece's) merges after the update, on the updated params, as under
+    `jdp.local()`: every replica lands on exactly the same bits.
+    """
+    merges: list = []
+    updates, opt_state = _transforms.update(
+        tx, grads, state.opt_state, state.params, **{_bmuf.MERGES_ARG: merges}
+    )
+    params = optax.apply_updates(state.params, updates)
+    params, opt_state = _bmuf.merge_updated(params, state.opt_state, opt_state, merges)
+    return params, opt_state, {}
 
 
 def all_reduce(
