@@ -115,7 +115,7 @@ def _wire_check(axis_name):
         "losses": losses,
         "in_sync": jdp.replicas_in_sync(state.replace(sync_state=None)),
         "errors_differ": bool(
-            np.any(np.diff(local_replicas(state.sync_state.worker), axis=0))
+            np.any(np.diff(local_replicas(state.sync_state.worker[-1]), axis=0))
         ),
         "collectives": [(c.kind, c.dtype, c.replica_groups) for c in ops],
     }
