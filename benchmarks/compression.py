@@ -36,18 +36,17 @@ import sys
 
 from _common import median_ms, mlp_loss, set_devices
 
-WIDTHS = {"0.1M": 192, "1M": 640, "2.4M": 1024, "8.9M": 2048, "39M": 4352}
-IN, OUT, PER_PROCESS_BATCH = 256, 10, 8
-LR, MOMENTUM = 1e-3, 0.9
-
-
-def sizes_of(width: int) -> list[int]:
-    return [IN, width, width, width, OUT]
-
-
-def num_params(width: int) -> int:
-    s = sizes_of(width)
-    return sum(a * b + b for a, b in zip(s[:-1], s[1:], strict=True))
+# The models, data and optimizer of multihost.py's sweep, so the rows compare.
+from multihost import (
+    IN,
+    LR,
+    MOMENTUM,
+    OUT,
+    WIDTHS,
+    _data,
+    num_params,
+    sizes_of,
+)
 
 
 def syncs(jdp, names):
@@ -134,21 +133,6 @@ def measure_bytes(width: int = 2048) -> None:
 # -- time across processes -----------------------------------------------------------
 
 TIME_ROWS = ["local", "f32", "bf16", "int8+EF", "PowerSGD r4"]
-
-
-def _data(width: int, rank: int):
-    import numpy as np
-
-    rng = np.random.default_rng(0)
-    s = sizes_of(width)
-    weights = [
-        (rng.normal(size=(a, b)) / np.sqrt(a)).astype(np.float32)
-        for a, b in zip(s[:-1], s[1:], strict=True)
-    ]
-    rng = np.random.default_rng(1 + rank)
-    x = rng.normal(size=(PER_PROCESS_BATCH, IN)).astype(np.float32)
-    y = rng.normal(size=(PER_PROCESS_BATCH, OUT)).astype(np.float32)
-    return weights, x, y
 
 
 def jax_job(width: int, steps: int, warmup: int):

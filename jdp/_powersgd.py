@@ -456,14 +456,9 @@ def powersgd(
         new = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
         return params, opt_state, extra, new
 
-    return _sync.Sync(apply, must_agree=_agreed, batch_stats=batch_stats, init=init)
-
-
-def _agreed(state: PyTree) -> PyTree:
-    """The state less each replica's error buffers (everything else agrees)."""
-    if not hasattr(state, "replace"):
-        return state
-    return state.replace(sync_state=_replica_parts.agreed(state.sync_state))
+    return _sync.Sync(
+        apply, must_agree=_sync.agreed_sync_state, batch_stats=batch_stats, init=init
+    )
 
 
 def powersgd_transform(

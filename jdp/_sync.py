@@ -355,12 +355,12 @@ def _compressed(wire, error_feedback, skip_nonfinite, batch_stats, axis_name) ->
         apply,
         apply_averaged=apply_averaged,
         batch_stats=batch_stats,
-        must_agree=_agreed_sync_state,
+        must_agree=agreed_sync_state,
         init=functools.partial(_wire.init_state, wire=wire),
     )
 
 
-def _agreed_sync_state(state: PyTree) -> PyTree:
+def agreed_sync_state(state: PyTree) -> PyTree:
     """The state less the per-replica parts of its `sync_state` (error buffers)."""
     if not hasattr(state, "replace"):
         return state
