@@ -859,6 +859,59 @@ def test_job_reports_the_process_that_ended_first(how):
         )
 
 
+# Process 0 kills itself at the time argv[2]; process 1 exits with status 1 2 ms
+# later, as a peer whose connection closed does.
+KILLED_THEN_A_PEER_FAILED = """
+import os, signal, sys, time
+rank, at = sys.argv[1], float(sys.argv[2])
+time.sleep(max(0.0, at - time.time() + (0.002 if rank == "1" else 0.0)))
+if rank == "1":
+    sys.exit(1)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_job_names_a_sigkilled_process_before_a_peer_that_failed_with_it():
+    # A peer of a SIGKILLed process fails within milliseconds (a closed
+    # connection), closer than the launcher's threads can order on a busy
+    # machine; the SIGKILL is the cause, and it is named first every time.
+    for _ in range(4):
+        at = str(time.time() + 1.0)
+        commands = [
+            [sys.executable, "-c", KILLED_THEN_A_PEER_FAILED, str(rank), at]
+            for rank in range(2)
+        ]
+        job = _launcher.Job(commands, [os.environ] * 2, echo=False)
+        job.start()
+        try:
+            assert job.wait(timeout_s=30) is False
+        finally:
+            job.kill(grace_s=0)
+        assert job.failure == (0, -signal.SIGKILL), job.failure_message()
+        assert re.fullmatch(
+            r"process 0 of 2 \(pid \d+\) was killed by SIGKILL(; then process 1 "
+            r"exited with status 1|; stopped the other process)\.",
+            job.failure_message(with_tail=False),
+        )
+
+
+@pytest.mark.parametrize(
+    "failed, expected",
+    [
+        # (ended at, process, returncode) in the order they ended
+        ([(0.0, 1, 1), (0.01, 0, -9)], [(0, -9), (1, 1)]),
+        ([(0.0, 1, 1), (0.01, 0, -11)], [(0, -11), (1, 1)]),
+        ([(0.0, 1, -6), (0.01, 0, -9)], [(0, -9), (1, -6)]),  # SIGABRT follows
+        ([(0.0, 1, 1), (5.0, 0, -9)], [(1, 1), (0, -9)]),  # too late to be the cause
+        ([(0.0, 1, 1), (0.01, 0, 2)], [(1, 1), (0, 2)]),
+        ([(0.0, 1, -15), (0.01, 0, 1)], [(1, -15), (0, 1)]),
+        ([(0.0, 2, -9), (0.01, 0, -9), (0.02, 1, 1)], [(2, -9), (0, -9), (1, 1)]),
+    ],
+)
+def test_failures_are_told_cause_first(failed, expected):
+    assert _launcher._cause_first(failed) == expected
+
+
 def test_worker_reports_no_progress_from_a_progress_module_being_imported(
     monkeypatch,
 ):

@@ -77,6 +77,12 @@ ENDING_WAIT_S = 2.0
 #: the failing one still ran is reported as most likely caused by that finish (a
 #: step that the finished process never joined fails at once on the others).
 FINISHED_THEN_FAILED_S = 5.0
+#: Signals that end a process by themselves (an operator's or the OOM killer's
+#: SIGKILL, a crash), never because a peer left: a peer of a dead process fails
+#: with an error status, or aborts (SIGABRT, JAX's coordination service).
+CAUSE_SIGNALS = frozenset(
+    -s for s in (signal.SIGKILL, signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE)
+)
 
 #: The entry point of every process, run by path (see its docstring).
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_worker.py")
@@ -126,6 +132,23 @@ def process_env(
         env["XLA_FLAGS"] = " ".join(flags)
         env["JAX_NUM_CPU_DEVICES"] = str(devices_per_process)
     return env
+
+
+def _cause_first(failed: list[tuple[float, int, int]]) -> list[tuple[int, int]]:
+    """The failures `(ended at, process_id, returncode)`, the likely cause first.
+
+    In the order they ended, except that a process killed by one of
+    `CAUSE_SIGNALS` within `ENDING_WAIT_S` of the first failure goes first: its
+    peers fail within milliseconds of it (a closed connection), less than the
+    launcher's threads can tell apart on a busy machine, and a restart policy
+    must count the failure against the right slot.
+    """
+    first = failed[0][0]
+    order = sorted(
+        failed,
+        key=lambda f: (not (f[2] in CAUSE_SIGNALS and f[0] - first <= ENDING_WAIT_S),),
+    )  # stable: the order they ended within each group
+    return [(r, c) for _, r, c in order]
 
 
 def _describe_exit(code: int) -> str:
@@ -361,7 +384,7 @@ class Job:
                 self._failed_at = now
             if ending and now - self._failed_at < ENDING_WAIT_S:
                 return None
-            (self.failure, *self.also_failed) = [(r, c) for _, r, c in failed]
+            (self.failure, *self.also_failed) = _cause_first(failed)
             self.stopped = len(self.procs) - len(exits)
             at = failed[0][0]
             finished = [
