@@ -649,49 +649,100 @@ def _merge_streaming(params, old_state, state, *, inner, axis, options):
     if delay:  # 1. One chunk of the fragment in flight, from the state.
         in_flight = active & (phase > period - delay)
         chunk = fragment * delay + (phase - (period - delay) - 1)
-        pend = _reduce_chunks(
+        pend, ref = _reduce_chunks(
             in_flight, chunk, plan, pend, s_leaves if stores_start else g_leaves,
             axis_name, wire,
         )  # fmt: skip
+        if stores_start:
+            s_leaves = ref
+        else:
+            g_leaves = ref
 
-    # 2. The sync of one fragment. One conditional per tree it writes, each
-    # reading the others: XLA then updates every slice in place, and a step
-    # without a sync copies nothing.
+    # 2. The sync of one fragment, in two conditionals: the first computes the
+    # fragment's outer step (`v`, or with `outer=` its new `g`), the second
+    # writes `g`, `start` and the local params from it. Each buffer is then
+    # updated in place by a conditional ordered (through what it reads) after
+    # every other reader of its old value, so XLA copies nothing, and a step
+    # without a sync does nothing (with `nesterov=True` and no `outer=`, XLA
+    # still copies a leaf per fragment there).
     keeps = at_sync == "keep"
     inner_state = None if keeps else state.inner_state
     is_sync = active & (phase == period)
+
+    def adopt(pieces, local, target, inner_state):
+        local_f, new = _take(local, pieces), _take(target, pieces)
+        if alpha:  # torchft's `lerp(target, local, alpha)`
+            new = _float_map(
+                lambda t, x: t + alpha * (x.astype(t.dtype) - t), new, local_f
+            )
+        if not keeps:  # one fragment: every leaf with elements is in it
+            inner_state = _inner_state_at_sync(
+                inner_state, tree(_put(target, pieces, new)), inner, at_sync,
+                axis_name,
+            )  # fmt: skip
+        return _put(local, pieces, _cast_like(new, local_f)), inner_state
+
     for f, pieces in enumerate(plan.fragments):
         due = is_sync & (fragment == f)
         source = pend if delay else p_leaves  # what the replicas average
-        g_leaves, s_leaves, v_leaves, v_f = _sync_fragment(
-            due, pieces, source, p_leaves, g_leaves, s_leaves, v_leaves,
-            velocity[f] if outer is not None else None,
-            eta=eta, options=options, axis_name=axis_name,
-        )  # fmt: skip
         if outer is not None:
-            velocity = velocity[:f] + (v_f,) + velocity[f + 1 :]
-        target = s_leaves if stores_start else g_leaves
 
-        def adopt(pieces, written, read, extra):
-            (local,), (target,) = written, read
-            local_f, new = _take(local, pieces), _take(target, pieces)
-            if alpha:  # torchft's `lerp(target, local, alpha)`
-                new = _float_map(
-                    lambda t, x: t + alpha * (x.astype(t.dtype) - t), new, local_f
+            def outer_update(pieces, written, read, extra):
+                local, g = written
+                (source,) = read
+                state_f, inner_state = extra
+                g_f = _take(g, pieces)
+                avg = _take(source, pieces) if delay else _average_params(
+                    _take(source, pieces), g_f, axis_name, wire
+                )  # fmt: skip
+                g_f, _, state_f = _block_update(
+                    g_f, None, state_f, avg, eta, 1.0, False, outer
                 )
-            if not keeps:  # one fragment: every leaf with elements is in it
-                extra = _inner_state_at_sync(
-                    extra[0], tree(_put(extra[1], pieces, new)), inner, at_sync,
-                    axis_name,
-                ), extra[1]  # fmt: skip
-            return [_put(local, pieces, _cast_like(new, local_f))], extra
+                g = _put(g, pieces, g_f)
+                local, inner_state = adopt(pieces, local, g, inner_state)
+                return [local, g], (state_f, inner_state)
 
-        (p_leaves,), extra = _when(
-            due, pieces, adopt, [p_leaves], [target],
-            None if keeps else (inner_state, target),
+            (p_leaves, g_leaves), (v_f, inner_state) = _when(
+                due, pieces, outer_update, [p_leaves, g_leaves], [source],
+                (velocity[f], inner_state),
+            )  # fmt: skip
+            velocity = velocity[:f] + (v_f,) + velocity[f + 1 :]
+            continue
+
+        def velocity_update(pieces, written, read, extra):
+            (v,), (ref, source) = written, read
+            ref_f = _take(ref, pieces)
+            avg = _take(source, pieces) if delay else _average_params(
+                _take(source, pieces), ref_f, axis_name, wire
+            )  # fmt: skip
+            v_f = _float_map(
+                lambda v, a, s: eta * v + options.block_learning_rate * (a - s),
+                _take(v, pieces), avg, ref_f,
+            )  # fmt: skip
+            return [_put(v, pieces, v_f)], extra
+
+        def global_update(pieces, written, read, inner_state):
+            local, g, start = written
+            (v,) = read
+            v_f = _take(v, pieces)
+            g_f = _float_map(lambda g, v: g + v, _take(g, pieces), v_f)
+            g = _put(g, pieces, g_f)
+            if stores_start:
+                s_f = _lookahead(g_f, v_f, eta)
+                start = _put(start, pieces, _cast_like(s_f, _take(start, pieces)))
+            local, inner_state = adopt(
+                pieces, local, start if stores_start else g, inner_state
+            )
+            return [local, g, start], inner_state
+
+        (v_leaves,), _ = _when(
+            due, pieces, velocity_update, [v_leaves],
+            [s_leaves if stores_start else g_leaves, source],
         )  # fmt: skip
-        if not keeps:
-            inner_state = extra[0]
+        (p_leaves, g_leaves, s_leaves), inner_state = _when(
+            due, pieces, global_update, [p_leaves, g_leaves, s_leaves], [v_leaves],
+            inner_state,
+        )  # fmt: skip
     params, g = tree(p_leaves), tree(g_leaves)
     start = tree(s_leaves) if stores_start else None
     v = tree(v_leaves) if outer is None else velocity
@@ -711,23 +762,33 @@ def _merge_streaming(params, old_state, state, *, inner, axis, options):
 
 
 def _reduce_chunks(in_flight, chunk, plan, pending, ref, axis_name, wire):
-    """`pending` (flat leaves) with chunk number `chunk` averaged, if `in_flight`."""
+    """`pending` (flat leaves) with chunk number `chunk` averaged, if `in_flight`.
+
+    Returns `(pending, ref)`. Only a `wire` format reads `ref` (the block
+    start); it then passes through the conditionals unchanged, which orders
+    them before the sync that writes it (a buffer read beside the chain that
+    updates it in place would be copied on every step).
+    """
 
     def reduce(pieces, written, read, extra):
-        (pending,), (ref,) = written, read
+        pending, ref = written
         avg = _average_params(
-            _take(pending, pieces), _take(ref, pieces), axis_name, wire
+            _take(pending, pieces),
+            None if ref is None else _take(ref, pieces),
+            axis_name,
+            wire,
         )
-        return [_put(pending, pieces, avg)], extra
+        return [_put(pending, pieces, avg), ref], extra
 
     delay = len(plan.chunks[0])
+    through = ref if wire is not None else None
     for f, chunks in enumerate(plan.chunks):
         for j, pieces in enumerate(chunks):
             if not pieces:  # a fragment of fewer rows than `delay`
                 continue
             due = in_flight & (chunk == f * delay + j)
-            (pending,), _ = _when(due, pieces, reduce, [pending], [ref])
-    return pending
+            (pending, through), _ = _when(due, pieces, reduce, [pending, through], [])
+    return pending, (ref if wire is None else through)
 
 
 def _snapshots(due, which, plan, pending, local):
@@ -741,64 +802,6 @@ def _snapshots(due, which, plan, pending, local):
     for f, pieces in enumerate(plan.fragments):
         (pending,), _ = _when(due & (which == f), pieces, snapshot, [pending], [local])
     return pending
-
-
-def _sync_fragment(due, pieces, source, local, g, start, v, outer_state, *,
-                   eta, options, axis_name):  # fmt: skip
-    """The outer update of one fragment's slices (flat leaf lists), if `due`.
-
-    `source` holds what the replicas average (their params, or with `delay`
-    the averaged snapshot). Returns the new `g`, `start`, `v` leaf lists and
-    the fragment's outer state.
-    """
-    delay, wire, outer = options.delay, options.wire, options.outer
-    ref = start if options.stores_start else g
-
-    def average(pieces, ref_f, source):
-        if delay:  # already averaged, chunk by chunk
-            return _take(source, pieces)
-        return _average_params(_take(source, pieces), ref_f, axis_name, wire)
-
-    if outer is not None:
-
-        def outer_update(pieces, written, read, state_f):
-            (g,), (source,) = written, read
-            g_f = _take(g, pieces)
-            avg = average(pieces, g_f, source)
-            g_f, _, state_f = _block_update(
-                g_f, None, state_f, avg, eta, 1.0, False, outer
-            )
-            return [_put(g, pieces, g_f)], state_f
-
-        (g,), outer_state = _when(due, pieces, outer_update, [g], [source], outer_state)
-        return g, start, v, outer_state
-
-    def velocity_update(pieces, written, read, extra):
-        (v,), (ref, source) = written, read
-        ref_f = _take(ref, pieces)
-        avg = average(pieces, ref_f, source)
-        v_f = _float_map(
-            lambda v, a, s: eta * v + options.block_learning_rate * (a - s),
-            _take(v, pieces), avg, ref_f,
-        )  # fmt: skip
-        return [_put(v, pieces, v_f)], extra
-
-    def global_update(pieces, written, read, extra):
-        (g,), (v,) = written, read
-        g_f = _float_map(lambda g, v: g + v, _take(g, pieces), _take(v, pieces))
-        return [_put(g, pieces, g_f)], extra
-
-    (v,), _ = _when(due, pieces, velocity_update, [v], [ref, source])
-    (g,), _ = _when(due, pieces, global_update, [g], [v])
-    if options.nesterov:
-
-        def lookahead(pieces, written, read, extra):
-            (start,), (g, v) = written, read
-            s_f = _lookahead(_take(g, pieces), _take(v, pieces), eta)
-            return [_put(start, pieces, _cast_like(s_f, _take(start, pieces)))], extra
-
-        (start,), _ = _when(due, pieces, lookahead, [start], [g, v])
-    return g, start, v, outer_state
 
 
 def _when(pred, pieces, fn, written, read, extra=None):
@@ -820,12 +823,13 @@ def _when(pred, pieces, fn, written, read, extra=None):
     def sub(trees):
         return [None if t is None else [t[i] for i in ids] for t in trees]
 
-    new, extra = lax.cond(
-        pred,
-        lambda ops: fn(local, ops[0], ops[1], ops[2]),
-        lambda ops: (ops[0], ops[2]),
-        (sub(written), sub(read), extra),
-    )
+    with jax.named_scope(f"bmuf_{fn.__name__}"):  # names it in profiles and HLO
+        new, extra = lax.cond(
+            pred,
+            lambda ops: fn(local, ops[0], ops[1], ops[2]),
+            lambda ops: (ops[0], ops[2]),
+            (sub(written), sub(read), extra),
+        )
     out = []
     for t, leaves in zip(written, new, strict=True):
         if t is not None:
