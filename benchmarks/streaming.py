@@ -20,18 +20,20 @@ shape on 8 simulated devices, inner Adam, DiLoCo's outer Nesterov SGD, the same
 Part 3 (`--time-rig`), step times across processes: 2 processes x 1 CPU device
 joined over gloo by `jdp.launch.run` (127.0.0.1), each pinned to one core, train
 the part-1 MLP (8 examples per process per step, inner SGD) with the local step
-(no communication, the floor), BMUF, F=4 delay=0 and F=4 delay=4 (H=16), one
+(no communication, the floor), the synchronous step (`jdp.all_reduce()`), BMUF,
+DiLoCo (outer Nesterov SGD), F=4 with delay 0, 1 and 4 (H=16), one
 cycle of 16 steps each in turn, in a shuffled order, every step timed on its own
 (waiting for its loss). Reported: p50, p99 and the largest step time over the
 timed cycles (the first cycle, which compiles, is not timed), and the mean.
 
     python benchmarks/streaming.py [--devices 8] [--steps 2048] [--quick]
-        [--time-rig] [--rig-cycles 20]
+        [--time-rig] [--rig-cycles 20] [--rig-only]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -41,8 +43,11 @@ H, F = 16, 4
 RIG_SIZES = (256, 2048, 2048, 2048, 10)
 RIG_CONFIGS = {
     "local step": None,
+    "synchronous": "all_reduce",
     "BMUF (F=1)": {},
+    "DiLoCo (F=1)": {"outer": "nesterov"},
     "F=4 delay=0": {"fragments": F, "delay": 0},
+    "F=4 delay=1": {"fragments": F, "delay": 1},
     "F=4 delay=4": {"fragments": F, "delay": H // F},
 }
 
@@ -74,8 +79,11 @@ def rig_worker(cycles: int, seed: int) -> dict:
     inner = optax.sgd(0.01)
     run = {}
     for name, kw in RIG_CONFIGS.items():
-        tx = inner if kw is None else jdp.bmuf(inner, sync_period=H, **kw)
-        step = jdp.parallelize(jdp.make_train_step(mse, tx, sync=jdp.local()))
+        sync = jdp.all_reduce() if kw == "all_reduce" else jdp.local()
+        if isinstance(kw, dict) and kw.get("outer") == "nesterov":  # DiLoCo's
+            kw = {**kw, "outer": optax.sgd(0.7, momentum=0.9, nesterov=True)}
+        tx = inner if not isinstance(kw, dict) else jdp.bmuf(inner, sync_period=H, **kw)
+        step = jdp.parallelize(jdp.make_train_step(mse, tx, sync=sync))
         run[name] = [step, step.replicate(jdp.TrainState.create(params=params, tx=tx))]
     r = jax.process_index()
     data = np.random.default_rng(seed + 1 + r)
@@ -116,7 +124,13 @@ def main(argv=None) -> None:
         "--time-rig", action="store_true", help="part 3: 2 processes over gloo"
     )
     parser.add_argument("--rig-cycles", type=int, default=20)
+    parser.add_argument(
+        "--rig-only", action="store_true", help="part 3 alone (implies --time-rig)"
+    )
     args = parser.parse_args(argv)
+    if args.rig_only:
+        time_rig(args.rig_cycles)
+        return
     if "jax" not in sys.modules:
         set_devices(args.devices)
 
@@ -293,6 +307,16 @@ def time_rig(cycles: int) -> None:
     head = (
         f"{'variant':<14} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'mean ms':>8} "
         f"{'mean/local':>10}"
+    )
+    threshold = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    print(
+        "glibc malloc: "
+        + (
+            f"MALLOC_MMAP_THRESHOLD_={threshold} (buffers up to it come from the heap)"
+            if threshold
+            else "default (a buffer over 32 MiB is fresh mmap'ed pages on every step)"
+        )
+        + "\n"
     )
     print(head)
     print("-" * len(head))

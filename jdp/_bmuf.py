@@ -16,6 +16,7 @@ from typing import Any, Literal, NamedTuple, get_args
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 
@@ -113,9 +114,36 @@ class BMUFState(NamedTuple):
     pending: PyTree = None
     dropped: jax.Array | None = None  # int32, shape ()
 
+    #: The checkpoint's warning when `restart_local` reset `pending`.
+    RESTART_NOTE = (
+        "The fragment sync in flight (`delay`) restarts from the block start too: "
+        "its snapshot is the block start, so that sync applies no local progress."
+    )
+
     def restart_params(self) -> PyTree:
         """The block start: where every replica begins after a re-layout."""
         return self.global_params if self.start is None else self.start
+
+    def restart_local(self) -> BMUFState:
+        """`pending` set to the block start: a restore into another replica count.
+
+        The snapshot in flight holds each replica's own params (or, for chunks
+        already all-reduced, their mean); with another replica count every
+        replica restarts from the block start, and so does the snapshot, so
+        that the coming fragment sync applies no local progress rather than one
+        replica's.
+        """
+        if self.pending is None:
+            return self
+        return self._replace(
+            pending=jax.tree.map(
+                lambda s, p: np.asarray(s, dtype=np.result_type(p)).reshape(
+                    np.shape(p)
+                ),
+                self.restart_params(),
+                self.pending,
+            )
+        )
 
 
 def bmuf(

@@ -50,6 +50,12 @@ class PowerSGDState(NamedTuple):
     q: tuple[jax.Array, ...]
     error: tuple[jax.Array, ...] | None
 
+    #: The checkpoint's warning when `restart_local` zeroed the buffers.
+    RESTART_NOTE = (
+        "Error-feedback buffers (of `jdp.all_reduce(wire=...)`, `jdp.powersgd`) "
+        "start again from zero on every replica."
+    )
+
     def restart_local(self) -> PowerSGDState:
         """Zero errors: a checkpoint restored into another replica count.
 

@@ -19,7 +19,9 @@ equal on every replica declares so with `declare`:
   count (a checkpoint restored elsewhere): BMUF's block start.
 - A `restart_local(self)` method, if the class has one, returns the node as it
   should be after such a re-layout (error-feedback buffers start from zero)
-  instead of replica 0's copy of its local fields.
+  instead of replica 0's copy of its local fields, or the node itself if
+  nothing restarts; its class's `RESTART_NOTE` says what restarted (a sentence
+  for the checkpoint's warning).
 
 Readers (the divergence guard, `jdp.local()`, checkpoints, the train step's
 checks) ask only this module; none of them knows the declaring classes.
@@ -148,20 +150,23 @@ def restart_params(tree: PyTree) -> list[PyTree]:
     return [x.restart_params() for x in find(tree) if hasattr(x, "restart_params")]
 
 
-def restart_local(tree: PyTree) -> tuple[PyTree, bool]:
+def restart_local(tree: PyTree) -> tuple[PyTree, list[str]]:
     """`tree` with every declared node that has `restart_local()` replaced by it.
 
     Returns:
-      `(tree, changed)`: whether any node was replaced.
+      `(tree, notes)`: the `RESTART_NOTE` of each kind of node that changed, in
+      the order found, each once (empty if none changed).
     """
-    changed = False
+    notes: list[str] = []
 
     def one(x):
-        nonlocal changed
         d = _declaration(x)
         if d is not None and isinstance(x, d.cls) and hasattr(x, "restart_local"):
-            changed = True
-            return x.restart_local()
+            new = x.restart_local()
+            note = getattr(type(x), "RESTART_NOTE", "")
+            if new is not x and note and note not in notes:
+                notes.append(note)
+            return new
         return x
 
-    return jax.tree.map(one, tree, is_leaf=_is_declared), changed
+    return jax.tree.map(one, tree, is_leaf=_is_declared), notes

@@ -207,6 +207,12 @@ class WireState(NamedTuple):
     worker: tuple[jax.Array, ...]
     server: jax.Array
 
+    #: The checkpoint's warning when `restart_local` zeroed the buffers.
+    RESTART_NOTE = (
+        "Error-feedback buffers (of `jdp.all_reduce(wire=...)`, `jdp.powersgd`) "
+        "start again from zero on every replica."
+    )
+
     def restart_local(self) -> WireState:
         """Zero buffers: a checkpoint restored into another replica count.
 

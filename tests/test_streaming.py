@@ -574,20 +574,33 @@ def test_mid_fragment_resume_is_bit_exact(tmp_path, backend):
 def test_into_another_count_every_fragment_starts_from_its_global_copy(tmp_path):
     step, init = streaming_step(NUM)
     state = step.replicate(init)
-    for batch in linear_batches(6, 16):  # fragment 0 synced after 4: mixed
+    # Fragment 0 synced after update 4 (mixed); fragment 1's snapshot was taken
+    # after 5, its chunk 0 all-reduced at 6, chunks 1 and 2 still in flight.
+    for batch in linear_batches(6, 16):
         state, _ = step(state, step.shard(batch))
     copy = step.unreplicate(state)
     g = copy.opt_state.global_params
     assert np.any(np.asarray(copy.params["w"]) != np.asarray(g["w"]))
+    pending = jax.device_get(state.opt_state.pending)
+    assert np.any(pending["w"][0] != pending["w"][1])  # per replica in flight
     two, _ = streaming_step(2)
     with CheckpointManager(tmp_path) as manager:
         manager.save(6, state)
-        with pytest.warns(RuntimeWarning, match=r"(?s)between syncs.*block start"):
+        with pytest.warns(
+            RuntimeWarning,
+            match=r"(?s)between syncs.*block start.*fragment sync in flight "
+            r"\(`delay`\) restarts from the block start",
+        ):
             restored = manager.restore(two.replicate(init))
     jdp.assert_replicas_in_sync(restored)
     got = two.unreplicate(restored)
     assert_same_bits(got.params, g)
     assert_same_bits(got.opt_state.global_params, g)
+    # The snapshot in flight restarts from the block start on every replica
+    # (not replica 0's local params): the coming sync applies no progress.
+    pending = jax.device_get(restored.opt_state.pending)
+    for r in range(2):
+        assert_same_bits(jax.tree.map(lambda x, r=r: np.asarray(x)[r], pending), g)
     restored, _ = two(restored, two.shard(linear_batches(1, 8, seed=5)[0]))
     assert np.all(np.isfinite(np.asarray(restored.params["w"])))
 

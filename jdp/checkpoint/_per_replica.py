@@ -215,13 +215,9 @@ def one_copy_of_differing(
       declared parts that restart (`_replica_parts.restart_local`) restarted.
     """
     host, note = block_start_params(host)
-    host, restarted = _replica_parts.restart_local(host)
-    if restarted:
-        note += (
-            " Error-feedback buffers (of `jdp.all_reduce(wire=...)`, `jdp.powersgd`) "
-            "start again from zero "
-            "on every replica."
-        )
+    host, notes = _replica_parts.restart_local(host)
+    for line in notes:
+        note += " " + line
     paths = [r["path"] for r in per.values()]
     warnings.warn(
         DIFFERING_MSG.format(
