@@ -637,7 +637,7 @@ def _merge_streaming(params, old_state, state, *, inner, axis, options):
     leaves it touches alone: one compiled step, which copies nothing when
     nothing is due.
     """
-    fragments, delay, alpha = options.fragments, options.delay, options.mix
+    fragments, delay = options.fragments, options.delay
     stores_start, outer = options.stores_start, options.outer
     at_sync, warmup_steps = options.inner_state_at_sync, options.warmup_steps
     period = options.sync_period // fragments
@@ -686,16 +686,56 @@ def _merge_streaming(params, old_state, state, *, inner, axis, options):
         else:
             g_leaves = ref
 
-    # 2. The sync of one fragment, in two conditionals: the first computes the
-    # fragment's outer step (`v`, or with `outer=` its new `g`), the second
-    # writes `g`, `start` and the local params from it. Each buffer is then
-    # updated in place by a conditional ordered (through what it reads) after
-    # every other reader of its old value, so XLA copies nothing, and a step
-    # without a sync does nothing (with `nesterov=True` and no `outer=`, XLA
-    # still copies a leaf per fragment there).
+    # 2. The sync of one fragment.
     keeps = at_sync == "keep"
-    inner_state = None if keeps else state.inner_state
     is_sync = active & (phase == period)
+    leaves = (p_leaves, g_leaves, s_leaves, v_leaves, pend)
+    (p_leaves, g_leaves, s_leaves, v_leaves, pend), velocity, inner_state = (
+        _sync_fragments(
+            [is_sync & (fragment == f) for f in range(fragments)], plan, leaves,
+            velocity, None if keeps else state.inner_state, tree,
+            inner=inner, eta=eta, axis_name=axis_name, options=options,
+        )
+    )  # fmt: skip
+    params, g = tree(p_leaves), tree(g_leaves)
+    start = tree(s_leaves) if stores_start else None
+    v = tree(v_leaves) if outer is None else velocity
+
+    if delay:  # 3. The fragment whose sync is `delay` updates ahead.
+        ahead = n + delay
+        due = active & (ahead % period == 0)
+        pend = _snapshots(due, (ahead // period - 1) % fragments, plan, pend, p_leaves)
+        pending = tree(pend)
+    return params, state._replace(
+        global_params=g,
+        start=start,
+        velocity=v,
+        inner_state=state.inner_state if keeps else inner_state,
+        pending=pending,
+    )
+
+
+def _sync_fragments(dues, plan, leaves, velocity, inner_state, tree, *,
+                    inner, eta, axis_name, options):  # fmt: skip
+    """The sync of the fragment `f` whose `dues[f]` holds (at most one).
+
+    `leaves` are the flat leaf lists `(params, g, start, v, pending)` (None
+    where the state has none); returns them updated, with the outer states
+    (`velocity` with `outer=`) and the inner state (None unless
+    `inner_state_at_sync` acts on it).
+
+    Each fragment's sync is two conditionals: the first computes its outer
+    step (`v`, or with `outer=` its new `g`), the second writes `g`, `start`
+    and the local params from it. Each buffer is then updated in place by a
+    conditional ordered (through what it reads) after every other reader of its
+    old value, so XLA copies nothing, and a step without a sync does nothing
+    (with `nesterov=True` and no `outer=`, XLA still copies a leaf per fragment
+    there).
+    """
+    p_leaves, g_leaves, s_leaves, v_leaves, pend = leaves
+    delay, alpha, wire, outer = options.delay, options.mix, options.wire, options.outer
+    stores_start, at_sync = options.stores_start, options.inner_state_at_sync
+    keeps = at_sync == "keep"
 
     def adopt(pieces, local, target, inner_state):
         local_f, new = _take(local, pieces), _take(target, pieces)
@@ -711,7 +751,7 @@ def _merge_streaming(params, old_state, state, *, inner, axis, options):
         return _put(local, pieces, _cast_like(new, local_f)), inner_state
 
     for f, pieces in enumerate(plan.fragments):
-        due = is_sync & (fragment == f)
+        due = dues[f]
         source = pend if delay else p_leaves  # what the replicas average
         if outer is not None:
 
@@ -771,22 +811,7 @@ def _merge_streaming(params, old_state, state, *, inner, axis, options):
             due, pieces, global_update, [p_leaves, g_leaves, s_leaves], [v_leaves],
             inner_state,
         )  # fmt: skip
-    params, g = tree(p_leaves), tree(g_leaves)
-    start = tree(s_leaves) if stores_start else None
-    v = tree(v_leaves) if outer is None else velocity
-
-    if delay:  # 3. The fragment whose sync is `delay` updates ahead.
-        ahead = n + delay
-        due = active & (ahead % period == 0)
-        pend = _snapshots(due, (ahead // period - 1) % fragments, plan, pend, p_leaves)
-        pending = tree(pend)
-    return params, state._replace(
-        global_params=g,
-        start=start,
-        velocity=v,
-        inner_state=state.inner_state if keeps else inner_state,
-        pending=pending,
-    )
+    return (p_leaves, g_leaves, s_leaves, v_leaves, pend), velocity, inner_state
 
 
 def _reduce_chunks(in_flight, chunk, plan, pending, ref, axis_name, wire):

@@ -81,7 +81,14 @@ FINISHED_THEN_FAILED_S = 5.0
 #: SIGKILL, a crash), never because a peer left: a peer of a dead process fails
 #: with an error status, or aborts (SIGABRT, JAX's coordination service).
 CAUSE_SIGNALS = frozenset(
-    -s for s in (signal.SIGKILL, signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE)
+    -s
+    for s in (
+        signal.SIGKILL,
+        signal.SIGSEGV,
+        signal.SIGBUS,
+        signal.SIGILL,
+        signal.SIGFPE,
+    )
 )
 
 #: The entry point of every process, run by path (see its docstring).
