@@ -833,6 +833,18 @@ os._exit(3)
 """
 
 
+def failed_job(commands):
+    """A `Job` of `commands` (one per process), run until it failed."""
+    commands = list(commands)
+    job = _launcher.Job(commands, [os.environ] * len(commands), echo=False)
+    job.start()
+    try:
+        assert job.wait(timeout_s=30) is False
+    finally:
+        job.kill(grace_s=0)
+    return job
+
+
 @pytest.mark.parametrize("how", ["quick", "slow"])
 def test_job_reports_the_process_that_ended_first(how):
     # Both exits usually fall between two of the launcher's looks (every
@@ -841,16 +853,10 @@ def test_job_reports_the_process_that_ended_first(how):
     source = textwrap.dedent(DIES_FIRST)
     for _ in range(8):
         port = _launcher.free_port()
-        commands = [
+        job = failed_job(
             [sys.executable, "-c", source, str(port), how, str(rank)]
             for rank in range(2)
-        ]
-        job = _launcher.Job(commands, [os.environ] * 2, echo=False)
-        job.start()
-        try:
-            assert job.wait(timeout_s=30) is False
-        finally:
-            job.kill(grace_s=0)
+        )
         assert job.failure == (1, 3), job.failure_message()
         assert re.fullmatch(
             r"process 1 of 2 \(pid \d+\) exited with status 3(; then process 0 "
@@ -877,16 +883,10 @@ def test_job_names_a_sigkilled_process_before_a_peer_that_failed_with_it():
     # machine; the SIGKILL is the cause, and it is named first every time.
     for _ in range(4):
         at = str(time.time() + 1.0)
-        commands = [
+        job = failed_job(
             [sys.executable, "-c", KILLED_THEN_A_PEER_FAILED, str(rank), at]
             for rank in range(2)
-        ]
-        job = _launcher.Job(commands, [os.environ] * 2, echo=False)
-        job.start()
-        try:
-            assert job.wait(timeout_s=30) is False
-        finally:
-            job.kill(grace_s=0)
+        )
         assert job.failure == (0, -signal.SIGKILL), job.failure_message()
         assert re.fullmatch(
             r"process 0 of 2 \(pid \d+\) was killed by SIGKILL(; then process 1 "
