@@ -306,7 +306,7 @@ def time_rig(cycles: int) -> None:
     )
     head = (
         f"{'variant':<14} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'mean ms':>8} "
-        f"{'mean/local':>10}"
+        f"{'mean/local':>10} {'mean/floor':>10} {'p99/local':>9}"
     )
     threshold = os.environ.get("MALLOC_MMAP_THRESHOLD_")
     print(
@@ -320,15 +320,24 @@ def time_rig(cycles: int) -> None:
     )
     print(head)
     print("-" * len(head))
-    local = None
-    for name, per_proc in times.items():
-        ms = np.max(np.asarray(per_proc), axis=0)
+    steps = {name: np.max(np.asarray(p), axis=0) for name, p in times.items()}
+    local = float(np.mean(steps["local step"]))
+    # The floor of a variant that moves the model once per H steps: the local
+    # step plus an H-th of the synchronous step's all-reduce.
+    floor = local + (float(np.mean(steps["synchronous"])) - local) / H
+    for name, ms in steps.items():
         mean = float(np.mean(ms))
-        local = mean if local is None else local
+        ratio = mean / floor if isinstance(RIG_CONFIGS[name], dict) else float("nan")
         print(
             f"{name:<14} {np.percentile(ms, 50):>8.1f} {np.percentile(ms, 99):>8.1f} "
-            f"{ms.max():>8.1f} {mean:>8.1f} {mean / local:>10.3f}"
+            f"{ms.max():>8.1f} {mean:>8.1f} {mean / local:>10.3f} {ratio:>10.3f} "
+            f"{np.percentile(ms, 99) / local:>9.2f}"
         )
+    print(
+        f"\nfloor: the local step's mean plus 1/{H} of the synchronous step's "
+        f"extra time (one all-reduce of the model per {H} steps): {floor:.1f} ms. "
+        "p99/local: the p99 over the local step's mean."
+    )
     print(
         "\nEach step's time is the larger of the two processes'. XLA:CPU is not "
         "expected to overlap a collective with the step's compute, so what "
