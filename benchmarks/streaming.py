@@ -58,24 +58,12 @@ def rig_worker(cycles: int, seed: int) -> dict:
     import random
 
     import jax
-    import jax.numpy as jnp
     import numpy as np
     import optax
 
     import jdp
 
-    rng = np.random.default_rng(seed)
-    params = [
-        {
-            "w": (rng.normal(size=(m, k)) / np.sqrt(m)).astype(np.float32),
-            "b": np.zeros(k, np.float32),
-        }
-        for m, k in zip(RIG_SIZES[:-1], RIG_SIZES[1:], strict=True)
-    ]
-
-    def mse(params, batch):
-        return jnp.mean((tanh_mlp(params, batch["x"]) - batch["y"]) ** 2)
-
+    params = init(RIG_SIZES, seed)
     inner = optax.sgd(0.01)
     run = {}
     for name, kw in RIG_CONFIGS.items():
@@ -113,6 +101,26 @@ def rig_worker(cycles: int, seed: int) -> dict:
     return {"times": times}
 
 
+def init(sizes, seed):
+    """An MLP's params: `w` normal / sqrt(fan-in), `b` zero, per layer."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return [
+        {
+            "w": (rng.normal(size=(m, k)) / np.sqrt(m)).astype(np.float32),
+            "b": np.zeros(k, np.float32),
+        }
+        for m, k in zip(sizes[:-1], sizes[1:], strict=True)
+    ]
+
+
+def mse(params, batch):
+    import jax.numpy as jnp
+
+    return jnp.mean((tanh_mlp(params, batch["x"]) - batch["y"]) ** 2)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--devices", type=int, default=8)
@@ -127,6 +135,9 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--rig-only", action="store_true", help="part 3 alone (implies --time-rig)"
     )
+    parser.add_argument("--quality-only", action="store_true", help="part 2 alone")
+    parser.add_argument("--outer-lr", type=float, default=0.7, help="part 2")
+    parser.add_argument("--outer-momentum", type=float, default=0.9, help="part 2")
     args = parser.parse_args(argv)
     if args.rig_only:
         time_rig(args.rig_cycles)
@@ -135,28 +146,25 @@ def main(argv=None) -> None:
         set_devices(args.devices)
 
     import jax
-    import jax.numpy as jnp
+
+    devices = jax.devices()[: args.devices]
+
+    if not args.quality_only:
+        bytes_per_step(args, devices)
+    quality(args, devices)
+    if args.time_rig:
+        time_rig(args.rig_cycles)
+
+
+def bytes_per_step(args, devices) -> None:
+    """Part 1: the bytes of every step of a cycle, from the compiled program."""
+    import jax
     import numpy as np
     import optax
 
     import jdp
 
-    devices = jax.devices()[: args.devices]
     n = len(devices)
-
-    def init(sizes, seed):
-        rng = np.random.default_rng(seed)
-        return [
-            {
-                "w": (rng.normal(size=(m, k)) / np.sqrt(m)).astype(np.float32),
-                "b": np.zeros(k, np.float32),
-            }
-            for m, k in zip(sizes[:-1], sizes[1:], strict=True)
-        ]
-
-    def mse(params, batch):
-        return jnp.mean((tanh_mlp(params, batch["x"]) - batch["y"]) ** 2)
-
     # -- part 1: bytes from the compiled program --------------------------------
     width = 512 if args.quick else 2048
     sizes = (256, width, width, width, 10)
@@ -212,6 +220,16 @@ def main(argv=None) -> None:
         "with delay 0, 1.1x one H-th of the model with delay = H/F.\n"
     )
 
+
+def quality(args, devices) -> None:
+    """Part 2: the held-out loss of the global model against F = 1."""
+    import jax
+    import numpy as np
+    import optax
+
+    import jdp
+
+    n = len(devices)
     # -- part 2: quality against F = 1 ------------------------------------------
     steps = 128 if args.quick else args.steps
     steps -= steps % H
@@ -243,8 +261,14 @@ def main(argv=None) -> None:
         f"Quality: teacher MLP 32-128-128-8 regression, student of the same shape, "
         f"{n} replicas x 32 examples per step, {steps} steps ({steps * per_step} "
         f"examples), H={H}, inner optax.adam(3e-3), outer "
-        "optax.sgd(0.7, momentum=0.9, nesterov=True); held-out MSE of the global "
-        "model (4096 examples; the label noise alone is 0.0025)\n"
+        f"optax.sgd({args.outer_lr:g}"
+        + (
+            f", momentum={args.outer_momentum:g}, nesterov=True)"
+            if args.outer_momentum
+            else ")"
+        )
+        + "; held-out MSE of the global model (4096 examples; the label noise "
+        "alone is 0.0025)\n"
     )
     print(f"initial model's MSE: {float(mse(student0, held_out)):.5f}\n")
     head = f"{'variant':<22} {'MSE':>9} {'vs F=1':>8} {'s':>6}"
@@ -255,7 +279,9 @@ def main(argv=None) -> None:
         tx = jdp.bmuf(
             optax.adam(3e-3),
             sync_period=H,
-            outer=optax.sgd(0.7, momentum=0.9, nesterov=True),
+            outer=optax.sgd(
+                args.outer_lr, momentum=args.outer_momentum or None, nesterov=True
+            ),
             **kw,
         )
         step = jdp.parallelize(
@@ -276,8 +302,6 @@ def main(argv=None) -> None:
         "\nvs F=1: the held-out MSE over F=1's (same H, same examples, same initial "
         "model and batches). s: seconds for the run, compile included."
     )
-    if args.time_rig:
-        time_rig(args.rig_cycles)
 
 
 def time_rig(cycles: int) -> None:

@@ -865,26 +865,28 @@ def test_job_reports_the_process_that_ended_first(how):
         )
 
 
-# Process 0 kills itself at the time argv[2]; process 1 exits with status 1 2 ms
-# later, as a peer whose connection closed does.
-KILLED_THEN_A_PEER_FAILED = """
+# Process 0 kills itself at the time argv[2]; process 1 exits with status 1
+# argv[3] seconds later (as a peer whose connection closed does), or earlier.
+KILLED_AND_A_PEER_FAILED = """
 import os, signal, sys, time
-rank, at = sys.argv[1], float(sys.argv[2])
-time.sleep(max(0.0, at - time.time() + (0.002 if rank == "1" else 0.0)))
+rank, at, gap = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
+time.sleep(max(0.0, at - time.time() + (gap if rank == "1" else 0.0)))
 if rank == "1":
     sys.exit(1)
 os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
-def test_job_names_a_sigkilled_process_before_a_peer_that_failed_with_it():
+@pytest.mark.parametrize("gap", [0.002, -0.1])
+def test_job_names_a_sigkilled_process_before_a_peer_that_failed_with_it(gap):
     # A peer of a SIGKILLed process fails within milliseconds (a closed
     # connection), closer than the launcher's threads can order on a busy
-    # machine; the SIGKILL is the cause, and it is named first every time.
+    # machine; the SIGKILL is the cause, and it is named first every time, even
+    # when the launcher saw the peer end 0.1 s before it (it waits `SETTLE_S`).
     for _ in range(4):
         at = str(time.time() + 1.0)
         job = failed_job(
-            [sys.executable, "-c", KILLED_THEN_A_PEER_FAILED, str(rank), at]
+            [sys.executable, "-c", KILLED_AND_A_PEER_FAILED, str(rank), at, str(gap)]
             for rank in range(2)
         )
         assert job.failure == (0, -signal.SIGKILL), job.failure_message()

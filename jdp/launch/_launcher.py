@@ -73,6 +73,10 @@ TAIL_LINES = 40
 #: Once a process failed, seconds to wait for processes whose output has closed
 #: (they are ending) before deciding which process ended first.
 ENDING_WAIT_S = 2.0
+#: Once a process failed, seconds to wait in any case before deciding: a process
+#: that died at the same moment (a peer that failed because of it, or its
+#: cause) may not have been seen to end yet by the launcher's threads.
+SETTLE_S = 0.5
 #: A failure this many seconds (or less) after a process finished (exit 0) while
 #: the failing one still ran is reported as most likely caused by that finish (a
 #: step that the finished process never joined fails at once on the others).
@@ -389,7 +393,8 @@ class Job:
             now = time.monotonic()
             if self._failed_at is None:
                 self._failed_at = now
-            if ending and now - self._failed_at < ENDING_WAIT_S:
+            waited = now - self._failed_at
+            if waited < SETTLE_S or (ending and waited < ENDING_WAIT_S):
                 return None
             (self.failure, *self.also_failed) = _cause_first(failed)
             self.stopped = len(self.procs) - len(exits)
