@@ -68,6 +68,20 @@ def mlp_loss(params, batch):
     return jnp.mean((x - batch["y"]) ** 2)
 
 
+def normal_mlp(sizes, seed: int) -> list:
+    """An MLP's layers `{"w", "b"}`: `w` normal / sqrt(fan-in), `b` zero (NumPy)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return [
+        {
+            "w": (rng.normal(size=(m, k)) / np.sqrt(m)).astype(np.float32),
+            "b": np.zeros(k, np.float32),
+        }
+        for m, k in zip(sizes[:-1], sizes[1:], strict=True)
+    ]
+
+
 def tanh_mlp(params, x):
     """Logits of a tanh MLP given as a list of `{"w", "b"}` layers."""
     import jax.numpy as jnp

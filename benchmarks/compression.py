@@ -34,7 +34,7 @@ import os
 import statistics
 import sys
 
-from _common import median_ms, mlp_loss, set_devices
+from _common import median_ms, mlp_loss, normal_mlp, set_devices
 
 # The models, data and optimizer of multihost.py's sweep, so the rows compare.
 from multihost import (
@@ -482,16 +482,6 @@ def measure_quality(seeds: int, steps: int) -> None:
 
     import jdp
 
-    def init(sizes, seed):
-        rng = np.random.default_rng(seed)
-        return [
-            {
-                "w": (rng.normal(size=(a, b)) / np.sqrt(a)).astype(np.float32),
-                "b": np.zeros(b, np.float32),
-            }
-            for a, b in zip(sizes[:-1], sizes[1:], strict=True)
-        ]
-
     def forward(params, x):
         for i, layer in enumerate(params):
             x = x @ layer["w"] + layer["b"]
@@ -523,7 +513,9 @@ def measure_quality(seeds: int, steps: int) -> None:
             for seed in range(seeds):
                 (x, y), (xt, yt), sizes = make(seed)
                 state = step.replicate(
-                    jdp.TrainState.create(params=init(sizes, seed), tx=tx, sync=sync)
+                    jdp.TrainState.create(
+                        params=normal_mlp(sizes, seed), tx=tx, sync=sync
+                    )
                 )
                 order = np.random.default_rng(seed).integers(
                     0, len(x), size=(steps, batch_size)

@@ -37,6 +37,7 @@ import os
 import sys
 import time
 
+from _common import normal_mlp as init
 from _common import pin_to_core, set_devices, tanh_mlp
 
 H, F = 16, 4
@@ -99,20 +100,6 @@ def rig_worker(cycles: int, seed: int) -> dict:
                     times[name].append(1e3 * (time.perf_counter() - start))
             run[name][1] = state
     return {"times": times}
-
-
-def init(sizes, seed):
-    """An MLP's params: `w` normal / sqrt(fan-in), `b` zero, per layer."""
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    return [
-        {
-            "w": (rng.normal(size=(m, k)) / np.sqrt(m)).astype(np.float32),
-            "b": np.zeros(k, np.float32),
-        }
-        for m, k in zip(sizes[:-1], sizes[1:], strict=True)
-    ]
 
 
 def mse(params, batch):
