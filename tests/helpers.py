@@ -108,3 +108,52 @@ def run_steps(step, state, batches):
         state, metrics = step(state, step.shard(batch))
         losses.append(float(metrics["loss"]))
     return state, losses
+
+
+# -- a linear model whose gradients NumPy can compute -------------------------------
+
+
+def linear_params(in_dim, out_dim, seed=0):
+    """`{"w": (in_dim, out_dim), "b": (out_dim,)}`, normal float32."""
+    rng = np.random.default_rng(seed)
+    return {
+        "w": rng.normal(size=(in_dim, out_dim)).astype(np.float32),
+        "b": rng.normal(size=(out_dim,)).astype(np.float32),
+    }
+
+
+def linear_loss(params, batch):
+    """Mean squared error of `x @ w + b` against `y`."""
+    pred = batch["x"] @ params["w"] + params["b"]
+    return jnp.mean((pred - batch["y"]) ** 2)
+
+
+def linear_grads(params, x, y):
+    """`linear_loss`'s gradients in NumPy: the reference's own derivation."""
+    err = x @ params["w"] + params["b"] - y
+    scale = 2.0 / err.size
+    return {"w": scale * x.T @ err, "b": scale * err.sum(axis=0)}
+
+
+def noise_batches(steps, rows, in_dim, out_dim, seed=1):
+    """`steps` batches of `rows` normal inputs and normal targets (no signal)."""
+    rng = np.random.default_rng(seed)
+    return [
+        {
+            "x": rng.normal(size=(rows, in_dim)).astype(np.float32),
+            "y": rng.normal(size=(rows, out_dim)).astype(np.float32),
+        }
+        for _ in range(steps)
+    ]
+
+
+def teacher_batches(num_steps, batch_size, in_dim, out_dim, seed=1):
+    """Batches of a fixed random linear teacher plus noise 0.3 (float32)."""
+    rng = np.random.default_rng(seed)
+    w_true = rng.normal(size=(in_dim, out_dim))
+    out = []
+    for _ in range(num_steps):
+        x = rng.normal(size=(batch_size, in_dim))
+        y = x @ w_true + 0.3 * rng.normal(size=(batch_size, out_dim))
+        out.append({"x": x.astype(np.float32), "y": y.astype(np.float32)})
+    return out

@@ -1,3 +1,4 @@
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -6,6 +7,7 @@ import pytest
 from helpers import (
     assert_trees_close,
     init_mlp,
+    linear_loss,
     make_batches,
     mlp_loss,
     single_device_train,
@@ -21,27 +23,11 @@ LR, MOMENTUM = 0.05, 0.9
 
 
 def linear_params(seed=0):
-    rng = np.random.default_rng(seed)
-    return {
-        "w": rng.normal(size=(IN, OUT)).astype(np.float32),
-        "b": rng.normal(size=(OUT,)).astype(np.float32),
-    }
-
-
-def linear_loss(params, batch):
-    pred = batch["x"] @ params["w"] + params["b"]
-    return jnp.mean((pred - batch["y"]) ** 2)
+    return helpers.linear_params(IN, OUT, seed)
 
 
 def linear_batches(num_steps, batch_size, seed=1):
-    rng = np.random.default_rng(seed)
-    w_true = rng.normal(size=(IN, OUT))
-    out = []
-    for _ in range(num_steps):
-        x = rng.normal(size=(batch_size, IN))
-        y = x @ w_true + 0.3 * rng.normal(size=(batch_size, OUT))
-        out.append({"x": x.astype(np.float32), "y": y.astype(np.float32)})
-    return out
+    return helpers.teacher_batches(num_steps, batch_size, IN, OUT, seed)
 
 
 # -- the numpy reference, written from the paper's formulas -------------------

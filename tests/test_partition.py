@@ -3,12 +3,12 @@
 import json
 import warnings
 
+import helpers
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import init_mlp, make_batches, mlp_loss
+from helpers import init_mlp, linear_grads, linear_loss, make_batches, mlp_loss
 
 import jdp
 from jdp import _partition
@@ -104,33 +104,11 @@ def test_a_partition_moves_the_bytes_of_plain_all_reduce(mlp):
 
 
 def linear_params(seed=0):
-    rng = np.random.default_rng(seed)
-    return {
-        "w": rng.normal(size=(IN, OUT)).astype(np.float32),
-        "b": rng.normal(size=(OUT,)).astype(np.float32),
-    }
-
-
-def linear_loss(params, batch):
-    pred = batch["x"] @ params["w"] + params["b"]
-    return jnp.mean((pred - batch["y"]) ** 2)
-
-
-def linear_grads(params, x, y):
-    err = x @ params["w"] + params["b"] - y
-    scale = 2.0 / err.size
-    return {"w": scale * x.T @ err, "b": scale * err.sum(axis=0)}
+    return helpers.linear_params(IN, OUT, seed)
 
 
 def linear_batches(steps, per_replica=4, seed=1):
-    rng = np.random.default_rng(seed)
-    return [
-        {
-            "x": rng.normal(size=(NUM * per_replica, IN)).astype(np.float32),
-            "y": rng.normal(size=(NUM * per_replica, OUT)).astype(np.float32),
-        }
-        for _ in range(steps)
-    ]
+    return helpers.noise_batches(steps, NUM * per_replica, IN, OUT, seed)
 
 
 LINEAR_LABELS = {"w": "dense", "b": "bias"}

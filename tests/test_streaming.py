@@ -2,11 +2,13 @@
 
 import re
 
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import linear_loss
 
 import jdp
 from jdp import _bmuf, _hlo
@@ -18,27 +20,11 @@ NUM = 4
 
 
 def linear_params(seed=0):
-    rng = np.random.default_rng(seed)
-    return {
-        "w": rng.normal(size=(IN, OUT)).astype(np.float32),
-        "b": rng.normal(size=(OUT,)).astype(np.float32),
-    }
-
-
-def linear_loss(params, batch):
-    pred = batch["x"] @ params["w"] + params["b"]
-    return jnp.mean((pred - batch["y"]) ** 2)
+    return helpers.linear_params(IN, OUT, seed)
 
 
 def linear_batches(num_steps, batch_size, seed=1):
-    rng = np.random.default_rng(seed)
-    w_true = rng.normal(size=(IN, OUT))
-    out = []
-    for _ in range(num_steps):
-        x = rng.normal(size=(batch_size, IN))
-        y = x @ w_true + 0.3 * rng.normal(size=(batch_size, OUT))
-        out.append({"x": x.astype(np.float32), "y": y.astype(np.float32)})
-    return out
+    return helpers.teacher_batches(num_steps, batch_size, IN, OUT, seed)
 
 
 # -- the NumPy reference of the fragment schedule -------------------------------
