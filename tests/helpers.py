@@ -110,6 +110,16 @@ def run_steps(step, state, batches):
     return state, losses
 
 
+def params_history(step, state, batches):
+    """Runs a parallel `step` over global `batches`; the state and each step's
+    params (on the host)."""
+    history = []
+    for batch in batches:
+        state, _ = step(state, step.shard(batch))
+        history.append(jax.device_get(state.params))
+    return state, history
+
+
 # -- a linear model whose gradients NumPy can compute -------------------------------
 
 

@@ -39,10 +39,7 @@ def train(train_step, params, tx, batches, *, devices, axis_name, check_sync=100
         train_step, devices=devices, axis_name=axis_name, check_sync=check_sync
     )
     state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
-    history = []
-    for batch in batches:
-        state, _ = step(state, step.shard(batch))
-        history.append(jax.device_get(state.params))
+    state, history = helpers.params_history(step, state, batches)
     return step, state, history
 
 

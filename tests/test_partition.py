@@ -30,10 +30,7 @@ def mlp_labels(params):
 def run(train_step, params, tx, batches, *, check_sync=1):
     step = jdp.parallelize(train_step, devices=devices(), check_sync=check_sync)
     state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
-    history = []
-    for batch in batches:
-        state, _ = step(state, step.shard(batch))
-        history.append(jax.device_get(state.params))
+    state, history = helpers.params_history(step, state, batches)
     return step, state, history
 
 
