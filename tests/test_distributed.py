@@ -545,3 +545,27 @@ def test_parallelize_needs_devices_of_every_process(monkeypatch):
         ValueError, match=r"every process must hold the same number.*process 1: 0"
     ):
         jdp.parallelize(lambda s, b: (s, {}))
+
+
+# An uncaught error after the stall check decided to stop the job (a collective
+# failing because another process already left) exits with the stall's status.
+STOPPING_THEN_RAISES = """
+import sys, types
+from jdp.distributed import _runtime
+sys.excepthook = _runtime._exit_on_uncaught(sys.excepthook)
+if sys.argv[1] == "stopping":
+    _runtime._stall_watch = types.SimpleNamespace(stopping=124)
+raise ValueError("Gloo all-reduce failed: connection closed by peer")
+"""
+
+
+@pytest.mark.parametrize("state, code", [("stopping", 124), ("running", 1)])
+def test_an_error_after_the_stall_verdict_exits_with_its_status(state, code):
+    proc = subprocess.run(
+        [sys.executable, "-c", STOPPING_THEN_RAISES, state],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == code, proc.stderr
+    assert "Gloo all-reduce failed" in proc.stderr

@@ -897,6 +897,37 @@ def test_job_names_a_sigkilled_process_before_a_peer_that_failed_with_it(gap):
         )
 
 
+# Process 1 finishes (exit 0) at the time argv[2]; process 0 exits with status 1
+# argv[3] seconds later: a peer whose collective fails once process 1 has left.
+FINISHED_AND_A_PEER_FAILED = """
+import os, sys, time
+rank, at, gap = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
+time.sleep(max(0.0, at - time.time() + (gap if rank == "0" else 0.0)))
+os._exit(1 if rank == "0" else 0)
+"""
+
+
+@pytest.mark.parametrize("gap", [0.02, -0.05])
+def test_job_names_a_process_that_finished_as_its_peer_failed(gap):
+    # The peer fails within milliseconds of the process that finished, and the
+    # launcher may see the failure first (-0.05: it even comes first); a
+    # program does not complete because a peer failed, so the finished process
+    # is named as the likely cause every time.
+    for _ in range(3):
+        at = str(time.time() + 1.0)
+        job = failed_job(
+            [sys.executable, "-c", FINISHED_AND_A_PEER_FAILED, str(rank), at, str(gap)]
+            for rank in range(2)
+        )
+        assert job.failure == (0, 1), job.failure_message()
+        assert re.match(
+            r"process 1 of 2 \(pid \d+\) finished \(exit 0\) while process 0 was "
+            r"still running; (\S+ s later|as it left) process 0 exited with status "
+            r"1, most likely in a step that process 1 never joined",
+            job.failure_message(with_tail=False),
+        ), job.failure_message(with_tail=False)
+
+
 @pytest.mark.parametrize(
     "failed, expected",
     [

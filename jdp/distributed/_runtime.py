@@ -273,7 +273,16 @@ def _exit_on_uncaught(previous):
 
 
 def flush_and_exit(code: int) -> None:
-    """Flushes the standard streams and logging, then `os._exit(code)`."""
+    """Flushes the standard streams and logging, then `os._exit(code)`.
+
+    Once the stall check has decided to stop the job (`Watchdog.stopping`), the
+    process exits with its status whatever path gets here first: a collective
+    that fails because another process already left must not turn the stall's
+    124 into an error's 1.
+    """
+    watch = _stall_watch
+    if watch is not None and getattr(watch, "stopping", None) is not None:
+        code = watch.stopping
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

@@ -304,6 +304,8 @@ class Watchdog:
         self._stop = threading.Event()
         self._finished = False
         self._published: tuple[int, bool] | None = None
+        #: The status this process exits with, once a verdict stops the job.
+        self.stopping: int | None = None
         self.who: dict[int, str] = {}
         self._lock = threading.Lock()
         self._thread = threading.Thread(
@@ -380,6 +382,7 @@ class Watchdog:
 
     def _act(self, verdict: Verdict) -> None:
         """Prints the verdict (with the stuck processes' stacks), then exits."""
+        self.stopping = EXIT_CODE
         stacks: dict[int, str] = {}
         if self.me in verdict.behind:
             stacks[self.me] = _dump_stack()

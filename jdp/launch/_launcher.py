@@ -399,10 +399,15 @@ class Job:
             (self.failure, *self.also_failed) = _cause_first(failed)
             self.stopped = len(self.procs) - len(exits)
             at = failed[0][0]
+            # A process that finished (exit 0) up to `FINISHED_THEN_FAILED_S`
+            # before the failure, or that the launcher saw end up to
+            # `ENDING_WAIT_S` after it: its peers fail within milliseconds of
+            # its leaving, closer than the launcher's threads can order, and a
+            # program does not complete because a peer failed.
             finished = [
                 (r, at - t)
                 for t, r, c in exits
-                if c == 0 and 0 <= at - t <= FINISHED_THEN_FAILED_S
+                if c == 0 and -ENDING_WAIT_S <= at - t <= FINISHED_THEN_FAILED_S
             ]
             if finished:
                 self.finished_first = finished[0]
@@ -483,10 +488,11 @@ class Job:
         first, before = self.finished_first
         failures = [self.failure, *self.also_failed]
         ended = {r: t for t, r, _ in self._ends()[0]}
+        failed = {r for r, _ in failures}
         others = [
             r
             for r in range(len(self.procs))
-            if r not in ended or ended[r] > ended[first]
+            if r != first and (r not in ended or ended[r] > ended[first] or r in failed)
         ]
         stall = self.stall
         exact = stall is not None and stall.finished_at[first] is not None
@@ -501,7 +507,8 @@ class Job:
         one = len(others) == 1
         msg += f" while {process_list(others)} {'was' if one else 'were'} still running"
         (r, c), *later = failures
-        msg += f"; {before:.2g} s later process {r} {_describe_exit(c)}"
+        when = f"{before:.2g} s later" if before >= 0 else "as it left"
+        msg += f"; {when} process {r} {_describe_exit(c)}"
         for r, c in later:
             msg += f", then process {r} {_describe_exit(c)}"
         return (

@@ -325,14 +325,16 @@ def test_a_process_that_exits_early_is_named_as_the_cause(tmp_path):
     code, out, err, elapsed = run_uneven(tmp_path, "6,3", "exit")
     # Process 0 fails at once in the step's collective (its peer has left).
     # The launcher names process 1's step count when it has read one before
-    # process 1 ended (its reports are polled, so under load it may not have).
+    # process 1 ended (its reports are polled, so under load it may not have),
+    # and may see process 1 end after process 0 (its threads are late).
     assert code == 1, out + err
     assert "[1] done" in out, out
     assert re.search(
         r"jdp\.launch: process 1 of 2 \(pid \d+\) finished \(exit 0\)( after at "
-        r"least \d step calls)? while process 0 was still running; \S+ s later "
-        r"process 0 exited with status 1, most likely in a step that process 1 "
-        rf"never joined \(a collective whose peer has left fails\)\. {SAME_STEPS}",
+        r"least \d step calls)? while process 0 was still running; (\S+ s later|as "
+        r"it left) process 0 exited with status 1, most likely in a step that "
+        rf"process 1 never joined \(a collective whose peer has left fails\)\. "
+        rf"{SAME_STEPS}",
         err,
     ), err
     assert elapsed < BOUND_S
