@@ -865,6 +865,15 @@ def test_job_reports_the_process_that_ended_first(how):
         )
 
 
+def failed_pair_at(source, gap):
+    """A 2-process `failed_job` of `source`, given its rank, a wall time 1 s
+    ahead at which to act, and `gap` (argv[1:4])."""
+    at = str(time.time() + 1.0)
+    return failed_job(
+        [sys.executable, "-c", source, str(rank), at, str(gap)] for rank in range(2)
+    )
+
+
 # Process 0 kills itself at the time argv[2]; process 1 exits with status 1
 # argv[3] seconds later (as a peer whose connection closed does), or earlier.
 KILLED_AND_A_PEER_FAILED = """
@@ -884,11 +893,7 @@ def test_job_names_a_sigkilled_process_before_a_peer_that_failed_with_it(gap):
     # machine; the SIGKILL is the cause, and it is named first every time, even
     # when the launcher saw the peer end 0.1 s before it (it waits `SETTLE_S`).
     for _ in range(4):
-        at = str(time.time() + 1.0)
-        job = failed_job(
-            [sys.executable, "-c", KILLED_AND_A_PEER_FAILED, str(rank), at, str(gap)]
-            for rank in range(2)
-        )
+        job = failed_pair_at(KILLED_AND_A_PEER_FAILED, gap)
         assert job.failure == (0, -signal.SIGKILL), job.failure_message()
         assert re.fullmatch(
             r"process 0 of 2 \(pid \d+\) was killed by SIGKILL(; then process 1 "
@@ -914,11 +919,7 @@ def test_job_names_a_process_that_finished_as_its_peer_failed(gap):
     # program does not complete because a peer failed, so the finished process
     # is named as the likely cause every time.
     for _ in range(3):
-        at = str(time.time() + 1.0)
-        job = failed_job(
-            [sys.executable, "-c", FINISHED_AND_A_PEER_FAILED, str(rank), at, str(gap)]
-            for rank in range(2)
-        )
+        job = failed_pair_at(FINISHED_AND_A_PEER_FAILED, gap)
         assert job.failure == (0, 1), job.failure_message()
         assert re.match(
             r"process 1 of 2 \(pid \d+\) finished \(exit 0\) while process 0 was "
