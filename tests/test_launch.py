@@ -946,6 +946,28 @@ def test_failures_are_told_cause_first(failed, expected):
     assert _launcher._cause_first(failed) == expected
 
 
+def test_a_failure_whose_peer_left_is_told_after_the_others():
+    left = ["ValueError: UNKNOWN: Gloo all-reduce failed: [pair.cc:538] Read error "
+            "[127.0.0.1]:26527: Connection reset by peer"]  # fmt: skip
+    tails = [left, ["on purpose"]]
+    # Process 0's collective failed because process 1 left (status 3), though
+    # the launcher saw process 0 end first.
+    failed = [(0.0, 0, 1), (0.01, 1, 3)]
+    assert _launcher._cause_first(failed, tails) == [(1, 3), (0, 1)]
+    assert _launcher._cause_first(failed, [["other"], ["on purpose"]]) == [
+        (0, 1),
+        (1, 3),
+    ]
+    # Beyond `ENDING_WAIT_S` the order they ended stands.
+    late = [(0.0, 0, 1), (5.0, 1, 3)]
+    assert _launcher._cause_first(late, tails) == [(0, 1), (1, 3)]
+    # A SIGKILL still comes first.
+    assert _launcher._cause_first([(0.0, 0, 1), (0.01, 1, -9)], tails) == [
+        (1, -9),
+        (0, 1),
+    ]
+
+
 def test_worker_reports_no_progress_from_a_progress_module_being_imported(
     monkeypatch,
 ):

@@ -145,20 +145,37 @@ def process_env(
     return env
 
 
-def _cause_first(failed: list[tuple[float, int, int]]) -> list[tuple[int, int]]:
+#: The last output of a process that failed because a peer left (its
+#: connections closed): never the cause when another process failed with it.
+PEER_LEFT = re.compile(
+    r"Connection (reset|closed) by peer|detected fatal errors|another task died"
+)
+
+
+def _cause_first(
+    failed: list[tuple[float, int, int]], tails: Sequence[Sequence[str]] = ()
+) -> list[tuple[int, int]]:
     """The failures `(ended at, process_id, returncode)`, the likely cause first.
 
-    In the order they ended, except that a process killed by one of
-    `CAUSE_SIGNALS` within `ENDING_WAIT_S` of the first failure goes first: its
-    peers fail within milliseconds of it (a closed connection), less than the
-    launcher's threads can tell apart on a busy machine, and a restart policy
-    must count the failure against the right slot.
+    In the order they ended, except within `ENDING_WAIT_S` of the first
+    failure: a process killed by one of `CAUSE_SIGNALS` goes first, and one
+    whose last output (`tails[process_id]`) says a peer left (`PEER_LEFT`) goes
+    last. Peers fail within milliseconds of the cause (a closed connection),
+    less than the launcher's threads can tell apart on a busy machine, and a
+    restart policy must count the failure against the right slot.
     """
     first = failed[0][0]
-    order = sorted(
-        failed,
-        key=lambda f: (not (f[2] in CAUSE_SIGNALS and f[0] - first <= ENDING_WAIT_S),),
-    )  # stable: the order they ended within each group
+
+    def rank(f):
+        t, r, c = f
+        if t - first > ENDING_WAIT_S:
+            return 3
+        if c in CAUSE_SIGNALS:
+            return 0
+        left = r < len(tails) and any(PEER_LEFT.search(line) for line in tails[r])
+        return 2 if left else 1
+
+    order = sorted(failed, key=rank)  # stable: the order they ended within each
     return [(r, c) for _, r, c in order]
 
 
@@ -396,7 +413,7 @@ class Job:
             waited = now - self._failed_at
             if waited < SETTLE_S or (ending and waited < ENDING_WAIT_S):
                 return None
-            (self.failure, *self.also_failed) = _cause_first(failed)
+            (self.failure, *self.also_failed) = _cause_first(failed, self.tails)
             self.stopped = len(self.procs) - len(exits)
             at = failed[0][0]
             # A process that finished (exit 0) up to `FINISHED_THEN_FAILED_S`
