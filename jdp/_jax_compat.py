@@ -16,6 +16,7 @@ recognised" (the error is raised unchanged, without jdp's explanation).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from typing import Any
 
@@ -68,6 +69,49 @@ def coordination_client() -> Any:
         return None
     state = getattr(distributed, "global_state", None)
     return getattr(state, "client", None)
+
+
+def slurm_config() -> tuple[str, int, int] | None:
+    """What JAX's `distributed.initialize()` detects in a SLURM job step, or None.
+
+    `(coordinator_address, num_processes, process_id)` as JAX 0.10 fills them in
+    when none is given: `$JAX_COORDINATOR_ADDRESS`, else the first host of
+    `$SLURM_STEP_NODELIST` with `$JAX_COORDINATOR_PORT` (else a port derived
+    from `$SLURM_JOB_ID`); `$SLURM_NTASKS`; `$SLURM_PROCID`. None where JAX
+    would not pick SLURM (its variables incomplete, or an environment JAX
+    checks first, such as Open MPI's, present). Private JAX
+    (`jax._src.clusters.ClusterEnv` and its `SlurmCluster`): no public API says
+    what JAX's cluster detection would find, and jdp needs the address to watch
+    the connection (JAX aborts the process when the coordinator never comes up).
+    None if JAX moved them (JAX then detects SLURM itself).
+
+    Example:
+      >>> from jdp import _jax_compat
+      >>> _jax_compat.slurm_config() is None  # not in a SLURM job step
+      True
+    """
+    try:
+        from jax._src import clusters
+    except ImportError:  # pragma: no cover - JAX moved it
+        return None
+    env = None
+    # JAX takes the first environment present, in this order; those after SLURM
+    # are not asked (Cloud TPU's detection may query a metadata server).
+    for cluster in getattr(clusters.ClusterEnv, "_cluster_types", []):
+        if getattr(cluster, "opt_in_only_method", False):
+            continue
+        if cluster.is_env_present():
+            env = cluster
+            break
+        if getattr(cluster, "name", None) == "slurm":
+            break
+    if env is None or getattr(env, "name", None) != "slurm":
+        return None
+    address = os.environ.get("JAX_COORDINATOR_ADDRESS") or env.get_coordinator_address(
+        timeout_secs=None,
+        override_coordinator_port=os.environ.get("JAX_COORDINATOR_PORT"),
+    )
+    return address, env.get_process_count(), env.get_process_id()
 
 
 # -- JAX's errors, recognised by their text ----------------------------------------
@@ -201,27 +245,84 @@ COLLECTIVE_PRIMITIVES = frozenset(
 SHAPE_ONLY_PRIMITIVES = frozenset({"broadcast_in_dim", "reshape", "squeeze"})
 
 
+#: The modules of JAX's CUDA plugins (the `jax[cuda12]` and `jax[cuda13]`
+#: extras install them); JAX has no public API listing the plugins installed.
+CUDA_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin")
+
+#: The names `$JAX_PLATFORMS` gives NVIDIA GPUs.
+CUDA_PLATFORMS = ("cuda", "gpu")
+
+
+def cuda_plugin_installed() -> bool:
+    """Whether one of JAX's CUDA plugins is installed (without importing it).
+
+    Example:
+      >>> from jdp import _jax_compat
+      >>> isinstance(_jax_compat.cuda_plugin_installed(), bool)
+      True
+    """
+    return any(importlib.util.find_spec(name) is not None for name in CUDA_PLUGINS)
+
+
+def no_backend_message(requested: str | None) -> str:
+    """Why JAX starts no backend for `$JAX_PLATFORMS` = `requested`, and the fix."""
+    asked = f" for JAX_PLATFORMS={requested!r}" if requested else ""
+    platforms = {p.strip() for p in (requested or "").split(",") if p.strip()}
+    install = (
+        'pip install "jdp[cuda12]" (NVIDIA driver 525 or newer) or "jdp[cuda13]" '
+        "(driver 580 or newer)"
+    )
+    if platforms and platforms <= set(CUDA_PLATFORMS):
+        why = (
+            "no CUDA backend was found: JAX's CUDA plugin is installed, but it "
+            "found no usable NVIDIA GPU (none on this machine, or a driver older "
+            "than its CUDA needs; `nvidia-smi` shows the driver: "
+            f"{install})"
+            if cuda_plugin_installed()
+            else "no CUDA backend was found: JAX's CUDA plugin is not installed "
+            f"({install})"
+        )
+    else:
+        why = (
+            "the platform asked for is not available here (for a GPU: " + install + ")"
+        )
+    return (
+        f"JAX could not start any backend{asked}: {why}. Or unset JAX_PLATFORMS, "
+        "or set it to a platform this machine has (e.g. JAX_PLATFORMS=cpu); "
+        "JAX's log above, if any, says why the backend failed."
+    )
+
+
+def check_platforms_available() -> None:
+    """Raises where `$JAX_PLATFORMS` asks for CUDA alone and no plugin provides it.
+
+    Checked without starting JAX's backends (they would fail a bare `assert`
+    later, at the first array). The CUDA plugin installed on a machine without
+    a usable GPU is found only when the backends start (`devices`).
+
+    Raises:
+      RuntimeError: Naming `$JAX_PLATFORMS` and what to install.
+    """
+    requested = jax.config.jax_platforms or os.environ.get("JAX_PLATFORMS")
+    platforms = {p.strip() for p in (requested or "").split(",") if p.strip()}
+    if platforms and platforms <= set(CUDA_PLATFORMS) and not cuda_plugin_installed():
+        raise RuntimeError(no_backend_message(requested))
+
+
 def devices() -> list[Any]:
     """`jax.devices()`, with a clear error where JAX found no backend at all.
 
     Asked for a platform it cannot start (`JAX_PLATFORMS=cuda` on a machine
-    without a GPU, or without the `jax[cuda]` plugin), JAX 0.10 logs the
-    failure and then fails an internal `assert` with no message; no public
-    exception says so.
+    without a GPU, or without the `jax[cuda12]` / `jax[cuda13]` plugin), JAX
+    0.10 fails an internal `assert` with no message; no public exception says
+    so.
 
     Raises:
-      RuntimeError: Naming `JAX_PLATFORMS` and how to fix it, in place of
-        JAX's bare `AssertionError`.
+      RuntimeError: Naming `JAX_PLATFORMS` and how to fix it (what to install
+        for CUDA), in place of JAX's bare `AssertionError`.
     """
     try:
         return jax.devices()
     except AssertionError as e:
-        requested = os.environ.get("JAX_PLATFORMS")
-        raise RuntimeError(
-            "JAX could not start any backend"
-            + (f" for JAX_PLATFORMS={requested!r}" if requested else "")
-            + ": the platform asked for is not available here (e.g. 'cuda' on a "
-            "machine without a GPU, or without `pip install -e '.[cuda]'`). Unset "
-            "JAX_PLATFORMS, or set it to a platform this machine has (e.g. "
-            "JAX_PLATFORMS=cpu); JAX's log above says why the backend failed."
-        ) from e
+        requested = jax.config.jax_platforms or os.environ.get("JAX_PLATFORMS")
+        raise RuntimeError(no_backend_message(requested)) from e

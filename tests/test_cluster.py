@@ -516,6 +516,77 @@ def test_a_job_of_one_where_the_environment_says_several_raises():
     ), proc.stderr
 
 
+def test_a_malformed_task_count_is_named(no_cluster_env, monkeypatch):
+    with pytest.raises(
+        ValueError, match=r"\$SLURM_NTASKS must be an integer, got 'abc'"
+    ):
+        _cluster.expected_processes({"SLURM_NTASKS": "abc"}, kubernetes=False)
+    monkeypatch.setenv("SLURM_NTASKS", "abc")
+    with pytest.raises(
+        ValueError,
+        match=r"environment variable \$SLURM_NTASKS must be an integer, got "
+        r"'abc'\. The scheduler .* sets it to a number",
+    ):
+        jdp.distributed.initialize()
+    assert not jdp.distributed.is_initialized()
+
+
+def test_a_slurm_task_whose_coordinator_never_comes_up_says_so_and_exits():
+    """Task 1 of 2 started, task 0 never: warnings while waiting, then a
+    `TimeoutError` and exit status 1 (JAX alone aborts with SIGABRT)."""
+    from jdp.launch._launcher import free_port
+
+    port = free_port()
+    clean = {
+        k: v
+        for k, v in os.environ.items()
+        if not (k.startswith(CLUSTER_PREFIXES) or k in CLUSTER_NAMES)
+    }
+    env = {
+        **clean,
+        "JAX_PLATFORMS": "cpu",
+        "SLURM_JOB_ID": "7",
+        "SLURM_STEP_NODELIST": "127.0.0.1",
+        "SLURM_NTASKS": "2",
+        "SLURM_PROCID": "1",
+        "SLURM_LOCALID": "0",
+        "SLURM_NTASKS_PER_NODE": "1",
+        "JAX_COORDINATOR_PORT": str(port),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import jdp; jdp.distributed.initialize(timeout_s=2)"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, 9)
+            proc.wait()
+    assert proc.returncode == 1, err
+    where = (
+        r"JAX's SLURM detection: the first host of \$SLURM_STEP_NODELIST=127\.0\.0\.1, "
+        rf"\$JAX_COORDINATOR_PORT={port}"
+    )
+    assert re.search(
+        rf"process 1 of 2 is waiting for the coordinator at 127\.0\.0\.1:{port} "
+        rf"\(address from {where}, which `coordinator_address` or "
+        r"\$JAX_COORDINATOR_PORT override\) to accept a connection: [\d.]+ s so "
+        r"far, giving up after 2 s",
+        err,
+    ), err
+    assert re.search(
+        rf"TimeoutError: `jdp\.distributed\.initialize`: the coordinator at "
+        rf"127\.0\.0\.1:{port} did not accept a connection within 2 s \(this is "
+        rf"process 1 of 2\)\. .*from {where}",
+        err,
+    ), err
+    assert "DEADLINE_EXCEEDED" not in err
+
+
 def test_amd_gpus_bound_per_task():
     env = slurm(1, 4, gpus=4)
     env["ROCR_VISIBLE_DEVICES"] = "1"

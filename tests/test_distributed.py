@@ -234,8 +234,9 @@ def test_initialize_on_a_port_in_use_raises_instead_of_crashing(no_job_env, held
         rf"OSError: \[Errno {errno.EADDRINUSE}\] `jdp\.distributed\.initialize`: "
         rf"process 0 hosts the job's coordinator, but port {held_port} on "
         r"127\.0\.0\.1 is already in use \(another program, or the coordinator of "
-        r"another job, listens on it\)\. Pick a free port in `coordinator_address` "
-        rf"\(now '127\.0\.0\.1:{held_port}'; or \$JDP_COORDINATOR_ADDRESS\), or "
+        r"another job, listens on it\)\. Pick a free port in the address "
+        rf"\(now '127\.0\.0\.1:{held_port}', from `coordinator_address` \(or "
+        r"\$JDP_COORDINATOR_ADDRESS\)\), or "
         r"start the job with `python -m jdp\.launch` without `--port`, which picks a "
         r"free one\.",
         proc.stderr,

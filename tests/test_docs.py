@@ -312,3 +312,19 @@ def test_every_docs_page_is_markdown_or_known():
             if "notebooks" in path.relative_to(DOCS).parts:
                 continue  # copied from ../notebooks by the build (ignored)
             assert path.suffix in allowed or path.name == ".gitignore", path
+
+
+def test_cuda_extras_and_their_drivers_are_documented():
+    """`jdp[cuda12]` for older drivers, `jdp[cuda13]` (and `cuda`) for newer."""
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    for version in (12, 13):
+        (requirement,) = extras[f"cuda{version}"]
+        assert requirement.startswith(f"jax[cuda{version}]"), requirement
+    assert extras["cuda"] == extras["cuda13"]
+    page = (DOCS / "installation.md").read_text()
+    assert "| `cuda13` (also `cuda`) | `jax[cuda13]`, CUDA 13 | 580 or newer |" in page
+    assert "| `cuda12` | `jax[cuda12]`, CUDA 12 | 525 or newer |" in page

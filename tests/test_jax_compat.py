@@ -58,6 +58,37 @@ def test_backends_started_is_false_until_jax_starts_them():
     assert _jax_compat.backends_started() is True
 
 
+SLURM_STEP = {
+    "SLURM_JOB_ID": "4101",
+    "SLURM_STEP_NODELIST": "node[007-009],other",
+    "SLURM_NTASKS": "6",
+    "SLURM_PROCID": "4",
+    "SLURM_LOCALID": "1",
+}
+
+
+@pytest.mark.parametrize(
+    "more, address",
+    [
+        ({}, f"node007:{4101 % 4096 + 61440}"),
+        ({"JAX_COORDINATOR_PORT": "1234"}, "node007:1234"),
+        ({"JAX_COORDINATOR_ADDRESS": "10.0.0.1:99"}, "10.0.0.1:99"),
+    ],
+    ids=["job-id-port", "port-given", "address-given"],
+)
+def test_slurm_config_is_what_jax_detects(monkeypatch, more, address):
+    for name in list(os.environ):
+        if name.startswith(("SLURM_", "OMPI_", "JAX_COORDINATOR")):
+            monkeypatch.delenv(name)
+    assert _jax_compat.slurm_config() is None
+    for name, value in {**SLURM_STEP, **more}.items():
+        monkeypatch.setenv(name, value)
+    assert _jax_compat.slurm_config() == (address, 6, 4)
+    # Open MPI's variables win in JAX's detection: then not SLURM's.
+    monkeypatch.setenv("OMPI_MCA_orte_hnp_uri", "1531576320.0;tcp://10.0.0.2:34911")
+    assert _jax_compat.slurm_config() is None
+
+
 def test_coordination_client_is_none_outside_a_job():
     assert _jax_compat.coordination_client() is None
 
@@ -328,3 +359,32 @@ def test_no_backend_for_the_requested_platform_is_a_clear_error():
     assert "RuntimeError: JAX could not start any backend for JAX_PLATFORMS='cuda'" in (
         done.stderr
     ), done.stderr[-2000:]
+    assert "no CUDA backend was found" in done.stderr
+    assert 'pip install "jdp[cuda12]"' in done.stderr
+
+
+def test_initialize_asking_for_cuda_without_its_plugin_says_what_to_install():
+    """Every process would fail JAX's bare `assert` at its first array."""
+    if _jax_compat.cuda_plugin_installed():
+        pytest.skip("a CUDA plugin is installed: JAX decides when it starts")
+    code = "import jdp; jdp.distributed.initialize(); print('not reached')"
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("JAX_COORDINATOR", "JDP_", "SLURM_", "OMPI_", "PMI_"))
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**env, "JAX_PLATFORMS": "cuda"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1, done.stderr
+    assert "not reached" not in done.stdout
+    assert (
+        "RuntimeError: JAX could not start any backend for JAX_PLATFORMS='cuda': no "
+        "CUDA backend was found: JAX's CUDA plugin is not installed (pip install "
+        '"jdp[cuda12]" (NVIDIA driver 525 or newer) or "jdp[cuda13]"'
+    ) in done.stderr, done.stderr[-2000:]
+    assert "AssertionError" not in done.stderr

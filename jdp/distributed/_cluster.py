@@ -60,12 +60,75 @@ _K8S_JOB_FIX = (
 
 
 def _int(environ: Mapping[str, str], name: str) -> int | None:
-    """`environ[name]` as an int; None if unset, empty or not an integer."""
+    """`environ[name]` as an int; None if unset or empty.
+
+    Raises:
+      ValueError: If it is set to something else than an integer (naming the
+        variable and its value): a scheduler sets these to numbers, and a
+        malformed one must not make the job run as one process.
+    """
     value = environ.get(name, "").strip()
+    if not value:
+        return None
     try:
         return int(value)
     except ValueError:
-        return None
+        raise ValueError(
+            f"jdp.distributed: the environment variable ${name} must be an "
+            f"integer, got {environ[name]!r}. The scheduler (or launcher) sets it "
+            "to a number: fix the job script or the environment that sets it, or "
+            "unset it."
+        ) from None
+
+
+#: The variables read as integers here or by JAX's cluster detection.
+INTEGER_VARIABLES = (
+    (
+        "SLURM_JOB_ID",
+        "SLURM_NTASKS",
+        "SLURM_NPROCS",
+        "SLURM_PROCID",
+        "SLURM_LOCALID",
+        "SLURM_NODEID",
+        "SLURM_GPUS_ON_NODE",
+        "OMPI_COMM_WORLD_SIZE",
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "OMPI_COMM_WORLD_LOCAL_SIZE",
+        "PMI_SIZE",
+        "PMI_RANK",
+        "JAX_COORDINATOR_PORT",
+        "JOB_COMPLETION_INDEX",
+    )
+    + JOBSET_REPLICAS
+    + JOBSET_INDEX
+)
+
+
+def check_integers(environ: Mapping[str, str]) -> None:
+    """Raises `ValueError` for a cluster variable that is set but not an integer.
+
+    Example:
+      >>> from jdp.distributed import _cluster
+      >>> _cluster.check_integers({"SLURM_NTASKS": "4"})
+    """
+    for name in INTEGER_VARIABLES:
+        _int(environ, name)
+
+
+def slurm_source(environ: Mapping[str, str]) -> str:
+    """Where JAX takes a SLURM job's coordinator address from, for messages."""
+    if environ.get("JAX_COORDINATOR_ADDRESS"):
+        return _show(environ, "JAX_COORDINATOR_ADDRESS")
+    port = (
+        _show(environ, "JAX_COORDINATOR_PORT")
+        if environ.get("JAX_COORDINATOR_PORT")
+        else f"a port derived from {_show(environ, 'SLURM_JOB_ID')}"
+    )
+    return (
+        f"JAX's SLURM detection: the first host of "
+        f"{_show(environ, 'SLURM_STEP_NODELIST')}, {port}"
+    )
 
 
 def _show(environ: Mapping[str, str], *names: str) -> str:

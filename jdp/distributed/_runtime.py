@@ -61,17 +61,30 @@ _CONNECT_TIMEOUT_MSG = (
 _UNREACHABLE_MSG = (
     "`jdp.distributed.initialize`: the coordinator at {addr} did not accept a "
     "connection within {timeout} s (this is process {pid} of {num}). Process 0 "
-    "hosts the coordinator: start it, check that `coordinator_address` (or "
-    "${env}) names its host and a port it can bind, and that no firewall blocks "
-    "the port. Raise `timeout_s` if process 0 starts slowly."
+    "hosts the coordinator: start it, check that the address (from {where}) "
+    "names its host and a port it can bind, and that no firewall blocks the "
+    "port. Raise `timeout_s` if process 0 starts slowly."
 )
+
+_WAITING_MSG = (
+    "jdp.distributed: process %d of %d is waiting for the coordinator at %s "
+    "(address from %s) to accept a connection: %.1f s so far, giving up after "
+    "%d s. Process 0 hosts it: is it running?"
+)
+
+#: How often a process waiting for the coordinator says so (at most; at least
+#: 4 times within `timeout_s`).
+_WAITING_EVERY_S = 5.0
 
 _CANNOT_LISTEN_MSG = (
     "`jdp.distributed.initialize`: process 0 hosts the job's coordinator, but "
-    "{reason}. Pick a free port in `coordinator_address` (now {addr!r}; or "
-    "${env}), or start the job with `python -m jdp.launch` without `--port`, which "
-    "picks a free one."
+    "{reason}. Pick a free port in the address (now {addr!r}, from {where}), "
+    "or start the job with `python -m jdp.launch` without `--port`, which picks "
+    "a free one."
 )
+
+#: Where a coordinator address given to `initialize` comes from, for messages.
+_GIVEN_ADDRESS = f"`coordinator_address` (or ${ENV_COORDINATOR_ADDRESS})"
 
 _SHUTDOWN_TIMEOUT_MSG = (
     "jdp.distributed: process {pid} of {num} waited {timeout} s at shutdown for "
@@ -217,7 +230,7 @@ def listen_reason(error: OSError, address: str) -> str:
     return f"it cannot listen on {where} ({error.strerror or error})"
 
 
-def _check_coordinator_port(requested: dict) -> str | None:
+def _check_coordinator_port(requested: dict, where: str) -> str | None:
     """The coordinator's bind address; on process 0, raises if it cannot listen."""
     address = requested["coordinator_address"]
     if address is None:
@@ -230,21 +243,30 @@ def _check_coordinator_port(requested: dict) -> str | None:
             raise OSError(
                 error.errno,
                 _CANNOT_LISTEN_MSG.format(
-                    reason=listen_reason(error, target),
-                    addr=address,
-                    env=ENV_COORDINATOR_ADDRESS,
+                    reason=listen_reason(error, target), addr=address, where=where
                 ),
             )
     return bind
 
 
-def _wait_for_coordinator(address: str, deadline: float) -> bool:
-    """Tries TCP connections to `address` until one succeeds or `deadline` passes."""
+def _wait_for_coordinator(
+    address: str, deadline: float, say_waiting=None, every_s: float = 5.0
+) -> bool:
+    """Tries TCP connections to `address` until one succeeds or `deadline` passes.
+
+    Calls `say_waiting(seconds waited)` every `every_s` seconds while it waits.
+    """
     host, port = _split_address(address)
+    start = next_say = time.monotonic()
+    next_say += every_s
     while True:
-        left = deadline - time.monotonic()
+        now = time.monotonic()
+        left = deadline - now
         if left <= 0:
             return False
+        if say_waiting is not None and now >= next_say:
+            say_waiting(now - start)
+            next_say += every_s
         try:
             with socket.create_connection((host, port), timeout=min(left, 2.0)):
                 return True
@@ -410,14 +432,17 @@ def initialize(
       TypeError: If an argument has the wrong type (e.g. `num_processes="2"`;
         counts, ids and seconds are ints, not bools; `fail_fast` is a bool or
         None; `stall_timeout_s` is a number or None).
-      ValueError: If an argument or `JDP_*` variable is malformed (e.g.
+      ValueError: If an argument, a `JDP_*` variable or a scheduler's variable
+        read as a number (e.g. `$SLURM_NTASKS`) is malformed (e.g.
         `$JDP_FAIL_FAST` other than "0" or "1", `$JDP_STALL_TIMEOUT_S` not a
         number), a count or timeout is below 1 (`stall_timeout_s`: not above
         0), `process_id` is outside `[0, num_processes)`, or the configuration
         is incomplete; or if the SLURM / Open MPI variables contradict each
         other or the tasks of a node cannot share its GPUs evenly (the message
         names the variables; pass `local_device_ids` to choose yourself).
-      RuntimeError: If JAX's backends already started, or this process was
+      RuntimeError: If `$JAX_PLATFORMS` asks for CUDA alone and JAX's CUDA
+        plugin is not installed (the message says what to install), or if
+        JAX's backends already started, or this process was
         already initialized with different arguments, or the environment says
         that the job has several processes (`$SLURM_NTASKS`,
         `$OMPI_COMM_WORLD_SIZE`, `$PMI_SIZE`, `$JOB_COMPLETION_INDEX`, a
@@ -427,7 +452,10 @@ def initialize(
       OSError: On process 0, if the coordinator cannot listen on its port
         (`errno.EADDRINUSE` if the port is in use: the message names the port).
       TimeoutError: If process 0's coordinator accepts no connection within
-        `timeout_s` (on processes other than 0).
+        `timeout_s` (on processes other than 0, which log a warning every few
+        seconds while they wait, naming the address and where it came from; in
+        a SLURM job step, JAX's detection, which jdp asks first so that this
+        applies there too).
 
     If the coordinator is reachable but not all `num_processes` processes connect
     within `timeout_s` (for instance a wrong process count), JAX aborts the
@@ -464,20 +492,25 @@ def initialize(
             )
             return
         raise RuntimeError(_TOO_LATE_MSG)
-    bind = _check_coordinator_port(requested)
+    # A platform that cannot start fails a bare `assert` in JAX at the first
+    # array, in every process: say so now.
+    _jax_compat.check_platforms_available()
+    detected, where = _detected_config(requested)
+    bind = _check_coordinator_port(detected, where)
     if cpu_collectives is not None:
         jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
     sigterm = _python_sigterm_handler()
     joined = _join(
-        requested,
+        detected,
         local_device_ids=local_device_ids,
         timeout_s=timeout_s,
         heartbeat_timeout_s=heartbeat_timeout_s,
         bind=bind,
+        where=where,
     )
     if not joined:
         return
-    _config = _joined_config(requested)
+    _config = _joined_config(detected)
     _shutdown_timeout_s = timeout_s
     if requested["num_processes"] is None and _config["num_processes"] == 1:
         _leave_alone_job()
@@ -612,6 +645,43 @@ def _check_config(
         _split_address(coordinator_address)
 
 
+def _detected_config(requested: dict) -> tuple[dict, str]:
+    """The configuration with what JAX detects in a SLURM job step filled in.
+
+    JAX would fill in the same values itself, but then aborts the process
+    (SIGABRT, `DEADLINE_EXCEEDED`) when the coordinator never comes up; known
+    here, they get jdp's watch: warnings while waiting, then a `TimeoutError`.
+    Also returns where the coordinator address comes from, for messages.
+
+    Raises:
+      ValueError: If a scheduler's variable is set but not an integer.
+    """
+    if None not in requested.values():
+        return requested, _GIVEN_ADDRESS
+    _cluster.check_integers(os.environ)
+    detected = _jax_compat.slurm_config()
+    if detected is None:
+        return requested, _GIVEN_ADDRESS
+    filled = {
+        k: d if v is None else v
+        for (k, v), d in zip(requested.items(), detected, strict=True)
+    }
+    if requested["coordinator_address"] is not None:
+        return filled, _GIVEN_ADDRESS
+    where = (
+        f"{_cluster.slurm_source(os.environ)}, which `coordinator_address` or "
+        "$JAX_COORDINATOR_PORT override"
+    )
+    _log.info(
+        "SLURM job step: coordinator %s (%s), process %d of %d.",
+        filled["coordinator_address"],
+        _cluster.slurm_source(os.environ),
+        filled["process_id"],
+        filled["num_processes"],
+    )
+    return filled, where
+
+
 def _check_same_job(requested: dict) -> None:
     """Raises if this process already joined a job other than `requested`."""
     current = _config or {}
@@ -636,6 +706,7 @@ def _join(
     timeout_s: int,
     heartbeat_timeout_s: int,
     bind: str | None,
+    where: str = _GIVEN_ADDRESS,
 ) -> bool:
     """Calls `jax.distributed.initialize`; False if there is no job to join.
 
@@ -651,7 +722,7 @@ def _join(
         heartbeat_timeout_s=heartbeat_timeout_s,
         bind=bind,
     )
-    watchdog = _start_watchdog(**requested, timeout_s=timeout_s)
+    watchdog = _start_watchdog(**requested, timeout_s=timeout_s, where=where)
     try:
         jax.distributed.initialize(**args)
     except ValueError as e:
@@ -736,23 +807,43 @@ def _start_watchdog(
     process_id: int | None,
     *,
     timeout_s: int,
+    where: str = _GIVEN_ADDRESS,
 ) -> threading.Timer | None:
     """Waits for the coordinator, then starts the timer that calls `_give_up`.
 
-    Returns None (no watchdog) unless the whole configuration is given. Raises
-    `TimeoutError` if a process other than 0 cannot reach the coordinator.
+    Returns None (no watchdog) unless the whole configuration is given. A
+    process other than 0 logs a warning every few seconds while the
+    coordinator does not accept its connection, and raises `TimeoutError` if
+    it never does.
     """
     if coordinator_address is None or num_processes is None or process_id is None:
         return None
     deadline = time.monotonic() + timeout_s
-    if process_id != 0 and not _wait_for_coordinator(coordinator_address, deadline):
+
+    def say_waiting(waited: float) -> None:
+        _log.warning(
+            _WAITING_MSG,
+            process_id,
+            num_processes,
+            coordinator_address,
+            where,
+            waited,
+            timeout_s,
+        )
+
+    if process_id != 0 and not _wait_for_coordinator(
+        coordinator_address,
+        deadline,
+        say_waiting,
+        every_s=min(_WAITING_EVERY_S, timeout_s / 4),
+    ):
         raise TimeoutError(
             _UNREACHABLE_MSG.format(
                 addr=coordinator_address,
                 timeout=timeout_s,
                 pid=process_id,
                 num=num_processes,
-                env=ENV_COORDINATOR_ADDRESS,
+                where=where,
             )
         )
     watchdog = threading.Timer(
