@@ -1105,8 +1105,17 @@ def test_restart_arguments_are_checked(kwargs, error, message):
         (["--max-restarts", "-1"], "argument --max-restarts: expected an integer >= 0"),
         (["--max-restarts", "x"], "argument --max-restarts: expected an integer, got"),
         (["--min-processes", "3"], "argument --min-processes: 3 is more than"),
+        (
+            ["--min-processes", "1"],
+            "argument --min-processes: 1 needs --max-restarts 2 or more (now 0)",
+        ),
+        (
+            ["--max-restarts", "1", "--min-processes", "1"],
+            "argument --min-processes: 1 needs --max-restarts 2 or more (now 1): a "
+            "job shrinks only when the same process fails first in two attempts",
+        ),
     ],
-    ids=["negative", "text", "above"],
+    ids=["negative", "text", "above", "no-restarts", "one-restart"],
 )
 def test_cli_rejects_bad_restart_arguments(args, message, capsys):
     with pytest.raises(SystemExit) as e:

@@ -28,8 +28,9 @@ made fewer step calls, e.g. its data ran out first), the job is stopped after
 With --max-restarts K, a failed or stalled job is started again, up to K times
 (a line per restart names the process that failed and how); every process sees
 JDP_RESTART_COUNT (0, 1, ...) and resumes from its latest checkpoint. With
---min-processes M, a process index that fails first in two attempts in a row
-makes the next attempt run one process fewer, down to M.
+--min-processes M (which needs --max-restarts 2 or more), a process index that
+fails first in two attempts in a row makes the next attempt run one process
+fewer, down to M.
 """
 
 
@@ -132,8 +133,8 @@ def _parser() -> argparse.ArgumentParser:
         type=_positive_int,
         default=None,
         metavar="M",
-        help="with restarts: when the same process index fails first in two "
-        "attempts in a row, restart with one process fewer, down to M "
+        help="with --max-restarts 2 or more: when the same process index fails "
+        "first in two attempts in a row, restart with one process fewer, down to M "
         "(default: --num-processes, never fewer); JDP_NUM_PROCESSES says how "
         "many run",
     )
@@ -157,6 +158,13 @@ def main(argv: list[str] | None = None) -> int:
             f"argument --min-processes: {ns.min_processes} is more than "
             f"--num-processes ({ns.num_processes}); it is the fewest processes "
             "a restarted job may shrink to"
+        )
+    if ns.min_processes is not None and ns.max_restarts < 2:
+        parser.error(
+            f"argument --min-processes: {ns.min_processes} needs --max-restarts "
+            f"2 or more (now {ns.max_restarts}): a job shrinks only when the "
+            "same process fails first in two attempts in a row, which takes two "
+            "restarts; add `--max-restarts K`, or drop --min-processes"
         )
     return launch_command(
         ns.target,
