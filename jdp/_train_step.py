@@ -39,6 +39,7 @@ from jdp import (
 )
 from jdp._layout import StateLayout
 from jdp._tree import format_problems, is_float, keystr
+from jdp.sparse._lookup import IndexedRows
 
 PyTree = Any
 
@@ -565,7 +566,9 @@ def _gradients(
     part are live at a time). For a loss that is a mean over examples, gradients
     and losses are averaged over the parts, which equals the whole batch at once;
     for a `jdp.weighted` loss, totals, weights and gradients are summed, which
-    is exact whatever the parts' weights. Every part starts from the step's
+    is exact whatever the parts' weights. Sparse row gradients (`jdp.sparse.
+    rows()`) are concatenated over the parts (the sum of their scatter-adds),
+    not accumulated in a dense table. Every part starts from the step's
     batch statistics: their floating leaves (BatchNorm's running averages) end
     as the mean over the parts, one update per step as with the whole batch,
     while the others (RNG counters) carry from one part to the next, so each
@@ -598,6 +601,25 @@ def _gradients(
     parts = jax.tree.map(lambda x: x.reshape((k, x.shape[0] // k) + x.shape[1:]), batch)
     stats = getattr(state, "batch_stats", None)
 
+    def part_grads(index, part):
+        return loss_and_grads(
+            value_and_grad,
+            loss_fn,
+            state,
+            part,
+            has_aux=has_aux,
+            kwargs=loss_kwargs(index),
+        ).grads
+
+    if value_and_grad is jax.value_and_grad:
+        zeros = jax.tree.map(jax.numpy.zeros_like, state.params)
+    else:  # a sync piece's own: its gradients may hold sparse rows
+        first = jax.tree.map(lambda x: x[0], parts)
+        shapes = jax.eval_shape(part_grads, jax.numpy.uint32(0), first)
+        zeros = jax.tree.map(
+            lambda s: jax.numpy.zeros(s.shape, s.dtype), _split_rows(shapes)[0]
+        )
+
     def body(carry, indexed):
         index, part = indexed
         total, carried = carry
@@ -616,11 +638,11 @@ def _gradients(
             has_aux=has_aux,
             kwargs=loss_kwargs(index),
         )
-        total = jax.tree.map(lambda a, g: a + g, total, out.grads)
+        dense, rows = _split_rows(out.grads)
+        total = jax.tree.map(lambda a, g: a + g, total, dense)
         carried = carried if stats is None else out.new_stats
-        return (total, carried), out._replace(grads=None)
+        return (total, carried), out._replace(grads=rows)
 
-    zeros = jax.tree.map(jax.numpy.zeros_like, state.params)
     indices = jax.numpy.arange(k, dtype=jax.numpy.uint32)
     (total, carried), outs = lax.scan(body, (zeros, stats), (indices, parts))
     new_stats = None
@@ -631,10 +653,38 @@ def _gradients(
             carried,
         )
     aux = _combine_parts(outs.aux, k)
+    # Sparse rows of the parts are concatenated: their scatter-add is the sum.
+    rows = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), outs.grads)
     if outs.weight is not None:
-        return _Gradients(outs.loss.sum(0), outs.weight.sum(0), aux, new_stats, total)
-    grads = jax.tree.map(lambda g: g / k, total)
+        grads = _join_rows(total, rows)
+        return _Gradients(outs.loss.sum(0), outs.weight.sum(0), aux, new_stats, grads)
+    grads = jax.tree.map(lambda g: g / k if is_float(g) else g, _join_rows(total, rows))
     return _Gradients(outs.loss.mean(0), None, aux, new_stats, grads)
+
+
+def _is_rows(x) -> bool:
+    return isinstance(x, IndexedRows)
+
+
+def _split_rows(grads: PyTree) -> tuple[PyTree, PyTree]:
+    """`grads` as its dense part and its sparse rows (`IndexedRows`).
+
+    Each of the two has None where the other has a leaf, so that `_join_rows`
+    puts them back together.
+    """
+    dense = jax.tree.map(lambda g: None if _is_rows(g) else g, grads, is_leaf=_is_rows)
+    rows = jax.tree.map(lambda g: g if _is_rows(g) else None, grads, is_leaf=_is_rows)
+    return dense, rows
+
+
+def _join_rows(dense: PyTree, rows: PyTree) -> PyTree:
+    """The inverse of `_split_rows`."""
+    return jax.tree.map(
+        lambda r, d: d if r is None else r,
+        rows,
+        dense,
+        is_leaf=lambda x: x is None or _is_rows(x),
+    )
 
 
 def _combine_parts(aux: PyTree, k: int) -> PyTree:

@@ -335,6 +335,37 @@ def test_sparse_step_with_batch_stats_matches_dense():
     assert_trees_close(got.batch_stats, expected.batch_stats, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("weighted", [False, True], ids=["mean", "weighted"])
+def test_sparse_step_with_microbatches_matches_one_device(weighted):
+    # Each microbatch's rows are concatenated, not added to a dense gradient.
+    params = init_params(8, SMALL_ROWS, SMALL_DIM)
+    batches = make_batches(2, 16, SMALL_ROWS, seed=8, hot=3)
+
+    def weighted_loss(params, batch):
+        mask = (batch["y"] > -0.5).astype(jnp.float32)  # some rows left out
+        emb = jdp.sparse.lookup(params["embed"], batch["ids"])
+        pred = jnp.tanh(emb.reshape(emb.shape[0], -1) @ params["mlp"]["w1"])
+        err = (pred @ params["mlp"]["w2"])[:, 0] - batch["y"]
+        return jdp.weighted(jnp.sum(mask * err**2), jnp.sum(mask))
+
+    loss = weighted_loss if weighted else loss_fn
+    oracle_tx = optax.sgd(LR)
+    step, state = train(
+        jdp.make_train_step(loss, oracle_tx),
+        params,
+        oracle_tx,
+        batches,
+        devices=jax.devices()[:1],
+    )
+    expected = step.unreplicate(state).params
+    tx = jdp.sparse.partition(optax.sgd(LR), {"embed": jdp.sparse.sgd(LR)})
+    train_step = jdp.make_train_step(loss, tx, sync=jdp.sparse.rows(), microbatches=2)
+    step, state = train(train_step, params, tx, batches, devices=jax.devices()[:4])
+    got = step.unreplicate(state).params
+    assert_trees_close(got, expected, rtol=1e-5, atol=1e-7)
+    assert not np.array_equal(got["embed"], params["embed"])
+
+
 def test_optimizer_errors():
     params = {"embed": jnp.ones((10, 2)), "w": jnp.ones(2)}
     step = jdp.parallelize(
