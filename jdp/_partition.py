@@ -117,9 +117,9 @@ def partition(
         (`Sync.init`: error feedback, PowerSGD), lays the state out itself
         (`jdp.zero()`), differentiates in its own way (`jdp.sparse.rows()`),
         or `batch_stats` is unknown; at trace time, if a leaf's label has no
-        piece, a piece skips non-finite steps (`skip_nonfinite=True`), the
-        labels are not a prefix of the params, or the processes label a leaf
-        differently.
+        piece, a piece skips non-finite steps (`skip_nonfinite=True`) or
+        drops bad replicas (`on_bad_replica="drop"`), the labels are not a
+        prefix of the params, or the processes label a leaf differently.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, jdp
@@ -396,10 +396,16 @@ def _synced(piece, group, part, state, axis_name) -> tuple[PyTree, dict]:
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     metrics = out[2]
     if "skipped" in metrics:
+        what = (
+            "drops the replicas whose gradients are not finite "
+            "(`on_bad_replica='drop'`) and skips a step where none is left"
+            if "dropped_replicas" in metrics
+            else "skips non-finite steps (`skip_nonfinite=True`)"
+        )
         raise ValueError(
-            f"`jdp.partition`: the piece of label(s) {list(group)} skips "
-            "non-finite steps (`skip_nonfinite=True`), which a partition does "
-            "not support (each label would decide on its own). Leave it out, or "
+            f"`jdp.partition`: the piece of label(s) {list(group)} {what}, which "
+            "a partition does not support (each label would decide on its own). "
+            "Give the label a piece without it (e.g. `jdp.all_reduce()`), or "
             "put `optax.apply_if_finite` in the optimizer."
         )
     return box[-1], metrics
@@ -458,7 +464,9 @@ def _merged(params, tree, old_opt_state, opt_state, merges):
     if jax.tree.structure(params) in want:
         return _bmuf.merge_updated(params, old_opt_state, opt_state, merges)
     labels = sorted({lbl for lbl in jax.tree.leaves(tree)})
-    for label in labels:
+    # `None`: a label of `optax.multi_transform` that no leaf carries, whose
+    # `jdp.bmuf` sees every leaf masked (it syncs nothing, but counts its steps).
+    for label in [*labels, None]:
         masked = _masked(tree, params, label)
         if jax.tree.structure(masked) not in want:
             continue

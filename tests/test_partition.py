@@ -79,6 +79,28 @@ def test_every_label_local_with_bmuf_is_plain_bmuf(mlp):
     assert jdp.replicas_in_sync(state.params)  # 2H steps end on a sync
 
 
+def test_a_label_without_leaves_is_the_plain_piece(mlp):
+    # Every leaf "dense": the "embed" label, with its `jdp.bmuf`, holds nothing.
+    params, batches = mlp
+    labels = {k: "dense" for k in params}
+    adam = optax.adam(1e-2)
+    plain_tx = optax.multi_transform({"dense": adam}, labels)
+    _, plain_state, plain = run(
+        jdp.make_train_step(mlp_loss, plain_tx), params, plain_tx, batches
+    )
+    tx = optax.multi_transform(
+        {"dense": adam, "embed": jdp.bmuf(adam, sync_period=H)}, labels
+    )
+    sync = jdp.partition(labels, {"dense": jdp.all_reduce(), "embed": jdp.local()})
+    _, state, got = run(
+        jdp.make_train_step(mlp_loss, tx, sync=sync), params, tx, batches
+    )
+    for a, b in zip(plain, got, strict=True):
+        assert_same_bits(a, b)
+    dense = plain_state.opt_state.inner_states["dense"]
+    assert_same_bits(state.opt_state.inner_states["dense"], dense)
+
+
 def test_a_partition_moves_the_bytes_of_plain_all_reduce(mlp):
     params, batches = mlp
     tx = optax.adam(1e-2)
@@ -311,7 +333,13 @@ def test_bad_batch_stats_is_refused():
         (
             LINEAR_LABELS,
             {"dense": jdp.all_reduce(), "bias": jdp.all_reduce(skip_nonfinite=True)},
-            r"label\(s\) \['bias'\] skips non-finite steps",
+            r"label\(s\) \['bias'\] skips non-finite steps \(`skip_nonfinite=True`\)",
+        ),
+        (
+            LINEAR_LABELS,
+            {"dense": jdp.all_reduce(), "bias": jdp.all_reduce(on_bad_replica="drop")},
+            r"label\(s\) \['bias'\] drops the replicas whose gradients are not "
+            r"finite \(`on_bad_replica='drop'`\)",
         ),
     ],
 )
