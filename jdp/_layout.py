@@ -550,7 +550,7 @@ def _low_precision_hint(probs: list[str]) -> str:
     ]
     if not widened:
         return ""
-    return (
+    hint = (
         "\nThe optimizer state of low-precision params came back in float32: the "
         "optimizer computed its moments from float32 values (a float32 loss, or a "
         "loss scaler's float32 arithmetic), and optax keeps them in that dtype. "
@@ -558,6 +558,13 @@ def _low_precision_hint(probs: list[str]) -> str:
         "float16 inside the loss: mixed precision with float32 master weights, as "
         "flax's examples do, which a loss scaler expects."
     )
+    if all(".mu" in p for p in widened):
+        hint += (
+            " Or keep Adam's first moment (`mu`) in the params' dtype: "
+            "`optax.adam(learning_rate, mu_dtype=jnp.float16)` (`optax.adamw` "
+            "too)."
+        )
+    return hint
 
 
 def deleted(tree: PyTree) -> list[str]:

@@ -747,18 +747,27 @@ def _normalise(out: _Gradients, axis_name) -> tuple[jax.Array, PyTree]:
     """The loss metric and the gradients the sync piece averages.
 
     For a `jdp.weighted` loss, every replica's summed gradients are scaled by
-    `num_replicas / global weight`, so that their mean over replicas (what the
-    pieces compute) is the global sum over the global weight, exactly one
-    device's per-token mean whatever the split; a global weight of 0 (nothing
-    but padding) gives zero gradients. The loss is the global total over the
-    global weight, the same on every replica.
+    `kept / kept_weight`, `kept` counting the replicas whose gradients are
+    finite and `kept_weight` their weight, so that the mean over those replicas
+    (what the pieces compute: every replica, or the valid ones with
+    `on_bad_replica="drop"`) is their sum over their weight, exactly one
+    device's per-token mean whatever the split. With every replica finite that
+    is `num_replicas / global weight`; a non-finite replica makes the average
+    non-finite anyway, unless the piece drops it, and then its weight is not
+    counted either. A kept weight of 0 (nothing but padding) gives zero
+    gradients. The loss is the global total over the global weight, the same
+    on every replica.
     """
     if out.weight is None:
         return out.loss, out.grads
-    num = _collectives.axis_size(axis_name, "jdp.weighted")
-    total, weight = lax.psum((out.loss, out.weight.astype(out.loss.dtype)), axis_name)
-    some = weight > 0
-    scale = jax.numpy.where(some, num / jax.numpy.where(some, weight, 1), 0)
+    _collectives.axis_size(axis_name, "jdp.weighted")
+    weight = out.weight.astype(out.loss.dtype)
+    valid = _sync._finite(out.grads).astype(out.loss.dtype)
+    total, weight, kept_weight, kept = lax.psum(
+        (out.loss, weight, valid * weight, valid), axis_name
+    )
+    some = kept_weight > 0
+    scale = jax.numpy.where(some, kept / jax.numpy.where(some, kept_weight, 1), 0)
     grads = jax.tree.map(
         lambda g: g * scale.astype(g.dtype) if is_float(g) else g, out.grads
     )

@@ -218,6 +218,47 @@ def test_all_reduce_averages_the_finite_replicas(backend, skip_nonfinite):
     assert int(state.skipped_steps) == 0
 
 
+def test_all_reduce_reports_the_loss_of_the_kept_replicas(backend):
+    (grads,) = make_grads(1, bad={0: 2})
+    w0, _, metrics = run_all_reduce(backend, grads, on_bad_replica="drop")
+    per_replica = grads.reshape(NUM, ROWS, DIM).mean(1).astype(np.float64) @ w0
+    expected = np.mean(np.delete(per_replica, 2))  # replica 2's loss is NaN
+    np.testing.assert_allclose(float(metrics["loss"]), expected, rtol=1e-6)
+    assert sorted(metrics) == ["dropped_replicas", "loss", "skipped"]
+
+
+def test_all_reduce_drops_the_bad_replicas_weight_too():
+    # A weighted loss on 8 replicas of weights 1..8; replica 2's gradient is NaN.
+    num, bad = 8, 2
+    rng = np.random.default_rng(3)
+    g = rng.normal(size=(num * ROWS, DIM)).astype(np.float32)
+    g[bad * ROWS, 1] = np.nan
+    m = np.repeat(np.arange(1, num + 1, dtype=np.float32) / ROWS, ROWS)
+
+    def weighted_loss(params, batch):
+        total = jnp.sum(batch["m"][:, None] * batch["g"] * params["w"])
+        return jdp.weighted(total, jnp.sum(batch["m"]))
+
+    tx = optax.sgd(LR)
+    sync = jdp.all_reduce(on_bad_replica="drop")
+    step = jdp.parallelize(
+        jdp.make_train_step(weighted_loss, tx, sync=sync),
+        devices=jax.devices()[:num],
+    )
+    w0 = np.linspace(-1, 1, DIM).astype(np.float32)
+    state = step.replicate(jdp.TrainState.create(params={"w": w0}, tx=tx))
+    state, metrics = step(state, step.shard({"g": g, "m": m}))
+    kept = np.arange(num * ROWS) // ROWS != bad
+    g64, m64 = g[kept].astype(np.float64), m[kept].astype(np.float64)
+    expected = w0 - LR * (m64[:, None] * g64).sum(0) / m64.sum()
+    got = step.unreplicate(state).params["w"]
+    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-7)
+    assert int(step.unreplicate(metrics)["dropped_replicas"]) == 1
+    # The loss: the kept replicas' totals over their weights.
+    total = (m64[:, None] * g64 * w0.astype(np.float64)).sum()
+    np.testing.assert_allclose(float(metrics["loss"]), total / m64.sum(), rtol=1e-5)
+
+
 def test_all_reduce_with_every_replica_valid_is_the_plain_mean(backend):
     (grads,) = make_grads(1)
     _, plain, _ = run_all_reduce(backend, grads)

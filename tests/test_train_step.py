@@ -536,10 +536,22 @@ def test_float16_params_under_adam_and_a_loss_scaler_name_the_cause():
     state = step.replicate(
         jdp.TrainState.create(params=params, tx=tx, dynamic_scale=DynamicScale())
     )
+    batch = step.shard({"x": np.ones((4, 3), np.float32)})
     with pytest.raises(
-        TypeError, match=r"(?s)mu\['w'\]: float16.*came back in float32.*master weights"
+        TypeError,
+        match=r"(?s)mu\['w'\]: float16.*came back in float32.*master weights.*Or "
+        r"keep Adam's first moment \(`mu`\) in the params' dtype: "
+        r"`optax\.adam\(learning_rate, mu_dtype=jnp\.float16\)`",
     ):
-        step(state, step.shard({"x": np.ones((4, 3), np.float32)}))
+        step(state, batch)
+    # What the message offers works: the state keeps its float16 moments.
+    tx = optax.adam(1e-3, mu_dtype=jnp.float16)
+    step = jdp.parallelize(jdp.make_train_step(loss_fn, tx), devices=jax.devices()[:2])
+    state = step.replicate(
+        jdp.TrainState.create(params=params, tx=tx, dynamic_scale=DynamicScale())
+    )
+    state, _ = step(state, batch)
+    assert state.opt_state[0].mu["w"].dtype == jnp.float16
 
 
 def test_a_collapsed_loss_scale_is_reported():
