@@ -35,7 +35,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jdp import _coordination
+from jdp import _coordination, _replica_parts
 from jdp._layout import replica_leaves
 from jdp._tree import keystr
 
@@ -55,6 +55,20 @@ DIVERGED_MSG = (
     "replica 0."
 )
 
+LOCAL_MSG = (
+    "`jdp.parallelize(..., check_sync=...)`: the replicas' states diverged "
+    "during step call {call}: {leaf} differs "
+    "between replica 0 and replica {replica} ({count} of {total} checked leaves "
+    "differ{more}). The state holds an optimizer that trains each replica on its "
+    "own gradients (`jdp.bmuf`): between syncs the params and the optimizer state "
+    "shaped like them may differ, but everything else must be equal on every "
+    "replica (the global model, step counters, hyper-parameters, other state). "
+    "Compute such parts from values every replica shares, not from the replica's "
+    "own batch or `lax.axis_index`, or average them (`lax.pmean`); for a part "
+    "that differs by design, pass `check_sync=None` to `jdp.parallelize`. The "
+    "state the step returned is `error.state`; `step.broadcast(error.state)` "
+    "resets every replica to replica 0."
+)
 
 METRICS_MSG = (
     "`jdp.parallelize(..., check_sync=...)`: the replicas' states diverged "
@@ -227,7 +241,8 @@ def check(tree: PyTree, mesh: Mesh, *, state: PyTree, call: int) -> None:
 
     The message names the first diverging leaf and the likely cause: per-replica
     metric accumulators or BatchNorm statistics when every diverging leaf is one,
-    else a step that does not average its gradients.
+    a part that must agree even when the optimizer trains replicas locally, else
+    a step that does not average its gradients.
     """
     found = divergences(tree, mesh)
     if found is None:
@@ -247,6 +262,8 @@ def check(tree: PyTree, mesh: Mesh, *, state: PyTree, call: int) -> None:
         message = METRICS_MSG.format(**fields)
     elif _all_of_kind(tree, leaves, "batch_stat"):
         message = BATCH_STATS_MSG.format(**fields)
+    elif _replica_parts.trains_locally(state):
+        message = LOCAL_MSG.format(**fields)
     else:
         message = DIVERGED_MSG.format(**fields)
     raise ReplicaDivergenceError(message, state=state, leaf=leaves[0], replica=replica)

@@ -9,7 +9,6 @@ what it is given.
 from __future__ import annotations
 
 import functools
-import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -475,27 +474,11 @@ def parallelize(
 def _agreed_by_default(state: PyTree) -> PyTree:
     """What replicas must agree on when the step declares nothing: all of it.
 
-    Except in a step of one's own whose optimizer trains replicas locally
-    between syncs (`_replica_parts`: a `jdp.bmuf` applied by flax's
-    `apply_gradients` or an `nnx.Optimizer`): there the params (a `params`
-    field or key, or flax NNX `Param`s) and the optimizer state (under an
-    `opt_state` field or key: BMUF's inner state, an `optax.MultiSteps`
-    accumulator around it) may differ, except the declared parts that agree
-    (BMUF's global model and counters); everything else (batch statistics, the
-    step counter) must agree.
+    Except the parts the state's own nodes declare per-replica
+    (`_replica_parts.must_agree`): error buffers, and, with an optimizer that
+    trains replicas locally between syncs (a `jdp.bmuf` in a step of one's
+    own), the params and the optimizer state shaped like them, in whatever
+    container the step holds them; BMUF's global model, step counters and
+    hyper-parameters must still agree.
     """
-    if not _replica_parts.trains_locally(state):
-        return state
-    if isinstance(state, dict) and "params" in state:
-        state = {**state, "params": None}
-    elif hasattr(state, "params") and hasattr(state, "replace"):
-        state = state.replace(params=None)
-    nnx = sys.modules.get("flax.nnx")  # no NNX variables unless it was imported
-    variables = (nnx.Variable,) if nnx is not None else ()
-    params = (nnx.Param,) if nnx is not None else ()
-
-    def keep(path, x):
-        names = (getattr(k, "key", getattr(k, "name", None)) for k in path)
-        return None if "opt_state" in names or isinstance(x, params) else x
-
-    return _replica_parts.map_declared(state, keep, stop_at=variables)
+    return _replica_parts.must_agree(state)

@@ -25,10 +25,19 @@ equal on every replica declares so with `declare`:
 
 Readers (the divergence guard, `jdp.local()`, checkpoints, the train step's
 checks) ask only this module; none of them knows the declaring classes.
+
+In a step of one's own, nothing says where the params are: the user holds the
+state in any container. A node that trains locally and has `restart_params()`
+gives the params' layout (BMUF's block start is a copy of the params), and
+`must_agree` finds every subtree laid out like it: the params themselves, and
+the parts of the optimizer state shaped like them (an `optax.MultiSteps`
+accumulator).
 """
 
 from __future__ import annotations
 
+import sys
+from collections import defaultdict
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -143,6 +152,98 @@ def agreed(tree: PyTree) -> PyTree | None:
     if not find(tree):
         return None
     return map_declared(tree, lambda path, x: None)
+
+
+def _variables() -> tuple[type, ...]:
+    """The `Variable` class of flax NNX, if it was imported (else no NNX state)."""
+    nnx = sys.modules.get("flax.nnx")
+    return (nnx.Variable,) if nnx is not None else ()
+
+
+def _name(key: Any) -> Any:
+    """A key path entry without its kind: `['w']`, `.w` and NNX's `w` all name `w`."""
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return getattr(key, attr)
+    return str(key)
+
+
+def _shape(x: Any) -> tuple[int, ...] | None:
+    """The shape of an array leaf, or of the one array in an NNX `Variable`."""
+    leaves = jax.tree.leaves(x)
+    if len(leaves) != 1 or not hasattr(leaves[0], "shape"):
+        return None
+    return tuple(leaves[0].shape)
+
+
+def _layout(params: PyTree, variables: tuple[type, ...]) -> dict[tuple, tuple]:
+    """`{leaf path as key names: shape}` of a params tree."""
+    flat = jax.tree_util.tree_flatten_with_path(
+        params, is_leaf=lambda x: isinstance(x, variables)
+    )[0]
+    layout = {tuple(map(_name, path)): _shape(x) for path, x in flat}
+    return {path: shape for path, shape in layout.items() if shape is not None}
+
+
+def must_agree(tree: PyTree) -> PyTree:
+    """What replicas must agree on in a state laid out by a step of one's own.
+
+    The state may be any container (a tuple, a dict, a dataclass, a flax
+    `TrainState`, an NNX state or modules). What may differ between replicas:
+
+    - the local fields of declared nodes (BMUF's inner state, error buffers);
+    - when a node trains locally: every leaf of a subtree laid out like its
+      `restart_params()` (the same key names to leaves of the same shapes; a
+      subtree with more leaves qualifies too, for params an `optax.masked`
+      or `optax.multi_transform` gave it part of): the params, and the parts
+      of the optimizer state shaped like them. Not inside the agreed fields of
+      declared nodes (BMUF's global model).
+
+    Everything else must agree: counters, hyper-parameters, other leaves.
+
+    Returns:
+      `tree` with the leaves that may differ set to None (declared nodes less
+      their local fields); `tree` itself if it holds no declared node.
+    """
+    found = find(tree)
+    if not found:
+        return tree
+    variables = _variables()
+    templates: list[dict[tuple, tuple]] = []
+    for x in found:
+        if _declaration(x).trains_locally and hasattr(x, "restart_params"):
+            template = _layout(x.restart_params(), variables)
+            if template and template not in templates:
+                templates.append(template)
+
+    def is_leaf(x):
+        return _is_declared(x) or isinstance(x, variables)
+
+    leaves = [
+        (tuple(path), tuple(map(_name, path)), _shape(x))
+        for path, x in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]
+        if not _is_declared(x)
+    ]
+    differ: set[tuple] = set()
+    for template in templates:
+        # For each subtree (by its path), the leaves that sit where the template
+        # has one of the same shape; the subtree is laid out like the params
+        # when it holds all of them.
+        hits: dict[tuple, list[tuple]] = defaultdict(list)
+        for path, names, shape in leaves:
+            if shape is None:
+                continue
+            for cut in range(len(names) + 1):
+                if template.get(names[cut:]) == shape:
+                    hits[names[:cut]].append(path)
+        for paths in hits.values():
+            if len(paths) == len(template):
+                differ.update(paths)
+    return map_declared(
+        tree,
+        lambda path, x: None if tuple(path) in differ else x,
+        stop_at=variables,
+    )
 
 
 def restart_params(tree: PyTree) -> list[PyTree]:
