@@ -154,7 +154,9 @@ def all_reduce(
         float32 by each chunk's owner, quantised again and all-gathered, so
         both exchanges move the narrow type (see `jdp.wire`). On a host mesh
         (`axis_name=("host", "device")`) the devices of a host average in
-        float32 first and only the exchange between hosts is compressed.
+        float32 first and only the exchange between hosts is compressed. Not
+        with loss scaling (a state with a `dynamic_scale`), whose scaler
+        averages the gradients itself.
       error_feedback: With `wire`: add what quantisation dropped at one step
         to the next step's gradients, per replica (the worker error) and per
         chunk owner (the server error). The buffers are the piece's state
@@ -194,7 +196,7 @@ def all_reduce(
         `batch_stats` is unknown, `error_feedback` is asked for without a
         `wire`, both `wire` and `reduce_dtype` are given, `on_bad_replica` is
         neither None nor "drop", or `on_bad_replica` is combined with `wire`;
-        at trace time, for `on_bad_replica` with loss scaling.
+        at trace time, for `on_bad_replica` or `wire` with loss scaling.
       TypeError: If `wire` is not a wire format.
 
     Example:
@@ -325,11 +327,22 @@ def _agreed_finite(grads, axis_name, step_axis) -> jax.Array:
 def _compressed(wire, error_feedback, skip_nonfinite, batch_stats, axis_name) -> Sync:
     """`jdp.all_reduce(wire=...)`: the compressed exchange, then `tx`."""
 
-    def apply_averaged(grads, state, tx, step_axis):
+    def apply_mean(grads, state, tx, step_axis):
         if not skip_nonfinite:
             return apply_tx(grads, state, tx)
         finite = _agreed_finite(grads, axis_name, step_axis)
         return _unless_nonfinite(finite, lambda: apply_tx(grads, state, tx), state)
+
+    def apply_averaged(grads, state, tx, step_axis):
+        unused = " and the error-feedback buffers never used" if error_feedback else ""
+        raise ValueError(
+            f"`jdp.all_reduce(wire=jdp.wire.{wire.name}(), error_feedback="
+            f"{error_feedback})` cannot be combined with loss scaling (a state "
+            "with a `dynamic_scale`): flax's `DynamicScale` averages the gradients "
+            f"itself, in full precision, so nothing would be compressed{unused}. "
+            "Use `jdp.all_reduce()` (no `wire`) with loss scaling, or train in "
+            "bfloat16, which needs no loss scaling, with the `wire`."
+        )
 
     def apply(grads, state, tx, step_axis):
         error = state.sync_state if error_feedback else None
@@ -339,7 +352,7 @@ def _compressed(wire, error_feedback, skip_nonfinite, batch_stats, axis_name) ->
             axis_name=step_axis if axis_name is None else axis_name,
             error=error,
         )
-        params, opt_state, metrics = apply_averaged(grads, state, tx, step_axis)
+        params, opt_state, metrics = apply_mean(grads, state, tx, step_axis)
         if not error_feedback:
             return params, opt_state, metrics
         if skip_nonfinite:  # a skipped step leaves the buffers as they were

@@ -418,6 +418,29 @@ def test_wire_must_be_a_format():
         jdp.wire.fp8(block_size=2.5)
 
 
+@pytest.mark.parametrize("error_feedback", [True, False], ids=["ef", "no-ef"])
+def test_a_wire_with_loss_scaling_is_refused(error_feedback):
+    # The loss scaler averages the gradients itself: nothing would be compressed.
+    from flax.training.dynamic_scale import DynamicScale
+
+    sync = jdp.all_reduce(wire=jdp.wire.int8(), error_feedback=error_feedback)
+    tx = optax.sgd(0.1)
+    step = jdp.parallelize(
+        jdp.make_train_step(linear_loss, tx, sync=sync), devices=jax.devices()[:2]
+    )
+    params = {"w": jnp.zeros(8), "b": jnp.zeros(3)}
+    state = jdp.TrainState.create(
+        params=params, tx=tx, sync=sync, dynamic_scale=DynamicScale()
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"`jdp.all_reduce\(wire=jdp.wire.int8\(\), error_feedback="
+        rf"{error_feedback}\)` cannot be combined with loss scaling.*nothing "
+        r"would be compressed.*Use `jdp.all_reduce\(\)` \(no `wire`\)",
+    ):
+        step(step.replicate(state), step.shard(jnp.ones((2, 8))))
+
+
 def test_a_state_without_the_buffers_is_refused():
     sync = jdp.all_reduce(wire=jdp.wire.int8(), error_feedback=True)
     tx = optax.sgd(0.1)
