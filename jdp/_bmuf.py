@@ -269,7 +269,7 @@ def bmuf(
         the collective does not wait for the step's gradients), and merged at
         the sync; the local progress of those τ updates is kept by `mix` only.
         0 (default): taken and all-reduced at the sync.
-      mix: α in [0, 1], how much of the local fragment to keep at its sync
+      mix: α in [0, 1), how much of the local fragment to keep at its sync
         (torchft's `fragment_update_alpha`, the paper's α): the local slices
         become `(1 - α) * new + α * local`, `new` being what they become
         without it (`g`, or `start` with `nesterov=True`). 0.0 (default).
@@ -311,7 +311,7 @@ def bmuf(
         `block_learning_rate` or `block_momentum` is not a number.
       ValueError: At construction, for a `sync_period` not divisible by
         `fragments`, a `delay` above `sync_period / fragments`, a `mix` outside
-        [0, 1], `fragments` < 1 or a negative `delay`, `inner_state_at_sync` other
+        [0, 1), `fragments` < 1 or a negative `delay`, `inner_state_at_sync` other
         than "keep" with `fragments` > 1; for a `sync_period` < 1, a
         `block_momentum` outside [0, 1), a `block_learning_rate` <= 0 (or either
         of them NaN or infinite), a
@@ -1170,12 +1170,19 @@ def _check_streaming(sync_period: int, options: _Options) -> None:
             "must end before the next fragment's begins."
         )
     mix = _validate.finite_number(
-        "mix", mix, at_least=0, note="at most 1; 0 discards the delayed local steps"
+        "mix", mix, at_least=0, note="below 1; 0 discards the delayed local steps"
     )
-    if mix > 1:
+    if mix >= 1:
+        why = (
+            "each replica would keep its local fragment entirely, so the replicas "
+            "would never sync"
+            if mix == 1
+            else "it would move each replica away from the synced fragment"
+        )
         raise ValueError(
-            f"`mix` must be a finite number in [0, 1] (the weight of the local "
-            f"params in the merged fragment), got {mix!r}."
+            f"`mix` must be a finite number in [0, 1) (the weight of each "
+            f"replica's local params in the merged fragment), got {mix!r}: {why}. "
+            "Use a value below 1, e.g. `mix=0.5`, or `mix=0.0` (the default)."
         )
     if fragments > 1 and options.inner_state_at_sync != "keep":
         raise ValueError(

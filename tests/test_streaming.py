@@ -605,7 +605,12 @@ def test_into_another_count_every_fragment_starts_from_its_global_copy(tmp_path)
             {"sync_period": 8, "fragments": 4, "delay": 3},
             r"`delay` \(3\) must be at most sync_period / fragments \(8 / 4 = 2\)",
         ),
-        ({"sync_period": 8, "mix": 1.5}, r"`mix` must be a finite number in \[0, 1\]"),
+        ({"sync_period": 8, "mix": 1.5}, r"`mix` must be a finite number in \[0, 1\)"),
+        (
+            {"sync_period": 8, "fragments": 2, "mix": 1.0},
+            r"`mix` must be a finite number in \[0, 1\) .*got 1.0: each replica "
+            r"would keep its local fragment entirely, so the replicas would never sync",
+        ),
         ({"sync_period": 8, "mix": -0.1}, r"`mix` must be a finite number >= 0"),
         ({"sync_period": 8, "mix": float("nan")}, r"`mix` must be .*got nan"),
         ({"sync_period": 8, "fragments": 0}, r"`fragments` must be"),
