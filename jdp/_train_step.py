@@ -298,8 +298,8 @@ def make_train_step(
                 "carries one (`jdp.TrainState.create(params=..., tx=...)`)."
             )
         axis = _collectives.resolve_axis(axis_name)
-        if sync.averages and _replica_parts.trains_locally(state.opt_state):
-            _check_hierarchical(sync, optimizer, state, axis, api)
+        if sync.averages:
+            _check_axes(sync, optimizer, state, axis, api)
         _check_trainable(state.params, api)
         _check_known_fields(state, api)
         _check_sync_state(state, sync, api)
@@ -375,6 +375,14 @@ AVERAGES_WITH_BMUF_MSG = (
 )
 
 
+def _check_axes(sync, tx, state, axis, api) -> None:
+    """An averaging piece's axes, against the step's and the optimizer's."""
+    if _replica_parts.trains_locally(state.opt_state):
+        _check_hierarchical(sync, tx, state, axis, api)
+    else:
+        _check_every_axis_synced(sync, tx, state, axis, api)
+
+
 def _check_hierarchical(sync, tx, state, axis, api) -> None:
     """Allows an averaging piece with `jdp.bmuf` only as hierarchical local SGD.
 
@@ -393,29 +401,70 @@ def _check_hierarchical(sync, tx, state, axis, api) -> None:
                 bmuf="the same axis",
             )
         )
-    params = state.params
-    grads = jax.tree.map(lambda p: p if is_float(p) else None, params)
-    bare = state.replace(opt_state=optax.EmptyState())
-    if getattr(state, "sync_state", None) is None and sync.init is not None:
-        bare = bare.replace(sync_state=sync.init(params))
-    piece = _moving_axes(
-        lambda g: sync.apply(g, bare, optax.identity(), axis)[:2], grads
-    )
-    optimizer = _moving_axes(
-        lambda g: _transforms.update(tx, g, state.opt_state, params), grads
-    )
+    piece = _piece_axes(sync, state, axis)
+    optimizer = _optimizer_axes(tx, state)
     rest = step_axes - piece
     if piece and rest and rest <= optimizer:
         return
-
-    def names(axes):
-        return ", ".join(repr(a) for a in sorted(axes)) or "no axis"
-
     raise ValueError(
         AVERAGES_WITH_BMUF_MSG.format(
-            api=api, piece=names(piece), bmuf=names(optimizer)
+            api=api, piece=_names(piece), bmuf=_names(optimizer)
         )
     )
+
+
+def _check_every_axis_synced(sync, tx, state, axis, api) -> None:
+    """Refuses an averaging piece that leaves some of the step's axes unsynced.
+
+    On a host mesh, `jdp.all_reduce(axis_name="device")` averages within each
+    host; unless the optimizer syncs the other axes (`jdp.bmuf(...,
+    axis_name="host")`, checked by `_check_hierarchical`, or a
+    `jdp.sync_gradients` of its own), the hosts train models of their own. A
+    piece that moves nothing at all is left to the divergence guard. Pieces
+    that differentiate their own way (`jdp.sparse.rows()`) or lay the state out
+    (`jdp.zero()`) always average over the step's axes.
+    """
+    step_axes = _axes(axis)
+    own_way = sync.value_and_grad is not None or sync.state_layout is not None
+    if len(step_axes) < 2 or own_way:
+        return
+    piece = _piece_axes(sync, state, axis)
+    rest = step_axes - piece
+    if not piece or not rest or rest <= _optimizer_axes(tx, state):
+        return
+    raise ValueError(
+        f"`{api}`: the sync piece averages the gradients over {_names(piece)} "
+        f"only, of the step's axes {_names(step_axes)}, and nothing syncs "
+        f"{_names(rest)}: the replicas along {_names(rest)} (on a host mesh, the "
+        "hosts) are never synced and would train models of their own. Average "
+        "over every axis (`jdp.all_reduce()`: by default the step's axes), or "
+        "let `jdp.bmuf` sync the others, hierarchical local SGD: "
+        f"`jdp.bmuf(inner, sync_period=..., axis_name={sorted(rest)[0]!r})` "
+        "with this piece."
+    )
+
+
+def _piece_axes(sync, state, axis) -> set[str]:
+    """The mesh axes over which `sync`'s apply moves gradients (traced only)."""
+    grads = jax.tree.map(lambda p: p if is_float(p) else None, state.params)
+    bare = state.replace(opt_state=optax.EmptyState())
+    if getattr(state, "sync_state", None) is None and sync.init is not None:
+        bare = bare.replace(sync_state=sync.init(state.params))
+    return _moving_axes(
+        lambda g: sync.apply(g, bare, optax.identity(), axis)[:2], grads
+    )
+
+
+def _optimizer_axes(tx, state) -> set[str]:
+    """The mesh axes over which optimizer `tx` moves values (traced only)."""
+    grads = jax.tree.map(lambda p: p if is_float(p) else None, state.params)
+    return _moving_axes(
+        lambda g: _transforms.update(tx, g, state.opt_state, state.params), grads
+    )
+
+
+def _names(axes) -> str:
+    return ", ".join(repr(a) for a in sorted(axes)) or "no axis"
 
 
 def _axes(axis) -> set[str]:

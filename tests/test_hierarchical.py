@@ -268,6 +268,26 @@ def test_bmuf_must_sync_the_axes_the_piece_leaves_out():
         step(state, step.shard(batches[0]))
 
 
+def test_averaging_within_hosts_without_bmuf_is_refused():
+    # Nothing syncs the hosts: refused when the step is traced, not by the guard.
+    tx = optax.sgd(LR)
+    params, batches = linear_params(), linear_batches(1)
+    sync = jdp.all_reduce(axis_name="device")
+    train_step = jdp.make_train_step(linear_loss, tx, sync=sync)
+    step = jdp.parallelize(
+        train_step, devices=grid(), axis_name=AXES, backend="shard_map"
+    )
+    state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
+    with pytest.raises(
+        ValueError,
+        match=r"averages the gradients over 'device' only, of the step's axes "
+        r"'device', 'host', and nothing syncs 'host': .*the hosts\) are never "
+        r"synced.*`jdp.all_reduce\(\)`.*`jdp.bmuf\(inner, sync_period=..., "
+        r"axis_name='host'\)`",
+    ):
+        step(state, step.shard(batches[0]))
+
+
 def test_a_flat_mesh_with_bmuf_and_all_reduce_is_still_refused():
     tx = jdp.bmuf(optax.sgd(LR), sync_period=H)
     params, batches = linear_params(), linear_batches(1)
