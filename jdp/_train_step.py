@@ -1019,6 +1019,29 @@ def _check_sync_state(state: PyTree, sync: _sync.Sync, api: str) -> None:
             "Use the same piece for `jdp.TrainState.create(..., sync=...)` and "
             "`jdp.make_train_step(..., sync=...)`."
         )
+    if sync.init is not None and held is not None:
+        # Another piece's state (e.g. a PowerSGDState for an error-feedback
+        # piece): its type differs. Same type, other params: the piece says so.
+        want = jax.tree.structure(jax.eval_shape(sync.init, state.params))
+        same_type = _describe_sync_state(held) == _describe_sync_state(want)
+        if not same_type and jax.tree.structure(held) != want:
+            raise TypeError(
+                f"`{api}`: the state's `sync_state` was made by another sync "
+                f"piece: it holds {_describe_sync_state(held)}, where this step's "
+                f"piece keeps {_describe_sync_state(want)}. Create the state with "
+                "the same piece as the step: `jdp.TrainState.create(params=..., "
+                "tx=..., sync=sync)`, passing the `sync` given to "
+                "`jdp.make_train_step`."
+            )
+
+
+def _describe_sync_state(tree: PyTree) -> str:
+    """A sync piece's state for a message: its type, e.g. "a PowerSGDState"."""
+    if isinstance(tree, jax.tree_util.PyTreeDef):
+        node = tree.node_data()
+        kind = getattr(node[0], "__name__", None) if node else None
+        return f"a {kind}" if kind else f"a tree of structure {tree}"
+    return f"a {type(tree).__name__}"
 
 
 def _check_trainable(params: PyTree, api: str) -> None:

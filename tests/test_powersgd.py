@@ -562,7 +562,29 @@ def test_a_foreign_sync_state_is_refused():
     step, tx = make_step(sync)
     init = jdp.TrainState.create(params=init_params(), tx=tx, sync=sync)
     init = init.replace(sync_state={"count": jnp.zeros((), jnp.int32)})
-    with pytest.raises(TypeError, match=r"needs its own state, a `jdp.PowerSGDState`"):
+    with pytest.raises(
+        TypeError,
+        match=r"`sync_state` was made by another sync piece: it holds a dict, where "
+        r"this step's piece keeps a PowerSGDState",
+    ):
+        step(step.replicate(init), step.shard(make_batches(1)[0]))
+
+
+def test_a_powersgd_state_under_an_error_feedback_step_names_both():
+    params = init_params()
+    tx = optax.sgd(0.1)
+    init = jdp.TrainState.create(params=params, tx=tx, sync=powersgd(rank=2))
+    sync = jdp.all_reduce(wire=jdp.wire.bf16(), error_feedback=True)
+    step = jdp.parallelize(
+        jdp.make_train_step(loss_fn, tx, sync=sync), devices=jax.devices()[:2]
+    )
+    with pytest.raises(
+        TypeError,
+        match=r"the state's `sync_state` was made by another sync piece: it holds a "
+        r"PowerSGDState, where this step's piece keeps a WireState\. Create the "
+        r"state with the same piece as the step: `jdp\.TrainState\.create\(params="
+        r"\.\.\., tx=\.\.\., sync=sync\)`",
+    ):
         step(step.replicate(init), step.shard(make_batches(1)[0]))
 
 
