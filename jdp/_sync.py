@@ -346,12 +346,9 @@ def _compressed(wire, error_feedback, skip_nonfinite, batch_stats, axis_name) ->
 
     def apply(grads, state, tx, step_axis):
         error = state.sync_state if error_feedback else None
-        grads, new_error = _wire.mean(
-            grads,
-            wire=wire,
-            axis_name=step_axis if axis_name is None else axis_name,
-            error=error,
-        )
+        axis = step_axis if axis_name is None else axis_name
+        _collectives.axis_size(axis, "jdp.all_reduce")  # bound here?
+        grads, new_error = _wire.mean(grads, wire=wire, axis_name=axis, error=error)
         params, opt_state, metrics = apply_mean(grads, state, tx, step_axis)
         if not error_feedback:
             return params, opt_state, metrics

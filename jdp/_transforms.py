@@ -72,10 +72,12 @@ def sync_gradients(
         if not extra_args.get(_collectives.COLLECTIVES_ARG, True):
             return updates, state
         if wire is not None:
+            axis = _collectives.resolve_axis(axis_name)
+            _collectives.axis_size(axis, "jdp.sync_gradients")  # bound here?
             synced, error = _wire.mean(
                 updates,
                 wire=wire,
-                axis_name=_collectives.resolve_axis(axis_name),
+                axis_name=axis,
                 error=state if error_feedback else None,
                 api="jdp.sync_gradients",
             )

@@ -169,6 +169,24 @@ def test_unbound_axis_errors():
     tx = jdp.sync_gradients()
     with pytest.raises(RuntimeError, match=r"jdp\.sync_gradients.*not bound"):
         tx.update({"w": jnp.ones(3)}, tx.init({"w": jnp.ones(3)}))
+    for tx in (
+        jdp.sync_gradients(wire=jdp.wire.int8()),
+        jdp.sync_gradients(wire=jdp.wire.bf16(), error_feedback=True),
+    ):
+        with pytest.raises(
+            RuntimeError,
+            match=r"`jdp\.sync_gradients` needs the replica axis 'data', which is "
+            r"not bound here\. Call it inside a step run by `jdp\.parallelize",
+        ):
+            tx.update({"w": jnp.ones(3)}, tx.init({"w": jnp.ones(3)}))
+    # A train step with a wire piece, called outside `jdp.parallelize`.
+    sync = jdp.all_reduce(wire=jdp.wire.int8())
+    step = jdp.make_train_step(
+        lambda p, b: jnp.sum(p["w"] * b), optax.sgd(0.1), sync=sync
+    )
+    state = jdp.TrainState.create(params={"w": jnp.ones(3)}, tx=optax.sgd(0.1))
+    with pytest.raises(RuntimeError, match=r"`jdp\.all_reduce` needs the replica"):
+        step(state, jnp.ones(3))
     with pytest.raises(RuntimeError, match=r"jdp\.broadcast"):
         jdp.broadcast({"w": jnp.ones(3)})
     with pytest.raises(RuntimeError, match=r"jdp\.sync_batch_stats"):
