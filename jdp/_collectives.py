@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Any, Literal
+from collections.abc import Iterator
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -42,20 +43,49 @@ UNBOUND_AXIS_MSG = (
 )
 
 
-#: The replica axis of the `jdp.parallelize` step being traced, if any.
-_BOUND_AXIS: contextvars.ContextVar[AxisName | None] = contextvars.ContextVar(
+class _Traced(NamedTuple):
+    """What `jdp.parallelize` binds while it traces a step."""
+
+    axis_name: AxisName
+    # `id(mean) -> (mean, total)` for each metric a train step averaged over its
+    # microbatches (`record_total`); the values themselves are held, so no id
+    # is reused while the trace lasts.
+    totals: dict[int, tuple[Any, Any]]
+
+
+#: The `jdp.parallelize` step being traced, if any: its replica axis, and the
+#: totals behind its microbatch means.
+_BOUND_AXIS: contextvars.ContextVar[_Traced | None] = contextvars.ContextVar(
     "jdp_replica_axis", default=None
 )
 
 
 @contextlib.contextmanager
-def bound_axis(axis_name: AxisName):
-    """While tracing a step: `axis_name=None` in jdp's functions means this axis."""
-    token = _BOUND_AXIS.set(axis_name)
+def bound_axis(axis_name: AxisName) -> Iterator[dict[int, tuple[Any, Any]]]:
+    """While tracing a step: `axis_name=None` in jdp's functions means this axis.
+
+    Yields the totals `record_total` notes during the trace, for
+    `_metrics.reduce_metrics`.
+    """
+    token = _BOUND_AXIS.set(_Traced(axis_name, {}))
     try:
-        yield
+        yield _BOUND_AXIS.get().totals
     finally:
         _BOUND_AXIS.reset(token)
+
+
+def record_total(mean: Any, total: Any) -> None:
+    """Notes that `mean`, a metric a train step returns, averages `total`'s parts.
+
+    `make_train_step(..., microbatches=k)` averages an unmarked auxiliary
+    scalar over its microbatches. A step around it that marks that very value
+    `jdp.metrics.sum(metrics["tokens"])` (it cannot mark it inside the loss)
+    means the sum over microbatches and replicas: the metrics' reduction then
+    sums `total` instead. Outside a `jdp.parallelize` trace, nothing.
+    """
+    bound = _BOUND_AXIS.get()
+    if bound is not None:
+        bound.totals[id(mean)] = (mean, total)
 
 
 #: The optimizer's extra argument (optax's `**extra_args`, which `optax.chain` and
@@ -71,7 +101,7 @@ def resolve_axis(axis_name: AxisName | None) -> AxisName:
     if axis_name is not None:
         return axis_name
     bound = _BOUND_AXIS.get()
-    return "data" if bound is None else bound
+    return "data" if bound is None else bound.axis_name
 
 
 def check_bucket_bytes(bucket_bytes: int | None) -> None:

@@ -160,8 +160,18 @@ def gather(x: Any) -> Reduced:
     return Reduced(x, "gather")
 
 
-def reduce_metrics(metrics: PyTree, axis_name: AxisName) -> PyTree:
-    """A step's metrics combined over replicas: averaged unless marked otherwise."""
+def reduce_metrics(
+    metrics: PyTree,
+    axis_name: AxisName,
+    totals: dict[int, tuple[Any, Any]] | None = None,
+) -> PyTree:
+    """A step's metrics combined over replicas: averaged unless marked otherwise.
+
+    `totals` (what `_collectives.bound_axis` collected while the step was
+    traced) maps a microbatch mean to its total: a `jdp.metrics.sum` of that
+    very value sums the total.
+    """
+    totals = totals or {}
 
     def combine(path, m):
         how = "mean"
@@ -172,6 +182,9 @@ def reduce_metrics(metrics: PyTree, axis_name: AxisName) -> PyTree:
             return jnp.where(some, total / jnp.where(some, weight, 1), 0)
         if isinstance(m, Reduced):
             m, how = m.value, m.how
+            mean, total = totals.get(id(m), (None, None))
+            if how == "sum" and mean is m:
+                m = total
             if is_marker(m):
                 raise TypeError(
                     f"The step's metric {keystr(path)} is marked twice (a "

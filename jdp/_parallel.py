@@ -94,7 +94,7 @@ class Parallel(_hlo.Introspection):
         # NNX module's Python attributes) has run.
         received = jax.tree.structure(state)
         try:
-            with _collectives.bound_axis(self.axis_name):
+            with _collectives.bound_axis(self.axis_name) as totals:
                 out = self.train_step(state, batch)
         except NameError as e:
             if not _jax_compat.is_unbound_axis_error(e):
@@ -111,7 +111,7 @@ class Parallel(_hlo.Introspection):
         if new_state is not None:
             _metrics.check_no_markers(new_state)
             _layout.check_same_structure(received, new_state)
-        return new_state, _metrics.reduce_metrics(metrics, self.axis_name)
+        return new_state, _metrics.reduce_metrics(metrics, self.axis_name, totals)
 
     def __call__(self, state: PyTree, batch: PyTree):
         """Runs one step on every replica.

@@ -266,6 +266,13 @@ def _check_on_bad_replica(on_bad_replica, wire) -> None:
         )
 
 
+#: The metric under which `jdp.all_reduce(on_bad_replica="drop")` tells the train
+#: step this replica's share of the loss: `num_replicas / kept` if it was kept, 0
+#: if it was dropped (1 everywhere when none was kept). The step reports the loss
+#: averaged over the kept replicas, and returns no such metric.
+KEPT = "_jdp_kept_share"
+
+
 def _dropping(bucket_bytes, reduce_dtype, skip_nonfinite, batch_stats, axis_name):
     """`jdp.all_reduce(on_bad_replica="drop")`: the mean of the valid replicas."""
 
@@ -298,7 +305,9 @@ def _dropping(bucket_bytes, reduce_dtype, skip_nonfinite, batch_stats, axis_name
         params, opt_state, metrics = _unless_nonfinite(
             ok, lambda: apply_tx(grads, state, tx), state
         )
-        return params, opt_state, {**metrics, "dropped_replicas": num - count}
+        share = jnp.where(count > 0, jnp.where(valid, scale, 0.0), 1.0)
+        dropped = {"dropped_replicas": num - count, KEPT: share}
+        return params, opt_state, {**metrics, **dropped}
 
     def apply_averaged(grads, state, tx, step_axis):
         raise ValueError(

@@ -303,7 +303,7 @@ def make_train_step(
         _check_trainable(state.params, api)
         _check_known_fields(state, api)
         _check_sync_state(state, sync, api)
-        _check_batch_stats(state, takes_stats, api)
+        _check_batch_stats(state, takes_stats, api, loss_fn)
         loss_kwargs = _loss_kwargs(state, keywords, axis, api)
         value_and_grad = (
             jax.value_and_grad
@@ -340,6 +340,7 @@ def make_train_step(
             params, opt_state, extra, changes["sync_state"] = sync.apply(
                 grads, state, optimizer, axis
             )
+        loss, extra = _kept_loss(out, loss, extra, axis)
         aux, new_stats = out.aux, out.new_stats
         changes.update(step=state.step + 1, params=params, opt_state=opt_state)
         if "skipped" in extra and getattr(state, "skipped_steps", None) is not None:
@@ -540,19 +541,49 @@ def _takes_batch_stats(loss_fn: Callable[..., Any]) -> bool:
         "with batch statistics, `loss_fn(params, batch_stats, batch)`; got a "
         f"`loss_fn{signature}` with {len(required)} required positional "
         "parameter(s)" + (" and *args" if var else "") + ". Wrap it in a `def` "
-        "with those parameters."
+        "with those parameters." + _rng_hint(signature)
     )
 
 
-def _check_batch_stats(state: PyTree, takes_stats: bool, api: str) -> None:
+def _rng_hint(signature: inspect.Signature, always: bool = False) -> str:
+    """A sentence for a loss whose PRNG key parameter is not named `rng`.
+
+    flax's examples call it `dropout_rng`; jdp passes a key only to `rng`, and
+    takes any other parameter for the batch statistics or the batch.
+    """
+    keys = [
+        name
+        for name in signature.parameters
+        if name not in LOSS_KEYWORDS
+        and any(word in name.lower() for word in ("rng", "key", "seed"))
+    ]
+    if keys:
+        return (
+            f" If `{keys[0]}` is a PRNG key (for dropout), name it `rng`: the step "
+            "hands this replica's key only to a parameter named `rng` (drawn from "
+            "the state's `rng`, `jdp.TrainState.create(..., rng=key)`), and takes "
+            "any other parameter for the batch statistics or the batch."
+        )
+    if always:
+        return (
+            " (A parameter that receives a PRNG key must be named `rng`; any other "
+            "is taken for the batch statistics or the batch.)"
+        )
+    return ""
+
+
+def _check_batch_stats(
+    state: PyTree, takes_stats: bool, api: str, loss_fn: Callable[..., Any]
+) -> None:
     """`loss_fn`'s parameters and the state's `batch_stats` must go together."""
     has_stats = getattr(state, "batch_stats", None) is not None
     if takes_stats and not has_stats:
+        signature = inspect.signature(loss_fn)  # read before, so it can be
         raise ValueError(
-            f"`{api}`: `loss_fn` takes three parameters, `(params, batch_stats, "
-            "batch)`, but the state has no `batch_stats` (None). Pass "
-            "`jdp.TrainState.create(..., batch_stats=...)`, or write "
-            "`loss_fn(params, batch)`."
+            f"`{api}`: `loss_fn{signature}` takes three parameters, read as "
+            "`(params, batch_stats, batch)`, but the state has no `batch_stats` "
+            "(None). Pass `jdp.TrainState.create(..., batch_stats=...)`, or write "
+            "`loss_fn(params, batch)`." + _rng_hint(signature, always=True)
         )
     if has_stats and not takes_stats:
         raise ValueError(
@@ -767,9 +798,13 @@ def _combine_parts(aux: PyTree, k: int) -> PyTree:
                 "order), counts `jdp.metrics.sum(x)`, ratios `jdp.weighted(total, "
                 "weight)`, or reduce it to a scalar (averaged)."
             )
+        total = x.astype(jax.numpy.int32) if x.dtype == jax.numpy.bool_ else x
+        total = total.sum(0)
         if not is_float(x):
             x = x.astype(jax.numpy.result_type(float))
-        return x.mean(0)
+        mean = x.mean(0)
+        _collectives.record_total(mean, total)  # a `jdp.metrics.sum` around it
+        return mean
 
     return jax.tree_util.tree_map_with_path(combine, aux, is_leaf=_metrics.is_marker)
 
@@ -821,6 +856,37 @@ def _normalise(out: _Gradients, axis_name) -> tuple[jax.Array, PyTree]:
         lambda g: g * scale.astype(g.dtype) if is_float(g) else g, out.grads
     )
     return jax.numpy.where(some, total / jax.numpy.where(some, weight, 1), 0), grads
+
+
+def _kept_loss(out: _Gradients, loss: jax.Array, extra: dict, axis_name):
+    """`(loss, extra)`: the loss over the replicas a sync piece kept, if it says.
+
+    A piece that leaves bad replicas out (`on_bad_replica="drop"`) puts each
+    replica's share under `_sync.KEPT` in its metrics: `num_replicas / kept` on
+    a kept replica, 0 on a dropped one (1 everywhere when none was kept), so
+    that the metrics' mean over replicas is the kept replicas' mean: a dropped
+    replica's NaN does not make the step's loss NaN, and no collective is
+    added. A `jdp.weighted` loss: the kept replicas' totals over their weights
+    (one scalar sum). Other pieces' metrics are returned as they are.
+    """
+    if _sync.KEPT not in extra:
+        return loss, extra
+    extra = dict(extra)
+    share = extra.pop(_sync.KEPT)
+    kept = share > 0
+    if out.weight is None:
+        kept_loss = jax.numpy.where(kept, loss * share.astype(loss.dtype), 0)
+        return kept_loss.astype(loss.dtype), extra
+    zero = jax.numpy.zeros_like(out.loss)
+    total, weight = lax.psum(
+        (
+            jax.numpy.where(kept, out.loss, zero),
+            jax.numpy.where(kept, out.weight.astype(out.loss.dtype), zero),
+        ),
+        axis_name,
+    )
+    some = weight > 0
+    return jax.numpy.where(some, total / jax.numpy.where(some, weight, 1), 0), extra
 
 
 #: A loss scale below this no longer scales anything up: flax's `DynamicScale`

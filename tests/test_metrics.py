@@ -192,6 +192,31 @@ def test_microbatch_metrics_are_the_whole_batch(backend, microbatches):
     assert float(metrics["parts"]) == 1.0
 
 
+def test_a_sum_marked_around_a_step_with_microbatches_sums_them(backend):
+    """The aux of the loss unmarked, `jdp.metrics.sum` put on the step's metric by
+    a step around it: summed over microbatches and replicas, not their mean."""
+
+    def loss_fn(params, batch):
+        real = batch["x"][:, 0] > 0
+        loss = jnp.mean((batch["x"] @ params["w"]) ** 2)
+        return loss, {"tokens": jnp.sum(real), "frac": jnp.mean(real)}
+
+    tx = optax.sgd(0.1)
+    train_step = jdp.make_train_step(loss_fn, tx, has_aux=True, microbatches=2)
+
+    def step_fn(state, batch):
+        state, metrics = train_step(state, batch)
+        return state, {**metrics, "tokens": jdp.metrics.sum(metrics["tokens"])}
+
+    step = jdp.parallelize(step_fn, backend=backend, devices=jax.devices()[:4])
+    state = step.replicate(jdp.TrainState.create(params={"w": jnp.ones(3)}, tx=tx))
+    x = np.ones((16, 3), np.float32)
+    x[[0, 5, 6, 13], 0] = 0.0  # 12 real rows, spread over the microbatches
+    _, metrics = step(state, step.shard({"x": x}))
+    assert metrics["tokens"].dtype == jnp.int32 and int(metrics["tokens"]) == 12
+    assert float(metrics["frac"]) == 0.75  # unmarked: still the mean
+
+
 def test_an_unmarked_array_in_the_aux_of_microbatches_is_refused():
     def loss_fn(params, batch):
         pred = batch["x"] @ params["w"]

@@ -729,3 +729,41 @@ def test_a_python_attribute_changed_in_the_step_is_refused_by_name(backend, chan
     )
     with pytest.raises(TypeError, match=expected):
         step(model, step.shard(jnp.ones((4, 2))))
+
+
+class Annotated(nnx.Module):
+    """A layer with the sharding annotations of a tensor-parallel model."""
+
+    def __init__(self, rngs):
+        kernel = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "model"))
+        bias = nnx.with_partitioning(nnx.initializers.zeros_init(), ("model",))
+        self.lin = nnx.Linear(3, 2, kernel_init=kernel, bias_init=bias, rngs=rngs)
+
+    def __call__(self, x):
+        return self.lin(x)
+
+
+def test_a_model_with_sharding_annotations_trains_with_eager_sharding_off():
+    """flax refuses to build it without a mesh (its message, which the
+    troubleshooting page quotes); built with eager sharding off, the annotations
+    stay metadata and jdp trains it like one device."""
+    with pytest.raises(ValueError, match=r"An auto mesh context or metadata is"):
+        Annotated(nnx.Rngs(0))
+    with nnx.use_eager_sharding(False):
+        model = Annotated(nnx.Rngs(0))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss_fn(params, batch):
+        model = nnx.merge(graphdef, params, rest)
+        return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+    tx = optax.sgd(0.1)
+    step = jdp.parallelize(jdp.make_train_step(loss_fn, tx), devices=jax.devices()[:4])
+    rng = np.random.default_rng(0)
+    batch = {"x": rng.normal(size=(8, 3)), "y": rng.normal(size=(8, 2))}
+    batch = {k: v.astype(np.float32) for k, v in batch.items()}
+    state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
+    state, _ = step(state, step.shard(batch))
+    grads = jax.grad(loss_fn)(params, batch)
+    expected = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+    assert_trees_close(step.unreplicate(state).params, expected, rtol=1e-5)

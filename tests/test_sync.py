@@ -140,6 +140,29 @@ def test_a_loss_that_takes_stats_refuses_a_state_without():
         step(step.replicate(state), step.shard(make_batches(1, 4)[0]))
 
 
+def test_a_key_parameter_not_named_rng_is_told_to_be_named_rng():
+    """flax's examples call the dropout key `dropout_rng`: read as a third
+    positional parameter, it made the loss a batch-statistics loss."""
+    tx = optax.sgd(0.1)
+
+    def loss_fn(params, batch, dropout_rng):
+        return mlp_loss(params, batch)
+
+    step = jdp.parallelize(jdp.make_train_step(loss_fn, tx), devices=jax.devices()[:2])
+    state = jdp.TrainState.create(
+        params=init_mlp(jax.random.key(0)), tx=tx, rng=jax.random.key(1)
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"`loss_fn\(params, batch, dropout_rng\)`.*no `batch_stats`.*If "
+        r"`dropout_rng` is a PRNG key \(for dropout\), name it `rng`",
+    ):
+        step(step.replicate(state), step.shard(make_batches(1, 4)[0]))
+    # With batch statistics as well, four parameters: refused when made.
+    with pytest.raises(TypeError, match=r"4 required.*`dropout_rng`.*name it `rng`"):
+        jdp.make_train_step(lambda p, s, b, dropout_rng: 0.0, tx)
+
+
 def test_stats_flow_through_a_three_parameter_loss():
     tx = optax.sgd(0.1)
 
