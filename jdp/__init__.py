@@ -23,6 +23,7 @@ from jdp._collectives import (
     sync_batch_stats,
 )
 from jdp._divergence import ReplicaDivergenceError
+from jdp._equivalence import check_equivalence
 from jdp._export import export_predictor, load_predictor, save_predictor
 from jdp._hlo import Collective, MemoryAnalysis
 from jdp._metrics import weighted
@@ -49,6 +50,7 @@ __all__ = [
     "bmuf",
     "bmuf_global_params",
     "broadcast",
+    "check_equivalence",
     "export_predictor",
     "load_predictor",
     "local",

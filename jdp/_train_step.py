@@ -137,6 +137,16 @@ class TrainState(struct.PyTreeNode):
         )
 
 
+class LossSpec(NamedTuple):
+    """How a train step calls its loss (what `jdp.check_equivalence` runs again)."""
+
+    loss_fn: Callable[..., Any]
+    has_aux: bool
+    microbatches: int
+    keywords: tuple[str, ...]  # the `LOSS_KEYWORDS` the loss declares
+    axis_name: _collectives.AxisName | None
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainStep:
     """A per-replica train step and the layout of the state it expects.
@@ -146,11 +156,13 @@ class TrainStep:
     count to the per-replica layout; `step.replicate` follows it. `must_agree`,
     when set, maps a state to the part of it replicas must agree on (others set
     to None); `jdp.parallelize`'s `check_sync` compares only that part.
+    `loss` says how the step calls its loss, for `jdp.check_equivalence`.
     """
 
     step_fn: Callable[[PyTree, PyTree], tuple[PyTree, dict[str, jax.Array]]]
     state_layout: StateLayout | None = None
     must_agree: Callable[[PyTree], PyTree] | None = None
+    loss: LossSpec | None = None
 
     def __call__(self, state: PyTree, batch: PyTree):
         return self.step_fn(state, batch)
@@ -361,7 +373,8 @@ def make_train_step(
         return state.replace(**changes), metrics
 
     layout = None if sync.state_layout is None else sync.state_layout(tx)
-    return TrainStep(train_step, layout, sync.must_agree)
+    spec = LossSpec(loss_fn, has_aux, microbatches, keywords, axis_name)
+    return TrainStep(train_step, layout, sync.must_agree, spec)
 
 
 AVERAGES_WITH_BMUF_MSG = (

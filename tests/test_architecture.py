@@ -40,6 +40,7 @@ LAYERS = {
     "jdp._parallel": 5,
     "jdp._partition": 5,
     "jdp._powersgd": 5,
+    "jdp._equivalence": 6,
     "jdp.sparse": 6,
     "jdp.wire": 6,
     "jdp._export": 7,

@@ -29,6 +29,7 @@ def test_public_names_are_pinned():
             "bmuf",
             "bmuf_global_params",
             "broadcast",
+            "check_equivalence",
             "export_predictor",
             "load_predictor",
             "local",

@@ -1,0 +1,289 @@
+"""`jdp.check_equivalence`: does a parallel train step take one device's step?
+
+A loss ported as written can be right on one device and wrong across replicas:
+a mean over a count that differs between replicas (the real tokens of a padded
+batch), BatchNorm that normalises with each replica's own statistics, a sum over
+the batch where a mean was meant. Nothing fails; the model trains differently.
+The check computes both gradients on the same global batch and compares them.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Any, Literal
+
+import jax
+import numpy as np
+
+from jdp import _collectives, _parallel, _train_step
+from jdp._tree import format_problems, is_float, keystr
+
+PyTree = Any
+OnMismatch = Literal["warn", "raise"]
+
+#: The default largest relative gap between the two gradients. Both are float32
+#: sums of the same terms in another order (replicas then a mean, against one
+#: sum): they differ by about 1e-6 relative, 1000 times less. A loss normalised
+#: per replica is off by the spread of the replicas' counts (tens of percent
+#: for padded text), BatchNorm without `axis_name` by the spread of the
+#: replicas' statistics, a sum instead of a mean by a factor of the replicas.
+RTOL = 1e-3
+
+#: A leaf's gap is measured against its own gradient's norm, but at least this
+#: fraction of the whole gradient's norm: a leaf whose gradient is zero in
+#: exact arithmetic (the bias of a layer that BatchNorm follows) holds only
+#: rounding, which no relative measure of its own can bound.
+FLOOR = 1e-2
+
+CAUSES = (
+    "Likely causes:\n"
+    "- a loss divided by a count that differs between replicas (a mean over the "
+    "real tokens of a padded batch, `jnp.sum(loss * w) / jnp.sum(w)`, as in flax's "
+    "lm1b example; 0 / 0 on a replica that holds only padding): return "
+    "`jdp.weighted(jnp.sum(loss * w), jnp.sum(w))` instead, and the step divides "
+    "once by the global count;\n"
+    "- BatchNorm without `axis_name` (each replica normalises with its own "
+    "statistics): give it the step's axis, e.g. `nn.BatchNorm(..., "
+    "axis_name={axis!r})`, or accept per-replica statistics on purpose;\n"
+    "- a sum over the batch instead of a mean (the average over replicas of sums "
+    "is 1/num_replicas of the global sum): use a mean, or `jdp.weighted`;\n"
+    "- randomness that differs between the two (dropout): check a step whose "
+    "loss is deterministic (dropout rate 0)."
+)
+
+
+def check_equivalence(
+    step: _parallel.Parallel,
+    state: PyTree,
+    batch: PyTree,
+    *,
+    on_mismatch: OnMismatch = "warn",
+    rtol: float = RTOL,
+) -> float:
+    """Checks that a parallel train step takes one device's step on the global batch.
+
+    Computes the replicas' averaged gradient (what `jdp.all_reduce()` applies)
+    and one device's gradient of the same loss on the whole global batch, and
+    compares them leaf by leaf. A loss that is right on one device can be
+    silently wrong across replicas: a mean over a count that differs between
+    replicas (`jnp.sum(l * w) / jnp.sum(w)` over the real tokens of a padded
+    batch, flax's lm1b example as written: a different model, or NaN when a
+    replica holds only padding; use `jdp.weighted`), BatchNorm without
+    `axis_name`, a sum over the batch instead of a mean. Call it once, on the
+    first batch, before training; it changes nothing.
+
+    It is not run by the step on its own: it costs a second compilation (the
+    gradients twice) and one device's gradient on the global batch, the
+    randomness of most real losses (dropout) makes the two gradients differ
+    anyway, and per-replica statistics (BatchNorm without `axis_name`) may be
+    meant. Under `jax.jit`, the global-batch gradient is partitioned over the
+    step's devices like any program, so it needs no more memory on one device
+    than it holds.
+
+    What is compared: each replica runs the step's loss on its slice as the
+    step does (its microbatches, batch statistics and `jdp.weighted`
+    normalisation; dense gradients through `jax.value_and_grad`, whatever the
+    sync piece) and the gradients are averaged over replicas; one device runs
+    the loss on the global batch at once, with the replica axis bound with a
+    single replica (so BatchNorm's `axis_name` is valid there). Both start from
+    replica 0's params and batch statistics. Randomness: a loss that takes `rng`
+    receives the state's `rng` itself, the same key on every replica and on one
+    device, but draws of another shape still differ, so check with dropout off
+    (rate 0 or `deterministic=True`): the check needs a deterministic loss.
+
+    Tolerance: a leaf's gap is `|parallel - one device|` (its norm) over its
+    one-device gradient's norm, at least `1e-2` of the whole gradient's norm (a
+    leaf that is zero in exact arithmetic holds only rounding). The two are
+    float32 sums of the same terms in another order, about `1e-6` apart; the
+    mistakes above are off by percents or more. Parameters in a narrower float
+    type are held to `8 * eps` of their type at least.
+
+    Args:
+      step: A `jdp.parallelize`d step made by `jdp.make_train_step`.
+      state: The replicated state, as passed to `step` (`step.replicate(...)`),
+        whose replicas agree (before training; after a sync with `jdp.bmuf`).
+      batch: A batch placed by `step.shard`.
+      on_mismatch: `"warn"` (default): a `RuntimeWarning`; `"raise"`: a
+        `ValueError`. Either names the leaves, their gaps and the likely causes.
+      rtol: The largest relative gap allowed (`1e-3`).
+
+    Returns:
+      The largest relative gap over the leaves (`inf` where the parallel
+      gradient is not finite and one device's is).
+
+    Raises:
+      TypeError: If `step` is not a `jdp.parallelize`d `jdp.make_train_step`.
+      ValueError: If `on_mismatch` or `rtol` is invalid; with
+        `on_mismatch="raise"`, if the gradients differ by more than `rtol`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np, optax, jdp
+      >>> def loss_fn(params, batch):                  # lm1b's per-token mean
+      ...     w = batch["w"]
+      ...     return jnp.sum((batch["x"] * params["a"]) ** 2 * w) / jnp.sum(w)
+      >>> step = jdp.parallelize(jdp.make_train_step(loss_fn, optax.sgd(0.1)),
+      ...                        devices=jax.devices()[:2])
+      >>> state = step.replicate(
+      ...     jdp.TrainState.create(params={"a": 1.0}, tx=optax.sgd(0.1)))
+      >>> batch = step.shard({"x": np.arange(8.0), "w": np.array([1.0] * 6 + [0] * 2)})
+      >>> gap = jdp.check_equivalence(step, state, batch, on_mismatch="raise")
+      Traceback (most recent call last):
+      ...
+      ValueError: ...jdp.weighted...
+    """
+    if on_mismatch not in ("warn", "raise"):
+        raise ValueError(
+            f"`on_mismatch` must be 'warn' or 'raise'; got {on_mismatch!r}."
+        )
+    if not (isinstance(rtol, (int, float)) and rtol > 0):
+        raise ValueError(f"`rtol` must be a positive number; got {rtol!r}.")
+    spec = getattr(getattr(step, "train_step", None), "loss", None)
+    if not isinstance(step, _parallel.Parallel) or spec is None:
+        raise TypeError(
+            "`jdp.check_equivalence` needs the step `jdp.parallelize` returned for "
+            "a `jdp.make_train_step(loss_fn, ...)`, whose loss it can run again; "
+            f"got {type(step).__name__}"
+            + (
+                f" of {type(step.train_step).__name__}"
+                if isinstance(step, _parallel.Parallel)
+                else ""
+            )
+            + ". For a step of your own, compare its gradients with "
+            "`jax.grad` of the loss on the whole batch yourself."
+        )
+    step._check_state(state)
+    step._check_batch(batch)
+    # Only what the loss reads: no optimizer state (ZeRO lays it out its own way).
+    bare = state.replace(
+        **{
+            f: None
+            for f in ("opt_state", "sync_state", "dynamic_scale")
+            if getattr(state, f, None) is not None
+        }
+    )
+    replicas = _parallel.Parallel(
+        functools.partial(_replica_gradients, spec),
+        mesh=step.mesh,
+        backend=step.backend,
+        donate_state=False,
+        check_sync=None,
+    )
+    got = replicas(bare, batch)
+    with _collectives.bound_axis(step.axis_name):
+        want = jax.jit(
+            functools.partial(
+                _one_device, spec, step.axis_name, stacked=step.backend == "pmap"
+            )
+        )(bare, batch)
+    gap, problems = _compare(got["grads"], want["grads"], rtol)
+    if not np.isfinite(got["loss"]) and np.isfinite(want["loss"]):
+        problems.insert(0, "the loss: not finite on the replicas (a 0 / 0?)")
+        gap = np.inf
+    if problems:
+        message = (
+            "`jdp.check_equivalence`: the replicas' averaged gradient differs from "
+            "one device's gradient on the same global batch, so this step trains "
+            f"another model than one device would (largest relative gap {gap:.2g}, "
+            f"tolerance {rtol:.2g}; loss {float(got['loss']):.6g} averaged over "
+            f"the {step.num_replicas} replicas, {float(want['loss']):.6g} on one "
+            f"device):{format_problems(problems)}\n"
+            + CAUSES.format(axis=step.axis_name)
+        )
+        if on_mismatch == "raise":
+            raise ValueError(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+    return gap
+
+
+def _fixed_kwargs(spec: _train_step.LossSpec, state: PyTree) -> dict[str, Any]:
+    """The loss's `rng` and `step`: the state's own, the same everywhere."""
+    out = {}
+    if "step" in spec.keywords:
+        out["step"] = state.step
+    if "rng" in spec.keywords:
+        if getattr(state, "rng", None) is None:
+            raise ValueError(
+                "`jdp.check_equivalence`: `loss_fn` takes `rng`, but the state has "
+                "no `rng` (None). Create it with a key, e.g. "
+                "`jdp.TrainState.create(..., rng=jax.random.key(0))`."
+            )
+        out["rng"] = state.rng
+    return out
+
+
+def _loss_and_grads(spec: _train_step.LossSpec, state, batch, microbatches: int):
+    """`{"loss", "grads"}` of one replica (or one device): normalised as the step."""
+    kwargs = _fixed_kwargs(spec, state)
+    out = _train_step._gradients(
+        jax.value_and_grad,
+        spec.loss_fn,
+        state,
+        batch,
+        has_aux=spec.has_aux,
+        microbatches=microbatches,
+        loss_kwargs=lambda part: kwargs,
+    )
+    loss, grads = _train_step._normalise(out, _collectives.resolve_axis(spec.axis_name))
+    return {"loss": loss, "grads": grads}
+
+
+def _replica_gradients(spec: _train_step.LossSpec, state, batch):
+    """A forward-only step: its metrics, averaged over replicas, are the result."""
+    return _loss_and_grads(spec, state, batch, spec.microbatches)
+
+
+def _one_device(spec: _train_step.LossSpec, axis_name, state, batch, *, stacked):
+    """The loss's gradient on the whole global batch, replica 0's state, one replica.
+
+    The replica axis is bound by `jax.vmap` over a leading axis of size 1 (one
+    per name of a host mesh), so collectives in the loss (BatchNorm's
+    `axis_name`) see a single replica.
+    """
+    state = jax.tree.map(lambda x: x[0], state)  # replica 0 (a gather, once)
+    if stacked:  # pmap's batch leaves: (replicas, examples per replica, ...)
+        batch = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), batch)
+    names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+    fn = functools.partial(_loss_and_grads, spec, microbatches=1)
+    for name in reversed(names):
+        fn = jax.vmap(fn, axis_name=name)
+    lead = (None,) * len(names)
+    out = fn(*jax.tree.map(lambda x: x[lead], (state, batch)))
+    return jax.tree.map(lambda x: x[(0,) * len(names)], out)
+
+
+def _compare(got: PyTree, want: PyTree, rtol: float) -> tuple[float, list[str]]:
+    """The largest relative gap, and a line per leaf beyond its tolerance."""
+    flat_got = jax.tree_util.tree_flatten_with_path(got)[0]
+    flat_want = jax.tree.leaves(want)
+    pairs = [
+        (path, np.asarray(g, np.float64), np.asarray(w, np.float64), g.dtype)
+        for (path, g), w in zip(flat_got, flat_want, strict=True)
+        if is_float(g)
+    ]
+    whole = np.sqrt(sum(float(np.sum(np.square(w))) for _, _, w, _ in pairs))
+    gaps = []
+    for path, g, w, dtype in pairs:
+        tolerance = max(rtol, 8 * float(np.finfo(dtype).eps))
+        if not np.isfinite(g).all():
+            gap = np.inf if np.isfinite(w).all() else np.nan
+        else:
+            scale = max(float(np.linalg.norm(w)), FLOOR * whole)
+            diff = float(np.linalg.norm(g - w))
+            gap = diff / scale if scale > 0 else (np.inf if diff > 0 else 0.0)
+        gaps.append((path, gap, tolerance))
+    bad = sorted(
+        (x for x in gaps if not x[1] <= x[2]), key=lambda x: -np.nan_to_num(x[1])
+    )
+    problems = [
+        f"{keystr(path)}: "
+        + (
+            f"relative gap {gap:.2g}"
+            if np.isfinite(gap)
+            else "not finite on the replicas"
+            + ("" if gap == np.inf else ", nor on one device")
+        )
+        for path, gap, _ in bad
+    ]
+    finite = [gap for _, gap, _ in gaps if not np.isnan(gap)]
+    return (max(finite) if finite else 0.0), problems
