@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -112,6 +113,46 @@ def slurm_config() -> tuple[str, int, int] | None:
         override_coordinator_port=os.environ.get("JAX_COORDINATOR_PORT"),
     )
     return address, env.get_process_count(), env.get_process_id()
+
+
+def drop_failed_runtime_tokens(is_expected: Callable[[BaseException], bool]) -> int:
+    """Forgets the failures of dispatched computations that `is_expected` accepts.
+
+    JAX 0.10 keeps, per device, the runtime token of the last computation with
+    side effects (a host callback) that it dispatched through its Python path,
+    and waits on them at interpreter exit (`atexit`, twice), printing
+    "Exception ignored in atexit callback" with the computation's error. A
+    computation that failed on purpose in its first call (a host check that
+    raised, its error delivered when the outputs were read) keeps its failed
+    token there for good: its later calls (here: a `shard_map` step over
+    several devices) do not replace it, and `jax.effects_barrier()` raises
+    before it clears them. Private JAX (`jax._src.dispatch.runtime_tokens`): no public API
+    clears a failed token. Waits for each token (they are done at exit);
+    returns how many were dropped. 0 if JAX moved it.
+
+    Example:
+      >>> from jdp import _jax_compat
+      >>> _jax_compat.drop_failed_runtime_tokens(lambda e: False)
+      0
+    """
+    try:
+        from jax._src import dispatch
+    except ImportError:  # pragma: no cover - JAX moved it
+        return 0
+    tokens = getattr(dispatch, "runtime_tokens", None)
+    dropped = 0
+    for name in ("current_tokens", "output_runtime_tokens"):
+        table = getattr(tokens, name, None)
+        if not isinstance(table, dict):
+            continue
+        for key, token in list(table.items()):
+            try:
+                token.block_until_ready()
+            except Exception as e:  # the computation's own error
+                if is_expected(e):
+                    del table[key]
+                    dropped += 1
+    return dropped
 
 
 # -- JAX's errors, recognised by their text ----------------------------------------

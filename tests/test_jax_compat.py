@@ -89,6 +89,55 @@ def test_slurm_config_is_what_jax_detects(monkeypatch, more, address):
     assert _jax_compat.slurm_config() is None
 
 
+def test_drop_failed_runtime_tokens_forgets_a_handled_callback_failure():
+    """A callback that fails in the first call of a 2-device step leaves JAX's
+    runtime tokens failed for good (later calls do not replace them)."""
+    found = run_fresh(
+        """
+        import json
+        import jax, jax.numpy as jnp, numpy as np
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        from jdp import _jax_compat
+
+        class CheckFailed(ValueError):
+            pass
+
+        def check(x):
+            if x > 0:
+                raise CheckFailed("bad")
+            return np.asarray(True)
+
+        def body(x):
+            ok = jax.pure_callback(check, jax.ShapeDtypeStruct((), jnp.bool_), x[0])
+            return jnp.where(ok, x, -1)
+
+        mesh = jax.make_mesh((2,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+        for value in (1, 0):  # fails, then runs
+            try:
+                x = jax.device_put(jnp.full(2, value), NamedSharding(mesh, P("d")))
+                f(x).block_until_ready()
+            except jax.errors.JaxRuntimeError:
+                pass
+        try:
+            jax.effects_barrier()
+            stayed = False
+        except jax.errors.JaxRuntimeError:
+            stayed = True
+        other = _jax_compat.drop_failed_runtime_tokens(lambda e: False)
+        ours = _jax_compat.drop_failed_runtime_tokens(lambda e: "CheckFailed" in str(e))
+        jax.effects_barrier()  # nothing left to raise
+        print(json.dumps([stayed, other, ours > 0]))
+        """,
+        env={
+            **os.environ,
+            "JAX_PLATFORMS": "cpu",
+            "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        },
+    )
+    assert found == [True, 0, True]
+
+
 def test_coordination_client_is_none_outside_a_job():
     assert _jax_compat.coordination_client() is None
 

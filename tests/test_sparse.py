@@ -1,4 +1,7 @@
 import functools
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -282,6 +285,52 @@ def test_check_ids_raises_a_clear_error():
         jax.block_until_ready(step(state, step.shard(bad)))
     state, metrics = step(state, step.shard(good))  # the state survived
     assert int(step.unreplicate(state).step) == 2 and np.isfinite(metrics["loss"])
+
+
+CHECK_THEN_CONTINUE = """
+import jax, jax.numpy as jnp, optax, jdp
+
+def loss_fn(params, batch):
+    x = jdp.sparse.lookup(params["embed"], batch["ids"]).sum(axis=1)
+    return jnp.mean((x @ params["w"] - batch["y"]) ** 2)
+
+tx = jdp.sparse.partition(optax.sgd(0.1), {"embed": jdp.sparse.sgd(0.1)})
+sync = jdp.sparse.rows(check_ids=True)
+step = jdp.parallelize(
+    jdp.make_train_step(loss_fn, tx, sync=sync), devices=jax.devices()[:2],
+    donate_state=False,
+)
+params = {"embed": jnp.ones((10, 4)), "w": jnp.ones(4)}
+state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
+ids = jnp.arange(16).reshape(4, 4)
+try:
+    _, metrics = step(state, step.shard({"ids": ids + 5, "y": jnp.zeros(4)}))
+    float(metrics["loss"])
+except jax.errors.JaxRuntimeError as e:
+    assert "IdsOutOfRangeError" in str(e)
+    print("caught")
+state, metrics = step(state, step.shard({"ids": ids % 10, "y": jnp.zeros(4)}))
+print("trained on", float(metrics["loss"]))
+"""
+
+
+def test_a_handled_id_error_is_not_reported_again_at_exit():
+    """JAX kept the failed step's token and raised its error from its exit
+    handlers, twice ("Exception ignored in atexit callback")."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    done = subprocess.run(
+        [sys.executable, "-c", CHECK_THEN_CONTINUE],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "caught" and lines[1].startswith("trained on"), done.stdout
+    assert "Exception ignored" not in done.stderr, done.stderr
+    assert "IdsOutOfRangeError" not in done.stderr, done.stderr
 
 
 def test_sparse_step_communicates_rows_not_the_table():

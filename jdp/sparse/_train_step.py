@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import functools
 import logging
 from typing import Any
@@ -35,15 +36,35 @@ class _QuietIdErrors(logging.Filter):
 
 
 _FILTER = _QuietIdErrors()
+# Whether `_forget_failed_checks` is registered to run at exit.
+_exit_hook_installed = False
 
 
 def _install_filter() -> None:
     # JAX has no public switch for this log; if the loggers move, the filter
     # just stops applying (`_jax_compat.CALLBACK_LOGGERS` has a test).
+    global _exit_hook_installed
     for name in _jax_compat.CALLBACK_LOGGERS:
         logger = logging.getLogger(name)
         if _FILTER not in logger.filters:
             logger.addFilter(_FILTER)
+    if not _exit_hook_installed:
+        # Runs before JAX's own exit handlers (registered when JAX was imported).
+        atexit.register(_forget_failed_checks)
+        _exit_hook_installed = True
+
+
+def _forget_failed_checks() -> None:
+    """At exit: JAX would report a failed id check again (twice), as unhandled.
+
+    The error reached the caller when the failed step's outputs were read; JAX
+    also keeps the failed step's runtime token and raises its error from its
+    exit handlers ("Exception ignored in atexit callback"), even after the
+    caller handled it and trained on.
+    """
+    _jax_compat.drop_failed_runtime_tokens(
+        lambda e: _jax_compat.error_names_type(e, IdsOutOfRangeError)
+    )
 
 
 def _raise_if_out_of_range(count, first, *, table: str, num_rows: int) -> np.ndarray:
@@ -111,8 +132,7 @@ def rows(
         `jax.errors.JaxRuntimeError` carrying the `IdsOutOfRangeError` message
         (table, count, first bad id). JAX dispatches asynchronously, so the
         error appears when the outputs are read (`float(metrics["loss"])`,
-        `jax.block_until_ready`), and JAX may report it once more at interpreter
-        exit. A failed call consumes a donated state; use
+        `jax.block_until_ready`). A failed call consumes a donated state; use
         `jdp.parallelize(..., donate_state=False)` to keep it. Without the
         check, invalid ids read zero rows and never update the table.
       bucket_bytes: Largest bucket of the dense parameters' all-reduce.
