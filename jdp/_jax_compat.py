@@ -126,9 +126,9 @@ def drop_failed_runtime_tokens(is_expected: Callable[[BaseException], bool]) -> 
     raised, its error delivered when the outputs were read) keeps its failed
     token there for good: its later calls (here: a `shard_map` step over
     several devices) do not replace it, and `jax.effects_barrier()` raises
-    before it clears them. Private JAX (`jax._src.dispatch.runtime_tokens`): no public API
-    clears a failed token. Waits for each token (they are done at exit);
-    returns how many were dropped. 0 if JAX moved it.
+    before it clears them. Private JAX (`jax._src.dispatch.runtime_tokens`):
+    no public API clears a failed token. Waits for each token (they are done
+    at exit); returns how many were dropped. 0 if JAX moved it.
 
     Example:
       >>> from jdp import _jax_compat
