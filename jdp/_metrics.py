@@ -38,10 +38,23 @@ jax.tree_util.register_dataclass(Reduced, data_fields=["value"], meta_fields=["h
 
 
 class Weighted(NamedTuple):
-    """A total and the weight it is to be divided by, once, over all replicas."""
+    """A total and the weight it is to be divided by, once, over all replicas.
+
+    Its repr says what it is for, so that JAX's errors about a function that
+    returns one outside a jdp step ("Gradient only defined for scalar-output
+    functions. Output was Weighted(...)") say how to get the scalar.
+    """
 
     total: Any
     weight: Any
+
+    def __repr__(self) -> str:
+        return (
+            f"Weighted(total={self.total!r}, weight={self.weight!r}) (a "
+            "`jdp.weighted` pair, which a `jdp.make_train_step` step divides over "
+            "all replicas; outside one, differentiate `w.total / w.weight`, this "
+            "replica's mean)"
+        )
 
 
 def weighted(total: Any, weight: Any) -> Weighted:

@@ -235,3 +235,21 @@ def test_an_lm1b_style_port_equals_one_device():
     got = evaluate(evaluate.replicate(params), placed)["accuracy"]
     _, want = one_device_loss(params, last)
     np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
+
+
+def test_grad_of_a_weighted_loss_outside_a_step_says_how_to_get_the_scalar():
+    def loss(p):
+        return jdp.weighted(jnp.sum(p**2), 4.0)
+
+    with pytest.raises(
+        TypeError,
+        match=r"Gradient only defined for scalar-output functions\. Output was "
+        r"Weighted\(.*\) \(a `jdp\.weighted` pair, which a `jdp\.make_train_step` "
+        r"step divides over all replicas; outside one, differentiate "
+        r"`w\.total / w\.weight`",
+    ):
+        jax.grad(loss)(jnp.ones(3))
+    # What it says works: the replica's mean.
+    p = jnp.arange(3.0)
+    got = jax.grad(lambda p: (lambda w: w.total / w.weight)(loss(p)))(p)
+    np.testing.assert_allclose(got, jax.grad(lambda p: jnp.sum(p**2) / 4.0)(p))
