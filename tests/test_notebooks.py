@@ -155,10 +155,12 @@ def test_nnx_notebook(kernel_dirs, tmp_path):
     text = outputs(nb)
     assert "8 cpu devices" in text[0]
     joined = "\n".join(text)
-    # 8 replicas take the same steps as one device, up to float rounding.
+    # 8 replicas take the same steps as one device, up to float rounding: compared
+    # after a few steps, relative to each array's largest value (float32 rounds to
+    # about 1e-7 of it; later steps amplify the rounding differently on each CPU).
     gap = re.search(r"largest difference from single-device training.*: (\S+)", joined)
     assert float(gap[1]) < 1e-4
-    loss_gap = re.search(r"largest difference of the losses: (\S+)", joined)
+    loss_gap = re.search(r"largest difference of the losses.*: (\S+)", joined)
     assert float(loss_gap[1]) < 1e-5
     # Every replica its own dropout masks, the same on every run.
     masks = re.findall(r"^replica \d: ([#.]+)$", joined, re.M)
