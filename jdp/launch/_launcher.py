@@ -179,6 +179,21 @@ def _cause_first(
     return [(r, c) for _, r, c in order]
 
 
+def _exit_status(pid: int) -> int | None:
+    """The returncode of child `pid` if it has exited (it is left to be reaped).
+
+    As `subprocess.Popen.returncode`: the exit status, or minus the signal that
+    killed it. None while it runs, or once it has been reaped.
+    """
+    try:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:  # reaped already: its reaping thread recorded it
+        return None
+    if info is None:
+        return None
+    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+
+
 def _describe_exit(code: int) -> str:
     if code < 0:
         try:
@@ -275,9 +290,29 @@ class Job:
     def _reap(self, rank: int, proc: subprocess.Popen) -> None:
         """Waits for `proc` to exit and records when (the exits' order)."""
         code = proc.wait()
-        now = time.monotonic()
+        self._record_exit(rank, code, time.monotonic())
+
+    def _record_exit(self, rank: int, code: int, now: float) -> None:
+        """Records the exit of process `rank` once (the earliest observation)."""
         with self._exits_lock:
-            self.exits.append((now, rank, code))
+            if all(r != rank for _, r, _ in self.exits):
+                self.exits.append((now, rank, code))
+
+    def _notice_exits(self) -> None:
+        """Records the exits that the reaping threads have not recorded yet.
+
+        On a busy machine a thread may run seconds late, while `wait`'s loop
+        asks the kernel directly (without reaping): every process that has
+        exited by a decision is known to it, whatever the threads' timing.
+        """
+        with self._exits_lock:
+            seen = {r for _, r, _ in self.exits}
+        now = time.monotonic()
+        for rank, proc in enumerate(self.procs):
+            if rank not in seen:
+                code = _exit_status(proc.pid)
+                if code is not None:
+                    self._record_exit(rank, code, now)
 
     def _exited(self) -> dict[int, tuple[float, int]]:
         """`{process_id: (exit time, returncode)}` of the processes that exited."""
@@ -401,6 +436,7 @@ class Job:
 
     def _outcome(self) -> bool | None:
         """True if every process succeeded, False if the job failed, else None."""
+        self._notice_exits()
         exits, ending = self._ends()
         failed = [(t, r, c) for t, r, c in exits if c != 0]
         if failed:
