@@ -490,21 +490,23 @@ def _axes(axis) -> set[str]:
 def _moving_axes(fn, *args) -> set[str]:
     """The mesh axes over which `fn`'s collectives move floating-point values.
 
-    Traced, nothing runs. Collectives of integer or boolean values (a
-    finiteness verdict agreed over the step's axis) do not count.
+    Traced, nothing runs. Collectives of scalar integers or booleans (a
+    finiteness verdict agreed over the step's axis) do not count; arrays of
+    integers do (a wire format's int8 codes are gradients too).
     """
     closed = jax.make_jaxpr(fn)(*args)
     found: set[str] = set()
 
+    def values(v) -> bool:
+        dtype = getattr(v.aval, "dtype", None)
+        if dtype is None or dtype == jax.numpy.bool_:
+            return False
+        return jax.numpy.issubdtype(dtype, jax.numpy.inexact) or v.aval.size > 1
+
     def visit(jaxpr) -> None:
         for eqn in jaxpr.eqns:
             axes = eqn.params.get("axes", eqn.params.get("axis_name"))
-            floats = any(
-                jax.numpy.issubdtype(v.aval.dtype, jax.numpy.inexact)
-                for v in eqn.outvars
-                if hasattr(v.aval, "dtype")
-            )
-            if axes is not None and floats:
+            if axes is not None and any(values(v) for v in eqn.outvars):
                 found.update(_axes(axes))
             for sub in jex_core.jaxprs_in_params(eqn.params):
                 visit(sub)
