@@ -26,7 +26,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m ruff check jdp tests benchmarks notebooks
 	$(PY) -m ruff format --check jdp tests benchmarks notebooks
-	$(PY) -m pytest -n 2 --dist loadgroup $(PYTEST_ARGS)
+	$(PY) -m pytest -n 3 --dist loadgroup $(PYTEST_ARGS)
 
 # The documentation site (docs/README.md): notebooks executed, warnings are errors.
 docs: $(DOCS_STAMP)

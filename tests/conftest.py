@@ -8,6 +8,12 @@ _flags = re.sub(
 )
 os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count=8".strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The suite compiles a few thousand small programs and runs most of them a few
+# times: XLA's backend optimisations (LLVM's -O3) cost more than they save. They
+# change no HLO (the passes that the tests read), only the machine code.
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+# No persistent compilation cache: on a fresh clone (CI) writing its thousands
+# of entries costs more time than the few hits within one run save.
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
