@@ -115,21 +115,22 @@ def check_against_reference(state, params, batches, num, **kw):
     )
     got = jax.device_get(state)
     bmuf_state = got.opt_state
-    assert_trees_close(got.params, want_params, rtol=1e-5, atol=1e-6)
+    # float32 against float64, values of order 1 over about 10 steps with (block)
+    # momentum: about 100 float32 ulps of such a value, on any CPU.
+    tol = dict(rtol=1e-5, atol=1e-5)
+    assert_trees_close(got.params, want_params, **tol)
     for i in range(num):  # g and v are the same on every replica
         assert_trees_close(
             jax.tree.map(lambda x, i=i: x[i], bmuf_state.global_params),
             want_g,
-            rtol=1e-5,
-            atol=1e-6,
+            **tol,
         )
         assert_trees_close(
             jax.tree.map(lambda x, i=i: x[i], bmuf_state.velocity),
             want_v,
-            rtol=1e-5,
-            atol=1e-6,
+            **tol,
         )
-    assert_trees_close(bmuf_state.inner_state[0].trace, want_mom, rtol=1e-5, atol=1e-6)
+    assert_trees_close(bmuf_state.inner_state[0].trace, want_mom, **tol)
     assert int(bmuf_state.count[0]) == len(batches)
 
 
