@@ -52,6 +52,11 @@ FINISHED_GRACE_S = 15.0
 #: to print, before it exits.
 STACK_WAIT_S = 5.0
 ACK_WAIT_S = 3.0
+#: Once every process has printed, how long process 0 waits before it exits. It
+#: hosts JAX's coordination service: a process still on its way out when that
+#: service goes away is aborted by JAX (SIGABRT) instead of exiting with
+#: `EXIT_CODE`.
+COORDINATOR_LAST_S = 2.0
 
 _PREFIX = "jdp/stall/"
 _PROGRESS = _PREFIX + "p/"
@@ -417,6 +422,8 @@ class Watchdog:
                     self.client.blocking_key_value_get(f"{_ACK}{r}", left_ms)
                 except Exception:
                     pass
+        if self.me == 0 and self.n > 1:
+            time.sleep(COORDINATOR_LAST_S)  # the others leave first
         self.exit_fn(EXIT_CODE)
 
     def _print(
