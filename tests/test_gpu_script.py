@@ -13,6 +13,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_gpu_script_dry_run_writes_every_table(tmp_path):
     out = tmp_path / "gpu"
