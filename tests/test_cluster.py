@@ -39,6 +39,15 @@ def no_cluster_env(monkeypatch):
             monkeypatch.delenv(name)
 
 
+def clean_environ():
+    """This process's environment without any cluster's variables (for a child)."""
+    return {
+        k: v
+        for k, v in os.environ.items()
+        if not (k.startswith(CLUSTER_PREFIXES) or k in CLUSTER_NAMES)
+    }
+
+
 def slurm(localid, per_node, gpus=None, visible=None, **more):
     env = {
         "SLURM_JOB_ID": "7",
@@ -343,11 +352,7 @@ def test_a_real_initialize_that_finds_no_job_raises(env, message):
     """JAX's own detection, in a fresh process, finds no cluster."""
     if _cluster.kubernetes_installed() and "KUBERNETES_SERVICE_HOST" in env:
         pytest.skip("the kubernetes package is installed: JAX would query the API")
-    clean = {
-        k: v
-        for k, v in os.environ.items()
-        if not (k.startswith(CLUSTER_PREFIXES) or k in CLUSTER_NAMES)
-    }
+    clean = clean_environ()
     proc = subprocess.run(
         [sys.executable, "-c", ALONE],
         env={**clean, "JAX_PLATFORMS": "cpu", **env},
@@ -480,11 +485,7 @@ def test_a_job_of_one_where_the_environment_says_several_raises():
     leaves the job and raises instead of training alone."""
     from jdp.launch._launcher import free_port
 
-    clean = {
-        k: v
-        for k, v in os.environ.items()
-        if not (k.startswith(CLUSTER_PREFIXES) or k in CLUSTER_NAMES)
-    }
+    clean = clean_environ()
     env = {
         **clean,
         "JAX_PLATFORMS": "cpu",
@@ -537,11 +538,7 @@ def test_a_slurm_task_whose_coordinator_never_comes_up_says_so_and_exits():
     from jdp.launch._launcher import free_port
 
     port = free_port()
-    clean = {
-        k: v
-        for k, v in os.environ.items()
-        if not (k.startswith(CLUSTER_PREFIXES) or k in CLUSTER_NAMES)
-    }
+    clean = clean_environ()
     env = {
         **clean,
         "JAX_PLATFORMS": "cpu",
