@@ -929,6 +929,31 @@ def test_job_names_a_process_that_finished_as_its_peer_failed(gap):
         ), job.failure_message(with_tail=False)
 
 
+@pytest.mark.parametrize("late", ["before-reaping", "after-reaping"])
+def test_job_names_a_finished_process_whose_reaping_thread_is_late(monkeypatch, late):
+    # On a loaded machine a thread of the launcher may run seconds late: the
+    # job asks the kernel which processes exited before it names the cause, and
+    # waits for a returncode that a thread has reaped but not yet recorded.
+    reap = _launcher.Job._reap
+
+    def late_for_process_1(self, rank, proc):
+        if rank == 1 and late == "before-reaping":
+            time.sleep(2 * _launcher.ENDING_WAIT_S)
+        elif rank == 1:
+            proc.wait()
+            time.sleep(2 * _launcher.ENDING_WAIT_S)
+        reap(self, rank, proc)
+
+    monkeypatch.setattr(_launcher.Job, "_reap", late_for_process_1)
+    job = failed_pair_at(FINISHED_AND_A_PEER_FAILED, 0.05)
+    assert job.failure == (0, 1), job.failure_message()
+    assert job.failure_message(with_tail=False).startswith(
+        "process 1 of 2 (pid "
+    ) and ") finished (exit 0) while process 0 was still running; " in (
+        job.failure_message(with_tail=False)
+    ), job.failure_message(with_tail=False)
+
+
 @pytest.mark.parametrize(
     "failed, expected",
     [

@@ -73,6 +73,10 @@ TAIL_LINES = 40
 #: Once a process failed, seconds to wait for processes whose output has closed
 #: (they are ending) before deciding which process ended first.
 ENDING_WAIT_S = 2.0
+#: Once a process failed, seconds to wait at most for the returncode of a process
+#: known to have exited, which its reaping thread (late on a busy machine) has
+#: yet to record.
+PENDING_WAIT_S = 10.0
 #: Once a process failed, seconds to wait in any case before deciding: a process
 #: that died at the same moment (a peer that failed because of it, or its
 #: cause) may not have been seen to end yet by the launcher's threads.
@@ -179,19 +183,21 @@ def _cause_first(
     return [(r, c) for _, r, c in order]
 
 
-def _exit_status(pid: int) -> int | None:
-    """The returncode of child `pid` if it has exited (it is left to be reaped).
+def _exit_status(pid: int) -> tuple[bool, int | None]:
+    """Whether child `pid` has exited, and its returncode if it is not reaped yet.
 
-    As `subprocess.Popen.returncode`: the exit status, or minus the signal that
-    killed it. None while it runs, or once it has been reaped.
+    The returncode as `subprocess.Popen.returncode` has it: the exit status, or
+    minus the signal that killed it; None once a thread of ours reaped it (and
+    is about to record it). The process is left to be reaped.
     """
     try:
         info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-    except ChildProcessError:  # reaped already: its reaping thread recorded it
-        return None
+    except ChildProcessError:  # reaped already: its reaping thread records it
+        return True, None
     if info is None:
-        return None
-    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+        return False, None
+    code = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+    return True, code
 
 
 def _describe_exit(code: int) -> str:
@@ -298,21 +304,29 @@ class Job:
             if all(r != rank for _, r, _ in self.exits):
                 self.exits.append((now, rank, code))
 
-    def _notice_exits(self) -> None:
+    def _notice_exits(self) -> set[int]:
         """Records the exits that the reaping threads have not recorded yet.
 
         On a busy machine a thread may run seconds late, while `wait`'s loop
         asks the kernel directly (without reaping): every process that has
         exited by a decision is known to it, whatever the threads' timing.
+
+        Returns:
+          The processes that exited but whose returncode is not known yet (a
+          thread reaped them and has yet to record it).
         """
         with self._exits_lock:
             seen = {r for _, r, _ in self.exits}
         now = time.monotonic()
+        pending = set()
         for rank, proc in enumerate(self.procs):
             if rank not in seen:
-                code = _exit_status(proc.pid)
+                exited, code = _exit_status(proc.pid)
                 if code is not None:
                     self._record_exit(rank, code, now)
+                elif exited:
+                    pending.add(rank)
+        return pending
 
     def _exited(self) -> dict[int, tuple[float, int]]:
         """`{process_id: (exit time, returncode)}` of the processes that exited."""
@@ -436,7 +450,7 @@ class Job:
 
     def _outcome(self) -> bool | None:
         """True if every process succeeded, False if the job failed, else None."""
-        self._notice_exits()
+        pending = self._notice_exits()
         exits, ending = self._ends()
         failed = [(t, r, c) for t, r, c in exits if c != 0]
         if failed:
@@ -447,7 +461,11 @@ class Job:
             if self._failed_at is None:
                 self._failed_at = now
             waited = now - self._failed_at
-            if waited < SETTLE_S or (ending and waited < ENDING_WAIT_S):
+            if (
+                waited < SETTLE_S
+                or (ending and waited < ENDING_WAIT_S)
+                or (pending and waited < PENDING_WAIT_S)
+            ):
                 return None
             (self.failure, *self.also_failed) = _cause_first(failed, self.tails)
             self.stopped = len(self.procs) - len(exits)
