@@ -30,16 +30,6 @@ def pytest_configure(config):
         )
 
 
-def pytest_collection_modifyitems(config, items):
-    """The slow and multi-process tests first, so that with several workers none
-    of them is left running alone at the end of the session."""
-    items.sort(
-        key=lambda item: (
-            not any(item.get_closest_marker(m) for m in ("slow", "multiprocess"))
-        )
-    )
-
-
 @pytest.fixture(params=["pmap", "shard_map"])
 def backend(request):
     """Both execution backends of `jdp.parallelize`."""
