@@ -38,6 +38,9 @@ export PYTHONUNBUFFERED=1
 export MPLBACKEND=Agg
 if [ $dry_run = 1 ]; then
     export JAX_PLATFORMS=cpu
+    # Whether each step runs, not how fast: LLVM's -O3 would cost more than the
+    # few calls of each program save.
+    export JAX_DISABLE_MOST_OPTIMIZATIONS=1
 else
     export JAX_PLATFORMS=cuda,cpu # CUDA first: jax.devices() are the GPUs
 fi

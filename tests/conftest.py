@@ -6,6 +6,13 @@ import re
 _flags = re.sub(
     r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", "")
 )
+# XLA:CPU's MLIR fusion emitters compile each fusion through a pipeline of its
+# own, and cost a third of a test's compile time; without them XLA emits the same
+# fusions the older way. The programs keep their collectives, copies and buffer
+# sizes (what the tests read): `test_suite_setup.py` compares them with the default.
+FAST_COMPILE_FLAG = "--xla_cpu_use_fusion_emitters=false"
+if FAST_COMPILE_FLAG.split("=")[0] not in _flags:
+    _flags = f"{_flags} {FAST_COMPILE_FLAG}"
 os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count=8".strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The suite compiles a few thousand small programs and runs most of them a few

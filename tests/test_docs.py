@@ -171,7 +171,7 @@ def run_blocks(path, tmp_path, timeout=280):
     ]
     script = f"BLOCKS = {code!r}\n" + RUNNER
     env = dict(os.environ)
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    env["XLA_FLAGS"] = os.environ["XLA_FLAGS"]  # conftest.py's: 8 devices
     env["JAX_PLATFORMS"] = "cpu"
     env["MPLBACKEND"] = "Agg"
     env.pop("JDP_COORDINATOR_ADDRESS", None)
