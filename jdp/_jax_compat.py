@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -284,6 +285,68 @@ COLLECTIVE_PRIMITIVES = frozenset(
 #: whose presence in a jaxpr depends on the operands' ranks (`jnp.expand_dims`
 #: is a `broadcast_in_dim` or a `reshape`, not a primitive of its own).
 SHAPE_ONLY_PRIMITIVES = frozenset({"broadcast_in_dim", "reshape", "squeeze"})
+
+
+def equations(closed_jaxpr: Any) -> list[Any]:
+    """Every equation of a traced function, those of nested jaxprs included.
+
+    The one walk over a jaxpr in jdp (`jax.make_jaxpr`'s result in, equations in
+    program order out, an equation holding a sub-jaxpr before that sub-jaxpr's
+    own). Each has `.primitive.name`, `.outvars` (their `.aval`) and
+    `.params`; read parameters through `collective_axes`.
+    `jax.extend.core.jaxprs_in_params` is public; the nesting is JAX 0.10's.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jdp import _jax_compat
+      >>> closed = jax.make_jaxpr(lambda x: jax.lax.cond(x > 0, jnp.sin, jnp.cos, x))
+      >>> [e.primitive.name for e in _jax_compat.equations(closed(1.0))]
+      ['gt', 'convert_element_type', 'cond', 'cos', 'sin']
+    """
+    from jax.extend import core as jex_core
+
+    out: list[Any] = []
+
+    def visit(jaxpr: Any) -> None:
+        for eqn in jaxpr.eqns:
+            out.append(eqn)
+            for sub in jex_core.jaxprs_in_params(eqn.params):
+                visit(sub)
+
+    visit(closed_jaxpr.jaxpr)
+    return out
+
+
+def collective_axes(eqn: Any) -> tuple[Any, ...]:
+    """The mapped axes a collective equation communicates over; () for others.
+
+    JAX 0.10 names them `axes` (`psum`, `pmax`, ...) or `axis_name`
+    (`all_gather`, `ppermute`, ...): equation parameters have no public schema.
+    A name is a string, or a tuple of names for several axes.
+    """
+    axes = eqn.params.get("axes", eqn.params.get("axis_name"))
+    if axes is None:
+        return ()
+    return tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
+
+
+def key_impl_name(dtype: Any) -> str:
+    """The PRNG implementation's name of a typed-key dtype (`key<fry>`: "threefry2x32").
+
+    `jax.random.key_impl` takes arrays only; no public API reads it from the
+    dtype of an abstract key (a `ShapeDtypeStruct`), so this reads the dtype's
+    private `_impl` (JAX 0.10).
+    """
+    return dtype._impl.name
+
+
+#: What a process prints when it fails because a peer left: gloo's and gRPC's
+#: "Connection reset/closed by peer", and the coordination service's "detected
+#: fatal errors" / "another task died" (JAX 0.10 on CPU). JAX raises these as
+#: `JaxRuntimeError` or aborts, with no error type of their own.
+PEER_LEFT_TEXT = re.compile(
+    r"Connection (reset|closed) by peer|detected fatal errors|another task died"
+)
 
 
 #: The modules of JAX's CUDA plugins (the `jax[cuda12]` and `jax[cuda13]`

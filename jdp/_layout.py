@@ -275,9 +275,7 @@ def key_impl(x: Any) -> str:
     """The PRNG implementation name of typed keys (an array or an abstract value)."""
     if isinstance(x, jax.Array):
         return str(jax.random.key_impl(x))
-    # `jax.random.key_impl` takes arrays only; no public API reads the
-    # implementation of an abstract key (a `ShapeDtypeStruct`) from its dtype.
-    return x.dtype._impl.name
+    return _jax_compat.key_impl_name(x.dtype)
 
 
 def host_value(x: Any) -> np.ndarray:

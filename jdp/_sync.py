@@ -18,7 +18,6 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
-from jax.extend import core as jex_core
 
 from jdp import (
     _bmuf,
@@ -533,16 +532,10 @@ def _communicates(tx, grads, opt_state, params) -> bool:
     closed = jax.make_jaxpr(
         lambda g, s, p: _transforms.update(tx, g, s, p, **{_bmuf.MERGES_ARG: None})
     )(grads, opt_state, params)
-
-    def found(jaxpr) -> bool:
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name in _jax_compat.COLLECTIVE_PRIMITIVES:
-                return True
-            if any(found(sub) for sub in jex_core.jaxprs_in_params(eqn.params)):
-                return True
-        return False
-
-    return found(closed.jaxpr)
+    return any(
+        eqn.primitive.name in _jax_compat.COLLECTIVE_PRIMITIVES
+        for eqn in _jax_compat.equations(closed)
+    )
 
 
 def _finite(grads: PyTree) -> jax.Array:

@@ -27,10 +27,10 @@ import numpy as np
 import optax
 from flax import struct
 from jax import lax
-from jax.extend import core as jex_core
 
 from jdp import (
     _collectives,
+    _jax_compat,
     _metrics,
     _replica_parts,
     _sync,
@@ -494,7 +494,6 @@ def _moving_axes(fn, *args) -> set[str]:
     finiteness verdict agreed over the step's axis) do not count; arrays of
     integers do (a wire format's int8 codes are gradients too).
     """
-    closed = jax.make_jaxpr(fn)(*args)
     found: set[str] = set()
 
     def values(v) -> bool:
@@ -503,15 +502,10 @@ def _moving_axes(fn, *args) -> set[str]:
             return False
         return jax.numpy.issubdtype(dtype, jax.numpy.inexact) or v.aval.size > 1
 
-    def visit(jaxpr) -> None:
-        for eqn in jaxpr.eqns:
-            axes = eqn.params.get("axes", eqn.params.get("axis_name"))
-            if axes is not None and any(values(v) for v in eqn.outvars):
-                found.update(_axes(axes))
-            for sub in jex_core.jaxprs_in_params(eqn.params):
-                visit(sub)
-
-    visit(closed.jaxpr)
+    for eqn in _jax_compat.equations(jax.make_jaxpr(fn)(*args)):
+        axes = _jax_compat.collective_axes(eqn)
+        if axes and any(values(v) for v in eqn.outvars):
+            found.update(_axes(axes))
     return found
 
 

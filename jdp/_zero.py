@@ -49,7 +49,6 @@ import numpy as np
 import optax
 from flax import struct
 from jax import lax
-from jax.extend import core as jex_core
 
 from jdp import _collectives, _jax_compat
 from jdp._layout import CustomLayout, abstract
@@ -361,19 +360,11 @@ _COLLECTIVES = _jax_compat.COLLECTIVE_PRIMITIVES
 _SHAPE_ONLY = _jax_compat.SHAPE_ONLY_PRIMITIVES
 
 
-def _primitives(jaxpr, out: list) -> list:
-    for eqn in jaxpr.eqns:
-        out.append(eqn)
-        for sub in jex_core.jaxprs_in_params(eqn.params):
-            _primitives(sub, out)
-    return out
-
-
 def _update_eqns(tx, grads, opt_state, params) -> list:
     closed = jax.make_jaxpr(lambda g, s, p: tx.update(g, s, p))(
         grads, opt_state, params
     )
-    return _primitives(closed.jaxpr, [])
+    return _jax_compat.equations(closed)
 
 
 def check_elementwise(

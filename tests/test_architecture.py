@@ -134,3 +134,19 @@ def test_only_distributed_calls_jax_distributed():
 
 def test_only_jax_compat_imports_private_jax():
     assert _calls(r"\b(from|import) jax\._src\b") == ["jdp._jax_compat"]
+
+
+def test_only_jax_compat_reads_private_attributes_of_jax_objects():
+    # `dtype._impl` (a key's PRNG implementation), `jaxpr.eqns` and `eqn.params`
+    # (primitive parameters have no public schema): `_jax_compat.key_impl_name`,
+    # `_jax_compat.equations` and `_jax_compat.collective_axes` read them.
+    assert _calls(r"\._impl\b|\.eqns\b|\beqn\.params\b|jaxprs_in_params") == [
+        "jdp._jax_compat"
+    ]
+
+
+def test_only_jax_compat_matches_jax_error_text():
+    # JAX's, gRPC's and gloo's messages (no error types of their own): each
+    # pattern is one constant or `is_*` function in `_jax_compat`.
+    texts = r"by peer|detected fatal errors|another task died"
+    assert _calls(texts) == ["jdp._jax_compat"]

@@ -331,14 +331,77 @@ def test_listed_primitive_exists(primitive_names, name):
 
 def _primitive_names(fn, *args, axis_env=()):
     """The primitives of `fn`'s jaxpr, inner jaxprs included (as `_zero` reads it)."""
+    closed = jax.make_jaxpr(fn, axis_env=list(axis_env))(*args)
+    return {eqn.primitive.name for eqn in _jax_compat.equations(closed)}
 
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            yield eqn.primitive.name
-            for inner in jex_core.jaxprs_in_params(eqn.params):
-                yield from walk(inner)
 
-    return set(walk(jax.make_jaxpr(fn, axis_env=list(axis_env))(*args).jaxpr))
+def test_equations_reach_into_every_kind_of_nested_jaxpr():
+    def fn(x):
+        y = lax.cond(x.sum() > 0, lambda v: lax.psum(v, "i"), lambda v: v, x)
+        y = lax.while_loop(lambda v: v.sum() > 1e9, lambda v: lax.pmax(v, "i"), y)
+        y = jax.checkpoint(lambda v: lax.all_gather(v, "i"))(y)
+        return lax.scan(lambda c, v: (c + lax.ppermute(v, "i", [(0, 1)]), None), y, y)
+
+    closed = jax.make_jaxpr(fn, axis_env=[("i", 2)])(jnp.ones((2, 3)))
+    names = [eqn.primitive.name for eqn in _jax_compat.equations(closed)]
+    for name in ("cond", "psum", "while", "pmax", "all_gather", "scan", "ppermute"):
+        assert name in names, names
+    # Program order, each equation before the ones of its sub-jaxprs.
+    assert names.index("cond") < names.index("psum") < names.index("while")
+    assert names.index("while") < names.index("pmax")
+
+
+@pytest.mark.parametrize(
+    ("fn", "axes"),
+    [
+        (lambda x: lax.psum(x, "i"), ("i",)),
+        (lambda x: lax.psum(x, ("i", "j")), ("i", "j")),
+        (lambda x: lax.pmax(x, "j"), ("j",)),
+        (lambda x: lax.all_gather(x, "i"), ("i",)),
+        (lambda x: lax.ppermute(x, "j", [(0, 1), (1, 0)]), ("j",)),
+        (lambda x: lax.psum_scatter(x, "i", tiled=True), ("i",)),
+        (lambda x: x * lax.axis_index("j"), ("j",)),
+    ],
+    ids=["psum", "psum2", "pmax", "all_gather", "ppermute", "psum_scatter", "index"],
+)
+def test_collective_axes_names_the_axes_of_each_collective(fn, axes):
+    closed = jax.make_jaxpr(fn, axis_env=[("i", 2), ("j", 2)])(jnp.ones((4, 3)))
+    found = [
+        _jax_compat.collective_axes(eqn)
+        for eqn in _jax_compat.equations(closed)
+        if eqn.primitive.name in _jax_compat.COLLECTIVE_PRIMITIVES
+    ]
+    assert found == [axes]
+
+
+def test_collective_axes_of_an_element_wise_equation_is_empty():
+    closed = jax.make_jaxpr(lambda x: jnp.sin(x) * 2)(jnp.ones(3))
+    eqns = _jax_compat.equations(closed)
+    assert eqns and all(not _jax_compat.collective_axes(e) for e in eqns)
+
+
+@pytest.mark.parametrize("impl", ["threefry2x32", "rbg", "unsafe_rbg"])
+def test_key_impl_name_of_an_abstract_key_is_the_arrays_impl(impl):
+    key = jax.random.key(0, impl=impl)
+    abstract = jax.ShapeDtypeStruct(key.shape, key.dtype)
+    assert _jax_compat.key_impl_name(abstract.dtype) == str(jax.random.key_impl(key))
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "[1] Gloo: Connection reset by peer [127.0.0.1]:53412",
+        "[0] E1203 ... Connection closed by peer",
+        "Terminating process because the coordinator detected fatal errors",
+        "UNAVAILABLE: ... another task died",
+    ],
+)
+def test_peer_left_text_recognises_a_peer_that_left(line):
+    assert _jax_compat.PEER_LEFT_TEXT.search(line)
+
+
+def test_peer_left_text_leaves_the_cause():
+    assert not _jax_compat.PEER_LEFT_TEXT.search("ValueError: the batch is empty")
 
 
 @pytest.mark.parametrize(

@@ -42,7 +42,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from jdp import _validate
+from jdp import _jax_compat, _validate
 from jdp.distributed._runtime import (
     ENV_COORDINATOR_ADDRESS,
     ENV_FAIL_FAST,
@@ -151,9 +151,7 @@ def process_env(
 
 #: The last output of a process that failed because a peer left (its
 #: connections closed): never the cause when another process failed with it.
-PEER_LEFT = re.compile(
-    r"Connection (reset|closed) by peer|detected fatal errors|another task died"
-)
+PEER_LEFT = _jax_compat.PEER_LEFT_TEXT
 
 
 def _cause_first(
