@@ -555,7 +555,7 @@ import sys, types
 from jdp.distributed import _runtime
 sys.excepthook = _runtime._exit_on_uncaught(sys.excepthook)
 if sys.argv[1] == "stopping":
-    _runtime._stall_watch = types.SimpleNamespace(stopping=124)
+    _runtime._this.stall_watch = types.SimpleNamespace(stopping=124)
 raise ValueError("Gloo all-reduce failed: connection closed by peer")
 """
 

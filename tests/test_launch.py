@@ -954,45 +954,6 @@ def test_job_names_a_finished_process_whose_reaping_thread_is_late(monkeypatch, 
     ), job.failure_message(with_tail=False)
 
 
-@pytest.mark.parametrize(
-    "failed, expected",
-    [
-        # (ended at, process, returncode) in the order they ended
-        ([(0.0, 1, 1), (0.01, 0, -9)], [(0, -9), (1, 1)]),
-        ([(0.0, 1, 1), (0.01, 0, -11)], [(0, -11), (1, 1)]),
-        ([(0.0, 1, -6), (0.01, 0, -9)], [(0, -9), (1, -6)]),  # SIGABRT follows
-        ([(0.0, 1, 1), (5.0, 0, -9)], [(1, 1), (0, -9)]),  # too late to be the cause
-        ([(0.0, 1, 1), (0.01, 0, 2)], [(1, 1), (0, 2)]),
-        ([(0.0, 1, -15), (0.01, 0, 1)], [(1, -15), (0, 1)]),
-        ([(0.0, 2, -9), (0.01, 0, -9), (0.02, 1, 1)], [(2, -9), (0, -9), (1, 1)]),
-    ],
-)
-def test_failures_are_told_cause_first(failed, expected):
-    assert _launcher._cause_first(failed) == expected
-
-
-def test_a_failure_whose_peer_left_is_told_after_the_others():
-    left = ["ValueError: UNKNOWN: Gloo all-reduce failed: [pair.cc:538] Read error "
-            "[127.0.0.1]:26527: Connection reset by peer"]  # fmt: skip
-    tails = [left, ["on purpose"]]
-    # Process 0's collective failed because process 1 left (status 3), though
-    # the launcher saw process 0 end first.
-    failed = [(0.0, 0, 1), (0.01, 1, 3)]
-    assert _launcher._cause_first(failed, tails) == [(1, 3), (0, 1)]
-    assert _launcher._cause_first(failed, [["other"], ["on purpose"]]) == [
-        (0, 1),
-        (1, 3),
-    ]
-    # Beyond `ENDING_WAIT_S` the order they ended stands.
-    late = [(0.0, 0, 1), (5.0, 1, 3)]
-    assert _launcher._cause_first(late, tails) == [(0, 1), (1, 3)]
-    # A SIGKILL still comes first.
-    assert _launcher._cause_first([(0.0, 0, 1), (0.01, 1, -9)], tails) == [
-        (1, -9),
-        (0, 1),
-    ]
-
-
 def test_worker_reports_no_progress_from_a_progress_module_being_imported(
     monkeypatch,
 ):
@@ -1115,8 +1076,13 @@ def test_restart_policy_shrinks_only_on_the_same_process_twice_in_a_row():
         (dict(max_restarts=1.5), TypeError, r"`max_restarts` must be an int >= 0"),
         (dict(min_processes=0), ValueError, r"`min_processes` must be an int >= 1"),
         (dict(min_processes=3), ValueError, r"`min_processes` \(3\) must be at most"),
+        (
+            dict(min_processes=1),
+            ValueError,
+            r"`min_processes=1` needs `max_restarts` of 2 or more \(got 1\)",
+        ),
     ],
-    ids=["negative", "float", "zero-min", "min-above"],
+    ids=["negative", "float", "zero-min", "min-above", "min-without-restarts"],
 )
 def test_restart_arguments_are_checked(kwargs, error, message):
     args = dict(max_restarts=1, min_processes=None) | kwargs

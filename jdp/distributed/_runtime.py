@@ -16,6 +16,7 @@ when asked (`stall_timeout_s`), stops a job in which a process is stuck
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import errno
 import ipaddress
 import logging
@@ -107,14 +108,29 @@ _TOO_LATE_MSG = (
 
 _log = logging.getLogger("jdp.distributed")
 
-# The arguments of the successful `initialize` of this process (or None).
-_config: dict | None = None
-# Its `timeout_s`: how long `shutdown` waits for the other processes.
-_shutdown_timeout_s: int = 300
-_exit_hook_installed = False
-# The stall check of this process (`stall_timeout_s`), while it is in a job.
-_stall_watch: _watchdog.Watchdog | None = None
-_finish_hook_installed = False
+
+@dataclasses.dataclass
+class _ThisProcess:
+    """What `initialize` set up in this process: jdp.distributed's one mutable state.
+
+    Attributes:
+      config: The arguments of the successful `initialize` (or None).
+      shutdown_timeout_s: Its `timeout_s`: how long `shutdown` waits for the
+        other processes.
+      stall_watch: The stall check (`stall_timeout_s`), while in a job.
+      exit_hook_installed: Whether `shutdown` is registered to run at exit.
+      finish_hook_installed: Whether the stall check is told at exit that this
+        process finished.
+    """
+
+    config: dict | None = None
+    shutdown_timeout_s: int = 300
+    stall_watch: _watchdog.Watchdog | None = None
+    exit_hook_installed: bool = False
+    finish_hook_installed: bool = False
+
+
+_this = _ThisProcess()
 
 
 def _env_int(name: str) -> int | None:
@@ -302,7 +318,7 @@ def flush_and_exit(code: int) -> None:
     that fails because another process already left must not turn the stall's
     124 into an error's 1.
     """
-    watch = _stall_watch
+    watch = _this.stall_watch
     if watch is not None and getattr(watch, "stopping", None) is not None:
         code = watch.stopping
     for stream in (sys.stdout, sys.stderr):
@@ -473,13 +489,12 @@ def initialize(
       >>> jdp.distributed.initialize(fail_fast=True)  # doctest: +SKIP
       >>> jdp.distributed.initialize(stall_timeout_s=60)  # doctest: +SKIP
     """
-    global _config, _shutdown_timeout_s
     _check_options(cpu_collectives, timeout_s, heartbeat_timeout_s)
     fail_fast = _fail_fast(fail_fast)
     stall_timeout_s = _watchdog.timeout_from(stall_timeout_s, os.environ)
     requested = _requested_config(coordinator_address, num_processes, process_id)
     _check_config(**requested)
-    if _config is not None or jax.distributed.is_initialized():
+    if _this.config is not None or jax.distributed.is_initialized():
         _check_same_job(requested)
         return
     given = [k for k, v in requested.items() if v is not None]
@@ -510,9 +525,9 @@ def initialize(
     )
     if not joined:
         return
-    _config = _joined_config(detected)
-    _shutdown_timeout_s = timeout_s
-    if requested["num_processes"] is None and _config["num_processes"] == 1:
+    _this.config = _joined_config(detected)
+    _this.shutdown_timeout_s = timeout_s
+    if requested["num_processes"] is None and _this.config["num_processes"] == 1:
         _leave_alone_job()
     if fail_fast:
         _install_exit_hook()
@@ -540,22 +555,20 @@ def _leave_alone_job() -> None:
     try:
         _check_alone("JAX's cluster detection made a job of one process")
     except RuntimeError:
-        global _config
-        _config = None
+        _this.config = None
         jax.distributed.shutdown()
         raise
 
 
 def _start_stall_watch(timeout_s: float) -> None:
     """Starts this process's stall check (see `initialize`'s `stall_timeout_s`)."""
-    global _stall_watch, _finish_hook_installed
     client = _coordination.client()
-    if client is None or _config is None:
+    if client is None or _this.config is None:
         return
-    _stall_watch = _watchdog.Watchdog(
+    _this.stall_watch = _watchdog.Watchdog(
         client,
-        _config["process_id"],
-        _config["num_processes"],
+        _this.config["process_id"],
+        _this.config["num_processes"],
         timeout_s,
         exit_fn=flush_and_exit,
     ).start()
@@ -564,17 +577,17 @@ def _start_stall_watch(timeout_s: float) -> None:
         "stops the job.",
         timeout_s,
     )
-    if not _finish_hook_installed:
+    if not _this.finish_hook_installed:
         # Runs before JAX's own exit handler (registered earlier): a process at
         # its exit makes no more steps, and is not to be judged as stuck.
         atexit.register(_finished)
-        _finish_hook_installed = True
+        _this.finish_hook_installed = True
 
 
 def _finished() -> None:
     """Tells the other processes' stall checks that this one made its last step."""
-    if _stall_watch is not None:
-        _stall_watch.mark_finished()
+    if _this.stall_watch is not None:
+        _this.stall_watch.mark_finished()
 
 
 def _check_options(
@@ -684,7 +697,7 @@ def _detected_config(requested: dict) -> tuple[dict, str]:
 
 def _check_same_job(requested: dict) -> None:
     """Raises if this process already joined a job other than `requested`."""
-    current = _config or {}
+    current = _this.config or {}
     clash = {
         k: (v, current[k])
         for k, v in requested.items()
@@ -912,14 +925,13 @@ def _install_exit_hook() -> None:
     Registered after JAX's own exit handler, so it runs first (handlers run in
     reverse order); JAX's then finds the job already left.
     """
-    global _exit_hook_installed
-    if not _exit_hook_installed:
+    if not _this.exit_hook_installed:
         atexit.register(_shutdown_at_exit)
-        _exit_hook_installed = True
+        _this.exit_hook_installed = True
 
 
 def _shutdown_at_exit() -> None:
-    if _config is not None:
+    if _this.config is not None:
         shutdown()
 
 
@@ -943,20 +955,19 @@ def shutdown() -> None:
       >>> import jdp
       >>> jdp.distributed.shutdown()  # nothing to do in a single process
     """
-    global _config, _stall_watch
-    config, _config = _config, None
-    watch = _stall_watch
+    config, _this.config = _this.config, None
+    watch = _this.stall_watch
     if watch is not None:
         watch.mark_finished()  # waiting for the others is not being stuck
     try:
         if config is None or config["num_processes"] < 2 or not is_initialized():
             jax.distributed.shutdown()
             return
-        _leave(config["process_id"], config["num_processes"], _shutdown_timeout_s)
+        _leave(config["process_id"], config["num_processes"], _this.shutdown_timeout_s)
     finally:
         if watch is not None:
             watch.stop()
-            _stall_watch = None
+            _this.stall_watch = None
 
 
 def _leave(process_id: int, num_processes: int, timeout_s: int) -> None:

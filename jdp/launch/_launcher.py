@@ -42,7 +42,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from jdp import _jax_compat, _validate
+from jdp import _validate
 from jdp.distributed._runtime import (
     ENV_COORDINATOR_ADDRESS,
     ENV_FAIL_FAST,
@@ -50,6 +50,12 @@ from jdp.distributed._runtime import (
     ENV_PROCESS_ID,
     listen_error,
     listen_reason,
+)
+from jdp.launch._cause import (
+    ENDING_WAIT_S,
+    cause_first,
+    describe_exit,
+    finished_before,
 )
 from jdp.launch._stall import (
     DEFAULT_STALL_TIMEOUT_S,
@@ -70,9 +76,6 @@ FORWARD_GRACE_S = 30.0
 POLL_S = 0.05
 #: Output lines of each process kept for error messages.
 TAIL_LINES = 40
-#: Once a process failed, seconds to wait for processes whose output has closed
-#: (they are ending) before deciding which process ended first.
-ENDING_WAIT_S = 2.0
 #: Once a process failed, seconds to wait at most for the returncode of a process
 #: known to have exited, which its reaping thread (late on a busy machine) has
 #: yet to record.
@@ -81,23 +84,6 @@ PENDING_WAIT_S = 10.0
 #: that died at the same moment (a peer that failed because of it, or its
 #: cause) may not have been seen to end yet by the launcher's threads.
 SETTLE_S = 0.5
-#: A failure this many seconds (or less) after a process finished (exit 0) while
-#: the failing one still ran is reported as most likely caused by that finish (a
-#: step that the finished process never joined fails at once on the others).
-FINISHED_THEN_FAILED_S = 5.0
-#: Signals that end a process by themselves (an operator's or the OOM killer's
-#: SIGKILL, a crash), never because a peer left: a peer of a dead process fails
-#: with an error status, or aborts (SIGABRT, JAX's coordination service).
-CAUSE_SIGNALS = frozenset(
-    -s
-    for s in (
-        signal.SIGKILL,
-        signal.SIGSEGV,
-        signal.SIGBUS,
-        signal.SIGILL,
-        signal.SIGFPE,
-    )
-)
 
 #: The entry point of every process, run by path (see its docstring).
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_worker.py")
@@ -149,38 +135,6 @@ def process_env(
     return env
 
 
-#: The last output of a process that failed because a peer left (its
-#: connections closed): never the cause when another process failed with it.
-PEER_LEFT = _jax_compat.PEER_LEFT_TEXT
-
-
-def _cause_first(
-    failed: list[tuple[float, int, int]], tails: Sequence[Sequence[str]] = ()
-) -> list[tuple[int, int]]:
-    """The failures `(ended at, process_id, returncode)`, the likely cause first.
-
-    In the order they ended, except within `ENDING_WAIT_S` of the first
-    failure: a process killed by one of `CAUSE_SIGNALS` goes first, and one
-    whose last output (`tails[process_id]`) says a peer left (`PEER_LEFT`) goes
-    last. Peers fail within milliseconds of the cause (a closed connection),
-    less than the launcher's threads can tell apart on a busy machine, and a
-    restart policy must count the failure against the right slot.
-    """
-    first = failed[0][0]
-
-    def rank(f):
-        t, r, c = f
-        if t - first > ENDING_WAIT_S:
-            return 3
-        if c in CAUSE_SIGNALS:
-            return 0
-        left = r < len(tails) and any(PEER_LEFT.search(line) for line in tails[r])
-        return 2 if left else 1
-
-    order = sorted(failed, key=rank)  # stable: the order they ended within each
-    return [(r, c) for _, r, c in order]
-
-
 def _exit_status(pid: int) -> tuple[bool, int | None]:
     """Whether child `pid` has exited, and its returncode if it is not reaped yet.
 
@@ -196,16 +150,6 @@ def _exit_status(pid: int) -> tuple[bool, int | None]:
         return False, None
     code = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
     return True, code
-
-
-def _describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return f"was killed by {name}"
-    return f"exited with status {code}"
 
 
 class Job:
@@ -465,19 +409,9 @@ class Job:
                 or (pending and waited < PENDING_WAIT_S)
             ):
                 return None
-            (self.failure, *self.also_failed) = _cause_first(failed, self.tails)
+            (self.failure, *self.also_failed) = cause_first(failed, self.tails)
             self.stopped = len(self.procs) - len(exits)
-            at = failed[0][0]
-            # A process that finished (exit 0) up to `FINISHED_THEN_FAILED_S`
-            # before the failure, or that the launcher saw end up to
-            # `ENDING_WAIT_S` after it: its peers fail within milliseconds of
-            # its leaving, closer than the launcher's threads can order, and a
-            # program does not complete because a peer failed.
-            finished = [
-                (r, at - t)
-                for t, r, c in exits
-                if c == 0 and -ENDING_WAIT_S <= at - t <= FINISHED_THEN_FAILED_S
-            ]
+            finished = finished_before(exits, failed[0][0])
             if finished:
                 self.finished_first = finished[0]
                 if self.stall is not None:
@@ -534,9 +468,9 @@ class Job:
         if early is not None:
             msg = early + (f" {stopped[0].upper()}{stopped[1:]}." if stopped else "")
         else:
-            msg = f"process {rank} of {n} (pid {pid}) {_describe_exit(code)}"
+            msg = f"process {rank} of {n} (pid {pid}) {describe_exit(code)}"
             for r, c in self.also_failed:
-                msg += f"; then process {r} {_describe_exit(c)}"
+                msg += f"; then process {r} {describe_exit(c)}"
             msg += f"; {stopped}." if stopped else "."
         if with_tail and self.tails[rank]:
             lines = "\n    ".join(self.tails[rank])
@@ -577,9 +511,9 @@ class Job:
         msg += f" while {process_list(others)} {'was' if one else 'were'} still running"
         (r, c), *later = failures
         when = f"{before:.2g} s later" if before >= 0 else "as it left"
-        msg += f"; {when} process {r} {_describe_exit(c)}"
+        msg += f"; {when} process {r} {describe_exit(c)}"
         for r, c in later:
-            msg += f", then process {r} {_describe_exit(c)}"
+            msg += f", then process {r} {describe_exit(c)}"
         return (
             f"{msg}, most likely in a step that process {first} never joined (a "
             f"collective whose peer has left fails). {UNEVEN_STEPS_HINT}"
@@ -699,8 +633,9 @@ class Restarts:
 
     Raises:
       TypeError: If an argument is not an integer.
-      ValueError: If `max_restarts` is negative, or `min_processes` is not
-        between 1 and `num_processes`.
+      ValueError: If `max_restarts` is negative, if `min_processes` is not
+        between 1 and `num_processes`, or if it is below `num_processes` with
+        fewer than 2 restarts (it could never apply).
     """
 
     def __init__(
@@ -721,6 +656,13 @@ class Restarts:
                 f"`min_processes` ({min_processes}) must be at most "
                 f"`num_processes` ({num_processes}): it is the fewest processes a "
                 "restarted job may shrink to."
+            )
+        if min_processes < num_processes and max_restarts < 2:
+            raise ValueError(
+                f"`min_processes={min_processes}` needs `max_restarts` of 2 or more "
+                f"(got {max_restarts}): a job shrinks only when the same process "
+                "fails first in two attempts in a row, so with fewer restarts it "
+                "never would. Raise `max_restarts`, or leave `min_processes` out."
             )
         self.max_restarts = max_restarts
         self.min_processes = min_processes
