@@ -345,10 +345,10 @@ def _decode(value: str) -> list:
     return entries
 
 
-def _by_number(pairs) -> dict:
+def _by_number(entries: dict) -> dict:
     """`{n: value}` from a directory read of the store (keys ending in `/n`)."""
     found = {}
-    for key, value in pairs:
+    for key, value in entries.items():
         tail = key.rstrip("/").rpartition("/")[2]
         if tail.isdigit():
             found[int(tail)] = value
@@ -551,7 +551,8 @@ class _ProcessCheck:
         return jax.process_count() if self._process is None else self._process[1]
 
     def _reset(self, client) -> None:
-        self.client = client
+        self._raw_client = client
+        self.client = _coordination.Store.of(client)
         self.calls = 0  # `shard` calls so far (in multi-process mode)
         self.last = None  # the signature of its last call (None: publish next)
         self.entries: list = []  # its changes (call, row), as published
@@ -571,9 +572,9 @@ class _ProcessCheck:
                 "through JAX's coordination service, which is not running: call "
                 "`jdp.distributed.initialize()` first."
             )
-        if client is not self.client:
+        if client is not self._raw_client:
             self._reset(client)
-        return client
+        return self.client
 
     def timeout_s(self) -> float:
         """How long a process whose batch changed waits for the others to match."""
@@ -651,7 +652,7 @@ class _ProcessCheck:
         if self.pending is None and client is not None and self.entries:
             if self.reached < self.calls - 1:
                 self._publish(client, self.calls - 1)
-            reports = _by_number(client.key_value_dir_get(_ERROR_KEY))
+            reports = _by_number(client.entries(_ERROR_KEY))
             newer = {c: v for c, v in reports.items() if c > self.reported}
             if newer:
                 first = min(newer)
@@ -667,16 +668,15 @@ class _ProcessCheck:
                 keep = i
         self.entries = self.entries[keep:]
         self.reached = reached
-        client.key_value_set(
+        client.put(
             f"{_RECORD_KEY}{self._index()}",
             f"{reached};{self.raised};{_encode(self.entries)}",
-            allow_overwrite=True,
         )
 
     def _read(self, client) -> dict:
         """`{process: (reached, raised, changes)}` of every process that published."""
         records = {}
-        for p, value in _by_number(client.key_value_dir_get(_RECORD_KEY)).items():
+        for p, value in _by_number(client.entries(_RECORD_KEY)).items():
             reached, raised, entries = value.split(";")
             records[p] = (int(reached), int(raised), _decode(entries))
         others = [p for p in range(self._count()) if p != self._index()]
@@ -740,11 +740,7 @@ class _ProcessCheck:
     def _report(self, client, found: Found) -> None:
         """Leaves `found` in the store for processes that go on (see `late`)."""
         self.reported = max(self.reported, found.call)
-        client.key_value_set(
-            f"{_ERROR_KEY}{found.call}",
-            _encode(sorted(found.rows.items())),
-            allow_overwrite=True,
-        )
+        client.put(f"{_ERROR_KEY}{found.call}", _encode(sorted(found.rows.items())))
         self._disown(client, found.call)
 
     def _disown(self, client, call: int) -> None:

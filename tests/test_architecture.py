@@ -150,3 +150,9 @@ def test_only_jax_compat_matches_jax_error_text():
     # pattern is one constant or `is_*` function in `_jax_compat`.
     texts = r"by peer|detected fatal errors|another task died"
     assert _calls(texts) == ["jdp._jax_compat"]
+
+
+def test_every_coordination_store_protocol_goes_through_one_module():
+    # `_coordination.Store`: the one caller of the store's `key_value_*` methods
+    # (`_jax_compat` names them in the docstring of the client it reaches).
+    assert _calls(r"\bkey_value_\w+\(") == ["jdp._coordination"]

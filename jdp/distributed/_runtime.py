@@ -562,7 +562,7 @@ def _leave_alone_job() -> None:
 
 def _start_stall_watch(timeout_s: float) -> None:
     """Starts this process's stall check (see `initialize`'s `stall_timeout_s`)."""
-    client = _coordination.client()
+    client = _coordination.store()
     if client is None or _this.config is None:
         return
     _this.stall_watch = _watchdog.Watchdog(
@@ -978,7 +978,7 @@ def _leave(process_id: int, num_processes: int, timeout_s: int) -> None:
     watchdog stops the wait first and names the processes that did not arrive
     (each process notes its arrival in the coordination service first).
     """
-    client = _coordination.client()
+    client = _coordination.store()
     watchdog = threading.Timer(
         timeout_s,
         _shutdown_timed_out,
@@ -989,9 +989,7 @@ def _leave(process_id: int, num_processes: int, timeout_s: int) -> None:
     try:
         if client is not None:
             try:
-                client.key_value_set(
-                    f"{_ARRIVED_KEY}{process_id}", "1", allow_overwrite=True
-                )
+                client.put(f"{_ARRIVED_KEY}{process_id}", "1")
             except Exception:  # the service may be gone; the barrier then says so
                 pass
         jax.distributed.shutdown()
@@ -1005,7 +1003,7 @@ def _not_arrived(client, num_processes: int, wait_s: float = 2.0) -> list[int] |
 
     def read():
         try:
-            found.append(client.key_value_dir_get(_ARRIVED_KEY))
+            found.append(client.entries(_ARRIVED_KEY))
         except Exception:  # the service is gone (process 0 left): unknown
             pass
 
@@ -1017,7 +1015,7 @@ def _not_arrived(client, num_processes: int, wait_s: float = 2.0) -> list[int] |
     if not found:
         return None
     arrived = set()
-    for key, _ in found[0]:
+    for key in found[0]:
         tail = key.rstrip("/").rpartition("/")[2]
         if tail.isdigit():
             arrived.add(int(tail))

@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
-from jdp import _progress, _validate
+from jdp import _coordination, _progress, _validate
 
 #: The default of `initialize`'s `stall_timeout_s` (seconds; unset or "0": off).
 ENV_STALL_TIMEOUT = "JDP_STALL_TIMEOUT_S"
@@ -297,7 +297,7 @@ class Watchdog:
         count: Callable[[], int] = _progress.count,
         out: Any = None,
     ):
-        self.client = client
+        self.client = _coordination.Store.of(client)
         self.me = process_id
         self.n = num_processes
         self.timeout_s = timeout_s
@@ -345,9 +345,7 @@ class Watchdog:
                     "who": f"{socket.gethostname()}, pid {os.getpid()}",
                 }
             )
-            self.client.key_value_set(
-                f"{_PROGRESS}{self.me}", value, allow_overwrite=True
-            )
+            self.client.put(f"{_PROGRESS}{self.me}", value)
             self._published = now
 
     def _run(self) -> None:
@@ -365,7 +363,7 @@ class Watchdog:
     def _check(self) -> Verdict | None:
         """One round: publish, read everything, judge; the job's verdict, if any."""
         self._publish()
-        entries = dict(self.client.key_value_dir_get(_PREFIX))
+        entries = self.client.entries(_PREFIX)
         reports = {}
         for key, value in entries.items():
             if key.startswith(_PROGRESS) and key[len(_PROGRESS) :].isdigit():
@@ -380,10 +378,10 @@ class Watchdog:
         if found is None:
             return None
         try:  # the first process to write it wins: every process acts on one
-            self.client.key_value_set(_VERDICT, found.to_json())
+            self.client.put(_VERDICT, found.to_json(), overwrite=False)
         except Exception:
             pass
-        return Verdict.from_json(self.client.key_value_try_get(_VERDICT))
+        return Verdict.from_json(self.client.get(_VERDICT))
 
     def _act(self, verdict: Verdict) -> None:
         """Prints the verdict (with the stuck processes' stacks), then exits."""
@@ -392,9 +390,7 @@ class Watchdog:
         if self.me in verdict.behind:
             stacks[self.me] = _dump_stack()
             try:
-                self.client.key_value_set(
-                    f"{_STACK}{self.me}", stacks[self.me], allow_overwrite=True
-                )
+                self.client.put(f"{_STACK}{self.me}", stacks[self.me])
             except Exception:
                 pass
         show = [r for r in verdict.behind if r != self.me]
@@ -402,14 +398,14 @@ class Watchdog:
             show = []  # process 0 shows them: one copy in a merged output
         deadline = time.monotonic() + STACK_WAIT_S
         for r in show:
-            left_ms = max(int((deadline - time.monotonic()) * 1000), 1)
             try:
-                stacks[r] = self.client.blocking_key_value_get(f"{_STACK}{r}", left_ms)
+                left_s = deadline - time.monotonic()
+                stacks[r] = self.client.wait(f"{_STACK}{r}", left_s)
             except Exception:
                 stacks[r] = ""
         self._print(verdict, stacks, show)
         try:
-            self.client.key_value_set(f"{_ACK}{self.me}", "1", allow_overwrite=True)
+            self.client.put(f"{_ACK}{self.me}", "1")
         except Exception:
             pass
         # Exit together: a process that leaves first may end the others (JAX
@@ -417,9 +413,8 @@ class Watchdog:
         deadline = time.monotonic() + ACK_WAIT_S
         for r in range(self.n):
             if r != self.me:
-                left_ms = max(int((deadline - time.monotonic()) * 1000), 1)
                 try:
-                    self.client.blocking_key_value_get(f"{_ACK}{r}", left_ms)
+                    self.client.wait(f"{_ACK}{r}", deadline - time.monotonic())
                 except Exception:
                     pass
         if self.me == 0 and self.n > 1:
