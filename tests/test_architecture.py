@@ -19,6 +19,7 @@ LAYERS = {
     "jdp._buckets": 0,
     "jdp._coordination": 0,
     "jdp._replica_parts": 0,
+    "jdp._allocator": 0,
     "jdp._layout": 1,
     "jdp._collectives": 2,
     "jdp._backends": 2,

@@ -15,6 +15,7 @@ import signal
 import sys
 import tempfile
 
+from jdp import _allocator
 from jdp.demo._errors import UsageError
 
 #: Simulated CPU devices when the machine has no accelerator and `--devices` is
@@ -252,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     stop = _StopRequest()
     previous = signal.signal(signal.SIGINT, stop)
     simulate_cpu_devices(args.devices or DEFAULT_CPU_DEVICES)
+    _allocator.tune()  # before the model exists (see `jdp._allocator`)
 
     from jdp.demo import _train  # imports JAX: after the device count is set
 

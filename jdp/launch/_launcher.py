@@ -42,7 +42,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from jdp import _validate
+from jdp import _allocator, _validate
 from jdp.distributed._runtime import (
     ENV_COORDINATOR_ADDRESS,
     ENV_FAIL_FAST,
@@ -114,8 +114,12 @@ def process_env(
     restart_count: int = 0,
     max_restarts: int = 0,
 ) -> dict[str, str]:
-    """The environment of process `process_id`: `JDP_*` variables and device count."""
-    env = dict(base)
+    """The environment of process `process_id`: `JDP_*` variables and device count.
+
+    With glibc's allocator thresholds raised (`jdp._allocator`), unless the base
+    environment sets them or `JDP_DEFAULT_MALLOC=1`.
+    """
+    env = _allocator.child_env(base)
     env[ENV_RESTART_COUNT] = str(restart_count)
     env[ENV_MAX_RESTARTS] = str(max_restarts)
     env[ENV_COORDINATOR_ADDRESS] = f"127.0.0.1:{port}"
