@@ -234,6 +234,12 @@ def all_reduce(
         return _unless_nonfinite(finite, lambda: apply_tx(grads, state, tx), state)
 
     def apply(grads, state, tx, step_axis):
+        one = _collectives.axis_size(step_axis, "jdp.all_reduce") == 1
+        if one and axis_name is None and reduce_dtype is None:
+            # A step of one replica: the mean is the gradient itself, bit for
+            # bit, and XLA:CPU would still copy every gradient through a
+            # collective (an 8.9M MLP: 28.6 ms a step, 63.5 ms with it).
+            return apply_averaged(grads, state, tx, step_axis)
         grads = _collectives.all_reduce(
             grads,
             axis_name=step_axis if axis_name is None else axis_name,
@@ -424,8 +430,8 @@ def local(
     check_batch_stats(batch_stats)
 
     def apply(grads, state, tx, axis_name):
-        if not _communicates(tx, grads, state.opt_state, state.params):
-            num = _collectives.axis_size(axis_name, "jdp.local")
+        num = _collectives.axis_size(axis_name, "jdp.local")
+        if num > 1 and not _communicates(tx, grads, state.opt_state, state.params):
             warnings.warn(
                 "`jdp.local()` applies the optimizer to each replica's own "
                 "gradients, and this optimizer never communicates (no `jdp.bmuf`, "

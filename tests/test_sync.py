@@ -44,6 +44,34 @@ def test_the_default_piece_is_a_hand_written_all_reduce_step_bit_for_bit(backend
     )
 
 
+def test_one_replica_sends_nothing_and_holds_no_more_than_the_local_step(backend):
+    """On one device the default piece is `jdp.local()`: no all-reduce of the
+    gradients (XLA:CPU copies them through it), the same temporaries, the same
+    bits; on two it does send them."""
+    tx = optax.sgd(0.1, momentum=0.9)
+    batches = make_batches(3, 16)
+
+    def compiled(sync, devices):
+        step = jdp.make_train_step(mlp_loss, tx, sync=sync)
+        step, state, _ = train(step, tx, batches, backend=backend, devices=devices)
+        batch = step.shard(batches[0])
+        floats = [
+            c
+            for c in step.collectives(state, batch)
+            if c.kind == "all-reduce" and c.bytes > 4  # not the loss's scalar
+        ]
+        mem = step.memory_analysis(state, batch)
+        return floats, mem.temp_bytes, jax.device_get(step.unreplicate(state))
+
+    sent, temp, state = compiled(jdp.all_reduce(), 1)
+    _, local_temp, local_state = compiled(jdp.local(), 1)
+    assert sent == []
+    assert temp <= local_temp
+    chex.assert_trees_all_equal(state, local_state)
+    sent_by_two, _, _ = compiled(jdp.all_reduce(), 2)
+    assert sent_by_two
+
+
 def test_local_with_sync_gradients_in_tx_is_the_all_reduce_piece(backend):
     base = optax.sgd(0.1, momentum=0.9)
     chained = optax.chain(jdp.sync_gradients(), base)
@@ -294,6 +322,22 @@ def test_local_warns_when_nothing_communicates(tx, warns):
     assert bool(messages) == warns, messages
     if warns:
         assert "the 2 replicas train 2 different models" in messages[0]
+
+
+def test_local_on_one_replica_does_not_warn():
+    tx = optax.adam(1e-2)
+    step = jdp.parallelize(
+        jdp.make_train_step(mlp_loss, tx, sync=jdp.local()), devices=jax.devices()[:1]
+    )
+    state = step.replicate(
+        jdp.TrainState.create(params=init_mlp(jax.random.key(0)), tx=tx)
+    )
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step(state, step.shard(make_batches(1, 4)[0]))
+    assert not [w for w in caught if "never communicates" in str(w.message)]
 
 
 def test_skip_nonfinite_with_a_float16_wire():
