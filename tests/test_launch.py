@@ -812,7 +812,10 @@ if rank == "0":
     server = socket.create_server(("127.0.0.1", port))
     conn, _ = server.accept()
     conn.recv(1)  # returns once process 1 has closed the connection
-    time.sleep(0.02)
+    # "slow": process 1's output closed first, which a thread of the launcher
+    # must see before this exit is recorded; 0.5 s leaves that thread time on a
+    # busy machine (20 ms did not, once).
+    time.sleep(0.02 if how == "quick" else 0.5)
     os._exit(1)
 deadline = time.monotonic() + 30
 while True:
@@ -828,7 +831,7 @@ if how == "slow":
     conn.close()
     os.close(1)
     os.close(2)
-    time.sleep(0.3)
+    time.sleep(1.0)  # reaped well after process 0
 os._exit(3)
 """
 
