@@ -9,8 +9,8 @@ three steps, timed in the same process:
 
 - `hand`: `jax.jit` of grad + `optax` update, written by hand;
 - `jdp local`: `jdp.make_train_step(..., sync=jdp.local())`;
-- `jdp all_reduce`: `jdp.make_train_step` as shipped (an all-reduce over one
-  device).
+- `jdp all_reduce`: `jdp.make_train_step` as shipped (over one replica it
+  communicates nothing: the same program as `jdp local`).
 
 Each (size, allocator) runs in a fresh process pinned to one core (XLA sizes its
 thread pool from the affinity mask), `default` with `JDP_DEFAULT_MALLOC=1` and
