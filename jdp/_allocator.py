@@ -5,7 +5,7 @@ call and frees them after it. glibc serves a block above its mmap threshold (32
 MiB at most, by default) with fresh pages from the kernel and returns them when
 it is freed, so a model whose temporaries pass that size has their pages faulted
 in again at every step: the 8.9M-parameter MLP of `benchmarks/allocator.py`
-takes 44 ms a step instead of 26-30 ms on one core. Raising the mmap and trim
+takes 42-50 ms a step instead of 27-31 ms on one core. Raising the mmap and trim
 thresholds to 1 GiB keeps freed blocks in the heap for the next step. JAX's
 performance guide gives the same advice, as environment variables.
 

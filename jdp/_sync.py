@@ -234,8 +234,11 @@ def all_reduce(
         return _unless_nonfinite(finite, lambda: apply_tx(grads, state, tx), state)
 
     def apply(grads, state, tx, step_axis):
-        one = _collectives.axis_size(step_axis, "jdp.all_reduce") == 1
-        if one and axis_name is None and reduce_dtype is None:
+        if (
+            axis_name is None
+            and reduce_dtype is None
+            and _collectives.axis_size(step_axis, "jdp.all_reduce") == 1
+        ):
             # A step of one replica: the mean is the gradient itself, bit for
             # bit, and XLA:CPU would still copy every gradient through a
             # collective (an 8.9M MLP: 28.6 ms a step, 63.5 ms with it).

@@ -8,7 +8,6 @@ compiled with XLA's defaults gives (in a subprocess without the flag).
 
 import json
 import os
-import re
 import subprocess
 import sys
 import textwrap
@@ -76,9 +75,7 @@ def readings(flags):
 @pytest.mark.slow
 def test_the_suites_compile_flag_changes_no_reading():
     assert FAST_COMPILE_FLAG in os.environ["XLA_FLAGS"]
-    default_flags = re.sub(
-        re.escape(FAST_COMPILE_FLAG), "", os.environ["XLA_FLAGS"]
-    ).strip()
+    default_flags = os.environ["XLA_FLAGS"].replace(FAST_COMPILE_FLAG, "").strip()
     fast = readings(os.environ["XLA_FLAGS"])
     default = readings(default_flags)
     assert len(default) == 10

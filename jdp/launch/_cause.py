@@ -5,7 +5,7 @@ peer left fails with a connection error), closer together than the launcher's
 threads can tell apart on a busy machine. These pure functions decide from the
 launcher's observations (when each process ended, how, its last output lines)
 which failure to name first, and which process most likely left the others in a
-step without it. `tests/test_launch.py` checks them from tables.
+step without it. `tests/test_cause.py` checks them from tables.
 """
 
 from __future__ import annotations
