@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jdp
-from jdp import _batching
+from jdp.distributed import _batch_agreement
 
 
 def echo_step(backend, num=4):
@@ -189,7 +189,7 @@ def test_a_batch_from_flax_common_utils_shard_gets_a_hint(backend):
     assert "common_utils" not in str(info.value)
 
 
-# -- the cross-process check (`_batching._ProcessCheck`) over an in-memory
+# -- the cross-process check (`_batch_agreement._ProcessCheck`) over an in-memory
 #    store, threads standing in for processes; the real thing runs in
 #    tests/multiprocess/test_multihost.py and test_shard_check.py ---------------
 
@@ -251,7 +251,7 @@ def run_processes(
     store, n = FakeStore(), len(scripts)
     logs = [[] for _ in scripts]
     checks = [
-        _batching._ProcessCheck(
+        _batch_agreement._ProcessCheck(
             client=store.client(logs[i]), process=(i, n), timeout_s=timeout_s
         )
         for i in range(n)
@@ -303,7 +303,7 @@ def _outcome(found, call):
         return ("late", found.call)
     if found.unconfirmed:
         return ("timeout", call)
-    return ("bad" if _batching.mismatch(found.rows.values()) else "ok", call)
+    return ("bad" if _batch_agreement.mismatch(found.rows.values()) else "ok", call)
 
 
 A, B, C = row(8), row(6), row(4)
@@ -443,7 +443,7 @@ def test_a_first_call_does_not_wait_past_the_limit_for_a_process_yet_to_start():
     """The process that comes later compares with this one's first record."""
     store, logs = FakeStore(), [[], []]
     p0, p1 = (
-        _batching._ProcessCheck(
+        _batch_agreement._ProcessCheck(
             client=store.client(logs[i]), process=(i, 2), timeout_s=0.1
         )
         for i in range(2)
@@ -461,7 +461,7 @@ def test_late_tells_how_far_this_process_got_and_reads_what_others_found():
     until it asks `late`, which lets process 1 see its row and raise."""
     store, logs = FakeStore(), [[], []]
     p0, p1 = (
-        _batching._ProcessCheck(client=store.client(logs[i]), process=(i, 2))
+        _batch_agreement._ProcessCheck(client=store.client(logs[i]), process=(i, 2))
         for i in range(2)
     )
     results = {}
@@ -477,14 +477,16 @@ def test_late_tells_how_far_this_process_got_and_reads_what_others_found():
     while p0.late is None and time.monotonic() < deadline:
         time.sleep(0.01)
     thread.join(10)
-    assert results[1][1] == _batching.Found(1, {0: A, 1: B}, {}, results[1][1][3])
-    assert p0.late == _batching.Found(1, {0: A, 1: B}, {})
-    assert p0.check(A, need_sizes=False) == _batching.Found(1, {0: A, 1: B}, {})
+    assert results[1][1] == _batch_agreement.Found(
+        1, {0: A, 1: B}, {}, results[1][1][3]
+    )
+    assert p0.late == _batch_agreement.Found(1, {0: A, 1: B}, {})
+    assert p0.check(A, need_sizes=False) == _batch_agreement.Found(1, {0: A, 1: B}, {})
     assert p0.late is None
 
 
 def test_the_time_limit_comes_from_the_environment(monkeypatch):
-    check = _batching._ProcessCheck(process=(0, 2))
+    check = _batch_agreement._ProcessCheck(process=(0, 2))
     monkeypatch.delenv("JDP_SHARD_CHECK_TIMEOUT", raising=False)
     assert check.timeout_s() == 60
     monkeypatch.setenv("JDP_SHARD_CHECK_TIMEOUT", "2.5")
@@ -499,34 +501,40 @@ def test_the_time_limit_comes_from_the_environment(monkeypatch):
 
 def test_a_signature_is_in_force_from_its_change_until_the_next():
     changes = [(0, (8, 8, 1, 0, 1, 0)), (5, (6, 6, 1, 0, 1, 0))]
-    assert _batching.row_at(changes, 0) == changes[0][1]
-    assert _batching.row_at(changes, 4) == changes[0][1]
-    assert _batching.row_at(changes, 5) == changes[1][1]
-    assert _batching.row_at(changes, 99) == changes[1][1]
-    assert _batching.row_at(changes, -1) is None
+    assert _batch_agreement.row_at(changes, 0) == changes[0][1]
+    assert _batch_agreement.row_at(changes, 4) == changes[0][1]
+    assert _batch_agreement.row_at(changes, 5) == changes[1][1]
+    assert _batch_agreement.row_at(changes, 99) == changes[1][1]
+    assert _batch_agreement.row_at(changes, -1) is None
 
 
 def test_published_rows_round_trip_through_their_text_form():
     entries = [(0, (8, 8, 12345, 0, 4, 0)), (17, (6, 6, 12345, 1, 4, 64))]
-    assert _batching._decode(_batching._encode(entries)) == entries
-    assert _batching._decode(_batching._encode([])) == []
+    assert _batch_agreement._decode(_batch_agreement._encode(entries)) == entries
+    assert _batch_agreement._decode(_batch_agreement._encode([])) == []
 
 
 def test_processes_agree_on_sizes_unless_they_pad():
-    assert _batching.mismatch([A, A]) is None
-    assert _batching.mismatch([A, B]) == "sizes"
-    assert _batching.mismatch([A, row(8, layout=9)]) == "layout"
-    assert _batching.mismatch([A, row(8, pad=1)]) == "pad"
-    assert _batching.mismatch([row(8, pad=1), row(5, pad=1)]) is None
-    assert _batching.mismatch([row(8, pad=1, pad_to=16), row(8, pad=1)]) == "pad_to"
-    assert _batching.mismatch([(8, 8, 7, 0, 1, 0), (6, 8, 7, 0, 1, 0)]) == "sizes"
-    assert _batching.signature(row(8, pad=1)) == _batching.signature(row(5, pad=1))
-    assert _batching.signature(A) != _batching.signature(B)
+    assert _batch_agreement.mismatch([A, A]) is None
+    assert _batch_agreement.mismatch([A, B]) == "sizes"
+    assert _batch_agreement.mismatch([A, row(8, layout=9)]) == "layout"
+    assert _batch_agreement.mismatch([A, row(8, pad=1)]) == "pad"
+    assert _batch_agreement.mismatch([row(8, pad=1), row(5, pad=1)]) is None
+    assert (
+        _batch_agreement.mismatch([row(8, pad=1, pad_to=16), row(8, pad=1)]) == "pad_to"
+    )
+    assert (
+        _batch_agreement.mismatch([(8, 8, 7, 0, 1, 0), (6, 8, 7, 0, 1, 0)]) == "sizes"
+    )
+    assert _batch_agreement.signature(row(8, pad=1)) == _batch_agreement.signature(
+        row(5, pad=1)
+    )
+    assert _batch_agreement.signature(A) != _batch_agreement.signature(B)
 
 
 def test_different_pad_to_is_named_with_each_process():
     host = [("x", np.ones((8, 3), np.float32))]
-    found = _batching.Found(
+    found = _batch_agreement.Found(
         3, {0: row(8, pad=1, pad_to=16), 1: row(8, pad=1, pad_to=32)}, {}
     )
     with pytest.raises(
@@ -534,24 +542,26 @@ def test_different_pad_to_is_named_with_each_process():
         match=r"^`step.shard`: the processes called `step.shard` with different "
         r"`pad_to` \(process 0: pad_to=16, process 1: pad_to=32\)",
     ):
-        _batching._compare_processes(found, host, num_local=2)
-    found = _batching.Found(4, {0: row(8, pad=1, pad_to=16), 1: row(8, pad=1)}, {})
+        _batch_agreement._compare_processes(found, host, num_local=2)
+    found = _batch_agreement.Found(
+        4, {0: row(8, pad=1, pad_to=16), 1: row(8, pad=1)}, {}
+    )
     with pytest.raises(
         ValueError,
         match=r"at an earlier call \(call 4 of `step.shard` on this process\), the "
         r"processes called `step.shard` with different `pad_to` \(process 0: "
         r"pad_to=16, process 1: pad_to=None\)",
     ):
-        _batching._compare_processes(found, host, num_local=2, late=True)
-    found = _batching.Found(5, {0: row(8, pad=1), 1: row(5, pad=1)}, {})
-    assert _batching._compare_processes(found, host, num_local=2) == 8
+        _batch_agreement._compare_processes(found, host, num_local=2, late=True)
+    found = _batch_agreement.Found(5, {0: row(8, pad=1), 1: row(5, pad=1)}, {})
+    assert _batch_agreement._compare_processes(found, host, num_local=2) == 8
 
 
 def test_a_wait_that_ran_out_names_both_processes_and_both_batches():
     host = [("x", np.ones((6, 3), np.float32))]
-    found = _batching.Found(7, {0: B, 1: A}, {1: 2}, waited_s=60.0)
+    found = _batch_agreement.Found(7, {0: B, 1: A}, {1: 2}, waited_s=60.0)
     with pytest.raises(ValueError) as info:
-        _batching._compare_processes(found, host, num_local=2, timeout_s=60.0)
+        _batch_agreement._compare_processes(found, host, num_local=2, timeout_s=60.0)
     message = str(info.value)
     assert message.startswith(
         "`step.shard`: at call 7 of `step.shard` the batch of this process "
@@ -565,10 +575,10 @@ def test_a_wait_that_ran_out_names_both_processes_and_both_batches():
     assert message.endswith(
         "give it more time with the environment variable JDP_SHARD_CHECK_TIMEOUT.)"
     )
-    found = _batching.Found(7, {0: B}, {1: None}, waited_s=60.0)
+    found = _batch_agreement.Found(7, {0: B}, {1: None}, waited_s=60.0)
     with pytest.raises(
         ValueError,
         match=r"process 1 has passed no batch yet.*"
         r"every process must call `step.shard` as often",
     ):
-        _batching._compare_processes(found, host, num_local=2, timeout_s=60.0)
+        _batch_agreement._compare_processes(found, host, num_local=2, timeout_s=60.0)

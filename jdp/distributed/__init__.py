@@ -11,7 +11,13 @@ processes with `python -m jdp.launch` on one machine, or with SLURM / Open MPI /
 Kubernetes on a cluster.
 """
 
+from jdp import _batching
+from jdp.distributed import _batch_agreement
 from jdp.distributed._runtime import initialize, is_initialized, shutdown
+
+# `step.shard` compares the processes' batches through this package; the data
+# path knows only the interface (`_batching.ProcessAgreement`).
+_batching.use_process_agreement(_batch_agreement.AGREEMENT)
 
 __all__ = [
     "initialize",

@@ -19,7 +19,7 @@ from helpers import init_mlp, make_batches, mlp_loss
 from jax import lax
 
 import jdp
-from jdp import _batching
+from jdp.distributed import _batch_agreement
 
 NUM_STEPS = 20
 GLOBAL_BATCH = 32
@@ -147,7 +147,7 @@ def _shard_checks():
     except ValueError as e:
         out["layout"] = str(e)
     # A loop whose batches keep their shapes: no process waits for the check ...
-    check = _batching._PROCESS_CHECK
+    check = _batch_agreement._PROCESS_CHECK
     step.shard(np.ones(8, np.float32))
     waits = check.waits
     for _ in range(3):

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jdp
-from jdp import _batching
+from jdp.distributed import _batch_agreement
 
 
 def _threads() -> set:
@@ -36,7 +36,7 @@ def _changed_on_one_process():
     step = jdp.parallelize(lambda s, b: {"n": jnp.sum(b)})
     state = step.replicate({})
     r = jax.process_index()
-    check = _batching._PROCESS_CHECK
+    check = _batch_agreement._PROCESS_CHECK
     ones = np.ones(8, np.float32)
     # A first step on a batch placed by hand: what it starts is not `shard`'s.
     by_hand = jax.make_array_from_process_local_data(step.sharding, ones)
