@@ -17,7 +17,7 @@ import jax
 import pytest
 
 import jdp
-from jdp.distributed import _cluster, _runtime, _watchdog
+from jdp.distributed import _cluster, _config, _runtime, _watchdog
 
 CLUSTER_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "JDP_", "JAX_COORDINATOR")
 CLUSTER_NAMES = (
@@ -181,8 +181,8 @@ def test_uneven_or_contradictory_variables_are_named(env, message):
 
 def test_an_explicit_local_device_ids_wins(caplog):
     with caplog.at_level(logging.INFO, logger="jdp.distributed"):
-        assert _runtime.local_devices([5], slurm(0, 1, visible="0,1")) == [5]
-        assert _runtime.local_devices(None, {"JAX_LOCAL_DEVICE_IDS": "1"}) is None
+        assert _config.local_devices([5], slurm(0, 1, visible="0,1")) == [5]
+        assert _config.local_devices(None, {"JAX_LOCAL_DEVICE_IDS": "1"}) is None
     assert "local_device_ids=[5] (given)." in caplog.text
     assert "$JAX_LOCAL_DEVICE_IDS=1" in caplog.text
 

@@ -30,7 +30,7 @@ from helpers import (
 
 import jdp
 from jdp import _layout
-from jdp.distributed import _runtime
+from jdp.distributed import _config, _coordinator
 from jdp.launch import _launcher
 from jdp.launch._launcher import free_port
 
@@ -179,14 +179,14 @@ def test_fail_fast_defaults_to_the_environment(
 ):
     if env is not None:
         monkeypatch.setenv("JDP_FAIL_FAST", env)
-    assert _runtime._fail_fast(fail_fast) is expected
+    assert _config._fail_fast(fail_fast) is expected
 
 
 def test_launcher_asks_its_processes_to_fail_fast():
     env = _launcher.process_env(
         {}, process_id=0, num_processes=2, port=1234, devices_per_process=None
     )
-    assert env[_runtime.ENV_FAIL_FAST] == "1"
+    assert env[_config.ENV_FAIL_FAST] == "1"
 
 
 def test_initialize_after_jax_started_says_to_call_it_first(no_job_env):
@@ -245,13 +245,13 @@ def test_initialize_on_a_port_in_use_raises_instead_of_crashing(no_job_env, held
 
 def test_listen_error_sees_a_port_in_use_on_every_address(held_port):
     # JAX's default listening address, [::]:port, includes 127.0.0.1:port.
-    error = _runtime.listen_error(f"[::]:{held_port}")
+    error = _coordinator.listen_error(f"[::]:{held_port}")
     assert error is not None and error.errno == errno.EADDRINUSE
-    assert _runtime.listen_reason(error, f"[::]:{held_port}") == (
+    assert _coordinator.listen_reason(error, f"[::]:{held_port}") == (
         f"port {held_port} on every address is already in use (another program, "
         "or the coordinator of another job, listens on it)"
     )
-    assert _runtime.listen_error(f"127.0.0.1:{free_port()}") is None
+    assert _coordinator.listen_error(f"127.0.0.1:{free_port()}") is None
 
 
 @pytest.mark.parametrize(
@@ -269,12 +269,12 @@ def test_listen_error_sees_a_port_in_use_on_every_address(held_port):
 def test_coordinator_binds_loopback_only_for_a_loopback_address(
     no_job_env, address, bind
 ):
-    assert _runtime.bind_address(address) == bind
+    assert _coordinator.bind_address(address) == bind
 
 
 def test_coordinator_bind_address_from_the_environment_wins(no_job_env, monkeypatch):
     monkeypatch.setenv("JAX_COORDINATOR_BIND_ADDRESS", "0.0.0.0:4321")
-    assert _runtime.bind_address("127.0.0.1:4321") == "0.0.0.0:4321"
+    assert _coordinator.bind_address("127.0.0.1:4321") == "0.0.0.0:4321"
 
 
 def listening_addresses(port):
@@ -552,10 +552,10 @@ def test_parallelize_needs_devices_of_every_process(monkeypatch):
 # failing because another process already left) exits with the stall's status.
 STOPPING_THEN_RAISES = """
 import sys, types
-from jdp.distributed import _runtime
-sys.excepthook = _runtime._exit_on_uncaught(sys.excepthook)
+from jdp.distributed import _exit, _state
+sys.excepthook = _exit._exit_on_uncaught(sys.excepthook)
 if sys.argv[1] == "stopping":
-    _runtime._this.stall_watch = types.SimpleNamespace(stopping=124)
+    _state._this.stall_watch = types.SimpleNamespace(stopping=124)
 raise ValueError("Gloo all-reduce failed: connection closed by peer")
 """
 

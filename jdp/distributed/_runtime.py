@@ -11,81 +11,51 @@ for its peers. Under a cluster's scheduler it also gives each process its own
 GPUs and refuses to run a process alone in a job of several (`_cluster`), and,
 when asked (`stall_timeout_s`), stops a job in which a process is stuck
 (`_watchdog`).
+
+This module joins and leaves the job: it is the one caller of `jax.distributed`.
+The configuration and its checks are in `_config`, the coordinator's address
+and port in `_coordinator`, how a process exits (`fail_fast`) in `_exit`, and
+what `initialize` set up in `_state`.
 """
 
 from __future__ import annotations
 
 import atexit
-import dataclasses
-import errno
-import ipaddress
 import logging
 import os
-import signal
-import socket
 import sys
 import threading
-import time
-import traceback
 from collections.abc import Sequence
 from typing import Literal
 
 import jax
 
-from jdp import _coordination, _jax_compat, _validate
-from jdp.distributed import _cluster, _watchdog
-
-ENV_COORDINATOR_ADDRESS = "JDP_COORDINATOR_ADDRESS"
-ENV_NUM_PROCESSES = "JDP_NUM_PROCESSES"
-ENV_PROCESS_ID = "JDP_PROCESS_ID"
-#: The default of `initialize`'s `fail_fast`: "1" or "0" (unset: "0"). Set to "1"
-#: by `python -m jdp.launch` in the processes it starts.
-ENV_FAIL_FAST = "JDP_FAIL_FAST"
-#: JAX's own setting of the coordinator's listening address (it wins over jdp's).
-ENV_JAX_BIND_ADDRESS = "JAX_COORDINATOR_BIND_ADDRESS"
-
-CPU_COLLECTIVES = ("gloo", "mpi", None)
+from jdp import _coordination, _jax_compat
+from jdp.distributed import _watchdog
+from jdp.distributed._config import (
+    _GIVEN_ADDRESS,
+    _check_alone,
+    _check_config,
+    _check_options,
+    _detected_config,
+    _fail_fast,
+    _incomplete_config_error,
+    _joined_config,
+    _requested_config,
+    local_devices,
+)
+from jdp.distributed._coordinator import _check_coordinator_port, _start_watchdog
+from jdp.distributed._exit import (
+    _install_fail_fast,
+    _python_sigterm_handler,
+    _restore_sigterm,
+    flush_and_exit,
+)
+from jdp.distributed._state import _this
 
 #: Extra seconds JAX's own connection deadline gets over `timeout_s`, so that
 #: jdp's watchdog (a clear message) fires before JAX's native abort.
 _JAX_GRACE_S = 10
-
-_CONNECT_TIMEOUT_MSG = (
-    "jdp.distributed.initialize: process {pid} of {num} gave up after {timeout} s "
-    "waiting for all {num} processes to connect to the coordinator at {addr}. Check "
-    "that exactly num_processes={num} processes were started, each with its own "
-    "process_id in [0, {num}) and the same coordinator address, and that process 0 "
-    "(which hosts the coordinator) is running. Raise `timeout_s` if processes start "
-    "slowly."
-)
-
-_UNREACHABLE_MSG = (
-    "`jdp.distributed.initialize`: the coordinator at {addr} did not accept a "
-    "connection within {timeout} s (this is process {pid} of {num}). Process 0 "
-    "hosts the coordinator: start it, check that the address (from {where}) "
-    "names its host and a port it can bind, and that no firewall blocks the "
-    "port. Raise `timeout_s` if process 0 starts slowly."
-)
-
-_WAITING_MSG = (
-    "jdp.distributed: process %d of %d is waiting for the coordinator at %s "
-    "(address from %s) to accept a connection: %.1f s so far, giving up after "
-    "%d s. Process 0 hosts it: is it running?"
-)
-
-#: How often a process waiting for the coordinator says so (at most; at least
-#: 4 times within `timeout_s`).
-_WAITING_EVERY_S = 5.0
-
-_CANNOT_LISTEN_MSG = (
-    "`jdp.distributed.initialize`: process 0 hosts the job's coordinator, but "
-    "{reason}. Pick a free port in the address (now {addr!r}, from {where}), "
-    "or start the job with `python -m jdp.launch` without `--port`, which picks "
-    "a free one."
-)
-
-#: Where a coordinator address given to `initialize` comes from, for messages.
-_GIVEN_ADDRESS = f"`coordinator_address` (or ${ENV_COORDINATOR_ADDRESS})"
 
 _SHUTDOWN_TIMEOUT_MSG = (
     "jdp.distributed: process {pid} of {num} waited {timeout} s at shutdown for "
@@ -107,227 +77,6 @@ _TOO_LATE_MSG = (
 )
 
 _log = logging.getLogger("jdp.distributed")
-
-
-@dataclasses.dataclass
-class _ThisProcess:
-    """What `initialize` set up in this process: jdp.distributed's one mutable state.
-
-    Attributes:
-      config: The arguments of the successful `initialize` (or None).
-      shutdown_timeout_s: Its `timeout_s`: how long `shutdown` waits for the
-        other processes.
-      stall_watch: The stall check (`stall_timeout_s`), while in a job.
-      exit_hook_installed: Whether `shutdown` is registered to run at exit.
-      finish_hook_installed: Whether the stall check is told at exit that this
-        process finished.
-    """
-
-    config: dict | None = None
-    shutdown_timeout_s: int = 300
-    stall_watch: _watchdog.Watchdog | None = None
-    exit_hook_installed: bool = False
-    finish_hook_installed: bool = False
-
-
-_this = _ThisProcess()
-
-
-def _env_int(name: str) -> int | None:
-    value = os.environ.get(name)
-    if value is None or value == "":
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(
-            f"Environment variable ${name} must be an integer, got {value!r}."
-        ) from None
-
-
-def _split_address(address: str) -> tuple[str, int]:
-    if not isinstance(address, str):
-        raise TypeError(
-            "`coordinator_address` must be a str 'host:port' (e.g. "
-            f"'127.0.0.1:1234'), got {_validate.describe(address)}."
-        )
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(
-            f"`coordinator_address` must look like 'host:port' (e.g. "
-            f"'127.0.0.1:1234'), got {address!r}."
-        )
-    return host.strip("[]"), int(port)
-
-
-def _is_loopback(host: str) -> bool:
-    """Whether `host` is a loopback address: 127.x.y.z, ::1 or "localhost"."""
-    if host.lower() in ("localhost", "localhost."):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name: where it points may differ between machines
-        return False
-
-
-def bind_address(coordinator_address: str) -> str | None:
-    """Where process 0's coordinator listens; None for JAX's default (every address).
-
-    `$JAX_COORDINATOR_BIND_ADDRESS` if set; else, for a loopback coordinator
-    address (a job on one machine), that loopback address, so that no other
-    machine can reach the coordinator.
-    """
-    explicit = os.environ.get(ENV_JAX_BIND_ADDRESS)
-    if explicit:
-        return explicit
-    host, port = _split_address(coordinator_address)
-    if not _is_loopback(host):
-        return None
-    if host.lower().rstrip(".") == "localhost":
-        host = "127.0.0.1"  # what JAX's gRPC server binds for "localhost" too
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def _split_bind(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    return host.strip("[]"), int(port)
-
-
-def _bind_candidates(host: str, port: int) -> list[tuple[int, tuple]]:
-    """(family, socket address) to try binding, as JAX's gRPC server would."""
-    if host in ("", "::", "0.0.0.0", "*"):
-        # Every address: an IPv6 socket that also takes IPv4, else IPv4 alone.
-        return [(socket.AF_INET6, ("::", port)), (socket.AF_INET, ("0.0.0.0", port))]
-    try:
-        infos = socket.getaddrinfo(
-            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )
-    except socket.gaierror:
-        return []  # JAX reports an unknown host itself
-    return [(family, address) for family, _, _, _, address in infos[:1]]
-
-
-def listen_error(address: str) -> OSError | None:
-    """The error that listening on `address` ("host:port") gives now, or None.
-
-    Tried with a socket bound and closed at once, with the options JAX's gRPC
-    server uses (`SO_REUSEADDR`: a port in TIME_WAIT is free). JAX itself does not
-    report such an error: its process crashes (SIGSEGV).
-    """
-    try:
-        host, port = _split_bind(address)
-    except ValueError:
-        return None  # malformed: JAX reports it
-    candidates = _bind_candidates(host, port)
-    for i, (family, sockaddr) in enumerate(candidates):
-        try:
-            with socket.socket(family, socket.SOCK_STREAM) as sock:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                if family == socket.AF_INET6 and sockaddr[0] == "::":
-                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-                sock.bind(sockaddr)
-            return None
-        except OSError as e:
-            no_ipv6 = e.errno in (errno.EAFNOSUPPORT, errno.EADDRNOTAVAIL)
-            if not (no_ipv6 and family == socket.AF_INET6 and i + 1 < len(candidates)):
-                return e
-    return None
-
-
-def listen_reason(error: OSError, address: str) -> str:
-    """Why listening on `address` failed, for an error message."""
-    host, port = _split_bind(address)
-    where = f"port {port} on {host if host not in ('', '::') else 'every address'}"
-    if error.errno == errno.EADDRINUSE:
-        return (
-            f"{where} is already in use (another program, or the coordinator of "
-            "another job, listens on it)"
-        )
-    return f"it cannot listen on {where} ({error.strerror or error})"
-
-
-def _check_coordinator_port(requested: dict, where: str) -> str | None:
-    """The coordinator's bind address; on process 0, raises if it cannot listen."""
-    address = requested["coordinator_address"]
-    if address is None:
-        return None
-    bind = bind_address(address)
-    if requested["process_id"] == 0:
-        target = bind or f"[::]:{_split_address(address)[1]}"  # JAX's default
-        error = listen_error(target)
-        if error is not None:
-            raise OSError(
-                error.errno,
-                _CANNOT_LISTEN_MSG.format(
-                    reason=listen_reason(error, target), addr=address, where=where
-                ),
-            )
-    return bind
-
-
-def _wait_for_coordinator(
-    address: str, deadline: float, say_waiting=None, every_s: float = 5.0
-) -> bool:
-    """Tries TCP connections to `address` until one succeeds or `deadline` passes.
-
-    Calls `say_waiting(seconds waited)` every `every_s` seconds while it waits.
-    """
-    host, port = _split_address(address)
-    start = next_say = time.monotonic()
-    next_say += every_s
-    while True:
-        now = time.monotonic()
-        left = deadline - now
-        if left <= 0:
-            return False
-        if say_waiting is not None and now >= next_say:
-            say_waiting(now - start)
-            next_say += every_s
-        try:
-            with socket.create_connection((host, port), timeout=min(left, 2.0)):
-                return True
-        except OSError:
-            time.sleep(min(0.2, max(deadline - time.monotonic(), 0)))
-
-
-def _exit_on_uncaught(previous):
-    """A `sys.excepthook` that prints the traceback, then exits the process now.
-
-    An uncaught exception normally ends in the interpreter's exit handlers, where
-    JAX's shutdown barrier waits for every other process (for up to its shutdown
-    timeout): the job would hang instead of failing.
-    """
-
-    def hook(exc_type, exc, tb):
-        try:
-            previous(exc_type, exc, tb)
-        except Exception:  # pragma: no cover - a broken hook must not block the exit
-            traceback.print_exception(exc_type, exc, tb)
-        code = 130 if issubclass(exc_type, KeyboardInterrupt) else 1
-        flush_and_exit(code)
-
-    hook.jdp_fail_fast = True
-    return hook
-
-
-def flush_and_exit(code: int) -> None:
-    """Flushes the standard streams and logging, then `os._exit(code)`.
-
-    Once the stall check has decided to stop the job (`Watchdog.stopping`), the
-    process exits with its status whatever path gets here first: a collective
-    that fails because another process already left must not turn the stall's
-    124 into an error's 1.
-    """
-    watch = _this.stall_watch
-    if watch is not None and getattr(watch, "stopping", None) is not None:
-        code = watch.stopping
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # pragma: no cover
-            pass
-    logging.shutdown()
-    os._exit(code)
 
 
 def initialize(
@@ -537,19 +286,6 @@ def initialize(
         _start_stall_watch(stall_timeout_s)
 
 
-def _check_alone(found: str) -> None:
-    """Raises (or warns) if the environment says that this job has several processes."""
-    expected = _cluster.expected_processes(
-        os.environ, kubernetes=_cluster.kubernetes_installed()
-    )
-    if expected is None:
-        return
-    message = _cluster.one_process_message(expected, found=found)
-    if expected.certain:
-        raise RuntimeError(message)
-    _log.warning(message)
-
-
 def _leave_alone_job() -> None:
     """Raises if JAX's cluster detection made a job of one where there are several."""
     try:
@@ -588,111 +324,6 @@ def _finished() -> None:
     """Tells the other processes' stall checks that this one made its last step."""
     if _this.stall_watch is not None:
         _this.stall_watch.mark_finished()
-
-
-def _check_options(
-    cpu_collectives: str | None, timeout_s: int, heartbeat_timeout_s: int
-) -> None:
-    """Checks the arguments of `initialize` that are not the job's configuration."""
-    if cpu_collectives not in CPU_COLLECTIVES:
-        raise ValueError(
-            f"`cpu_collectives` must be one of {CPU_COLLECTIVES}; got "
-            f"{cpu_collectives!r}."
-        )
-    _validate.positive_int("timeout_s", timeout_s, note="seconds")
-    _validate.positive_int("heartbeat_timeout_s", heartbeat_timeout_s, note="seconds")
-
-
-def _fail_fast(fail_fast: bool | None) -> bool:
-    """`initialize`'s `fail_fast`, checked; None: from `$JDP_FAIL_FAST`."""
-    if fail_fast is None:
-        value = os.environ.get(ENV_FAIL_FAST, "")
-        if value not in ("", "0", "1"):
-            raise ValueError(
-                f"Environment variable ${ENV_FAIL_FAST} must be '1' (fail fast) or "
-                f"'0', got {value!r}. Set it to one of these, or pass `fail_fast` "
-                "to `jdp.distributed.initialize`."
-            )
-        return value == "1"
-    if not isinstance(fail_fast, bool):
-        raise TypeError(
-            f"`fail_fast` must be a bool, or None to read ${ENV_FAIL_FAST}; got "
-            f"{_validate.describe(fail_fast)}."
-        )
-    return fail_fast
-
-
-def _requested_config(
-    coordinator_address: str | None,
-    num_processes: int | None,
-    process_id: int | None,
-) -> dict:
-    """The job's configuration: the arguments, else the `JDP_*` variables (or None)."""
-    if coordinator_address is None:
-        coordinator_address = os.environ.get(ENV_COORDINATOR_ADDRESS) or None
-    if num_processes is None:
-        num_processes = _env_int(ENV_NUM_PROCESSES)
-    if process_id is None:
-        process_id = _env_int(ENV_PROCESS_ID)
-    return dict(
-        coordinator_address=coordinator_address,
-        num_processes=num_processes,
-        process_id=process_id,
-    )
-
-
-def _check_config(
-    coordinator_address: str | None,
-    num_processes: int | None,
-    process_id: int | None,
-) -> None:
-    """Checks the parts of the configuration that are given (None: not given)."""
-    _validate.positive_int("num_processes", num_processes, allow_none=True)
-    if process_id is not None and num_processes is not None:
-        _validate.index(
-            "process_id", process_id, num_processes, size_name="num_processes"
-        )
-    else:
-        _validate.non_negative_int("process_id", process_id, allow_none=True)
-    if coordinator_address is not None:
-        _split_address(coordinator_address)
-
-
-def _detected_config(requested: dict) -> tuple[dict, str]:
-    """The configuration with what JAX detects in a SLURM job step filled in.
-
-    JAX would fill in the same values itself, but then aborts the process
-    (SIGABRT, `DEADLINE_EXCEEDED`) when the coordinator never comes up; known
-    here, they get jdp's watch: warnings while waiting, then a `TimeoutError`.
-    Also returns where the coordinator address comes from, for messages.
-
-    Raises:
-      ValueError: If a scheduler's variable is set but not an integer.
-    """
-    if None not in requested.values():
-        return requested, _GIVEN_ADDRESS
-    _cluster.check_integers(os.environ)
-    detected = _jax_compat.slurm_config()
-    if detected is None:
-        return requested, _GIVEN_ADDRESS
-    filled = {
-        k: d if v is None else v
-        for (k, v), d in zip(requested.items(), detected, strict=True)
-    }
-    if requested["coordinator_address"] is not None:
-        return filled, _GIVEN_ADDRESS
-    where = (
-        f"{_cluster.slurm_source(os.environ)}, which `coordinator_address` or "
-        "$JAX_COORDINATOR_PORT override"
-    )
-    _log.info(
-        "SLURM job step: coordinator %s (%s), process %d of %d.",
-        filled["coordinator_address"],
-        _cluster.slurm_source(os.environ),
-        filled["process_id"],
-        filled["num_processes"],
-    )
-    return filled, where
 
 
 def _check_same_job(requested: dict) -> None:
@@ -754,38 +385,6 @@ def _join(
     return True
 
 
-def local_devices(
-    local_device_ids: int | Sequence[int] | None,
-    environ: dict | None = None,
-) -> int | Sequence[int] | None:
-    """The `local_device_ids` to pass to JAX: the argument, else the cluster's plan.
-
-    JAX gives a process started by SLURM or Open MPI one device, the one numbered
-    like its local rank, unless told otherwise; `_cluster.plan_local_devices`
-    gives it the GPUs that are its own. The choice is logged (INFO).
-    """
-    environ = os.environ if environ is None else environ
-    if local_device_ids is not None:
-        _log.info("local_device_ids=%s (given).", local_device_ids)
-        return local_device_ids
-    if environ.get("JAX_LOCAL_DEVICE_IDS"):
-        _log.info(
-            "local_device_ids from $JAX_LOCAL_DEVICE_IDS=%s (JAX reads it).",
-            environ["JAX_LOCAL_DEVICE_IDS"],
-        )
-        return None
-    plan = _cluster.plan_local_devices(environ, node_gpus=_cluster.node_gpus())
-    if plan is None:
-        return None
-    shown = "every device it sees" if plan.local_device_ids == [] else None
-    _log.info(
-        "local_device_ids=%s (%s).",
-        shown or plan.local_device_ids,
-        plan.reason,
-    )
-    return plan.local_device_ids
-
-
 def jax_initialize_args(
     requested: dict,
     *,
@@ -814,111 +413,6 @@ def jax_initialize_args(
     )
 
 
-def _start_watchdog(
-    coordinator_address: str | None,
-    num_processes: int | None,
-    process_id: int | None,
-    *,
-    timeout_s: int,
-    where: str = _GIVEN_ADDRESS,
-) -> threading.Timer | None:
-    """Waits for the coordinator, then starts the timer that calls `_give_up`.
-
-    Returns None (no watchdog) unless the whole configuration is given. A
-    process other than 0 logs a warning every few seconds while the
-    coordinator does not accept its connection, and raises `TimeoutError` if
-    it never does.
-    """
-    if coordinator_address is None or num_processes is None or process_id is None:
-        return None
-    deadline = time.monotonic() + timeout_s
-
-    def say_waiting(waited: float) -> None:
-        _log.warning(
-            _WAITING_MSG,
-            process_id,
-            num_processes,
-            coordinator_address,
-            where,
-            waited,
-            timeout_s,
-        )
-
-    if process_id != 0 and not _wait_for_coordinator(
-        coordinator_address,
-        deadline,
-        say_waiting,
-        every_s=min(_WAITING_EVERY_S, timeout_s / 4),
-    ):
-        raise TimeoutError(
-            _UNREACHABLE_MSG.format(
-                addr=coordinator_address,
-                timeout=timeout_s,
-                pid=process_id,
-                num=num_processes,
-                where=where,
-            )
-        )
-    watchdog = threading.Timer(
-        max(deadline - time.monotonic(), 0.0),
-        _give_up,
-        args=(coordinator_address, num_processes, process_id, timeout_s),
-    )
-    watchdog.daemon = True
-    watchdog.start()
-    return watchdog
-
-
-def _incomplete_config_error(error: ValueError, requested: dict) -> ValueError:
-    """The error for a configuration that neither jdp nor JAX could complete."""
-    given = [k for k, v in requested.items() if v is not None]
-    missing = [k for k in requested if k not in given]
-    return ValueError(
-        "`jdp.distributed.initialize` could not complete the configuration "
-        f"(JAX said: {error}). Given: {given or 'nothing'}; missing: {missing}. Pass "
-        f"all three arguments, or set ${ENV_COORDINATOR_ADDRESS}, "
-        f"${ENV_NUM_PROCESSES} and ${ENV_PROCESS_ID} (as `python -m jdp.launch` "
-        "does), or run under SLURM / Open MPI / Kubernetes."
-    )
-
-
-def _joined_config(requested: dict) -> dict:
-    """The configuration of the job joined; what JAX detected filled in."""
-    config = dict(requested)
-    if None in config.values():
-        # Detected by JAX (partly or wholly): ask it (this starts the backends).
-        config["num_processes"] = jax.process_count()
-        config["process_id"] = jax.process_index()
-    return config
-
-
-def _install_fail_fast() -> None:
-    """Makes an uncaught exception exit this process at once (see `fail_fast`)."""
-    if not getattr(sys.excepthook, "jdp_fail_fast", False):
-        sys.excepthook = _exit_on_uncaught(sys.excepthook)
-
-
-def _python_sigterm_handler():
-    """SIGTERM's Python-level handler now (None if not readable or not Python's)."""
-    if threading.current_thread() is not threading.main_thread():
-        return None
-    return signal.getsignal(signal.SIGTERM)
-
-
-def _restore_sigterm(handler) -> None:
-    """Puts back SIGTERM's handler from before `jax.distributed.initialize`.
-
-    JAX's preemption service takes SIGTERM over: the signal then only records a
-    preemption notice (for `jax.experimental.multihost_utils`' sync points) and
-    the process runs on. With `fail_fast` (under `python -m jdp.launch`, SIGTERM
-    comes from the launcher stopping the job), it must stop the process as in
-    any program.
-    """
-    if handler is None or threading.current_thread() is not threading.main_thread():
-        return
-    signal.signal(signal.SIGTERM, handler)
-
-
 def _install_exit_hook() -> None:
     """Makes the interpreter's exit leave the job through `shutdown` (its watchdog).
 
@@ -933,15 +427,6 @@ def _install_exit_hook() -> None:
 def _shutdown_at_exit() -> None:
     if _this.config is not None:
         shutdown()
-
-
-def _give_up(address: str, num: int, pid: int, timeout: int) -> None:
-    print(
-        _CONNECT_TIMEOUT_MSG.format(pid=pid, num=num, timeout=timeout, addr=address),
-        file=sys.stderr,
-        flush=True,
-    )
-    flush_and_exit(1)
 
 
 def shutdown() -> None:

@@ -43,14 +43,13 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from jdp import _allocator, _validate
-from jdp.distributed._runtime import (
+from jdp.distributed._config import (
     ENV_COORDINATOR_ADDRESS,
     ENV_FAIL_FAST,
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
-    listen_error,
-    listen_reason,
 )
+from jdp.distributed._coordinator import listen_error, listen_reason
 from jdp.launch._cause import (
     ENDING_WAIT_S,
     cause_first,

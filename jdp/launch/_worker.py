@@ -60,7 +60,7 @@ def _exit_now(code: int) -> None:
     process still exits (its output is unbuffered under the launcher).
     """
     try:
-        from jdp.distributed._runtime import flush_and_exit
+        from jdp.distributed._exit import flush_and_exit
     except BaseException:  # pragma: no cover - a broken installation
         os._exit(code)
     flush_and_exit(code)

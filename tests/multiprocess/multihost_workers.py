@@ -508,7 +508,7 @@ def initialize_only(**kwargs):
 
 
 def pid_and_env():
-    import jdp.distributed._runtime as rt
+    import jdp.distributed._config as rt
 
     return {
         "pid": os.getpid(),
