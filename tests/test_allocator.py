@@ -7,13 +7,13 @@ import sys
 import pytest
 
 from jdp import _allocator
-from jdp.launch import _launcher
+from jdp.launch import _setup
 
 GLIBC = sys.platform.startswith("linux") and os.confstr("CS_GNU_LIBC_VERSION")
 
 
 def test_the_launchers_processes_get_the_thresholds():
-    env = _launcher.process_env(
+    env = _setup.process_env(
         {"PATH": "/bin"}, process_id=0, num_processes=2, port=1, devices_per_process=1
     )
     if sys.platform.startswith("linux"):
@@ -32,7 +32,7 @@ def test_the_launchers_processes_get_the_thresholds():
     ids=["opt-out", "own-mmap", "own-trim"],
 )
 def test_a_users_own_setting_is_kept(base):
-    env = _launcher.process_env(
+    env = _setup.process_env(
         base, process_id=0, num_processes=2, port=1, devices_per_process=1
     )
     for name in _allocator.GLIBC_VARIABLES:

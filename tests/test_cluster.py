@@ -483,7 +483,7 @@ def test_a_job_of_one_where_the_environment_says_several_raises():
     """JAX's detection joins a job of one process (here a one-task SLURM step)
     while a JobSet's variables say there are four one-pod jobs: the process
     leaves the job and raises instead of training alone."""
-    from jdp.launch._launcher import free_port
+    from jdp.launch._setup import free_port
 
     clean = clean_environ()
     env = {
@@ -535,7 +535,7 @@ def test_a_malformed_task_count_is_named(no_cluster_env, monkeypatch):
 def test_a_slurm_task_whose_coordinator_never_comes_up_says_so_and_exits():
     """Task 1 of 2 started, task 0 never: warnings while waiting, then a
     `TimeoutError` and exit status 1 (JAX alone aborts with SIGABRT)."""
-    from jdp.launch._launcher import free_port
+    from jdp.launch._setup import free_port
 
     port = free_port()
     clean = clean_environ()

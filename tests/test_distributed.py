@@ -31,8 +31,8 @@ from helpers import (
 import jdp
 from jdp import _layout
 from jdp.distributed import _config, _coordinator
-from jdp.launch import _launcher
-from jdp.launch._launcher import free_port
+from jdp.launch import _setup
+from jdp.launch._setup import free_port
 
 HOST_MESH = ("host", "device")
 
@@ -183,7 +183,7 @@ def test_fail_fast_defaults_to_the_environment(
 
 
 def test_launcher_asks_its_processes_to_fail_fast():
-    env = _launcher.process_env(
+    env = _setup.process_env(
         {}, process_id=0, num_processes=2, port=1234, devices_per_process=None
     )
     assert env[_config.ENV_FAIL_FAST] == "1"

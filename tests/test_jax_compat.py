@@ -23,7 +23,7 @@ from jax import lax
 from jax.extend import core as jex_core
 
 from jdp import _jax_compat
-from jdp.launch._launcher import free_port
+from jdp.launch._setup import free_port
 
 
 def run_fresh(code, *args, env=None):

@@ -20,7 +20,7 @@ import pytest
 import jdp
 from jdp import _progress
 from jdp.launch import __main__ as launch_main
-from jdp.launch import _launcher, _stall, _worker
+from jdp.launch import _launcher, _restarts, _setup, _stall, _worker
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
 
@@ -260,9 +260,9 @@ def test_cli_stops_a_job_whose_process_is_stuck(tmp_path):
 def test_stall_timeout_0_or_none_turns_the_check_off(tmp_path):
     for off in (0, None):
         envs = [{}, {}]
-        assert _launcher._progress_setup(envs, str(tmp_path), off, "x") is None
+        assert _setup._progress_setup(envs, str(tmp_path), off, "x") is None
         assert envs == [{}, {}]  # no progress files: the processes report nothing
-    monitor = _launcher._progress_setup(envs, str(tmp_path), 2, "x")
+    monitor = _setup._progress_setup(envs, str(tmp_path), 2, "x")
     assert [e["JDP_PROGRESS_FILE"] for e in envs] == monitor.paths
     assert monitor.paths == [str(tmp_path / f"progress-{r}.json") for r in (0, 1)]
 
@@ -582,7 +582,7 @@ def test_cli_passes_num_processes_to_the_launcher(monkeypatch):
 
 def test_process_env_sets_the_job_and_replaces_the_device_count():
     base = {"XLA_FLAGS": "--foo=1 --xla_force_host_platform_device_count=8 --bar"}
-    env = _launcher.process_env(
+    env = _setup.process_env(
         base, process_id=1, num_processes=3, port=1234, devices_per_process=2
     )
     assert env["JDP_COORDINATOR_ADDRESS"] == "127.0.0.1:1234"
@@ -596,7 +596,7 @@ def test_process_env_sets_the_job_and_replaces_the_device_count():
         "--xla_force_host_platform_device_count=2",
     ]
     assert env["JAX_NUM_CPU_DEVICES"] == "2"
-    kept = _launcher.process_env(
+    kept = _setup.process_env(
         base, process_id=0, num_processes=1, port=1, devices_per_process=None
     )
     assert kept["XLA_FLAGS"] == base["XLA_FLAGS"]
@@ -855,7 +855,7 @@ def test_job_reports_the_process_that_ended_first(how):
     # is named all the same, every time.
     source = textwrap.dedent(DIES_FIRST)
     for _ in range(8):
-        port = _launcher.free_port()
+        port = _setup.free_port()
         job = failed_job(
             [sys.executable, "-c", source, str(port), how, str(rank)]
             for rank in range(2)
@@ -1061,7 +1061,7 @@ def test_cli_min_processes_drops_a_slot_that_keeps_failing(tmp_path):
 
 
 def test_restart_policy_shrinks_only_on_the_same_process_twice_in_a_row():
-    policy = _launcher.Restarts(4, 10, 2)
+    policy = _restarts.Restarts(4, 10, 2)
     decisions = []
     for failed in [1, 2, 2, 3, 3, 3, None, 0, 0, 0]:
         line = policy.next_attempt(failed, "x.")
@@ -1069,7 +1069,7 @@ def test_restart_policy_shrinks_only_on_the_same_process_twice_in_a_row():
         assert line.startswith(f"x. Restarting the job (restart {policy.restarts}/10)")
     assert decisions == [4, 4, 3, 3, 2, 2, 2, 2, 2, 2]
     assert policy.next_attempt(0, "x.") is None  # 11 restarts > 10
-    assert _launcher.Restarts(2, 0, None).next_attempt(1, "x.") is None
+    assert _restarts.Restarts(2, 0, None).next_attempt(1, "x.") is None
 
 
 @pytest.mark.parametrize(
@@ -1090,7 +1090,7 @@ def test_restart_policy_shrinks_only_on_the_same_process_twice_in_a_row():
 def test_restart_arguments_are_checked(kwargs, error, message):
     args = dict(max_restarts=1, min_processes=None) | kwargs
     with pytest.raises(error, match=message):
-        _launcher.Restarts(2, args["max_restarts"], args["min_processes"])
+        _restarts.Restarts(2, args["max_restarts"], args["min_processes"])
 
 
 @pytest.mark.parametrize(

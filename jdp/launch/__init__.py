@@ -31,7 +31,7 @@ fails first in two attempts in a row makes the next attempt run with one
 process fewer, down to M (`JDP_NUM_PROCESSES` says how many run).
 """
 
-from jdp.launch._launcher import run
+from jdp.launch._run import run
 
 __all__ = [
     "run",

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jdp.launch._launcher import launch_command
+from jdp.launch._command import launch_command
 from jdp.launch._stall import DEFAULT_STALL_TIMEOUT_S
 
 _DESCRIPTION = """\

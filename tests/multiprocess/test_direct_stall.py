@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from jdp.launch._launcher import free_port
+from jdp.launch._setup import free_port
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(150)]
 

@@ -20,7 +20,7 @@ import pytest
 from helpers import assert_trees_close, init_mlp, make_batches, mlp_loss
 
 import jdp
-from jdp.launch._launcher import free_port
+from jdp.launch._setup import free_port
 
 pytestmark = [
     pytest.mark.multiprocess,

@@ -1,0 +1,140 @@
+"""Private: what each process of a launched job is started with.
+
+A free port for the coordinator, each process's environment (the `JDP_*`
+variables that `jdp.distributed.initialize` reads, the restart count, the CPU
+device count, glibc's allocator thresholds), its command line (`_worker.py`),
+its progress file for the stall check, and the checks of the arguments both
+front ends share. Nothing here starts a process.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from jdp import _allocator, _validate
+from jdp.distributed._config import (
+    ENV_COORDINATOR_ADDRESS,
+    ENV_FAIL_FAST,
+    ENV_NUM_PROCESSES,
+    ENV_PROCESS_ID,
+)
+from jdp.launch._stall import StallMonitor
+from jdp.launch._worker import ENV_PROGRESS_FILE
+
+#: The entry point of every process, run by path (see its docstring).
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_worker.py")
+
+#: How many times the job was restarted before this attempt (0 at first), set in
+#: every process (torchrun's `TORCHELASTIC_RESTART_COUNT`).
+ENV_RESTART_COUNT = "JDP_RESTART_COUNT"
+#: The `--max-restarts` the job runs under (torchrun's `TORCHELASTIC_MAX_RESTARTS`).
+ENV_MAX_RESTARTS = "JDP_MAX_RESTARTS"
+
+_DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that nothing listens on right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def process_env(
+    base: Mapping[str, str],
+    *,
+    process_id: int,
+    num_processes: int,
+    port: int,
+    devices_per_process: int | None,
+    restart_count: int = 0,
+    max_restarts: int = 0,
+) -> dict[str, str]:
+    """The environment of process `process_id`: `JDP_*` variables and device count.
+
+    With glibc's allocator thresholds raised (`jdp._allocator`), unless the base
+    environment sets them or `JDP_DEFAULT_MALLOC=1`.
+    """
+    env = _allocator.child_env(base)
+    env[ENV_RESTART_COUNT] = str(restart_count)
+    env[ENV_MAX_RESTARTS] = str(max_restarts)
+    env[ENV_COORDINATOR_ADDRESS] = f"127.0.0.1:{port}"
+    env[ENV_NUM_PROCESSES] = str(num_processes)
+    env[ENV_PROCESS_ID] = str(process_id)
+    # The coordinator listens on loopback only (JAX's default is every address).
+    env["JAX_COORDINATOR_BIND_ADDRESS"] = f"127.0.0.1:{port}"
+    # `initialize()` installs its fail-fast hooks: a failing process exits at once,
+    # and SIGTERM from the launcher stops it.
+    env[ENV_FAIL_FAST] = "1"
+    env["PYTHONUNBUFFERED"] = "1"
+    if devices_per_process is not None:
+        flags = _DEVICE_COUNT_FLAG.sub("", env.get("XLA_FLAGS", "")).split()
+        flags.append(f"--xla_force_host_platform_device_count={devices_per_process}")
+        env["XLA_FLAGS"] = " ".join(flags)
+        env["JAX_NUM_CPU_DEVICES"] = str(devices_per_process)
+    return env
+
+
+def script_command(target: str, args: Sequence[str], *, module: bool) -> list[str]:
+    """The command line of one process running a script (or `-m module`)."""
+    mode = "--module" if module else "--script"
+    return [sys.executable, WORKER, mode, target, *args]
+
+
+def _progress_setup(
+    envs: list[dict[str, str]],
+    directory: str,
+    stall_timeout_s: float | None,
+    hint: str,
+) -> StallMonitor | None:
+    """Points each process at its progress file; the monitor reading them (or None)."""
+    if not stall_timeout_s:
+        return None
+    paths = [os.path.join(directory, f"progress-{r}.json") for r in range(len(envs))]
+    for env, path in zip(envs, paths, strict=True):
+        env[ENV_PROGRESS_FILE] = path
+    return StallMonitor(paths, stall_timeout_s, how_to_change=hint)
+
+
+def _check_arguments(
+    num_processes: Any,
+    devices_per_process: Any,
+    timeout_s: Any,
+    stall_timeout_s: Any = None,
+) -> None:
+    """Checks the arguments shared by `run` and `launch_command`, before any start."""
+    _validate.positive_int("num_processes", num_processes)
+    _validate.positive_int(
+        "devices_per_process",
+        devices_per_process,
+        allow_none=True,
+        note="or None to keep the environment's device count",
+    )
+    _check_seconds(
+        "timeout_s", timeout_s, "a number of seconds > 0 (or None to wait forever)"
+    )
+    _check_seconds(
+        "stall_timeout_s",
+        stall_timeout_s,
+        "a number of seconds >= 0 (0 or None turns the stall check off)",
+        allow_zero=True,
+    )
+
+
+def _check_seconds(
+    name: str, value: Any, requirement: str, *, allow_zero: bool = False
+) -> None:
+    """Checks a number of seconds (None passes): TypeError or ValueError."""
+    if value is None:
+        return
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise TypeError(
+            f"`{name}` must be {requirement}, got {_validate.describe(value)}."
+        )
+    if not (value >= 0 if allow_zero else value > 0):
+        raise ValueError(f"`{name}` must be {requirement}, got {value!r}.")
