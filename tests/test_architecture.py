@@ -157,3 +157,36 @@ def test_every_coordination_store_protocol_goes_through_one_module():
     # `_coordination.Store`: the one caller of the store's `key_value_*` methods
     # (`_jax_compat` names them in the docstring of the client it reaches).
     assert _calls(r"\bkey_value_\w+\(") == ["jdp._coordination"]
+
+
+# `jdp._bmuf`'s modules, in the order of its docstring: each imports only those
+# before it, so there is no import loop between them.
+BMUF_ORDER = [
+    "_state",
+    "_options",
+    "_fragments",
+    "_average",
+    "_drop",
+    "_update",
+    "_block",
+    "_streaming",
+    "_deferred",
+    "_api",
+    "__init__",
+]
+
+
+def test_bmuf_modules_import_only_those_before_them():
+    package = ROOT / "_bmuf"
+    assert sorted(p.stem for p in package.glob("*.py")) == sorted(BMUF_ORDER)
+    for i, name in enumerate(BMUF_ORDER):
+        before = {f"jdp._bmuf.{m}" for m in BMUF_ORDER[:i]}
+        inside = {m for m in jdp_imports(package / f"{name}.py") if "_bmuf." in m}
+        assert inside <= before, (name, sorted(inside - before))
+
+
+@pytest.mark.parametrize(
+    "path", sorted((ROOT / "_bmuf").glob("*.py")), ids=lambda p: p.name
+)
+def test_no_bmuf_module_exceeds_400_lines(path):
+    assert len(path.read_text().splitlines()) <= 400

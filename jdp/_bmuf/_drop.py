@@ -1,0 +1,45 @@
+"""Dropping bad replicas (`on_bad_replica="drop"`): the mean of the valid ones.
+
+A replica is valid when its locally updated params are finite and, with
+`bad_replica_max_norm`, within that L2 distance of the block start. Its bit
+multiplies its contribution, and rides as one more float32 leaf in the same
+all-reduce: the mean of the contributions divided by the mean of the bits is
+the valid replicas' mean. With every replica valid the divisor is exactly 1, so
+the result is the plain mean. The `Mean` returned carries the bit and the
+share, from which the block sync keeps the previous model when no replica is
+valid, resets a dropped replica's inner state and counts the dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jdp._bmuf._average import Mean, divided, masked, mean
+from jdp._tree import is_float
+
+PyTree = Any
+
+
+def valid_mean(local: PyTree, ref: PyTree, axis_name, max_norm) -> Mean:
+    """The valid replicas' mean of their `local` params, `ref` the block start."""
+    valid = _replica_valid(local, ref, max_norm)
+    total, share = mean((masked(local, valid), valid.astype(jnp.float32)), axis_name)
+    return Mean(divided(total, share), valid, share)
+
+
+def _replica_valid(params, ref, max_norm) -> jax.Array:
+    """This replica's validity bit: finite params, within `max_norm` of `ref`."""
+    valid = jnp.array(True)
+    squares = jnp.zeros((), jnp.float32)
+    for x, r in zip(jax.tree.leaves(params), jax.tree.leaves(ref), strict=True):
+        if is_float(x):
+            valid &= jnp.all(jnp.isfinite(x))
+            if max_norm is not None:
+                d = x.astype(jnp.float32) - jnp.asarray(r).astype(jnp.float32)
+                squares += jnp.sum(d * d)
+    if max_norm is not None:
+        valid &= jnp.sqrt(squares) <= max_norm
+    return valid

@@ -1,0 +1,149 @@
+"""`jdp.BMUFState`, and the small tree helpers every part of the sync uses."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jdp import _replica_parts
+from jdp._tree import is_float
+
+PyTree = Any
+
+
+@_replica_parts.declare(
+    local=("inner_state", "pending"),
+    required=("count", "synced", "global_params"),
+    trains_locally=True,
+)
+class BMUFState(NamedTuple):
+    """State of `jdp.bmuf`.
+
+    Each replica holds its own copy; `count`, `global_params`, `start`, `velocity`
+    and `synced` are equal on every replica, `inner_state` differs between syncs.
+
+    Attributes:
+      count: Number of updates applied so far, warmup included (int32, shape ()).
+      global_params: The global model `g`, the paper's W(t): what to evaluate and
+        export (read it with `jdp.bmuf_global_params`). During warmup it follows
+        the (identical) replicas' parameters.
+      start: With `nesterov=True`, the model every replica began the current
+        block from, `g + block_momentum * v` (the initial params for the first
+        block); after a sync every replica's params equal it. None otherwise:
+        the block start is then `g` itself.
+      velocity: The block velocity `v`, the paper's Δ(t), shaped like the params
+        and zero until the first sync; with `outer`, the outer optimizer's state
+        instead (with `fragments`, `delay` or `mix` set: a tuple of one outer
+        state per fragment, each over the list of that fragment's slices).
+      inner_state: The state of the `inner` optimizer.
+      synced: Whether the last update ended a block, or with `fragments` > 1 a
+        fragment's sync (bool, shape ()).
+      pending: With `delay` >= 1, the fragment sync in flight, shaped like the
+        params: the fragment's slices hold this replica's local params from
+        `delay` steps before its sync, and each chunk already all-reduced holds
+        the replicas' mean instead. None otherwise.
+      dropped: With `on_bad_replica="drop"`, how many replicas' blocks were left
+        out of the average so far, summed over syncs (int32, shape (), equal on
+        every replica). None otherwise.
+    """
+
+    count: jax.Array  # int32, shape ()
+    global_params: PyTree
+    start: PyTree
+    velocity: PyTree
+    inner_state: optax.OptState
+    synced: jax.Array  # bool, shape ()
+    pending: PyTree = None
+    dropped: jax.Array | None = None  # int32, shape ()
+
+    #: The checkpoint's warning when `restart_local` reset `pending`.
+    RESTART_NOTE = (
+        "The fragment sync in flight (`delay`) restarts from the block start too: "
+        "its snapshot is the block start, so that sync applies no local progress."
+    )
+
+    def restart_params(self) -> PyTree:
+        """The block start: where every replica begins after a re-layout."""
+        return block_start(self.global_params, self.start)
+
+    def restart_local(self) -> BMUFState:
+        """`pending` set to the block start: a restore into another replica count.
+
+        The snapshot in flight holds each replica's own params (or, for chunks
+        already all-reduced, their mean); with another replica count every
+        replica restarts from the block start, and so does the snapshot, so
+        that the coming fragment sync applies no local progress rather than one
+        replica's.
+        """
+        if self.pending is None:
+            return self
+        return self._replace(
+            pending=jax.tree.map(
+                lambda s, p: np.asarray(s, dtype=np.result_type(p)).reshape(
+                    np.shape(p)
+                ),
+                self.restart_params(),
+                self.pending,
+            )
+        )
+
+
+def find_states(tree: PyTree) -> list[BMUFState]:
+    """Every `BMUFState` inside `tree` (an optimizer or training state), in order.
+
+    States that flax NNX laid out as mappings (`nnx.state` of an `nnx.Optimizer`)
+    are found too and returned as `BMUFState`s of their values.
+    """
+    return [x for x in _replica_parts.find(tree) if isinstance(x, BMUFState)]
+
+
+def replace_states(tree: PyTree, state: BMUFState) -> PyTree:
+    """`tree` with every `BMUFState` inside it replaced by `state`."""
+    is_state = lambda x: isinstance(x, BMUFState)  # noqa: E731
+    return jax.tree.map(lambda x: state if is_state(x) else x, tree, is_leaf=is_state)
+
+
+def block_start(g: PyTree, start: PyTree) -> PyTree:
+    """The model every replica began the block from: `start`, or `g` if None.
+
+    `start` is None unless the state stores it (`nesterov=True` without
+    `outer`), in the state and in each of its slices alike.
+    """
+    return g if start is None else start
+
+
+def float_map(fn, tree, *rest):
+    """Applies `fn` to floating leaves; other leaves keep `tree`'s value."""
+    return jax.tree.map(lambda x, *r: fn(x, *r) if is_float(x) else x, tree, *rest)
+
+
+def float_where(pred, tree, other):
+    """`tree`'s floating leaves where `pred` holds, else `other`'s; others `tree`'s."""
+    return jax.tree.map(
+        lambda x, o: jnp.where(pred, x, o) if is_float(x) else x, tree, other
+    )
+
+
+def lookahead(g, v, eta):
+    """Nesterov's look-ahead point `g + eta * v` (floating leaves)."""
+    return float_map(lambda g, v: g + eta * v, g, v)
+
+
+def cast_like(tree, like):
+    """`tree`'s leaves as arrays of the dtypes of `like`'s."""
+    return jax.tree.map(
+        lambda x, y: jnp.asarray(x).astype(jnp.result_type(y)), tree, like
+    )
+
+
+def reset(state, initial):
+    """Floating leaves from `initial` (accumulators), integer leaves kept (counters)."""
+    return jax.tree.map(
+        lambda cur, init: jnp.asarray(init).astype(cur.dtype) if is_float(cur) else cur,
+        state,
+        initial,
+    )
