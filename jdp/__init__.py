@@ -29,10 +29,10 @@ from jdp._hlo import Collective, MemoryAnalysis
 from jdp._metrics import weighted
 from jdp._parallel import Parallel, parallelize
 from jdp._partition import partition
-from jdp._powersgd import PowerSGDState, powersgd, powersgd_transform
-from jdp._sync import Sync, all_reduce, local, zero
+from jdp._powersgd import PowerSGDState, powersgd
+from jdp._replica_parts import declare_per_replica
+from jdp._sync import Sync, all_reduce, local, sync_gradients, zero
 from jdp._train_step import TrainState, make_train_step
-from jdp._transforms import sync_gradients
 from jdp._version import __version__ as __version__
 
 __all__ = [
@@ -51,6 +51,7 @@ __all__ = [
     "bmuf_global_params",
     "broadcast",
     "check_equivalence",
+    "declare_per_replica",
     "export_predictor",
     "load_predictor",
     "local",
@@ -58,7 +59,6 @@ __all__ = [
     "parallelize",
     "partition",
     "powersgd",
-    "powersgd_transform",
     "replica_key",
     "replicas_in_sync",
     "save_predictor",

@@ -8,33 +8,24 @@ The optimizer, an `optax.multi_transform` over the same labels, is applied once
 to the whole tree, so its state is exactly what `multi_transform` makes
 (`jdp.TrainState.create(params, tx)` works as it is).
 
-A piece's synchronisation is taken from the piece itself: its `apply` runs on
-its label's gradients with an optimizer that only records what it is given
-(the gradients the piece would hand to the real optimizer). `jdp.bmuf`'s block
-sync runs after the update, on the updated params of its label (as in
-`jdp.local()`), so the replicas land on exactly the same bits after a sync.
+Each label group's piece runs on its part of the gradients (the other leaves
+None), with its own state, kept under the group in the partition's state.
+`jdp.bmuf`'s block sync, under one label of `optax.multi_transform`, runs after
+the update on the updated params of its label (as in `jdp.local()`), so the
+replicas land on exactly the same bits after a sync.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import optax
 
-from jdp import (
-    _bmuf,
-    _collectives,
-    _coordination,
-    _replica_parts,
-    _sync,
-    _transforms,
-)
+from jdp import _collectives, _coordination, _replica_parts, _sync
 from jdp._tree import keystr
 
 PyTree = Any
@@ -61,8 +52,6 @@ LABELS_DIFFER_MSG = (
 def partition(
     labels: PyTree | Callable[[PyTree], PyTree],
     pieces: Mapping[str, _sync.Sync | str],
-    *,
-    batch_stats: _sync.BatchStatsMode = "mean",
 ) -> _sync.Sync:
     """A sync piece per label of the params: some leaves all-reduced, others local.
 
@@ -78,8 +67,9 @@ def partition(
         tx = optax.multi_transform(
             {"dense": adam, "embed": jdp.bmuf(adam, sync_period=16)}, labels)
 
-    A label's value is a `jdp.Sync` without state of its own (`jdp.all_reduce`,
-    `jdp.local`, ...), or one of two names:
+    A label's value is any `jdp.Sync` (`jdp.all_reduce(...)`, `jdp.local()`,
+    `jdp.powersgd(...)`, one of your own; a piece with state keeps it under the
+    label, in the partition's state), or one of two names:
 
     - `"per_replica"`: never synced. Each replica trains its own copy (adapters,
       per-replica heads): the divergence guard does not compare these params
@@ -89,9 +79,10 @@ def partition(
       (`jdp.broadcast`), so the leaves stay equal without an all-reduce.
 
     A `jdp.local()` label expects its part of the optimizer to sync itself (a
-    `jdp.bmuf`); if that part holds none, the step warns, as `jdp.local()` does
-    (`"per_replica"` says it is meant). Its params may differ between syncs:
-    the divergence guard compares only what `jdp.bmuf` keeps in agreement.
+    `jdp.bmuf`); if the optimizer never communicates, the step warns, as for
+    `jdp.local()` (`"per_replica"` says it is meant). Its params may differ
+    between syncs: the divergence guard compares only what `jdp.bmuf` keeps in
+    agreement.
 
     The labels are compared across processes when the step is first traced
     (through the coordination service): a leaf labelled differently on two
@@ -104,22 +95,20 @@ def partition(
       pieces: `{label: piece}`: a `jdp.Sync`, `"per_replica"` or `"broadcast"`
         for every label that occurs. Labels that share one piece object are
         synchronised together (one bucketed all-reduce).
-      batch_stats: How batch statistics are synced every step: `"mean"` or
-        `"broadcast"`.
 
     Returns:
-      A `jdp.Sync`, for `jdp.make_train_step(..., sync=...)`.
+      A `jdp.Sync`, for `jdp.make_train_step(..., sync=...)`. Its state maps
+      each group of labels whose piece keeps state to that state (labels that
+      share a piece object are one group, named by its labels joined with
+      "+"); None if no piece keeps any. A piece's metrics come back under
+      `"<group>/<name>"`.
 
     Raises:
       TypeError: If `pieces` is not a mapping of str labels to pieces, or a
         piece is neither a `jdp.Sync` nor a known name.
-      ValueError: If `pieces` is empty, a piece keeps state of its own
-        (`Sync.init`: error feedback, PowerSGD), lays the state out itself
-        (`jdp.zero()`), differentiates in its own way (`jdp.sparse.rows()`),
-        or `batch_stats` is unknown; at trace time, if a leaf's label has no
-        piece, a piece skips non-finite steps (`skip_nonfinite=True`) or
-        drops bad replicas (`on_bad_replica="drop"`), the labels are not a
-        prefix of the params, or the processes label a leaf differently.
+      ValueError: If `pieces` is empty; at trace time, if a leaf's label has
+        no piece, the labels are not a prefix of the params, or the processes
+        label a leaf differently.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, jdp
@@ -143,50 +132,75 @@ def partition(
       >>> jdp.replicas_in_sync(state.params)  # the 4th step synced the embedding
       True
     """
-    _sync.check_batch_stats(batch_stats)
     pieces = _check_pieces(pieces)
 
-    def apply(grads, state, tx, axis_name):
-        tree = _labels_of(labels, state.params)
+    def groups(grads, params):
+        """`(key, piece, part of grads, part of params)` of every label group."""
+        tree = _labels_of(labels, params)
         leaf_labels = _leaf_labels(tree, grads, pieces)
-        agree_across_processes(leaf_labels)
         flat, treedef = jax.tree_util.tree_flatten(grads)
-        synced = list(flat)
-        metrics: dict[str, jax.Array] = {}
+        params_flat = treedef.flatten_up_to(params)
+        out = []
         for group in _groups(pieces, {label for _, label in leaf_labels}):
             mine = [label in group for _, label in leaf_labels]
-            part = treedef.unflatten(
-                [g if m else None for g, m in zip(flat, mine, strict=True)]
+            part, part_params = (
+                treedef.unflatten(
+                    [x if m else None for x, m in zip(xs, mine, strict=True)]
+                )
+                for xs in (flat, params_flat)
             )
-            piece = pieces[group[0]]
-            done, extra = _synced(piece, group, part, state, axis_name)
-            metrics.update(extra)
+            out.append(("+".join(group), pieces[group[0]], part, part_params, mine))
+        return leaf_labels, treedef, out
+
+    def init(params):
+        _, _, found = groups(params, params)
+        states = {
+            key: piece.init(part_params)
+            for key, piece, _, part_params, _ in found
+            if isinstance(piece, _sync.Sync) and piece.init is not None
+        }
+        return states or None
+
+    def update(grads, state, params, axis_name):
+        leaf_labels, treedef, found = groups(grads, params)
+        agree_across_processes(leaf_labels)
+        synced = treedef.flatten_up_to(grads)
+        new_state = dict(state or {})
+        metrics: dict[str, jax.Array] = {}
+        for key, piece, part, part_params, mine in found:
+            if piece == PER_REPLICA:
+                done = part
+            elif piece == BROADCAST:
+                done = _collectives.broadcast(part, root=0, axis_name=axis_name)
+            else:
+                done, new, extra = piece.update(
+                    part, new_state.get(key), part_params, axis_name
+                )
+                if key in new_state:
+                    new_state[key] = new
+                extra.pop(_sync.KEPT, None)  # the loss is every replica's here
+                metrics.update({f"{key}/{name}": v for name, v in extra.items()})
             done_flat = treedef.flatten_up_to(done)
             for i, m in enumerate(mine):
                 if m:
                     synced[i] = done_flat[i]
-        grads = treedef.unflatten(synced)
-        _warn_if_silent(pieces, tree, state, tx)
-        merges: list = []
-        updates, opt_state = _transforms.update(
-            tx, grads, state.opt_state, state.params, **{_bmuf.MERGES_ARG: merges}
-        )
-        params = optax.apply_updates(state.params, updates)
-        if merges:
-            params, opt_state = _merged(
-                params, tree, state.opt_state, opt_state, merges
-            )
-        return params, opt_state, metrics
+        return treedef.unflatten(synced), (new_state or state), metrics
 
+    # "per_replica" leaves are meant to differ; `jdp.local()` ones are left
+    # for the optimizer to sync.
     averages = all(
-        p == BROADCAST or (isinstance(p, _sync.Sync) and p.averages)
+        p in _MODES or (isinstance(p, _sync.Sync) and p.averages)
+        for p in pieces.values()
+    )
+    differ = any(
+        p == PER_REPLICA or (isinstance(p, _sync.Sync) and not p.averages)
         for p in pieces.values()
     )
     return _sync.Sync(
-        apply,
+        init,
+        update,
         averages=averages,
-        must_agree=None if averages else _agreed(labels, pieces),
-        batch_stats=batch_stats,
+        must_agree=_agreed(labels, pieces) if differ else None,
     )
 
 
@@ -222,20 +236,6 @@ def _check_pieces(pieces: Any) -> dict[str, _sync.Sync | str]:
                 f"`jdp.Sync` (e.g. `jdp.all_reduce()`, `jdp.local()`) or one of "
                 f"{_MODES}; got {type(piece).__name__}."
             )
-        refused = (
-            (piece.init, "keeps state of its own (`sync_state`: error feedback, "
-             "PowerSGD)"),
-            (piece.state_layout, "lays the state out itself (`jdp.zero()`)"),
-            (piece.value_and_grad, "differentiates in its own way "
-             "(`jdp.sparse.rows()`)"),
-        )  # fmt: skip
-        for field, why in refused:
-            if field is not None:
-                raise ValueError(
-                    f"`jdp.partition`: the piece of label {label!r} {why}, which "
-                    "a partition does not support. Use it as the step's whole "
-                    "`sync=`, or a piece without it (e.g. `jdp.all_reduce()`)."
-                )
     return dict(pieces)
 
 
@@ -361,133 +361,6 @@ def agree_across_processes(
 # -- the step ------------------------------------------------------------------------
 
 
-def _recorder(box: list) -> optax.GradientTransformationExtraArgs:
-    """An optimizer that records the updates it is given and applies none."""
-
-    def update(updates, state, params=None, **extra_args):
-        del params, extra_args
-        box.append(updates)
-        return jax.tree.map(jnp.zeros_like, updates), state
-
-    return optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(), update)
-
-
-def _synced(piece, group, part, state, axis_name) -> tuple[PyTree, dict]:
-    """A label group's gradients as its piece synchronises them, and its metrics."""
-    if piece == PER_REPLICA:
-        return part, {}
-    if piece == BROADCAST:
-        return _collectives.broadcast(part, root=0, axis_name=axis_name), {}
-    params = jax.tree.map(
-        lambda g, p: None if g is None else p,
-        part,
-        state.params,
-        is_leaf=lambda x: x is None,
-    )
-    bare = state.replace(params=params, opt_state=optax.EmptyState())
-    box: list = []
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        out = piece.apply(part, bare, _recorder(box), axis_name)
-    for w in caught:
-        # `jdp.local()`'s warning is about the recorder; the partition warns
-        # about the label's real optimizer (`_warn_if_silent`).
-        if not str(w.message).startswith("`jdp.local()`"):
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-    metrics = out[2]
-    if "skipped" in metrics:
-        what = (
-            "drops the replicas whose gradients are not finite "
-            "(`on_bad_replica='drop'`) and skips a step where none is left"
-            if "dropped_replicas" in metrics
-            else "skips non-finite steps (`skip_nonfinite=True`)"
-        )
-        raise ValueError(
-            f"`jdp.partition`: the piece of label(s) {list(group)} {what}, which "
-            "a partition does not support (each label would decide on its own). "
-            "Give the label a piece without it (e.g. `jdp.all_reduce()`), or "
-            "put `optax.apply_if_finite` in the optimizer."
-        )
-    return box[-1], metrics
-
-
-def _label_state(opt_state, label):
-    """The part of an `optax.multi_transform` state that belongs to `label`."""
-    found = []
-
-    def visit(x):
-        if isinstance(x, optax.transforms.PartitionState) and label in x.inner_states:
-            found.append(x.inner_states[label])
-        return x
-
-    jax.tree.map(
-        visit,
-        opt_state,
-        is_leaf=lambda x: isinstance(x, optax.transforms.PartitionState),
-    )
-    return found
-
-
-def _warn_if_silent(pieces, tree, state, tx) -> None:
-    """Warns for a `jdp.local()` label whose part of the optimizer never syncs."""
-    for label, piece in pieces.items():
-        if not isinstance(piece, _sync.Sync) or piece.averages:
-            continue
-        parts = _label_state(state.opt_state, label)
-        if parts:
-            communicates = any(_replica_parts.trains_locally(p) for p in parts)
-        else:  # not a multi_transform: the whole optimizer
-            communicates = _replica_parts.trains_locally(state.opt_state)
-        if not communicates:
-            warnings.warn(
-                f"`jdp.partition`: label {label!r} is `jdp.local()`, but its "
-                "part of the optimizer holds no `jdp.bmuf`: its params are "
-                "trained on each replica's own gradients and never synced. Give "
-                f"it `jdp.bmuf(...)` in the optimizer, or say it is meant: "
-                f"`{label!r}: 'per_replica'`.",
-                UserWarning,
-                stacklevel=4,
-            )
-
-
-def _masked(tree, params, label) -> PyTree:
-    """`params` as `optax.masked` shows them to `label`'s optimizer."""
-    return jax.tree.map(
-        lambda lbl, p: p if lbl == label else optax.MaskedNode(), tree, params
-    )
-
-
-def _merged(params, tree, old_opt_state, opt_state, merges):
-    """`jdp.bmuf`'s block sync, run on the updated params its label holds."""
-    starts = _replica_parts.restart_params(old_opt_state)
-    want = [jax.tree.structure(s) for s in starts]
-    if jax.tree.structure(params) in want:
-        return _bmuf.merge_updated(params, old_opt_state, opt_state, merges)
-    labels = sorted({lbl for lbl in jax.tree.leaves(tree)})
-    # `None`: a label of `optax.multi_transform` that no leaf carries, whose
-    # `jdp.bmuf` sees every leaf masked (it syncs nothing, but counts its steps).
-    for label in [*labels, None]:
-        masked = _masked(tree, params, label)
-        if jax.tree.structure(masked) not in want:
-            continue
-        merged, opt_state = _bmuf.merge_updated(
-            masked, old_opt_state, opt_state, merges
-        )
-        flat, treedef = jax.tree_util.tree_flatten(params)
-        full = jax.tree.leaves(jax.tree.broadcast(tree, params))
-        new = iter(jax.tree.leaves(merged))
-        out = [
-            next(new) if lbl == label else x for x, lbl in zip(flat, full, strict=True)
-        ]
-        return treedef.unflatten(out), opt_state
-    raise ValueError(
-        "`jdp.partition`: the optimizer holds a `jdp.bmuf` over params that are "
-        "neither all the params nor one label's (as `optax.multi_transform` "
-        "gives them); put `jdp.bmuf` inside `optax.multi_transform` under one "
-        "label, with the same labels as the partition."
-    )
-
-
 # -- what replicas agree on ---------------------------------------------------------
 
 
@@ -526,6 +399,10 @@ def _agreed(labels, pieces) -> Callable[[PyTree], PyTree]:
             opt_state = jax.tree.map(one, state.opt_state, is_leaf=is_partition)
         else:
             opt_state = _replica_parts.agreed(state.opt_state)
-        return state.replace(params=params, opt_state=opt_state)
+        return state.replace(
+            params=params,
+            opt_state=opt_state,
+            sync_state=_replica_parts.less_local(state.sync_state),
+        )
 
     return must_agree

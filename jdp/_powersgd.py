@@ -1,10 +1,9 @@
 """`jdp.powersgd`: PowerSGD low-rank gradient compression.
 
-As a sync piece (`jdp.make_train_step(..., sync=jdp.powersgd(rank=4))`) and as
-an optax transform for hand-written steps (`jdp.powersgd_transform`). Both run
-the same function, `_average`: the matrices of the gradients travel as rank-r
-factors P and Q (two small bucketed all-reduces), everything else through one
-plain bucketed all-reduce.
+A sync piece (`jdp.make_train_step(..., sync=jdp.powersgd(rank=4))`; in a
+hand-written step, `jdp.sync_gradients(jdp.powersgd(rank=4))`). The matrices of
+the gradients travel as rank-r factors P and Q (two small bucketed
+all-reduces), everything else through one plain bucketed all-reduce.
 """
 
 from __future__ import annotations
@@ -15,7 +14,6 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax import lax
 
 from jdp import _collectives, _replica_parts, _sync, _validate
@@ -26,7 +24,9 @@ PyTree = Any
 
 @_replica_parts.declare(local=("error",), required=("count", "q"))
 class PowerSGDState(NamedTuple):
-    """State of `jdp.powersgd` (in `state.sync_state`) or `jdp.powersgd_transform`.
+    """State of `jdp.powersgd`: the train state's `sync_state`.
+
+    (Under `jdp.sync_gradients(jdp.powersgd(...))`, part of the optimizer state.)
 
     One entry of `q` and `error` per compressed matrix, in the order of the
     gradient pytree's leaves. `count` and `q` are the same on every replica (`q`
@@ -208,8 +208,8 @@ def _transposed_matmul(m: jax.Array, p: jax.Array) -> jax.Array:
 def _check_state(state: Any, leaves: list[Any], plan: list[_Matrix], api: str):
     fix = (
         "Make the state with the same piece and params: `jdp.TrainState.create("
-        "params=..., tx=..., sync=piece)` for `jdp.powersgd`, `tx.init(params)` for "
-        "`jdp.powersgd_transform`."
+        "params=..., tx=..., sync=piece)`, or `tx.init(params)` for "
+        "`jdp.sync_gradients(piece)` in the optimizer."
     )
     if not isinstance(state, PowerSGDState):
         raise TypeError(
@@ -333,8 +333,6 @@ def powersgd(
     orthogonalization_epsilon: float = 0.0,
     seed: int = 0,
     bucket_bytes: int | None = _collectives.DEFAULT_BUCKET_BYTES,
-    skip_nonfinite: bool = False,
-    batch_stats: _sync.BatchStatsMode = "mean",
 ) -> _sync.Sync:
     """PowerSGD: gradients averaged as rank-`rank` factors (PyTorch's `powerSGD_hook`).
 
@@ -392,11 +390,6 @@ def powersgd(
         `fold_in(key(seed), i)`, the same on every replica without a broadcast.
       bucket_bytes: Largest bucket of the all-reduces (25 MiB); None for one
         bucket per dtype.
-      skip_nonfinite: Skip a step whose averaged gradients are not finite:
-        params, optimizer state and PowerSGD state stay as they were, the
-        state's `skipped_steps` grows by one and metric `"skipped"` is 1.
-      batch_stats: How batch statistics are synced every step: `"mean"` or
-        `"broadcast"`.
 
     Returns:
       A `jdp.Sync` whose `init(params)` makes a `jdp.PowerSGDState`.
@@ -406,7 +399,7 @@ def powersgd(
         `warm_start` not a bool, ...).
       ValueError: If `rank` < 1, `start_step` < 0, `min_compression_rate` or
         `orthogonalization_epsilon` is negative or not finite, `bucket_bytes`
-        is not positive, or `batch_stats` is unknown; at trace time, if the
+        is not positive; at trace time, if the
         state's `sync_state` was made for other params or options.
 
     Example:
@@ -443,97 +436,13 @@ def powersgd(
         seed=seed,
         bucket_bytes=bucket_bytes,
     )
-    _sync.check_batch_stats(batch_stats)
     api = "jdp.powersgd"
 
     def init(params):
         return _init(params, options)
 
-    def apply(grads, state, tx, axis_name):
-        old = state.sync_state
-        averaged, new = _average(grads, old, options, axis_name, api)
-        if not skip_nonfinite:
-            return (*_sync.apply_tx(averaged, state, tx), new)
-        # The average is the same on every replica: so is the verdict.
-        finite = _sync._finite(averaged)
-        params, opt_state, extra = _sync._unless_nonfinite(
-            finite, lambda: _sync.apply_tx(averaged, state, tx), state
-        )
-        new = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
-        return params, opt_state, extra, new
-
-    return _sync.Sync(
-        apply, must_agree=_sync.agreed_sync_state, batch_stats=batch_stats, init=init
-    )
-
-
-def powersgd_transform(
-    rank: int = 1,
-    *,
-    start_step: int = 0,
-    min_compression_rate: float = 2.0,
-    error_feedback: bool = True,
-    warm_start: bool = True,
-    orthogonalization_epsilon: float = 0.0,
-    seed: int = 0,
-    bucket_bytes: int | None = _collectives.DEFAULT_BUCKET_BYTES,
-    axis_name: _collectives.AxisName | None = None,
-) -> optax.GradientTransformationExtraArgs:
-    """PowerSGD as an optax transform: put it first in an `optax.chain`.
-
-    The same averaging as `jdp.powersgd` (same options, same numbers), for a
-    step that does not average its gradients itself: use it with
-    `jdp.make_train_step(loss_fn, tx, sync=jdp.local())` or in a hand-written
-    step. Its state, a `jdp.PowerSGDState`, is part of the optimizer state.
-    Inside `optax.MultiSteps` it communicates only on the micro-steps that
-    update (jdp's extra argument, as `jdp.sync_gradients`).
-
-    Args:
-      rank: As for `jdp.powersgd`.
-      start_step: As for `jdp.powersgd`.
-      min_compression_rate: As for `jdp.powersgd`.
-      error_feedback: As for `jdp.powersgd`.
-      warm_start: As for `jdp.powersgd`.
-      orthogonalization_epsilon: As for `jdp.powersgd`.
-      seed: As for `jdp.powersgd`.
-      bucket_bytes: As for `jdp.powersgd`.
-      axis_name: Replica axis; None (default) uses the one bound by the
-        enclosing `jdp.parallelize`.
-
-    Returns:
-      An `optax.GradientTransformationExtraArgs` whose state is a
-      `jdp.PowerSGDState`.
-
-    Raises:
-      TypeError: As for `jdp.powersgd`.
-      ValueError: As for `jdp.powersgd`.
-      RuntimeError: At trace time, if the replica axis is not bound.
-
-    Example:
-      >>> import optax, jdp
-      >>> tx = optax.chain(jdp.powersgd_transform(rank=4), optax.adam(1e-3))
-      >>> # jdp.make_train_step(loss_fn, tx, sync=jdp.local())
-    """
-    options = _check_options(
-        rank=rank,
-        start_step=start_step,
-        min_compression_rate=min_compression_rate,
-        error_feedback=error_feedback,
-        warm_start=warm_start,
-        orthogonalization_epsilon=orthogonalization_epsilon,
-        seed=seed,
-        bucket_bytes=bucket_bytes,
-    )
-    api = "jdp.powersgd_transform"
-
-    def init_fn(params):
-        return _init(params, options)
-
-    def update_fn(updates, state, params=None, **extra_args):
+    def update(grads, state, params, axis_name):
         del params
-        if not extra_args.get(_collectives.COLLECTIVES_ARG, True):
-            return updates, state
-        axis = _collectives.resolve_axis(axis_name)
-        return _average(updates, state, options, axis, api)
+        return (*_average(grads, state, options, axis_name, api), {})
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return _sync.Sync(init, update)

@@ -83,6 +83,58 @@ def declare(
     return register
 
 
+def declare_per_replica(*fields: str) -> Callable[[type], type]:
+    """Class decorator: these fields of a state differ between replicas.
+
+    For the state of a sync piece (or an optimizer) of one's own, a NamedTuple:
+    the fields named here (error-feedback buffers, a replica's own copy) may
+    hold different values on every replica, every other field must agree. The
+    divergence guard (`jdp.parallelize(..., check_sync=...)`) compares only
+    the fields that agree, and checkpoints save the named ones with every
+    replica (restored into another replica count, replica 0's copy is used).
+
+    Args:
+      *fields: Names of the NamedTuple's fields that differ between replicas.
+
+    Returns:
+      The decorator, which returns the class unchanged after recording it.
+
+    Raises:
+      TypeError: If the class is not a NamedTuple, or a field is not a str.
+      ValueError: If a named field is not one of the class's fields.
+
+    Example:
+      >>> from typing import NamedTuple
+      >>> import jax, jdp
+      >>> @jdp.declare_per_replica("error")
+      ... class TopKState(NamedTuple):
+      ...     error: dict  # what each replica's top-k left out, per replica
+      ...     count: jax.Array  # the same on every replica
+    """
+    for f in fields:
+        if not isinstance(f, str):
+            raise TypeError(
+                "`jdp.declare_per_replica` takes field names (str), e.g. "
+                f"`@jdp.declare_per_replica('error')`; got {f!r}."
+            )
+
+    def register(cls: type) -> type:
+        if not (isinstance(cls, type) and hasattr(cls, "_fields")):
+            raise TypeError(
+                "`jdp.declare_per_replica` decorates a NamedTuple class (a "
+                f"piece's state); got {cls!r}."
+            )
+        unknown = sorted(set(fields) - set(cls._fields))
+        if unknown:
+            raise ValueError(
+                f"`jdp.declare_per_replica`: {cls.__name__} has no field(s) "
+                f"{unknown}; its fields are {list(cls._fields)}."
+            )
+        return declare(local=tuple(fields), required=tuple(cls._fields))(cls)
+
+    return register
+
+
 def _declaration(x: Any) -> _Declaration | None:
     for d in _DECLARED:
         if isinstance(x, d.cls):
@@ -152,6 +204,14 @@ def agreed(tree: PyTree) -> PyTree | None:
     if not find(tree):
         return None
     return map_declared(tree, lambda path, x: None)
+
+
+def less_local(tree: PyTree) -> PyTree:
+    """`tree` less the local fields of its declared nodes; the rest as it is.
+
+    The local fields are set to None (dropped in flax NNX's mapping layout).
+    """
+    return map_declared(tree, lambda path, x: x)
 
 
 def _variables() -> tuple[type, ...]:

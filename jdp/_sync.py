@@ -1,16 +1,20 @@
-"""Gradient synchronisation as pieces: `jdp.all_reduce`, `jdp.local`, `jdp.zero`.
+"""The gradient sync pieces, and `jdp.sync_gradients` to put one in an optimizer.
 
-A train step made by `jdp.make_train_step` takes one piece, `sync=`, that says
-how the replicas' gradients are synchronised and applied, and declares what the
-rest of the library needs to know about the state that implies: its layout
-across replicas (`state_layout`) and the part of it replicas must agree on
-(`must_agree`). A new way to synchronise is a new piece, not a flag.
+`jdp.Sync`, `jdp.all_reduce`, `jdp.local`, `jdp.zero` (which applies the
+optimizer itself) and `jdp.sync_gradients`, any piece as an optax transform.
+
+A sync piece transforms one replica's gradients into the gradients the
+optimizer sees, as an optax transform transforms updates: `init(params)` makes
+its state, `update(grads, state, params, axis_name)` returns the synced
+gradients, its new state and metrics. The train step differentiates, asks the
+piece, then applies the optimizer once. A piece whose state differs between
+replicas (error-feedback buffers) says so on the state's class with
+`jdp.declare_per_replica`, which the divergence guard and checkpoints read.
 """
 
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple, get_args
 
@@ -22,7 +26,6 @@ from jax import lax
 from jdp import (
     _bmuf,
     _collectives,
-    _jax_compat,
     _replica_parts,
     _transforms,
     _validate,
@@ -37,65 +40,81 @@ BatchStatsMode = Literal["mean", "broadcast"]
 OnBadReplica = Literal["drop"]
 
 
-class Sync(NamedTuple):
-    """How a train step synchronises and applies gradients: a piece for `sync=`.
+def _no_state(params: PyTree) -> None:
+    """The state of a piece that keeps none."""
+    del params
 
-    Like optax's `GradientTransformation`, a tuple of pure functions plus data;
-    `jdp.all_reduce`, `jdp.local`, `jdp.zero` and `jdp.sparse.rows` make them.
+
+class Sync(NamedTuple):
+    """A gradient sync piece, for `jdp.make_train_step(..., sync=piece)`.
+
+    Like optax's `GradientTransformation`: a pair of pure functions, plus what
+    the rest of the library needs to know about the gradients they return.
+    `jdp.all_reduce`, `jdp.local`, `jdp.powersgd`, `jdp.partition` and
+    `jdp.sparse.rows` make them; `jdp.as_transform` turns one into an optax
+    transform for a step of one's own.
 
     Attributes:
-      apply: `apply(grads, state, tx, axis_name) -> (params, opt_state,
+      init: `init(params) -> state`: the piece's state (error-feedback
+        buffers, low-rank factors), kept in the train state's `sync_state`
+        (`jdp.TrainState.create(..., sync=piece)` fills it); None for a piece
+        that keeps none. A state whose fields differ between replicas declares
+        them with `jdp.declare_per_replica` on its class.
+      update: `update(grads, state, params, axis_name) -> (grads, state,
         metrics)`, run inside the step on one replica's gradients (`axis_name`
-        is the replica axis, resolved).
-      averages: Whether the optimizer sees gradients averaged over replicas
-        (False: each replica's own, for optimizers that communicate themselves,
-        such as `jdp.bmuf`).
-      state_layout: None, or `state_layout(tx)`: the `StateLayout` the piece
-        needs for optimizer `tx` (`step.replicate` and checkpoints follow it).
-      must_agree: None (the whole state must agree), or `must_agree(state)`:
-        the state with the parts that may differ between replicas set to None
-        (the divergence guard compares the rest).
-      value_and_grad: None (`jax.value_and_grad`), or `value_and_grad(tx)`
-        returning how to differentiate the loss for optimizer `tx` (sparse row
-        gradients).
-      apply_averaged: None, or like `apply` for gradients a loss scaler has
-        already averaged over replicas (loss scaling needs it).
-      batch_stats: How batch statistics are synced every step: `"mean"` or
-        `"broadcast"` (see `jdp.sync_batch_stats`).
-      init: None (the piece keeps no state), or `init(params) -> sync_state`:
-        the piece's own state (error-feedback buffers, low-rank factors), kept
-        in the train state's `sync_state` field, which
-        `jdp.TrainState.create(..., sync=piece)` fills. A piece with `init`
-        reads `state.sync_state` in `apply` and returns a 4-tuple `(params,
-        opt_state, metrics, sync_state)`.
+        is the step's replica axis, resolved): the gradients the optimizer
+        sees, the piece's new state and a dict of scalar metrics.
+      averages: Whether the returned gradients are synced (True), or left for
+        the optimizer to sync (False: `jdp.local()`, for optimizers that sync
+        the replicas themselves such as `jdp.bmuf`; the step then warns if the
+        optimizer never communicates, and the divergence guard compares only
+        what such an optimizer keeps in agreement).
+      must_agree: None, or `must_agree(train_state)`: the train state with the
+        parts that may differ between replicas set to None (a piece that
+        leaves some leaves' gradients unsynced, as `jdp.partition` with a
+        `"per_replica"` label).
 
     Example:
       A piece of one's own: sum the gradients instead of averaging them.
 
       >>> import jax, jax.numpy as jnp, optax, jdp
-      >>> def summed(grads, state, tx, axis_name):
-      ...     grads = jax.lax.psum(grads, axis_name)
-      ...     updates, opt_state = tx.update(grads, state.opt_state, state.params)
-      ...     return optax.apply_updates(state.params, updates), opt_state, {}
+      >>> def summed(grads, state, params, axis_name):
+      ...     return jax.lax.psum(grads, axis_name), state, {}
       >>> def loss_fn(params, batch):
       ...     return jnp.mean((batch * params["w"] - 1.0) ** 2)
       >>> tx = optax.sgd(0.1)
-      >>> train_step = jdp.make_train_step(loss_fn, tx, sync=jdp.Sync(summed))
-      >>> step = jdp.parallelize(train_step, devices=jax.devices()[:2])
+      >>> sync = jdp.Sync(None, summed)
+      >>> step = jdp.parallelize(jdp.make_train_step(loss_fn, tx, sync=sync),
+      ...                        devices=jax.devices()[:2])
       >>> state = step.replicate(jdp.TrainState.create(params={"w": 0.0}, tx=tx))
       >>> state, metrics = step(state, step.shard(jnp.ones(4)))
       >>> round(float(step.unreplicate(state).params["w"]), 4)  # 0.1 * (2 + 2)
       0.4
     """
 
-    apply: Callable[..., tuple[PyTree, PyTree, dict[str, jax.Array]]]
+    init: Callable[[PyTree], PyTree] | None
+    update: Callable[..., tuple[PyTree, PyTree, dict[str, jax.Array]]]
     averages: bool = True
-    state_layout: Callable[[Any], StateLayout | None] | None = None
     must_agree: Callable[[PyTree], PyTree] | None = None
+
+    def initial_state(self, params: PyTree) -> PyTree:
+        """`init(params)`, or None for a piece without `init`."""
+        return None if self.init is None else self.init(params)
+
+
+class OwnUpdate(NamedTuple):
+    """A sync piece that applies the optimizer itself (`jdp.zero`).
+
+    Not a `jdp.Sync`: ZeRO's optimizer state is laid out over the replicas, so
+    it reduce-scatters the gradients, updates its slice and gathers the
+    params. `apply(grads, state, tx, axis_name) -> (params, opt_state,
+    metrics)`; `state_layout(tx)` the `StateLayout` it needs; `value_and_grad`,
+    None or `value_and_grad(tx)`, how it differentiates the loss.
+    """
+
+    apply: Callable[..., tuple[PyTree, PyTree, dict[str, jax.Array]]]
+    state_layout: Callable[[Any], StateLayout | None] | None = None
     value_and_grad: Callable[[Any], Callable[..., Any]] | None = None
-    apply_averaged: Callable[..., tuple] | None = None
-    batch_stats: BatchStatsMode = "mean"
-    init: Callable[[PyTree], PyTree] | None = None
 
 
 def check_batch_stats(batch_stats: Any) -> None:
@@ -110,17 +129,57 @@ def check_batch_stats(batch_stats: Any) -> None:
 def apply_tx(grads, state, tx) -> tuple[PyTree, PyTree, dict[str, jax.Array]]:
     """`tx` applied to `grads`: `(params, opt_state, {})`.
 
-    A `jdp.bmuf` inside `tx` (hierarchical local SGD, syncing over other axes
-    than the piece's) merges after the update, on the updated params, as under
-    `jdp.local()`: every replica lands on exactly the same bits.
+    A `jdp.bmuf` inside `tx` merges after the update, on the updated params
+    (the optimizer is called with the extra argument that asks for it), so
+    every replica lands on exactly the same bits after a sync and a step that
+    does not sync costs what the local step costs.
     """
     merges: list = []
     updates, opt_state = _transforms.update(
         tx, grads, state.opt_state, state.params, **{_bmuf.MERGES_ARG: merges}
     )
     params = optax.apply_updates(state.params, updates)
-    params, opt_state = _bmuf.merge_updated(params, state.opt_state, opt_state, merges)
+    params, opt_state = _merged(params, state.opt_state, opt_state, merges)
     return params, opt_state, {}
+
+
+def _is_masked(x: Any) -> bool:
+    return isinstance(x, optax.MaskedNode)
+
+
+def _merged(params, old_opt_state, opt_state, merges):
+    """`jdp.bmuf`'s block sync on the updated params it holds.
+
+    Under `optax.multi_transform` a `jdp.bmuf` holds one label's params, the
+    others masked (`optax.MaskedNode`, as in its block start): the sync runs
+    on those and the rest of the params are left as they are.
+    """
+    if not merges:
+        return params, opt_state
+    for start in _replica_parts.restart_params(old_opt_state):
+        if jax.tree.structure(start) == jax.tree.structure(params):
+            break
+        try:
+            masked = jax.tree.map(
+                lambda s, p: s if _is_masked(s) else p,
+                start,
+                params,
+                is_leaf=_is_masked,
+            )
+        except ValueError:
+            continue
+        merged, opt_state = _bmuf.merge_updated(
+            masked, old_opt_state, opt_state, merges
+        )
+        params = jax.tree.map(
+            lambda s, p, m: p if _is_masked(s) else m,
+            start,
+            params,
+            merged,
+            is_leaf=_is_masked,
+        )
+        return params, opt_state
+    return _bmuf.merge_updated(params, old_opt_state, opt_state, merges)
 
 
 def all_reduce(
@@ -129,16 +188,14 @@ def all_reduce(
     reduce_dtype: Any = None,
     wire: _wire.Wire | None = None,
     error_feedback: bool = False,
-    skip_nonfinite: bool = False,
-    batch_stats: BatchStatsMode = "mean",
     axis_name: _collectives.AxisName | None = None,
     on_bad_replica: OnBadReplica | None = None,
 ) -> Sync:
-    """Averages gradients over replicas before the optimizer (PyTorch DDP).
+    """Averages gradients over replicas (PyTorch DDP's all-reduce).
 
     The default piece of `jdp.make_train_step`: one bucketed all-reduce of the
-    gradients in reverse leaf order (`jdp.all_reduce_gradients`), then `tx` on
-    the average, the same on every replica.
+    gradients in reverse leaf order (`jdp.all_reduce_gradients`); the optimizer
+    then sees the average, the same on every replica.
 
     Args:
       bucket_bytes: Largest bucket of the gradient all-reduce (25 MiB); None for
@@ -153,49 +210,36 @@ def all_reduce(
         float32 by each chunk's owner, quantised again and all-gathered, so
         both exchanges move the narrow type (see `jdp.wire`). On a host mesh
         (`axis_name=("host", "device")`) the devices of a host average in
-        float32 first and only the exchange between hosts is compressed. Not
-        with loss scaling (a state with a `dynamic_scale`), whose scaler
-        averages the gradients itself.
+        float32 first and only the exchange between hosts is compressed.
       error_feedback: With `wire`: add what quantisation dropped at one step
         to the next step's gradients, per replica (the worker error) and per
         chunk owner (the server error). The buffers are the piece's state
         (`jdp.TrainState.create(..., sync=sync)`), two float32 vectors the
         size of the gradients, different on every replica; checkpoints save
         them per replica.
-      skip_nonfinite: Skip a step whose gradients are not finite on any replica:
-        params and optimizer state stay as they were on every replica, the
-        state's `skipped_steps` grows by one and metric `"skipped"` is 1.
-      batch_stats: How batch statistics (`state.batch_stats`) are synced every
-        step: `"mean"` (default) or `"broadcast"` replica 0's.
       axis_name: The mesh axis (or axes) to average over; None (default): the
         step's replica axis. On a host mesh `("host", "device")`,
         `axis_name="device"` averages within each host only: hierarchical
         local SGD, with an optimizer that syncs the hosts itself
         (`jdp.bmuf(inner, sync_period=..., axis_name="host")`).
       on_bad_replica: `"drop"`: average only the replicas whose own gradients
-        are finite, instead of skipping the step. Each replica multiplies its
-        gradients by its validity bit and the bit rides as one more float32
-        value in the same all-reduce, so the sum is divided by the count of
-        valid replicas; metric `"dropped_replicas"` says how many were left
-        out. If every replica is bad, the step is skipped as with
-        `skip_nonfinite` (the state needs `skipped_steps`). With
-        `skip_nonfinite=True` as well, a step whose average of the valid
-        replicas is still not finite (an overflowing sum) is skipped too.
-        Averaging over some of the step's axes (`axis_name="device"`), the
-        skip decision is agreed over the step's axes by one scalar collective.
-        Not with `wire` (the compressed exchange carries no count) nor with
-        loss scaling (whose scaler averages the gradients itself). None
-        (default): every replica is averaged, as is.
+        are finite. Each replica multiplies its gradients by its validity bit
+        and the bit rides as one more float32 value in the same all-reduce, so
+        the sum is divided by the count of valid replicas; metric
+        `"dropped_replicas"` says how many were left out. If every replica is
+        bad the average is not finite: give the step `skip_nonfinite=True`
+        (`jdp.make_train_step`) to skip such a step. Not with `wire` (the
+        compressed exchange carries no count). None (default): every replica
+        is averaged, as is.
 
     Returns:
       A `jdp.Sync`.
 
     Raises:
       ValueError: If `bucket_bytes` is not a positive int or None,
-        `batch_stats` is unknown, `error_feedback` is asked for without a
-        `wire`, both `wire` and `reduce_dtype` are given, `on_bad_replica` is
-        neither None nor "drop", or `on_bad_replica` is combined with `wire`;
-        at trace time, for `on_bad_replica` or `wire` with loss scaling.
+        `error_feedback` is asked for without a `wire`, both `wire` and
+        `reduce_dtype` are given, `on_bad_replica` is neither None nor
+        "drop", or `on_bad_replica` is combined with `wire`.
       TypeError: If `wire` is not a wire format.
 
     Example:
@@ -214,26 +258,15 @@ def all_reduce(
       [('all-gather', 'u8'), ('all-to-all', 'u8')]
     """
     _collectives.check_bucket_bytes(bucket_bytes)
-    check_batch_stats(batch_stats)
     _wire.check_options(wire, error_feedback, reduce_dtype, "jdp.all_reduce")
     _check_on_bad_replica(on_bad_replica, wire)
     if on_bad_replica is not None:
-        return _dropping(
-            bucket_bytes, reduce_dtype, skip_nonfinite, batch_stats, axis_name
-        )
+        return _dropping(bucket_bytes, reduce_dtype, axis_name)
     if wire is not None:
-        return _compressed(wire, error_feedback, skip_nonfinite, batch_stats, axis_name)
+        return _compressed(wire, error_feedback, axis_name)
 
-    def apply_averaged(grads, state, tx, step_axis):
-        if not skip_nonfinite:
-            return apply_tx(grads, state, tx)
-        # The average is the same on every replica (of `axis_name`), and
-        # checking it (not each replica's own) also catches a sum that
-        # overflowed.
-        finite = _agreed_finite(grads, axis_name, step_axis)
-        return _unless_nonfinite(finite, lambda: apply_tx(grads, state, tx), state)
-
-    def apply(grads, state, tx, step_axis):
+    def update(grads, state, params, step_axis):
+        del params
         if (
             axis_name is None
             and reduce_dtype is None
@@ -242,7 +275,7 @@ def all_reduce(
             # A step of one replica: the mean is the gradient itself, bit for
             # bit, and XLA:CPU would still copy every gradient through a
             # collective (an 8.9M MLP: 28.6 ms a step, 63.5 ms with it).
-            return apply_averaged(grads, state, tx, step_axis)
+            return grads, state, {}
         grads = _collectives.all_reduce(
             grads,
             axis_name=step_axis if axis_name is None else axis_name,
@@ -250,9 +283,9 @@ def all_reduce(
             reduce_dtype=reduce_dtype,
             api="jdp.all_reduce",
         )
-        return apply_averaged(grads, state, tx, step_axis)
+        return grads, state, {}
 
-    return Sync(apply, apply_averaged=apply_averaged, batch_stats=batch_stats)
+    return Sync(None, update)
 
 
 def _check_on_bad_replica(on_bad_replica, wire) -> None:
@@ -269,7 +302,7 @@ def _check_on_bad_replica(on_bad_replica, wire) -> None:
         raise ValueError(
             "`on_bad_replica='drop'` counts the valid replicas in the gradients' "
             "all-reduce, which a compressed exchange (`wire=`) does not carry: "
-            "use `wire=None` with it, or `on_bad_replica=None` (with "
+            "use `wire=None` with it, or `on_bad_replica=None` (with the step's "
             "`skip_nonfinite=True` to skip the whole step)."
         )
 
@@ -281,13 +314,14 @@ def _check_on_bad_replica(on_bad_replica, wire) -> None:
 KEPT = "_jdp_kept_share"
 
 
-def _dropping(bucket_bytes, reduce_dtype, skip_nonfinite, batch_stats, axis_name):
+def _dropping(bucket_bytes, reduce_dtype, axis_name) -> Sync:
     """`jdp.all_reduce(on_bad_replica="drop")`: the mean of the valid replicas."""
 
-    def apply(grads, state, tx, step_axis):
+    def update(grads, state, params, step_axis):
+        del params
         axis = step_axis if axis_name is None else axis_name
         num = _collectives.axis_size(axis, "jdp.all_reduce")
-        valid = _finite(grads)
+        valid = finite(grads)
         masked = jax.tree.map(
             lambda g: jnp.where(valid, g, jnp.zeros_like(g)) if is_float(g) else g,
             grads,
@@ -301,168 +335,68 @@ def _dropping(bucket_bytes, reduce_dtype, skip_nonfinite, batch_stats, axis_name
             api="jdp.all_reduce",
         )
         count = jnp.round(share * num).astype(jnp.int32)
-        scale = num / jnp.maximum(count, 1).astype(jnp.float32)  # 1 if all valid
+        # No valid replica: a NaN average, which the step skips with
+        # `skip_nonfinite=True` (a zero would still move momentum and decay).
+        scale = jnp.where(count > 0, num / jnp.maximum(count, 1), jnp.nan)
         grads = jax.tree.map(
-            lambda g: (g * scale).astype(g.dtype) if is_float(g) else g, total
-        )
-        ok = count > 0
-        if skip_nonfinite:
-            ok &= _finite(grads)
-        if axis_name is not None and axis_name != step_axis:
-            ok = lax.pmin(ok.astype(jnp.int32), step_axis) > 0
-        params, opt_state, metrics = _unless_nonfinite(
-            ok, lambda: apply_tx(grads, state, tx), state
+            lambda g: (
+                (g * scale.astype(jnp.float32)).astype(g.dtype) if is_float(g) else g
+            ),
+            total,
         )
         share = jnp.where(count > 0, jnp.where(valid, scale, 0.0), 1.0)
-        dropped = {"dropped_replicas": num - count, KEPT: share}
-        return params, opt_state, {**metrics, **dropped}
+        return grads, state, {"dropped_replicas": num - count, KEPT: share}
 
-    def apply_averaged(grads, state, tx, step_axis):
-        raise ValueError(
-            "`jdp.all_reduce(on_bad_replica='drop')` cannot be combined with loss "
-            "scaling (a state with a `dynamic_scale`): the scaler averages the "
-            "gradients before the piece sees them, so no replica can be left "
-            "out. Use `on_bad_replica=None`; the scaler skips non-finite steps."
-        )
-
-    return Sync(apply, apply_averaged=apply_averaged, batch_stats=batch_stats)
+    return Sync(None, update)
 
 
-def _agreed_finite(grads, axis_name, step_axis) -> jax.Array:
-    """Whether averaged `grads` are finite, agreed by every replica of the step.
+def _compressed(wire, error_feedback, axis_name) -> Sync:
+    """`jdp.all_reduce(wire=...)`: the compressed exchange."""
 
-    Averaged over all of the step's axes, the verdict is the same everywhere;
-    averaged over some (`axis_name`), it is combined over the step's axis, so
-    that every replica takes the same branch.
-    """
-    finite = _finite(grads)
-    if axis_name is None or axis_name == step_axis:
-        return finite
-    return lax.pmin(finite.astype(jnp.int32), step_axis) > 0
-
-
-def _compressed(wire, error_feedback, skip_nonfinite, batch_stats, axis_name) -> Sync:
-    """`jdp.all_reduce(wire=...)`: the compressed exchange, then `tx`."""
-
-    def apply_mean(grads, state, tx, step_axis):
-        if not skip_nonfinite:
-            return apply_tx(grads, state, tx)
-        finite = _agreed_finite(grads, axis_name, step_axis)
-        return _unless_nonfinite(finite, lambda: apply_tx(grads, state, tx), state)
-
-    def apply_averaged(grads, state, tx, step_axis):
-        unused = " and the error-feedback buffers never used" if error_feedback else ""
-        raise ValueError(
-            f"`jdp.all_reduce(wire=jdp.wire.{wire.name}(), error_feedback="
-            f"{error_feedback})` cannot be combined with loss scaling (a state "
-            "with a `dynamic_scale`): flax's `DynamicScale` averages the gradients "
-            f"itself, in full precision, so nothing would be compressed{unused}. "
-            "Use `jdp.all_reduce()` (no `wire`) with loss scaling, or train in "
-            "bfloat16, which needs no loss scaling, with the `wire`."
-        )
-
-    def apply(grads, state, tx, step_axis):
-        error = state.sync_state if error_feedback else None
+    def update(grads, state, params, step_axis):
+        del params
         axis = step_axis if axis_name is None else axis_name
         _collectives.axis_size(axis, "jdp.all_reduce")  # bound here?
-        grads, new_error = _wire.mean(grads, wire=wire, axis_name=axis, error=error)
-        params, opt_state, metrics = apply_mean(grads, state, tx, step_axis)
-        if not error_feedback:
-            return params, opt_state, metrics
-        if skip_nonfinite:  # a skipped step leaves the buffers as they were
-            keep = metrics["skipped"] > 0
-            new_error = jax.tree.map(
-                lambda old, new: jnp.where(keep, old, new), error, new_error
-            )
-        return params, opt_state, metrics, new_error
+        grads, error = _wire.mean(
+            grads, wire=wire, axis_name=axis, error=state if error_feedback else None
+        )
+        return grads, (error if error_feedback else state), {}
 
-    if not error_feedback:
-        return Sync(apply, apply_averaged=apply_averaged, batch_stats=batch_stats)
-    return Sync(
-        apply,
-        apply_averaged=apply_averaged,
-        batch_stats=batch_stats,
-        must_agree=agreed_sync_state,
-        init=functools.partial(_wire.init_state, wire=wire),
-    )
+    init = functools.partial(_wire.init_state, wire=wire) if error_feedback else None
+    return Sync(init, update)
 
 
-def agreed_sync_state(state: PyTree) -> PyTree:
-    """The state less the per-replica parts of its `sync_state` (error buffers)."""
-    if not hasattr(state, "replace"):
-        return state
-    return state.replace(sync_state=_replica_parts.agreed(state.sync_state))
-
-
-def local(
-    *, skip_nonfinite: bool = False, batch_stats: BatchStatsMode = "mean"
-) -> Sync:
-    """Each replica applies the optimizer to its OWN gradients: no all-reduce.
+def local() -> Sync:
+    """Each replica keeps its OWN gradients: no all-reduce.
 
     For optimizers that communicate themselves: `jdp.bmuf` (BMUF, DiLoCo, local
     SGD), or `jdp.sync_gradients` inside `optax.MultiSteps` (whose all-reduce
     then runs only on the micro-steps that update). With an optimizer that never
-    communicates, the replicas train different models.
+    communicates the replicas train different models, and the step warns.
 
     `jdp.bmuf`'s block sync runs after the parameter update, on the updated
-    params (the optimizer is called with the extra argument that asks for it),
-    so every replica lands on exactly the same bits after a sync and a step
-    that does not sync costs what the local step costs.
+    params, so every replica lands on exactly the same bits after a sync and a
+    step that does not sync costs what the local step costs.
 
     Replicas agree on the step counter, the batch statistics and the global
     parts of `jdp.bmuf`'s state; params and other optimizer state may differ
     (the divergence guard compares only what agrees).
 
-    Args:
-      skip_nonfinite: As for `jdp.all_reduce`: skip a step whose gradients are
-        not finite on any replica (decided over all replicas).
-      batch_stats: How batch statistics are synced every step: `"mean"` or
-        `"broadcast"`.
-
     Returns:
-      A `jdp.Sync`.
-
-    Raises:
-      ValueError: If `batch_stats` is unknown.
+      A `jdp.Sync` whose `update` returns the gradients as they are.
 
     Example:
       >>> import optax, jdp
       >>> tx = jdp.bmuf(optax.sgd(0.1), sync_period=8)
       >>> sync = jdp.local()  # jdp.make_train_step(loss_fn, tx, sync=sync)
     """
-    check_batch_stats(batch_stats)
+    return Sync(None, _own, averages=False)
 
-    def apply(grads, state, tx, axis_name):
-        num = _collectives.axis_size(axis_name, "jdp.local")
-        if num > 1 and not _communicates(tx, grads, state.opt_state, state.params):
-            warnings.warn(
-                "`jdp.local()` applies the optimizer to each replica's own "
-                "gradients, and this optimizer never communicates (no `jdp.bmuf`, "
-                f"no `jdp.sync_gradients`): the {num} replicas train {num} "
-                "different models. Use `sync=jdp.all_reduce()` for synchronous "
-                "training, or an optimizer that syncs (`jdp.bmuf(tx, "
-                "sync_period=...)`).",
-                UserWarning,
-                stacklevel=2,
-            )
-        merges: list = []
-        updates, opt_state = _transforms.update(
-            tx,
-            grads,
-            state.opt_state,
-            state.params,
-            **{_bmuf.MERGES_ARG: merges},
-        )
-        params = optax.apply_updates(state.params, updates)
-        params, opt_state = _bmuf.merge_updated(
-            params, state.opt_state, opt_state, merges
-        )
-        return params, opt_state, {}
 
-    sync = Sync(
-        apply, averages=False, must_agree=_agreed_locally, batch_stats=batch_stats
-    )
-    return _skipping(sync) if skip_nonfinite else sync
+def _own(grads, state, params, axis_name):
+    """`jdp.local()`'s update: the replica's own gradients."""
+    del params, axis_name
+    return grads, state, {}
 
 
 def zero(
@@ -470,9 +404,7 @@ def zero(
     bucket_bytes: int | None = _collectives.DEFAULT_BUCKET_BYTES,
     reduce_dtype: Any = None,
     clip_grad_norm: float | None = None,
-    skip_nonfinite: bool = False,
-    batch_stats: BatchStatsMode = "mean",
-) -> Sync:
+) -> OwnUpdate:
     """ZeRO stages 1 and 2: the optimizer state sharded over replicas.
 
     PyTorch's `ZeroRedundancyOptimizer`, DeepSpeed ZeRO-1/2: gradients are
@@ -482,7 +414,8 @@ def zero(
     optimizers (SGD, momentum, Adam, AdamW, RMSProp, Lion, Adagrad, with
     schedules); others are refused with a message. `step.replicate` lays the
     optimizer state out sharded; `step.unreplicate` and checkpoints see one full
-    logical copy.
+    logical copy. It applies the optimizer itself, so it is given whole as the
+    step's `sync=` (not inside `jdp.partition` or `jdp.sync_gradients`).
 
     Args:
       bucket_bytes: Largest bucket of the reduce-scatters and all-gathers.
@@ -491,16 +424,14 @@ def zero(
         norm, computed across the replicas' slices (a `psum`; an
         `optax.clip_by_global_norm` inside `tx` would see one slice only), and
         report the norm before clipping as metric `"grad_norm"`.
-      skip_nonfinite: As for `jdp.all_reduce`.
-      batch_stats: How batch statistics are synced every step.
 
     Returns:
-      A `jdp.Sync`.
+      The piece, for `jdp.make_train_step(..., sync=...)`.
 
     Raises:
-      ValueError: If `clip_grad_norm` is not a positive finite number, or an
-        argument is out of range as for `jdp.all_reduce`; at trace time, if the
-        optimizer is not element-wise or the state was not placed by
+      ValueError: If `clip_grad_norm` is not a positive finite number, or
+        `bucket_bytes` is out of range as for `jdp.all_reduce`; at trace time,
+        if the optimizer is not element-wise or the state was not placed by
         `step.replicate`.
 
     Example:
@@ -522,7 +453,6 @@ def zero(
       Parameter Models", SC 2020, https://arxiv.org/abs/1910.02054.
     """
     _collectives.check_bucket_bytes(bucket_bytes)
-    check_batch_stats(batch_stats)
     if clip_grad_norm is not None:
         _validate.finite_number(
             "clip_grad_norm", clip_grad_norm, above=0, note="a global norm, or None"
@@ -532,36 +462,86 @@ def zero(
         reduce_dtype=reduce_dtype,
         clip_grad_norm=clip_grad_norm,
     )
-    sync = Sync(apply, state_layout=_zero.layout_fn, batch_stats=batch_stats)
-    return _skipping(sync) if skip_nonfinite else sync
+    return OwnUpdate(apply, state_layout=_zero.layout_fn)
 
 
-def _communicates(tx, grads, opt_state, params) -> bool:
-    """Whether `tx.update` issues a collective (traced, nothing runs)."""
-    closed = jax.make_jaxpr(
-        lambda g, s, p: _transforms.update(tx, g, s, p, **{_bmuf.MERGES_ARG: None})
-    )(grads, opt_state, params)
-    return any(
-        eqn.primitive.name in _jax_compat.COLLECTIVE_PRIMITIVES
-        for eqn in _jax_compat.equations(closed)
-    )
+def sync_gradients(
+    sync: Any = None, *, axis_name: _collectives.AxisName | None = None
+) -> optax.GradientTransformationExtraArgs:
+    """Any sync piece as an optax transform; put it first in an `optax.chain`.
+
+    For a step that does not sync its gradients itself (a hand-written step
+    under `jdp.parallelize`, or `jdp.make_train_step(..., sync=jdp.local())`),
+    in the spirit of `optax.contrib.sam(batch_axis_name=...)`: synchronous data
+    parallelism from the optimizer alone. The piece's state (error-feedback
+    buffers, PowerSGD's factors) is this transform's state, in the optimizer
+    state; its metrics are dropped (optax has no place for them). Inside
+    `optax.MultiSteps` it communicates only on the micro-steps that update.
+
+    Args:
+      sync: A `jdp.Sync` (`jdp.all_reduce(...)`, `jdp.powersgd(...)`,
+        `jdp.partition(...)`, one of your own); None for `jdp.all_reduce()`.
+      axis_name: Replica axis; None (default) uses the one bound by the
+        enclosing `jdp.parallelize`.
+
+    Returns:
+      An `optax.GradientTransformationExtraArgs`.
+
+    Raises:
+      TypeError: If `sync` is not a `jdp.Sync` (e.g. `jdp.zero()`, which
+        applies the optimizer itself).
+
+    Example:
+      >>> import optax, jdp
+      >>> tx = optax.chain(jdp.sync_gradients(), optax.clip_by_global_norm(1.0),
+      ...                  optax.adam(1e-3))
+      >>> tx = optax.chain(jdp.sync_gradients(jdp.powersgd(rank=4)),
+      ...                  optax.adam(1e-3))
+      >>> # a hand-written step, or `jdp.make_train_step(loss_fn, tx,
+      >>> # sync=jdp.local())`
+    """
+    if sync is None:
+        sync = all_reduce()
+    if not isinstance(sync, Sync):
+        raise TypeError(
+            "`jdp.sync_gradients` turns a `jdp.Sync` (e.g. `jdp.all_reduce()`, "
+            f"`jdp.powersgd(rank=4)`) into an optax transform; got "
+            f"{type(sync).__name__}. `jdp.zero()` applies the optimizer itself: "
+            "give it to `jdp.make_train_step(..., sync=...)` instead."
+        )
+
+    def init_fn(params):
+        state = sync.initial_state(params)
+        return optax.EmptyState() if state is None else state
+
+    def update_fn(updates, state, params=None, **extra_args):
+        if not extra_args.get(_collectives.COLLECTIVES_ARG, True):
+            return updates, state
+        axis = _collectives.resolve_axis(axis_name)
+        _collectives.axis_size(axis, "jdp.sync_gradients")  # bound here?
+        held = None if isinstance(state, optax.EmptyState) else state
+        synced, new, _ = sync.update(updates, held, params, axis)
+        return synced, (state if held is None else new)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _finite(grads: PyTree) -> jax.Array:
-    finite = jnp.array(True)
+def finite(grads: PyTree) -> jax.Array:
+    """Whether every floating-point leaf of `grads` is finite (a bool scalar)."""
+    ok = jnp.array(True)
     for g in jax.tree.leaves(grads):
         if is_float(g):
-            finite &= jnp.all(jnp.isfinite(g))
-    return finite
+            ok &= jnp.all(jnp.isfinite(g))
+    return ok
 
 
-def _unless_nonfinite(finite, run, state):
-    """`run()`'s `(params, opt_state, metrics)` if `finite`, else the state's own.
+def unless_nonfinite(ok, run, state, *, counted: bool = True):
+    """`run()`'s `(params, opt_state, metrics)` if `ok`, else the state's own.
 
-    `finite` must be the same on every replica; metric `"skipped"` is 1 for a
-    skipped step.
+    `ok` must be the same on every replica; metric `"skipped"` is 1 for a
+    skipped step. `counted`: the state must have a `skipped_steps` counter.
     """
-    if getattr(state, "skipped_steps", None) is None:
+    if counted and getattr(state, "skipped_steps", None) is None:
         raise ValueError(
             "`skip_nonfinite=True` counts skipped steps in the state's "
             "`skipped_steps` field, which this state does not have (or holds "
@@ -572,31 +552,27 @@ def _unless_nonfinite(finite, run, state):
     def skip():
         shapes = jax.eval_shape(run)
         extra = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[2])
-        return state.params, state.opt_state, extra
-
-    params, opt_state, extra = lax.cond(finite, run, skip)
-    return params, opt_state, {**extra, "skipped": 1 - finite.astype(jnp.int32)}
-
-
-def _skipping(sync: Sync) -> Sync:
-    """`sync` that leaves params and optimizer state alone for non-finite grads.
-
-    For pieces that do not average before the optimizer: every replica's own
-    gradients are checked and the verdict is combined over replicas (one scalar
-    collective), so all replicas take the same branch.
-    """
-    apply = sync.apply
-
-    def skipping(grads, state, tx, axis_name):
-        finite = lax.pmin(_finite(grads).astype(jnp.int32), axis_name) > 0
-        return _unless_nonfinite(
-            finite, lambda: apply(grads, state, tx, axis_name), state
+        # In the update's dtypes, so that both branches agree; a dtype the
+        # update changed is reported by the step's layout check.
+        kept = jax.tree.map(
+            lambda s, x: jnp.asarray(x, s.dtype),
+            shapes[:2],
+            (state.params, state.opt_state),
         )
+        return (*kept, extra)
 
-    return sync._replace(apply=skipping)
+    params, opt_state, extra = lax.cond(ok, run, skip)
+    return params, opt_state, {**extra, "skipped": 1 - ok.astype(jnp.int32)}
 
 
-def _agreed_locally(state: PyTree) -> PyTree:
+def agreed_sync_state(state: PyTree) -> PyTree:
+    """The state less the per-replica fields of its `sync_state` (error buffers)."""
+    if not hasattr(state, "replace") or getattr(state, "sync_state", None) is None:
+        return state
+    return state.replace(sync_state=_replica_parts.less_local(state.sync_state))
+
+
+def agreed_locally(state: PyTree) -> PyTree:
     """What replicas that train on their own gradients still agree on.
 
     The step counter and batch statistics (synced every step), and the parts of

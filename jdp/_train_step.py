@@ -3,14 +3,18 @@
 A train step is composed of pieces rather than switched by flags:
 
 - the loss, whose parameters say whether it trains batch statistics;
-- how gradients are taken, synchronised and applied: ONE piece, `sync=` (a
-  `jdp.Sync`: averaged by an all-reduce, kept local for optimizers that
-  communicate themselves such as `jdp.bmuf`, reduce-scattered onto a sharded
-  optimizer state (ZeRO), or sparse rows);
+- how gradients are synchronised: ONE piece, `sync=` (a `jdp.Sync`: averaged
+  by an all-reduce, compressed, kept local for optimizers that communicate
+  themselves such as `jdp.bmuf`, or one of your own); the step then applies
+  the optimizer once. `jdp.zero()` and `jdp.sparse.rows()` apply the optimizer
+  themselves (a sharded optimizer state, sparse rows);
+- what the step does around them, once for every piece: skipping non-finite
+  steps (`skip_nonfinite`), syncing batch statistics (`batch_stats`), loss
+  scaling;
 - how the state is laid out across replicas and which part of it replicas must
-  agree on, declared by the piece as data (`state_layout` and `must_agree` of
-  the returned `TrainStep`), which `step.replicate`, checkpoints and the
-  divergence guard follow.
+  agree on, declared as data (`state_layout` and `must_agree` of the returned
+  `TrainStep`), which `step.replicate`, checkpoints and the divergence guard
+  follow.
 """
 
 from __future__ import annotations
@@ -61,8 +65,8 @@ class TrainState(struct.PyTreeNode):
       batch_stats: Computed, non-trained state such as BatchNorm statistics, or
         None.
       skipped_steps: Steps skipped because their gradients were not finite
-        (a sync piece's `skip_nonfinite=True`, e.g. `jdp.all_reduce(
-        skip_nonfinite=True)`, or a loss scaler's overflow; an int32 array).
+        (`jdp.make_train_step(..., skip_nonfinite=True)`, or a loss scaler's
+        overflow; an int32 array).
       dynamic_scale: A flax `DynamicScale` for float16 training (loss scaling),
         or None.
       rng: A PRNG key (typed or raw) from which `jdp.make_train_step` derives
@@ -109,12 +113,16 @@ class TrainState(struct.PyTreeNode):
         (`sync.init` is set, e.g. `jdp.all_reduce(wire=..., error_feedback=
         True)`): the state then holds `sync_state=sync.init(params)`.
         """
-        if sync is not None and not isinstance(sync, _sync.Sync):
+        if sync is not None and not isinstance(sync, (_sync.Sync, _sync.OwnUpdate)):
             raise TypeError(
                 "`jdp.TrainState.create`: `sync` must be a `jdp.Sync` (the piece "
                 f"given to `jdp.make_train_step`), or None; got {type(sync).__name__}."
             )
-        sync_state = None if sync is None or sync.init is None else sync.init(params)
+        sync_state = None
+        if isinstance(sync, _sync.Sync) and sync.init is not None:
+            sync_state = sync.init(params)
+            if not jax.tree.leaves(sync_state):
+                sync_state = None
         return cls(
             step=jax.numpy.zeros((), jax.numpy.int32),
             params=params,
@@ -176,10 +184,12 @@ def make_train_step(
     loss_fn: Callable[..., Any],
     tx: optax.GradientTransformation | None = None,
     *,
-    sync: _sync.Sync = _DEFAULT_SYNC,
+    sync: _sync.Sync | _sync.OwnUpdate = _DEFAULT_SYNC,
     has_aux: bool = False,
     microbatches: int = 1,
     axis_name: _collectives.AxisName | None = None,
+    skip_nonfinite: bool = False,
+    batch_stats: _sync.BatchStatsMode = "mean",
 ) -> TrainStep:
     """Builds the per-replica training step for `jdp.parallelize`.
 
@@ -197,9 +207,7 @@ def make_train_step(
     clipping is `optax.clip_by_global_norm` in `tx` (with `jdp.zero`, its
     `clip_grad_norm`); rematerialisation is `jax.checkpoint` around `loss_fn`
     (e.g. `jax.checkpoint(loss_fn, policy=jax.checkpoint_policies.
-    dots_with_no_batch_dims_saveable)`); skipping non-finite steps is the
-    piece's `skip_nonfinite` (or `optax.apply_if_finite` in `tx`, which sees
-    averaged gradients, identical on every replica).
+    dots_with_no_batch_dims_saveable)`).
 
     Args:
       loss_fn: `loss_fn(params, batch) -> loss` (or `-> (loss, aux)` with
@@ -218,12 +226,13 @@ def make_train_step(
         `step` receives the state's step counter (for schedules inside the
         loss).
       tx: The optax optimizer; None uses the state's own `tx` (flax `TrainState`).
-      sync: How gradients are synchronised and applied: `jdp.all_reduce()`
-        (default, PyTorch DDP), `jdp.local()` (each replica's own gradients, for
-        optimizers that communicate themselves: `jdp.bmuf`, or
-        `jdp.sync_gradients` inside `optax.MultiSteps`), `jdp.zero()` (the
+      sync: How gradients are synchronised: a `jdp.Sync` such as
+        `jdp.all_reduce()` (default, PyTorch DDP), `jdp.powersgd(...)`,
+        `jdp.partition(...)` or `jdp.local()` (each replica's own gradients,
+        for optimizers that communicate themselves: `jdp.bmuf`, or
+        `jdp.sync_gradients` inside `optax.MultiSteps`); or `jdp.zero()` (the
         optimizer state sharded over replicas) or `jdp.sparse.rows()` (sparse
-        embedding gradients); a `jdp.Sync`.
+        embedding gradients), which apply the optimizer themselves.
       has_aux: Whether `loss_fn` returns auxiliary data; a dict of scalars becomes
         extra metrics, anything else is returned under `"aux"`.
       microbatches: Gradient accumulation (PyTorch DDP's `no_sync()`, Horovod's
@@ -235,13 +244,24 @@ def make_train_step(
         examples the result equals the whole batch at once. 1 by default.
       axis_name: The replica axis; None (default) uses the one bound by the
         `jdp.parallelize` that runs the step: give it once, there.
+      skip_nonfinite: Skip a step whose synced gradients are not finite on any
+        replica (the verdict is agreed by one scalar collective): params,
+        optimizer state, the piece's state and batch statistics stay as they
+        were on every replica, the state's `skipped_steps` grows by one and
+        metric `"skipped"` is 1. With `jdp.zero()` each replica's own
+        gradients are checked, before they are reduced. (`optax.apply_if_finite`
+        in `tx` is the optimizer's own way, for a state without a counter.)
+      batch_stats: How batch statistics (`state.batch_stats`) are synced every
+        step: `"mean"` (default) or `"broadcast"` replica 0's (see
+        `jdp.sync_batch_stats`).
 
     Loss scaling: a state with a flax `DynamicScale` in a `dynamic_scale` field
     (`jdp.TrainState.create(..., dynamic_scale=DynamicScale())`, or a flax
     `TrainState` subclass with that field, as in flax's ImageNet example) is
-    honoured: the loss is scaled, the gradients unscaled and averaged, a step
-    whose averaged gradients are not finite is skipped on every replica, the
-    scale is updated, and metrics gain `"loss_scale"` and `"skipped"`.
+    honoured: the loss is scaled, the gradients unscaled and synced by the
+    piece, a step whose synced gradients are not finite is skipped on every
+    replica, the scale is updated, and metrics gain `"loss_scale"` and
+    `"skipped"`.
 
     flax NNX: split the model into its `nnx.Param`s (trained) and the rest
     (BatchNorm statistics, RNG streams), `graphdef, params, rest =
@@ -257,9 +277,11 @@ def make_train_step(
       `train_step(state, batch) -> (state, metrics)`, to give to `jdp.parallelize`.
 
     Raises:
-      TypeError: If `sync` is not a `jdp.Sync`, or `loss_fn`'s parameters cannot
-        be read.
-      ValueError: If `microbatches` is not a positive int. At trace time, if
+      TypeError: If `sync` is not a `jdp.Sync` (nor `jdp.zero()` or
+        `jdp.sparse.rows()`), `skip_nonfinite` is not a bool, or `loss_fn`'s
+        parameters cannot be read.
+      ValueError: If `microbatches` is not a positive int or `batch_stats` is
+        unknown. At trace time, if
         the optimizer trains replicas locally (`jdp.bmuf`) and `sync` averages
         gradients, if `loss_fn`'s parameters do not match the state's batch
         statistics, or as `sync` refuses the optimizer or state.
@@ -292,15 +314,19 @@ def make_train_step(
       >>> bool((model.layers[1].mean[...] != 0).all())  # BatchNorm's statistics
       True
     """
-    if not isinstance(sync, _sync.Sync):
+    if not isinstance(sync, (_sync.Sync, _sync.OwnUpdate)):
         raise TypeError(
             "`sync` must be a `jdp.Sync`, e.g. `jdp.all_reduce()`, `jdp.local()`, "
-            f"`jdp.zero()` or `jdp.sparse.rows()`; got {type(sync).__name__}."
+            "`jdp.powersgd()` or `jdp.partition(...)` (or `jdp.zero()`, "
+            f"`jdp.sparse.rows()`); got {type(sync).__name__}."
         )
     _validate.positive_int("microbatches", microbatches)
+    _validate.boolean("skip_nonfinite", skip_nonfinite)
+    _sync.check_batch_stats(batch_stats)
     takes_stats = _takes_batch_stats(loss_fn)
     keywords = _loss_keywords(loss_fn)
     api = "jdp.make_train_step"
+    own = isinstance(sync, _sync.OwnUpdate)
 
     def train_step(state, batch):
         optimizer = state.tx if tx is None else tx
@@ -310,23 +336,22 @@ def make_train_step(
                 "carries one (`jdp.TrainState.create(params=..., tx=...)`)."
             )
         axis = _collectives.resolve_axis(axis_name)
-        if sync.averages:
-            _check_axes(sync, optimizer, state, axis, api)
         _check_trainable(state.params, api)
         _check_known_fields(state, api)
-        _check_sync_state(state, sync, api)
+        if not own:
+            _check_piece(sync, optimizer, state, axis, api)
         _check_batch_stats(state, takes_stats, api, loss_fn)
         loss_kwargs = _loss_kwargs(state, keywords, axis, api)
         value_and_grad = (
-            jax.value_and_grad
-            if sync.value_and_grad is None
-            else sync.value_and_grad(optimizer)
+            sync.value_and_grad(optimizer)
+            if own and sync.value_and_grad is not None
+            else jax.value_and_grad
         )
         changes = {}
         scale = getattr(state, "dynamic_scale", None)
         if scale is not None:
             _check_loss_scaling(sync, microbatches)
-            value_and_grad, verdict = _scaled(scale, axis)
+            value_and_grad, verdict = _scaled(scale)
         out = _gradients(
             value_and_grad,
             loss_fn,
@@ -337,21 +362,17 @@ def make_train_step(
             loss_kwargs=loss_kwargs,
         )
         loss, grads = _normalise(out, axis)
-        if scale is not None:  # the scaler averaged the gradients already
-            params, opt_state, extra = sync.apply_averaged(
-                grads, state, optimizer, axis
-            )
-            params, opt_state, extra = _keep_if_finite(
-                verdict, state, params, opt_state, extra
-            )
-            changes["dynamic_scale"] = verdict["scale"]
-            _warn_if_collapsed(verdict["scale"].scale, axis)
-        elif sync.init is None:
-            params, opt_state, extra = sync.apply(grads, state, optimizer, axis)
-        else:
-            params, opt_state, extra, changes["sync_state"] = sync.apply(
-                grads, state, optimizer, axis
-            )
+        skip = skip_nonfinite or scale is not None
+        update = _own_update if own else _synced_update
+        params, opt_state, extra, sync_state = update(
+            sync, grads, state, optimizer, axis, skip, counted=scale is None
+        )
+        if sync_state is not None:
+            changes["sync_state"] = sync_state
+        if scale is not None:
+            changes["dynamic_scale"] = _next_scale(scale, extra["skipped"] == 0)
+            extra["loss_scale"] = scale.scale
+            _warn_if_collapsed(changes["dynamic_scale"].scale, axis)
         loss, extra = _kept_loss(out, loss, extra, axis)
         aux, new_stats = out.aux, out.new_stats
         changes.update(step=state.step + 1, params=params, opt_state=opt_state)
@@ -359,7 +380,7 @@ def make_train_step(
             changes["skipped_steps"] = state.skipped_steps + extra["skipped"]
         if new_stats is not None:
             new_stats = _collectives.sync_batch_stats(
-                new_stats, mode=sync.batch_stats, axis_name=axis
+                new_stats, mode=batch_stats, axis_name=axis
             )
             if "skipped" in extra:
                 new_stats = _keep_finite_stats(new_stats, state.batch_stats, extra)
@@ -372,9 +393,90 @@ def make_train_step(
                 metrics["aux"] = aux
         return state.replace(**changes), metrics
 
-    layout = None if sync.state_layout is None else sync.state_layout(tx)
     spec = LossSpec(loss_fn, has_aux, microbatches, keywords, axis_name)
-    return TrainStep(train_step, layout, sync.must_agree, spec)
+    return TrainStep(train_step, *_declared(sync, tx), spec)
+
+
+def _check_piece(sync, tx, state, axis, api) -> None:
+    """A `jdp.Sync`'s checks against the state and the optimizer (traced)."""
+    _check_sync_state(state, sync, api)
+    if sync.averages:
+        _check_axes(sync, tx, state, axis, api)
+    else:
+        _warn_if_never_synced(tx, state, axis)
+
+
+def _declared(sync, tx) -> tuple[StateLayout | None, Callable | None]:
+    """`(state_layout, must_agree)` of a step with piece `sync`."""
+    if isinstance(sync, _sync.OwnUpdate):
+        return (None if sync.state_layout is None else sync.state_layout(tx)), None
+    if sync.must_agree is not None:
+        return None, sync.must_agree
+    if sync.averages:
+        return None, _replica_parts.must_agree
+    return None, _sync.agreed_locally
+
+
+def _synced_update(sync, grads, state, tx, axis, skip, *, counted):
+    """A `jdp.Sync`'s gradients, then `tx` once.
+
+    Returns `(params, opt_state, metrics, sync_state)`, the last None when the
+    state holds none.
+
+    With `skip`, a step whose synced gradients are not finite on any replica
+    (one scalar `pmin` over the step's axis) leaves params, optimizer state and
+    the piece's state as they were.
+    """
+    held = getattr(state, "sync_state", None)
+    piece_state = sync.initial_state(state.params) if held is None else held
+    synced, new_state, extra = sync.update(grads, piece_state, state.params, axis)
+    extra = dict(extra)
+
+    def run():
+        return _sync.apply_tx(synced, state, tx)
+
+    if not skip:
+        params, opt_state, more = run()
+        return params, opt_state, {**extra, **more}, None if held is None else new_state
+    ok = lax.pmin(_sync.finite(synced).astype(np.int32), axis) > 0
+    params, opt_state, more = _sync.unless_nonfinite(ok, run, state, counted=counted)
+    if held is not None:
+        new_state = jax.tree.map(
+            lambda n, o: jax.numpy.where(ok, n, o), new_state, held
+        )
+    return params, opt_state, {**extra, **more}, None if held is None else new_state
+
+
+def _own_update(sync, grads, state, tx, axis, skip, *, counted=True):
+    """A piece that applies the optimizer itself (`jdp.zero`).
+
+    With `skip`, a step whose own gradients are not finite on any replica is
+    skipped.
+    """
+    if not skip:
+        return (*sync.apply(grads, state, tx, axis), None)
+    ok = lax.pmin(_sync.finite(grads).astype(np.int32), axis) > 0
+    run = lambda: sync.apply(grads, state, tx, axis)  # noqa: E731
+    return (*_sync.unless_nonfinite(ok, run, state, counted=counted), None)
+
+
+def _warn_if_never_synced(tx, state, axis) -> None:
+    """Warns when replicas train on their own gradients and nothing syncs them."""
+    num = _collectives.axis_size(axis, "jdp.make_train_step")
+    if num < 2 or _replica_parts.trains_locally(state.opt_state):
+        return
+    if not _optimizer_axes(tx, state):
+        warnings.warn(
+            "The sync piece leaves each replica its own gradients (`jdp.local()`, "
+            "or a `jdp.partition` label), and this optimizer never communicates "
+            "(no `jdp.bmuf`, no `jdp.sync_gradients`): the "
+            f"{num} replicas train {num} different models. Use "
+            "`sync=jdp.all_reduce()` for synchronous training, an optimizer that "
+            "syncs (`jdp.bmuf(tx, sync_period=...)`), or, in a `jdp.partition`, "
+            "the label `'per_replica'` where different models are meant.",
+            UserWarning,
+            stacklevel=4,
+        )
 
 
 AVERAGES_WITH_BMUF_MSG = (
@@ -434,13 +536,10 @@ def _check_every_axis_synced(sync, tx, state, axis, api) -> None:
     host; unless the optimizer syncs the other axes (`jdp.bmuf(...,
     axis_name="host")`, checked by `_check_hierarchical`, or a
     `jdp.sync_gradients` of its own), the hosts train models of their own. A
-    piece that moves nothing at all is left to the divergence guard. Pieces
-    that differentiate their own way (`jdp.sparse.rows()`) or lay the state out
-    (`jdp.zero()`) always average over the step's axes.
+    piece that moves nothing at all is left to the divergence guard.
     """
     step_axes = _axes(axis)
-    own_way = sync.value_and_grad is not None or sync.state_layout is not None
-    if len(step_axes) < 2 or own_way:
+    if len(step_axes) < 2:
         return
     piece = _piece_axes(sync, state, axis)
     rest = step_axes - piece
@@ -459,13 +558,12 @@ def _check_every_axis_synced(sync, tx, state, axis, api) -> None:
 
 
 def _piece_axes(sync, state, axis) -> set[str]:
-    """The mesh axes over which `sync`'s apply moves gradients (traced only)."""
+    """The mesh axes over which `sync.update` moves gradients (traced only)."""
     grads = jax.tree.map(lambda p: p if is_float(p) else None, state.params)
-    bare = state.replace(opt_state=optax.EmptyState())
-    if getattr(state, "sync_state", None) is None and sync.init is not None:
-        bare = bare.replace(sync_state=sync.init(state.params))
+    held = getattr(state, "sync_state", None)
+    piece_state = sync.initial_state(state.params) if held is None else held
     return _moving_axes(
-        lambda g: sync.apply(g, bare, optax.identity(), axis)[:2], grads
+        lambda g: sync.update(g, piece_state, state.params, axis)[:2], grads
     )
 
 
@@ -855,7 +953,7 @@ def _normalise(out: _Gradients, axis_name) -> tuple[jax.Array, PyTree]:
         return out.loss, out.grads
     _collectives.axis_size(axis_name, "jdp.weighted")
     weight = out.weight.astype(out.loss.dtype)
-    valid = _sync._finite(out.grads).astype(out.loss.dtype)
+    valid = _sync.finite(out.grads).astype(out.loss.dtype)
     total, weight, kept_weight, kept = lax.psum(
         (out.loss, weight, valid * weight, valid), axis_name
     )
@@ -927,12 +1025,12 @@ def _warn_if_collapsed(scale, axis_name) -> None:
     )
 
 
-def _check_loss_scaling(sync: _sync.Sync, microbatches: int) -> None:
-    if sync.apply_averaged is None:
+def _check_loss_scaling(sync, microbatches: int) -> None:
+    if isinstance(sync, _sync.OwnUpdate):
         raise ValueError(
-            "A state with a `dynamic_scale` (loss scaling) needs "
-            "`sync=jdp.all_reduce()`: the loss scaler averages the gradients "
-            "itself; sharded or local updates with loss scaling are not supported."
+            "A state with a `dynamic_scale` (loss scaling) needs a `jdp.Sync` "
+            "(e.g. `jdp.all_reduce()`): `jdp.zero()` and `jdp.sparse.rows()` "
+            "apply the optimizer themselves and do not support loss scaling."
         )
     if microbatches != 1:
         raise ValueError(
@@ -941,41 +1039,37 @@ def _check_loss_scaling(sync: _sync.Sync, microbatches: int) -> None:
         )
 
 
-def _scaled(scale, axis_name):
-    """`(value_and_grad, verdict)` through a flax `DynamicScale` (loss scaling).
+def _scaled(scale):
+    """`(value_and_grad, None)` through a flax `DynamicScale` (loss scaling).
 
-    The scaled loss is differentiated, the gradients unscaled and averaged over
-    replicas by `DynamicScale.value_and_grad(axis_name=...)`, so every replica
-    sees the same finiteness verdict; `verdict` receives the new scale and
-    whether the gradients were finite (the flax ImageNet recipe).
+    The scaled loss is differentiated and the gradients unscaled (to float32)
+    by `DynamicScale.value_and_grad`, without its `axis_name`: the sync piece
+    syncs them next, and the step decides on the synced gradients, agreed by
+    every replica (`_next_scale`).
     """
-    verdict = {}
 
     def value_and_grad(fun, *, has_aux):
-        grad_fn = scale.value_and_grad(fun, has_aux=has_aux, axis_name=axis_name)
+        grad_fn = scale.value_and_grad(fun, has_aux=has_aux)
 
         def value_and_grads(*args):
-            verdict["scale"], verdict["finite"], value, grads = grad_fn(*args)
+            _, _, value, grads = grad_fn(*args)
             return value, grads
 
         return value_and_grads
 
-    return value_and_grad, verdict
+    return value_and_grad, None
 
 
-def _keep_if_finite(verdict, state, params, opt_state, extra):
-    """The update where the loss scaler found the gradients finite, else the old."""
-    finite = verdict["finite"]
+def _next_scale(scale, finite: jax.Array):
+    """The `DynamicScale` after a step whose synced gradients were `finite`.
 
-    def keep(new, old):
-        return jax.tree.map(lambda n, o: jax.numpy.where(finite, n, o), new, old)
-
-    extra = {
-        **extra,
-        "loss_scale": state.dynamic_scale.scale,
-        "skipped": 1 - finite.astype(jax.numpy.int32),
-    }
-    return keep(params, state.params), keep(opt_state, state.opt_state), extra
+    flax's own rule (grow after `growth_interval` finite steps, back off
+    otherwise), driven by the verdict every replica agreed on: the gradient of
+    `x * c` is `c`, finite exactly when `finite`.
+    """
+    c = jax.numpy.where(finite, 0.0, jax.numpy.nan).astype(jax.numpy.float32)
+    new, _, _, _ = scale.value_and_grad(lambda x: x * c)(jax.numpy.float32(0.0))
+    return new
 
 
 def loss_and_grads(
@@ -1078,7 +1172,10 @@ def _check_known_fields(state: PyTree, api: str) -> None:
 def _check_sync_state(state: PyTree, sync: _sync.Sync, api: str) -> None:
     """A piece that keeps state needs the state's `sync_state`, and only it does."""
     held = getattr(state, "sync_state", None)
-    if sync.init is not None and held is None:
+    keeps = sync.init is not None and jax.tree.leaves(
+        jax.eval_shape(sync.init, state.params)
+    )
+    if keeps and held is None:
         raise ValueError(
             f"`{api}`: this sync piece keeps state of its own (error buffers, "
             "low-rank factors) in the train state's `sync_state`, which this "
@@ -1086,7 +1183,7 @@ def _check_sync_state(state: PyTree, sync: _sync.Sync, api: str) -> None:
             "the state with the piece: `jdp.TrainState.create(params=..., tx=..., "
             "sync=sync)`, passing the same `sync` as to `jdp.make_train_step`."
         )
-    if sync.init is None and jax.tree.leaves(held):
+    if not keeps and jax.tree.leaves(held):
         raise ValueError(
             f"`{api}`: the state holds a `sync_state` (made for a sync piece that "
             "keeps state, e.g. `jdp.all_reduce(error_feedback=True)`), but this "
@@ -1094,7 +1191,7 @@ def _check_sync_state(state: PyTree, sync: _sync.Sync, api: str) -> None:
             "Use the same piece for `jdp.TrainState.create(..., sync=...)` and "
             "`jdp.make_train_step(..., sync=...)`."
         )
-    if sync.init is not None and held is not None:
+    if keeps and held is not None:
         # Another piece's state (e.g. a PowerSGDState for an error-feedback
         # piece): its type differs. Same type, other params: the piece says so.
         want = jax.tree.structure(jax.eval_shape(sync.init, state.params))

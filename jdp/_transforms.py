@@ -1,8 +1,7 @@
-"""`jdp.sync_gradients`: the gradient all-reduce as an optax transform.
+"""How a train step applies an optimizer, with optax's extra arguments.
 
-Also how a train step applies an `optax.MultiSteps` (gradient accumulation by
-the optimizer) so that the collectives inside it run only on the micro-steps
-that update.
+An `optax.MultiSteps` (gradient accumulation by the optimizer) runs its
+collectives only on the micro-steps that update.
 """
 
 from __future__ import annotations
@@ -12,86 +11,7 @@ from typing import Any
 import optax
 from jax import lax
 
-from jdp import _collectives, _wire
-
-
-def sync_gradients(
-    *,
-    axis_name: _collectives.AxisName | None = None,
-    bucket_bytes: int | None = _collectives.DEFAULT_BUCKET_BYTES,
-    reverse: bool = True,
-    reduce_dtype: Any = None,
-    flatten: bool | None = None,
-    wire: _wire.Wire | None = None,
-    error_feedback: bool = False,
-) -> optax.GradientTransformation:
-    """Averages updates over replicas; put it first in an `optax.chain`.
-
-    The optax form of `jdp.all_reduce_gradients` (same options), in the spirit of
-    `optax.contrib.sam(batch_axis_name=...)`: a step that does not average its
-    gradients itself gets synchronous data parallelism from its optimizer alone.
-    Stateless (`optax.EmptyState`), unless `error_feedback` keeps its error
-    buffers (`jdp.wire.WireState`, different on every replica) in the optimizer
-    state.
-
-    Args:
-      axis_name: Replica axis; None (default) uses the one bound by the
-        enclosing `jdp.parallelize`.
-      bucket_bytes: Largest bucket in bytes (25 MiB); None for one bucket per dtype.
-      reverse: Pack leaves last-first.
-      reduce_dtype: Optional wire dtype (e.g. `jnp.bfloat16`).
-      flatten: Flat buffers or tuples per bucket (see `jdp.all_reduce_gradients`).
-      wire: A compressed exchange (`jdp.wire.int8()`, ...) instead of the
-        all-reduce, as for `jdp.all_reduce(wire=...)`.
-      error_feedback: With `wire`, feed back what quantisation dropped.
-
-    Returns:
-      An `optax.GradientTransformation`.
-
-    Raises:
-      ValueError: As `jdp.all_reduce` for `wire`, `error_feedback` and
-        `reduce_dtype`.
-
-    Example:
-      >>> import optax, jdp
-      >>> tx = optax.chain(jdp.sync_gradients(), optax.clip_by_global_norm(1.0),
-      ...                  optax.adam(1e-3))
-      >>> # use it with `jdp.make_train_step(loss_fn, tx, sync=jdp.local())`
-    """
-    _collectives.check_bucket_bytes(bucket_bytes)
-    _wire.check_options(wire, error_feedback, reduce_dtype, "jdp.sync_gradients")
-    options = dict(axis_name=axis_name, bucket_bytes=bucket_bytes, reverse=reverse)
-
-    def init_fn(params):
-        if error_feedback:
-            return _wire.init_state(params, wire)
-        return optax.EmptyState()
-
-    def update_fn(updates, state, params=None, **extra_args):
-        del params
-        if not extra_args.get(_collectives.COLLECTIVES_ARG, True):
-            return updates, state
-        if wire is not None:
-            axis = _collectives.resolve_axis(axis_name)
-            _collectives.axis_size(axis, "jdp.sync_gradients")  # bound here?
-            synced, error = _wire.mean(
-                updates,
-                wire=wire,
-                axis_name=axis,
-                error=state if error_feedback else None,
-                api="jdp.sync_gradients",
-            )
-            return synced, (error if error_feedback else state)
-        synced = _collectives.all_reduce(
-            updates,
-            reduce_dtype=reduce_dtype,
-            flatten=flatten,
-            api="jdp.sync_gradients",
-            **options,
-        )
-        return synced, state
-
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+from jdp import _collectives
 
 
 def update(

@@ -1,3 +1,3 @@
 """The package version, in one place: the build, `jdp.__version__`, saved files."""
 
-__version__ = "0.3.1.dev0"
+__version__ = "0.4.0.dev0"

@@ -95,8 +95,7 @@ def bf16() -> Wire:
     """bfloat16 on the wire: half the bytes of float32, no scales.
 
     Returns:
-      A wire format for `jdp.all_reduce(wire=...)`, `jdp.sync_gradients(wire=
-      ...)` or `jdp.bmuf(wire=...)`.
+      A wire format for `jdp.all_reduce(wire=...)` or `jdp.bmuf(wire=...)`.
 
     Example:
       >>> import jdp

@@ -151,9 +151,10 @@ def test_bmuf_without_the_option_spreads_the_nan():
     assert state.opt_state.dropped is None
 
 
-def collectives(tx, sync, stage="compiled"):
+def collectives(tx, sync, stage="compiled", **kw):
     step = jdp.parallelize(
-        jdp.make_train_step(data_loss, tx, sync=sync), devices=jax.devices()[:NUM]
+        jdp.make_train_step(data_loss, tx, sync=sync, **kw),
+        devices=jax.devices()[:NUM],
     )
     params = {"w": jnp.zeros(DIM)}
     state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
@@ -176,13 +177,14 @@ def test_all_reduce_count_rides_in_the_gradient_all_reduce():
 
     tx = optax.sgd(LR)
     plain = collectives(tx, jdp.all_reduce())
-    skip = collectives(tx, jdp.all_reduce(skip_nonfinite=True))
-    drop = collectives(tx, jdp.all_reduce(on_bad_replica="drop"))
+    skip = collectives(tx, jdp.all_reduce(), skip_nonfinite=True)
+    drop = collectives(tx, jdp.all_reduce(on_bad_replica="drop"), skip_nonfinite=True)
     assert len(exchanges(drop)) == len(exchanges(plain)) == 1
     # The count is a scalar of the gradients' all-reduce in the compiled program.
     assert sorted(exchanges(drop)[0].shapes) == [(), (DIM,)]
     # The metrics that depend on the result ("skipped", "dropped_replicas") are
-    # summed after it, as with `skip_nonfinite`: no further collective.
+    # computed after it: beside the step's scalar verdict of `skip_nonfinite`,
+    # no further collective.
     assert len(drop) == len(skip)
     others = [c for c in drop if c not in exchanges(drop)]
     assert all(set(c.shapes) == {()} for c in others)
@@ -191,10 +193,11 @@ def test_all_reduce_count_rides_in_the_gradient_all_reduce():
 # -- the synchronous path --------------------------------------------------------
 
 
-def run_all_reduce(backend, grads, **kw):
+def run_all_reduce(backend, grads, skip_nonfinite=False, **kw):
     tx = optax.sgd(LR)
+    sync = jdp.all_reduce(**kw)
     step = jdp.parallelize(
-        jdp.make_train_step(data_loss, tx, sync=jdp.all_reduce(**kw)),
+        jdp.make_train_step(data_loss, tx, sync=sync, skip_nonfinite=skip_nonfinite),
         devices=jax.devices()[:NUM],
         backend=backend,
     )
@@ -214,7 +217,8 @@ def test_all_reduce_averages_the_finite_replicas(backend, skip_nonfinite):
     expected = w0 - LR * np.mean(np.delete(per_replica, 2, axis=0), axis=0)
     np.testing.assert_allclose(state.params["w"], expected, rtol=1e-6, atol=1e-7)
     assert int(metrics["dropped_replicas"]) == 1
-    assert int(metrics["skipped"]) == 0
+    assert int(metrics.get("skipped", 0)) == 0
+    assert ("skipped" in metrics) == skip_nonfinite
     assert int(state.skipped_steps) == 0
 
 
@@ -224,7 +228,7 @@ def test_all_reduce_reports_the_loss_of_the_kept_replicas(backend):
     per_replica = grads.reshape(NUM, ROWS, DIM).mean(1).astype(np.float64) @ w0
     expected = np.mean(np.delete(per_replica, 2))  # replica 2's loss is NaN
     np.testing.assert_allclose(float(metrics["loss"]), expected, rtol=1e-6)
-    assert sorted(metrics) == ["dropped_replicas", "loss", "skipped"]
+    assert sorted(metrics) == ["dropped_replicas", "loss"]
 
 
 def test_all_reduce_drops_the_bad_replicas_weight_too():
@@ -270,11 +274,18 @@ def test_all_reduce_with_every_replica_valid_is_the_plain_mean(backend):
 def test_all_reduce_skips_the_step_when_every_replica_is_bad(backend):
     (grads,) = make_grads(1)
     grads[::ROWS, 0] = np.inf
-    w0, state, metrics = run_all_reduce(backend, grads, on_bad_replica="drop")
+    w0, state, metrics = run_all_reduce(
+        backend, grads, on_bad_replica="drop", skip_nonfinite=True
+    )
     np.testing.assert_array_equal(state.params["w"], w0)
     assert int(metrics["dropped_replicas"]) == NUM
     assert int(metrics["skipped"]) == 1
     assert int(state.skipped_steps) == 1
+    # Without the step's `skip_nonfinite`, no replica left is a NaN average,
+    # as documented: nothing is silently applied as if it were a gradient.
+    _, state, metrics = run_all_reduce(backend, grads, on_bad_replica="drop")
+    assert np.isnan(state.params["w"]).all()
+    assert int(metrics["dropped_replicas"]) == NUM
 
 
 # -- errors ------------------------------------------------------------------------

@@ -170,8 +170,8 @@ def test_unbound_axis_errors():
     with pytest.raises(RuntimeError, match=r"jdp\.sync_gradients.*not bound"):
         tx.update({"w": jnp.ones(3)}, tx.init({"w": jnp.ones(3)}))
     for tx in (
-        jdp.sync_gradients(wire=jdp.wire.int8()),
-        jdp.sync_gradients(wire=jdp.wire.bf16(), error_feedback=True),
+        jdp.sync_gradients(jdp.all_reduce(wire=jdp.wire.int8())),
+        jdp.sync_gradients(jdp.all_reduce(wire=jdp.wire.bf16(), error_feedback=True)),
     ):
         with pytest.raises(
             RuntimeError,
@@ -195,7 +195,7 @@ def test_unbound_axis_errors():
 
 def test_bad_options():
     with pytest.raises(ValueError, match=r"`bucket_bytes` must be an int >= 1"):
-        jdp.sync_gradients(bucket_bytes=0)
+        jdp.all_reduce(bucket_bytes=0)
     with pytest.raises(TypeError, match=r"`bucket_bytes` must be an int.*2\.5"):
         jdp.all_reduce_gradients({}, bucket_bytes=2.5)
     with pytest.raises(ValueError, match="`mode` must be one of"):
@@ -243,7 +243,7 @@ def test_sync_gradients_in_a_chain_equals_make_train_step(backend):
     params = init_mlp(jax.random.key(0))
     batches = make_batches(5, 16)
     base = optax.sgd(0.1, momentum=0.9)
-    chained = optax.chain(jdp.sync_gradients(bucket_bytes=512), base)
+    chained = optax.chain(jdp.sync_gradients(jdp.all_reduce(bucket_bytes=512)), base)
 
     def run(tx, sync):
         step = jdp.parallelize(

@@ -100,7 +100,9 @@ OPTIMIZERS = {
     # Nothing trains locally: the params must agree, the error buffers may differ.
     "sync_gradients(error_feedback)": (
         lambda: optax.chain(
-            jdp.sync_gradients(wire=jdp.wire.int8(), error_feedback=True),
+            jdp.sync_gradients(
+                jdp.all_reduce(wire=jdp.wire.int8(), error_feedback=True)
+            ),
             optax.adam(0.1),
         ),
         "[0]['w']",

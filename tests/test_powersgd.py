@@ -1,4 +1,5 @@
-"""`jdp.powersgd` and `jdp.powersgd_transform`: PowerSGD gradient compression."""
+"""`jdp.powersgd`: PowerSGD gradient compression (a piece, and in the optimizer
+through `jdp.sync_gradients`)."""
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +9,7 @@ import pytest
 from flax.training import dynamic_scale as dynamic_scale_lib
 
 import jdp
-from jdp import PowerSGDState, powersgd, powersgd_transform
+from jdp import PowerSGDState, powersgd
 from jdp.checkpoint import CheckpointManager
 
 LR = 0.1
@@ -46,10 +47,12 @@ def make_batches(num_steps, batch_size=32, seed=1):
     ]
 
 
-def make_step(sync, num=4, backend="shard_map", tx=None, **kwargs):
+def make_step(
+    sync, num=4, backend="shard_map", tx=None, skip_nonfinite=False, **kwargs
+):
     tx = optax.sgd(LR) if tx is None else tx
     step = jdp.parallelize(
-        jdp.make_train_step(loss_fn, tx, sync=sync),
+        jdp.make_train_step(loss_fn, tx, sync=sync, skip_nonfinite=skip_nonfinite),
         devices=jax.devices()[:num],
         backend=backend,
         **kwargs,
@@ -323,8 +326,8 @@ def test_errors_differ_between_replicas_and_q_agrees():
     must_agree = jdp.make_train_step(loss_fn, tx, sync=sync).must_agree
     kept = must_agree(state)
     assert kept.sync_state.error is None
-    assert kept.sync_state.q is state.sync_state.q
-    assert kept.params is state.params
+    jax.tree.map(np.testing.assert_array_equal, kept.sync_state.q, state.sync_state.q)
+    jax.tree.map(np.testing.assert_array_equal, kept.params, state.params)
     assert isinstance(kept.sync_state, PowerSGDState)
 
 
@@ -380,7 +383,9 @@ def test_the_transform_equals_the_sync_piece():
     init = jdp.TrainState.create(params=init_params(), tx=tx, sync=sync)
     piece = step.unreplicate(run(step, step.replicate(init), batches))
 
-    chained = optax.chain(powersgd_transform(rank=2, start_step=1), optax.sgd(LR))
+    chained = optax.chain(
+        jdp.sync_gradients(powersgd(rank=2, start_step=1)), optax.sgd(LR)
+    )
     local, _ = make_step(jdp.local(), tx=chained)
     start = jdp.TrainState.create(params=init_params(), tx=chained)
     alone = local.unreplicate(run(local, local.replicate(start), batches))
@@ -395,7 +400,7 @@ def test_the_transform_equals_the_sync_piece():
 
 
 def test_the_transform_issues_no_collective_when_told_not_to():
-    tx = powersgd_transform(rank=1)
+    tx = jdp.sync_gradients(powersgd(rank=1))
     params = init_params()
     state = tx.init(params)
     grads = jax.tree.map(jnp.ones_like, params)
@@ -480,8 +485,8 @@ def test_zero_gradients_stay_finite():
 
 
 def test_skip_nonfinite_keeps_everything():
-    sync = powersgd(rank=1, skip_nonfinite=True)
-    step, tx = make_step(sync)
+    sync = powersgd(rank=1)
+    step, tx = make_step(sync, skip_nonfinite=True)
     init = jdp.TrainState.create(params=init_params(), tx=tx, sync=sync)
     state = run(step, step.replicate(init), make_batches(1))
     before = step.unreplicate(state)
@@ -532,13 +537,6 @@ def test_skip_nonfinite_keeps_everything():
 def test_bad_arguments_are_named(kwargs, error, match):
     with pytest.raises(error, match=match):
         powersgd(**kwargs)
-    with pytest.raises(error, match=match):
-        powersgd_transform(**kwargs)
-
-
-def test_bad_batch_stats_is_named():
-    with pytest.raises(ValueError, match="`batch_stats` must be one of"):
-        powersgd(batch_stats="sum")
 
 
 def test_a_state_made_for_another_rank_is_refused():
@@ -588,14 +586,27 @@ def test_a_powersgd_state_under_an_error_feedback_step_names_both():
         step(step.replicate(init), step.shard(make_batches(1)[0]))
 
 
-def test_loss_scaling_is_refused():
+def test_loss_scaling_compresses_the_unscaled_gradients():
+    # A power-of-two scale unscales exactly: the same bits as without it.
     sync = powersgd(rank=2)
     step, tx = make_step(sync)
+    batches = make_batches(2)
+    plain = jdp.TrainState.create(params=init_params(), tx=tx, sync=sync)
+    plain = step.unreplicate(run(step, step.replicate(plain), batches))
     init = jdp.TrainState.create(
         params=init_params(),
         tx=tx,
         sync=sync,
         dynamic_scale=dynamic_scale_lib.DynamicScale(),
     )
-    with pytest.raises(ValueError, match=r"loss scaling"):
-        step(step.replicate(init), step.shard(make_batches(1)[0]))
+    state = step.replicate(init)
+    for b in batches:
+        state, metrics = step(state, step.shard(b))
+        assert int(metrics["skipped"]) == 0
+    scaled = step.unreplicate(state)
+    for a, b in zip(
+        jax.tree.leaves((scaled.params, scaled.sync_state)),
+        jax.tree.leaves((plain.params, plain.sync_state)),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(a, b)

@@ -89,19 +89,117 @@ def test_local_with_sync_gradients_in_tx_is_the_all_reduce_piece(backend):
 def test_a_piece_of_ones_own_plugs_in():
     """A `jdp.Sync` written by a user: sum the gradients instead of averaging."""
 
-    def summed(grads, state, tx, axis_name):
-        grads = jax.lax.psum(grads, axis_name)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        return optax.apply_updates(state.params, updates), opt_state, {}
+    def summed(grads, state, params, axis_name):
+        return jax.lax.psum(grads, axis_name), state, {}
 
     tx = optax.sgd(0.01)
     batches = make_batches(3, 32)
     _, got, _ = train(
-        jdp.make_train_step(mlp_loss, tx, sync=jdp.Sync(summed)), tx, batches
+        jdp.make_train_step(mlp_loss, tx, sync=jdp.Sync(None, summed)), tx, batches
     )
     # Summing over 4 replicas is averaging with a 4x learning rate.
     _, want, _ = train(jdp.make_train_step(mlp_loss, optax.sgd(0.04)), tx, batches)
     chex.assert_trees_all_close(got.params, want.params, rtol=1e-5, atol=1e-7)
+
+
+# -- a piece of one's own, with per-replica state, everywhere a piece goes ----------
+
+
+@jdp.declare_per_replica("error")
+class TopKState(NamedTuple):
+    error: dict  # what this replica's top-k left out, added back next step
+
+
+def top_k(fraction):
+    """Top-k sparsification with error feedback: the docs' example piece."""
+
+    def init(params):
+        return TopKState(jax.tree.map(jnp.zeros_like, params))
+
+    def update(grads, state, params, axis_name):
+        def one(g, e):
+            x = (g + e).reshape(-1)
+            _, idx = jax.lax.top_k(jnp.abs(x), max(1, int(fraction * x.size)))
+            kept = jnp.zeros_like(x).at[idx].set(x[idx]).reshape(g.shape)
+            return kept, g + e - kept
+
+        out = jax.tree.map(one, grads, state.error)
+        kept, error = jax.tree.transpose(
+            jax.tree.structure(grads), jax.tree.structure((0, 0)), out
+        )
+        return jax.lax.pmean(kept, axis_name), TopKState(error), {}
+
+    return jdp.Sync(init, update)
+
+
+def train_with(sync, tx, batches, *, check_sync=1, devices=4):
+    step = jdp.parallelize(
+        jdp.make_train_step(mlp_loss, tx, sync=sync),
+        devices=jax.devices()[:devices],
+        check_sync=check_sync,
+    )
+    params = init_mlp(jax.random.key(0))
+    state = step.replicate(jdp.TrainState.create(params=params, tx=tx, sync=sync))
+    for b in batches:
+        state, _ = step(state, step.shard(b))
+    return step, state
+
+
+def test_a_piece_of_ones_own_with_per_replica_state_trains():
+    tx = optax.sgd(0.1)
+    batches = make_batches(4, 32)
+    # Keeping everything is the plain average; its error stays zero.
+    _, every = train_with(top_k(1.0), tx, batches)
+    _, plain, _ = train(jdp.make_train_step(mlp_loss, tx), tx, batches)
+    chex.assert_trees_all_close(every.params, plain.params, rtol=1e-6, atol=1e-7)
+    # A quarter: the error buffers differ between replicas, declared so, and
+    # the divergence guard (every step) compares only the rest.
+    step, some = train_with(top_k(0.25), tx, batches)
+    error = jax.device_get(some.sync_state.error)
+    assert not jdp.replicas_in_sync(some.sync_state)
+    assert jdp.replicas_in_sync(some.params)
+    assert any(float(np.abs(e).max()) > 0 for e in jax.tree.leaves(error))
+    assert not np.allclose(
+        jax.tree.leaves(step.unreplicate(some).params)[0],
+        jax.tree.leaves(step.unreplicate(plain).params)[0],
+    )
+
+
+def test_a_piece_of_ones_own_in_a_partition_beside_local_bmuf():
+    labels = lambda p: {k: ("embed" if k == "layer0" else "dense") for k in p}  # noqa: E731
+    adam = optax.adam(1e-2)
+    tx = optax.multi_transform(
+        {"dense": adam, "embed": jdp.bmuf(adam, sync_period=2)}, labels
+    )
+    sync = jdp.partition(labels, {"dense": top_k(0.5), "embed": jdp.local()})
+    step, state = train_with(sync, tx, make_batches(4, 32))
+    assert set(state.sync_state) == {"dense"}
+    error = state.sync_state["dense"].error  # None where the label is "embed"
+    assert jax.tree.leaves(error["layer0"]) == []
+    assert jax.tree.leaves(error["layer1"]) and jax.tree.leaves(error["layer2"])
+    assert jdp.replicas_in_sync(state.params)  # 4 steps end on a block sync
+
+
+def test_a_piece_of_ones_own_in_a_hand_written_step_through_sync_gradients():
+    base = optax.sgd(0.1, momentum=0.9)
+    batches = make_batches(3, 32)
+    _, piece = train_with(top_k(0.25), base, batches)
+    tx = optax.chain(jdp.sync_gradients(top_k(0.25)), base)
+
+    def hand_written(state, batch):
+        loss, grads = jax.value_and_grad(mlp_loss)(state.params, batch)
+        return state.apply_gradients(grads=grads), {"loss": loss}
+
+    _, hand, _ = train(hand_written, tx, batches)
+    chex.assert_trees_all_close(hand.params, piece.params, rtol=1e-6, atol=1e-7)
+    chex.assert_trees_all_close(
+        hand.opt_state[0].error, piece.sync_state.error, rtol=1e-6, atol=1e-7
+    )
+
+
+def test_sync_gradients_refuses_what_is_not_a_piece():
+    with pytest.raises(TypeError, match=r"turns a `jdp.Sync`.*got OwnUpdate"):
+        jdp.sync_gradients(jdp.zero())
 
 
 def test_bmuf_in_a_hand_written_step_runs_the_same_block_sync():
@@ -129,11 +227,13 @@ def test_bmuf_in_a_hand_written_step_runs_the_same_block_sync():
 @pytest.mark.parametrize(
     "make, match",
     [
-        (lambda: jdp.all_reduce(batch_stats="sum"), r"`batch_stats` must be one of"),
-        (lambda: jdp.local(batch_stats=None), r"`batch_stats` must be one of"),
+        (
+            lambda: jdp.make_train_step(mlp_loss, batch_stats="sum"),
+            r"`batch_stats` must be one of",
+        ),
         (lambda: jdp.all_reduce(bucket_bytes=0), r"`bucket_bytes`"),
         (lambda: jdp.zero(bucket_bytes=-1), r"`bucket_bytes`"),
-        (lambda: jdp.sparse.rows(batch_stats="max"), r"`batch_stats` must be one of"),
+        (lambda: jdp.sparse.rows(bucket_bytes=0), r"`bucket_bytes`"),
     ],
 )
 def test_bad_piece_options_are_refused(make, match):
@@ -271,13 +371,17 @@ def test_a_declaration_names_fields_the_class_has():
     with pytest.raises(
         ValueError, match=r"ErrorBuffers has no field\(s\) \['errors'\]"
     ):
-        _replica_parts.declare(local=("errors",), required=("count",))(ErrorBuffers)
+        jdp.declare_per_replica("errors")(ErrorBuffers)
+    with pytest.raises(TypeError, match=r"takes field names \(str\).*got 1"):
+        jdp.declare_per_replica(1)
+    with pytest.raises(TypeError, match=r"decorates a NamedTuple class"):
+        jdp.declare_per_replica("error")(dict)
 
 
 def test_a_declared_state_of_ones_own_is_left_out_of_the_guard():
     """A new per-replica state (error buffers) plugs in without touching jdp."""
 
-    @_replica_parts.declare(local=("error",), required=("error", "count"))
+    @jdp.declare_per_replica("error")
     class Buffers(NamedTuple):
         error: jax.Array
         count: jax.Array
@@ -336,9 +440,10 @@ def test_skip_nonfinite_with_a_float16_wire():
         return jnp.sum(params["w"] * batch["g"])
 
     tx = optax.sgd(1.0)
-    sync = jdp.all_reduce(skip_nonfinite=True, reduce_dtype=jnp.float16)
+    sync = jdp.all_reduce(reduce_dtype=jnp.float16)
     step = jdp.parallelize(
-        jdp.make_train_step(loss_fn, tx, sync=sync), devices=jax.devices()[:4]
+        jdp.make_train_step(loss_fn, tx, sync=sync, skip_nonfinite=True),
+        devices=jax.devices()[:4],
     )
     state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
     batch = {"g": np.full((4,), 6e4, np.float32)}
@@ -370,7 +475,7 @@ def test_a_skipped_step_keeps_its_batch_statistics(backend):
 
     tx = optax.sgd(0.1)
     step = jdp.parallelize(
-        jdp.make_train_step(loss_fn, tx, sync=jdp.all_reduce(skip_nonfinite=True)),
+        jdp.make_train_step(loss_fn, tx, skip_nonfinite=True),
         backend=backend,
         devices=jax.devices()[:2],
     )

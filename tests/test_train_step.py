@@ -46,7 +46,7 @@ def test_batch_stats_stay_in_sync(backend, mode):
     variables, loss_fn = bn_setup()
     tx = optax.sgd(0.05)
     step = jdp.parallelize(
-        jdp.make_train_step(loss_fn, tx, sync=jdp.all_reduce(batch_stats=mode)),
+        jdp.make_train_step(loss_fn, tx, batch_stats=mode),
         backend=backend,
     )
     state = step.replicate(
@@ -229,9 +229,10 @@ def test_skip_nonfinite_leaves_params_and_optimizer_state_alone(backend, grad_sy
     tx = optax.adam(1e-2)
     if grad_sync == "local":
         tx = jdp.bmuf(tx, sync_period=2)
-    sync = getattr(jdp, grad_sync)(skip_nonfinite=True)
+    sync = getattr(jdp, grad_sync)()
     step = jdp.parallelize(
-        jdp.make_train_step(nan_on_request, tx, sync=sync), backend=backend
+        jdp.make_train_step(nan_on_request, tx, sync=sync, skip_nonfinite=True),
+        backend=backend,
     )
     params = init_mlp(jax.random.key(0))
     state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
@@ -260,7 +261,7 @@ def test_skip_nonfinite_needs_a_counter_in_the_state():
         apply_fn=None, params=init_mlp(jax.random.key(0)), tx=tx
     )
     step = jdp.parallelize(
-        jdp.make_train_step(mlp_loss, sync=jdp.all_reduce(skip_nonfinite=True)),
+        jdp.make_train_step(mlp_loss, skip_nonfinite=True),
         devices=jax.devices()[:2],
     )
     with pytest.raises(ValueError, match=r"`skipped_steps` field.*TrainState"):
@@ -436,7 +437,7 @@ def test_dynamic_scale_with_a_sharded_update_is_refused():
             params=init_mlp(jax.random.key(0)), tx=tx, dynamic_scale=DynamicScale()
         )
     )
-    with pytest.raises(ValueError, match=r"`dynamic_scale`.*sync=jdp.all_reduce\(\)"):
+    with pytest.raises(ValueError, match=r"`dynamic_scale`.*needs a `jdp.Sync`"):
         step(state, step.shard(make_batches(1, 4)[0]))
 
 

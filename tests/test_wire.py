@@ -144,13 +144,13 @@ def linear_loss(params, batch):
     return jnp.sum(params["w"] * batch[0]) + jnp.sum(params["b"] * batch[0, :3])
 
 
-def run(sync, grads_per_step, backend, num, *, tx=None):
+def run(sync, grads_per_step, backend, num, *, tx=None, skip_nonfinite=False):
     """Trains with SGD(1) on linear losses whose gradients are given per replica."""
     tx = tx or optax.sgd(1.0)
     size = grads_per_step.shape[-1]
     params = {"w": jnp.zeros(size), "b": jnp.zeros(3)}
     step = jdp.parallelize(
-        jdp.make_train_step(linear_loss, tx, sync=sync),
+        jdp.make_train_step(linear_loss, tx, sync=sync, skip_nonfinite=skip_nonfinite),
         backend=backend,
         devices=jax.devices()[:num],
     )
@@ -246,7 +246,10 @@ def test_transform_form_equals_the_sync_piece(backend):
     grads = np.random.default_rng(2).normal(size=(3, num, size)).astype(np.float32)
     wire = jdp.wire.int8(32)
     piece = run(jdp.all_reduce(wire=wire, error_feedback=True), grads, backend, num)
-    tx = optax.chain(jdp.sync_gradients(wire=wire, error_feedback=True), optax.sgd(1.0))
+    tx = optax.chain(
+        jdp.sync_gradients(jdp.all_reduce(wire=wire, error_feedback=True)),
+        optax.sgd(1.0),
+    )
     chained = run(jdp.local(), grads, backend, num, tx=tx)
     for a, b in zip(piece[2], chained[2], strict=True):
         np.testing.assert_array_equal(a["w"], b["w"])
@@ -255,15 +258,13 @@ def test_transform_form_equals_the_sync_piece(backend):
 
 
 def test_skipped_step_keeps_the_error_buffers():
-    sync = jdp.all_reduce(
-        wire=jdp.wire.int8(16), error_feedback=True, skip_nonfinite=True
-    )
+    sync = jdp.all_reduce(wire=jdp.wire.int8(16), error_feedback=True)
     grads = np.random.default_rng(3).normal(size=(2, 2, 50)).astype(np.float32)
     grads[1, 1, 7] = np.nan
-    step, state, seen = run(sync, grads, "shard_map", 2)
+    step, state, seen = run(sync, grads, "shard_map", 2, skip_nonfinite=True)
     np.testing.assert_array_equal(seen[1]["w"], seen[0]["w"])
     assert int(step.unreplicate(state).skipped_steps) == 1
-    first_step, first, _ = run(sync, grads[:1], "shard_map", 2)
+    first_step, first, _ = run(sync, grads[:1], "shard_map", 2, skip_nonfinite=True)
     np.testing.assert_array_equal(
         jax.device_get(step.unreplicate(state).sync_state.server),
         jax.device_get(first_step.unreplicate(first).sync_state.server),
@@ -398,8 +399,6 @@ def test_checkpoint_into_another_replica_count_restarts_the_buffers(tmp_path):
 def test_error_feedback_needs_a_wire():
     with pytest.raises(ValueError, match=r"error_feedback=True.*no `wire`"):
         jdp.all_reduce(error_feedback=True)
-    with pytest.raises(ValueError, match=r"error_feedback=True.*no `wire`"):
-        jdp.sync_gradients(error_feedback=True)
 
 
 def test_wire_and_reduce_dtype_together_are_refused():
@@ -418,27 +417,40 @@ def test_wire_must_be_a_format():
         jdp.wire.fp8(block_size=2.5)
 
 
-@pytest.mark.parametrize("error_feedback", [True, False], ids=["ef", "no-ef"])
-def test_a_wire_with_loss_scaling_is_refused(error_feedback):
-    # The loss scaler averages the gradients itself: nothing would be compressed.
+def test_a_wire_compresses_under_loss_scaling_and_skips_with_it():
+    # The scaler unscales each replica's gradients; the wire then exchanges
+    # them, and the step skips (and backs the scale off) on the synced result.
     from flax.training.dynamic_scale import DynamicScale
 
-    sync = jdp.all_reduce(wire=jdp.wire.int8(), error_feedback=error_feedback)
+    sync = jdp.all_reduce(wire=jdp.wire.int8(), error_feedback=True)
     tx = optax.sgd(0.1)
     step = jdp.parallelize(
         jdp.make_train_step(linear_loss, tx, sync=sync), devices=jax.devices()[:2]
     )
     params = {"w": jnp.zeros(8), "b": jnp.zeros(3)}
-    state = jdp.TrainState.create(
-        params=params, tx=tx, sync=sync, dynamic_scale=DynamicScale()
+    state = step.replicate(
+        jdp.TrainState.create(
+            params=params, tx=tx, sync=sync, dynamic_scale=DynamicScale()
+        )
     )
-    with pytest.raises(
-        ValueError,
-        match=r"`jdp.all_reduce\(wire=jdp.wire.int8\(\), error_feedback="
-        rf"{error_feedback}\)` cannot be combined with loss scaling.*nothing "
-        r"would be compressed.*Use `jdp.all_reduce\(\)` \(no `wire`\)",
+    batch = step.shard(jnp.ones((2, 8)))
+    kinds = {(c.kind, c.dtype) for c in step.collectives(state, batch)}
+    assert ("all-to-all", "u8") in kinds
+    state, metrics = step(state, batch)
+    assert int(metrics["skipped"]) == 0
+    before = step.unreplicate(state)
+    bad = np.ones((2, 8), np.float32)
+    bad[1, 0] = np.inf
+    state, metrics = step(state, step.shard(bad))
+    after = step.unreplicate(state)
+    assert int(metrics["skipped"]) == 1
+    assert float(after.dynamic_scale.scale) == float(before.dynamic_scale.scale) / 2
+    for a, b in zip(
+        jax.tree.leaves((after.params, after.sync_state)),
+        jax.tree.leaves((before.params, before.sync_state)),
+        strict=True,
     ):
-        step(step.replicate(state), step.shard(jnp.ones((2, 8))))
+        np.testing.assert_array_equal(a, b)
 
 
 def test_a_state_without_the_buffers_is_refused():

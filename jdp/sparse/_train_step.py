@@ -103,8 +103,7 @@ def rows(
     check_ids: bool = False,
     bucket_bytes: int | None = _collectives.DEFAULT_BUCKET_BYTES,
     reduce_dtype: Any = None,
-    batch_stats: _sync.BatchStatsMode = "mean",
-) -> _sync.Sync:
+) -> _sync.OwnUpdate:
     """A sync piece that trains embedding tables with sparse gradients.
 
     For `jdp.make_train_step(loss_fn, tx, sync=jdp.sparse.rows())`, with `tx`
@@ -137,13 +136,14 @@ def rows(
         check, invalid ids read zero rows and never update the table.
       bucket_bytes: Largest bucket of the dense parameters' all-reduce.
       reduce_dtype: Wire dtype of the dense parameters' all-reduce.
-      batch_stats: How batch statistics are synced every step.
 
     Returns:
-      A `jdp.Sync`.
+      The piece, for `jdp.make_train_step(..., sync=...)`. It applies the row
+      optimizers itself, so it is given whole as the step's `sync=` (not
+      inside `jdp.partition` or `jdp.sync_gradients`).
 
     Raises:
-      ValueError: If `bucket_bytes` or `batch_stats` is out of range.
+      ValueError: If `bucket_bytes` is out of range.
       TypeError: At trace time, if the optimizer is not a `jdp.sparse.partition`.
 
     Example:
@@ -162,7 +162,6 @@ def rows(
       16.0
     """
     _collectives.check_bucket_bytes(bucket_bytes)
-    _sync.check_batch_stats(batch_stats)
     if check_ids:
         _install_filter()
     api = "jdp.sparse.rows"
@@ -209,7 +208,7 @@ def rows(
         )
         return params, opt_state, {}
 
-    return _sync.Sync(apply, value_and_grad=grads_fn, batch_stats=batch_stats)
+    return _sync.OwnUpdate(apply, value_and_grad=grads_fn)
 
 
 def _row_paths(grads: PyTree, is_rows) -> list[str]:
