@@ -16,7 +16,7 @@ from typing import Any, Literal
 import jax
 import numpy as np
 
-from jdp import _collectives, _parallel, _train_step
+from jdp import _collectives, _loss, _parallel, _train_step
 from jdp._tree import format_problems, is_float, keystr
 
 PyTree = Any
@@ -215,7 +215,7 @@ def _fixed_kwargs(spec: _train_step.LossSpec, state: PyTree) -> dict[str, Any]:
 def _loss_and_grads(spec: _train_step.LossSpec, state, batch, microbatches: int):
     """`{"loss", "grads"}` of one replica (or one device): normalised as the step."""
     kwargs = _fixed_kwargs(spec, state)
-    out = _train_step._gradients(
+    out = _loss.gradients(
         jax.value_and_grad,
         spec.loss_fn,
         state,
@@ -224,7 +224,7 @@ def _loss_and_grads(spec: _train_step.LossSpec, state, batch, microbatches: int)
         microbatches=microbatches,
         loss_kwargs=lambda part: kwargs,
     )
-    loss, grads = _train_step._normalise(out, _collectives.resolve_axis(spec.axis_name))
+    loss, grads = _loss.normalise(out, _collectives.resolve_axis(spec.axis_name))
     return {"loss": loss, "grads": grads}
 
 

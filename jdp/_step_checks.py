@@ -1,0 +1,301 @@
+"""What a train step checks before it runs: the piece, the axes, the state.
+
+A sync piece's state against the train state's, an averaging piece beside an
+optimizer that syncs replicas itself (hierarchical local SGD on a host mesh,
+checked from the axes their collectives move values over), a warning when
+nothing syncs at all, and the state's fields and params.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any
+
+import jax
+
+from jdp import _collectives, _jax_compat, _replica_parts, _sync, _transforms
+from jdp._tree import format_problems, is_float, keystr
+
+PyTree = Any
+
+
+def check_piece(sync, tx, state, axis, api) -> None:
+    """A `jdp.Sync`'s checks against the state and the optimizer (traced)."""
+    check_sync_state(state, sync, api)
+    if sync.averages:
+        _check_axes(sync, tx, state, axis, api)
+    else:
+        _warn_if_never_synced(tx, state, axis)
+
+
+def _warn_if_never_synced(tx, state, axis) -> None:
+    """Warns when replicas train on their own gradients and nothing syncs them."""
+    num = _collectives.axis_size(axis, "jdp.make_train_step")
+    if num < 2 or _replica_parts.trains_locally(state.opt_state):
+        return
+    if not _optimizer_axes(tx, state):
+        warnings.warn(
+            "The sync piece leaves each replica its own gradients (`jdp.local()`, "
+            "or a `jdp.partition` label), and this optimizer never communicates "
+            "(no `jdp.bmuf`, no `jdp.sync_gradients`): the "
+            f"{num} replicas train {num} different models. Use "
+            "`sync=jdp.all_reduce()` for synchronous training, an optimizer that "
+            "syncs (`jdp.bmuf(tx, sync_period=...)`), or, in a `jdp.partition`, "
+            "the label `'per_replica'` where different models are meant.",
+            UserWarning,
+            stacklevel=4,
+        )
+
+
+AVERAGES_WITH_BMUF_MSG = (
+    "`{api}` averages gradients across replicas, but the optimizer contains "
+    "`jdp.bmuf`, which trains each replica on its own gradients and syncs the "
+    "models itself (the sync piece averages over {piece}; the optimizer syncs "
+    "over {bmuf}). Use `jdp.make_train_step(loss_fn, tx, sync=jdp.local())`; or, "
+    "on a host mesh (`jdp.parallelize(..., axis_name=('host', 'device'))`), "
+    "hierarchical local SGD: average over some axes every step and let "
+    "`jdp.bmuf` sync over the others, e.g. `sync=jdp.all_reduce(axis_name="
+    "'device')` with `jdp.bmuf(inner, sync_period=..., axis_name='host')`."
+)
+
+
+def _check_axes(sync, tx, state, axis, api) -> None:
+    """An averaging piece's axes, against the step's and the optimizer's."""
+    if _replica_parts.trains_locally(state.opt_state):
+        _check_hierarchical(sync, tx, state, axis, api)
+    else:
+        _check_every_axis_synced(sync, tx, state, axis, api)
+
+
+def _check_hierarchical(sync, tx, state, axis, api) -> None:
+    """Allows an averaging piece with `jdp.bmuf` only as hierarchical local SGD.
+
+    The piece must average over a strict subset of the step's axes (e.g.
+    `"device"` of `("host", "device")`), and the optimizer must sync over every
+    other axis (`jdp.bmuf(..., axis_name="host")`); anything else trains on
+    gradients averaged where `jdp.bmuf` expects each replica's own, or leaves
+    replicas that never sync.
+    """
+    step_axes = _axes(axis)
+    if len(step_axes) < 2:  # a flat mesh: no axis left for `jdp.bmuf`
+        raise ValueError(
+            AVERAGES_WITH_BMUF_MSG.format(
+                api=api,
+                piece=", ".join(map(repr, sorted(step_axes))),
+                bmuf="the same axis",
+            )
+        )
+    piece = _piece_axes(sync, state, axis)
+    optimizer = _optimizer_axes(tx, state)
+    rest = step_axes - piece
+    if piece and rest and rest <= optimizer:
+        return
+    raise ValueError(
+        AVERAGES_WITH_BMUF_MSG.format(
+            api=api, piece=_names(piece), bmuf=_names(optimizer)
+        )
+    )
+
+
+def _check_every_axis_synced(sync, tx, state, axis, api) -> None:
+    """Refuses an averaging piece that leaves some of the step's axes unsynced.
+
+    On a host mesh, `jdp.all_reduce(axis_name="device")` averages within each
+    host; unless the optimizer syncs the other axes (`jdp.bmuf(...,
+    axis_name="host")`, checked by `_check_hierarchical`, or a
+    `jdp.sync_gradients` of its own), the hosts train models of their own. A
+    piece that moves nothing at all is left to the divergence guard.
+    """
+    step_axes = _axes(axis)
+    if len(step_axes) < 2:
+        return
+    piece = _piece_axes(sync, state, axis)
+    rest = step_axes - piece
+    if not piece or not rest or rest <= _optimizer_axes(tx, state):
+        return
+    raise ValueError(
+        f"`{api}`: the sync piece averages the gradients over {_names(piece)} "
+        f"only, of the step's axes {_names(step_axes)}, and nothing syncs "
+        f"{_names(rest)}: the replicas along {_names(rest)} (on a host mesh, the "
+        "hosts) are never synced and would train models of their own. Average "
+        "over every axis (`jdp.all_reduce()`: by default the step's axes), or "
+        "let `jdp.bmuf` sync the others, hierarchical local SGD: "
+        f"`jdp.bmuf(inner, sync_period=..., axis_name={sorted(rest)[0]!r})` "
+        "with this piece."
+    )
+
+
+def _piece_axes(sync, state, axis) -> set[str]:
+    """The mesh axes over which `sync.update` moves gradients (traced only)."""
+    grads = jax.tree.map(lambda p: p if is_float(p) else None, state.params)
+    held = getattr(state, "sync_state", None)
+    piece_state = sync.initial_state(state.params) if held is None else held
+    return _moving_axes(
+        lambda g: sync.update(g, piece_state, state.params, axis)[:2], grads
+    )
+
+
+def _optimizer_axes(tx, state) -> set[str]:
+    """The mesh axes over which optimizer `tx` moves values (traced only)."""
+    grads = jax.tree.map(lambda p: p if is_float(p) else None, state.params)
+    return _moving_axes(
+        lambda g: _transforms.update(tx, g, state.opt_state, state.params), grads
+    )
+
+
+def _names(axes) -> str:
+    return ", ".join(repr(a) for a in sorted(axes)) or "no axis"
+
+
+def _axes(axis) -> set[str]:
+    """The mesh axis names in `axis` (a name or a tuple; positional axes dropped)."""
+    axes = (axis,) if isinstance(axis, str) else tuple(axis)
+    return {a for a in axes if isinstance(a, str)}
+
+
+def _moving_axes(fn, *args) -> set[str]:
+    """The mesh axes over which `fn`'s collectives move floating-point values.
+
+    Traced, nothing runs. Collectives of scalar integers or booleans (a
+    finiteness verdict agreed over the step's axis) do not count; arrays of
+    integers do (a wire format's int8 codes are gradients too).
+    """
+    found: set[str] = set()
+
+    def values(v) -> bool:
+        dtype = getattr(v.aval, "dtype", None)
+        if dtype is None or dtype == jax.numpy.bool_:
+            return False
+        return jax.numpy.issubdtype(dtype, jax.numpy.inexact) or v.aval.size > 1
+
+    for eqn in _jax_compat.equations(jax.make_jaxpr(fn)(*args)):
+        axes = _jax_compat.collective_axes(eqn)
+        if axes and any(values(v) for v in eqn.outvars):
+            found.update(_axes(axes))
+    return found
+
+
+#: The state fields a train step reads and writes (static fields, such as a flax
+#: `TrainState`'s `apply_fn` and `tx`, are not part of the pytree).
+KNOWN_FIELDS = (
+    "step",
+    "params",
+    "opt_state",
+    "batch_stats",
+    "skipped_steps",
+    "dynamic_scale",
+    "rng",
+    "sync_state",
+)
+
+
+def check_known_fields(state: PyTree, api: str) -> None:
+    """Refuses a state field the step would carry along unchanged at every step.
+
+    A dataclass state (a flax `struct`, flax's `TrainState` and its subclasses)
+    may hold only the fields the step updates, static fields and fields that
+    hold no arrays (None): an `ema_params` or a dropout key the step never
+    touched would otherwise train silently wrong.
+    """
+    if not dataclasses.is_dataclass(state):
+        return
+    unknown = [
+        f.name
+        for f in dataclasses.fields(state)
+        if f.metadata.get("pytree_node", True)
+        and f.name not in KNOWN_FIELDS
+        and jax.tree.leaves(getattr(state, f.name))
+    ]
+    if unknown:
+        name = unknown[0]
+        raise ValueError(
+            f"`{api}` updates a state's {', '.join(f'`{k}`' for k in KNOWN_FIELDS)}; "
+            f"this {type(state).__name__} also has {', '.join(map(repr, unknown))}, "
+            "which the step would leave unchanged at every step. Update it in a "
+            "step of your own around this one, e.g. `def step(state, batch): new, "
+            f"metrics = train_step(state.replace({name}=None), batch); return "
+            f"new.replace({name}=...), metrics`, or remove it from the state."
+        )
+
+
+def check_sync_state(state: PyTree, sync: _sync.Sync, api: str) -> None:
+    """A piece that keeps state needs the state's `sync_state`, and only it does."""
+    held = getattr(state, "sync_state", None)
+    keeps = sync.init is not None and jax.tree.leaves(
+        jax.eval_shape(sync.init, state.params)
+    )
+    if keeps and held is None:
+        raise ValueError(
+            f"`{api}`: this sync piece keeps state of its own (error buffers, "
+            "low-rank factors) in the train state's `sync_state`, which this "
+            f"{type(state).__name__} does not hold (None or no such field). Create "
+            "the state with the piece: `jdp.TrainState.create(params=..., tx=..., "
+            "sync=sync)`, passing the same `sync` as to `jdp.make_train_step`."
+        )
+    if not keeps and jax.tree.leaves(held):
+        raise ValueError(
+            f"`{api}`: the state holds a `sync_state` (made for a sync piece that "
+            "keeps state, e.g. `jdp.all_reduce(error_feedback=True)`), but this "
+            "step's sync piece keeps none, so it would be carried along unchanged. "
+            "Use the same piece for `jdp.TrainState.create(..., sync=...)` and "
+            "`jdp.make_train_step(..., sync=...)`."
+        )
+    if keeps and held is not None:
+        # Another piece's state (e.g. a PowerSGDState for an error-feedback
+        # piece): its type differs. Same type, other params: the piece says so.
+        want = jax.tree.structure(jax.eval_shape(sync.init, state.params))
+        same_type = _describe_sync_state(held) == _describe_sync_state(want)
+        if not same_type and jax.tree.structure(held) != want:
+            raise TypeError(
+                f"`{api}`: the state's `sync_state` was made by another sync "
+                f"piece: it holds {_describe_sync_state(held)}, where this step's "
+                f"piece keeps {_describe_sync_state(want)}. Create the state with "
+                "the same piece as the step: `jdp.TrainState.create(params=..., "
+                "tx=..., sync=sync)`, passing the `sync` given to "
+                "`jdp.make_train_step`."
+            )
+
+
+def _describe_sync_state(tree: PyTree) -> str:
+    """A sync piece's state for a message: its type, e.g. "a PowerSGDState"."""
+    if isinstance(tree, jax.tree_util.PyTreeDef):
+        node = tree.node_data()
+        kind = getattr(node[0], "__name__", None) if node else None
+        return f"a {kind}" if kind else f"a tree of structure {tree}"
+    return f"a {type(tree).__name__}"
+
+
+def check_trainable(params: PyTree, api: str) -> None:
+    """Gradients need floating-point params: name the leaves that are not."""
+    bad = [
+        f"{keystr(path)}: {jax.numpy.result_type(x)}"
+        for path, x in jax.tree_util.tree_flatten_with_path(params)[0]
+        if not is_float(x)
+    ]
+    if bad:
+        raise TypeError(
+            f"`{api}`: the state's params must be floating-point (they are "
+            f"differentiated), but these leaves are not:{format_problems(bad)}\n"
+            "Fix: keep integer state (counters, ids) and PRNG keys out of `params`, "
+            "e.g. in `batch_stats` or another field of the state." + _nnx_hint(params)
+        )
+
+
+def _nnx_hint(params: PyTree) -> str:
+    """How to split a flax NNX model, when `params` holds NNX `Variable`s."""
+    from flax import nnx  # only on this error path
+
+    def is_variable(x):
+        return isinstance(x, nnx.Variable)
+
+    if not any(map(is_variable, jax.tree.leaves(params, is_leaf=is_variable))):
+        return ""
+    return (
+        "\nWith flax NNX, train the `nnx.Param`s and carry the rest (BatchNorm "
+        "statistics, RNG streams) as batch statistics: `graphdef, params, rest = "
+        "nnx.split(model, nnx.Param, ...)`, `jdp.TrainState.create(params=params, "
+        "batch_stats=rest, tx=tx)`, and a `loss_fn(params, rest, batch)` that "
+        "`nnx.merge`s them and returns `(loss, nnx.state(model, "
+        "nnx.Not(nnx.Param)))`."
+    )

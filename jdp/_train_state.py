@@ -1,0 +1,107 @@
+"""`jdp.TrainState`: the immutable state a train step takes and returns."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import optax
+from flax import struct
+
+from jdp import _sync
+
+PyTree = Any
+
+
+class TrainState(struct.PyTreeNode):
+    """An immutable training state: step counter, params, optimizer state, stats.
+
+    A flax `struct` dataclass (a pytree); the optimizer is a static field.
+    `jdp.make_train_step` also accepts flax's own `flax.training.train_state.
+    TrainState` or any pytree with `step`, `params`, `opt_state` and `replace`.
+
+    Attributes:
+      step: Number of updates applied (an int32 array).
+      params: The trained parameters.
+      opt_state: The optimizer's state.
+      batch_stats: Computed, non-trained state such as BatchNorm statistics, or
+        None.
+      skipped_steps: Steps skipped because their gradients were not finite
+        (`jdp.make_train_step(..., skip_nonfinite=True)`, or a loss scaler's
+        overflow; an int32 array).
+      dynamic_scale: A flax `DynamicScale` for float16 training (loss scaling),
+        or None.
+      rng: A PRNG key (typed or raw) from which `jdp.make_train_step` derives
+        each replica's key for each step, for a `loss_fn` with an `rng`
+        parameter (dropout); or None. It does not change: the key of a step is
+        `fold_in(fold_in(rng, step), replica)`, so a restored checkpoint draws
+        the same numbers again.
+      sync_state: The state of a sync piece that keeps one (e.g. the error
+        buffers of `jdp.all_reduce(wire=..., error_feedback=True)`), made by
+        `create(..., sync=piece)`; or None.
+      tx: The optax optimizer (static: not a pytree leaf).
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jdp
+      >>> state = jdp.TrainState.create(params={"w": jnp.zeros(2)}, tx=optax.adam(1e-3))
+      >>> int(state.step)
+      0
+    """
+
+    step: jax.Array
+    params: PyTree
+    opt_state: optax.OptState
+    batch_stats: PyTree = None
+    skipped_steps: jax.Array | None = None
+    dynamic_scale: Any = None
+    rng: jax.Array | None = None
+    sync_state: PyTree = None
+    tx: optax.GradientTransformation = struct.field(pytree_node=False, default=None)
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        params: PyTree,
+        tx: optax.GradientTransformation,
+        batch_stats: PyTree = None,
+        dynamic_scale: Any = None,
+        rng: jax.Array | None = None,
+        sync: _sync.Sync | None = None,
+    ) -> TrainState:
+        """Makes a state at step 0 with `tx.init(params)` as optimizer state.
+
+        Pass the train step's `sync` piece when it keeps state of its own
+        (`sync.init` is set, e.g. `jdp.all_reduce(wire=..., error_feedback=
+        True)`): the state then holds `sync_state=sync.init(params)`.
+        """
+        if sync is not None and not isinstance(sync, (_sync.Sync, _sync.OwnUpdate)):
+            raise TypeError(
+                "`jdp.TrainState.create`: `sync` must be a `jdp.Sync` (the piece "
+                f"given to `jdp.make_train_step`), or None; got {type(sync).__name__}."
+            )
+        sync_state = None
+        if isinstance(sync, _sync.Sync) and sync.init is not None:
+            sync_state = sync.init(params)
+            if not jax.tree.leaves(sync_state):
+                sync_state = None
+        return cls(
+            step=jax.numpy.zeros((), jax.numpy.int32),
+            params=params,
+            opt_state=tx.init(params),
+            batch_stats=batch_stats,
+            skipped_steps=jax.numpy.zeros((), jax.numpy.int32),
+            dynamic_scale=dynamic_scale,
+            rng=rng,
+            sync_state=sync_state,
+            tx=tx,
+        )
+
+    def apply_gradients(self, *, grads: PyTree) -> TrainState:
+        """Applies one optimizer update; returns the new state."""
+        updates, opt_state = self.tx.update(grads, self.opt_state, self.params)
+        return self.replace(
+            step=self.step + 1,
+            params=optax.apply_updates(self.params, updates),
+            opt_state=opt_state,
+        )
