@@ -113,7 +113,7 @@ def main() -> None:
         batches = make_batches(rows, min(args.steps, 4))
         touched = statistics.mean(len(np.unique(b["ids"])) for b in batches)
         limit = touched / rows
-        sparse_tx = jdp.sparse.partition(optax.sgd(LR), {"embed": jdp.sparse.sgd(LR)})
+        sparse_tx = jdp.sparse.optimizer(optax.sgd(LR), {"embed": jdp.sparse.sgd(LR)})
         variants = [
             ("dense", jdp.make_train_step(loss_fn, optax.sgd(LR)), optax.sgd(LR)),
             (

@@ -74,7 +74,7 @@ def test_public_subpackages_are_pinned():
             "IdsOutOfRangeError",
             "IndexedRows",
             "MomentumRowState",
-            "PartitionState",
+            "OptimizerState",
             "RowOptimizer",
             "SparseTransformation",
             "adagrad",
@@ -83,7 +83,7 @@ def test_public_subpackages_are_pinned():
             "combine_rows",
             "lookup",
             "momentum",
-            "partition",
+            "optimizer",
             "rows",
             "sgd",
             "value_and_grad",
@@ -154,6 +154,7 @@ REMOVED = (
     "sparse.make_train_step",
     "merge_after_update",
     "powersgd_transform",
+    "sparse.partition",
 )
 
 #: Private functions an error message once told users about.

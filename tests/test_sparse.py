@@ -83,7 +83,7 @@ def big_problem():
 @pytest.mark.parametrize("combine", [False, True], ids=["concat", "combine"])
 def test_sparse_sgd_matches_dense_sgd_on_a_100k_table(big_problem, combine):
     params, batches, dense = big_problem
-    tx = jdp.sparse.partition(optax.sgd(LR), {"embed": jdp.sparse.sgd(LR)})
+    tx = jdp.sparse.optimizer(optax.sgd(LR), {"embed": jdp.sparse.sgd(LR)})
     step, state = train(
         jdp.make_train_step(loss_fn, tx, sync=jdp.sparse.rows(combine=combine)),
         params,
@@ -116,7 +116,7 @@ def test_sparse_adagrad_matches_optax_adagrad():
         backend="pmap",
     )
     expected = step.unreplicate(state).params
-    tx = jdp.sparse.partition(optax.adagrad(0.3), {"embed": jdp.sparse.adagrad(0.3)})
+    tx = jdp.sparse.optimizer(optax.adagrad(0.3), {"embed": jdp.sparse.adagrad(0.3)})
     step, state = train(
         jdp.make_train_step(loss_fn, tx, sync=jdp.sparse.rows()),
         params,
@@ -254,7 +254,7 @@ def test_out_of_range_ids_read_zeros_and_never_update_on_both_paths():
         jdp.make_train_step(loss_fn, optax.sgd(LR)), params, optax.sgd(LR), batches
     )
     dense = step.unreplicate(state).params
-    tx = jdp.sparse.partition(optax.sgd(LR), {"embed": jdp.sparse.sgd(LR)})
+    tx = jdp.sparse.optimizer(optax.sgd(LR), {"embed": jdp.sparse.sgd(LR)})
     step, state = train(
         jdp.make_train_step(loss_fn, tx, sync=jdp.sparse.rows(combine=True)),
         params,
@@ -271,7 +271,7 @@ def test_check_ids_raises_a_clear_error():
     good, bad = make_batches(2, 16, SMALL_ROWS, seed=5)
     bad["ids"][2, 0] = SMALL_ROWS + 7
     bad["ids"][9, 2] = -3
-    tx = jdp.sparse.partition(optax.sgd(LR), {"embed": jdp.sparse.sgd(LR)})
+    tx = jdp.sparse.optimizer(optax.sgd(LR), {"embed": jdp.sparse.sgd(LR)})
     step = jdp.parallelize(
         jdp.make_train_step(loss_fn, tx, sync=jdp.sparse.rows(check_ids=True)),
         donate_state=False,
@@ -294,7 +294,7 @@ def loss_fn(params, batch):
     x = jdp.sparse.lookup(params["embed"], batch["ids"]).sum(axis=1)
     return jnp.mean((x @ params["w"] - batch["y"]) ** 2)
 
-tx = jdp.sparse.partition(optax.sgd(0.1), {"embed": jdp.sparse.sgd(0.1)})
+tx = jdp.sparse.optimizer(optax.sgd(0.1), {"embed": jdp.sparse.sgd(0.1)})
 sync = jdp.sparse.rows(check_ids=True)
 step = jdp.parallelize(
     jdp.make_train_step(loss_fn, tx, sync=sync), devices=jax.devices()[:2],
@@ -337,7 +337,7 @@ def test_sparse_step_communicates_rows_not_the_table():
     rows, dim, batch = 20_000, 16, 64
     params = init_params(6, rows, dim)
     data = make_batches(1, batch, rows)[0]
-    tx = jdp.sparse.partition(optax.sgd(LR), {"embed": jdp.sparse.sgd(LR)})
+    tx = jdp.sparse.optimizer(optax.sgd(LR), {"embed": jdp.sparse.sgd(LR)})
     sparse_step = jdp.parallelize(
         jdp.make_train_step(loss_fn, tx, sync=jdp.sparse.rows())
     )
@@ -377,7 +377,7 @@ def test_sparse_step_with_batch_stats_matches_dense():
             state, _ = step(state, step.shard(b))
         return step.unreplicate(state)
 
-    tx = jdp.sparse.partition(optax.sgd(LR), {"embed": jdp.sparse.sgd(LR)})
+    tx = jdp.sparse.optimizer(optax.sgd(LR), {"embed": jdp.sparse.sgd(LR)})
     got = run(functools.partial(jdp.make_train_step, sync=jdp.sparse.rows()), tx)
     expected = run(jdp.make_train_step, optax.sgd(LR))
     assert_trees_close(got.params, expected.params, rtol=1e-5, atol=1e-7)
@@ -407,7 +407,7 @@ def test_sparse_step_with_microbatches_matches_one_device(weighted):
         devices=jax.devices()[:1],
     )
     expected = step.unreplicate(state).params
-    tx = jdp.sparse.partition(optax.sgd(LR), {"embed": jdp.sparse.sgd(LR)})
+    tx = jdp.sparse.optimizer(optax.sgd(LR), {"embed": jdp.sparse.sgd(LR)})
     train_step = jdp.make_train_step(loss, tx, sync=jdp.sparse.rows(), microbatches=2)
     step, state = train(train_step, params, tx, batches, devices=jax.devices()[:4])
     got = step.unreplicate(state).params
@@ -422,21 +422,21 @@ def test_optimizer_errors():
     )
     state = step.replicate(jdp.TrainState.create(params=params, tx=optax.sgd(0.1)))
     with pytest.raises(
-        TypeError, match="needs an optimizer made by `jdp.sparse.partition"
+        TypeError, match="needs an optimizer made by `jdp.sparse.optimizer"
     ):
         step(
             state,
             step.shard({"ids": np.zeros((8, FEATURES), np.int32), "y": np.zeros(8)}),
         )
     with pytest.raises(TypeError, match="table 'embed' needs a row optimizer"):
-        jdp.sparse.partition(optax.sgd(0.1), {"embed": optax.sgd(0.1)})
+        jdp.sparse.optimizer(optax.sgd(0.1), {"embed": optax.sgd(0.1)})
     with pytest.raises(
         ValueError, match=r"no parameter leaf at table path\(s\) \['table'\]"
     ):
-        jdp.sparse.partition(optax.sgd(0.1), {"table": jdp.sparse.sgd(0.1)}).init(
+        jdp.sparse.optimizer(optax.sgd(0.1), {"table": jdp.sparse.sgd(0.1)}).init(
             params
         )
-    tx = jdp.sparse.partition(optax.sgd(0.1), {"embed": jdp.sparse.sgd(0.1)})
+    tx = jdp.sparse.optimizer(optax.sgd(0.1), {"embed": jdp.sparse.sgd(0.1)})
     sparse_grads = {
         "embed": jdp.sparse.IndexedRows(jnp.arange(2), jnp.ones((2, 2))),
         "w": jnp.ones(2),
@@ -564,7 +564,7 @@ def test_lazy_optimizers_match_dense_optax_when_every_row_is_touched(kind, backe
     expected, expected_state = lazy_oracle(
         params, batches, optax.sgd(LR), make_optax(), lazy=False
     )
-    tx = jdp.sparse.partition(optax.sgd(LR), {"embed": make_rows()})
+    tx = jdp.sparse.optimizer(optax.sgd(LR), {"embed": make_rows()})
     step, state = train(
         jdp.make_train_step(loss_fn, tx, sync=jdp.sparse.rows()),
         params,
@@ -598,7 +598,7 @@ def test_lazy_optimizers_update_only_the_touched_rows_in_a_sparse_step(
     batches[1]["ids"][0, 0] = num_rows + 5
     batches[2]["ids"][3, 1] = -1
     expected, expected_state = lazy_oracle(params, batches, optax.sgd(LR), make_optax())
-    tx = jdp.sparse.partition(optax.sgd(LR), {"embed": make_rows()})
+    tx = jdp.sparse.optimizer(optax.sgd(LR), {"embed": make_rows()})
     step, state = train(
         jdp.make_train_step(loss_fn, tx, sync=jdp.sparse.rows(combine=combine)),
         params,

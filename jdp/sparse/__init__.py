@@ -16,7 +16,7 @@ gradients (`IndexedRows`), the replicas exchange those rows with
 `rows()`, a sync piece for `jdp.make_train_step`, puts it together with the
 usual dense path for the rest of the model:
 
-    tx = jdp.sparse.partition(optax.adam(1e-3), {"embed": jdp.sparse.adagrad(0.1)})
+    tx = jdp.sparse.optimizer(optax.adam(1e-3), {"embed": jdp.sparse.adagrad(0.1)})
     step = jdp.parallelize(jdp.make_train_step(loss_fn, tx, sync=jdp.sparse.rows()))
 
 where `loss_fn` reads the table with `jdp.sparse.lookup(params["embed"], ids)`.
@@ -28,13 +28,13 @@ from jdp.sparse._optim import (
     AdagradRowState,
     AdamRowState,
     MomentumRowState,
-    PartitionState,
+    OptimizerState,
     RowOptimizer,
     SparseTransformation,
     adagrad,
     adam,
     momentum,
-    partition,
+    optimizer,
     sgd,
 )
 from jdp.sparse._train_step import IdsOutOfRangeError, rows
@@ -45,7 +45,7 @@ __all__ = [
     "IdsOutOfRangeError",
     "IndexedRows",
     "MomentumRowState",
-    "PartitionState",
+    "OptimizerState",
     "RowOptimizer",
     "SparseTransformation",
     "adagrad",
@@ -54,7 +54,7 @@ __all__ = [
     "combine_rows",
     "lookup",
     "momentum",
-    "partition",
+    "optimizer",
     "rows",
     "sgd",
     "value_and_grad",

@@ -1,4 +1,4 @@
-"""Row-wise optimizers (sparse SGD, Adagrad, momentum, Adam) and `partition`."""
+"""Row-wise optimizers (sparse SGD, Adagrad, momentum, Adam) and `optimizer`."""
 
 from __future__ import annotations
 
@@ -377,8 +377,8 @@ def adam(
 # -- mixed models ----------------------------------------------------------------
 
 
-class PartitionState(NamedTuple):
-    """State of `jdp.sparse.partition`: the dense optimizer's and each table's."""
+class OptimizerState(NamedTuple):
+    """State of `jdp.sparse.optimizer`: the dense optimizer's and each table's."""
 
     dense: optax.OptState
     tables: dict[str, Any]
@@ -387,7 +387,7 @@ class PartitionState(NamedTuple):
 class SparseTransformation(optax.GradientTransformation):
     """An `optax.GradientTransformation` that also trains some tables sparsely.
 
-    Made by `jdp.sparse.partition`. Its `init`/`update` follow optax (`update`
+    Made by `jdp.sparse.optimizer`. Its `init`/`update` follow optax (`update`
     takes dense gradients, so the same optimizer also works with
     `jdp.make_train_step`); `jdp.sparse.rows()` instead applies the
     tables' row optimizers to sparse gradients directly.
@@ -415,7 +415,7 @@ def _flat_with_none(tree: PyTree) -> list[Any]:
     return jax.tree_util.tree_leaves(tree, is_leaf=lambda x: x is None)
 
 
-def partition(
+def optimizer(
     dense_tx: optax.GradientTransformation,
     tables: Mapping[TablePath, RowOptimizer],
 ) -> SparseTransformation:
@@ -444,7 +444,7 @@ def partition(
     Example:
       >>> import jax.numpy as jnp, optax, jdp
       >>> tables = {"embed": jdp.sparse.adagrad(0.1)}
-      >>> tx = jdp.sparse.partition(optax.adam(1e-3), tables)
+      >>> tx = jdp.sparse.optimizer(optax.adam(1e-3), tables)
       >>> params = {"embed": jnp.zeros((10_000, 8)), "w": jnp.zeros(8)}
       >>> state = jdp.TrainState.create(params=params, tx=tx)
       >>> state.opt_state.dense[0].mu  # Adam moments only for the dense part
@@ -452,18 +452,18 @@ def partition(
     """
     named = tuple((normalize_path(p), opt) for p, opt in tables.items())
     if not named:
-        raise ValueError("`jdp.sparse.partition`: `tables` is empty.")
+        raise ValueError("`jdp.sparse.optimizer`: `tables` is empty.")
     for path, opt in named:
         if not isinstance(opt, RowOptimizer):
             raise TypeError(
-                f"`jdp.sparse.partition`: table {path!r} needs a row optimizer such "
+                f"`jdp.sparse.optimizer`: table {path!r} needs a row optimizer such "
                 f"as `jdp.sparse.sgd(lr)` or `jdp.sparse.adagrad(lr)` (a "
                 f"`jdp.sparse.RowOptimizer`), got {type(opt).__name__}."
             )
 
     def init_fn(params):
-        leaves, _, index, dense = _split(params, tx, "jdp.sparse.partition")
-        return PartitionState(
+        leaves, _, index, dense = _split(params, tx, "jdp.sparse.optimizer")
+        return OptimizerState(
             dense=dense_tx.init(dense),
             tables={p: opt.init(jnp.asarray(leaves[index[p]])) for p, opt in named},
         )
@@ -471,18 +471,18 @@ def partition(
     def update_fn(updates, state, params=None):
         if params is None:
             raise ValueError(
-                "`jdp.sparse.partition(...).update` needs `params` (the tables' row "
+                "`jdp.sparse.optimizer(...).update` needs `params` (the tables' row "
                 "optimizers update the tables themselves)."
             )
         leaves, treedef, index, dense_params = _split(
-            params, tx, "jdp.sparse.partition"
+            params, tx, "jdp.sparse.optimizer"
         )
         grads = jax.tree_util.tree_leaves(
             updates, is_leaf=lambda x: isinstance(x, IndexedRows)
         )
         if any(isinstance(g, IndexedRows) for g in grads):
             raise TypeError(
-                "`jdp.sparse.partition(...).update` got sparse `IndexedRows` "
+                "`jdp.sparse.optimizer(...).update` got sparse `IndexedRows` "
                 "gradients; apply those with `sync=jdp.sparse.rows()`, or pass "
                 "dense gradients."
             )
@@ -499,7 +499,7 @@ def partition(
             i = index[p]
             new, table_states[p] = opt.update(grads[i], state.tables[p], leaves[i])
             out[i] = new - leaves[i]
-        return jax.tree_util.tree_unflatten(treedef, out), PartitionState(
+        return jax.tree_util.tree_unflatten(treedef, out), OptimizerState(
             dense_state, table_states
         )
 
@@ -510,8 +510,8 @@ def partition(
 
 
 def apply_sparse(
-    tx: SparseTransformation, grads: PyTree, opt_state: PartitionState, params: PyTree
-) -> tuple[PyTree, PartitionState]:
+    tx: SparseTransformation, grads: PyTree, opt_state: OptimizerState, params: PyTree
+) -> tuple[PyTree, OptimizerState]:
     """Applies dense grads with `tx.dense` and `IndexedRows` with the row optimizers."""
     leaves, treedef, index, dense_params = _split(params, tx, "jdp.sparse.rows")
     flat = jax.tree_util.tree_leaves(
@@ -529,6 +529,6 @@ def apply_sparse(
         new_leaves[i], table_states[p] = opt.update(
             flat[i], opt_state.tables[p], leaves[i]
         )
-    return jax.tree_util.tree_unflatten(treedef, new_leaves), PartitionState(
+    return jax.tree_util.tree_unflatten(treedef, new_leaves), OptimizerState(
         dense_state, table_states
     )

@@ -107,7 +107,7 @@ def rows(
     """A sync piece that trains embedding tables with sparse gradients.
 
     For `jdp.make_train_step(loss_fn, tx, sync=jdp.sparse.rows())`, with `tx`
-    made by `jdp.sparse.partition`. The dense parameters' gradients are averaged
+    made by `jdp.sparse.optimizer`. The dense parameters' gradients are averaged
     with `jdp.all_reduce_gradients` and applied with `tx.dense`; each table's
     gradient is kept as rows (`jdp.sparse.value_and_grad`), divided by the
     number of replicas, exchanged with `jdp.sparse.all_gather_rows` and applied
@@ -144,14 +144,14 @@ def rows(
 
     Raises:
       ValueError: If `bucket_bytes` is out of range.
-      TypeError: At trace time, if the optimizer is not a `jdp.sparse.partition`.
+      TypeError: At trace time, if the optimizer is not a `jdp.sparse.optimizer`.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, jdp
       >>> def loss_fn(params, batch):
       ...     x = jdp.sparse.lookup(params["embed"], batch["ids"]).sum(axis=1)
       ...     return jnp.mean((x @ params["w"] - batch["y"]) ** 2)
-      >>> tx = jdp.sparse.partition(optax.sgd(0.1), {"embed": jdp.sparse.sgd(0.1)})
+      >>> tx = jdp.sparse.optimizer(optax.sgd(0.1), {"embed": jdp.sparse.sgd(0.1)})
       >>> params = {"embed": jnp.ones((100_000, 4)) / 4, "w": jnp.ones(4)}
       >>> train_step = jdp.make_train_step(loss_fn, tx, sync=jdp.sparse.rows())
       >>> step = jdp.parallelize(train_step)
@@ -170,7 +170,7 @@ def rows(
         if not isinstance(optimizer, SparseTransformation):
             raise TypeError(
                 f"`{api}` needs an optimizer made by "
-                "`jdp.sparse.partition(dense_tx, {table_path: jdp.sparse.sgd(lr)})`"
+                "`jdp.sparse.optimizer(dense_tx, {table_path: jdp.sparse.sgd(lr)})`"
                 f"; got {type(optimizer).__name__}. For dense table gradients use "
                 "`jdp.all_reduce()`."
             )
