@@ -29,7 +29,7 @@ from helpers import (
 )
 
 import jdp
-from jdp import _layout
+from jdp._layout import _mesh
 from jdp.distributed import _config, _coordinator
 from jdp.launch import _setup
 from jdp.launch._setup import free_port
@@ -46,7 +46,7 @@ def two_hosts(monkeypatch):
         half = len(devices) // 2
         return [devices[:half], devices[half:]]
 
-    monkeypatch.setattr(_layout, "host_groups", host_groups)
+    monkeypatch.setattr(_mesh, "host_groups", host_groups)
 
 
 # -- jdp.distributed.initialize ------------------------------------------------

@@ -1,0 +1,67 @@
+"""Private: what the replicas of a state must agree on, and the leaves compared.
+
+Every leaf must be equal in every replica except the parts a `CustomLayout`
+holds out by design (`agreed`); `replica_leaves` gives the arrays every
+comparison of replicas reads, and `map_agreed` applies a function to the agreed
+parts only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax.sharding import Mesh
+
+from jdp._layout._custom import is_custom
+from jdp._layout._keys import is_key
+from jdp._tree import keystr
+
+PyTree = Any
+
+
+def agreed(tree: PyTree) -> PyTree:
+    """`tree` with the leaves that differ between replicas by design set to None.
+
+    What replicas must agree on: `jdp.replicas_in_sync` compares it.
+    """
+    return jax.tree.map(
+        lambda x: x.agreed() if is_custom(x) else x, tree, is_leaf=is_custom
+    )
+
+
+def replica_leaves(tree: PyTree) -> tuple[list[str], list[jax.Array], Mesh | None]:
+    """The leaves of a replicated tree whose replicas can be compared.
+
+    Array leaves with more than one replica and some data, without the parts of
+    custom layouts that differ by design (`agreed`); typed PRNG keys as their key
+    data. Used by every comparison of replicas (`replicas_in_sync`, `check_sync`,
+    checkpoints of replicas that differ).
+
+    Returns:
+      `(paths, arrays, mesh)`: the leaves' `keystr` paths, the arrays, and, when
+      some replicas live on other processes, the mesh over which a comparison's
+      small result must be replicated so that every process can read it (else
+      None).
+    """
+    paths, arrays = [], []
+    for path, x in jax.tree_util.tree_flatten_with_path(agreed(tree))[0]:
+        if isinstance(x, jax.Array) and x.ndim >= 1 and x.shape[0] > 1 and x.size:
+            paths.append(keystr(path))
+            arrays.append(jax.random.key_data(x) if is_key(x) else x)
+    mesh = None
+    if not all(x.is_fully_addressable for x in arrays):
+        mesh = arrays[0].sharding.mesh
+    return paths, arrays, mesh
+
+
+def map_agreed(fn: Callable[[PyTree], PyTree], tree: PyTree) -> PyTree:
+    """Applies `fn` to `agreed(tree)`; the leaves held out come back unchanged."""
+    leaves, treedef = jax.tree.flatten(tree, is_leaf=is_custom)
+    done = jax.tree.flatten(fn(agreed(tree)), is_leaf=is_custom)[0]
+    out = [
+        old.with_agreed(new) if is_custom(old) else new
+        for old, new in zip(leaves, done, strict=True)
+    ]
+    return jax.tree.unflatten(treedef, out)

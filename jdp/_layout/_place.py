@@ -1,0 +1,186 @@
+"""Private: one logical copy to replicated arrays and back.
+
+`replicate` and `place_like` give every replica a copy of a logical pytree (each
+custom layout its part), `logical_copy` and `logical_like` take one copy (or its
+shapes) back out, and `is_replicated` recognises a leaf laid out this way.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from jdp._layout._custom import is_custom
+from jdp._layout._keys import abstract, host_value, is_key, key_impl
+from jdp._layout._mesh import replica_sharding
+from jdp._tree import repeated_paths
+
+PyTree = Any
+
+SHARED_VARIABLE_MSG = (
+    "`step.replicate`: the state holds one flax NNX `Variable` at two paths, "
+    "{first} and {second} (a weight shared between modules, e.g. tied "
+    "embeddings). Passed as a pytree, each path would become its own array and "
+    "the first update would silently untie them. Split the modules instead: "
+    "`graphdef, state = nnx.split((model, optimizer))`, replicate `state` and "
+    "`nnx.merge(graphdef, state)` in the step; `nnx.split` keeps one copy of a "
+    "shared weight and `nnx.merge` shares it again."
+)
+
+ALREADY_REPLICATED_MSG = (
+    "`step.replicate`: every array leaf of the tree is already replicated (a "
+    "leading replica axis sharded over a mesh of {num} devices); replicating it "
+    "again would give every replica the whole stack. Pass it to the step as it "
+    "is, or re-place one copy with `step.replicate(other_step.unreplicate(tree))`."
+)
+
+#: Turns an abstract logical state into its abstract per-replica layout.
+StateLayout = Callable[[PyTree, int], PyTree]
+
+
+def logical_copy(tree: PyTree) -> PyTree:
+    """One logical copy of a replicated pytree: replica 0's value of every leaf.
+
+    Array leaves with a leading replica axis give this process's first replica
+    (`addressable_shards[0]`, no gather); custom layouts convert themselves; other
+    leaves pass through. What `step.unreplicate` returns and checkpoints save.
+    """
+
+    def first(x):
+        if is_custom(x):
+            return x.logical()
+        if isinstance(x, jax.Array) and x.ndim >= 1:
+            data = x.addressable_shards[0].data
+            return data.reshape(data.shape[1:])
+        return x
+
+    return jax.tree.map(first, tree, is_leaf=is_custom)
+
+
+def _without_replica_axis(x: Any) -> Any:
+    if hasattr(x, "shape") and hasattr(x, "dtype") and len(x.shape) >= 1:
+        return jax.ShapeDtypeStruct(tuple(x.shape[1:]), x.dtype)
+    return x
+
+
+def logical_like(tree: PyTree) -> PyTree:
+    """Shapes and dtypes of one logical copy of a replicated pytree; reads no data.
+
+    What `logical_copy(tree)` would return, as `jax.ShapeDtypeStruct`s: the target
+    structure for restoring a checkpoint into `tree`'s layout.
+    """
+
+    def one(x):
+        if is_custom(x):
+            return jax.tree.map(
+                lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), x
+            ).logical()
+        return _without_replica_axis(x)
+
+    return jax.tree.map(one, tree, is_leaf=is_custom)
+
+
+def _place_leaf(x: Any, ref: Any) -> jax.Array:
+    """One logical leaf placed like `ref` (replica axis, sharding), once per replica."""
+    if is_key(ref):  # typed PRNG keys: place their data, then wrap it
+        data = host_value(x)
+        shape = tuple(ref.shape) + data.shape[len(ref.shape) - 1 :]
+        view = np.broadcast_to(data, shape)
+        placed = jax.make_array_from_callback(shape, ref.sharding, view.__getitem__)
+        return jax.random.wrap_key_data(placed, impl=key_impl(ref))
+    x = host_value(x).astype(ref.dtype, copy=False)
+    view = np.broadcast_to(x, ref.shape)  # no copy until a device takes a slice
+    return jax.make_array_from_callback(ref.shape, ref.sharding, view.__getitem__)
+
+
+def place_like(host_tree: PyTree, like: PyTree) -> PyTree:
+    """Replicates one logical copy into the layout of `like` (undoes `logical_copy`).
+
+    Args:
+      host_tree: One copy of every leaf (NumPy or JAX arrays) without replica axis.
+      like: A replicated pytree of the same structure: `jax.Array`s or
+        `jax.ShapeDtypeStruct`s whose `shape` has the leading replica axis and
+        whose `sharding` says where the replicas live.
+
+    Returns:
+      `jax.Array`s shaped and placed like `like`, every replica equal to
+      `host_tree` (custom layouts: each replica its part).
+    """
+
+    def place(ref, x):
+        if is_custom(ref):
+            return ref.place(x, _place_leaf)
+        return _place_leaf(x, ref)
+
+    return jax.tree.map(place, like, host_tree, is_leaf=is_custom)
+
+
+def replicate(
+    tree: PyTree, mesh: Mesh, *, state_layout: StateLayout | None = None
+) -> PyTree:
+    """Gives every replica of `mesh` a copy of `tree` (process 0's, across processes).
+
+    Args:
+      tree: One logical copy: any pytree of arrays, scalars or typed PRNG keys.
+      mesh: The step's mesh.
+      state_layout: Optional; maps the abstract logical state and the replica
+        count to the abstract per-replica state (a custom layout, e.g. ZeRO's).
+
+    Returns:
+      The replicated pytree.
+    """
+    shared = shared_variables(tree)
+    if shared:
+        raise ValueError(
+            SHARED_VARIABLE_MSG.format(first=shared[0][0], second=shared[0][1])
+        )
+    arrays = [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)]
+    if arrays and all(x.ndim >= 1 and is_replicated(x) for x in arrays):
+        raise ValueError(
+            ALREADY_REPLICATED_MSG.format(num=arrays[0].sharding.mesh.size)
+        )
+    host = jax.tree.map(host_value, tree)  # PRNG keys as their key data
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        host = multihost_utils.broadcast_one_to_all(host)
+    shapes = jax.tree.map(abstract, tree)
+    num = mesh.size
+    if state_layout is not None:
+        shapes = state_layout(shapes, num)
+    sharding = replica_sharding(mesh)
+    like = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((num,) + x.shape, x.dtype, sharding=sharding),
+        shapes,
+    )
+    return place_like(host, like)
+
+
+def shared_variables(tree: PyTree) -> list[tuple[str, str]]:
+    """Pairs of paths at which `tree` holds one flax NNX `Variable` twice.
+
+    A weight shared between modules (tied embeddings) is one `Variable` reached
+    from two attributes. Flattened as a pytree (modules passed to JAX directly),
+    each path becomes its own array and the tie is lost; `nnx.split` keeps one.
+    """
+    nnx = sys.modules.get("flax.nnx")  # no NNX objects unless it was imported
+    if nnx is None:
+        return []
+    return repeated_paths(tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def is_replicated(x: Any) -> bool:
+    """Whether a leaf has the layout `replicate` gives (on a 1-D or a 2-D mesh)."""
+    if not isinstance(x, jax.Array) or x.ndim < 1:
+        return False
+    sharding = x.sharding
+    if not isinstance(sharding, NamedSharding):
+        return False
+    return x.shape[0] == sharding.mesh.size and sharding.is_equivalent_to(
+        replica_sharding(sharding.mesh), x.ndim
+    )

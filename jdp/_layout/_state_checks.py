@@ -1,0 +1,256 @@
+"""Private: the checks of a state a step receives and returns.
+
+A state passed in must be laid out by `replicate` for the step's sharding and
+not donated (`check_replicated`, `misplaced`, `deleted`); the state a step
+returns must keep the structure, per-replica shapes and dtypes of the one it
+received (`check_unchanged`, `check_same_structure`, `changes`). Every message
+names the offending leaves and how to fix them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+
+from jdp._layout._mesh import AxisName
+from jdp._tree import format_problems, keystr
+
+PyTree = Any
+
+NOT_REPLICATED_MSG = (
+    "`step`: the state passed in was not replicated by this step's `step.replicate` "
+    "(or was replicated for another backend or device set). Expected every array "
+    "leaf to hold one copy per replica: a leading axis of size num_replicas={num} "
+    "sharded over mesh axis {axis!r} of this step's devices. Offending leaves:{probs}\n"
+    "Fix: `state = step.replicate(state)` before the first call (to move a state "
+    "from another `Parallel`, use `step.replicate(other.unreplicate(state))`)."
+)
+
+DONATED_MSG = (
+    "`step`: the {what} passed in was donated to an earlier step, which deleted "
+    "its buffers (`donate_state=True`). Deleted leaves:{probs}\nFix: continue "
+    "with the state that step returned (`state, metrics = step(state, batch)`), "
+    "or pass `donate_state=False` to `jdp.parallelize` to keep the old one."
+)
+
+STATE_CHANGED_MSG = (
+    "`step`: the step returned a state whose structure, shapes or dtypes differ "
+    "from the state it received (shapes per replica):{probs}\nEvery later call "
+    "would compile again and train in the new types. Fix: return the state as it "
+    "came in, e.g. cast updated leaves back (`new.astype(old.dtype)`); to change "
+    "the state on purpose, do it outside the step and `step.replicate` it."
+)
+
+
+def describe(x: Any) -> str:
+    """A leaf's shape and placement, for error messages."""
+    if isinstance(x, jax.Array) and x.is_deleted():
+        return f"shape {x.shape}, deleted (its buffers were donated to a step)"
+    if isinstance(x, jax.Array):
+        return f"shape {x.shape} with sharding {x.sharding}"
+    return f"a {type(x).__name__} of shape {np.shape(x)} (not a placed jax.Array)"
+
+
+def misplaced(
+    tree: PyTree, sharding: NamedSharding, *, leading: int | None
+) -> list[str]:
+    """Leaves that are not live arrays sharded by `sharding` (with `leading` rows)."""
+
+    def placed(x):
+        return (
+            isinstance(x, jax.Array)
+            and not x.is_deleted()
+            and x.ndim >= 1
+            and (leading is None or x.shape[0] == leading)
+            and (
+                x.sharding == sharding or x.sharding.is_equivalent_to(sharding, x.ndim)
+            )
+        )
+
+    if all(map(placed, jax.tree.leaves(tree))):  # the per-call fast path
+        return []
+    return [
+        f"{keystr(path)}: {describe(x)}"
+        for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+        if not placed(x)
+    ]
+
+
+def check_replicated(
+    state: PyTree, sharding: NamedSharding, *, axis_name: AxisName
+) -> None:
+    """Refuses a state not laid out by `replicate` for `sharding` (or deleted)."""
+    num = sharding.mesh.size
+    probs = misplaced(state, sharding, leading=num)
+    if not probs:
+        return
+    gone = deleted(state)
+    if gone:
+        raise ValueError(DONATED_MSG.format(what="state", probs=format_problems(gone)))
+    raise ValueError(
+        NOT_REPLICATED_MSG.format(num=num, axis=axis_name, probs=format_problems(probs))
+    )
+
+
+def check_unchanged(before: PyTree, after: PyTree) -> None:
+    """The state a step returns must be laid out as the one it received."""
+    probs = changes(before, after)
+    if probs:
+        message = STATE_CHANGED_MSG.format(probs=format_problems(probs))
+        raise TypeError(message + _low_precision_hint(probs))
+
+
+def _low_precision_hint(probs: list[str]) -> str:
+    """Why an optimizer state of float16 (bfloat16) params comes back float32."""
+    widened = [
+        p
+        for p in probs
+        if "opt_state" in p
+        and ("float16[" in p or "bfloat16[" in p)
+        and "-> float32" in p
+    ]
+    if not widened:
+        return ""
+    hint = (
+        "\nThe optimizer state of low-precision params came back in float32: the "
+        "optimizer computed its moments from float32 values (a float32 loss, or a "
+        "loss scaler's float32 arithmetic), and optax keeps them in that dtype. "
+        "Keep the params (and so the optimizer state) in float32 and cast them to "
+        "float16 inside the loss: mixed precision with float32 master weights, as "
+        "flax's examples do, which a loss scaler expects."
+    )
+    if all(".mu" in p for p in widened):
+        hint += (
+            " Or keep Adam's first moment (`mu`) in the params' dtype: "
+            "`optax.adam(learning_rate, mu_dtype=jnp.float16)` (`optax.adamw` "
+            "too)."
+        )
+    return hint
+
+
+def deleted(tree: PyTree) -> list[str]:
+    """Paths of the array leaves of `tree` whose buffers are deleted (donated)."""
+    return [
+        keystr(path)
+        for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+        if isinstance(x, jax.Array) and x.is_deleted()
+    ]
+
+
+def check_same_structure(before: PyTree, after: PyTree) -> None:
+    """The state a step returns must have the structure of the one it received.
+
+    `before` may be the received state's structure (a `PyTreeDef`), taken before
+    a step that changes the state in place ran.
+
+    Checked while tracing the step (any layout, any call that compiles): the
+    donating step rebuilds the new state with the input's structure.
+    """
+    probs = _structure_change(before, after)
+    if probs:
+        raise TypeError(STATE_CHANGED_MSG.format(probs=format_problems(probs)))
+
+
+def _structure_change(before: PyTree, after: PyTree) -> list[str]:
+    old, new = _structure(before), jax.tree.structure(after)
+    if old == new:
+        return []
+    return [
+        _first_change(old, new, "state") or f"the structure changed from {old} to {new}"
+    ]
+
+
+def _structure(tree: Any) -> Any:
+    """`tree`'s structure (a `PyTreeDef` is taken as it is)."""
+    if isinstance(tree, jax.tree_util.PyTreeDef):
+        return tree
+    return jax.tree.structure(tree)
+
+
+def _child_names(treedef) -> list[str]:
+    """Names of a node's children: a flax NNX object's attribute names, else indices."""
+    data = treedef.node_data()
+    aux = None if data is None else data[1]
+    names = aux[0] if isinstance(aux, tuple) and aux else None
+    if isinstance(names, tuple) and len(names) == len(treedef.children()):
+        return [str(n) for n in names]
+    return [f"[{i}]" for i in range(len(treedef.children()))]
+
+
+def _first_change(old, new, path: str) -> str | None:
+    """Where two pytree structures first differ, in words (None if not found).
+
+    A flax NNX object keeps its Python attributes (counters, flags such as
+    BatchNorm's `use_running_average`) as static data: a changed one is named
+    with its old and new values.
+    """
+    od, nd = old.node_data(), new.node_data()
+    if od is None or nd is None or od[0] is not nd[0]:
+        return None
+    if len(old.children()) != len(new.children()) or od[1] != nd[1]:
+        static = _static_attributes(od[1]), _static_attributes(nd[1])
+        changed = [
+            f"`{path}.{k}`: {static[0][k]!r} -> {static[1].get(k)!r}"
+            for k in static[0]
+            if static[0][k] != static[1].get(k)
+        ]
+        if changed:
+            return (
+                f"a Python attribute of a {od[0].__name__} changed in the step, "
+                f"{', '.join(changed)} (jdp returns the arrays a step computes, not "
+                "its Python attributes; set them outside the step, e.g. "
+                "`model.eval()` before the evaluation step is built, or keep a "
+                "counter in an `nnx.Variable`)"
+            )
+        return None
+    names = _child_names(old)
+    for name, a, b in zip(names, old.children(), new.children(), strict=True):
+        if a != b:
+            return _first_change(a, b, f"{path}.{name}")
+    return None
+
+
+def _static_attributes(aux: Any) -> dict[str, Any]:
+    """A flax NNX object's static attributes by name (empty for other nodes)."""
+    if not (isinstance(aux, tuple) and len(aux) == 3):
+        return {}
+    names, values = aux[1], aux[2]
+    if not (isinstance(names, tuple) and isinstance(values, tuple)):
+        return {}
+    if len(names) != len(values):
+        return {}
+    return {
+        str(n): v
+        for n, v in zip(names, values, strict=True)
+        if not str(n).startswith("_pytree__")
+    }
+
+
+def changes(before: PyTree, after: PyTree) -> list[str]:
+    """How `after` differs from `before` in structure, per-replica shapes or dtypes.
+
+    Both are replicated pytrees (arrays or abstract values with the replica
+    axis); shapes are reported per replica.
+    """
+    structure = _structure_change(before, after)
+    if structure:
+        return structure
+
+    def kind(x):
+        return f"{jnp.dtype(x.dtype).name}{list(x.shape[1:])}"
+
+    return [
+        f"{keystr(path)}: {kind(a)} -> {kind(b)}"
+        for (path, a), b in zip(
+            jax.tree_util.tree_flatten_with_path(before)[0],
+            jax.tree.leaves(after),
+            strict=True,
+        )
+        if hasattr(a, "shape")
+        and hasattr(b, "shape")
+        and (tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype)
+    ]
