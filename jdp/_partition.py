@@ -23,9 +23,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
-import optax
 
-from jdp import _collectives, _coordination, _replica_parts, _sync
+from jdp import _collectives, _coordination, _replica_parts, _sync, _transforms
 from jdp._tree import keystr
 
 PyTree = Any
@@ -381,23 +380,13 @@ def _agreed(labels, pieces) -> Callable[[PyTree], PyTree]:
         params = jax.tree.map(
             lambda lbl, p: None if lbl in differ else p, full, state.params
         )
-        is_partition = lambda x: isinstance(x, optax.transforms.PartitionState)  # noqa: E731
-
-        def one(x):
-            if not is_partition(x):
-                return x
-            inner = {
-                k: (_replica_parts.agreed(v) if k in differ else v)
-                for k, v in x.inner_states.items()
-            }
-            return x._replace(inner_states=inner)
-
-        if any(
-            is_partition(x)
-            for x in jax.tree.leaves(state.opt_state, is_leaf=is_partition)
-        ):
-            opt_state = jax.tree.map(one, state.opt_state, is_leaf=is_partition)
-        else:
+        opt_state = _transforms.map_label_states(
+            state.opt_state,
+            lambda label, inner: (
+                _replica_parts.agreed(inner) if label in differ else inner
+            ),
+        )
+        if opt_state is None:  # not an `optax.multi_transform`: the whole state
             opt_state = _replica_parts.agreed(state.opt_state)
         return state.replace(
             params=params,

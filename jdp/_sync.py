@@ -50,9 +50,9 @@ class Sync(NamedTuple):
 
     Like optax's `GradientTransformation`: a pair of pure functions, plus what
     the rest of the library needs to know about the gradients they return.
-    `jdp.all_reduce`, `jdp.local`, `jdp.powersgd`, `jdp.partition` and
-    `jdp.sparse.rows` make them; `jdp.as_transform` turns one into an optax
-    transform for a step of one's own.
+    `jdp.all_reduce`, `jdp.local`, `jdp.powersgd` and `jdp.partition` make
+    them; `jdp.sync_gradients` turns one into an optax transform for a step of
+    one's own.
 
     Attributes:
       init: `init(params) -> state`: the piece's state (error-feedback
@@ -143,15 +143,11 @@ def apply_tx(grads, state, tx) -> tuple[PyTree, PyTree, dict[str, jax.Array]]:
     return params, opt_state, {}
 
 
-def _is_masked(x: Any) -> bool:
-    return isinstance(x, optax.MaskedNode)
-
-
 def _merged(params, old_opt_state, opt_state, merges):
     """`jdp.bmuf`'s block sync on the updated params it holds.
 
     Under `optax.multi_transform` a `jdp.bmuf` holds one label's params, the
-    others masked (`optax.MaskedNode`, as in its block start): the sync runs
+    others masked (as in its block start): the sync runs
     on those and the rest of the params are left as they are.
     """
     if not merges:
@@ -161,10 +157,10 @@ def _merged(params, old_opt_state, opt_state, merges):
             break
         try:
             masked = jax.tree.map(
-                lambda s, p: s if _is_masked(s) else p,
+                lambda s, p: s if _transforms.is_masked(s) else p,
                 start,
                 params,
-                is_leaf=_is_masked,
+                is_leaf=_transforms.is_masked,
             )
         except ValueError:
             continue
@@ -172,11 +168,11 @@ def _merged(params, old_opt_state, opt_state, merges):
             masked, old_opt_state, opt_state, merges
         )
         params = jax.tree.map(
-            lambda s, p, m: p if _is_masked(s) else m,
+            lambda s, p, m: p if _transforms.is_masked(s) else m,
             start,
             params,
             merged,
-            is_leaf=_is_masked,
+            is_leaf=_transforms.is_masked,
         )
         return params, opt_state
     return _bmuf.merge_updated(params, old_opt_state, opt_state, merges)

@@ -1,13 +1,16 @@
-"""How a train step applies an optimizer, with optax's extra arguments.
+"""How a train step applies an optimizer, and what jdp knows of optax's states.
 
 An `optax.MultiSteps` (gradient accumulation by the optimizer) runs its
-collectives only on the micro-steps that update.
+collectives only on the micro-steps that update. This is the one module that
+recognises optax's own state types (`MultiStepsState`, `PartitionState`,
+`MaskedNode`); the rest of jdp asks it.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import jax
 import optax
 from jax import lax
 
@@ -55,3 +58,37 @@ def update(
     return lax.cond(
         updates, lambda: tx.update(grads, opt_state, params, **extra_args), accumulate
     )
+
+
+def is_masked(x: Any) -> bool:
+    """Whether `x` is a leaf `optax.masked` / `optax.multi_transform` left out."""
+    return isinstance(x, optax.MaskedNode)
+
+
+def map_label_states(opt_state: Any, fn) -> Any:
+    """`opt_state` with each `optax.multi_transform` label's inner state mapped.
+
+    Args:
+      opt_state: An optimizer state.
+      fn: `fn(label, inner_state) -> inner_state`.
+
+    Returns:
+      The state with every `optax.multi_transform` node's inner states
+      replaced by `fn`'s; None if it holds no such node.
+    """
+
+    def is_partition(x):
+        return isinstance(x, optax.transforms.PartitionState)
+
+    if not any(
+        is_partition(x) for x in jax.tree.leaves(opt_state, is_leaf=is_partition)
+    ):
+        return None
+
+    def one(x):
+        if not is_partition(x):
+            return x
+        inner = {k: fn(k, v) for k, v in x.inner_states.items()}
+        return x._replace(inner_states=inner)
+
+    return jax.tree.map(one, opt_state, is_leaf=is_partition)

@@ -215,6 +215,8 @@ def test_one_module_recognises_each_optimizer_state_type():
     bmuf = {"jdp/_bmuf/__init__.py", "jdp/_bmuf/_state.py", "jdp/_bmuf/_api.py"}
     owners = {"BMUFState": bmuf | {"jdp/__init__.py"}}
     owners["MultiStepsState"] = {"jdp/_transforms.py"}
+    owners["PartitionState"] = {"jdp/_transforms.py"}
+    owners["MaskedNode"] = {"jdp/_transforms.py"}
     for name, allowed in owners.items():
         users = {
             str(p.relative_to(ROOT))
