@@ -165,19 +165,30 @@ def test_a_piece_of_ones_own_with_per_replica_state_trains():
     )
 
 
-def test_a_piece_of_ones_own_in_a_partition_beside_local_bmuf():
-    labels = lambda p: {k: ("embed" if k == "layer0" else "dense") for k in p}  # noqa: E731
+def test_a_piece_of_ones_own_in_a_partition_beside_all_reduce_and_local_bmuf():
+    names = {"layer0": "embed", "layer1": "dense", "layer2": "head"}
+    labels = lambda p: {k: names[k] for k in p}  # noqa: E731
     adam = optax.adam(1e-2)
     tx = optax.multi_transform(
-        {"dense": adam, "embed": jdp.bmuf(adam, sync_period=2)}, labels
+        {"dense": adam, "head": adam, "embed": jdp.bmuf(adam, sync_period=2)},
+        labels,
     )
-    sync = jdp.partition(labels, {"dense": top_k(0.5), "embed": jdp.local()})
-    step, state = train_with(sync, tx, make_batches(4, 32))
+    pieces = {"dense": top_k(0.5), "head": jdp.all_reduce(), "embed": jdp.local()}
+    step, state = train_with(jdp.partition(labels, pieces), tx, make_batches(4, 32))
     assert set(state.sync_state) == {"dense"}
-    error = state.sync_state["dense"].error  # None where the label is "embed"
+    error = state.sync_state["dense"].error  # None where the label is another
     assert jax.tree.leaves(error["layer0"]) == []
-    assert jax.tree.leaves(error["layer1"]) and jax.tree.leaves(error["layer2"])
+    assert jax.tree.leaves(error["layer2"]) == []
+    assert jax.tree.leaves(error["layer1"])
+    assert not jdp.replicas_in_sync(error["layer1"])  # each replica's own
     assert jdp.replicas_in_sync(state.params)  # 4 steps end on a block sync
+    # The piece acts: with "dense" all-reduced instead, its params differ.
+    plain = {"dense": jdp.all_reduce(), "head": jdp.all_reduce(), "embed": jdp.local()}
+    _, other = train_with(jdp.partition(labels, plain), tx, make_batches(4, 32))
+    assert not np.allclose(
+        jax.device_get(state.params["layer1"]["w"]),
+        jax.device_get(other.params["layer1"]["w"]),
+    )
 
 
 def test_a_piece_of_ones_own_in_a_hand_written_step_through_sync_gradients():
