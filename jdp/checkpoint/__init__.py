@@ -14,7 +14,7 @@ Public names (stable):
 Modules whose names start with `_` are private and may change.
 """
 
-from jdp.checkpoint._format import CheckpointCorruptedError
+from jdp.checkpoint._damage import CheckpointCorruptedError
 from jdp.checkpoint._manager import CheckpointManager
 
 __all__ = ["CheckpointCorruptedError", "CheckpointManager"]

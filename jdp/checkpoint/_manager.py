@@ -21,9 +21,11 @@ restoring never unpickles or runs code from the files.
 
 `CheckpointManager` decides what to save and which step to restore; the work is
 done by the private modules next to it: `_store` (orbax's manager, which steps are
-complete), `_format` (the record, checksums, damaged steps), `_save` and
-`_restore` (one step each way), `_per_replica` and `_replicas` (the leaves whose
-replicas differ) and `_lock` (the directory's writer lock).
+complete), `_format` (the items, the record, checksums, reading them back),
+`_integrity` (the checks against the record), `_damage` (what is damage, its
+errors, damaged steps set aside), `_extra` (the resume extras as JSON), `_save`
+and `_restore` (one step each way), `_per_replica` and `_replicas` (the leaves
+whose replicas differ) and `_lock` (the directory's writer lock).
 """
 
 from __future__ import annotations
@@ -40,12 +42,12 @@ import jax
 from etils import epath
 
 from jdp.checkpoint._common import check_step_number
-from jdp.checkpoint._format import (
+from jdp.checkpoint._damage import (
     DAMAGED_SUFFIX,
     CheckpointCorruptedError,
-    encode_extra,
     set_aside,
 )
+from jdp.checkpoint._extra import encode_extra
 from jdp.checkpoint._lock import (
     DirectoryLock,
     acquire_for_job,

@@ -22,15 +22,8 @@ from jdp import _replica_parts
 from jdp._layout import is_custom, place_like
 from jdp._tree import keystr
 from jdp.checkpoint._common import short_list
-from jdp.checkpoint._format import (
-    REPLICAS_ITEM,
-    corrupt,
-    crc32,
-    host_copy,
-    is_damage,
-    not_damage,
-    restore_item,
-)
+from jdp.checkpoint._damage import corrupt, is_damage, not_damage
+from jdp.checkpoint._format import REPLICAS_ITEM, crc32, host_copy, restore_item
 from jdp.checkpoint._replicas import block_start_params, differing_paths
 
 PyTree = Any

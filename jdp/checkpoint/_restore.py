@@ -21,20 +21,17 @@ from jdp._layout import abstract, is_custom, is_key, logical_like, place_like
 from jdp._tree import format_problems, keystr
 from jdp.checkpoint import _per_replica
 from jdp.checkpoint._common import check_step_number, short_list
+from jdp.checkpoint._damage import DAMAGED_SUFFIX, corrupt, is_damage, not_damage
+from jdp.checkpoint._extra import decode_extra
 from jdp.checkpoint._format import (
-    DAMAGED_SUFFIX,
     STATE_ITEM,
     as_key_data,
-    check_leaves,
-    corrupt,
-    decode_extra,
     dtype_name,
-    is_damage,
     key_impl_name,
-    not_damage,
     param_name,
     read_arrays,
 )
+from jdp.checkpoint._integrity import check_leaves
 from jdp.checkpoint._store import NO_CHECKPOINT_MSG, StepStore
 
 PyTree = Any

@@ -17,11 +17,11 @@ import orbax.checkpoint as ocp
 
 from jdp._layout import logical_copy
 from jdp._tree import format_problems, keystr
+from jdp.checkpoint._extra import encode_extra
 from jdp.checkpoint._format import (
     METADATA_ITEM,
     REPLICAS_ITEM,
     STATE_ITEM,
-    encode_extra,
     host_copy,
     make_metadata,
 )
@@ -125,7 +125,7 @@ def save_items(
       state: The replicated state to save (checked by `check_replicated`).
       flat: `state` flattened with paths.
       parallel: The `jdp.Parallel` given to `save`, or None.
-      extra: `save`'s `extra` (checked by `_format.encode_extra`), or None:
+      extra: `save`'s `extra` (checked by `_extra.encode_extra`), or None:
         stored, encoded, in the record under `"extra"`.
 
     Returns:

@@ -18,14 +18,10 @@ from typing import Any
 import orbax.checkpoint as ocp
 from etils import epath
 
-from jdp.checkpoint import _format
+from jdp.checkpoint import _format, _integrity
 from jdp.checkpoint._common import same_kind_of_error
-from jdp.checkpoint._format import (
-    METADATA_ITEM,
-    REPLICAS_ITEM,
-    STATE_ITEM,
-    CheckpointCorruptedError,
-)
+from jdp.checkpoint._damage import CheckpointCorruptedError
+from jdp.checkpoint._format import METADATA_ITEM, REPLICAS_ITEM, STATE_ITEM
 
 NO_CHECKPOINT_MSG = (
     "`CheckpointManager.restore`: no checkpoint in {directory}{why}. Save one with "
@@ -357,8 +353,8 @@ class StepStore:
         return _format.read_metadata(self.open(create=False), self.directory, step)
 
     def verify_arrays(self, step: int) -> str | None:
-        """What is wrong with a step's arrays (`_format.verify_arrays`), or None."""
-        return _format.verify_arrays(self.directory, step, self.metadata(step))
+        """What is wrong with a step's arrays (`_integrity.verify_arrays`), or None."""
+        return _integrity.verify_arrays(self.directory, step, self.metadata(step))
 
     def mark_damaged(self, step: int, detail: str) -> None:
         """Records that a restore found `step` damaged: no longer complete."""

@@ -1,0 +1,174 @@
+"""The resume extras of a checkpoint (`save`'s `extra`) to JSON and back.
+
+What a resume needs besides the state (a data loader's position, an epoch, PRNG
+keys) is saved in the step's JSON record: JSON values as they are, NumPy and JAX
+arrays (typed PRNG keys included) as base64 under a reserved key. Every value is
+checked before anything is written, and a bad one is named by its key.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from jdp._layout import is_key, key_impl
+from jdp.checkpoint._format import dtype_name
+
+#: The key of an encoded array in an extra's JSON (user dicts may not use it).
+ARRAY_TAG = "__jdp_array__"
+
+BAD_EXTRA_MSG = (
+    "`CheckpointManager.save`: {where} {what}, which cannot be saved in `extra`. "
+    "Extras are JSON values (None, bool, int, float, str, lists, tuples and "
+    "dicts with string keys) and NumPy or JAX arrays (typed PRNG keys "
+    "included).\nFix: {fix}"
+)
+
+
+def _extra_where(path: Sequence[Any]) -> str:
+    """`extra['data'][0]`: where a value sits in the extras."""
+    return "extra" + "".join(f"[{k!r}]" for k in path)
+
+
+def _bad_extra(path: Sequence[Any], what: str, fix: str) -> TypeError:
+    return TypeError(BAD_EXTRA_MSG.format(where=_extra_where(path), what=what, fix=fix))
+
+
+def _encode_array(path: Sequence[Any], x: Any, encode: bool) -> Any:
+    """One array of the extras as JSON (with `encode`), else only checked."""
+    impl = None
+    if isinstance(x, jax.Array):
+        if not x.is_fully_addressable:
+            raise _bad_extra(
+                path,
+                f"is a jax.Array of shape {x.shape} spread over several processes",
+                "save one process's part, e.g. `np.asarray(x.addressable_data(0))`, "
+                "or put the array in the state.",
+            )
+        if is_key(x):
+            impl = key_impl(x)
+            x = jax.random.key_data(x) if encode else x
+    if isinstance(x, np.ndarray | np.generic) and x.dtype.kind == "O":
+        raise _bad_extra(
+            path,
+            "is a NumPy array of Python objects",
+            "save a numeric array, or a list of JSON values.",
+        )
+    if not encode:
+        return None
+    a = np.array(x, order="C", copy=True)
+    record = {
+        "dtype": dtype_name(a.dtype),
+        "shape": list(a.shape),
+        "data": base64.b64encode(a.tobytes()).decode("ascii"),
+    }
+    if impl is not None:
+        record["key_impl"] = impl
+    return {ARRAY_TAG: record}
+
+
+def _encode_extra_value(path: tuple[Any, ...], x: Any, encode: bool) -> Any:
+    if x is None or isinstance(x, bool | int | str):
+        return x
+    if isinstance(x, float):
+        return x
+    if isinstance(x, jax.Array | np.ndarray | np.generic):
+        return _encode_array(path, x, encode)
+    if isinstance(x, list | tuple):
+        return [_encode_extra_value((*path, i), v, encode) for i, v in enumerate(x)]
+    if isinstance(x, dict):
+        out = {}
+        for k, v in x.items():
+            if not isinstance(k, str):
+                raise _bad_extra(
+                    (*path, k),
+                    f"has a key of type {type(k).__name__} (JSON keys are strings)",
+                    f"use the key {str(k)!r} instead.",
+                )
+            if k == ARRAY_TAG:
+                raise _bad_extra(
+                    (*path, k),
+                    "uses a key reserved for the arrays of extras",
+                    "rename the key.",
+                )
+            out[k] = _encode_extra_value((*path, k), v, encode)
+        return out
+    raise _bad_extra(
+        path,
+        f"is a {type(x).__module__}.{type(x).__qualname__}",
+        "save the values it is made of (e.g. a data loader's position as "
+        "integers), or put arrays in the state.",
+    )
+
+
+def encode_extra(extra: Any, *, encode: bool = True) -> dict[str, Any] | None:
+    """The JSON form of `save`'s `extra` (arrays as base64), checking every value.
+
+    Args:
+      extra: A dict with string keys of JSON values and arrays, or None.
+      encode: False only checks the values (cheap: no array is copied).
+
+    Returns:
+      The JSON-able dict (None for None, or with `encode=False`).
+
+    Raises:
+      TypeError: If `extra` is not a dict, or a value cannot be saved (naming
+        its key, e.g. `extra['data']['loader']`).
+
+    Example:
+      >>> import numpy as np
+      >>> from jdp.checkpoint._extra import encode_extra, decode_extra
+      >>> decode_extra(encode_extra({"epoch": 2, "perm": np.arange(3)}))
+      {'epoch': 2, 'perm': array([0, 1, 2])}
+    """
+    if extra is None:
+        return None
+    if not isinstance(extra, dict):
+        raise TypeError(
+            "`CheckpointManager.save`: `extra` must be a dict with string keys, "
+            f"got a {type(extra).__name__}. Fix: "
+            "`manager.save(step, state, extra={'epoch': epoch, 'batch': i})`."
+        )
+    out = _encode_extra_value((), extra, encode)
+    return out if encode else None
+
+
+def _decode_extra_value(x: Any) -> Any:
+    if isinstance(x, list):
+        return [_decode_extra_value(v) for v in x]
+    if isinstance(x, dict):
+        if set(x) == {ARRAY_TAG}:
+            r = x[ARRAY_TAG]
+            data = base64.b64decode(r["data"].encode("ascii"), validate=True)
+            a = np.frombuffer(data, dtype=np.dtype(r["dtype"]))
+            a = a.reshape(tuple(r["shape"])).copy()
+            if r.get("key_impl") is not None:
+                return jax.random.wrap_key_data(a, impl=r["key_impl"])
+            return a
+        return {k: _decode_extra_value(v) for k, v in x.items()}
+    return x
+
+
+def decode_extra(encoded: Any) -> dict[str, Any]:
+    """The extras of `encode_extra`'s JSON form: arrays as NumPy arrays.
+
+    Typed PRNG keys come back as typed keys; tuples come back as lists.
+
+    Args:
+      encoded: What `encode_extra` returned (after a round trip through JSON).
+
+    Returns:
+      The extras (an empty dict for None).
+
+    Raises:
+      ValueError, KeyError, TypeError: If `encoded` is malformed (damage).
+    """
+    if encoded is None:
+        return {}
+    if not isinstance(encoded, dict):
+        raise ValueError(f"the saved extras are a {type(encoded).__name__}")
+    return _decode_extra_value(encoded)
