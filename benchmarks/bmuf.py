@@ -240,8 +240,14 @@ def main(argv=None) -> None:
             False,
         ),
         "BMUF k=16": (jdp.bmuf(sgd, sync_period=16), False),
-        "BMUF k=16 NBM": (jdp.bmuf(sgd, sync_period=16, nesterov=True), False),
-        "averaging k=16": (jdp.bmuf(sgd, sync_period=16, block_momentum=0.0), False),
+        "BMUF k=16 NBM": (
+            jdp.bmuf(sgd, 16, outer=jdp.block_momentum(nesterov=True)),
+            False,
+        ),
+        "averaging k=16": (
+            jdp.bmuf(sgd, 16, outer=jdp.block_momentum(momentum=0.0)),
+            False,
+        ),
     }
     results = {}
     for name, (tx, all_reduce) in runs.items():

@@ -118,7 +118,8 @@ def worker(steps: int, pin: bool, seed: int, lr: float = LR) -> dict:
     run = {}
     for name, (kind, k, momentum) in CONFIGS.items():
         if kind == "bmuf":
-            tx = jdp.bmuf(inner, sync_period=k, block_momentum=momentum)
+            outer = jdp.block_momentum(momentum=momentum)
+            tx = jdp.bmuf(inner, sync_period=k, outer=outer)
         elif kind == "diloco":
             outer = optax.sgd(0.7, momentum=momentum, nesterov=True)
             tx = jdp.bmuf(inner, sync_period=k, outer=outer)

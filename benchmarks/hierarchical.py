@@ -5,8 +5,8 @@ default) averaged over each example's ids, then a small dense head (64-64-10).
 
 Part 1, bytes, from the compiled program (`step.collectives`) on 8 simulated
 CPU devices: full sync (`jdp.all_reduce()`), and `jdp.partition` with the head
-all-reduced and the embedding `jdp.local()` with `jdp.bmuf(adam,
-sync_period=16, block_momentum=0.9, nesterov=True)` in an
+all-reduced and the embedding `jdp.local()` with `jdp.bmuf(adam, 16,
+outer=jdp.block_momentum(momentum=0.9, nesterov=True))` in an
 `optax.multi_transform`. The every-step collectives sit
 outside any conditional, the embedding's block sync inside the branch that runs
 once per 16 steps, so the mean per step is `every-step + conditional / 16`.
@@ -84,7 +84,9 @@ def variants(lr=1e-2):
     tx = optax.multi_transform(
         {
             "dense": adam,
-            "embed": jdp.bmuf(adam, sync_period=H, block_momentum=0.9, nesterov=True),
+            "embed": jdp.bmuf(
+                adam, H, outer=jdp.block_momentum(momentum=0.9, nesterov=True)
+            ),
         },
         LABELS,
     )

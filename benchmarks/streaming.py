@@ -2,12 +2,12 @@
 
 Part 1, bytes: the MLP 256-2048-2048-2048-10 (8.94M parameters) on simulated CPU
 devices, `sync_period=16`, for BMUF (the whole model every 16 steps), and
-`fragments=4` with `delay=0` and `delay=4`. The bytes come from the compiled
-program (`step.collectives`): the every-step collectives (the loss metric) plus
-the conditional ones, each of which sits in a branch that runs once per cycle of
-16 steps (the block sync; one fragment sync each; one chunk each), so the mean
-per step is `every-step + sum(conditional) / 16` and the peak step
-`every-step + max(conditional)`. Targets: mean = |Θ|·4/H within 1%; peak
+`streaming=jdp.Streaming(fragments=4, delay=d)` with `d=0` and `d=4`. The bytes
+come from the compiled program (`step.collectives`): the every-step collectives
+(the loss metric) plus the conditional ones, each of which sits in a branch that
+runs once per cycle of 16 steps (the block sync; one fragment sync each; one
+chunk each), so the mean per step is `every-step + sum(conditional) / 16` and
+the peak step `every-step + max(conditional)`. Targets: mean = |Θ|·4/H within 1%; peak
 <= 1.1·|Θ|·4/F with delay 0 and <= 1.1·|Θ|·4/H with delay = H/F.
 
 Part 2, quality: a deterministic synthetic-teacher regression (a fixed random
@@ -47,9 +47,10 @@ RIG_CONFIGS = {
     "synchronous": "all_reduce",
     "BMUF (F=1)": {},
     "DiLoCo (F=1)": {"outer": "nesterov"},
-    "F=4 delay=0": {"fragments": F, "delay": 0},
-    "F=4 delay=1": {"fragments": F, "delay": 1},
-    "F=4 delay=4": {"fragments": F, "delay": H // F},
+    # `jdp.Streaming(fragments, delay)`, built once jdp is imported.
+    "F=4 delay=0": {"streaming": (F, 0)},
+    "F=4 delay=1": {"streaming": (F, 1)},
+    "F=4 delay=4": {"streaming": (F, H // F)},
 }
 
 
@@ -71,6 +72,8 @@ def rig_worker(cycles: int, seed: int) -> dict:
         sync = jdp.all_reduce() if kw == "all_reduce" else jdp.local()
         if isinstance(kw, dict) and kw.get("outer") == "nesterov":  # DiLoCo's
             kw = {**kw, "outer": optax.sgd(0.7, momentum=0.9, nesterov=True)}
+        if isinstance(kw, dict) and "streaming" in kw:
+            kw = {**kw, "streaming": jdp.Streaming(*kw["streaming"])}
         tx = inner if not isinstance(kw, dict) else jdp.bmuf(inner, sync_period=H, **kw)
         step = jdp.parallelize(jdp.make_train_step(mse, tx, sync=sync))
         run[name] = [step, step.replicate(jdp.TrainState.create(params=params, tx=tx))]
@@ -165,8 +168,8 @@ def bytes_per_step(args, devices) -> None:
     }
     variants = [
         ("BMUF (F=1)", {}, theta / 1, 1),
-        ("F=4, delay=0", {"fragments": F, "delay": 0}, theta / F, F),
-        ("F=4, delay=4", {"fragments": F, "delay": H // F}, theta / H, H),
+        ("F=4, delay=0", {"streaming": jdp.Streaming(F, delay=0)}, theta / F, F),
+        ("F=4, delay=4", {"streaming": jdp.Streaming(F, delay=H // F)}, theta / H, H),
     ]
     print(
         f"Bytes per step from the compiled program: {n} simulated CPU devices, "
@@ -239,10 +242,10 @@ def quality(args, devices) -> None:
     student0 = init((32, 128, 128, 8), 20)
     quality = [
         ("F=1", {}),
-        ("F=4 delay=0 mix=0", {"fragments": F, "delay": 0, "mix": 0.0}),
-        ("F=4 delay=0 mix=0.5", {"fragments": F, "delay": 0, "mix": 0.5}),
-        ("F=4 delay=1 mix=0", {"fragments": F, "delay": 1, "mix": 0.0}),
-        ("F=4 delay=1 mix=0.5", {"fragments": F, "delay": 1, "mix": 0.5}),
+        ("F=4 delay=0 mix=0", {"streaming": jdp.Streaming(F, delay=0, mix=0.0)}),
+        ("F=4 delay=0 mix=0.5", {"streaming": jdp.Streaming(F, delay=0, mix=0.5)}),
+        ("F=4 delay=1 mix=0", {"streaming": jdp.Streaming(F, delay=1, mix=0.0)}),
+        ("F=4 delay=1 mix=0.5", {"streaming": jdp.Streaming(F, delay=1, mix=0.5)}),
     ]
     print(
         f"Quality: teacher MLP 32-128-128-8 regression, student of the same shape, "

@@ -14,7 +14,14 @@ from jdp import launch as launch
 from jdp import metrics as metrics
 from jdp import sparse as sparse
 from jdp import wire as wire
-from jdp._bmuf import BMUFState, bmuf, bmuf_global_params
+from jdp._bmuf import (
+    BlockAverage,
+    BMUFState,
+    Streaming,
+    block_momentum,
+    bmuf,
+    bmuf_global_params,
+)
 from jdp._checks import assert_replicas_in_sync, replicas_in_sync
 from jdp._collectives import (
     all_reduce_gradients,
@@ -38,16 +45,19 @@ from jdp._version import __version__ as __version__
 
 __all__ = [
     "BMUFState",
+    "BlockAverage",
     "Collective",
     "MemoryAnalysis",
     "Parallel",
     "PowerSGDState",
     "ReplicaDivergenceError",
+    "Streaming",
     "Sync",
     "TrainState",
     "all_reduce",
     "all_reduce_gradients",
     "assert_replicas_in_sync",
+    "block_momentum",
     "bmuf",
     "bmuf_global_params",
     "broadcast",

@@ -95,7 +95,8 @@ def bf16() -> Wire:
     """bfloat16 on the wire: half the bytes of float32, no scales.
 
     Returns:
-      A wire format for `jdp.all_reduce(wire=...)` or `jdp.bmuf(wire=...)`.
+      A wire format for `jdp.all_reduce(wire=...)` or
+      `jdp.bmuf(average=jdp.BlockAverage(wire=...))`.
 
     Example:
       >>> import jdp

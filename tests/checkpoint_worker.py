@@ -59,7 +59,7 @@ def make_case(name):
         tx = jdp.bmuf(
             optax.sgd(0.01, momentum=0.9),
             sync_period=SAVE_AT,
-            block_momentum=0.5,
+            outer=jdp.block_momentum(momentum=0.5),
             inner_state_at_sync="average",
         )
         params = init_mlp(jax.random.key(0))

@@ -176,6 +176,7 @@ def test_every_coordination_store_protocol_goes_through_one_module():
 # before it, so there is no import loop between them.
 BMUF_ORDER = [
     "_state",
+    "_outer",
     "_options",
     "_fragments",
     "_average",

@@ -1,5 +1,6 @@
-"""Dropping a bad replica: `jdp.bmuf(..., on_bad_replica="drop")` and
-`jdp.all_reduce(on_bad_replica="drop")`, against NumPy references."""
+"""Dropping a bad replica, against NumPy references: in `jdp.bmuf`'s average
+(`average=jdp.BlockAverage(on_bad_replica="drop")`) and in
+`jdp.all_reduce(on_bad_replica="drop")`."""
 
 import jax
 import jax.numpy as jnp
@@ -57,6 +58,11 @@ def reference_bmuf(w0, grads, *, sync_period, block_momentum, max_norm=None):
     return g, dropped
 
 
+#: Dropping bad replicas, and plain model averaging (block momentum 0).
+DROP = jdp.BlockAverage(on_bad_replica="drop")
+AVERAGING = jdp.block_momentum(momentum=0.0)
+
+
 def run_bmuf(backend, grads, **kw):
     tx = jdp.bmuf(optax.sgd(LR), **kw)
     step = jdp.parallelize(
@@ -82,8 +88,8 @@ def test_bmuf_drops_the_replica_with_a_nan_gradient(backend, block_momentum):
         backend,
         grads,
         sync_period=sync_period,
-        block_momentum=block_momentum,
-        on_bad_replica="drop",
+        outer=jdp.block_momentum(momentum=block_momentum),
+        average=DROP,
     )
     params = np.asarray(state.params["w"])
     assert np.all(np.isfinite(params))
@@ -103,7 +109,11 @@ def test_bmuf_keeps_the_model_when_every_replica_is_bad(backend):
     grads = make_grads(8)
     grads[5][:] = np.nan  # every replica, second block
     w0, state = run_bmuf(
-        backend, grads, sync_period=4, block_momentum=0.5, on_bad_replica="drop"
+        backend,
+        grads,
+        sync_period=4,
+        outer=jdp.block_momentum(momentum=0.5),
+        average=DROP,
     )
     g = np.asarray(jdp.bmuf_global_params(state.opt_state)["w"])
     expected, dropped = reference_bmuf(w0, grads[:4], sync_period=4, block_momentum=0.5)
@@ -119,9 +129,8 @@ def test_bmuf_drops_a_replica_that_moved_too_far():
         "shard_map",
         grads,
         sync_period=4,
-        block_momentum=0.0,
-        on_bad_replica="drop",
-        bad_replica_max_norm=5.0,
+        outer=AVERAGING,
+        average=jdp.BlockAverage(on_bad_replica="drop", bad_replica_max_norm=5.0),
     )
     expected, dropped = reference_bmuf(
         w0, grads, sync_period=4, block_momentum=0.0, max_norm=5.0
@@ -134,10 +143,8 @@ def test_bmuf_drops_a_replica_that_moved_too_far():
 
 def test_diloco_drops_the_bad_replica():
     grads = make_grads(8, bad={6: 1})
-    outer = optax.sgd(1.0)  # the plain filter with block_momentum=0
-    w0, state = run_bmuf(
-        "shard_map", grads, sync_period=4, outer=outer, on_bad_replica="drop"
-    )
+    outer = optax.sgd(1.0)  # the plain filter with momentum 0
+    w0, state = run_bmuf("shard_map", grads, sync_period=4, outer=outer, average=DROP)
     expected, _ = reference_bmuf(w0, grads, sync_period=4, block_momentum=0.0)
     g = np.asarray(jdp.bmuf_global_params(state.opt_state)["w"])
     np.testing.assert_allclose(g[0], expected, rtol=1e-5, atol=1e-6)
@@ -146,7 +153,7 @@ def test_diloco_drops_the_bad_replica():
 
 def test_bmuf_without_the_option_spreads_the_nan():
     grads = make_grads(4, bad={1: 0})
-    _, state = run_bmuf("shard_map", grads, sync_period=4, block_momentum=0.0)
+    _, state = run_bmuf("shard_map", grads, sync_period=4, outer=AVERAGING)
     assert np.all(np.isnan(np.asarray(state.params["w"])[:, 1]))
     assert state.opt_state.dropped is None
 
@@ -163,7 +170,7 @@ def collectives(tx, sync, stage="compiled", **kw):
 
 def test_bmuf_count_rides_in_the_parameter_all_reduce():
     plain = collectives(jdp.bmuf(optax.sgd(LR), sync_period=4), jdp.local())
-    tx = jdp.bmuf(optax.sgd(LR), sync_period=4, on_bad_replica="drop")
+    tx = jdp.bmuf(optax.sgd(LR), sync_period=4, average=DROP)
     drop = collectives(tx, jdp.local())
     assert len(drop) == len(plain)
     synced = [c for c in drop if c.in_conditional]
@@ -304,14 +311,27 @@ def test_all_reduce_skips_the_step_when_every_replica_is_bad(backend):
             {"on_bad_replica": "drop", "bad_replica_max_norm": -1.0},
             "`bad_replica_max_norm` must be a finite number > 0",
         ),
-        ({"on_bad_replica": "drop", "fragments": 2}, "block sync only.*fragments=2"),
-        ({"on_bad_replica": "drop", "delay": 1}, "block sync only.*delay=1"),
-        ({"on_bad_replica": "drop", "wire": jdp.wire.bf16()}, "use `wire=None`"),
+        (
+            {"on_bad_replica": "drop", "wire": jdp.wire.bf16()},
+            r"use `jdp.BlockAverage\(wire=None, on_bad_replica='drop'\)`",
+        ),
     ],
 )
-def test_bmuf_refuses_bad_options(kw, match):
+def test_a_bad_block_average_names_its_field(kw, match):
     with pytest.raises(ValueError, match=match):
-        jdp.bmuf(optax.sgd(LR), sync_period=4, **kw)
+        jdp.BlockAverage(**kw)
+
+
+@pytest.mark.parametrize(
+    "streaming, match",
+    [
+        (jdp.Streaming(fragments=2), "block sync only.*fragments=2"),
+        (jdp.Streaming(delay=1), "block sync only.*delay=1.*Use `streaming=None`"),
+    ],
+)
+def test_bmuf_refuses_dropping_with_a_streaming_schedule(streaming, match):
+    with pytest.raises(ValueError, match=match):
+        jdp.bmuf(optax.sgd(LR), 4, streaming=streaming, average=DROP)
 
 
 def test_all_reduce_refuses_bad_options():
@@ -329,9 +349,9 @@ def test_a_dropped_replica_restarts_with_a_clean_inner_state(inner_state_at_sync
     tx = jdp.bmuf(
         optax.sgd(LR, momentum=0.9),
         sync_period=4,
-        block_momentum=0.0,
+        outer=AVERAGING,
         inner_state_at_sync=inner_state_at_sync,
-        on_bad_replica="drop",
+        average=DROP,
     )
     step = jdp.parallelize(
         jdp.make_train_step(data_loss, tx, sync=jdp.local()),
@@ -347,9 +367,7 @@ def test_a_dropped_replica_restarts_with_a_clean_inner_state(inner_state_at_sync
 
 
 def test_a_hand_written_step_drops_the_bad_replica_too():
-    tx = jdp.bmuf(
-        optax.sgd(LR), sync_period=4, block_momentum=0.0, on_bad_replica="drop"
-    )
+    tx = jdp.bmuf(optax.sgd(LR), sync_period=4, outer=AVERAGING, average=DROP)
 
     def train_step(state, batch):
         grads = jax.grad(data_loss)(state.params, batch)
@@ -376,9 +394,7 @@ def test_a_hand_written_step_drops_the_bad_replica_too():
 def test_the_dropped_count_is_checkpointed_and_agreed(tmp_path):
     from jdp.checkpoint import CheckpointManager
 
-    tx = jdp.bmuf(
-        optax.sgd(LR), sync_period=4, block_momentum=0.0, on_bad_replica="drop"
-    )
+    tx = jdp.bmuf(optax.sgd(LR), sync_period=4, outer=AVERAGING, average=DROP)
     # `check_sync=1`: the divergence guard compares the agreed parts of the
     # state (`dropped` among them) after every call.
     step = jdp.parallelize(
@@ -399,11 +415,13 @@ def test_the_dropped_count_is_checkpointed_and_agreed(tmp_path):
     )
 
 
-@pytest.mark.parametrize("kw", [{"block_momentum": 0.5, "nesterov": True}, {}])
+@pytest.mark.parametrize(
+    "kw", [{"outer": jdp.block_momentum(momentum=0.5, nesterov=True)}, {}]
+)
 def test_bmuf_with_every_replica_valid_matches_the_plain_sync_bit_for_bit(kw):
     grads = make_grads(8)
     _, plain = run_bmuf("shard_map", grads, sync_period=4, **kw)
-    _, drop = run_bmuf("shard_map", grads, sync_period=4, on_bad_replica="drop", **kw)
+    _, drop = run_bmuf("shard_map", grads, sync_period=4, average=DROP, **kw)
     for a, b in zip(
         jax.tree.leaves(plain.opt_state),
         jax.tree.leaves(drop.opt_state)[:-1],

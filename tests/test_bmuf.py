@@ -134,25 +134,28 @@ def check_against_reference(state, params, batches, num, **kw):
     assert int(bmuf_state.count[0]) == len(batches)
 
 
+#: Each setting in `jdp.bmuf`'s spelling, and the NumPy reference's.
 OPTIONS = {
-    "default": {},
-    "nesterov": {"nesterov": True},
-    "keep": {"inner_state_at_sync": "keep", "block_momentum": 0.5},
-    "reset": {"inner_state_at_sync": "reset"},
-    "average": {"inner_state_at_sync": "average"},
-    "warmup": {"warmup_steps": 2},
-    "momentum0": {"block_momentum": 0.0},
-    "nesterov_eta_zeta": {
-        "nesterov": True,
-        "block_momentum": 0.6,
-        "block_learning_rate": 1.3,
-    },
+    "default": ({}, {}),
+    "nesterov": ({"outer": jdp.block_momentum(nesterov=True)}, {"nesterov": True}),
+    "keep": (
+        {"inner_state_at_sync": "keep", "outer": jdp.block_momentum(momentum=0.5)},
+        {"inner_state_at_sync": "keep", "block_momentum": 0.5},
+    ),
+    "reset": ({"inner_state_at_sync": "reset"},) * 2,
+    "average": ({"inner_state_at_sync": "average"},) * 2,
+    "warmup": ({"warmup_steps": 2},) * 2,
+    "momentum0": ({"outer": jdp.block_momentum(momentum=0.0)}, {"block_momentum": 0.0}),
+    "nesterov_eta_zeta": (
+        {"outer": jdp.block_momentum(1.3, 0.6, nesterov=True)},
+        {"nesterov": True, "block_momentum": 0.6, "block_learning_rate": 1.3},
+    ),
 }
 
 
 @pytest.mark.parametrize("option", list(OPTIONS))
 def test_matches_numpy_reference(option):
-    kw = OPTIONS[option]
+    kw, reference = OPTIONS[option]
     sync_period = 3
     # Three blocks, plus one local step so the replicas differ at the end.
     batches = linear_batches(kw.get("warmup_steps", 0) + 3 * sync_period + 1, 16)
@@ -161,7 +164,7 @@ def test_matches_numpy_reference(option):
         params, batches, devices=jax.devices()[:4], sync_period=sync_period, **kw
     )
     check_against_reference(
-        state, params, batches, num=4, sync_period=sync_period, **kw
+        state, params, batches, num=4, sync_period=sync_period, **reference
     )
     assert not jdp.replicas_in_sync(state.params, atol=1e-4)
 
@@ -199,7 +202,7 @@ def test_replicas_merge_on_sync_steps_and_differ_between():
 def test_sync_period_one_model_averaging_is_synchronous_sgd(backend, devices):
     params, batches = linear_params(), linear_batches(3, 16)
     sgd = optax.sgd(0.1)
-    bmuf = jdp.bmuf(sgd, sync_period=1, block_momentum=0.0, block_learning_rate=1.0)
+    bmuf = jdp.bmuf(sgd, 1, outer=jdp.block_momentum(learning_rate=1.0, momentum=0.0))
     step_b = jdp.parallelize(
         jdp.make_train_step(linear_loss, bmuf, sync=jdp.local()),
         devices=devices,
@@ -225,7 +228,9 @@ def test_sync_period_one_model_averaging_is_synchronous_sgd(backend, devices):
 def test_sync_leaves_mlp_replicas_bit_identical(backend):
     """p + (start - p) is not exactly `start` in floats; the step snaps to it."""
     params = init_mlp(jax.random.key(3))
-    tx = jdp.bmuf(optax.sgd(0.05, momentum=0.9), sync_period=2, nesterov=True)
+    tx = jdp.bmuf(
+        optax.sgd(0.05, momentum=0.9), 2, outer=jdp.block_momentum(nesterov=True)
+    )
     step = jdp.parallelize(
         jdp.make_train_step(mlp_loss, tx, sync=jdp.local()), backend=backend
     )
@@ -285,7 +290,7 @@ def optax_path_step(state, batch, loss_fn=None):
 
 
 PATH_OPTIONS = {
-    **OPTIONS,
+    **{name: kw for name, (kw, _) in OPTIONS.items()},
     "outer": {"outer": optax.sgd(0.7, momentum=0.9, nesterov=True)},
     "multi_steps": {},
 }
@@ -407,7 +412,7 @@ def test_outer_sgd_momentum_equals_the_block_filter():
     inner = optax.sgd(LR, momentum=MOMENTUM)
     eta, zeta = 0.6, 1.3
     default = run_generic(
-        jdp.bmuf(inner, sync_period=3, block_momentum=eta, block_learning_rate=zeta),
+        jdp.bmuf(inner, 3, outer=jdp.block_momentum(zeta, momentum=eta)),
         params,
         batches,
     )
@@ -434,7 +439,7 @@ def test_outer_nesterov_sgd_equals_the_papers_nesterov_block_momentum():
     inner = optax.sgd(LR, momentum=MOMENTUM)
     eta = 0.75
     nbm = run_generic(
-        jdp.bmuf(inner, sync_period=3, block_momentum=eta, nesterov=True),
+        jdp.bmuf(inner, 3, outer=jdp.block_momentum(momentum=eta, nesterov=True)),
         params,
         batches,
     )
@@ -455,7 +460,7 @@ def test_outer_nesterov_sgd_equals_the_papers_nesterov_block_momentum():
     assert_trees_close(outer.opt_state.global_params, lookahead, rtol=1e-5)
     # ... and it differs from classical block momentum.
     cbm = run_generic(
-        jdp.bmuf(inner, sync_period=3, block_momentum=eta), params, batches
+        jdp.bmuf(inner, 3, outer=jdp.block_momentum(momentum=eta)), params, batches
     )
     with pytest.raises(AssertionError):
         assert_trees_close(cbm.params, nbm.params, rtol=1e-3)
@@ -535,20 +540,8 @@ def test_average_inner_state_all_reduces_it_on_sync_steps_too():
     "kw, match",
     [
         ({"sync_period": 0}, "`sync_period`"),
-        ({"sync_period": 2, "block_momentum": 1.0}, "`block_momentum`"),
-        ({"sync_period": 2, "block_momentum": -0.1}, "`block_momentum`"),
-        ({"sync_period": 2, "block_learning_rate": -1.0}, "`block_learning_rate`"),
-        ({"sync_period": 2, "block_learning_rate": 0.0}, "`block_learning_rate`"),
         ({"sync_period": 2, "warmup_steps": -1}, "`warmup_steps`"),
-        ({"sync_period": 2, "block_learning_rate": float("inf")}, "finite number > 0"),
-        ({"sync_period": 2, "block_learning_rate": float("nan")}, "got nan"),
-        ({"sync_period": 2, "block_momentum": float("nan")}, "`block_momentum`"),
         ({"sync_period": 2, "inner_state_at_sync": "zero"}, "`inner_state_at_sync`"),
-        (
-            {"sync_period": 2, "outer": optax.sgd(0.7), "block_momentum": 0.5},
-            "`outer` replaces",
-        ),
-        ({"sync_period": 2, "outer": optax.sgd(0.7), "nesterov": True}, "`outer`"),
     ],
     ids=lambda x: x if isinstance(x, str) else None,
 )
@@ -560,11 +553,89 @@ def test_bad_arguments_name_the_argument(kw, match):
 @pytest.mark.parametrize(
     "kw, match",
     [
+        ({"momentum": 1.0}, "`momentum` must be a finite number >= 0 and < 1"),
+        ({"momentum": -0.1}, "`momentum`"),
+        ({"momentum": float("nan")}, "`momentum`.*got nan"),
+        ({"learning_rate": -1.0}, "`learning_rate`"),
+        ({"learning_rate": 0.0}, "`learning_rate` must be a finite number > 0"),
+        ({"learning_rate": float("inf")}, "finite number > 0"),
+        ({"learning_rate": float("nan")}, "got nan"),
+    ],
+    ids=lambda x: x if isinstance(x, str) else None,
+)
+def test_bad_block_momentum_names_the_argument(kw, match):
+    with pytest.raises(ValueError, match=match):
+        jdp.block_momentum(**kw)
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"learning_rate": "1"}, r"`learning_rate`.*'1' \(a str\)"),
+        ({"momentum": [0.5]}, r"`momentum` must be a finite number"),
+        ({"nesterov": "yes"}, r"`nesterov` must be True or False, got 'yes'"),
+    ],
+)
+def test_block_momentum_wrong_types_are_type_errors(kw, match):
+    with pytest.raises(TypeError, match=match):
+        jdp.block_momentum(**kw)
+
+
+def test_options_must_be_their_values():
+    with pytest.raises(TypeError, match=r"`streaming` must be a `jdp.Streaming` or"):
+        jdp.bmuf(optax.sgd(0.1), 2, streaming={"fragments": 2})
+    with pytest.raises(TypeError, match=r"`average` must be a `jdp.BlockAverage`"):
+        jdp.bmuf(optax.sgd(0.1), 2, average=jdp.wire.bf16())
+    with pytest.raises(TypeError, match="positional argument"):
+        jdp.bmuf(optax.sgd(0.1), 2, optax.sgd(0.7))  # `outer=` is by name
+
+
+def test_block_momentum_is_an_optax_transform_and_the_default_outer():
+    tx = jdp.block_momentum(1.3, momentum=0.6, nesterov=True)
+    assert isinstance(tx, optax.GradientTransformation)
+    assert (tx.learning_rate, tx.momentum, tx.nesterov) == (1.3, 0.6, True)
+    assert "jdp.block_momentum(learning_rate=1.3" in repr(tx)
+    # Alone, its update is the block filter on the pseudo-gradient start - avg:
+    # v = 0.6 v + 1.3 (avg - start), and (Nesterov) the step v + 0.6 v.
+    v = {"w": jnp.array([0.5, -1.0])}
+    pseudo = {"w": jnp.array([0.25, 2.0])}
+    updates, new_v = tx.update(pseudo, v)
+    want = 0.6 * np.array([0.5, -1.0]) + 1.3 * -np.array([0.25, 2.0])
+    np.testing.assert_allclose(new_v["w"], want, rtol=1e-6)
+    np.testing.assert_allclose(updates["w"], want + 0.6 * want, rtol=1e-6)
+    assert jax.tree.map(float, tx.init({"w": 3.0})) == {"w": 0.0}
+    # Its default momentum, 1 - 1 / num_replicas, needs the replica axis.
+    with pytest.raises(RuntimeError, match="`jdp.block_momentum` needs the replica"):
+        jdp.block_momentum().update(pseudo, v)
+
+
+def test_the_classical_filter_through_the_outer_path_is_bit_identical():
+    """`jdp.block_momentum` run as any other `outer=` (its `init` and `update`
+    alone) gives the bits of BMUF's own formula (classical block momentum)."""
+    params, batches = linear_params(), linear_batches(10, 16)
+    inner = optax.sgd(LR, momentum=MOMENTUM)
+    classical = jdp.block_momentum(1.3, momentum=0.6)
+    generic = optax.GradientTransformation(classical.init, classical.update)
+    runs = [
+        run_generic(jdp.bmuf(inner, 3, outer=outer), params, batches)
+        for outer in (classical, generic)
+    ]
+    own, through_outer = (jax.device_get(r) for r in runs)
+    for got, want in [
+        (through_outer.params, own.params),
+        (through_outer.opt_state.global_params, own.opt_state.global_params),
+        (through_outer.opt_state.velocity, own.opt_state.velocity),
+    ]:
+        for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
         ({"sync_period": 2.5}, "`sync_period` must be an int"),
         ({"sync_period": True}, "`sync_period` must be an int"),
         ({"warmup_steps": "1"}, "`warmup_steps` must be an int"),
-        ({"block_learning_rate": "1"}, r"`block_learning_rate`.*'1' \(a str\)"),
-        ({"block_momentum": [0.5]}, r"`block_momentum` must be a finite number"),
     ],
 )
 def test_wrong_types_are_type_errors(kw, match):

@@ -108,7 +108,7 @@ def linear_batches(steps, per_replica=4, seed=1):
 def reference(params, batches):
     """Within-host averages every step; hosts averaged every H steps (NumPy).
 
-    With `block_momentum=0` and `block_learning_rate=1`, BMUF's block update
+    With `jdp.block_momentum(learning_rate=1.0, momentum=0.0)`, BMUF's block update
     is model averaging: every replica restarts from the hosts' mean.
     """
     hosts = [{k: v.astype(np.float64) for k, v in params.items()}] * HOSTS
@@ -134,8 +134,7 @@ def hierarchical_step():
     tx = jdp.bmuf(
         optax.sgd(LR),
         sync_period=H,
-        block_momentum=0.0,
-        block_learning_rate=1.0,
+        outer=jdp.block_momentum(learning_rate=1.0, momentum=0.0),
         axis_name="host",
     )
     sync = jdp.all_reduce(axis_name="device")

@@ -166,7 +166,7 @@ def check_against(history, expected):
 def test_dense_all_reduced_and_bias_local_with_bmuf_match_numpy():
     params, batches = linear_params(), linear_batches(2 * H + 1)
     bmuf = jdp.bmuf(
-        optax.sgd(LR), sync_period=H, block_momentum=0.0, block_learning_rate=1.0
+        optax.sgd(LR), H, outer=jdp.block_momentum(learning_rate=1.0, momentum=0.0)
     )
     tx = optax.multi_transform({"dense": optax.sgd(LR), "bias": bmuf}, LINEAR_LABELS)
     sync = jdp.partition(

@@ -4,8 +4,6 @@ import json
 import pathlib
 import re
 
-import pytest
-
 import jdp
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -18,16 +16,19 @@ def test_public_names_are_pinned():
     assert PUBLIC == sorted(
         [
             "BMUFState",
+            "BlockAverage",
             "Collective",
             "MemoryAnalysis",
             "Parallel",
             "PowerSGDState",
             "ReplicaDivergenceError",
+            "Streaming",
             "Sync",
             "TrainState",
             "all_reduce",
             "all_reduce_gradients",
             "assert_replicas_in_sync",
+            "block_momentum",
             "bmuf",
             "bmuf_global_params",
             "broadcast",
@@ -130,17 +131,25 @@ def test_a_sync_piece_is_small_and_factories_take_few_options():
     assert len(jdp.Sync._fields) <= 4
     for name in jdp.__all__:
         obj = getattr(jdp, name)
-        if inspect.isfunction(obj) and name != "bmuf":
+        if inspect.isfunction(obj):
             assert len(inspect.signature(obj).parameters) <= 10, name
 
 
-@pytest.mark.skip(
-    reason="not yet: jdp.bmuf takes 15 options; its one outer path (`outer=`, "
-    "the block momentum as an optax transform) and the streaming schedule as "
-    "one value are the next step of the 0.4 protocol work"
-)
 def test_bmuf_takes_at_most_8_options():
+    # One outer path (`outer=`, the classical filter `jdp.block_momentum`), the
+    # streaming schedule and the average as one value each.
     assert len(inspect.signature(jdp.bmuf).parameters) <= 8
+    assert list(inspect.signature(jdp.bmuf).parameters) == [
+        "inner",
+        "sync_period",
+        "outer",
+        "warmup_steps",
+        "inner_state_at_sync",
+        "streaming",
+        "average",
+        "axis_name",
+    ]
+    assert len(jdp.__all__) <= 50
 
 
 #: Option and function names removed since 0.1 (see CHANGELOG.md). None may come

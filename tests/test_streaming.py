@@ -1,4 +1,4 @@
-"""Streaming DiLoCo in `jdp.bmuf`: `fragments`, `delay` and `mix`."""
+"""Streaming DiLoCo in `jdp.bmuf`: `jdp.Streaming(fragments, delay, mix)`."""
 
 import re
 
@@ -152,9 +152,21 @@ def test_matches_numpy_reference(sync_period, fragments, delay, mix):
     # Three full cycles, plus one update so the replicas differ at the end.
     batches = linear_batches(3 * sync_period + 1, 16)
     params = linear_params()
-    kw = dict(sync_period=sync_period, fragments=fragments, delay=delay, mix=mix)
-    _, state = run(params, batches, block_momentum=0.5, **kw)
-    want_local, want_g, want_v = reference_streaming(params, batches, **kw)
+    _, state = run(
+        params,
+        batches,
+        sync_period=sync_period,
+        streaming=jdp.Streaming(fragments, delay, mix),
+        outer=jdp.block_momentum(momentum=0.5),
+    )
+    want_local, want_g, want_v = reference_streaming(
+        params,
+        batches,
+        sync_period=sync_period,
+        fragments=fragments,
+        delay=delay,
+        mix=mix,
+    )
     check(state, want_local, want_g, want_v)
     assert not jdp.replicas_in_sync(state.params, atol=1e-4)
 
@@ -169,8 +181,9 @@ def test_outer_nesterov_matches_numpy_reference_on_both_backends(backend, delay)
         params,
         batches,
         backend=backend,
+        sync_period=4,
+        streaming=jdp.Streaming(fragments=2, delay=delay, mix=0.5),
         outer=optax.sgd(0.7, momentum=0.9, nesterov=True),
-        **kw,
     )
     want_local, want_g, _ = reference_streaming(
         params, batches, nesterov_outer=(0.7, 0.9), **kw
@@ -186,15 +199,15 @@ def bits(tree):
 
 
 def test_default_schedule_is_the_block_sync_bit_for_bit(monkeypatch):
-    """`fragments=1, delay=0, mix=0.0` is today's block sync; the streaming code
-    path run with them gives the same bits too."""
+    """`jdp.Streaming()` (`fragments=1, delay=0, mix=0.0`) is today's block sync;
+    the streaming code path run with them gives the same bits too."""
     params, batches = linear_params(), linear_batches(10, 16)
     inner = optax.sgd(LR, momentum=0.9)
     runs = {}
     for name, kw in [
         ("plain", {}),
-        ("explicit", {"fragments": 1, "delay": 0, "mix": 0.0}),
-        ("nesterov", {"nesterov": True, "block_momentum": 0.6}),
+        ("explicit", {"streaming": jdp.Streaming(fragments=1, delay=0, mix=0.0)}),
+        ("nesterov", {"outer": jdp.block_momentum(momentum=0.6, nesterov=True)}),
     ]:
         tx = jdp.bmuf(inner, sync_period=3, **kw)
         runs[name] = run_with(tx, params, batches)
@@ -202,7 +215,7 @@ def test_default_schedule_is_the_block_sync_bit_for_bit(monkeypatch):
         m.setattr(_bmuf._Options, "streaming", property(lambda self: True))
         streamed = run_with(jdp.bmuf(inner, sync_period=3), params, batches)
         streamed_nesterov = run_with(
-            jdp.bmuf(inner, sync_period=3, nesterov=True, block_momentum=0.6),
+            jdp.bmuf(inner, 3, outer=jdp.block_momentum(momentum=0.6, nesterov=True)),
             params,
             batches,
         )
@@ -227,7 +240,10 @@ def run_with(tx, params, batches, num=NUM, backend="shard_map"):
 def test_hand_written_step_agrees_with_the_train_step():
     """Inside the optimizer (`tx.update` + `optax.apply_updates`) the same schedule."""
     tx = jdp.bmuf(
-        optax.sgd(LR), sync_period=4, fragments=2, delay=1, mix=0.5, block_momentum=0.5
+        optax.sgd(LR),
+        sync_period=4,
+        outer=jdp.block_momentum(momentum=0.5),
+        streaming=jdp.Streaming(fragments=2, delay=1, mix=0.5),
     )
 
     def hand_written(state, batch):
@@ -297,7 +313,7 @@ def test_fragments_have_nearly_equal_bytes_and_cover_every_element_once(fragment
 
 
 def test_too_many_fragments_for_the_rows_is_refused():
-    tx = jdp.bmuf(optax.sgd(0.1), sync_period=8, fragments=8)
+    tx = jdp.bmuf(optax.sgd(0.1), 8, streaming=jdp.Streaming(fragments=8))
     with pytest.raises(ValueError, match=r"`fragments=8`.*have 3 rows.*Use fewer"):
         tx.init({"w": jnp.ones((2, 5)), "b": jnp.ones(())})
 
@@ -334,7 +350,7 @@ def test_per_step_bytes_from_the_program(backend, delay):
     params = wide_params()
     param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
     tx = jdp.bmuf(
-        optax.sgd(0.1), sync_period=sync_period, fragments=fragments, delay=delay
+        optax.sgd(0.1), sync_period, streaming=jdp.Streaming(fragments, delay)
     )
     step = jdp.parallelize(
         jdp.make_train_step(wide_loss, tx, sync=jdp.local()),
@@ -373,20 +389,29 @@ def untaken_branch_copies(hlo_text):
 @pytest.mark.parametrize(
     "kw",
     [
-        {"fragments": 4, "delay": 0},
-        {"fragments": 4, "delay": 1},
-        {"fragments": 4, "delay": 4},
-        {"fragments": 4, "delay": 2, "mix": 0.5},
+        {"streaming": jdp.Streaming(fragments=4, delay=0)},
+        {"streaming": jdp.Streaming(fragments=4, delay=1)},
+        {"streaming": jdp.Streaming(fragments=4, delay=4)},
+        {"streaming": jdp.Streaming(fragments=4, delay=2, mix=0.5)},
         pytest.param(
-            {"fragments": 4, "delay": 2, "nesterov": True},
+            {
+                "streaming": jdp.Streaming(fragments=4, delay=2),
+                "outer": jdp.block_momentum(nesterov=True),
+            },
             marks=pytest.mark.xfail(
                 strict=True,
-                reason="with nesterov=True (and no outer=) XLA still copies one "
-                "leaf in the untaken branch of each fragment's global update",
+                reason="with jdp.block_momentum(nesterov=True) XLA still copies "
+                "one leaf in the untaken branch of each fragment's global update",
             ),
         ),
-        {"fragments": 4, "delay": 2, "outer": optax.sgd(0.7, momentum=0.9)},
-        {"fragments": 4, "delay": 2, "wire": jdp.wire.bf16()},
+        {
+            "streaming": jdp.Streaming(fragments=4, delay=2),
+            "outer": optax.sgd(0.7, momentum=0.9),
+        },
+        {
+            "streaming": jdp.Streaming(fragments=4, delay=2),
+            "average": jdp.BlockAverage(wire=jdp.wire.bf16()),
+        },
     ],
     ids=["d0", "d1", "d4", "mix", "nesterov", "outer", "wire"],
 )
@@ -403,7 +428,8 @@ def test_a_step_without_a_sync_copies_nothing(kw):
     text = step.lower(state, step.shard(wide_batch())).compile().as_text()
     copies = untaken_branch_copies(text)
     # One conditional per chunk and two per fragment at least: all checked.
-    assert len(copies) >= 2 * kw["fragments"] + kw["fragments"] * kw["delay"]
+    fragments, delay = kw["streaming"].fragments, kw["streaming"].delay
+    assert len(copies) >= 2 * fragments + fragments * delay
     assert not any(copies.values()), copies
 
 
@@ -456,7 +482,7 @@ def depends_on_inputs(jaxpr, tainted):
 def test_delayed_all_reduce_does_not_wait_for_the_steps_gradients(delay):
     """With delay >= 1 every parameter all-reduce reads the state (the snapshot),
     not this step's gradients, so XLA may overlap it with the step's compute."""
-    tx = jdp.bmuf(optax.sgd(0.1), sync_period=8, fragments=2, delay=delay)
+    tx = jdp.bmuf(optax.sgd(0.1), 8, streaming=jdp.Streaming(2, delay))
     params = wide_params()
 
     def one_step(params, opt_state, batch):
@@ -515,9 +541,7 @@ def streaming_step(num, backend="shard_map"):
     tx = jdp.bmuf(
         optax.sgd(LR, momentum=0.9),
         sync_period=8,
-        fragments=2,
-        delay=3,
-        mix=0.5,
+        streaming=jdp.Streaming(fragments=2, delay=3, mix=0.5),
         outer=optax.sgd(0.7, momentum=0.9, nesterov=True),
     )
     step = jdp.parallelize(
@@ -595,38 +619,53 @@ def test_into_another_count_every_fragment_starts_from_its_global_copy(tmp_path)
 
 
 @pytest.mark.parametrize(
-    "kw, match",
+    "sync_period, kw, match",
     [
         (
-            {"sync_period": 6, "fragments": 4},
+            6,
+            {"streaming": jdp.Streaming(fragments=4)},
             r"`sync_period` \(6\) must be divisible by `fragments` \(4\)",
         ),
         (
-            {"sync_period": 8, "fragments": 4, "delay": 3},
+            8,
+            {"streaming": jdp.Streaming(fragments=4, delay=3)},
             r"`delay` \(3\) must be at most sync_period / fragments \(8 / 4 = 2\)",
         ),
-        ({"sync_period": 8, "mix": 1.5}, r"`mix` must be a finite number in \[0, 1\)"),
         (
-            {"sync_period": 8, "fragments": 2, "mix": 1.0},
-            r"`mix` must be a finite number in \[0, 1\) .*got 1.0: each replica "
-            r"would keep its local fragment entirely, so the replicas would never sync",
-        ),
-        ({"sync_period": 8, "mix": -0.1}, r"`mix` must be a finite number >= 0"),
-        ({"sync_period": 8, "mix": float("nan")}, r"`mix` must be .*got nan"),
-        ({"sync_period": 8, "fragments": 0}, r"`fragments` must be"),
-        ({"sync_period": 8, "fragments": -2}, r"`fragments` must be"),
-        ({"sync_period": 8, "delay": -1}, r"`delay` must be"),
-        (
-            {"sync_period": 8, "fragments": 2, "inner_state_at_sync": "reset"},
+            8,
+            {"streaming": jdp.Streaming(fragments=2), "inner_state_at_sync": "reset"},
             r"`inner_state_at_sync='reset'` acts on the whole inner state.*"
-            r"`fragments=2`",
+            r"`fragments=2`.*`jdp.Streaming\(fragments=1\)`",
         ),
     ],
     ids=lambda x: x if isinstance(x, str) else None,
 )
-def test_bad_schedules_name_the_argument(kw, match):
+def test_bad_schedules_name_the_argument(sync_period, kw, match):
     with pytest.raises(ValueError, match=match):
-        jdp.bmuf(optax.sgd(0.1), **kw)
+        jdp.bmuf(optax.sgd(0.1), sync_period, **kw)
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"mix": 1.5}, r"`mix` must be a finite number in \[0, 1\)"),
+        (
+            {"fragments": 2, "mix": 1.0},
+            r"`mix` must be a finite number in \[0, 1\) .*got 1.0: each replica "
+            r"would keep its local fragment entirely, so the replicas would never "
+            r"sync.*`jdp.Streaming\(mix=0.5\)`",
+        ),
+        ({"mix": -0.1}, r"`mix` must be a finite number >= 0"),
+        ({"mix": float("nan")}, r"`mix` must be .*got nan"),
+        ({"fragments": 0}, r"`fragments` must be"),
+        ({"fragments": -2}, r"`fragments` must be"),
+        ({"delay": -1}, r"`delay` must be"),
+    ],
+    ids=lambda x: x if isinstance(x, str) else None,
+)
+def test_a_bad_streaming_value_names_its_field(kw, match):
+    with pytest.raises(ValueError, match=match):
+        jdp.Streaming(**kw)
 
 
 @pytest.mark.parametrize(
@@ -639,13 +678,30 @@ def test_bad_schedules_name_the_argument(kw, match):
 )
 def test_wrong_schedule_types_are_type_errors(kw, match):
     with pytest.raises(TypeError, match=match):
-        jdp.bmuf(optax.sgd(0.1), sync_period=8, **kw)
+        jdp.Streaming(**kw)
+
+
+def test_a_streaming_value_is_immutable_and_plain_by_default():
+    schedule = jdp.Streaming(fragments=2, delay=1, mix=0.5)
+    with pytest.raises(AttributeError):
+        schedule.fragments = 4
+    assert schedule == jdp.Streaming(2, 1, 0.5)
+    params, batches = linear_params(), linear_batches(7, 16)
+    inner = optax.sgd(LR, momentum=0.9)
+    plain, default = (
+        run_with(jdp.bmuf(inner, 3, streaming=value), params, batches)
+        for value in (None, jdp.Streaming())
+    )
+    assert bits(default) == bits(plain)
 
 
 def test_inner_state_at_sync_applies_with_one_fragment_and_a_delay():
     """With one fragment `reset` still acts at each sync (the whole inner state)."""
     tx = jdp.bmuf(
-        optax.sgd(LR, momentum=0.9), sync_period=4, delay=2, inner_state_at_sync="reset"
+        optax.sgd(LR, momentum=0.9),
+        sync_period=4,
+        streaming=jdp.Streaming(delay=2),
+        inner_state_at_sync="reset",
     )
     state = run_with(tx, linear_params(), linear_batches(4, 16))
     for leaf in jax.tree.leaves(state.opt_state.inner_state):
@@ -661,17 +717,21 @@ def test_inner_state_at_sync_applies_with_one_fragment_and_a_delay():
 
 @pytest.mark.parametrize(
     "kw",
-    [{}, {"fragments": 2, "delay": 1, "mix": 0.5}],
+    [{}, {"streaming": jdp.Streaming(fragments=2, delay=1, mix=0.5)}],
     ids=["block", "streaming"],
 )
 def test_wire_compresses_the_pseudo_gradient(kw):
-    """`wire=`: the replicas' pseudo-gradients `start - params` go over an
+    """`BlockAverage(wire=)`: the replicas' pseudo-gradients `start - params` go over an
     all-to-all and an all-gather of the narrow type; results stay close."""
     params, batches = wide_params(), [wide_batch() for _ in range(9)]
     runs = {}
     for name, wire in [("plain", None), ("bf16", jdp.wire.bf16())]:
         tx = jdp.bmuf(
-            optax.sgd(0.1), sync_period=4, block_momentum=0.5, wire=wire, **kw
+            optax.sgd(0.1),
+            sync_period=4,
+            outer=jdp.block_momentum(momentum=0.5),
+            average=jdp.BlockAverage(wire=wire),
+            **kw,
         )
         step = jdp.parallelize(
             jdp.make_train_step(wide_loss, tx, sync=jdp.local()),
@@ -700,5 +760,7 @@ def test_wire_compresses_the_pseudo_gradient(kw):
 
 
 def test_wire_must_be_a_wire_format():
-    with pytest.raises(TypeError, match=r"`jdp.bmuf`: `wire` must be a wire format"):
-        jdp.bmuf(optax.sgd(0.1), sync_period=4, wire="int8")
+    with pytest.raises(
+        TypeError, match=r"`jdp.BlockAverage`: `wire` must be a wire format"
+    ):
+        jdp.BlockAverage(wire="int8")

@@ -215,7 +215,9 @@ def test_sync_gradients_refuses_what_is_not_a_piece():
 
 def test_bmuf_in_a_hand_written_step_runs_the_same_block_sync():
     """The optax path (sync inside the optimizer) and `jdp.local()` agree."""
-    tx = jdp.bmuf(optax.sgd(0.1, momentum=0.9), sync_period=3, block_momentum=0.5)
+    tx = jdp.bmuf(
+        optax.sgd(0.1, momentum=0.9), 3, outer=jdp.block_momentum(momentum=0.5)
+    )
     batches = make_batches(7, 32)
 
     def hand_written(state, batch):

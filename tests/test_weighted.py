@@ -160,7 +160,7 @@ def test_other_pieces_normalise_by_the_global_count(piece):
     if piece == "zero":
         params, losses, _ = run(lm_loss, tx, batches, sync=jdp.zero())
     else:
-        local_tx = jdp.bmuf(tx, sync_period=1, block_momentum=0.0)
+        local_tx = jdp.bmuf(tx, 1, outer=jdp.block_momentum(momentum=0.0))
         params, losses, _ = run(lm_loss, local_tx, batches, sync=jdp.local())
     chex.assert_trees_all_close(params, expected, rtol=2e-5, atol=2e-6)
     np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)

@@ -57,7 +57,8 @@ def _plan_of_shapes(shapes, fragments: int, delay: int) -> Plan:
         raise ValueError(
             f"`jdp.bmuf`: cannot split the parameters into `fragments={fragments}` "
             f"fragments: they have {total} rows (first-axis slices) in all, and "
-            f"fragment {empty[0]} would be empty. Use fewer fragments."
+            f"fragment {empty[0]} would be empty. Use fewer fragments: "
+            "`jdp.Streaming(fragments=...)`."
         )
     chunks = tuple(_split(f, rows, row_bytes, delay) for f in frags) if delay else ()
     return Plan(frags, chunks)

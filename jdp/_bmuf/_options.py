@@ -1,19 +1,153 @@
-"""`jdp.bmuf`'s options: their record and the checks made when it is built."""
+"""`jdp.bmuf`'s options: the schedule and average values, their record, checks.
+
+`Streaming` (the fragment schedule) and `BlockAverage` (how the replicas'
+params are averaged at a sync) are small immutable values that check
+themselves; `Options` is the record the sync reads, built by `options` from
+`jdp.bmuf`'s arguments, and `check` makes the checks that span several of them.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal, NamedTuple, get_args
 
 import optax
 
 from jdp import _validate, _wire
+from jdp._bmuf._outer import BlockMomentum, block_momentum
 
 InnerStateAtSync = Literal["keep", "reset", "average"]
 OnBadReplica = Literal["drop"]
 
 
+@dataclasses.dataclass(frozen=True)
+class Streaming:
+    """Streaming DiLoCo's schedule, for `jdp.bmuf(streaming=jdp.Streaming(...))`.
+
+    The parameters are split into `fragments` parts of nearly equal bytes
+    (leaves in tree order, a leaf cut along its first axis where needed; a
+    function of the shapes alone), each with its own slices of `g`, `start`
+    and `v` (or its own `outer` state). One fragment syncs every
+    `sync_period / fragments` updates, round-robin from fragment 0, so each
+    syncs every `sync_period` updates. See the BMUF guide for the exact
+    schedule. `jdp.Streaming()` (every field at its default) is the plain block
+    sync, as `streaming=None`.
+
+    Attributes:
+      fragments: F, an int >= 1 dividing `sync_period` (torchft's
+        `len(model_fragments)`). 1 (default): the whole model at once.
+      delay: τ, the number of updates over which a fragment's all-reduce is
+        spread (0 <= τ <= `sync_period / fragments`; torchft's
+        `fragment_sync_delay`, the paper's overlap τ). The fragment's local
+        params are taken τ updates before its sync, all-reduced one chunk per
+        update during the next τ updates (from a buffer in the state, so that
+        the collective does not wait for the step's gradients), and merged at
+        the sync; the local progress of those τ updates is kept by `mix` only.
+        0 (default): taken and all-reduced at the sync.
+      mix: α in [0, 1), how much of the local fragment to keep at its sync
+        (torchft's `fragment_update_alpha`, the paper's α): the local slices
+        become `(1 - α) * new + α * local`, `new` being what they become
+        without it (`g`, or `start` with `nesterov=True`). 0.0 (default).
+
+    Raises:
+      TypeError: If `fragments` or `delay` is not an int, or `mix` not a number.
+      ValueError: If `fragments` < 1, `delay` < 0, or `mix` outside [0, 1).
+
+    Example:
+      >>> import optax, jdp
+      >>> tx = jdp.bmuf(optax.adam(1e-3), 8,
+      ...               streaming=jdp.Streaming(fragments=2, delay=2, mix=0.5))
+    """
+
+    fragments: int = 1
+    delay: int = 0
+    mix: float = 0.0
+
+    def __post_init__(self) -> None:
+        _validate.positive_int(
+            "fragments", self.fragments, note="1: the whole model at once"
+        )
+        _validate.non_negative_int("delay", self.delay)
+        mix = _validate.finite_number(
+            "mix",
+            self.mix,
+            at_least=0,
+            note="below 1; 0 discards the delayed local steps",
+        )
+        if mix >= 1:
+            why = (
+                "each replica would keep its local fragment entirely, so the "
+                "replicas would never sync"
+                if mix == 1
+                else "it would move each replica away from the synced fragment"
+            )
+            raise ValueError(
+                f"`mix` must be a finite number in [0, 1) (the weight of each "
+                f"replica's local params in the merged fragment), got {mix!r}: "
+                f"{why}. Use a value below 1, e.g. `jdp.Streaming(mix=0.5)`, or "
+                "`mix=0.0` (the default)."
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockAverage:
+    """How `jdp.bmuf` averages the replicas' params at a sync: `average=`.
+
+    The one seam before the block update: every sync averages the replicas'
+    params here, and the update formula reads the mean alone.
+    `jdp.BlockAverage()` (every field at its default) is the plain mean, as
+    `average=None`.
+
+    Attributes:
+      wire: A compressed exchange for the syncs: `jdp.wire.bf16()`,
+        `jdp.wire.int8()` or `jdp.wire.fp8()` (see `jdp.wire`). Each replica's
+        outer pseudo-gradient `start - params` (of the whole model, a fragment
+        or a chunk) is quantised and averaged by an all-to-all and an
+        all-gather of the narrow type, and the sync uses `start` minus that
+        mean (torchft's `should_quantize`). None (default): the params are
+        all-reduced in their own type.
+      on_bad_replica: `"drop"`: at a block sync, a replica whose locally
+        updated params are not finite (a NaN or inf gradient during the block),
+        or moved farther than `bad_replica_max_norm` from the block start, is
+        left out of the average: the sync averages the other replicas' params
+        (each replica multiplies its contribution by its validity bit, and the
+        count of valid replicas rides in the same all-reduce), and every
+        replica, the dropped ones included, starts the next block from the new
+        model; a dropped replica's floating `inner` state is reset (with
+        `inner_state_at_sync="average"`, the valid replicas' mean is taken).
+        If no replica is valid, the block update is skipped: `g`, `start` and
+        `v` (or the `outer` state) stay as they were and every replica restarts
+        from the previous block start. The state's `dropped` counts the
+        replicas left out. For the block sync only (`streaming=None`) and
+        without `wire`. None (default): every replica is averaged, as is.
+      bad_replica_max_norm: With `on_bad_replica="drop"`, also drop a replica
+        whose params' L2 distance (over all floating leaves) from the block
+        start exceeds this (a finite number > 0). None (default): finiteness
+        alone.
+
+    Raises:
+      TypeError: If `wire` is not a wire format.
+      ValueError: If `on_bad_replica` is not None or "drop", if
+        `bad_replica_max_norm` is not a finite number > 0 or is given without
+        `on_bad_replica="drop"`, or if `on_bad_replica` is combined with `wire`.
+
+    Example:
+      >>> import optax, jdp
+      >>> tx = jdp.bmuf(optax.sgd(0.1), 4,
+      ...               average=jdp.BlockAverage(on_bad_replica="drop"))
+    """
+
+    wire: _wire.Wire | None = None
+    on_bad_replica: OnBadReplica | None = None
+    bad_replica_max_norm: float | None = None
+
+    def __post_init__(self) -> None:
+        _wire.check_wire(self.wire, "jdp.BlockAverage")
+        _check_bad_replica(self)
+
+
 class Options(NamedTuple):
-    """`jdp.bmuf`'s block-filter options, as given (checked by `check`)."""
+    """`jdp.bmuf`'s options as the sync reads them (checked by `check`)."""
 
     block_learning_rate: float
     block_momentum: float | None
@@ -40,89 +174,50 @@ class Options(NamedTuple):
         return self.fragments > 1 or self.delay > 0 or self.mix > 0
 
 
-def check(inner, sync_period, options: Options) -> None:
-    """`jdp.bmuf`'s argument checks (see its Raises section)."""
-    block_learning_rate = options.block_learning_rate
-    block_momentum = options.block_momentum
-    inner_state_at_sync, outer = options.inner_state_at_sync, options.outer
-    _check_transform(inner, "inner")
-    _wire.check_wire(options.wire, "jdp.bmuf")
-    _validate.positive_int("sync_period", sync_period, note="steps per block")
-    _validate.finite_number(
-        "block_learning_rate",
-        block_learning_rate,
-        above=0,
-        note="1.0 is the usual setting",
+def record(sync_period, outer, warmup_steps, inner_state_at_sync, streaming,
+            average) -> Options:  # fmt: skip
+    """The record of `jdp.bmuf`'s arguments; `outer=None` is `block_momentum()`.
+
+    A `jdp.block_momentum` transform runs as the classical block filter (its
+    settings in the record, `outer` None); any other `outer` replaces it.
+    """
+    _check_value(streaming, Streaming, "streaming", "jdp.Streaming(fragments=2)")
+    _check_value(average, BlockAverage, "average", "jdp.BlockAverage(wire=...)")
+    if outer is None:
+        outer = block_momentum()
+    _check_transform(outer, "outer")
+    classical = isinstance(outer, BlockMomentum)
+    streaming = streaming or Streaming()
+    average = average or BlockAverage()
+    return Options(
+        block_learning_rate=outer.learning_rate if classical else 1.0,
+        block_momentum=outer.momentum if classical else None,
+        nesterov=outer.nesterov if classical else False,
+        inner_state_at_sync=inner_state_at_sync,
+        warmup_steps=warmup_steps,
+        outer=None if classical else outer,
+        fragments=streaming.fragments,
+        delay=streaming.delay,
+        mix=streaming.mix,
+        sync_period=sync_period,
+        wire=average.wire,
+        on_bad_replica=average.on_bad_replica,
+        bad_replica_max_norm=average.bad_replica_max_norm,
     )
-    if block_momentum is not None:
-        _validate.finite_number(
-            "block_momentum",
-            block_momentum,
-            at_least=0,
-            below=1,
-            note="or None for the default 1 - 1 / num_replicas",
-        )
+
+
+def check(inner, options: Options) -> None:
+    """`jdp.bmuf`'s checks of its own arguments and of those that span values."""
+    _check_transform(inner, "inner")
+    sync_period = options.sync_period
+    _validate.positive_int("sync_period", sync_period, note="steps per block")
     _validate.non_negative_int("warmup_steps", options.warmup_steps)
-    _check_streaming(sync_period, options)
-    _check_bad_replica(options)
-    if inner_state_at_sync not in get_args(InnerStateAtSync):
+    if options.inner_state_at_sync not in get_args(InnerStateAtSync):
         raise ValueError(
             "`inner_state_at_sync` must be one of 'keep', 'reset', 'average'; got "
-            f"{inner_state_at_sync!r}."
+            f"{options.inner_state_at_sync!r}."
         )
-    if outer is not None:
-        _check_transform(outer, "outer")
-        if block_momentum is not None or options.nesterov or block_learning_rate != 1.0:
-            raise ValueError(
-                "`outer` replaces the block filter, so `block_learning_rate`, "
-                "`block_momentum` and `nesterov` cannot be set with it; fold them "
-                "into `outer`, e.g. `outer=optax.sgd(block_learning_rate, "
-                "momentum=block_momentum, nesterov=True)`."
-            )
-
-
-def _check_bad_replica(options: Options) -> None:
-    """The checks of `on_bad_replica` and `bad_replica_max_norm`."""
-    mode, max_norm = options.on_bad_replica, options.bad_replica_max_norm
-    if mode is not None and mode not in get_args(OnBadReplica):
-        raise ValueError(
-            "`on_bad_replica` must be None (average every replica) or 'drop' "
-            f"(leave out replicas whose params are not finite); got {mode!r}."
-        )
-    if max_norm is not None:
-        if mode is None:
-            raise ValueError(
-                "`bad_replica_max_norm` drops replicas that moved too far, which "
-                "needs `on_bad_replica='drop'`: pass both."
-            )
-        _validate.finite_number(
-            "bad_replica_max_norm",
-            max_norm,
-            above=0,
-            note="the largest L2 distance from the block start, or None",
-        )
-    if mode is None:
-        return
-    if options.streaming:
-        raise ValueError(
-            "`on_bad_replica='drop'` is supported for the block sync only: "
-            f"got `fragments={options.fragments}`, `delay={options.delay}`, "
-            f"`mix={options.mix}`. Use `fragments=1, delay=0, mix=0.0`, or "
-            "`on_bad_replica=None`."
-        )
-    if options.wire is not None:
-        raise ValueError(
-            "`on_bad_replica='drop'` counts the valid replicas in the params' "
-            "all-reduce, which a compressed exchange (`wire=`) does not carry: "
-            "use `wire=None` with it, or `on_bad_replica=None`."
-        )
-
-
-def _check_streaming(sync_period: int, options: Options) -> None:
-    """The checks of `fragments`, `delay` and `mix` (Streaming DiLoCo)."""
-    fragments, delay, mix = options.fragments, options.delay, options.mix
-    _validate.positive_int("fragments", fragments, note="1: the whole model at once")
-    _validate.non_negative_int("delay", delay)
+    fragments, delay = options.fragments, options.delay
     if sync_period % fragments:
         raise ValueError(
             f"`sync_period` ({sync_period}) must be divisible by `fragments` "
@@ -137,27 +232,58 @@ def _check_streaming(sync_period: int, options: Options) -> None:
             f"({sync_period} / {fragments} = {period}): a fragment's all-reduce "
             "must end before the next fragment's begins."
         )
-    mix = _validate.finite_number(
-        "mix", mix, at_least=0, note="below 1; 0 discards the delayed local steps"
-    )
-    if mix >= 1:
-        why = (
-            "each replica would keep its local fragment entirely, so the replicas "
-            "would never sync"
-            if mix == 1
-            else "it would move each replica away from the synced fragment"
-        )
-        raise ValueError(
-            f"`mix` must be a finite number in [0, 1) (the weight of each "
-            f"replica's local params in the merged fragment), got {mix!r}: {why}. "
-            "Use a value below 1, e.g. `mix=0.5`, or `mix=0.0` (the default)."
-        )
     if fragments > 1 and options.inner_state_at_sync != "keep":
         raise ValueError(
             f"`inner_state_at_sync={options.inner_state_at_sync!r}` acts on the "
             f"whole inner state at once, but with `fragments={fragments}` each "
             "sync merges one fragment: use `inner_state_at_sync='keep'` (as "
-            "Streaming DiLoCo does) or `fragments=1`."
+            "Streaming DiLoCo does) or `jdp.Streaming(fragments=1)`."
+        )
+    if options.on_bad_replica is not None and options.streaming:
+        raise ValueError(
+            "`on_bad_replica='drop'` is supported for the block sync only: got "
+            f"`jdp.Streaming(fragments={fragments}, delay={delay}, "
+            f"mix={options.mix})`. Use `streaming=None` with "
+            "`average=jdp.BlockAverage(on_bad_replica='drop')`, or "
+            "`on_bad_replica=None`."
+        )
+
+
+def _check_bad_replica(average: BlockAverage) -> None:
+    """The checks of `on_bad_replica` and `bad_replica_max_norm`."""
+    mode, max_norm = average.on_bad_replica, average.bad_replica_max_norm
+    if mode is not None and mode not in get_args(OnBadReplica):
+        raise ValueError(
+            "`on_bad_replica` must be None (average every replica) or 'drop' "
+            f"(leave out replicas whose params are not finite); got {mode!r}."
+        )
+    if max_norm is not None:
+        if mode is None:
+            raise ValueError(
+                "`bad_replica_max_norm` drops replicas that moved too far, which "
+                "needs `on_bad_replica='drop'`: pass both, "
+                "`jdp.BlockAverage(on_bad_replica='drop', bad_replica_max_norm=...)`."
+            )
+        _validate.finite_number(
+            "bad_replica_max_norm",
+            max_norm,
+            above=0,
+            note="the largest L2 distance from the block start, or None",
+        )
+    if mode is not None and average.wire is not None:
+        raise ValueError(
+            "`on_bad_replica='drop'` counts the valid replicas in the params' "
+            "all-reduce, which a compressed exchange (`wire=`) does not carry: "
+            "use `jdp.BlockAverage(wire=None, on_bad_replica='drop')`, or "
+            "`on_bad_replica=None`."
+        )
+
+
+def _check_value(value: Any, kind: type, name: str, example: str) -> None:
+    if value is not None and not isinstance(value, kind):
+        raise TypeError(
+            f"`{name}` must be a `jdp.{kind.__name__}` or None, e.g. "
+            f"`{name}={example}`; got {type(value).__name__}."
         )
 
 

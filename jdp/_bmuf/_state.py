@@ -31,23 +31,26 @@ class BMUFState(NamedTuple):
       global_params: The global model `g`, the paper's W(t): what to evaluate and
         export (read it with `jdp.bmuf_global_params`). During warmup it follows
         the (identical) replicas' parameters.
-      start: With `nesterov=True`, the model every replica began the current
-        block from, `g + block_momentum * v` (the initial params for the first
-        block); after a sync every replica's params equal it. None otherwise:
-        the block start is then `g` itself.
+      start: With `outer=jdp.block_momentum(nesterov=True)`, the model every
+        replica began the current block from, `g + η v` (the initial params
+        for the first block); after a sync every replica's params equal it.
+        None otherwise: the block start is then `g` itself.
       velocity: The block velocity `v`, the paper's Δ(t), shaped like the params
-        and zero until the first sync; with `outer`, the outer optimizer's state
-        instead (with `fragments`, `delay` or `mix` set: a tuple of one outer
-        state per fragment, each over the list of that fragment's slices).
+        and zero until the first sync; with another `outer`, the outer
+        optimizer's state instead (with a `jdp.Streaming` schedule: a tuple of
+        one outer state per fragment, each over the list of that fragment's
+        slices).
       inner_state: The state of the `inner` optimizer.
-      synced: Whether the last update ended a block, or with `fragments` > 1 a
-        fragment's sync (bool, shape ()).
-      pending: With `delay` >= 1, the fragment sync in flight, shaped like the
-        params: the fragment's slices hold this replica's local params from
-        `delay` steps before its sync, and each chunk already all-reduced holds
-        the replicas' mean instead. None otherwise.
-      dropped: With `on_bad_replica="drop"`, how many replicas' blocks were left
-        out of the average so far, summed over syncs (int32, shape (), equal on
+      synced: Whether the last update ended a block, or with more than one
+        fragment (`jdp.Streaming(fragments=...)`) a fragment's sync (bool,
+        shape ()).
+      pending: With a streaming `delay` >= 1, the fragment sync in flight,
+        shaped like the params: the fragment's slices hold this replica's local
+        params from `delay` steps before its sync, and each chunk already
+        all-reduced holds the replicas' mean instead. None otherwise.
+      dropped: With `jdp.BlockAverage(on_bad_replica="drop")`, how many
+        replicas' blocks were left out of the average so far, summed over syncs
+        (int32, shape (), equal on
         every replica). None otherwise.
     """
 
@@ -110,8 +113,9 @@ def replace_states(tree: PyTree, state: BMUFState) -> PyTree:
 def block_start(g: PyTree, start: PyTree) -> PyTree:
     """The model every replica began the block from: `start`, or `g` if None.
 
-    `start` is None unless the state stores it (`nesterov=True` without
-    `outer`), in the state and in each of its slices alike.
+    `start` is None unless the state stores it (NBM,
+    `jdp.block_momentum(nesterov=True)`), in the state and in each of its
+    slices alike.
     """
     return g if start is None else start
 

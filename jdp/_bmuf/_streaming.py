@@ -1,6 +1,6 @@
 """Streaming DiLoCo: fragment syncs, chunked delayed all-reduces, snapshots.
 
-`merge` is the block sync's counterpart for `fragments`, `delay` and `mix`: the
+`merge` is the block sync's counterpart for a `jdp.Streaming` schedule: the
 same averaging (`_average.params_mean`) and update formula (`_update`), applied
 to one fragment's slices at a time (`_fragments`), each step's work under
 conditionals that copy nothing when nothing is due.
@@ -124,7 +124,7 @@ def _sync_fragments(dues, plan, leaves, velocity, inner_state, tree, *,
     and the local params from it. Each buffer is then updated in place by a
     conditional ordered (through what it reads) after every other reader of its
     old value, so XLA copies nothing, and a step without a sync does nothing
-    (with `nesterov=True` and no `outer=`, XLA still copies a leaf per fragment
+    (with `jdp.block_momentum(nesterov=True)`, XLA still copies a leaf per fragment
     there).
     """
     p_leaves, g_leaves, s_leaves, v_leaves, pend = leaves

@@ -1,7 +1,7 @@
 """What a sync does to the state, written once for every schedule.
 
-The block filter (`velocity`, then `advance`) or the `outer` optimizer, applied
-to the mean the averaging step (`jdp._bmuf._average`) hands it; the inner
+The block filter (`_outer.velocity`, then `advance`) or the `outer` optimizer,
+applied to the mean the averaging step (`jdp._bmuf._average`) hands it; the inner
 state at a sync; and the global model following the replicas during warmup.
 The block sync applies them to the whole tree, Streaming DiLoCo to each
 fragment's slices.
@@ -14,8 +14,9 @@ from typing import Any
 import optax
 from jax import lax
 
-from jdp import _collectives
 from jdp._bmuf._average import EVERY
+from jdp._bmuf._outer import eta as eta  # the sync's block momentum
+from jdp._bmuf._outer import velocity
 from jdp._bmuf._state import (
     block_start,
     cast_like,
@@ -26,22 +27,6 @@ from jdp._bmuf._state import (
 )
 
 PyTree = Any
-
-
-def eta(axis_name, block_momentum):
-    """The block momentum: `block_momentum`, or `1 - 1 / num_replicas` for None."""
-    num = _collectives.axis_size(axis_name, "jdp.bmuf")
-    return 1.0 - 1.0 / num if block_momentum is None else block_momentum
-
-
-def velocity(v, avg, ref, eta, block_learning_rate):
-    """The new block velocity `eta * v + block_learning_rate * (avg - ref)`.
-
-    `avg` is the replicas' mean, `ref` the block start they began from.
-    """
-    return float_map(
-        lambda v, a, s: eta * v + block_learning_rate * (a - s), v, avg, ref
-    )
 
 
 def advance(g, start, v, eta):
@@ -56,7 +41,7 @@ def block_update(g, start, v, avg, eta, block_learning_rate, outer):
     """The block update of a sync: returns the new `g`, `start` and `v`.
 
     `avg` is the mean of the replicas' locally updated params; `start` is None
-    unless the state stores it (`nesterov=True` without `outer`), the block
+    unless the state stores it (`jdp.block_momentum(nesterov=True)`), the block
     start then being `g`. With `outer`, `v` is the outer optimizer's state and
     the new `g` is `g` updated by it with the pseudo-gradient `g - avg`.
     """

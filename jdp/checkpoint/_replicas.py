@@ -82,7 +82,8 @@ def block_start_params(host: PyTree) -> tuple[PyTree, str]:
 
     A state part that declares `restart_params` (`_replica_parts`) says where
     every replica begins after a re-layout: for `jdp.bmuf`, the block start (the
-    global model `global_params`, or `start` with `nesterov=True`).
+    global model `global_params`, or `start` with
+    `jdp.block_momentum(nesterov=True)`).
 
     Args:
       host: One logical copy (NumPy leaves) of a training state.
@@ -125,6 +126,7 @@ def block_start_params(host: PyTree) -> tuple[PyTree, str]:
         host = host._replace(params=new)
     return host, (
         " The state holds a `jdp.bmuf` state: its params are set to the block start "
-        "(its `global_params`, or the look-ahead `start` with `nesterov=True`), so "
+        "(its `global_params`, or the look-ahead `start` with "
+        "`jdp.block_momentum(nesterov=True)`), so "
         "a new block starts from the global model."
     )

@@ -67,7 +67,7 @@ def build_algo(args: argparse.Namespace) -> Algo:
     tx = jdp.bmuf(
         optax.sgd(args.lr),
         sync_period=args.sync_period,
-        block_momentum=args.block_momentum,
+        outer=jdp.block_momentum(momentum=args.block_momentum),
     )
     step = jdp.make_train_step(_model.loss_fn, tx, sync=jdp.local())
     return Algo(

@@ -231,7 +231,7 @@ def _in_sync_check():
 
 
 def bmuf_train(*, batches, params, devices=None):
-    tx = jdp.bmuf(optax.sgd(0.05), sync_period=4, block_momentum=0.5)
+    tx = jdp.bmuf(optax.sgd(0.05), 4, outer=jdp.block_momentum(momentum=0.5))
     step = jdp.parallelize(
         jdp.make_train_step(mlp_loss, tx, sync=jdp.local()), devices=devices
     )
@@ -254,7 +254,9 @@ def _bmuf_check():
 
 def hierarchical_train(*, batches, params, devices=None):
     """Hierarchical local SGD: within hosts every step, BMUF across every 4."""
-    tx = jdp.bmuf(optax.sgd(0.05), sync_period=4, block_momentum=0.5, axis_name="host")
+    tx = jdp.bmuf(
+        optax.sgd(0.05), 4, outer=jdp.block_momentum(momentum=0.5), axis_name="host"
+    )
     sync = jdp.all_reduce(axis_name="device")
     step = jdp.parallelize(
         jdp.make_train_step(mlp_loss, tx, sync=sync),
