@@ -40,11 +40,6 @@ BatchStatsMode = Literal["mean", "broadcast"]
 OnBadReplica = Literal["drop"]
 
 
-def _no_state(params: PyTree) -> None:
-    """The state of a piece that keeps none."""
-    del params
-
-
 class Sync(NamedTuple):
     """A gradient sync piece, for `jdp.make_train_step(..., sync=piece)`.
 
@@ -559,13 +554,6 @@ def unless_nonfinite(ok, run, state, *, counted: bool = True):
 
     params, opt_state, extra = lax.cond(ok, run, skip)
     return params, opt_state, {**extra, "skipped": 1 - ok.astype(jnp.int32)}
-
-
-def agreed_sync_state(state: PyTree) -> PyTree:
-    """The state less the per-replica fields of its `sync_state` (error buffers)."""
-    if not hasattr(state, "replace") or getattr(state, "sync_state", None) is None:
-        return state
-    return state.replace(sync_state=_replica_parts.less_local(state.sync_state))
 
 
 def agreed_locally(state: PyTree) -> PyTree:

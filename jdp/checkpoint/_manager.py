@@ -158,6 +158,33 @@ def _check_positive(name: str, value: Any, *, optional: bool) -> None:
     raise (ValueError if isinstance(value, int) else TypeError)(message)
 
 
+def _newest_intact(store, directory, candidates: list[int], read) -> Any:
+    """`read(step)` of the newest intact step of `candidates` (newest first).
+
+    A damaged step is marked so and reported with a `RuntimeWarning` naming the
+    older step tried next; if none is intact, the first error is raised.
+    """
+    first_error = None
+    for i, candidate in enumerate(candidates):
+        try:
+            return read(candidate)
+        except CheckpointCorruptedError as e:
+            store.mark_damaged(candidate, e.detail)
+            first_error = first_error or e
+            if i + 1 < len(candidates):
+                warnings.warn(
+                    FALLBACK_MSG.format(
+                        step=candidate,
+                        directory=directory,
+                        detail=e.detail,
+                        older=candidates[i + 1],
+                    ),
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+    raise first_error
+
+
 class CheckpointManager:
     """Saves one copy of a replicated state; restores it into every replica.
 
@@ -518,25 +545,7 @@ class CheckpointManager:
                 )
             return (default, {}) if with_extra else default
         warn_newer_incomplete(store, candidates[0])
-        first_error = None
-        for i, candidate in enumerate(candidates):
-            try:
-                return read(candidate)
-            except CheckpointCorruptedError as e:
-                store.mark_damaged(candidate, e.detail)
-                first_error = first_error or e
-                if i + 1 < len(candidates):
-                    warnings.warn(
-                        FALLBACK_MSG.format(
-                            step=candidate,
-                            directory=self.directory,
-                            detail=e.detail,
-                            older=candidates[i + 1],
-                        ),
-                        RuntimeWarning,
-                        stacklevel=2,
-                    )
-        raise first_error
+        return _newest_intact(store, self.directory, candidates, read)
 
     def wait_until_finished(self) -> None:
         """Blocks until an async save has been written and committed.
