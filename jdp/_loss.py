@@ -457,7 +457,7 @@ def check_loss_scaling(sync, microbatches: int) -> None:
 
 
 def scaled(scale):
-    """`(value_and_grad, None)` through a flax `DynamicScale` (loss scaling).
+    """`value_and_grad` through a flax `DynamicScale` (loss scaling).
 
     The scaled loss is differentiated and the gradients unscaled (to float32)
     by `DynamicScale.value_and_grad`, without its `axis_name`: the sync piece
@@ -474,7 +474,7 @@ def scaled(scale):
 
         return value_and_grads
 
-    return value_and_grad, None
+    return value_and_grad
 
 
 def next_scale(scale, finite: jax.Array):

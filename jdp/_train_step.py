@@ -250,7 +250,7 @@ def make_train_step(
         scale = getattr(state, "dynamic_scale", None)
         if scale is not None:
             _loss.check_loss_scaling(sync, microbatches)
-            value_and_grad, verdict = _loss.scaled(scale)
+            value_and_grad = _loss.scaled(scale)
         out = _loss.gradients(
             value_and_grad,
             loss_fn,
