@@ -98,13 +98,14 @@ class Sync(NamedTuple):
 
 
 class OwnUpdate(NamedTuple):
-    """A sync piece that applies the optimizer itself (`jdp.zero`).
+    """A sync piece that applies the optimizer itself: `jdp.zero`, `jdp.sparse.rows`.
 
-    Not a `jdp.Sync`: ZeRO's optimizer state is laid out over the replicas, so
-    it reduce-scatters the gradients, updates its slice and gathers the
-    params. `apply(grads, state, tx, axis_name) -> (params, opt_state,
-    metrics)`; `state_layout(tx)` the `StateLayout` it needs; `value_and_grad`,
-    None or `value_and_grad(tx)`, how it differentiates the loss.
+    Not a `jdp.Sync`: ZeRO's optimizer state is laid out over the replicas (it
+    reduce-scatters the gradients, updates its slice and gathers the params),
+    and the rows piece differentiates its own way and applies row optimizers.
+    `apply(grads, state, tx, axis_name) -> (params, opt_state, metrics)`;
+    `state_layout(tx)` the `StateLayout` it needs; `value_and_grad`, None or
+    `value_and_grad(tx)`, how it differentiates the loss.
     """
 
     apply: Callable[..., tuple[PyTree, PyTree, dict[str, jax.Array]]]
