@@ -247,36 +247,23 @@ def test_the_guard_still_catches_a_dense_label_that_diverges():
 def test_a_stateful_piece_keeps_its_state_under_its_label():
     params, batches = linear_params(), linear_batches(3)
     tx = optax.sgd(LR)
+
+    def trained(sync):
+        step = jdp.make_train_step(linear_loss, tx, sync=sync)
+        _, state, history = run(step, params, tx, batches, sync=sync)
+        return state, history
+
     plain = jdp.powersgd(rank=1, min_compression_rate=0.0)
-    _, plain_state, want = run(
-        jdp.make_train_step(linear_loss, tx, sync=plain),
-        params,
-        tx,
-        batches,
-        sync=plain,
-    )
+    plain_state, want = trained(plain)
     # One piece object for both labels: one group, the plain piece bit for bit.
-    sync = jdp.partition(LINEAR_LABELS, {"dense": plain, "bias": plain})
-    _, state, got = run(
-        jdp.make_train_step(linear_loss, tx, sync=sync),
-        params,
-        tx,
-        batches,
-        sync=sync,
-    )
+    state, got = trained(jdp.partition(LINEAR_LABELS, {"dense": plain, "bias": plain}))
     for a, b in zip(want, got, strict=True):
         assert_same_bits(a, b)
     assert_same_bits(state.sync_state["bias+dense"], plain_state.sync_state)
     # PowerSGD on "dense" only: its state (error buffers differ per replica,
     # declared, so the guard of every step passes) under its label.
-    sync = jdp.partition(LINEAR_LABELS, {"dense": plain, "bias": jdp.all_reduce()})
-    _, state, got = run(
-        jdp.make_train_step(linear_loss, tx, sync=sync),
-        params,
-        tx,
-        batches,
-        sync=sync,
-    )
+    pieces = {"dense": plain, "bias": jdp.all_reduce()}
+    state, _ = trained(jdp.partition(LINEAR_LABELS, pieces))
     assert set(state.sync_state) == {"dense"}
     assert not jdp.replicas_in_sync(state.sync_state["dense"].error)
     assert jdp.replicas_in_sync(state.params)
