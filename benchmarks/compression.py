@@ -232,11 +232,14 @@ def breakdown_job(width: int, steps: int, warmup: int):
     return out
 
 
-#: PyTorch's hooks on gloo, as measured here (torch 2.13, CPU): `powerSGD_hook`
-#: aborts both processes with gloo's "Received data size doesn't match expected
-#: size" (2600 vs 1280 bytes, at the 1M model's first compressed step), and
-#: `bf16_compress_hook` raises "BF16 all reduce communication hook required CUDA
-#: 11+ and NCCL 2.10+". `--torch-hooks` tries them anyway.
+#: PyTorch's hooks as registered plainly here, with DDP's default buckets:
+#: `powerSGD_hook` aborts with gloo's "Received data size doesn't match expected
+#: size" (a race between buckets: the ranks issue P and Q all-reduces in
+#: different orders), and a CPU-only torch build refuses `bf16_compress_hook` at
+#: registration (the check goes by the hook's name and the build, not by the
+#: backend). Both run on gloo as `benchmarks/ddp_hooks.py` registers them (one
+#: bucket or a waiting wrapper; a renamed wrapper), which is where jdp is
+#: compared with them. `--torch-hooks` tries the plain registrations.
 TORCH_VARIANTS = ("local", "ddp")
 TORCH_HOOKS = ("powersgd", "bf16")
 
@@ -556,7 +559,8 @@ def main() -> None:
     parser.add_argument(
         "--torch-hooks",
         action="store_true",
-        help="also time DDP's powerSGD and bf16 hooks (they fail on gloo)",
+        help="also time DDP's powerSGD and bf16 hooks registered plainly (see "
+        "benchmarks/ddp_hooks.py for the registrations that run on gloo)",
     )
     args = parser.parse_args()
     if args.what in ("bytes", "all"):
