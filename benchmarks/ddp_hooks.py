@@ -54,7 +54,7 @@ import sys
 import time
 
 from _common import mlp_loss, pin_to_core
-from multihost import LR, MOMENTUM, WIDTHS, _data, num_params
+from multihost import LR, MOMENTUM, WIDTHS, _data, num_params, torch_mlp
 
 #: Row pairs: (label, torch row, jdp row).
 PAIRS = [
@@ -102,16 +102,7 @@ def _torch_rows(width: int, rank: int, world: int):
     model_mb = 4 * num_params(width) / 2**20
 
     def model():
-        layers = []
-        for i, w in enumerate(weights):
-            layer = torch.nn.Linear(*w.shape)
-            with torch.no_grad():
-                layer.weight.copy_(torch.from_numpy(w.T))  # x @ W.T
-                layer.bias.zero_()
-            layers.append(layer)
-            if i < len(weights) - 1:
-                layers.append(torch.nn.ReLU())
-        return torch.nn.Sequential(*layers)
+        return torch_mlp(weights)
 
     def powersgd_state():
         # Compression from the 3rd step on (within the warm-up), as jdp's from the 1st.

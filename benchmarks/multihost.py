@@ -79,6 +79,22 @@ def num_params(width: int) -> int:
     return sum(a * b + b for a, b in zip(s[:-1], s[1:], strict=True))
 
 
+def torch_mlp(weights):
+    """The same MLP in torch, starting from `weights` (ReLU between layers)."""
+    import torch
+
+    layers = []
+    for i, w in enumerate(weights):
+        layer = torch.nn.Linear(*w.shape)
+        with torch.no_grad():
+            layer.weight.copy_(torch.from_numpy(w.T))  # x @ W.T
+            layer.bias.zero_()
+        layers.append(layer)
+        if i < len(weights) - 1:
+            layers.append(torch.nn.ReLU())
+    return torch.nn.Sequential(*layers)
+
+
 def _data(width: int, rank: int):
     """Initial weights (the same everywhere) and this process's batch."""
     import numpy as np
@@ -209,16 +225,7 @@ def torch_job(width: int, steps: int, warmup: int, pin: bool):
         xb, yb = torch.from_numpy(x), torch.from_numpy(y)
 
         def model():
-            layers = []
-            for i, w in enumerate(weights):
-                layer = torch.nn.Linear(*w.shape)
-                with torch.no_grad():
-                    layer.weight.copy_(torch.from_numpy(w.T))  # x @ W.T
-                    layer.bias.zero_()
-                layers.append(layer)
-                if i < len(weights) - 1:
-                    layers.append(torch.nn.ReLU())
-            return torch.nn.Sequential(*layers)
+            return torch_mlp(weights)
 
         out = {}
         for kind in ("ddp", "torch_local"):
