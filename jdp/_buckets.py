@@ -1,11 +1,8 @@
 """Private, pure packing of pytree leaves into flat communication buckets.
 
-Gradients are communicated as a few large flat buffers instead of one collective per
-leaf: leaves are taken in reverse pytree order (the backward pass produces the last
-layers' gradients first, as Caffe2's `_GetReverseOrderedGrads` and PyTorch DDP's
-buckets assume) and packed, per dtype, into buckets of at most `bucket_bytes`. This
-module only plans and (un)packs; it issues no collective, so it is testable without
-devices.
+Plans buckets (per dtype, at most `bucket_bytes`, last leaf first by default: the
+order the backward pass produces gradients) and (un)packs them; it issues no
+collective, so it is testable without devices.
 """
 
 from __future__ import annotations
@@ -19,7 +16,7 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True)
 class Bucket:
-    """One flat buffer: the leaf indices it holds, in packing order, and its dtype."""
+    """One flat buffer: its leaves' indices and sizes, in packing order, and dtype."""
 
     indices: tuple[int, ...]
     dtype: np.dtype
@@ -34,22 +31,16 @@ def plan_buckets(
     reverse: bool = True,
     alone_bytes: int | None = None,
 ) -> list[Bucket]:
-    """Groups leaves into buckets, in the order the buckets should be issued.
+    """Groups leaves into buckets, in issue order (a bucket is issued when full).
 
     Args:
-      shapes: Shape of each leaf (in pytree order); its size counts against
-        `bucket_bytes`.
+      shapes: Shape of each leaf, in pytree order; empty leaves are left out.
       dtypes: Wire dtype of each leaf (leaves of different dtypes never share a bucket).
       bucket_bytes: Largest bucket size in bytes; `None` puts every leaf of a dtype in
-        one bucket. A leaf larger than `bucket_bytes` gets a bucket of its own.
-      reverse: Take leaves last-first (the order the backward pass produces them).
-      alone_bytes: A leaf of at least this many bytes gets a bucket of its own, issued
-        when it is reached, and leaves the open bucket open (it travels without
-        being copied into a buffer). None: no such leaf.
-
-    Returns:
-      The buckets, in issue order (a bucket is issued when it is full, so with
-      `reverse=True` the first bucket holds the last leaves).
+        one bucket. A larger leaf gets a bucket of its own.
+      reverse: Take leaves last-first.
+      alone_bytes: A leaf of at least this many bytes gets a bucket of its own when
+        it is reached, leaving the open bucket open. None: no such leaf.
     """
     order = range(len(shapes) - 1, -1, -1) if reverse else range(len(shapes))
     open_buckets: dict[np.dtype, tuple[list[int], list[int]]] = {}
@@ -57,20 +48,18 @@ def plan_buckets(
 
     def close(dtype):
         idx, sizes = open_buckets.pop(dtype)
-        done.append(Bucket(tuple(idx), np.dtype(dtype), tuple(sizes)))
+        done.append(Bucket(tuple(idx), dtype, tuple(sizes)))
 
     for i in order:
         size = int(np.prod(shapes[i], dtype=np.int64))
         if size == 0:
             continue
         dtype = np.dtype(dtypes[i])
-        leaf_bytes = size * dtype.itemsize
-        if alone_bytes is not None and leaf_bytes >= alone_bytes:
+        if alone_bytes is not None and size * dtype.itemsize >= alone_bytes:
             done.append(Bucket((i,), dtype, (size,)))
             continue
         if dtype in open_buckets and bucket_bytes is not None:
-            current = sum(open_buckets[dtype][1]) * dtype.itemsize
-            if current + leaf_bytes > bucket_bytes:
+            if (sum(open_buckets[dtype][1]) + size) * dtype.itemsize > bucket_bytes:
                 close(dtype)
         idx, sizes = open_buckets.setdefault(dtype, ([], []))
         idx.append(i)
