@@ -1,12 +1,8 @@
 """Private: `step.shard`, splitting a global batch across replicas.
 
-This is the data path: checking a batch's leaves, padding them, and placing
-them on the devices in a backend's layout. With several processes each process
-passes its own share of the global batch, and the processes must agree on its
-sizes, structure, dtypes and padding; that agreement runs through JAX's
-coordination service and lives in `jdp.distributed._batch_agreement`, which
-`jdp.distributed` plugs in here (`use_process_agreement`) as a
-`ProcessAgreement`. This module imports nothing of `jdp.distributed`.
+Checks a batch's leaves, pads them and places them in a backend's layout. With
+several processes the processes' batches must agree; `jdp.distributed` plugs that
+check in (`use_process_agreement`), so this module imports nothing of it.
 """
 
 from __future__ import annotations
@@ -64,16 +60,6 @@ def remember_layout(arrays: list[jax.Array], backend: str) -> None:
         _LAYOUT_OF[key] = (ref, backend)
 
 
-def placed_for_other(batch: PyTree, backend: str) -> list[tuple[str, str]]:
-    """`(path, backend)` of leaves `step.shard` laid out for another backend."""
-    found = []
-    for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
-        entry = _LAYOUT_OF.get(id(x))
-        if entry is not None and entry[0]() is x and entry[1] != backend:
-            found.append((keystr(path), entry[1]))
-    return found
-
-
 def check_placed(batch: PyTree, backend) -> None:
     """Refuses a batch not placed for `backend` (a `_backends.Backend`)."""
     probs = misplaced(batch, backend.sharding, leading=None)
@@ -99,7 +85,11 @@ def check_layout(batch: PyTree, backend: str) -> None:
     """Refuses a batch that `step.shard` laid out for the other backend."""
     if not _LAYOUT_OF:
         return
-    other = placed_for_other(batch, backend)
+    other = []
+    for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        entry = _LAYOUT_OF.get(id(x))
+        if entry is not None and entry[0]() is x and entry[1] != backend:
+            other.append((keystr(path), entry[1]))
     if other:
         raise ValueError(
             OTHER_LAYOUT_MSG.format(
@@ -112,29 +102,16 @@ def check_layout(batch: PyTree, backend: str) -> None:
 
 
 class ProcessAgreement(Protocol):
-    """How `shard` checks, with several processes, that their batches agree.
-
-    `jdp.distributed._batch_agreement.AGREEMENT` is the one implementation.
-    """
+    """How `shard` checks that the processes' batches agree (`jdp.distributed`)."""
 
     def agree(
         self, host: list, *, pad: bool, pad_to: int | None, num_local: int
     ) -> int | None:
-        """Compares this process's batch with the other processes' batches.
+        """Compares this process's batch, `(path, NumPy array)` of every leaf.
 
-        Args:
-          host: `(path, NumPy array)` of every leaf of this process's batch.
-          pad: Whether `shard` pads.
-          pad_to: `shard`'s `pad_to`.
-          num_local: Replicas on this process.
-
-        Returns:
-          With `pad` and no `pad_to`, the padded per-process size every process
-          uses (when it was compared at this call); otherwise None.
-
-        Raises:
-          ValueError: The processes' batches disagree.
-          RuntimeError: The processes cannot be compared.
+        Returns, with `pad` and no `pad_to`, the padded per-process size every
+        process uses (when compared at this call), else None. Raises ValueError
+        where the batches disagree, RuntimeError where they cannot be compared.
         """
 
     def count_only(self) -> None:
@@ -175,21 +152,7 @@ def shard(
     place_leaf: Callable[[np.ndarray], jax.Array],
     backend: str,
 ):
-    """Places a (process-local) batch for a step; see `Parallel.shard`.
-
-    Args:
-      batch: Pytree of arrays whose leading axis is the example axis.
-      pad: Pad to a multiple of the local replica count and return a mask.
-      pad_to: With `pad`, the global batch size to pad to (split evenly
-        between processes).
-      num_local: Replicas on this process.
-      num_replicas: Replicas in all.
-      place_leaf: Places one host leaf (the backend's batch layout).
-      backend: The backend's name, remembered with the placed leaves.
-
-    Returns:
-      The placed batch, or `(batch, mask)` when `pad`.
-    """
+    """`Parallel.shard`: `place_leaf` puts a host leaf in `backend`'s layout."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(batch)
     several = jax.process_count() > 1
     try:
@@ -208,38 +171,26 @@ def shard(
         )
     if pad_to is not None:
         padded_everywhere = per_process
-    mask = None
     if pad:
         host, mask = _pad(host, padded_everywhere, num_local)
+        host.append(("mask", mask))
     else:
-        _check_sizes(host)
+        _batch_size(host)
         _check_divisible(host, num_local, num_replicas)
     leaves = [place_leaf(x) for _, x in host]
     remember_layout(leaves, backend)
-    placed = jax.tree_util.tree_unflatten(treedef, leaves)
-    if pad:
-        placed_mask = place_leaf(mask)
-        remember_layout([placed_mask], backend)
-        return placed, placed_mask
-    return placed
+    placed = jax.tree_util.tree_unflatten(treedef, leaves[: len(flat)])
+    return (placed, leaves[-1]) if pad else placed
 
 
 def _host_leaves(flat, num_replicas: int) -> list:
     """`(path, NumPy array)` of every batch leaf, checked (see `_host_leaf`)."""
     if not flat:
         raise ValueError("`step.shard`: the batch has no array leaves.")
-    host = [(path, _host_leaf(path, x)) for path, x in flat]
-    for path, x in host:
-        if x.ndim == 0:
-            raise ValueError(
-                f"`step.shard`: leaf {keystr(path)} is a scalar; every batch leaf "
-                "needs a leading example axis to split across "
-                f"num_replicas={num_replicas}."
-            )
-    return host
+    return [(path, _host_leaf(path, x, num_replicas)) for path, x in flat]
 
 
-def _host_leaf(path, x) -> np.ndarray:
+def _host_leaf(path, x, num_replicas: int) -> np.ndarray:
     """A batch leaf as the NumPy array JAX would place, checked for what JAX cannot.
 
     Strings and objects cannot be placed; integers wider than JAX's default types
@@ -267,11 +218,17 @@ def _host_leaf(path, x) -> np.ndarray:
                 "enable 64-bit types with `jax.config.update('jax_enable_x64', "
                 "True)`."
             )
+    if value.ndim == 0:
+        raise ValueError(
+            f"`step.shard`: leaf {keystr(path)} is a scalar; every batch leaf "
+            "needs a leading example axis to split across "
+            f"num_replicas={num_replicas}."
+        )
     return value
 
 
-def _check_sizes(host) -> None:
-    """Every leaf must hold the same number of examples, and at least one."""
+def _batch_size(host) -> int:
+    """The number of examples every leaf holds (at least one)."""
     sizes = {x.shape[0] for _, x in host}
     if len(sizes) > 1:
         listed = ", ".join(f"{keystr(p)}: {x.shape[0]}" for p, x in host[:5])
@@ -281,7 +238,13 @@ def _check_sizes(host) -> None:
             "Give every leaf the same leading (example) size."
         )
     if sizes == {0}:
-        raise ValueError(_empty_message(host))
+        listed = ", ".join(f"{keystr(p)}: shape {x.shape}" for p, x in host[:5])
+        raise ValueError(
+            f"`step.shard`: the batch is empty ({listed}): a step on it would "
+            "average over no examples. Skip empty batches (e.g. the last one of a "
+            "data set whose size is a multiple of the batch size)."
+        )
+    return sizes.pop()
 
 
 def _local_pad_to(pad_to: int, pad: bool, num_replicas: int) -> int:
@@ -302,14 +265,7 @@ def _local_pad_to(pad_to: int, pad: bool, num_replicas: int) -> int:
 
 
 def _pad(host, padded_everywhere: int | None, num_local: int):
-    sizes = {x.shape[0] for _, x in host}
-    if len(sizes) != 1:
-        listed = ", ".join(f"{keystr(p)}: {x.shape[0]}" for p, x in host[:5])
-        raise ValueError(
-            "`step.shard(pad=True)`: all leaves must share one leading batch "
-            f"size to be padded; got {listed}."
-        )
-    size = sizes.pop()
+    size = _batch_size(host)
     padded = padded_everywhere or padded_size(size, num_local)
     if padded < size:
         raise ValueError(
@@ -317,35 +273,20 @@ def _pad(host, padded_everywhere: int | None, num_local: int):
             f"than `pad_to` allows ({padded} per process). Split it, or raise "
             "`pad_to` to the largest global batch."
         )
-    extra = padded - size
-    if extra:
-        if size == 0:
-            raise ValueError(_empty_message(host))
-        host = [(p, np.concatenate([x, _padding(x, extra)])) for p, x in host]
+    if padded > size:
+        host = [(p, np.concatenate([x, _padding(x, padded - size)])) for p, x in host]
     return host, np.arange(padded) < size
 
 
 def _padding(x: np.ndarray, extra: int) -> np.ndarray:
     """The rows `pad=True` appends: zeros for integers, else copies of the last.
 
-    Integer leaves are ids (tokens, labels), whose 0 is padding by convention:
-    a padded row then counts for nothing in a loss or metric weighted by
-    `inputs > 0`. Other leaves repeat the last real row, a valid input for any
-    model (zeros could divide by zero, and a NaN in a padded row would spoil a
-    masked sum).
+    Integer ids' 0 is padding by convention; the last real row is a valid input
+    for any model (zeros could divide by zero, a NaN spoil a masked sum).
     """
     if x.dtype.kind in "iub":
         return np.zeros((extra,) + x.shape[1:], x.dtype)
     return np.repeat(x[-1:], extra, axis=0)
-
-
-def _empty_message(host) -> str:
-    listed = ", ".join(f"{keystr(p)}: shape {x.shape}" for p, x in host[:5])
-    return (
-        f"`step.shard`: the batch is empty ({listed}): a step on it would average "
-        "over no examples. Skip empty batches (e.g. the last one of a data set "
-        "whose size is a multiple of the batch size)."
-    )
 
 
 def _check_divisible(host, num_local: int, num_replicas: int) -> None:
@@ -372,12 +313,8 @@ _DONE = object()
 def prefetch(iterable, *, size: int, place: Callable[[Any], Any]):
     """Yields `place(batch)` for each batch, placing up to `size` batches ahead.
 
-    In one process a background thread loads and places the next batches while
-    the caller's steps run (even when the caller reads each step's results);
-    with several processes the batches are placed on the calling thread, ahead
-    of use (placing counts and compares the batches across processes, in the
-    same order on every process), and JAX's asynchronous dispatch overlaps the
-    transfers with the running step.
+    In one process on a background thread; with several on the calling thread
+    (placing compares the batches across processes, in the same order on each).
     """
     _validate.positive_int("size", size)
     if jax.process_count() > 1:

@@ -1,14 +1,8 @@
 """Private: what XLA says about a compiled step: its collectives and its memory.
 
-Collectives are read out of an HLO module's text. `Introspection` gives
-`jdp.Parallel` its `collectives` and `memory_analysis` methods.
-
-`Parallel.collectives` uses it to report what a step communicates: kind, dtype,
-bytes, replica groups, program order, and whether the collective sits inside a
-conditional branch (such as BMUF's block sync). It parses HLO text, which both the
-lowered module (`Lowered.as_text(dialect="hlo")`, before XLA's optimisations, so one
-entry per `psum` issued) and the compiled module (`Compiled.as_text()`, after XLA
-has combined and possibly retyped them) print.
+`Introspection` gives `jdp.Parallel` its `collectives` and `memory_analysis`. The
+collectives are parsed from HLO text, lowered (one entry per `psum` issued) or
+compiled (after XLA combined and possibly retyped them).
 """
 
 from __future__ import annotations
@@ -61,14 +55,11 @@ _PAIRS = re.compile(r"source_target_pairs=\{((?:\{[0-9,]*\},?)*)\}")
 class Collective:
     """One collective operation of a compiled (or lowered) step.
 
-    A debugging aid, read by parsing XLA's HLO text. Stable: the fields and
-    their meaning, `kind` for the six collectives listed, `bytes`, and
-    `in_conditional`. Not stable: `name` and `order` (XLA's choices), and which
-    collectives a compiled module holds at all (XLA combines, splits and
-    retypes them from one version or platform to the next: compare within one
-    run, not against numbers saved elsewhere). HLO text is no public JAX
-    interface, so a JAX upgrade may need this parser to follow it
-    (`tests/test_hlo.py` pins what it reads).
+    A debugging aid, read from XLA's HLO text. Stable: the fields and their
+    meaning. Not stable: `name`, `order`, and which collectives a compiled module
+    holds (XLA combines, splits and retypes them from one version or platform to
+    the next: compare within one run). HLO text is no public JAX interface
+    (`tests/test_hlo.py` pins what this parser reads).
 
     Attributes:
       kind: `"all-reduce"`, `"all-gather"`, `"reduce-scatter"`, `"all-to-all"`,
@@ -113,28 +104,26 @@ def _split_type(rest: str) -> tuple[str, str]:
     return head, tail.lstrip()
 
 
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in text.split(",") if v)
+
+
 def _groups(text: str) -> tuple[tuple[int, ...], ...]:
     m = _GROUPS_EXPLICIT.search(text) or _PAIRS.search(text)
     if m:
-        return tuple(
-            tuple(int(v) for v in g.split(",") if v)
-            for g in re.findall(r"\{([0-9,]*)\}", m.group(1))
-        )
+        return tuple(_ints(g) for g in re.findall(r"\{([0-9,]*)\}", m.group(1)))
     m = _GROUPS_IOTA.search(text)
-    if m:
-        out_shape = [int(v) for v in m.group(1).split(",")]
-        reshape = [int(v) for v in m.group(2).split(",")]
-        ids = np.arange(int(np.prod(reshape))).reshape(reshape)
-        if m.group(3):
-            ids = ids.transpose([int(v) for v in m.group(3).split(",")])
-        ids = ids.reshape(out_shape)
-        return tuple(
-            tuple(int(v) for v in row) for row in ids.reshape(ids.shape[0], -1)
-        )
-    return ()
+    if not m:
+        return ()
+    out_shape, reshape = _ints(m.group(1)), _ints(m.group(2))
+    ids = np.arange(int(np.prod(reshape))).reshape(reshape)
+    if m.group(3):
+        ids = ids.transpose(_ints(m.group(3)))
+    return tuple(map(tuple, ids.reshape(out_shape[0], -1).tolist()))
 
 
 def _parse_computations(hlo_text: str):
+    """`({computation: its lines}, name of the entry computation or None)`."""
     comps: dict[str, list[str]] = {}
     entry = None
     current = None
@@ -146,23 +135,48 @@ def _parse_computations(hlo_text: str):
                 comps[current] = []
                 if m.group(1):
                     entry = current
-            continue
-        if line.startswith("}"):
+        elif line.startswith("}"):
             current = None
-            continue
-        comps[current].append(line)
+        else:
+            comps[current].append(line)
     return comps, entry
 
 
+def _collective(name, typ, rest, opcode, *, order, in_conditional) -> Collective:
+    """The `Collective` of one instruction: `name = typ opcode(...)rest`."""
+    kind = _KINDS[opcode]
+    shapes, sizes, dts = [], [], []
+    for dt, dims in _SHAPE.findall(typ):
+        shape = _ints(dims)
+        shapes.append(shape)
+        dts.append(dt)
+        sizes.append(int(np.prod(shape, dtype=np.int64)) * _DTYPE_BYTES.get(dt, 4))
+    if opcode in ("all-gather-start", "collective-permute-start") and len(sizes) > 1:
+        # Async start ops return (operand, result[, scratch]).
+        shapes, sizes, dts = shapes[1:2], sizes[1:2], dts[1:2]
+    groups = _groups(rest)
+    result = sum(sizes)
+    full = result
+    if kind == "reduce-scatter" and groups and groups[0]:
+        full = result * len(groups[0])
+    return Collective(
+        kind=kind,
+        dtype=",".join(dict.fromkeys(dts)),
+        bytes=full,
+        result_bytes=result,
+        shapes=tuple(shapes),
+        replica_groups=groups,
+        order=order,
+        in_conditional=in_conditional,
+        name=name,
+    )
+
+
 def parse_collectives(hlo_text: str) -> list[Collective]:
-    """Lists the collectives of an HLO module in program order.
+    """The collectives of an HLO module's text, in program order.
 
-    Args:
-      hlo_text: HLO text of one module (compiled or lowered).
-
-    Returns:
-      One `Collective` per collective instruction, nested computations (while
-      bodies, calls, conditional branches) expanded at their call sites.
+    Nested computations (while bodies, calls, conditional branches) are expanded
+    at their call sites.
     """
     comps, entry = _parse_computations(hlo_text)
     if entry is None:
@@ -180,40 +194,10 @@ def parse_collectives(hlo_text: str) -> list[Collective]:
             typ, rest = _split_type(rest)
             opcode = rest.split("(", 1)[0].strip()
             if opcode in _KINDS:
-                shapes, sizes, dts = [], [], []
-                for dt, dims in _SHAPE.findall(typ):
-                    shape = tuple(int(d) for d in dims.split(",") if d)
-                    shapes.append(shape)
-                    dts.append(dt)
-                    sizes.append(
-                        int(np.prod(shape, dtype=np.int64)) * _DTYPE_BYTES.get(dt, 4)
-                    )
-                kind = _KINDS[opcode]
-                groups = _groups(rest)
-                if (
-                    opcode.endswith("-start")
-                    and kind in ("all-gather", "collective-permute")
-                    and len(sizes) > 1
-                ):
-                    # Async start ops return (operand, result[, scratch]).
-                    shapes, sizes, dts = shapes[1:2], sizes[1:2], dts[1:2]
-                result = sum(sizes)
-                full = result
-                if kind == "reduce-scatter":
-                    full = result * (len(groups[0]) if groups and groups[0] else 1)
-                found.append(
-                    Collective(
-                        kind=kind,
-                        dtype=",".join(dict.fromkeys(dts)),
-                        bytes=full,
-                        result_bytes=result,
-                        shapes=tuple(shapes),
-                        replica_groups=groups,
-                        order=len(found),
-                        in_conditional=in_cond,
-                        name=inst,
-                    )
+                c = _collective(
+                    inst, typ, rest, opcode, order=len(found), in_conditional=in_cond
                 )
+                found.append(c)
                 continue
             callees = _CALLED.findall(rest)
             b = _BRANCHES.search(rest)
@@ -221,16 +205,13 @@ def parse_collectives(hlo_text: str) -> list[Collective]:
                 callees += [
                     c.strip().lstrip("%") for c in b.group(1).split(",") if c.strip()
                 ]
-            is_cond = opcode == "conditional"
             for callee in callees:
-                visit(callee, in_cond or is_cond, stack + (name,))
+                visit(callee, in_cond or opcode == "conditional", stack + (name,))
 
     visit(entry, False, ())
-    # An unscheduled module (a lowered one) prints instructions in dependency order,
-    # not in the order they were issued. Its instruction names are numbered in the
-    # order they were created from the program, so that number gives issue order.
-    scheduled = "is_scheduled=true" in hlo_text.split("\n", 1)[0]
-    if not scheduled:
+    # A lowered (unscheduled) module prints instructions in dependency order; their
+    # names are numbered in creation order, which is the order they were issued.
+    if "is_scheduled=true" not in hlo_text.split("\n", 1)[0]:
         found = [
             dataclasses.replace(c, order=i)
             for i, c in enumerate(sorted(found, key=_creation_index))
@@ -247,10 +228,8 @@ def _creation_index(c: Collective) -> tuple[int, int]:
 class MemoryAnalysis:
     """Per-device memory of one compiled step, from XLA (`step.memory_analysis`).
 
-    A debugging aid. Stable: the fields and their meaning; the figures are
-    XLA's own estimates for this platform and version (`Compiled.
-    memory_analysis()`, a public JAX call whose figures XLA may change), so
-    compare configurations within one run.
+    A debugging aid. Stable: the fields and their meaning; the figures are XLA's
+    own estimates for this platform and version: compare within one run.
 
     Attributes:
       argument_bytes: Inputs held by one device: its replica of the state and its
@@ -294,11 +273,7 @@ class MemoryAnalysis:
 
 
 class Introspection:
-    """What XLA says of a step: `step.collectives` and `step.memory_analysis`.
-
-    Mixed into `jdp.Parallel`, which provides `lower(state, batch)` and
-    `devices`.
-    """
+    """`step.collectives` and `step.memory_analysis`; mixed into `jdp.Parallel`."""
 
     def collectives(
         self,

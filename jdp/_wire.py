@@ -1,25 +1,12 @@
 """Compressed all-reduce: wire formats, error feedback, and the exchange.
 
 A `Wire` says what an all-reduce sends: bfloat16, or int8 / fp8 with one float32
-scale per block of `block_size` values (the scales travel too). `mean` averages
-a gradient pytree over replicas sending that format, in the shape DeepSpeed's
-compressed all-reduce and torchft's quantised outer gradients use:
-
-1. every replica flattens its float leaves into one float32 vector (plus its
-   worker error, with error feedback) and quantises it;
-2. an all-to-all sends chunk `j` of the quantised vector (and its scales) to
-   replica `j`, the chunk's owner;
-3. each owner dequantises the N copies of its chunk and averages them in
-   float32 (plus its server error, with error feedback), then quantises the
-   average again;
-4. an all-gather hands every replica every owner's quantised average, which it
-   dequantises: the same numbers on every replica.
-
-Both exchanges move the narrow type, so the bytes on the wire are those of the
-format (a plain `psum` in bfloat16 would not do: XLA on CPU computes it in
-float32). With error feedback, what quantisation dropped is added back the next
-step: the worker error (each replica's own, `x - dequantise(quantise(x))` of
-step 1) and the server error (each owner's, of step 3), both per replica.
+scale per block. `mean` averages gradients in the shape of DeepSpeed's compressed
+all-reduce: each replica quantises its float leaves (plus its worker error); an
+all-to-all sends chunk `j` to replica `j`, which averages the N copies in float32
+(plus its server error) and quantises the average again; an all-gather hands
+every replica every chunk. Both exchanges move the narrow type. With error
+feedback, what either quantisation dropped is added back the next step.
 """
 
 from __future__ import annotations
@@ -63,13 +50,10 @@ class Wire(NamedTuple):
             return x.astype(self.dtype), None
         blocks = x.reshape(-1, self.block_size)
         amax = jnp.max(jnp.abs(blocks), axis=1)
-        # An all-zero block keeps scale 1; a block holding a NaN or an infinity
-        # gets a non-finite scale, so that it decodes non-finite (a skipped step
-        # sees it) rather than quantising to garbage.
+        # An all-zero block keeps scale 1; a non-finite block decodes non-finite.
         inverse = np.float32(1.0 / self.qmax)
         scale = jnp.where(amax == 0, 1.0, amax * inverse).astype(jnp.float32)
-        # A block of tiny values would get a scale below float32's smallest
-        # normal number, which CPUs flush to zero (and x / 0 is not finite).
+        # CPUs flush a scale below float32's smallest normal number to zero.
         scale = jnp.maximum(scale, np.finfo(np.float32).tiny)
         scaled = blocks / scale[:, None]
         if jnp.issubdtype(self.dtype, jnp.integer):
@@ -135,17 +119,16 @@ def int8(block_size: int = 256) -> Wire:
 def fp8(block_size: int = 256) -> Wire:
     """8-bit floats (e4m3) on the wire, one float32 scale per block.
 
-    As `int8`, with each block scaled so that its largest magnitude maps to 448
-    (e4m3's largest finite value) and rounded to the nearest e4m3 value: a
-    relative error per value rather than an absolute one per block, so small
-    values in a block with a large one survive better. XLA sends the bytes
-    (on CPU as on GPU); the arithmetic is float32.
+    As `int8`, with each block's largest magnitude mapped to 448 (e4m3's largest
+    finite value) and values rounded to the nearest e4m3 value: a relative error
+    per value rather than an absolute one per block, so small values beside a
+    large one survive better. The arithmetic is float32.
 
     Args:
-      block_size: Values per scale (256 by default).
+      block_size: Values per scale (256 by default), as for `int8`.
 
     Returns:
-      A wire format.
+      A wire format for `jdp.all_reduce(wire=...)`.
 
     Raises:
       ValueError: If `block_size` is not a positive int.
@@ -229,17 +212,12 @@ def _padded(size: int, block: int) -> int:
 
 def init_state(params: PyTree, wire: Wire) -> WireState:
     """Zero error buffers for gradients shaped like `params`."""
-    sizes = [
-        _padded(int(np.prod(np.shape(x))), wire.block_size) for x in _floats(params)
-    ]
+    floats = [x for x in jax.tree.leaves(params) if is_float(x)]
+    sizes = [_padded(int(np.prod(np.shape(x))), wire.block_size) for x in floats]
     return WireState(
         worker=tuple(jnp.zeros((n,), jnp.float32) for n in sizes),
         server=jnp.zeros((sum(sizes),), jnp.float32),
     )
-
-
-def _floats(tree: PyTree) -> list[Any]:
-    return [x for x in jax.tree.leaves(tree) if is_float(x)]
 
 
 # -- the exchange ---------------------------------------------------------------------
@@ -247,9 +225,8 @@ def _floats(tree: PyTree) -> list[Any]:
 
 def _split_outer(axis_name):
     """`(compressed axis, inner axes)`: on a host mesh only the outer one compresses."""
-    if isinstance(axis_name, str) or len(axis_name) == 1:
-        return (axis_name if isinstance(axis_name, str) else axis_name[0]), ()
-    return axis_name[0], tuple(axis_name[1:])
+    axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+    return axes[0], axes[1:]
 
 
 def mean(
@@ -260,25 +237,13 @@ def mean(
     error: WireState | None = None,
     api: str = "jdp.all_reduce",
 ) -> tuple[PyTree, WireState | None]:
-    """Averages `grads` over replicas, sending `wire`'s format.
+    """Averages `grads` over replicas sending `wire`'s format: `(grads, new error)`.
 
-    Each float leaf is quantised on its own (padded to whole blocks), with its
-    worker error added in the same pass; only the narrow payloads are joined
-    into the exchanged buffer, and each leaf is decoded straight from the
-    gathered result, so the float32 gradients are read once and written once.
-
-    Args:
-      grads: One replica's gradients (float leaves are averaged; others pass
-        through).
-      wire: The wire format.
-      axis_name: The replica axis (resolved: bound in the enclosing step), or
-        a host mesh's `(host, device)` axes: the devices of a host average in
-        float32 first, and only the hosts' exchange is compressed.
-      error: The error-feedback buffers (`init_state`), or None for none.
-      api: The public name, for errors.
-
-    Returns:
-      `(averaged grads, new error buffers or None)`.
+    Float leaves are averaged, others pass through. Each leaf is quantised on its
+    own and decoded straight from the gathered result, so the float32 gradients
+    are read and written once. `axis_name` is resolved; on a host mesh's `(host,
+    device)` axes the devices of a host average in float32 first and only the
+    hosts' exchange is compressed. `error`: the buffers of `init_state`, or None.
     """
     outer, inner = _split_outer(axis_name)
     leaves, treedef = jax.tree_util.tree_flatten(grads)
@@ -297,14 +262,14 @@ def mean(
     if num == 1:
         return grads if not inner else _unflatten(leaves, treedef, idx, values), error
     workers, payload, scale = _quantise(values, sizes, padded, wire, error, num)
-    # 2. Chunk j to replica j: row i of what arrives is replica i's chunk. The
-    # scales travel in the same buffer: one collective, never two that could
-    # run in a different order on different processes.
+    # Chunk j to replica j: row i of what arrives is replica i's chunk. The
+    # scales travel in the same buffer (two collectives could run in different
+    # orders on different processes).
     chunk = payload.shape[0] // num
     rows = _pack(payload.reshape(num, chunk), scale, num)
     got = lax.all_to_all(rows, outer, 0, 0, tiled=False).reshape(rows.shape)
     got, got_scale = _unpack(got, wire, chunk)
-    # 3. The owner's float32 average of its chunk, quantised again.
+    # The owner's float32 average of its chunk, quantised again.
     own = sum(
         wire.decode(got[i], None if got_scale is None else got_scale[i])
         for i in range(num)
@@ -317,31 +282,28 @@ def mean(
         dropped = own - wire.decode(own_q, own_scale)
         server = lax.dynamic_update_slice(error.server, dropped, (0,))
         new_error = WireState(tuple(workers), server)
-    # 4. Every owner's average to every replica, decoded leaf by leaf.
+    # Every owner's average to every replica, decoded leaf by leaf.
     packed = _pack(own_q[None], own_scale, 1)
     gathered = lax.all_gather(packed, outer).reshape(num, -1)
     gathered, own_scale = _unpack(gathered, wire, chunk)
     gathered = gathered.reshape(-1)
     if own_scale is not None:
         own_scale = own_scale.reshape(-1)
-    out = list(leaves)
+    values = []
     offset = 0
-    for i, n, p in zip(idx, sizes, padded, strict=True):
+    for n, p in zip(sizes, padded, strict=True):
         sc = None
         if own_scale is not None:
             sc = own_scale[offset // block : (offset + p) // block]
-        value = wire.decode(gathered[offset : offset + p], sc)[:n]
-        out[i] = value.reshape(leaves[i].shape).astype(leaves[i].dtype)
+        values.append(wire.decode(gathered[offset : offset + p], sc)[:n])
         offset += p
-    return jax.tree_util.tree_unflatten(treedef, out), new_error
+    return _unflatten(leaves, treedef, idx, values), new_error
 
 
 def _quantise(values, sizes, padded, wire: Wire, error, num: int):
-    """Step 1: each leaf (plus its worker error) quantised; what was dropped.
+    """Each leaf plus its worker error quantised: `(worker errors, payload, scales)`.
 
-    Returns:
-      `(worker errors, payload, scales)`: the leaves' payloads (and scales)
-      joined and padded to `num` equal chunks of whole blocks.
+    The payloads (and scales) are joined and padded to `num` chunks of whole blocks.
     """
     payloads, scales, workers = [], [], []
     for k, (v, n, p) in enumerate(zip(values, sizes, padded, strict=True)):
@@ -390,9 +352,8 @@ _UINT = {1: jnp.uint8, 2: jnp.uint16}
 def _pack(payload: jax.Array, scale: jax.Array | None, rows: int) -> jax.Array:
     """`rows` rows of unsigned ints: each row's payload bits, then its scales' bytes.
 
-    Narrow floats travel as the unsigned ints of their width: XLA on CPU
-    computes a bfloat16 all-to-all in float32 (twice the bytes), and
-    collectives of float8 need not exist.
+    XLA:CPU computes a bfloat16 all-to-all in float32, and float8 collectives
+    need not exist.
     """
     bits = _UINT[payload.dtype.itemsize]
     raw = lax.bitcast_convert_type(payload, bits)
