@@ -33,6 +33,4 @@ process fewer, down to M (`JDP_NUM_PROCESSES` says how many run).
 
 from jdp.launch._run import run
 
-__all__ = [
-    "run",
-]
+__all__ = ["run"]

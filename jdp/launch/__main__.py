@@ -1,7 +1,4 @@
-"""`python -m jdp.launch --num-processes N [options] script.py [args...]`.
-
-`--nprocs` is accepted as an alias of `--num-processes` (the flag's former name).
-"""
+"""`python -m jdp.launch --num-processes N [options] script.py [args...]`."""
 
 from __future__ import annotations
 
@@ -34,47 +31,21 @@ fewer, down to M.
 """
 
 
-def _int_at_least(minimum: int):
-    """An argparse type: an integer >= `minimum`."""
+def _number(kind: type, minimum: int, *, strict: bool = False):
+    """An argparse type: an int or float >= `minimum` (> with `strict`)."""
+    noun = "an integer" if kind is int else "a number"
 
-    def parse(text: str) -> int:
+    def parse(text: str):
         try:
-            value = int(text)
+            value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"expected an integer, got {text!r}"
-            ) from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(
-                f"expected an integer >= {minimum}, got {value}"
-            )
+            raise argparse.ArgumentTypeError(f"expected {noun}, got {text!r}") from None
+        if not (value > minimum if strict else value >= minimum):
+            bound = f"{'>' if strict else '>='} {minimum}"
+            raise argparse.ArgumentTypeError(f"expected {noun} {bound}, got {text}")
         return value
 
     return parse
-
-
-_positive_int = _int_at_least(1)
-_non_negative_int = _int_at_least(0)
-
-
-def _float(text: str, *, zero_ok: bool) -> float:
-    """A number > 0 (>= 0 with `zero_ok`), for argparse."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not (value >= 0 if zero_ok else value > 0):
-        bound = ">= 0" if zero_ok else "> 0"
-        raise argparse.ArgumentTypeError(f"expected a number {bound}, got {text}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    return _float(text, zero_ok=False)
-
-
-def _non_negative_float(text: str) -> float:
-    return _float(text, zero_ok=True)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -88,26 +59,27 @@ def _parser() -> argparse.ArgumentParser:
         "--nprocs",  # the former name, kept so that existing command lines work
         dest="num_processes",
         metavar="N",
-        type=_positive_int,
+        type=_number(int, 1),
         required=True,
         help="number of processes (--nprocs is an alias)",
     )
     p.add_argument(
         "--devices-per-process",
-        type=_positive_int,
-        default=None,
+        type=_number(int, 1),
         help="simulated CPU devices per process (default: the environment's)",
     )
     p.add_argument(
         "--timeout",
-        type=_positive_float,
-        default=None,
+        dest="timeout_s",
+        metavar="SECONDS",
+        type=_number(float, 0, strict=True),
         help="stop the job after this many seconds, restarts included (exit "
         "status 124)",
     )
     p.add_argument(
         "--stall-timeout",
-        type=_non_negative_float,
+        dest="stall_timeout_s",
+        type=_number(float, 0),
         default=DEFAULT_STALL_TIMEOUT_S,
         metavar="SECONDS",
         help="stop the job (exit status 124) when the processes furthest behind "
@@ -116,14 +88,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--port",
-        type=_positive_int,
-        default=None,
+        type=_number(int, 1),
         help="coordinator port on 127.0.0.1 (default: a free one); one in use "
         "is an error (exit status 2)",
     )
     p.add_argument(
         "--max-restarts",
-        type=_non_negative_int,
+        type=_number(int, 0),
         default=0,
         metavar="K",
         help="when a process fails (or the job stalls), stop the others and "
@@ -133,8 +104,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--min-processes",
-        type=_positive_int,
-        default=None,
+        type=_number(int, 1),
         metavar="M",
         help="with --max-restarts 2 or more: when the same process index fails "
         "first in two attempts in a row, restart with one process fewer, down to M "
@@ -169,18 +139,7 @@ def main(argv: list[str] | None = None) -> int:
             "same process fails first in two attempts in a row, which takes two "
             "restarts; add `--max-restarts K`, or drop --min-processes"
         )
-    return launch_command(
-        ns.target,
-        ns.args,
-        num_processes=ns.num_processes,
-        module=ns.module,
-        devices_per_process=ns.devices_per_process,
-        timeout_s=ns.timeout,
-        port=ns.port,
-        stall_timeout_s=ns.stall_timeout,
-        max_restarts=ns.max_restarts,
-        min_processes=ns.min_processes,
-    )
+    return launch_command(**vars(ns))  # the options' names are its arguments
 
 
 if __name__ == "__main__":

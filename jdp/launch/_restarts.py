@@ -1,13 +1,19 @@
 """Private: when the launcher starts a failed job again, and with how many processes.
 
 `Restarts` is the policy of `--max-restarts` and `--min-processes` (and of
-`jdp.launch.run`'s `max_restarts`); it decides, and words, each restart. It
-starts nothing itself: the front ends (`_command`, `_run`) run the attempts.
+`jdp.launch.run`'s `max_restarts`); `run_attempts` runs the attempts of either
+front end (`_command`, `_run`) under it.
 """
 
 from __future__ import annotations
 
+import os
+import time
+from collections.abc import Callable
+
 from jdp import _validate
+from jdp.launch._launcher import Job
+from jdp.launch._stall import StallError, plural
 
 
 class Restarts:
@@ -62,50 +68,92 @@ class Restarts:
         self.num_processes = num_processes  # of the current attempt
         self.restarts = 0  # done so far
         self._last_first: int | None = None  # who failed first, last attempt
-        #: `(restart, processes, who failed and how)` for each restart made.
-        self.history: list[tuple[int, int, str]] = []
 
     def next_attempt(self, first_failed: int | None, how: str) -> str | None:
         """Records a failed attempt; returns the restart line, or None to stop.
 
         Args:
-          first_failed: The process index that failed first (None for a
-            stall: no process is to blame alone).
-          how: What happened, a sentence that starts the line (e.g. `process 1
-            of 2 (pid 7) was killed by SIGKILL.`).
+          first_failed: The process index that failed first (None for a stall:
+            no process is to blame alone).
+          how: What happened, a sentence that starts the line.
 
         Returns:
-          The line to print about the restart (it has been decided: the
-          attempt's process count is updated), or None when no restart is
-          left.
+          The line to print about the restart (`num_processes` is updated), or
+          None when no restart is left.
         """
         if self.restarts >= self.max_restarts:
             return None
         self.restarts += 1
-        repeat = first_failed is not None and first_failed == self._last_first
-        shrink = repeat and self.num_processes > self.min_processes
         line = f"{how} Restarting the job (restart {self.restarts}/"
         line += f"{self.max_restarts})"
-        if shrink:
+        repeat = first_failed is not None and first_failed == self._last_first
+        if repeat and self.num_processes > self.min_processes:
             self.num_processes -= 1
             self._last_first = None
-            line += (
-                f" with {_processes(self.num_processes)}, one "
-                f"fewer: process {first_failed} failed first in two attempts in a "
-                f"row (--min-processes {self.min_processes})"
+            return line + (
+                f" with {_processes(self.num_processes)}, one fewer: process "
+                f"{first_failed} failed first in two attempts in a row "
+                f"(--min-processes {self.min_processes})."
             )
-        else:
-            self._last_first = first_failed
-            line += f" with {_processes(self.num_processes)}"
-        self.history.append((self.restarts, self.num_processes, how))
-        return line + "."
+        self._last_first = first_failed
+        return line + f" with {_processes(self.num_processes)}."
 
 
 def _processes(n: int) -> str:
     return f"{n} process" if n == 1 else f"{n} processes"
 
 
-def _after_restarts(policy: Restarts) -> str:
-    """` (after 2 restarts)`, for a timeout that ends a restarted run; or ``."""
-    n = policy.restarts
-    return f" (after {n} restart{'s' if n > 1 else ''})" if n else ""
+def run_attempts(
+    make_job: Callable[[int, str], Job],
+    policy: Restarts,
+    directory: str,
+    timeout_s: float | None,
+    say: Callable[[str], None],
+    interrupted: Callable[[], bool] = lambda: False,
+) -> tuple[Job, TimeoutError | None]:
+    """Runs attempts until one needs no restart; returns it, and its timeout.
+
+    Args:
+      make_job: Builds an attempt's `Job` from its process count and its folder
+        (of `directory`, for its progress files).
+      policy: Decides restarts; each restart's line goes to `say`.
+      directory: Where the attempts' folders go.
+      timeout_s: The limit of the whole run, restarts included.
+      say: Prints a line about the job.
+      interrupted: Whether a forwarded signal stopped the job (then the last
+        attempt is returned as it is).
+
+    Returns:
+      The last attempt (`job.failure` is set if it failed), and the
+      `TimeoutError` (a `StallError` for a stall) that ended it, or None.
+    """
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        folder = os.path.join(directory, f"attempt-{policy.restarts}")
+        os.makedirs(folder)
+        job = make_job(policy.num_processes, folder)
+        if interrupted():
+            return job, None
+        left = None if deadline is None else max(deadline - time.monotonic(), 0)
+        job.start()
+        try:
+            ok = job.wait(left, limit_s=timeout_s)
+        except StallError as e:
+            if interrupted():
+                return job, None
+            line = policy.next_attempt(None, "The job stalled (see above).")
+            if line is None:
+                return job, e
+            say(str(e))
+            say(line)
+            continue
+        except TimeoutError as e:
+            n = policy.restarts
+            after = f" (after {plural(n, 'restart')})" if n else ""
+            return job, TimeoutError(f"{e}{after}")
+        if ok or interrupted():
+            return job, None
+        line = policy.next_attempt(job.failure[0], job.failure_message(with_tail=False))
+        if line is None:
+            return job, None
+        say(line)

@@ -1,9 +1,8 @@
 """Private: `jdp.launch.run`, a function called in N new processes.
 
-`run` pickles the function and its arguments, runs the attempts (a `Job` each,
-whose processes call it through `_worker.py`, restarted as `Restarts` decides),
-and returns the processes' results, or raises with the failing process's last
-output.
+`run` pickles the function and its arguments, runs the attempts
+(`run_attempts`), whose processes call it through `_worker.py`, and returns
+their results, or raises with the failing process's last output.
 """
 
 from __future__ import annotations
@@ -12,20 +11,13 @@ import os
 import pickle
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from jdp.launch._launcher import Job
-from jdp.launch._restarts import Restarts, _after_restarts
-from jdp.launch._setup import (
-    WORKER,
-    _check_arguments,
-    _progress_setup,
-    free_port,
-    process_env,
-)
-from jdp.launch._stall import DEFAULT_STALL_TIMEOUT_S, StallError
+from jdp.launch._restarts import Restarts, run_attempts
+from jdp.launch._setup import WORKER, _check_arguments, new_job
+from jdp.launch._stall import DEFAULT_STALL_TIMEOUT_S
 
 
 def _main_path(fn: Callable[..., Any]) -> str | None:
@@ -124,122 +116,50 @@ def run(
     """
     _check_arguments(num_processes, devices_per_process, timeout_s, stall_timeout_s)
     policy = Restarts(num_processes, max_restarts, None)
-    base = dict(os.environ)
-    base.update(env or {})
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    base = {**os.environ, **(env or {})}
     with tempfile.TemporaryDirectory(prefix="jdp-launch-") as tmp:
         payload = os.path.join(tmp, "payload.pkl")
         with open(payload, "wb") as f:
             # Read first: where `fn` (pickled by reference) can be imported from.
             pickle.dump({"sys_path": list(sys.path), "main": _main_path(fn)}, f)
+            call = dict(fn=fn, args=tuple(args), kwargs=dict(kwargs or {}))
             try:
-                pickle.dump(
-                    dict(
-                        fn=fn,
-                        args=tuple(args),
-                        kwargs=dict(kwargs or {}),
-                        initialize=initialize,
-                    ),
-                    f,
-                )
+                pickle.dump({**call, "initialize": initialize}, f)
             except (pickle.PicklingError, AttributeError, TypeError) as e:
                 raise TypeError(
                     "`jdp.launch.run`: `fn` and its arguments must be picklable; "
                     f"`fn` is pickled by reference, so it must be a module-level "
                     f"function, not a lambda or a nested function ({e})."
                 ) from e
-        while True:
-            left = None if deadline is None else max(deadline - time.monotonic(), 0)
-            folder = os.path.join(tmp, f"attempt-{policy.restarts}")
-            os.makedirs(folder)
-            job = _call_job(
-                payload,
-                folder,
+
+        def make_job(n: int, folder: str) -> Job:
+            # Each command ends with the path of its process's result.
+            commands = [
+                [sys.executable, WORKER, "--call", payload, f"{folder}/result-{r}.pkl"]
+                for r in range(n)
+            ]
+            return new_job(
+                commands,
                 base,
-                num_processes,
-                devices_per_process,
-                stall_timeout_s,
-                quiet,
+                folder,
                 policy,
+                devices_per_process=devices_per_process,
+                stall_timeout_s=stall_timeout_s,
+                stall_hint="raise `stall_timeout_s` (0 or None turns the check off)",
+                echo=not quiet,
             )
-            job.start()
-            try:
-                ok = job.wait(left, limit_s=timeout_s)
-            except StallError as e:
-                line = policy.next_attempt(None, str(e))
-                if line is None:
-                    raise TimeoutError(f"`jdp.launch.run`: {e}{_tails(job)}") from None
-                _say_run(line)
-                continue
-            except TimeoutError as e:
-                more = _after_restarts(policy) + _tails(job)
-                raise TimeoutError(f"`jdp.launch.run`: {e}{more}") from None
-            if not ok:
-                line = policy.next_attempt(
-                    job.failure[0], job.failure_message(with_tail=False)
-                )
-                if line is None:
-                    raise RuntimeError(f"`jdp.launch.run`: {job.failure_message()}")
-                _say_run(line)
-                continue
-            results = []
-            for r in range(num_processes):
-                with open(os.path.join(folder, f"result-{r}.pkl"), "rb") as f:
-                    results.append(pickle.load(f))
-            return results
+
+        job, error = run_attempts(make_job, policy, tmp, timeout_s, _say)
+        if error is not None:
+            raise TimeoutError(f"`jdp.launch.run`: {error}{job.last_output()}")
+        if job.failure is not None:
+            raise RuntimeError(f"`jdp.launch.run`: {job.failure_message()}")
+        results = []
+        for command in job.commands:
+            with open(command[-1], "rb") as f:
+                results.append(pickle.load(f))
+        return results
 
 
-def _say_run(line: str) -> None:
+def _say(line: str) -> None:
     print(f"jdp.launch.run: {line}", file=sys.stderr, flush=True)
-
-
-def _tails(job: Job) -> str:
-    """Every process's last output lines, for an error message."""
-    return "".join(
-        f"\n  Last output of process {r}:\n    " + "\n    ".join(t)
-        for r, t in enumerate(job.tails)
-        if t
-    )
-
-
-def _call_job(
-    payload: str,
-    folder: str,
-    base: Mapping[str, str],
-    num_processes: int,
-    devices_per_process: int | None,
-    stall_timeout_s: float | None,
-    quiet: bool,
-    policy: Restarts,
-) -> Job:
-    """One attempt of `run`: processes that call the pickled function."""
-    port = free_port()
-    envs = [
-        process_env(
-            base,
-            process_id=r,
-            num_processes=num_processes,
-            port=port,
-            devices_per_process=devices_per_process,
-            restart_count=policy.restarts,
-            max_restarts=policy.max_restarts,
-        )
-        for r in range(num_processes)
-    ]
-    commands = [
-        [
-            sys.executable,
-            WORKER,
-            "--call",
-            payload,
-            os.path.join(folder, f"result-{r}.pkl"),
-        ]
-        for r in range(num_processes)
-    ]
-    stall = _progress_setup(
-        envs,
-        folder,
-        stall_timeout_s,
-        "raise `stall_timeout_s` (0 or None turns the check off)",
-    )
-    return Job(commands, envs, echo=not quiet, stall=stall)

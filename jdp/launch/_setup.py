@@ -1,10 +1,9 @@
 """Private: what each process of a launched job is started with.
 
-A free port for the coordinator, each process's environment (the `JDP_*`
-variables that `jdp.distributed.initialize` reads, the restart count, the CPU
-device count, glibc's allocator thresholds), its command line (`_worker.py`),
-its progress file for the stall check, and the checks of the arguments both
-front ends share. Nothing here starts a process.
+A free port, each process's environment (the `JDP_*` variables, the CPU device
+count, glibc's allocator thresholds), its command line (`_worker.py`) and
+progress file, an attempt's `Job` built from them, and the checks of the
+arguments both front ends share. Nothing here starts a process.
 """
 
 from __future__ import annotations
@@ -23,6 +22,8 @@ from jdp.distributed._config import (
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
 )
+from jdp.launch._launcher import Job
+from jdp.launch._restarts import Restarts
 from jdp.launch._stall import StallMonitor
 from jdp.launch._worker import ENV_PROGRESS_FILE
 
@@ -38,10 +39,10 @@ ENV_MAX_RESTARTS = "JDP_MAX_RESTARTS"
 _DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that nothing listens on right now (the OS picks it)."""
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that nothing listens on right now (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
+        s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
@@ -61,15 +62,14 @@ def process_env(
     environment sets them or `JDP_DEFAULT_MALLOC=1`.
     """
     env = _allocator.child_env(base)
+    # `initialize()` fails fast (`JDP_FAIL_FAST`); its coordinator listens on
+    # loopback only (JAX's default is every address).
     env[ENV_RESTART_COUNT] = str(restart_count)
     env[ENV_MAX_RESTARTS] = str(max_restarts)
     env[ENV_COORDINATOR_ADDRESS] = f"127.0.0.1:{port}"
     env[ENV_NUM_PROCESSES] = str(num_processes)
     env[ENV_PROCESS_ID] = str(process_id)
-    # The coordinator listens on loopback only (JAX's default is every address).
     env["JAX_COORDINATOR_BIND_ADDRESS"] = f"127.0.0.1:{port}"
-    # `initialize()` installs its fail-fast hooks: a failing process exits at once,
-    # and SIGTERM from the launcher stops it.
     env[ENV_FAIL_FAST] = "1"
     env["PYTHONUNBUFFERED"] = "1"
     if devices_per_process is not None:
@@ -87,10 +87,7 @@ def script_command(target: str, args: Sequence[str], *, module: bool) -> list[st
 
 
 def _progress_setup(
-    envs: list[dict[str, str]],
-    directory: str,
-    stall_timeout_s: float | None,
-    hint: str,
+    envs: list[dict[str, str]], directory: str, stall_timeout_s: float | None, hint: str
 ) -> StallMonitor | None:
     """Points each process at its progress file; the monitor reading them (or None)."""
     if not stall_timeout_s:
@@ -101,11 +98,41 @@ def _progress_setup(
     return StallMonitor(paths, stall_timeout_s, how_to_change=hint)
 
 
+def new_job(
+    commands: Sequence[Sequence[str]],
+    base: Mapping[str, str],
+    folder: str,
+    policy: Restarts,
+    *,
+    devices_per_process: int | None,
+    stall_timeout_s: float | None,
+    stall_hint: str,
+    port: int | None = None,
+    echo: bool = True,
+) -> Job:
+    """The `Job` of `policy`'s next attempt: a process per command, on `port`.
+
+    `port` None: a free one. `folder` holds the processes' progress files.
+    """
+    port = port or free_port()
+    envs = [
+        process_env(
+            base,
+            process_id=r,
+            num_processes=len(commands),
+            port=port,
+            devices_per_process=devices_per_process,
+            restart_count=policy.restarts,
+            max_restarts=policy.max_restarts,
+        )
+        for r in range(len(commands))
+    ]
+    stall = _progress_setup(envs, folder, stall_timeout_s, stall_hint)
+    return Job(commands, envs, echo=echo, stall=stall)
+
+
 def _check_arguments(
-    num_processes: Any,
-    devices_per_process: Any,
-    timeout_s: Any,
-    stall_timeout_s: Any = None,
+    num_processes: Any, devices_per_process: Any, timeout_s: Any, stall_timeout_s: Any
 ) -> None:
     """Checks the arguments shared by `run` and `launch_command`, before any start."""
     _validate.positive_int("num_processes", num_processes)

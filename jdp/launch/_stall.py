@@ -1,20 +1,11 @@
 """Private: the launcher's side of progress reports: finding a stuck process.
 
-A process that is alive but stuck (an endless loop, a deadlock, a sleep, a read
-that never returns) is invisible to JAX: its heartbeats go on, and the other
-processes wait for it in their next collective, forever. Each process of a job
-counts its progress (`jdp._progress.beat`, called as a step starts) and a
-thread writes the count, with where the process is, to a file (`_worker.py`).
-`StallMonitor` reads those files and says when the processes furthest behind have
-made no progress for `timeout_s` seconds: they hold up the others.
-
-A process that has finished (its target returned: its last record says so, with
-its exact count) makes no more steps. If the others are in a step it never
-started (their count is above its final count) and make no progress, they wait
-for it in vain: every process must make the same number of step calls, and a
-data set that ends at different steps on different processes is the usual
-reason one does not. `StallMonitor.finished_early` finds this after a short
-grace period (`FINISHED_GRACE_S`) instead of the stall limit.
+Each process counts its progress (`jdp._progress.beat`, as a step starts) and a
+thread of `_worker.py` writes the count, with where the process is, to a file.
+`StallMonitor` reads those files: it finds the processes furthest behind that
+made no progress for `timeout_s` seconds (they hold up the others), and, after a
+shorter grace period, processes that wait in a step that a finished process
+(one that made fewer step calls) never started.
 """
 
 from __future__ import annotations
@@ -22,36 +13,15 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Mapping, Sequence
-from typing import NamedTuple
 
 #: Default seconds without progress after which a job is stopped (CLI and `run`).
 DEFAULT_STALL_TIMEOUT_S = 300.0
 #: How often the launcher reads the progress files.
 READ_S = 0.5
 #: Seconds without progress after which processes in a step that a finished
-#: process never started are stopped (at most the stall limit). A step that
-#: spans the processes cannot end without it; this only leaves time for the
+#: process never started are stopped (at most the stall limit): time for the
 #: progress reports to arrive, and for steps that run on one process's devices.
 FINISHED_GRACE_S = 15.0
-
-
-class StallError(TimeoutError):
-    """The processes furthest behind made no progress for the stall timeout."""
-
-
-def plural(n: int, word: str) -> str:
-    return f"{n} {word}" if n == 1 else f"{n} {word}s"
-
-
-def process_list(ranks: Sequence[int], pids: Sequence[int] | None = None) -> str:
-    """`process 1 (pid 11)` or `processes 0, 2 (pids 10, 12)`."""
-    one = len(ranks) == 1
-    text = ("process " if one else "processes ") + ", ".join(map(str, ranks))
-    if pids is not None:
-        text += f" ({'pid' if one else 'pids'} "
-        text += ", ".join(str(pids[r]) for r in ranks) + ")"
-    return text
-
 
 #: What a process that finished early means, and what to do about it.
 UNEVEN_STEPS_HINT = (
@@ -64,13 +34,26 @@ UNEVEN_STEPS_HINT = (
 )
 
 
-class EarlyFinish(NamedTuple):
-    """A finished process that others wait for in vain (`finished_early`)."""
+class StallError(TimeoutError):
+    """The processes furthest behind made no progress for the stall timeout."""
 
-    #: The finished process with the fewest step calls.
-    process: int
-    #: The processes still running (and not finished), which stopped progressing.
-    waiting: list[int]
+
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def process_list(
+    ranks: Sequence[int], pids: Sequence[int] | None = None, of: int | None = None
+) -> str:
+    """`process 1 (pid 11)` or `processes 0, 2 of 3 (pids 10, 12)`."""
+    one = len(ranks) == 1
+    text = ("process " if one else "processes ") + ", ".join(map(str, ranks))
+    if of is not None:
+        text += f" of {of}"
+    if pids is not None:
+        text += f" ({'pid' if one else 'pids'} "
+        text += ", ".join(str(pids[r]) for r in ranks) + ")"
+    return text
 
 
 class StallMonitor:
@@ -78,14 +61,10 @@ class StallMonitor:
 
     Nothing is judged until some process reports progress for the first time, so
     a program that never reports (one that does not use jdp's steps) is never
-    stopped, and start-up (imports, `initialize`, the first compilation if it
-    precedes the first report) does not count. From then on, every process has
-    `timeout_s` seconds from its last report (or from that first report, if it
-    has made none) to make its next one.
-
-    A process whose target has finished (its record says `"finished": true`) is
-    not judged as stalled: it makes no more steps, and waits at shutdown for the
-    others (or has exited). `finished_early` judges the others against it.
+    stopped, and start-up does not count. From then on, every process has
+    `timeout_s` seconds from its last report (or from that first report) to make
+    its next one. A process whose record says `"finished": true` is never
+    stalled: `finished_early` judges the others against it.
 
     Args:
       paths: The progress file of each process, in process order.
@@ -135,6 +114,14 @@ class StallMonitor:
             # The first report of the job: every process's clock starts now.
             self.changed_at = [now if t is None else t for t in self.changed_at]
 
+    def _read_due(self, now: float | None) -> float:
+        """Reads the files if `READ_S` passed since the last read; returns now."""
+        now = time.monotonic() if now is None else now
+        if now >= self._next_read:
+            self.read(now)
+            self._next_read = now + READ_S
+        return now
+
     def stalled(
         self, now: float | None = None, running: Sequence[int] | None = None
     ) -> list[int]:
@@ -159,35 +146,29 @@ class StallMonitor:
             return []
         return behind
 
-    def _read_due(self, now: float | None) -> float:
-        """Reads the files if `READ_S` passed since the last read; returns now."""
-        now = time.monotonic() if now is None else now
-        if now >= self._next_read:
-            self.read(now)
-            self._next_read = now + READ_S
-        return now
-
     def finished_early(
         self,
         now: float | None = None,
         running: Sequence[int] | None = None,
         exited: Mapping[int, float] | None = None,
-    ) -> EarlyFinish | None:
+    ) -> tuple[int, list[int]] | None:
         """A finished process that the others wait for in vain, if any.
 
-        That is: a process reported that it finished (its last record, with its
-        exact count), some process still running is in a step it never started
-        (a count above its final count), and none of the processes still
-        running progressed for `finished_grace_s` seconds since it finished.
-        A process that finishes while the others finish too is not one: they
-        make no step beyond its count.
+        That is: a process reported that it finished (with its exact count),
+        some process still running is in a step it never started (a count above
+        its final count), and none of the processes still running progressed
+        for `finished_grace_s` seconds since it finished.
 
         Args:
           now: The time (`time.monotonic()`); now if None.
           running: The processes still running (not exited); all if None.
           exited: When the processes that exited with status 0 did so, by
-            process (`time.monotonic()`); such a process counts as finished
-            only if its last record says so (its count is then exact).
+            process; such a process counts as finished only if its last record
+            says so (its count is then exact).
+
+        Returns:
+          `(the finished process with the fewest step calls, the processes
+          still running that wait for it)`, or None.
         """
         now = self._read_due(now)
         done = {r: t for r, t in enumerate(self.finished_at) if t is not None}
@@ -205,17 +186,23 @@ class StallMonitor:
         quiet_since = max([done[first]] + [t for t in changes if t is not None])
         if now - quiet_since <= self.finished_grace_s:
             return None
-        return EarlyFinish(first, waiting)
+        return first, waiting
+
+    def _last_seen(self, ranks: Sequence[int]) -> str:
+        return "".join(
+            f" Process {r} was last seen at {self.where[r]}."
+            for r in ranks
+            if self.where[r]
+        )
 
     def finished_message(
         self,
-        found: EarlyFinish,
+        found: tuple[int, list[int]],
         pids: Sequence[int],
         exited: Mapping[int, float] | None = None,
     ) -> str:
         """The message for `finished_early`'s finding: who finished, who waits."""
         first, waiting = found
-        n = len(self.paths)
         how = (
             "finished (exit 0)"
             if first in (exited or {})
@@ -228,19 +215,16 @@ class StallMonitor:
             else "at step calls " + ", ".join(map(str, counts))
         )
         one = len(waiting) == 1
-        grace = f"{self.finished_grace_s:g} s"
-        msg = (
-            f"process {first} of {n} (pid {pids[first]}) {how} after "
+        return (
+            f"{process_list([first], pids, len(self.paths))} {how} after "
             f"{plural(self.beats[first], 'step call')} while "
             f"{process_list(waiting, pids)} {'is' if one else 'are'} still running "
             f"({at}) and {'has' if one else 'have'} stopped making progress "
-            f"(none for {grace}): {'it waits' if one else 'they wait'} in a step "
-            f"that process {first} will never join. {UNEVEN_STEPS_HINT}"
+            f"(none for {self.finished_grace_s:g} s): "
+            f"{'it waits' if one else 'they wait'} in a step that process {first} "
+            f"will never join. {UNEVEN_STEPS_HINT}{self._last_seen(waiting)} "
+            "Stopped the job."
         )
-        for r in waiting:
-            if self.where[r]:
-                msg += f" Process {r} was last seen at {self.where[r]}."
-        return msg + " Stopped the job."
 
     def message(
         self,
@@ -254,10 +238,10 @@ class StallMonitor:
         `finished_early`); one with fewer step calls than the stalled ones is
         named as a likely cause.
         """
-        n, low = len(self.paths), self.beats[behind[0]]
+        n, low, one = len(self.paths), self.beats[behind[0]], len(behind) == 1
         limit = f"{self.timeout_s:g} s"
         if max(self.beats) == low:
-            if len(behind) == 1:
+            if one:
                 who = (
                     f"process {behind[0]} (pid {pids[behind[0]]}), the only one of "
                     f"{n} still running, made no progress"
@@ -266,41 +250,30 @@ class StallMonitor:
                 of = "" if len(behind) == n else f" still running (of {n})"
                 who = f"none of the {len(behind)} processes{of} made progress"
             msg = (
-                f"{who} for more than {limit} (each reported "
-                f"progress {plural(low, 'time')}): the processes wait for each "
-                "other (a deadlock), or a step takes longer than that."
+                f"{who} for more than {limit} (each reported progress "
+                f"{plural(low, 'time')}): the processes wait for each other (a "
+                "deadlock), or a step takes longer than that."
             )
         else:
-            one = len(behind) == 1
-            ranks = ", ".join(map(str, behind))
-            pid_list = ", ".join(str(pids[r]) for r in behind)
-            subject = (
-                f"process {ranks} of {n} (pid {pid_list})"
-                if one
-                else f"processes {ranks} of {n} (pids {pid_list})"
-            )
             done = (
                 "has reported no progress since it started"
                 if low == 0
                 else f"reported progress {plural(low, 'time')}"
             )
             msg = (
-                f"{subject} made no progress for more than {limit} while the "
-                f"others went on or waited for {'it' if one else 'them'}: "
-                f"{'it' if one else 'each'} {done}, the others up to "
-                f"{plural(max(self.beats), 'time')}."
+                f"{process_list(behind, pids, n)} made no progress for more than "
+                f"{limit} while the others went on or waited for "
+                f"{'it' if one else 'them'}: {'it' if one else 'each'} {done}, the "
+                f"others up to {plural(max(self.beats), 'time')}."
             )
-        for r in behind:
-            if self.where[r]:
-                msg += f" Process {r} was last seen at {self.where[r]}."
+        msg += self._last_seen(behind)
         early = sorted(r for r in exited or {} if self.beats[r] < low)
         if early:
-            one = len(early) == 1
             counts = ", ".join(str(self.beats[r]) for r in early)
             msg += (
                 f" {process_list(early).capitalize()} finished (exit 0) earlier, "
                 f"after at least {counts} step calls: the others may wait in a "
-                f"step that {'it' if one else 'they'} never joined. "
+                f"step that {'it' if len(early) == 1 else 'they'} never joined. "
                 f"{UNEVEN_STEPS_HINT}"
             )
         return (

@@ -1,24 +1,17 @@
 """Private: the entry point of every process started by `jdp.launch`.
 
-Usage (by the launcher only; run by path, so that starting a process imports
-nothing but the standard library before the target does):
+Usage (by the launcher only; run by path, so that nothing but the standard
+library is imported before the target):
   python .../jdp/launch/_worker.py --script path/to/script.py [args...]
   python .../jdp/launch/_worker.py --module package.module [args...]
   python .../jdp/launch/_worker.py --call payload.pkl result.pkl
 
-It runs the target like `python script.py` / `python -m module` would, with one
-difference: if the target fails (an uncaught exception or a non-zero exit), the
-process prints the traceback and exits at once. A normal interpreter exit would run
-JAX's shutdown barrier first, which waits for the other processes (up to its
-shutdown timeout) and turns a failure into a hang.
-
-With `$JDP_PROGRESS_FILE` set, a thread also reports the process's progress there
-for the launcher: the count of `jdp._progress.beat()` calls and where the
-main thread is (see `report_progress`). When the target has finished without an
-error, the process writes a last record at once, marked `"finished": true`, with
-its exact count, before the interpreter's exit (which, in a job, waits at JAX's
-shutdown barrier for the other processes): the launcher then knows that it will
-make no more steps (see `_stall.StallMonitor.finished_early`).
+It runs the target as `python script.py` / `python -m module` would, except that
+a failing target (an uncaught exception or a non-zero exit) prints its traceback
+and exits at once: a normal exit would first wait at JAX's shutdown barrier for
+the other processes, turning a failure into a hang. With `$JDP_PROGRESS_FILE`
+set, a thread reports the process's progress there (`report_progress`), and a
+last record marks a target that finished without an error (`report_finished`).
 """
 
 from __future__ import annotations
@@ -38,27 +31,19 @@ import types
 #: Where the launcher wants this process's progress reports (a JSON file).
 ENV_PROGRESS_FILE = "JDP_PROGRESS_FILE"
 #: The module whose `count()` is this process's progress (read, never imported
-#: here: importing jdp would import JAX before the target chose its settings).
+#: here: that would import JAX before the target chose its settings).
 PROGRESS_MODULE = "jdp._progress"
 #: Seconds between two progress reports.
 REPORT_S = 0.5
 
 # Set once the target has finished without an error (see `report_finished`).
 _finished = threading.Event()
-# Held while a record is made and written, so that the last record written is
-# the newest (the reporter thread and `report_finished` both write).
+# Held while a record is made and written: the last record written is the newest.
 _write_lock = threading.Lock()
 
 
 def _exit_now(code: int) -> None:
-    """`jdp.distributed`'s `flush_and_exit(code)`: flushes, then `os._exit(code)`.
-
-    Imported only now, when the process ends: before its target runs, this
-    process imports nothing but the standard library (importing jdp imports
-    JAX). A target that fails has usually imported jdp already; otherwise the
-    import costs a few seconds at the exit. If jdp cannot be imported at all, the
-    process still exits (its output is unbuffered under the launcher).
-    """
+    """`jdp.distributed`'s `flush_and_exit(code)`, imported only as the process ends."""
     try:
         from jdp.distributed._exit import flush_and_exit
     except BaseException:  # pragma: no cover - a broken installation
@@ -80,8 +65,7 @@ def _run_module(name: str, args: list[str]) -> None:
 
 def _run_call(payload_path: str, result_path: str) -> None:
     with open(payload_path, "rb") as f:
-        # Two pickles: first where to import from (plain strings), then the call,
-        # whose `fn` is pickled by reference and needs that to be found.
+        # First where to import from, then the call (`fn` is pickled by reference).
         where = pickle.load(f)
         for entry in where["sys_path"]:
             if entry not in sys.path:
@@ -103,11 +87,9 @@ def _run_call(payload_path: str, result_path: str) -> None:
 
 
 def _import_main(path: str) -> None:
-    """Imports the parent's main script as `__mp_main__` (multiprocessing's spawn).
+    """Imports the parent's main script as `__mp_main__`, as multiprocessing does.
 
-    Functions defined in the launching script are pickled as `__main__.name`; as
-    with `multiprocessing`, the script is run again under another name (so its
-    `if __name__ == "__main__":` block does not run) and stands in for `__main__`.
+    It then stands in for `__main__`, where `fn` was pickled from.
     """
     module = types.ModuleType("__mp_main__")
     module.__file__ = path
@@ -117,13 +99,13 @@ def _import_main(path: str) -> None:
     sys.modules["__main__"] = module
 
 
-def _exit_when_orphaned(period_s: float = 1.0) -> None:
+def _exit_when_orphaned() -> None:
     """Exits this process if the launcher dies (e.g. SIGKILL): no orphaned jobs."""
     parent = os.getppid()
 
     def watch():
         while True:
-            time.sleep(period_s)
+            time.sleep(1.0)
             if os.getppid() != parent:
                 try:  # the launcher read our output: this may hit a closed pipe
                     print("jdp.launch: the launcher died; exiting.", file=sys.stderr)
@@ -156,10 +138,9 @@ def _describe_frame(frame, base: str | None = None, *, source: bool = True) -> s
 def where(thread_id: int, library_dirs: tuple[str, ...]) -> str | None:
     """Where thread `thread_id` is: its innermost frame in the program's own code.
 
-    For instance ``train.py:12 in main: `time.sleep(60)` `` or, when the thread
-    is in a library below that line, ``train.py:40 in main: `float(loss)`,
-    inside jax/_src/array.py:623 in _value``. None if the thread has no Python
-    frame.
+    E.g. ``train.py:40 in main: `float(loss)`, inside jax/_src/array.py:623 in
+    _value`` (the innermost frame is named if it is in a library). None if the
+    thread has no Python frame.
     """
     frame = sys._current_frames().get(thread_id)
     if frame is None:
@@ -206,13 +187,12 @@ def _write_record(path: str, record: dict) -> bool:
     return True
 
 
-def report_progress(path: str, period_s: float = REPORT_S) -> threading.Thread:
-    """Writes this process's progress to `path` every `period_s` seconds (a thread).
+def report_progress(path: str) -> None:
+    """Writes this process's progress to `path` every `REPORT_S` seconds (a thread).
 
     The record, `{"pid", "beats", "where"}` (plus `"finished": true` once
-    `report_finished` ran), is replaced atomically, and only when it changed.
-    `where` is where the main thread was last seen (see `where`), which the
-    launcher shows if this process stops making progress.
+    `report_finished` ran), is replaced atomically, and only when it changed;
+    `where` is where the main thread is (see `where`).
     """
     main_id = threading.main_thread().ident
     library_dirs = _library_dirs()
@@ -228,19 +208,16 @@ def report_progress(path: str, period_s: float = REPORT_S) -> threading.Thread:
                     record["where"] = last.get("where") if last else None
                 if record != last and _write_record(path, record):
                     last = record
-            time.sleep(period_s)
+            time.sleep(REPORT_S)
 
-    thread = threading.Thread(target=report, name="jdp-progress", daemon=True)
-    thread.start()
-    return thread
+    threading.Thread(target=report, name="jdp-progress", daemon=True).start()
 
 
 def report_finished(path: str) -> None:
-    """Writes the last progress record: the target finished, with its exact count.
+    """Writes the last progress record at once: finished, with the exact count.
 
-    Written at once (the reporter thread writes only every `REPORT_S`), before
-    the interpreter's exit, which in a job first waits at JAX's shutdown barrier
-    for the other processes. From then on, every record says `"finished": true`.
+    Before the interpreter's exit, which waits at JAX's shutdown barrier for the
+    other processes; from then on, every record says `"finished": true`.
     """
     with _write_lock:
         _finished.set()
@@ -265,19 +242,13 @@ def main(argv: list[str]) -> None:
         else:
             _run_call(target, rest[0])
     except SystemExit as e:
-        if e.code is None or e.code == 0:
-            if progress:
-                report_finished(progress)
-            return
-        if not isinstance(e.code, int):
-            print(e.code, file=sys.stderr)
-        _exit_now(e.code if isinstance(e.code, int) else 1)
-    except KeyboardInterrupt:
+        if e.code not in (None, 0):
+            if not isinstance(e.code, int):
+                print(e.code, file=sys.stderr)
+            _exit_now(e.code if isinstance(e.code, int) else 1)
+    except BaseException as e:
         traceback.print_exc()
-        _exit_now(130)
-    except BaseException:
-        traceback.print_exc()
-        _exit_now(1)
+        _exit_now(130 if isinstance(e, KeyboardInterrupt) else 1)
     if progress:
         report_finished(progress)
 
