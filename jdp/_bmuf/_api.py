@@ -1,7 +1,7 @@
 """`jdp.bmuf` and `jdp.bmuf_global_params`: the public transform and its reader.
 
 `bmuf` checks its options, builds the state and runs the local step; the sync
-itself is `_block.merge` or, with a `streaming` schedule, `_streaming.merge`.
+is `_block.merge` or, with a streaming schedule, `_streaming.merge`.
 """
 
 from __future__ import annotations
@@ -54,86 +54,74 @@ def bmuf(
 
     Every step, each replica applies `inner` to its OWN gradients (no all-reduce:
     use `jdp.make_train_step(loss_fn, tx, sync=jdp.local())`). Every
-    `sync_period`-th step, after that local update, the block update runs. With
+    `sync_period`-th step, after that local update, the block update runs; with
     `start` the model every replica began the block from (the initial params for
     the first block), in the notation of Chen & Huo:
 
-    - `avg = mean over replicas of the locally updated params`, W̄(t): one
-      all-reduce of the parameters, the only communication (how it is averaged:
-      `average`);
+    - `avg`, W̄(t): the replicas' mean of their locally updated params, one
+      all-reduce of the parameters, the only communication (how: `average`);
     - `outer` updates the global model `g` with the pseudo-gradient
-      `start - avg`. By default that is the classical block filter,
+      `start - avg`; by default the classical block filter,
       `jdp.block_momentum()`: `v = η * v + ζ * (avg - start)`, Δ(t), then
       `g = g + v`, W(t);
-    - every replica's params, and the next block's `start`, become `g`
-      (classical block momentum, CBM: Caffe2's broadcast of the master's
-      model), or `g + η * v` with `jdp.block_momentum(nesterov=True)` (the
-      paper's Nesterov-like block momentum, NBM).
+    - every replica's params, and the next `start`, become `g` (classical block
+      momentum, CBM: Caffe2's broadcast of the master's model), or `g + η * v`
+      with `jdp.block_momentum(nesterov=True)` (the paper's Nesterov-like block
+      momentum, NBM).
 
-    `outer=jdp.block_momentum(momentum=0.0)` is plain model averaging; with
-    `sync_period=1` and plain SGD that is synchronous SGD. DiLoCo is
+    `outer=jdp.block_momentum(momentum=0.0)` is plain model averaging (with
+    `sync_period=1` and plain SGD, synchronous SGD); DiLoCo is
     `outer=optax.sgd(0.7, momentum=0.9, nesterov=True)`. The sync sits in a
-    `lax.cond`: the parameter all-reduce runs on sync steps only (see
-    `step.collectives`, field `in_conditional`). In `jdp.make_train_step` it
-    runs after the parameter update, on the updated params, so a step that does
-    not sync costs what the local step costs; in a hand-written step
-    (`tx.update` then `optax.apply_updates`, as flax's
-    `TrainState.apply_gradients`) it runs inside the optimizer, with the same
-    results and more temporary memory (the gradients and, on sync steps, the
-    recomputed local params).
+    `lax.cond`, so the parameter all-reduce runs on sync steps only (see
+    `step.collectives`, field `in_conditional`). `jdp.make_train_step` runs it
+    after the parameter update, so a step that does not sync costs what the
+    local step costs; a hand-written step (`tx.update` then
+    `optax.apply_updates`, as flax's `TrainState.apply_gradients`) runs it
+    inside the optimizer: the same results, more temporary memory.
 
     The state holds `g` and `v` (or `outer`'s state), and `start` only where it
-    differs from `g` (NBM): no other setting keeps a third copy of the
-    parameters. `start` is stored rather than recomputed from `g` and `v` so
-    that every replica lands on exactly the same bits after a sync.
+    differs from `g` (NBM), stored rather than recomputed so that every replica
+    lands on exactly the same bits after a sync. Caffe2's `nesterov=True` (next
+    start `W(t) - η * Δ(t)`) and fairseq's `use_nbm=True` (CBM with a block
+    learning rate scaled by `1 + η`) are NOT the paper's NBM; both agree with
+    the paper, and with jdp, for CBM.
 
-    Other implementations' "Nesterov" variants are NOT the paper's NBM. Caffe2's
-    `nesterov=True` sets the next block's start to `W(t) - η * Δ(t)` (the
-    look-ahead with its sign flipped). fairseq's `use_nbm=True` adds `η * s` to
-    its smoothed update and then makes that point the new global model, which
-    is exactly CBM with a block learning rate scaled by `1 + η`. Both agree
-    with the paper (and with jdp) for CBM.
-
-    Streaming DiLoCo (`streaming=jdp.Streaming(fragments, delay, mix)`) syncs
+    `streaming=jdp.Streaming(fragments, delay, mix)` (Streaming DiLoCo) syncs
     one fragment of the parameters at a time, spreads its all-reduce over
-    `delay` steps and mixes the merged fragment with the local one; None is the
-    block sync above. See the BMUF guide for the exact schedule.
+    `delay` steps and mixes the merged fragment with the local one (see the
+    BMUF guide).
 
     Must be the LAST transform of a chain (its updates move the params to the
     merged model on sync steps): `optax.chain(optax.clip_by_global_norm(1.0),
-    jdp.bmuf(optax.sgd(0.1, momentum=0.9), sync_period=8))`.
-
-    After a sync, `jdp.make_train_step` leaves every replica's params exactly
-    equal to the block start. In a hand-written step the updates of a sync step
-    are `new_params - params`, so `optax.apply_updates` reaches the merged model
-    up to float rounding (exactly when old and new values are within a factor of
-    2 of each other); replicas may then differ by an ulp, which the next sync
-    erases. The global model `g` itself is identical on every replica.
+    jdp.bmuf(optax.sgd(0.1, momentum=0.9), sync_period=8))`. After a sync,
+    `jdp.make_train_step` leaves every replica's params exactly equal to the
+    block start; in a hand-written step, `optax.apply_updates` of the sync's
+    updates (`new_params - params`) reaches it up to float rounding (replicas
+    may differ by an ulp, which the next sync erases). `g` itself is identical
+    on every replica.
 
     Args:
       inner: The local optimizer, any optax transform (e.g.
         `optax.sgd(0.1, momentum=0.9)`), applied every step to the replica's own
         gradients.
-      sync_period: Steps per block, τ (an int >= 1): the replicas sync every
-        `sync_period` steps.
-      outer: The outer optimizer, an optax transform: at a sync it is applied
-        to the block start with the pseudo-gradient `start - avg`, and its
-        result becomes `g`, the params and the next start. None (default):
-        `jdp.block_momentum()`, the classical block filter with block
-        learning rate 1 and block momentum `1 - 1 / num_replicas`; pass
-        `jdp.block_momentum(learning_rate, momentum, nesterov)` for other
-        settings (run by BMUF's own formula, which keeps W(t) apart from the
-        NBM look-ahead). DiLoCo: `optax.sgd(0.7, momentum=0.9, nesterov=True)`.
+      sync_period: Steps per block, τ (an int >= 1).
+      outer: The outer optimizer, an optax transform applied at a sync to the
+        block start with the pseudo-gradient `start - avg`; its result becomes
+        `g`, the params and the next start. None (default):
+        `jdp.block_momentum()`, block learning rate 1 and block momentum
+        `1 - 1 / num_replicas`; `jdp.block_momentum(learning_rate, momentum,
+        nesterov)` for other settings (run by BMUF's own formula, which keeps
+        W(t) apart from the NBM look-ahead).
       warmup_steps: For the first `warmup_steps` updates the gradients are
         averaged across replicas before `inner` (synchronous SGD, like PyTorch's
         post-local-SGD warmup), so the replicas stay identical; `g` is the
         model at the end of warmup and blocks count from there. 0 by default.
       inner_state_at_sync: What happens to `inner`'s state at a sync: `"keep"`
         it (default); `"reset"` its floating leaves (momentum, moments) to their
-        initial values while integer leaves (step counts, so learning-rate
-        schedules continue) are kept, as Caffe2's `reset_momentum_sgd`; or
-        `"average"` its floating leaves across replicas (fairseq's
-        `average_sync`; one more all-reduce, on sync steps only).
+        initial values, keeping integer leaves (step counts, so learning-rate
+        schedules continue), as Caffe2's `reset_momentum_sgd`; or `"average"`
+        its floating leaves across replicas (fairseq's `average_sync`; one more
+        all-reduce, on sync steps only).
       streaming: Streaming DiLoCo's schedule, a `jdp.Streaming(fragments,
         delay, mix)`; its `fragments` must divide `sync_period` and its `delay`
         be at most `sync_period / fragments`. None (default): the whole model
@@ -196,38 +184,33 @@ def bmuf(
     )
     check(inner, options)
     outer = options.outer  # None for the classical block filter
-    fragments, delay = options.fragments, options.delay
-    on_bad_replica = options.on_bad_replica
-    stores_start = options.stores_start
-    streaming = options.streaming
-    period = sync_period // fragments  # steps between two fragment syncs
-    axis = axis_name
+    period = sync_period // options.fragments  # steps between two fragment syncs
 
     def init_fn(params):
-        if streaming:  # refuses a tree too small to split
-            pieces = plan(params, fragments, delay).fragments
+        if options.streaming:  # refuses a tree too small to split
+            fragments = plan(params, options.fragments, options.delay).fragments
         if outer is None:
             velocity = jax.tree.map(jnp.zeros_like, params)
-        elif streaming:  # one outer state per fragment, over its slices
+        elif options.streaming:  # one outer state per fragment, over its slices
             leaves = [jnp.asarray(x) for x in jax.tree.leaves(params)]
-            velocity = tuple(outer.init(take(leaves, f)) for f in pieces)
+            velocity = tuple(outer.init(take(leaves, f)) for f in fragments)
         else:
             velocity = outer.init(params)
         return BMUFState(
             count=jnp.zeros((), jnp.int32),
             global_params=jax.tree.map(jnp.asarray, params),
-            start=jax.tree.map(jnp.asarray, params) if stores_start else None,
+            start=jax.tree.map(jnp.asarray, params) if options.stores_start else None,
             velocity=velocity,
             inner_state=inner.init(params),
             synced=jnp.zeros((), jnp.bool_),
-            pending=jax.tree.map(jnp.array, params) if delay else None,
-            dropped=jnp.zeros((), jnp.int32) if on_bad_replica else None,
+            pending=jax.tree.map(jnp.array, params) if options.delay else None,
+            dropped=jnp.zeros((), jnp.int32) if options.on_bad_replica else None,
         )
 
     merge = functools.partial(
-        _streaming.merge if streaming else _block.merge,
+        _streaming.merge if options.streaming else _block.merge,
         inner=inner,
-        axis=axis,
+        axis=axis_name,
         options=options,
     )
 
@@ -237,12 +220,9 @@ def bmuf(
         communicate = extra_args.get(_collectives.COLLECTIVES_ARG, True)
         count = state.count
         if warmup_steps and communicate:
-            axis_name = _collectives.resolve_axis(axis)
+            axis = _collectives.resolve_axis(axis_name)
             updates = lax.cond(
-                count < warmup_steps,
-                lambda u: mean(u, axis_name),
-                lambda u: u,
-                updates,
+                count < warmup_steps, lambda u: mean(u, axis), lambda u: u, updates
             )
         is_sync = (count >= warmup_steps) & ((count - warmup_steps + 1) % period == 0)
         inner_updates, inner_state = inner.update(updates, state.inner_state, params)
@@ -253,24 +233,22 @@ def bmuf(
         )
         merges = extra_args.get(MERGES_ARG)
         if merges is not None or not communicate:
-            # The caller applies `inner`'s updates and then runs the block sync
-            # on the updated params (`merge_updated`), or discards the result.
+            # The caller runs the sync on the params it updates (`merge_updated`),
+            # or discards the result.
             if merges is not None:
                 merges.append(merge)
             return inner_updates, new_state
-        # A hand-written step applies the updates after this returns: run the
-        # block sync here, on the locally updated params, and return the
-        # difference to the model every replica starts the next block from.
+        # A hand-written step: sync here on the locally updated params and
+        # return the difference to the next block's start.
         local = optax.apply_updates(params, inner_updates)
         merged, new_state = merge(local, state, new_state)
-        out_updates = jax.tree.map(
-            lambda m, p, u: (
-                jnp.where(is_sync, (m - p).astype(u.dtype), u) if is_float(u) else u
-            ),
-            merged,
-            params,
-            inner_updates,
-        )
+
+        def sync_updates(m, p, u):
+            if not is_float(u):
+                return u
+            return jnp.where(is_sync, (m - p).astype(u.dtype), u)
+
+        out_updates = jax.tree.map(sync_updates, merged, params, inner_updates)
         return out_updates, new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

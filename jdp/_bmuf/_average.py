@@ -1,12 +1,9 @@
-"""The average across replicas at a sync: the seam upstream of the block update.
+"""The average across replicas at a sync: the one place every sync averages.
 
-Every sync averages the replicas' params here, and nowhere else: the block sync
-on the whole tree, a fragment's sync with `delay=0`, and each chunk of a
-delayed one (`params_mean`: a plain all-reduce, or a compressed exchange with
-`wire=`). The block sync hands the update a `Mean`, which also says which
-replicas it counted: every one, or (`jdp._bmuf._drop`) the valid ones only. The
-update formula (`jdp._bmuf._update`) reads the mean alone, so neither dropping
-nor `wire=` has an update of its own.
+`params_mean` is a plain all-reduce, or a compressed exchange with `wire=`; the
+block sync hands the update a `Mean`, which also says which replicas it counted
+(every one, or with `_drop` the valid ones), so the update formula reads the
+mean alone.
 """
 
 from __future__ import annotations
@@ -25,13 +22,9 @@ PyTree = Any
 class Mean(NamedTuple):
     """The replicas' mean of their params at a sync, and the replicas it counts.
 
-    Attributes:
-      params: The mean of the replicas' locally updated params (the block
-        update's `avg`); None where only the replicas counted matter.
-      valid: This replica's validity bit (bool, shape ()), or None: every
-        replica counts.
-      share: The fraction of the replicas that are valid (float32, shape ()),
-        or None: every replica counts.
+    `params` is the block update's `avg` (None where only the count matters);
+    `valid` is this replica's validity bit and `share` the fraction of valid
+    replicas, both None when every replica counts.
     """
 
     params: PyTree = None
@@ -48,16 +41,14 @@ class Mean(NamedTuple):
         """`new`, or `old` where no replica was valid (the update is skipped)."""
         if self.share is None:
             return new
-        any_valid = self.share > 0
-        return jax.tree.map(lambda n, o: jnp.where(any_valid, n, o), new, old)
+        return jax.tree.map(lambda n, o: jnp.where(self.share > 0, n, o), new, old)
 
     def count_dropped(self, dropped: jax.Array | None, axis_name) -> jax.Array | None:
         """`dropped` plus the number of replicas this mean left out."""
         if self.share is None:
             return dropped
         num = _collectives.axis_size(axis_name, "jdp.bmuf")
-        count = jnp.round(self.share * num).astype(jnp.int32)
-        return dropped + (num - count)
+        return dropped + num - jnp.round(self.share * num).astype(jnp.int32)
 
 
 #: The `Mean` of a sync that counts every replica, without its params.
@@ -65,12 +56,10 @@ EVERY = Mean()
 
 
 def params_mean(local: PyTree, ref: PyTree, axis_name, wire=None) -> PyTree:
-    """The replicas' mean of their `local` params at a sync: the one place.
+    """The replicas' mean of their `local` params, `ref` the block start.
 
-    `ref` (the same structure) is the block start every replica began from:
-    with a `wire` format the outer pseudo-gradient `ref - local` is what is
-    compressed and averaged (`_wire.mean`), and the result is `ref` minus that
-    mean; without one, the params themselves are averaged.
+    With a `wire` format the pseudo-gradient `ref - local` is compressed and
+    averaged (`_wire.mean`), and the result is `ref` minus that mean.
     """
     if wire is None:
         return mean(local, axis_name)

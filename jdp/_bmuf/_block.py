@@ -1,9 +1,4 @@
-"""The block sync of BMUF and DiLoCo: the whole model at once, every period.
-
-One implementation for every option of the block sync: the averaging step
-(`_average`: a plain mean or `wire=`; `_drop`: the valid replicas' mean) hands
-its `Mean` to the one update formula (`_update`).
-"""
+"""The block sync of BMUF and DiLoCo: the whole model at once, every period."""
 
 from __future__ import annotations
 
@@ -19,15 +14,15 @@ PyTree = Any
 
 
 def merge(params, old_state, state, *, inner, axis, options):
-    """`jdp.bmuf`'s block sync, the one implementation, on locally updated params.
+    """`jdp.bmuf`'s block sync on the params after this step's local update.
 
     Args:
-      params: The params after this step's local (inner) update.
+      params: The locally updated params.
       old_state: The state before the update.
       state: The state the update returned (`count` and `synced` advanced).
-      inner: The inner optimizer (for `inner_state_at_sync="reset"`).
+      inner: The inner optimizer.
       axis: The replica axis as given to `jdp.bmuf` (None: the bound one).
-      options: The block-filter options.
+      options: The `_options.Options`.
 
     Returns:
       `(params, state)`: on a step that ends a block, every replica's params are
@@ -35,12 +30,10 @@ def merge(params, old_state, state, *, inner, axis, options):
       and velocity; otherwise both as given (during warmup `g` follows the
       replicas).
     """
-    at_sync = options.inner_state_at_sync
     axis_name = _collectives.resolve_axis(axis)
     eta = _update.eta(axis_name, options.block_momentum)
-    applied = state.count != old_state.count  # not an accumulation micro-step
-    g, start, _ = _update.follow_warmup(
-        params, old_state, state, applied, options.warmup_steps
+    applied, g, start, _ = _update.follow_warmup(
+        params, old_state, state, options.warmup_steps
     )
 
     def sync(operands):
@@ -52,43 +45,28 @@ def merge(params, old_state, state, *, inner, axis, options):
         g, start, v = mean.unless_none_valid(new, (g, start, v))
         target = block_start(g, start)
         inner_state = _update.inner_state_at_sync(
-            inner_state, target, inner, at_sync, axis_name, mean
+            inner_state, target, inner, options.inner_state_at_sync, axis_name, mean
         )
         dropped = mean.count_dropped(dropped, axis_name)
         return cast_like(target, params), g, start, v, inner_state, dropped
 
-    # Only what the sync changes crosses the conditional; everything in it is
-    # already in memory (the updated params are the step's output), so a step
-    # that does not sync pays nothing for it.
-    keeps = at_sync == "keep" and options.on_bad_replica is None
+    # Only what the sync changes crosses the conditional, so a step that does
+    # not sync pays nothing for it.
+    inner_state = None if options.keeps_inner_state else state.inner_state
+    operands = (params, g, start, state.velocity, inner_state, state.dropped)
     params, g, start, v, inner_state, dropped = lax.cond(
-        applied & state.synced,
-        sync,
-        lambda operands: operands,
-        (
-            params,
-            g,
-            start,
-            state.velocity,
-            None if keeps else state.inner_state,
-            state.dropped,
-        ),
+        applied & state.synced, sync, lambda operands: operands, operands
     )
-    return params, state._replace(
-        global_params=g,
-        start=start,
-        velocity=v,
-        inner_state=state.inner_state if keeps else inner_state,
-        dropped=dropped,
+    return params, _update.with_sync(
+        state, inner_state, global_params=g, start=start, velocity=v, dropped=dropped
     )
 
 
 def average(params, ref, axis_name, options) -> _average.Mean:
-    """The average across replicas of a block sync, `ref` the block start.
+    """The replicas' `Mean` at a block sync, `ref` the block start.
 
-    The one seam of the options that change what is averaged: every replica's
-    params (`wire=`: their compressed pseudo-gradients), or the valid ones'
-    alone (`on_bad_replica="drop"`).
+    The seam of the options that change what is averaged: `wire=` (compressed
+    pseudo-gradients) and `on_bad_replica="drop"` (the valid replicas alone).
     """
     if options.on_bad_replica is not None:
         return _drop.valid_mean(params, ref, axis_name, options.bad_replica_max_norm)

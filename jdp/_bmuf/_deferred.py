@@ -1,10 +1,4 @@
-"""The block sync deferred to a train step that applies the updates itself.
-
-A step that runs the optimizer through `_transforms.update` (`jdp.local()`)
-passes it the extra argument `MERGES_ARG`; `jdp.bmuf`'s update then applies
-`inner` alone and leaves its block sync in that list, which `merge_updated`
-runs on the updated params.
-"""
+"""The block sync deferred to a train step that applies the updates itself."""
 
 from __future__ import annotations
 
@@ -15,36 +9,28 @@ from jdp._bmuf._state import find_states, replace_states
 
 PyTree = Any
 
-
-#: The optimizer's extra argument (optax's `**extra_args`) through which a train
-#: step that applies the updates itself asks `jdp.bmuf` to leave its block sync to
-#: it: a list into which the update puts the sync (see `merge_updated`).
+#: The optimizer's extra argument (optax's `**extra_args`, which `optax.chain`
+#: and `optax.MultiSteps` forward): a list into which `jdp.bmuf`'s update puts
+#: its block sync instead of running it, for `merge_updated`.
 MERGES_ARG = "jdp_bmuf_merges"
 
 
 def merge_updated(
     params: PyTree, old_opt_state: PyTree, opt_state: PyTree, merges: list[Callable]
 ) -> tuple[PyTree, PyTree]:
-    """The block sync of `jdp.bmuf` on updated params, after a deferred update.
+    """Runs the block sync `jdp.bmuf` left in `merges` on the updated `params`.
 
-    A train step that applies the optimizer itself passes an empty list as the
-    optimizer's extra argument `MERGES_ARG` (optax's extra-args protocol, which
-    `optax.chain` and `optax.MultiSteps` forward): `jdp.bmuf`'s update then
-    applies `inner` alone and puts its block sync into the list, and the step
-    calls this on the params it updated. Inside the optimizer (a hand-written
-    step) the same sync runs on params the update has to compute first: a
-    larger temporary buffer on every step.
+    Run inside the optimizer (a hand-written step), the same sync needs the
+    updated params computed there first: a larger temporary buffer every step.
 
     Args:
       params: The params after `optax.apply_updates`.
       old_opt_state: The optimizer state before the update.
       opt_state: The optimizer state the update returned.
-      merges: The list given to the optimizer.
+      merges: The list given to the optimizer as `MERGES_ARG`.
 
     Returns:
-      `(params, opt_state)`: on a step that ends a block, every replica's params
-      are exactly the next block's start and the state holds the new global model
-      and velocity; otherwise both as given.
+      `(params, opt_state)` after the sync (as given on a step without one).
 
     Raises:
       ValueError: If the optimizer holds more than one `jdp.bmuf`.

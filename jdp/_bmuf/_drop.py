@@ -2,12 +2,9 @@
 
 A replica is valid when its locally updated params are finite and, with
 `bad_replica_max_norm`, within that L2 distance of the block start. Its bit
-multiplies its contribution, and rides as one more float32 leaf in the same
-all-reduce: the mean of the contributions divided by the mean of the bits is
-the valid replicas' mean. With every replica valid the divisor is exactly 1, so
-the result is the plain mean. The `Mean` returned carries the bit and the
-share, from which the block sync keeps the previous model when no replica is
-valid, resets a dropped replica's inner state and counts the dropped.
+masks its contribution and rides as one more float32 leaf in the same
+all-reduce; the mean of the contributions over the mean of the bits is the
+valid replicas' mean (exactly the plain mean when all are valid).
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
-"""The fragment plan of Streaming DiLoCo: the params' split into slices.
+"""Streaming DiLoCo's fragment plan: the params' split into slices.
 
-A pure function of the leaves' shapes and dtypes (`plan`), and the two ways to
-use one on a flat list of leaves: read its slices (`take`) and write them
-(`put`).
+`plan` is a function of the leaves' shapes and dtypes; `take` reads its slices
+of a list of leaves and `put` writes them.
 """
 
 from __future__ import annotations

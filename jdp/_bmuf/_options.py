@@ -1,9 +1,8 @@
-"""`jdp.bmuf`'s options: the schedule and average values, their record, checks.
+"""`jdp.bmuf`'s options, their record and their checks.
 
-`Streaming` (the fragment schedule) and `BlockAverage` (how the replicas'
-params are averaged at a sync) are small immutable values that check
-themselves; `Options` is the record the sync reads, built by `options` from
-`jdp.bmuf`'s arguments, and `check` makes the checks that span several of them.
+`Streaming` and `BlockAverage` are immutable values that check themselves;
+`Options` is the record the sync reads (built by `record`) and `check` makes the
+checks that span several options.
 """
 
 from __future__ import annotations
@@ -25,25 +24,22 @@ class Streaming:
     """Streaming DiLoCo's schedule, for `jdp.bmuf(streaming=jdp.Streaming(...))`.
 
     The parameters are split into `fragments` parts of nearly equal bytes
-    (leaves in tree order, a leaf cut along its first axis where needed; a
-    function of the shapes alone), each with its own slices of `g`, `start`
-    and `v` (or its own `outer` state). One fragment syncs every
-    `sync_period / fragments` updates, round-robin from fragment 0, so each
-    syncs every `sync_period` updates. See the BMUF guide for the exact
-    schedule. `jdp.Streaming()` (every field at its default) is the plain block
-    sync, as `streaming=None`.
+    (leaves in tree order, cut along their first axis where needed; a function
+    of the shapes alone), each with its own slices of `g`, `start` and `v` (or
+    its own `outer` state). One fragment syncs every `sync_period / fragments`
+    updates, round-robin from fragment 0 (the BMUF guide has the exact
+    schedule). `jdp.Streaming()` is the plain block sync, as `streaming=None`.
 
     Attributes:
       fragments: F, an int >= 1 dividing `sync_period` (torchft's
         `len(model_fragments)`). 1 (default): the whole model at once.
       delay: τ, the number of updates over which a fragment's all-reduce is
         spread (0 <= τ <= `sync_period / fragments`; torchft's
-        `fragment_sync_delay`, the paper's overlap τ). The fragment's local
-        params are taken τ updates before its sync, all-reduced one chunk per
-        update during the next τ updates (from a buffer in the state, so that
-        the collective does not wait for the step's gradients), and merged at
-        the sync; the local progress of those τ updates is kept by `mix` only.
-        0 (default): taken and all-reduced at the sync.
+        `fragment_sync_delay`, the paper's overlap τ): its local params are
+        taken τ updates before its sync and all-reduced one chunk per update
+        from a buffer in the state (not waiting for the step's gradients);
+        the local progress of those τ updates is kept by `mix` only. 0
+        (default): taken and all-reduced at the sync.
       mix: α in [0, 1), how much of the local fragment to keep at its sync
         (torchft's `fragment_update_alpha`, the paper's α): the local slices
         become `(1 - α) * new + α * local`, `new` being what they become
@@ -93,33 +89,26 @@ class Streaming:
 class BlockAverage:
     """How `jdp.bmuf` averages the replicas' params at a sync: `average=`.
 
-    The one seam before the block update: every sync averages the replicas'
-    params here, and the update formula reads the mean alone.
-    `jdp.BlockAverage()` (every field at its default) is the plain mean, as
-    `average=None`.
+    `jdp.BlockAverage()` is the plain mean, as `average=None`.
 
     Attributes:
       wire: A compressed exchange for the syncs: `jdp.wire.bf16()`,
-        `jdp.wire.int8()` or `jdp.wire.fp8()` (see `jdp.wire`). Each replica's
-        outer pseudo-gradient `start - params` (of the whole model, a fragment
-        or a chunk) is quantised and averaged by an all-to-all and an
-        all-gather of the narrow type, and the sync uses `start` minus that
-        mean (torchft's `should_quantize`). None (default): the params are
-        all-reduced in their own type.
+        `jdp.wire.int8()` or `jdp.wire.fp8()`. Each replica's pseudo-gradient
+        `start - params` (of the whole model, a fragment or a chunk) is
+        quantised and averaged by an all-to-all and an all-gather of the narrow
+        type, and the sync uses `start` minus that mean (torchft's
+        `should_quantize`). None (default): the params in their own type.
       on_bad_replica: `"drop"`: at a block sync, a replica whose locally
         updated params are not finite (a NaN or inf gradient during the block),
         or moved farther than `bad_replica_max_norm` from the block start, is
-        left out of the average: the sync averages the other replicas' params
-        (each replica multiplies its contribution by its validity bit, and the
-        count of valid replicas rides in the same all-reduce), and every
-        replica, the dropped ones included, starts the next block from the new
-        model; a dropped replica's floating `inner` state is reset (with
-        `inner_state_at_sync="average"`, the valid replicas' mean is taken).
-        If no replica is valid, the block update is skipped: `g`, `start` and
-        `v` (or the `outer` state) stay as they were and every replica restarts
-        from the previous block start. The state's `dropped` counts the
-        replicas left out. For the block sync only (`streaming=None`) and
-        without `wire`. None (default): every replica is averaged, as is.
+        left out of the average (its validity bit masks its contribution and
+        rides in the same all-reduce). Every replica starts the next block from
+        the new model; a dropped replica's floating `inner` state is reset (with
+        `inner_state_at_sync="average"`, set to the valid replicas' mean). If
+        no replica is valid, `g`, `start` and `v` (or the `outer` state) stay as
+        they were and every replica restarts from the previous block start. The
+        state's `dropped` counts the replicas left out. Block sync only
+        (`streaming=None`), without `wire`. None (default): every replica.
       bad_replica_max_norm: With `on_bad_replica="drop"`, also drop a replica
         whose params' L2 distance (over all floating leaves) from the block
         start exceeds this (a finite number > 0). None (default): finiteness
@@ -143,7 +132,32 @@ class BlockAverage:
 
     def __post_init__(self) -> None:
         _wire.check_wire(self.wire, "jdp.BlockAverage")
-        _check_bad_replica(self)
+        mode, max_norm = self.on_bad_replica, self.bad_replica_max_norm
+        if mode is not None and mode not in get_args(OnBadReplica):
+            raise ValueError(
+                "`on_bad_replica` must be None (average every replica) or 'drop' "
+                f"(leave out replicas whose params are not finite); got {mode!r}."
+            )
+        if max_norm is not None:
+            if mode is None:
+                raise ValueError(
+                    "`bad_replica_max_norm` drops replicas that moved too far, "
+                    "which needs `on_bad_replica='drop'`: pass both, `jdp."
+                    "BlockAverage(on_bad_replica='drop', bad_replica_max_norm=...)`."
+                )
+            _validate.finite_number(
+                "bad_replica_max_norm",
+                max_norm,
+                above=0,
+                note="the largest L2 distance from the block start, or None",
+            )
+        if mode is not None and self.wire is not None:
+            raise ValueError(
+                "`on_bad_replica='drop'` counts the valid replicas in the params' "
+                "all-reduce, which a compressed exchange (`wire=`) does not carry: "
+                "use `jdp.BlockAverage(wire=None, on_bad_replica='drop')`, or "
+                "`on_bad_replica=None`."
+            )
 
 
 class Options(NamedTuple):
@@ -170,16 +184,21 @@ class Options(NamedTuple):
 
     @property
     def streaming(self) -> bool:
-        """Whether the schedule is Streaming DiLoCo's (else today's block sync)."""
+        """Whether the schedule is Streaming DiLoCo's (else the block sync)."""
         return self.fragments > 1 or self.delay > 0 or self.mix > 0
+
+    @property
+    def keeps_inner_state(self) -> bool:
+        """Whether no sync changes the inner state."""
+        return self.inner_state_at_sync == "keep" and self.on_bad_replica is None
 
 
 def record(sync_period, outer, warmup_steps, inner_state_at_sync, streaming,
             average) -> Options:  # fmt: skip
-    """The record of `jdp.bmuf`'s arguments; `outer=None` is `block_momentum()`.
+    """The record of `jdp.bmuf`'s arguments.
 
-    A `jdp.block_momentum` transform runs as the classical block filter (its
-    settings in the record, `outer` None); any other `outer` replaces it.
+    A `jdp.block_momentum` transform (the default `outer`) runs as the classical
+    block filter: its settings in the record, `outer` None.
     """
     _check_value(streaming, Streaming, "streaming", "jdp.Streaming(fragments=2)")
     _check_value(average, BlockAverage, "average", "jdp.BlockAverage(wire=...)")
@@ -187,22 +206,16 @@ def record(sync_period, outer, warmup_steps, inner_state_at_sync, streaming,
         outer = block_momentum()
     _check_transform(outer, "outer")
     classical = isinstance(outer, BlockMomentum)
-    streaming = streaming or Streaming()
-    average = average or BlockAverage()
     return Options(
         block_learning_rate=outer.learning_rate if classical else 1.0,
         block_momentum=outer.momentum if classical else None,
-        nesterov=outer.nesterov if classical else False,
+        nesterov=classical and outer.nesterov,
         inner_state_at_sync=inner_state_at_sync,
         warmup_steps=warmup_steps,
         outer=None if classical else outer,
-        fragments=streaming.fragments,
-        delay=streaming.delay,
-        mix=streaming.mix,
         sync_period=sync_period,
-        wire=average.wire,
-        on_bad_replica=average.on_bad_replica,
-        bad_replica_max_norm=average.bad_replica_max_norm,
+        **vars(streaming or Streaming()),
+        **vars(average or BlockAverage()),
     )
 
 
@@ -245,36 +258,6 @@ def check(inner, options: Options) -> None:
             f"`jdp.Streaming(fragments={fragments}, delay={delay}, "
             f"mix={options.mix})`. Use `streaming=None` with "
             "`average=jdp.BlockAverage(on_bad_replica='drop')`, or "
-            "`on_bad_replica=None`."
-        )
-
-
-def _check_bad_replica(average: BlockAverage) -> None:
-    """The checks of `on_bad_replica` and `bad_replica_max_norm`."""
-    mode, max_norm = average.on_bad_replica, average.bad_replica_max_norm
-    if mode is not None and mode not in get_args(OnBadReplica):
-        raise ValueError(
-            "`on_bad_replica` must be None (average every replica) or 'drop' "
-            f"(leave out replicas whose params are not finite); got {mode!r}."
-        )
-    if max_norm is not None:
-        if mode is None:
-            raise ValueError(
-                "`bad_replica_max_norm` drops replicas that moved too far, which "
-                "needs `on_bad_replica='drop'`: pass both, "
-                "`jdp.BlockAverage(on_bad_replica='drop', bad_replica_max_norm=...)`."
-            )
-        _validate.finite_number(
-            "bad_replica_max_norm",
-            max_norm,
-            above=0,
-            note="the largest L2 distance from the block start, or None",
-        )
-    if mode is not None and average.wire is not None:
-        raise ValueError(
-            "`on_bad_replica='drop'` counts the valid replicas in the params' "
-            "all-reduce, which a compressed exchange (`wire=`) does not carry: "
-            "use `jdp.BlockAverage(wire=None, on_bad_replica='drop')`, or "
             "`on_bad_replica=None`."
         )
 

@@ -1,12 +1,7 @@
-"""The classical block filter as an optax transform: `jdp.block_momentum`.
+"""The classical block filter of Chen & Huo, written once: `jdp.block_momentum`.
 
-`jdp.bmuf`'s one outer path is `outer=`, an optax transform applied at a sync
-to the block start with the pseudo-gradient `start - avg`. Its default is the
-classical block momentum of Chen & Huo, written here once: the velocity
-`eta * v + block_learning_rate * (avg - start)` (`velocity`) and the block
-momentum's default `1 - 1 / num_replicas` (`eta`). `jdp.bmuf` recognises a
-`BlockMomentum` and runs the same formula on its own state layout, which keeps
-the global model W(t) apart from the Nesterov look-ahead block start.
+`jdp.bmuf` recognises a `BlockMomentum` and runs the same formula (`velocity`,
+`eta`) on its own state, which keeps W(t) apart from the Nesterov look-ahead.
 """
 
 from __future__ import annotations
@@ -31,10 +26,7 @@ def eta(axis_name, block_momentum, api="jdp.bmuf"):
 
 
 def velocity(v, avg, ref, eta, block_learning_rate):
-    """The new block velocity `eta * v + block_learning_rate * (avg - ref)`.
-
-    `avg` is the replicas' mean, `ref` the block start they began from.
-    """
+    """The new velocity `eta * v + block_learning_rate * (avg - ref)` (`ref`: start)."""
     delta = float_map(lambda a, s: a - s, avg, ref)
     return filtered(v, delta, eta, block_learning_rate)
 
@@ -45,11 +37,7 @@ def filtered(v, delta, eta, block_learning_rate):
 
 
 class BlockMomentum(optax.GradientTransformation):
-    """The classical block filter as an optax transform (see `block_momentum`).
-
-    An `optax.GradientTransformation` (`init`, `update`) that also carries its
-    settings, `learning_rate`, `momentum` and `nesterov`, for `jdp.bmuf`.
-    """
+    """`block_momentum`'s transform, carrying its settings for `jdp.bmuf`."""
 
     learning_rate: float
     momentum: float | None
@@ -71,19 +59,16 @@ def block_momentum(
     the global model: `v = momentum * v + learning_rate * (avg - start)` (the
     paper's Δ(t)), then `g = g + v` (W(t)). The next block starts from `g`
     (classical block momentum, CBM) or, with `nesterov=True`, from the
-    look-ahead `g + momentum * v` (the paper's Nesterov-like block momentum,
-    NBM). `jdp.bmuf(inner, sync_period)` uses `jdp.block_momentum()`.
+    look-ahead `g + momentum * v` (Nesterov-like block momentum, NBM). The
+    default `outer` of `jdp.bmuf`, which runs the formula on its own state and
+    so keeps W(t) (`jdp.bmuf_global_params`) apart from the look-ahead.
 
-    As a transform of its own, its `update(start - avg, v, params)` returns the
-    new `v` (with `nesterov=True`, `v + momentum * v`: the step to the
-    look-ahead) and `v` as the state. Inside `jdp.bmuf` the same formula runs on
-    BMUF's own state, which keeps W(t) (`jdp.bmuf_global_params`) apart from the
-    look-ahead block start.
-
-    `optax.sgd(learning_rate, momentum=momentum)` reaches the same models up to
-    float rounding (its trace holds `-v / learning_rate`), and
-    `optax.sgd(1.0, momentum=momentum, nesterov=True)` the same params as NBM
-    with the look-ahead as its global model.
+    As a transform of its own, `update(start - avg, v, params)` returns the new
+    `v` (with `nesterov=True`, the step to the look-ahead `v + momentum * v`) and
+    `v` as the state. `optax.sgd(learning_rate, momentum=momentum)` reaches the
+    same models up to float rounding, and `optax.sgd(1.0, momentum=momentum,
+    nesterov=True)` the same params as NBM with the look-ahead as its global
+    model.
 
     Args:
       learning_rate: ζ, the block learning rate (a finite number > 0; 1.0 by

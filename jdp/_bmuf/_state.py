@@ -36,10 +36,9 @@ class BMUFState(NamedTuple):
         for the first block); after a sync every replica's params equal it.
         None otherwise: the block start is then `g` itself.
       velocity: The block velocity `v`, the paper's Δ(t), shaped like the params
-        and zero until the first sync; with another `outer`, the outer
-        optimizer's state instead (with a `jdp.Streaming` schedule: a tuple of
-        one outer state per fragment, each over the list of that fragment's
-        slices).
+        and zero until the first sync; with another `outer`, its state (with a
+        `jdp.Streaming` schedule, a tuple of one per fragment, each over the
+        list of that fragment's slices).
       inner_state: The state of the `inner` optimizer.
       synced: Whether the last update ended a block, or with more than one
         fragment (`jdp.Streaming(fragments=...)`) a fragment's sync (bool,
@@ -50,8 +49,7 @@ class BMUFState(NamedTuple):
         all-reduced holds the replicas' mean instead. None otherwise.
       dropped: With `jdp.BlockAverage(on_bad_replica="drop")`, how many
         replicas' blocks were left out of the average so far, summed over syncs
-        (int32, shape (), equal on
-        every replica). None otherwise.
+        (int32, shape (), equal on every replica). None otherwise.
     """
 
     count: jax.Array  # int32, shape ()
@@ -74,13 +72,9 @@ class BMUFState(NamedTuple):
         return block_start(self.global_params, self.start)
 
     def restart_local(self) -> BMUFState:
-        """`pending` set to the block start: a restore into another replica count.
+        """`pending` set to the block start, for a restore into another replica count.
 
-        The snapshot in flight holds each replica's own params (or, for chunks
-        already all-reduced, their mean); with another replica count every
-        replica restarts from the block start, and so does the snapshot, so
-        that the coming fragment sync applies no local progress rather than one
-        replica's.
+        The coming fragment sync then applies no local progress, not one replica's.
         """
         if self.pending is None:
             return self
@@ -96,11 +90,7 @@ class BMUFState(NamedTuple):
 
 
 def find_states(tree: PyTree) -> list[BMUFState]:
-    """Every `BMUFState` inside `tree` (an optimizer or training state), in order.
-
-    States that flax NNX laid out as mappings (`nnx.state` of an `nnx.Optimizer`)
-    are found too and returned as `BMUFState`s of their values.
-    """
+    """Every `BMUFState` inside `tree`, in order (flax NNX's mappings too)."""
     return [x for x in _replica_parts.find(tree) if isinstance(x, BMUFState)]
 
 
@@ -111,12 +101,7 @@ def replace_states(tree: PyTree, state: BMUFState) -> PyTree:
 
 
 def block_start(g: PyTree, start: PyTree) -> PyTree:
-    """The model every replica began the block from: `start`, or `g` if None.
-
-    `start` is None unless the state stores it (NBM,
-    `jdp.block_momentum(nesterov=True)`), in the state and in each of its
-    slices alike.
-    """
+    """The model every replica began the block from: `start`, or `g` if None."""
     return g if start is None else start
 
 

@@ -1,9 +1,7 @@
 """Streaming DiLoCo: fragment syncs, chunked delayed all-reduces, snapshots.
 
-`merge` is the block sync's counterpart for a `jdp.Streaming` schedule: the
-same averaging (`_average.params_mean`) and update formula (`_update`), applied
-to one fragment's slices at a time (`_fragments`), each step's work under
-conditionals that copy nothing when nothing is due.
+The block sync's averaging and update formula, applied to one fragment's slices
+at a time, under conditionals that copy nothing when nothing is due.
 """
 
 from __future__ import annotations
@@ -27,35 +25,29 @@ PyTree = Any
 def merge(params, old_state, state, *, inner, axis, options):
     """The fragment syncs of Streaming DiLoCo (`fragments`, `delay`, `mix`).
 
-    Same arguments and results as `_block.merge`. Counting the updates after warmup
-    from 1, with `P = sync_period // fragments` and `τ = delay`, update `n`:
+    Same arguments and results as `_block.merge`. Counting the updates after
+    warmup from 1, with `P = sync_period // fragments` and `τ = delay`, update `n`:
 
-    1. all-reduces chunk `j` of the fragment in flight, if `n` is one of the `τ`
-       updates that end at that fragment's sync: the chunk of the state's
-       `pending` buffer (this replica's snapshot, taken `τ` updates earlier)
-       becomes the replicas' mean; the operand comes from the state, never from
-       this step's gradients;
+    1. all-reduces chunk `j` of the state's `pending` snapshot of the fragment
+       in flight, if `n` is one of the `τ` updates that end at its sync;
     2. syncs fragment `(n // P - 1) mod fragments` if `P` divides `n`: the outer
-       update of its slices of `g` (and `start`, `v` or its outer state), then
-       its local slices become `lerp(target, local, mix)`;
-    3. with `τ >= 1`, snapshots the local slices of the fragment whose sync
-       falls `τ` updates later into `pending`.
+       update of its slices, then its local slices become
+       `lerp(target, local, mix)`;
+    3. with `τ >= 1`, snapshots into `pending` the local slices of the fragment
+       whose sync falls `τ` updates later.
 
-    Each is a `lax.cond` per fragment or chunk on int32 counters, over the
-    leaves it touches alone: one compiled step, which copies nothing when
-    nothing is due.
+    Each is a `lax.cond` per fragment or chunk over the leaves it touches alone.
     """
     fragments, delay, outer = options.fragments, options.delay, options.outer
-    at_sync, warmup_steps = options.inner_state_at_sync, options.warmup_steps
+    warmup_steps = options.warmup_steps
     period = options.sync_period // fragments
     axis_name = _collectives.resolve_axis(axis)
     eta = _update.eta(axis_name, options.block_momentum)
     plan = make_plan(params, fragments, delay)
     treedef = jax.tree.structure(params)
     flat, tree = jax.tree.leaves, functools.partial(jax.tree.unflatten, treedef)
-    applied = state.count != old_state.count  # not an accumulation micro-step
-    g, start, pending = _update.follow_warmup(
-        params, old_state, state, applied, warmup_steps
+    applied, g, start, pending = _update.follow_warmup(
+        params, old_state, state, warmup_steps
     )
     active = applied & (old_state.count >= warmup_steps)
     n = state.count - warmup_steps  # this update's number, from 1 after warmup
@@ -67,14 +59,13 @@ def merge(params, old_state, state, *, inner, axis, options):
     v_leaves = flat(state.velocity) if outer is None else None
     velocity = state.velocity
     pend = flat(pending) if delay else None
-    wire = options.wire
 
     if delay:  # 1. One chunk of the fragment in flight, from the state.
         in_flight = active & (phase > period - delay)
         chunk = fragment * delay + (phase - (period - delay) - 1)
         pend, ref = _reduce_chunks(
             in_flight, chunk, plan, pend, block_start(g_leaves, s_leaves),
-            axis_name, wire,
+            axis_name, options.wire,
         )  # fmt: skip
         if s_leaves is None:
             g_leaves = ref
@@ -82,13 +73,12 @@ def merge(params, old_state, state, *, inner, axis, options):
             s_leaves = ref
 
     # 2. The sync of one fragment.
-    keeps = at_sync == "keep"
     is_sync = active & (phase == period)
     leaves = (p_leaves, g_leaves, s_leaves, v_leaves, pend)
     (p_leaves, g_leaves, s_leaves, v_leaves, pend), velocity, inner_state = (
         _sync_fragments(
             [is_sync & (fragment == f) for f in range(fragments)], plan, leaves,
-            velocity, None if keeps else state.inner_state, tree,
+            velocity, None if options.keeps_inner_state else state.inner_state, tree,
             inner=inner, eta=eta, axis_name=axis_name, options=options,
         )
     )  # fmt: skip
@@ -101,12 +91,8 @@ def merge(params, old_state, state, *, inner, axis, options):
         due = active & (ahead % period == 0)
         pend = _snapshots(due, (ahead // period - 1) % fragments, plan, pend, p_leaves)
         pending = tree(pend)
-    return params, state._replace(
-        global_params=g,
-        start=start,
-        velocity=v,
-        inner_state=state.inner_state if keeps else inner_state,
-        pending=pending,
+    return params, _update.with_sync(
+        state, inner_state, global_params=g, start=start, velocity=v, pending=pending
     )
 
 
@@ -115,17 +101,12 @@ def _sync_fragments(dues, plan, leaves, velocity, inner_state, tree, *,
     """The sync of the fragment `f` whose `dues[f]` holds (at most one).
 
     `leaves` are the flat leaf lists `(params, g, start, v, pending)` (None
-    where the state has none); returns them updated, with the outer states
-    (`velocity` with `outer=`) and the inner state (None unless
-    `inner_state_at_sync` acts on it).
+    where the state has none); returns them updated, with the outer states and
+    the inner state (None unless `inner_state_at_sync` acts on it).
 
-    Each fragment's sync is two conditionals: the first computes its outer
-    step (`v`, or with `outer=` its new `g`), the second writes `g`, `start`
-    and the local params from it. Each buffer is then updated in place by a
-    conditional ordered (through what it reads) after every other reader of its
-    old value, so XLA copies nothing, and a step without a sync does nothing
-    (with `jdp.block_momentum(nesterov=True)`, XLA still copies a leaf per fragment
-    there).
+    Without `outer=`, two conditionals per fragment: one computes `v`, the next
+    writes `g`, `start` and the local params, each ordered after every other
+    reader of the buffers it updates, so that XLA updates them in place.
     """
     p_leaves, g_leaves, s_leaves, v_leaves, pend = leaves
     delay, alpha, wire, outer = options.delay, options.mix, options.wire, options.outer
@@ -146,7 +127,7 @@ def _sync_fragments(dues, plan, leaves, velocity, inner_state, tree, *,
         return put(local, pieces, cast_like(new, local_f)), inner_state
 
     def fragment_mean(source, pieces, ref_f):
-        """The replicas' mean of the fragment (with `delay`: all-reduced already)."""
+        """The replicas' mean of the fragment (with `delay`, already all-reduced)."""
         if delay:
             return take(source, pieces)
         return params_mean(take(source, pieces), ref_f, axis_name, wire)
@@ -210,12 +191,10 @@ def _sync_fragments(dues, plan, leaves, velocity, inner_state, tree, *,
 
 
 def _reduce_chunks(in_flight, chunk, plan, pending, ref, axis_name, wire):
-    """`pending` (flat leaves) with chunk number `chunk` averaged, if `in_flight`.
+    """`(pending, ref)`, chunk number `chunk` of `pending` averaged if `in_flight`.
 
-    Returns `(pending, ref)`. Only a `wire` format reads `ref` (the block
-    start); it then passes through the conditionals unchanged, which orders
-    them before the sync that writes it (a buffer read beside the chain that
-    updates it in place would be copied on every step).
+    Only a `wire` format reads `ref` (the block start); it then passes through
+    the conditionals, which orders them before the sync that writes it.
     """
 
     def reduce(pieces, written, read, extra):
@@ -253,16 +232,12 @@ def _snapshots(due, which, plan, pending, local):
 
 
 def _when(pred, pieces, fn, written, read, extra=None):
-    """`fn` under a `lax.cond` on the leaves that `pieces` touch, else nothing.
+    """`(written, extra)` after `fn` under a `lax.cond` on the leaves `pieces` touch.
 
-    `written` and `read` are lists of flat leaf lists (or None); only the leaves
-    the pieces touch cross the conditional, so that XLA can update them in place
-    and a step that does not take it copies nothing.
+    `written` and `read` are lists of flat leaf lists (or None); only the
+    touched leaves cross the conditional, so XLA updates them in place.
     `fn(pieces, written, read, extra) -> (written, extra)` sees those leaves
     alone, the pieces renumbered to match.
-
-    Returns:
-      `(written, extra)`: the lists with the touched leaves replaced.
     """
     ids = sorted({p.leaf for p in pieces})
     where = {leaf: i for i, leaf in enumerate(ids)}

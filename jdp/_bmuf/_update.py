@@ -1,10 +1,8 @@
 """What a sync does to the state, written once for every schedule.
 
-The block filter (`_outer.velocity`, then `advance`) or the `outer` optimizer,
-applied to the mean the averaging step (`jdp._bmuf._average`) hands it; the inner
-state at a sync; and the global model following the replicas during warmup.
-The block sync applies them to the whole tree, Streaming DiLoCo to each
-fragment's slices.
+The block filter or the `outer` optimizer applied to the mean from `_average`,
+the inner state at a sync, and the global model following the replicas during
+warmup: on the whole tree (block sync) or on a fragment's slices (streaming).
 """
 
 from __future__ import annotations
@@ -38,12 +36,10 @@ def advance(g, start, v, eta):
 
 
 def block_update(g, start, v, avg, eta, block_learning_rate, outer):
-    """The block update of a sync: returns the new `g`, `start` and `v`.
+    """The new `(g, start, v)` of a sync, `avg` the replicas' mean.
 
-    `avg` is the mean of the replicas' locally updated params; `start` is None
-    unless the state stores it (`jdp.block_momentum(nesterov=True)`), the block
-    start then being `g`. With `outer`, `v` is the outer optimizer's state and
-    the new `g` is `g` updated by it with the pseudo-gradient `g - avg`.
+    With `outer`, `v` is its state and `g` moves by its update of the
+    pseudo-gradient `g - avg`; `start` is None unless the state stores it.
     """
     if outer is not None:
         pseudo = float_map(lambda s, a: s - a, g, avg)
@@ -55,22 +51,11 @@ def block_update(g, start, v, avg, eta, block_learning_rate, outer):
 
 
 def inner_state_at_sync(inner_state, target, inner, mode, axis_name, mean=EVERY):
-    """`inner`'s state after a sync whose block start is `target`.
+    """`inner`'s state (None: left alone) after a sync whose block start is `target`.
 
-    Args:
-      inner_state: The state, or None where the sync leaves it alone.
-      target: The next block start (what `inner.init` resets to).
-      inner: The inner optimizer.
-      mode: `inner_state_at_sync`: "reset" its floating leaves, "average"
-        them over the replicas `mean` counts (reset if it counts none), or
-        "keep" them (reset on a replica `mean` left out: its own accumulators
-        may be what went bad).
-      axis_name: The replica axis.
-      mean: The sync's `Mean`, which says which replicas it counts; every
-        replica by default.
-
-    Returns:
-      The new state (None for None).
+    `mode` "reset" resets its floating leaves, "average" averages them over the
+    replicas `mean` counts (resets them if none), "keep" keeps them but on a
+    replica `mean` left out, which is reset (its accumulators may have gone bad).
     """
     if inner_state is None or (mode == "keep" and mean.valid is None):
         return inner_state
@@ -84,16 +69,24 @@ def inner_state_at_sync(inner_state, target, inner, mode, axis_name, mean=EVERY)
     return float_where(mean.valid, inner_state, initial)
 
 
-def follow_warmup(params, old_state, state, applied, warmup_steps):
-    """`(g, start, pending)`: during warmup, the replicas' (identical) params.
+def with_sync(state, inner_state, **fields):
+    """`state` with the sync's `fields`, and `inner_state` unless None (kept)."""
+    if inner_state is not None:
+        fields["inner_state"] = inner_state
+    return state._replace(**fields)
 
-    On an update during the first `warmup_steps` updates, `g` (and `start` and
-    `pending`, where the state has them) become the locally updated `params`;
-    otherwise they are the state's.
+
+def follow_warmup(params, old_state, state, warmup_steps):
+    """`(applied, g, start, pending)` at a step's sync.
+
+    `applied` is False on an accumulation micro-step. On an update within the
+    first `warmup_steps`, `g` (and `start`, `pending` where the state has them)
+    become the locally updated `params`; otherwise they are the state's.
     """
+    applied = state.count != old_state.count
     g, start, pending = state.global_params, state.start, state.pending
     if not warmup_steps:
-        return g, start, pending
+        return applied, g, start, pending
 
     def follow(operands):
         params, g, start, pending = operands
@@ -101,9 +94,10 @@ def follow_warmup(params, old_state, state, applied, warmup_steps):
         pending = None if pending is None else cast_like(params, pending)
         return g, (None if start is None else g), pending
 
-    return lax.cond(
+    g, start, pending = lax.cond(
         applied & (old_state.count < warmup_steps),
         follow,
         lambda operands: operands[1:],
         (params, g, start, pending),
     )
+    return applied, g, start, pending
