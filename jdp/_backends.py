@@ -1,25 +1,16 @@
 """Private: the only module that calls `jax.pmap` / `jax.shard_map`.
 
-Both backends run the same per-replica body and use the same state layout
-(`jdp._layout`): every state leaf carries a leading replica axis sharded over the
-mesh. They differ only in how they see it:
+Both backends run the same per-replica body on the same state layout (a leading
+replica axis sharded over the mesh, `jdp._layout`):
 
-- `"shard_map"`: `jax.jit(jax.shard_map(body))`; the body's blocks keep a size-1
-  replica axis, which this module removes on the way in and restores on the way out;
-  the batch stays `(B, ...)`, sharded on its leading axis. A donating training step
-  runs on a concatenated view of the same buffers instead, so that XLA updates the
-  donated state in place (see `_DonatingShardMapStep`). Works on 1-D and 2-D meshes.
-- `"pmap"`: `jax.pmap(body)`, which is rank-reducing; the batch is laid out as
-  `(num_replicas, B / num_replicas, ...)`, the layout pmap users know. 1-D only.
+- `"shard_map"`: `jax.jit(jax.shard_map(body))`, whose blocks keep a size-1
+  replica axis (removed on the way in, restored on the way out); the batch is
+  `(B, ...)`. A donating step runs on a concatenated view of the state instead
+  (`_DonatingShardMapStep`). 1-D and 2-D meshes.
+- `"pmap"`: `jax.pmap(body)`; the batch is `(num_replicas, B / num_replicas, ...)`.
 
-A backend offers three things (`Backend`): build a step, build a map over the
-replicas, and place a batch leaf. A built `Step` decides once, by tracing, whether
-the body returns a state: a forward-only step never donates its input.
-
-`check_vma=False` gives `shard_map` pmap's semantics: the per-replica state is
-varying along the axis, so gradients of it are never summed implicitly (the
-`check_vma=True` pitfall, where a `P()` parameter's gradient arrives pre-summed and a
-`pmean` on top multiplies it by the device count, cannot occur).
+`check_vma=False` gives `shard_map` pmap's semantics: the per-replica state varies
+along the axis, so its gradients are never summed implicitly.
 """
 
 from __future__ import annotations
@@ -62,20 +53,15 @@ def _expand(x):
     return x.reshape((1,) + x.shape)
 
 
-def _apply(leaves: list, idx: list[int], fn) -> bool:
-    """Replaces `leaves[i]` for `i` in `idx` by `fn(list of them)`; whether any."""
+def _apply(leaves: list, idx: list[int], fn) -> None:
+    """Replaces `leaves[i]` for `i` in `idx` by `fn(list of them)`, in place."""
     if idx:
         for i, y in zip(idx, fn([leaves[i] for i in idx]), strict=True):
             leaves[i] = y
-    return bool(idx)
 
 
 def check_distinct(state: PyTree) -> None:
-    """Refuses a state that holds one array in two leaves (it cannot be donated).
-
-    Donating one buffer twice crashes the process (PjRt rejects it, then jax
-    segfaults).
-    """
+    """Refuses a state that holds one array in two leaves: donating it would crash."""
     leaves = jax.tree.leaves(state)
     if len({id(x) for x in leaves}) == len(leaves):
         return
@@ -89,18 +75,14 @@ def check_distinct(state: PyTree) -> None:
 class Step:
     """A built step: `(replicated state, placed batch) -> (state or None, metrics)`.
 
-    `train` donates its state argument (when asked to), `forward` never does;
-    both are called as `run(state, batch, *, returned, flat) -> (new_state or
-    None, metrics, new leaves or None)` and lowered as `lower(state, batch)`.
-    Whether the body returns a state is decided once, by tracing `train` (the
-    trace is the one the first call uses), so that a forward-only step runs
-    `forward` and never deletes its input.
+    `train` donates its state (when asked to), `forward` never does: both have
+    `run(state, batch, *, returned, flat) -> (new_state or None, metrics, new
+    leaves or None)` and `lower(state, batch)`. Tracing `train` once (the trace
+    the first call uses) tells whether the body returns a state; a forward-only
+    step runs `forward` and never deletes its input.
 
-    On simulated CPU devices one step is kept in flight: XLA:CPU runs every
-    device's program on one thread pool, and with several steps queued the
-    devices' threads can block in different steps' collective rendezvous and
-    never meet (XLA aborts after 40 s). Waiting for the previous step before
-    dispatching the next costs about one dispatch latency per step.
+    On simulated CPU devices one step is kept in flight: with several queued, the
+    devices' threads (one pool) can block in different steps' rendezvous forever.
     """
 
     def __init__(self, train, forward, *, donate: bool, out_state, mesh: Mesh):
@@ -109,9 +91,7 @@ class Step:
         self._donate = donate
         self._trace_out_state = out_state
         self.returns_state: bool | None = None
-        #: The abstract state a donating train step returns (known before its
-        #: first call, from the trace), or None.
-        self.out_state: Any = None
+        self.out_state: Any = None  # a donating step's, from the trace
         devices = list(mesh.devices.flat)
         self._throttle = len(devices) > 1 and all(d.platform == "cpu" for d in devices)
         self._in_flight: list[jax.Array] = []
@@ -129,16 +109,11 @@ class Step:
         return self._train
 
     def __call__(self, state, batch, *, before=None, returned: bool = False, flat=None):
-        """Runs the step; `before(state, out_state)` first, once, when known early.
+        """`(new_state, metrics, its leaves or None)`; `before(state, out_state)` first.
 
-        `returned`: the caller knows `state` is what the last call returned (no
-        leaf deleted since): no two of its leaves are one array, so donating it
-        needs no check, and its layout is the one the last call saw. `flat`:
-        `jax.tree.flatten(state)`, if the caller has it.
-
-        Returns:
-          `(new_state, metrics, out_leaves)`: `out_leaves` is the new state's
-          leaves when the step flattened it anyway, else None.
+        `before` runs once, when the out state is known before the first call.
+        `returned`: `state` is what the last call returned, none deleted (no
+        checks needed, same layout). `flat`: `jax.tree.flatten(state)`, if at hand.
         """
         first = self.returns_state is None
         fn = self._pick(state, batch, returned=returned)
@@ -176,14 +151,10 @@ class Step:
 
 
 class Returned:
-    """Weak references to the leaves of the state a step last returned.
+    """Weak references to the leaves of the state a step last returned (or checked).
 
-    A state whose leaves are exactly those arrays, none of them deleted (by a
-    donating call of another step, or by hand), was laid out by the step itself:
-    it needs none of the per-leaf placement checks, which cost about 1.5 us a
-    leaf on every call. A forward-only step, which never donates, remembers the
-    state it last checked instead: an evaluation loop passes the same state
-    call after call. Weak references keep no state alive.
+    A state whose leaves are exactly those arrays, none deleted, needs none of the
+    per-leaf placement checks (about 1.5 us a leaf); see `jdp/ARCHITECTURE.md`.
     """
 
     def __init__(self):
@@ -199,10 +170,9 @@ class Returned:
     def holds(self, leaves: list[Any]) -> bool:
         """Whether `leaves` (of a state) are those remembered, none deleted."""
         refs = self._refs
-        if refs is None:
-            return False
         return (
-            len(leaves) == len(refs)
+            refs is not None
+            and len(leaves) == len(refs)
             and all(r() is x for r, x in zip(refs, leaves, strict=True))
             and not any(x.is_deleted() for x in leaves)
         )
@@ -219,11 +189,7 @@ class Backend:
         self.sharding = replica_sharding(mesh)
 
     def build_step(self, body: Body, *, donate: bool) -> Step:
-        """Compiles-on-call `body(state, batch) -> (state | None, metrics)` per replica.
-
-        The built step takes (replicated state, placed batch) and returns
-        (replicated state or None, metrics replicated as one value).
-        """
+        """The step of `body(state, batch) -> (state or None, metrics)` per replica."""
         raise NotImplementedError
 
     def build_map(self, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
@@ -245,6 +211,13 @@ def make_backend(name: BackendName, mesh: Mesh) -> Backend:
 
 
 # -- pmap --------------------------------------------------------------------------
+
+
+def _with_leading(tree: PyTree, n: int) -> PyTree:
+    """The abstract `tree` with a leading axis of size `n`."""
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((n,) + x.shape[1:], x.dtype), tree
+    )
 
 
 class _TreeStep:
@@ -272,27 +245,22 @@ class _Pmap(Backend):
             **kwargs,
         )
 
-    def _global(self, fn, *, mapped_outputs=None, replace=None):
-        """Keeps pmap's replicated outputs global when there are several processes.
+    def _global(self, fn, *, state_only: bool = False):
+        """`fn` whose mapped outputs (the state only, if `state_only`) are global.
 
-        With several processes `jax.pmap` returns host-local arrays (each process
-        sees its own replicas). jdp's layout is one global array over the mesh on
-        both backends, so the mapped outputs are rewrapped as global arrays (no
-        copy).
+        With several processes `jax.pmap` returns host-local arrays; they are
+        rewrapped as global arrays over the mesh (no copy).
         """
         if jax.process_count() == 1:
             return fn
         from jax.experimental import multihost_utils
 
-        mapped_outputs = mapped_outputs or (lambda out: out)
-        replace = replace or (lambda out, tree: tree)
-
         def call(*args):
             out = fn(*args)
             tree = multihost_utils.host_local_array_to_global_array(
-                mapped_outputs(out), self.mesh, P(self.axis_name)
+                out[0] if state_only else out, self.mesh, P(self.axis_name)
             )
-            return replace(out, tree)
+            return (tree, out[1]) if state_only else tree
 
         call.lower = fn.lower
         return call
@@ -308,35 +276,22 @@ class _Pmap(Backend):
                 donate_argnums=donate_argnums,
             )
 
-        def global_step(fn):
-            return self._global(
-                fn,
-                mapped_outputs=lambda out: out[0],
-                replace=lambda out, state: (state, out[1]),
-            )
-
         forward = build(())
         train = build((0,)) if donate else forward
 
         num_local = len(self.mesh.local_devices)
 
         def out_state(state, batch):
-            # pmap shares this trace with its first call. With several processes
-            # pmap takes each process's own replicas: trace with their shapes.
+            # pmap shares this trace with its first call; with several processes it
+            # takes each process's own replicas.
             if jax.process_count() > 1:
-                state, batch = jax.tree.map(
-                    lambda x: jax.ShapeDtypeStruct((num_local,) + x.shape[1:], x.dtype),
-                    (state, batch),
-                )
+                state, batch = _with_leading((state, batch), num_local)
             out = jax.eval_shape(train, state, batch)[0]
-            n = self.mesh.size
-            return jax.tree.map(
-                lambda x: jax.ShapeDtypeStruct((n,) + x.shape[1:], x.dtype), out
-            )
+            return _with_leading(out, self.mesh.size)
 
         return Step(
-            _TreeStep(global_step(train)),
-            _TreeStep(global_step(forward)),
+            _TreeStep(self._global(train, state_only=True)),
+            _TreeStep(self._global(forward, state_only=True)),
             donate=donate,
             out_state=out_state,
             mesh=self.mesh,
@@ -408,9 +363,8 @@ class _ShardMap(Backend):
         return jax.make_array_from_process_local_data(self.sharding, x)
 
     def batch_problems(self, batch: PyTree) -> list[str]:
-        # Placed by hand for another mesh axis name: most likely flax's
-        # `prefetch_to_device`, which lays batches out for pmap as (devices,
-        # examples per device, ...); this step would see (1, examples, ...).
+        # Placed for another mesh axis name: most likely by flax's
+        # `prefetch_to_device`, in pmap's layout.
         names = tuple(self.mesh.axis_names)
         return [
             f"{keystr(path)}: shape {x.shape} on a mesh with axis names "
@@ -425,10 +379,9 @@ class _ShardMap(Backend):
 def _place_empty_leaves(
     out: list, sharding: NamedSharding, idx: list[int] | None = None
 ) -> list[int]:
-    """Gives the zero-size leaves of `out` the replica sharding, in place.
+    """Gives the zero-size leaves of `out` (jit replicates them) the replica sharding.
 
-    jit returns them replicated. `idx`: their indices, if known (a step's
-    outputs keep their layout from call to call). Returns the indices.
+    In place; `idx`: their indices, if known from the last call. Returns them.
     """
     if idx is None:
         idx = [i for i, x in enumerate(out) if x.size == 0 and x.sharding != sharding]
@@ -437,11 +390,7 @@ def _place_empty_leaves(
 
 
 class _PlaceEmptyLeaves:
-    """A jitted shard_map step, not donating, on the state's leaves.
-
-    Its empty state leaves keep the replica sharding (jit returns them
-    replicated); see `_flat_step` for why it takes leaves.
-    """
+    """A jitted, non-donating shard_map step on the state's leaves (`_flat_step`)."""
 
     def __init__(self, fn, sharding: NamedSharding):
         self._fn = fn
@@ -465,28 +414,19 @@ class _PlaceEmptyLeaves:
 
 # -- the donating shard_map step ---------------------------------------------------
 #
-# With the replica axis in every block, a donated step updates `(1, ...)` buffers
-# through `(...)`-shaped computations. XLA:CPU cannot update a buffer in place
-# through the bitcast between the two, so it copies every updated leaf (16 whole
-# copies for a 4-layer MLP with momentum, about 20% of its step time). The
-# donating step therefore runs on a *concatenated* view of the state: a leaf of
-# per-replica shape `(d0, d1, ...)` is viewed as `(N * d0, d1, ...)`, whose block
-# on each device is exactly the replica's shape. The views are made by two tiny
-# donated jits whose reshapes are bitcasts of the same buffers (no copy, no
-# collective); the caller only ever sees the `(N, ...)` layout.
-#
-# Leaves whose per-replica shape is `()`, starts with 0 or 1 (their view would be
-# ambiguous, or lose its sharding), or holds under `VIEW_MIN_BYTES` keep the
-# stacked layout and are squeezed in the block as before. The rules below are
-# exact inverses, without side information ("viewable": see `_viewable`):
+# XLA:CPU cannot update a donated `(1, ...)` buffer in place through the bitcast to
+# the `(...)` block a computation uses, so it would copy every updated leaf (about
+# 20% of an MLP's step). The donating step runs on a concatenated view instead: a
+# per-replica `(d0, d1, ...)` leaf is viewed as `(N * d0, d1, ...)`, whose block is
+# the replica's shape, by two tiny donated jits of bitcasts. Leaves whose view
+# would be ambiguous or lose its sharding (per-replica shape `()` or starting with
+# 0 or 1), or under `VIEW_MIN_BYTES`, stay stacked. The rules are exact inverses:
 #   view:      (N, d0, ...) -> (N * d0, ...)        when viewable (else unchanged)
 #   block in:  (1, ...) -> squeezed                 (else the replica's shape)
 #   block out: unchanged when viewable              (else expanded to (1, ...))
 #   unview:    (N * d0, ...) -> (N, d0, ...)        when the leading size is not N
 
-
-# Leaves smaller than this (per replica) stay stacked: XLA's copy of a small leaf
-# costs less than dispatching its buffers through the two views.
+# Smaller leaves (per replica) stay stacked: copying them costs less than viewing.
 VIEW_MIN_BYTES = 1 << 16
 
 
@@ -507,6 +447,10 @@ def _view_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
     return (shape[0] * shape[1],) + tuple(shape[2:])
 
 
+def _unview_shape(shape: tuple[int, ...], n: int) -> tuple[int, ...]:
+    return shape if shape[0] == n else (n, shape[0] // n) + tuple(shape[1:])
+
+
 def _block_in(x):
     return x.reshape(x.shape[1:]) if x.shape[0] == 1 else x
 
@@ -516,15 +460,11 @@ def _block_out(x):
 
 
 def _flat_step(mapped, *, donate: bool):
-    """`jit(mapped)` on leaves: `(leaves, batch, treedef) -> (leaves, metrics)`.
+    """`jit(mapped)` on leaves: `(leaves, batch, treedef) -> (leaves or None, metrics)`.
 
-    The caller has the state's leaves already (it checks them) and needs the new
-    state's (to unview them, and to recognise the state on the next call). Given
-    and returning leaves, jit flattens and rebuilds nothing but a list: for flax
-    NNX modules, whose flatten and unflatten run in Python, that saves two
-    traversals of the modules a call. `treedef` is static, and the new state has
-    that structure too (the step's body refuses another while tracing:
-    `jdp._layout.check_same_structure`); a forward-only step returns None for it.
+    The caller has the leaves anyway, and jit then flattens nothing but a list (two
+    Python traversals saved for NNX modules). The body keeps the structure
+    (`jdp._layout.check_same_structure`); a forward-only one returns None.
     """
 
     def flat(leaves, batch, treedef):
@@ -537,13 +477,7 @@ def _flat_step(mapped, *, donate: bool):
 
 
 class _DonatingShardMapStep:
-    """A donating `jit(shard_map(body))` step that updates the state in place.
-
-    Calls run three executables: a view of the state's buffers as concatenated
-    blocks (donated, a bitcast), `core`, the step on that view (donated, called
-    on the state's leaves: see `_flat_step`), and the view back (donated, a
-    bitcast).
-    """
+    """A donating `jit(shard_map(body))` step: view, `core` on the view, unview."""
 
     def __init__(self, core, *, mesh: Mesh, sharding: NamedSharding):
         self._core = core
@@ -556,7 +490,7 @@ class _DonatingShardMapStep:
             out_shardings=sharding,
         )
         self._unview = jax.jit(
-            lambda xs: [x.reshape((n, x.shape[0] // n) + x.shape[1:]) for x in xs],
+            lambda xs: [x.reshape(_unview_shape(x.shape, n)) for x in xs],
             donate_argnums=0,
             out_shardings=sharding,
         )
@@ -578,46 +512,33 @@ class _DonatingShardMapStep:
         return self._core.trace(specs, batch, treedef), treedef
 
     def out_state(self, state, batch):
-        """Traces the step (the trace its first call reuses): its abstract state.
-
-        None for a step that returns no state; shapes in the caller's `(N, ...)`
-        layout.
-        """
+        """The abstract state the step returns, `(N, ...)`, or None; from the trace."""
         traced, treedef = self._trace(state, batch)
         if traced.out_info[0] is None:
             return None
-        n = self._n
         out = [
-            jax.ShapeDtypeStruct(
-                x.shape if x.shape[0] == n else (n, x.shape[0] // n) + x.shape[1:],
-                x.dtype,
-            )
+            jax.ShapeDtypeStruct(_unview_shape(x.shape, self._n), x.dtype)
             for x in traced.out_info[0]
         ]
         return jax.tree.unflatten(treedef, out)
 
     def run(self, state, batch, *, returned: bool = False, flat=None):
-        """Runs the step on the view of `state`: `(new_state, metrics, leaves)`.
+        """`(new_state, metrics, its leaves)`; `returned` and `flat` as in `Step`.
 
-        `returned`: `state` is what the last call returned (same shapes, same
-        program), so the leaves to view, unview and re-place are the ones the
-        last call picked; finding them again costs about 1 us a leaf. `flat`:
-        `jax.tree.flatten(state)`, if the caller has it. `leaves` are the new
-        state's.
+        A `returned` state reuses the last call's picks of leaves to view, unview
+        and re-place (finding them costs about 1 us a leaf).
         """
-        cached = self._picked if returned else None
         leaves, treedef = flat if flat is not None else jax.tree.flatten(state)
         leaves = list(leaves)
-        if cached:
-            view_idx = cached[0]
+        picked = self._picked if returned else None
+        if picked:
+            view_idx, unview_idx, empty_idx = picked
         else:
             view_idx = [i for i, x in enumerate(leaves) if _needs_view(x)]
         _apply(leaves, view_idx, self._view)
         out, metrics = self._core(leaves, batch, treedef)
         out = list(out)
-        if cached:
-            unview_idx, empty_idx = cached[1:]
-        else:
+        if not picked:
             unview_idx = [i for i, x in enumerate(out) if x.shape[0] != self._n]
             empty_idx = None
         _apply(out, unview_idx, self._unview)

@@ -235,7 +235,7 @@ def _batch_size(host) -> int:
         raise ValueError(
             "`step.shard`: the batch leaves hold different numbers of examples "
             f"(leading sizes {listed}); each replica would pair the wrong rows. "
-            "Give every leaf the same leading (example) size."
+            "Give every leaf one leading batch size (examples)."
         )
     if sizes == {0}:
         listed = ", ".join(f"{keystr(p)}: shape {x.shape}" for p, x in host[:5])
