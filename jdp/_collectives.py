@@ -25,14 +25,9 @@ AxisName = str | tuple[str, ...]
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 
-#: With flat buffers, a leaf of at least this size travels as its own array rather
-#: than being copied into a bucket. XLA:CPU concatenates at about 1-2 GB/s (a
-#: fraction of a plain copy's speed), so packing and unpacking a leaf costs about
-#: 1 ms per MiB, against a fixed 0.6-4 ms per extra array in a gloo collective
-#: between processes. Measured over 2 processes (`benchmarks/multihost.py`):
-#: packing 4 MiB leaves was faster than sending them alone; leaving 16 MiB and
-#: 72 MiB leaves uncopied was 7-9% faster than packing them in one run and level
-#: in another (within the noise), and it saves their copies.
+#: With flat buffers, a leaf of at least this size travels as its own array: packing
+#: costs about 1 ms per MiB on XLA:CPU, against 0.6-4 ms per extra array in a gloo
+#: collective (`benchmarks/multihost.py`: 4 MiB leaves pack faster, 16 MiB do not).
 ALONE_BYTES = 8 * 2**20
 
 UNBOUND_AXIS_MSG = (
@@ -47,14 +42,10 @@ class _Traced(NamedTuple):
     """What `jdp.parallelize` binds while it traces a step."""
 
     axis_name: AxisName
-    # `id(mean) -> (mean, total)` for each metric a train step averaged over its
-    # microbatches (`record_total`); the values themselves are held, so no id
-    # is reused while the trace lasts.
+    # `id(mean) -> (mean, total)` of `record_total` (holding them keeps ids unique).
     totals: dict[int, tuple[Any, Any]]
 
 
-#: The `jdp.parallelize` step being traced, if any: its replica axis, and the
-#: totals behind its microbatch means.
 _BOUND_AXIS: contextvars.ContextVar[_Traced | None] = contextvars.ContextVar(
     "jdp_replica_axis", default=None
 )
@@ -62,11 +53,7 @@ _BOUND_AXIS: contextvars.ContextVar[_Traced | None] = contextvars.ContextVar(
 
 @contextlib.contextmanager
 def bound_axis(axis_name: AxisName) -> Iterator[dict[int, tuple[Any, Any]]]:
-    """While tracing a step: `axis_name=None` in jdp's functions means this axis.
-
-    Yields the totals `record_total` notes during the trace, for
-    `_metrics.reduce_metrics`.
-    """
+    """While tracing a step, `axis_name=None` means this axis; yields the totals."""
     token = _BOUND_AXIS.set(_Traced(axis_name, {}))
     try:
         yield _BOUND_AXIS.get().totals
@@ -75,24 +62,18 @@ def bound_axis(axis_name: AxisName) -> Iterator[dict[int, tuple[Any, Any]]]:
 
 
 def record_total(mean: Any, total: Any) -> None:
-    """Notes that `mean`, a metric a train step returns, averages `total`'s parts.
+    """Notes that the metric `mean` averages `total`'s microbatch parts.
 
-    `make_train_step(..., microbatches=k)` averages an unmarked auxiliary
-    scalar over its microbatches. A step around it that marks that very value
-    `jdp.metrics.sum(metrics["tokens"])` (it cannot mark it inside the loss)
-    means the sum over microbatches and replicas: the metrics' reduction then
-    sums `total` instead. Outside a `jdp.parallelize` trace, nothing.
+    A `jdp.metrics.sum` a step puts on `mean` then sums `total` instead (see
+    `_metrics.reduce_metrics`). Outside a `jdp.parallelize` trace, nothing.
     """
     bound = _BOUND_AXIS.get()
     if bound is not None:
         bound.totals[id(mean)] = (mean, total)
 
 
-#: The optimizer's extra argument (optax's `**extra_args`, which `optax.chain` and
-#: `optax.MultiSteps` forward) that, set to False, tells jdp's optax transforms
-#: (`jdp.sync_gradients`, `jdp.bmuf`) to issue no collective: for an update whose
-#: result is discarded on every replica alike (the micro-steps of
-#: `optax.MultiSteps` that only accumulate).
+#: The optax `**extra_args` key that, set to False, tells jdp's transforms to issue
+#: no collective (an update every replica discards: `optax.MultiSteps`' micro-steps).
 COLLECTIVES_ARG = "jdp_collectives"
 
 
@@ -131,30 +112,11 @@ def all_reduce_gradients(
 ) -> PyTree:
     """Averages a gradient pytree over replicas using a few large collectives.
 
-    Floating leaves are taken in reverse pytree order when `reverse` (the order the
-    backward pass produces them: Caffe2's `_GetReverseOrderedGrads`, PyTorch DDP's
-    buckets) and packed, per dtype, into buckets of at most `bucket_bytes`; each
-    bucket is one `psum` (one all-reduce in the program), divided by the number of
-    replicas and unpacked. The result equals `jax.lax.pmean(grads, axis_name)` up to
-    float rounding.
-
-    A bucket travels either as one flat buffer (its leaves concatenated, one `psum`,
-    as Caffe2 and DDP do) or as the `psum`s of its leaves issued back to back, which
-    XLA's all-reduce combiner merges when it compiles (on CPU into one all-reduce
-    per step; on GPU up to its combine threshold). Flat buffers cost a copy in and
-    out; they pay off where every array of a collective has a fixed cost, as with
-    JAX's gloo collectives between processes (a flat buffer ran twice as fast as the
-    gradient tree there for a 1M-parameter model). The form is chosen by size:
-    with flat buffers, a leaf of 8 MiB or more travels as its own array, uncopied
-    (packing it would cost more than the array's fixed cost), and only smaller
-    leaves are packed. `flatten=None` picks flat buffers exactly when several
-    processes share the CPU backend, and otherwise leaves the merging to XLA, which
-    costs no copy.
-
-    Integer and boolean leaves are NOT averaged (a mean of integers is not an
-    integer, and integer "gradients" are `float0`/counters, never learned): they are
-    returned unchanged, as each replica holds them. Empty leaves are returned as they
-    are and communicate nothing.
+    Floating leaves are packed, per dtype and last leaf first (the order the
+    backward pass produces them, as in Caffe2 and PyTorch DDP), into buckets of at
+    most `bucket_bytes`; each bucket is one all-reduce. The result equals
+    `jax.lax.pmean(grads, axis_name)` up to float rounding. Integer and boolean
+    leaves are returned unchanged (never learned); empty ones communicate nothing.
 
     Args:
       grads: Per-replica gradients, any pytree of arrays.
@@ -164,14 +126,14 @@ def all_reduce_gradients(
         `bucket_cap_mb`). `None` packs all leaves of a dtype into one bucket. A leaf
         larger than the limit travels alone.
       reverse: Pack leaves last-first (default) rather than in pytree order.
-      reduce_dtype: Optional wire dtype, e.g. `jnp.bfloat16` to halve the bytes sent
-        (gradient compression); results keep each leaf's original dtype. The
-        gradients are divided by the replica count before the cast, so the sum
-        cannot overflow a narrow type.
-      flatten: Pack the leaves of a bucket smaller than 8 MiB into one flat buffer
-        (True), send every bucket as a tuple of its leaves (False), or decide from
-        the runtime (None, the default: flat across CPU processes, tuples
-        otherwise).
+      reduce_dtype: Optional wire dtype, e.g. `jnp.bfloat16` to halve the bytes
+        sent; results keep each leaf's dtype. The gradients are divided by the
+        replica count before the cast, so the sum cannot overflow.
+      flatten: Pack a bucket's leaves under 8 MiB into one flat buffer (True:
+        a copy in and out, one array per collective), send each bucket as a tuple
+        of its leaves for XLA's combiner to merge (False), or decide (None, the
+        default: flat across CPU processes, whose gloo collectives cost a
+        latency per array).
 
     Returns:
       A pytree like `grads` holding the mean over replicas of every floating leaf.
@@ -222,10 +184,7 @@ def all_reduce(
     leaves, treedef = jax.tree_util.tree_flatten(grads)
     leaves = [jnp.asarray(x) for x in leaves]
     float_idx = [i for i, x in enumerate(leaves) if is_float(x)]
-    if flatten is None:
-        # Flat buffers pay a concatenate and a split; they win where each array of
-        # a collective costs a fixed latency (gloo between processes). Elsewhere
-        # one tuple all-reduce per bucket moves the same bytes with no copies.
+    if flatten is None:  # flat buffers where each array costs a latency: gloo
         flatten = jax.process_count() > 1 and jax.default_backend() == "cpu"
     # Divide first where the sum could overflow: a narrow wire type, or float16
     # leaves (8 replicas of 12000 sum past float16's 65504).
@@ -271,22 +230,15 @@ def bucketed(
     """Runs one collective per bucket of `arrays`: every bucketed collective of jdp.
 
     - `"psum"`: sums each array over replicas; returns `(1, size)` rows.
-    - `"psum_scatter"`: each array holds one row per replica, `(num, n)` (or as
-      many elements); returns this replica's row of the sum, `(1, n)`.
+    - `"psum_scatter"`: each array holds one row per replica, `(num, n)`;
+      returns this replica's row of the sum, `(1, n)`.
     - `"all_gather"`: each array is this replica's row, `(n,)` or `(1, n)`;
       returns every replica's row in replica order, `(num, n)`.
 
-    Arrays are grouped per dtype into buckets of at most `bucket_bytes` (counting
-    the larger of input and output), last array first when `reverse`. With
-    `flatten`, a bucket's arrays are packed side by side into one buffer and
-    travel as ONE collective, except that an array of at least `alone_bytes`
-    travels alone, uncopied (None: every array is packed); otherwise their
-    collectives are issued back to back (for `"psum"`, one tuple `psum`), which
-    XLA's combiner may merge. On a 2-D
-    host mesh (`axis_name` a tuple of mesh axes, last one within a host) every
-    collective runs within hosts first and then across them, so that the
-    cross-host traffic is that of one device per host. Empty arrays communicate
-    nothing.
+    Buckets as `_buckets.plan_buckets` (the larger of input and output counts).
+    With `flatten`, a bucket travels packed as ONE collective (an array of at
+    least `alone_bytes` alone); otherwise its collectives go back to back. On a
+    2-D host mesh every collective runs within hosts first, then across them.
     """
     axis_name = resolve_axis(axis_name)
     num = lax.axis_size(axis_name)
@@ -329,13 +281,9 @@ def _split_axes(axis_name: AxisName):
 def _hierarchical_psum(x, axis_name: AxisName):
     """`lax.psum` of a flat buffer (or a list of arrays), host by host.
 
-    For a tuple of mesh axes `(outer..., inner)`, e.g. `("host", "device")` from
-    `jdp.parallelize(..., axis_name=("host", "device"))`, it sums within `inner`
-    first. A flat buffer is reduce-scattered within `inner`, all-reduced across
-    the outer axes (every device sends 1/size(inner) of the buffer: the cross-host
-    bytes of one device per host, like Caffe2's reduce-to-master, all-reduce,
-    broadcast), then all-gathered within `inner`. A list of arrays is summed
-    within, then across. A single axis name is a plain `psum`.
+    On axes `(outer..., inner)` a flat buffer is reduce-scattered within `inner`,
+    all-reduced across (1/size(inner) of it per device), then all-gathered; a list
+    is summed within, then across. A single axis name is a plain `psum`.
     """
     axes = _split_axes(axis_name)
     if axes is None:
@@ -362,9 +310,8 @@ def _scatter_rows(m, axis_name: AxisName):
         outer, inner = axes
         per_host = lax.axis_size(inner)
         num, n = m.shape
-        # Order rows (host, device) -> (device, host): the scatter within a host
-        # hands device d the rows of every host's device d, summed over the host;
-        # the scatter across hosts then hands host h its own row.
+        # Rows (host, device) -> (device, host): the scatter within a host hands
+        # device d every host's row d; the one across hosts hands host h its own.
         m = m.reshape(num // per_host, per_host, n).transpose(1, 0, 2)
         x = lax.psum_scatter(m.reshape(-1), inner, scatter_dimension=0, tiled=True)
         axis_name = outer
@@ -375,13 +322,12 @@ def _scatter_rows(m, axis_name: AxisName):
 
 def _gather_rows(m, axis_name: AxisName):
     """Every replica's row, `(num, n)`, from each replica's `(1, n)` row."""
+    n = m.shape[-1]
     axes = _split_axes(axis_name)
     if axes is None:
-        return lax.all_gather(m.reshape(-1), axis_name, axis=0, tiled=True).reshape(
-            -1, m.shape[-1]
-        )
+        x = lax.all_gather(m.reshape(-1), axis_name, axis=0, tiled=True)
+        return x.reshape(-1, n)
     outer, inner = axes
-    n = m.shape[-1]
     x = lax.all_gather(m.reshape(-1), outer, axis=0, tiled=True)  # rows by host
     x = lax.all_gather(x, inner, axis=0, tiled=True)  # then by device
     per_host = lax.axis_size(inner)
@@ -401,10 +347,9 @@ def broadcast(
 ) -> PyTree:
     """Gives every replica replica `root`'s value of `tree` (inside a parallel step).
 
-    This is the checkpoint-sync primitive (Caffe2's `FinalizeAfterCheckpoint`,
-    Horovod's `broadcast_parameters`): a masked all-reduce in which every replica
-    but `root` contributes zeros. Every dtype is supported; booleans travel as
-    integers. Outside a step use `step.broadcast(tree)`.
+    The checkpoint-sync primitive (Caffe2's `FinalizeAfterCheckpoint`, Horovod's
+    `broadcast_parameters`): an all-reduce to which only `root` contributes
+    non-zeros, for every dtype. Outside a step use `step.broadcast(tree)`.
 
     Args:
       tree: Per-replica pytree of arrays.
@@ -456,12 +401,10 @@ def sync_batch_stats(
 ) -> PyTree:
     """Synchronises computed, non-trained state such as BatchNorm running statistics.
 
-    Caffe2 calls these "computed params" and copies the master device's copy to the
-    others every iteration (`broadcast_computed_params`). `mode="mean"` averages the
-    floating leaves across replicas instead (each replica's statistics saw a
-    different slice of the batch, so the mean uses all of it); integer leaves such
-    as counters are left unchanged. `mode="broadcast"` copies replica 0's value of
-    every leaf, as Caffe2 does.
+    `mode="mean"` averages the floating leaves across replicas (each replica's
+    statistics saw a different slice of the batch) and leaves integer ones such as
+    counters unchanged. `mode="broadcast"` copies replica 0's value of every leaf,
+    as Caffe2's `broadcast_computed_params` does.
 
     Args:
       tree: Per-replica pytree (e.g. flax `batch_stats`).
@@ -497,10 +440,9 @@ def sync_batch_stats(
 def replica_key(key: jax.Array, *, axis_name: AxisName | None = None) -> jax.Array:
     """A PRNG key that differs on every replica (dropout, augmentation).
 
-    `jax.random.fold_in(key, replica index)`: every replica draws its own
-    random numbers from one key in the replicated state, reproducibly (the
-    same on every run and on both backends, for the same replica count).
-    Without it every replica would draw the same dropout masks.
+    `jax.random.fold_in(key, replica index)`: every replica draws its own random
+    numbers from one key in the replicated state, the same on every run and
+    backend for the same replica count.
 
     Args:
       key: A key equal on every replica (e.g. from the state), typed or raw.

@@ -15,26 +15,26 @@ import numpy as np
 
 PyTree = Any
 
-_KINDS = {
-    "all-reduce": "all-reduce",
-    "all-reduce-start": "all-reduce",
-    "all-gather": "all-gather",
-    "all-gather-start": "all-gather",
-    "reduce-scatter": "reduce-scatter",
-    "all-to-all": "all-to-all",
-    "ragged-all-to-all": "all-to-all",
-    "collective-permute": "collective-permute",
-    "collective-permute-start": "collective-permute",
-    "collective-broadcast": "collective-broadcast",
-}
+#: The kinds of collective reported; their opcodes may end in "-start" (async) or
+#: begin with "ragged-".
+_KINDS = frozenset(
+    {
+        "all-reduce", "all-gather", "reduce-scatter", "all-to-all",
+        "collective-permute", "collective-broadcast",
+    }
+)  # fmt: skip
 
-_DTYPE_BYTES = {
-    "pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
-    "f8e4m3": 1, "f8e3m4": 1, "f8e4m3b11fnuz": 1, "f8e4m3fnuz": 1, "f8e5m2fnuz": 1,
-    "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-    "s32": 4, "u32": 4, "f32": 4,
-    "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
-}  # fmt: skip
+
+def _kind(opcode: str) -> str | None:
+    kind = opcode.removesuffix("-start").removeprefix("ragged-")
+    return kind if kind in _KINDS else None
+
+
+def _dtype_bytes(dtype: str) -> int:
+    """Bytes per element of an HLO type: its first number is its width in bits."""
+    bits = re.search(r"\d+", dtype)  # none in `pred`: one byte
+    return max(1, int(bits.group()) // 8) if bits else 1
+
 
 _SHAPE = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
@@ -144,13 +144,13 @@ def _parse_computations(hlo_text: str):
 
 def _collective(name, typ, rest, opcode, *, order, in_conditional) -> Collective:
     """The `Collective` of one instruction: `name = typ opcode(...)rest`."""
-    kind = _KINDS[opcode]
+    kind = _kind(opcode)
     shapes, sizes, dts = [], [], []
     for dt, dims in _SHAPE.findall(typ):
         shape = _ints(dims)
         shapes.append(shape)
         dts.append(dt)
-        sizes.append(int(np.prod(shape, dtype=np.int64)) * _DTYPE_BYTES.get(dt, 4))
+        sizes.append(int(np.prod(shape, dtype=np.int64)) * _dtype_bytes(dt))
     if opcode in ("all-gather-start", "collective-permute-start") and len(sizes) > 1:
         # Async start ops return (operand, result[, scratch]).
         shapes, sizes, dts = shapes[1:2], sizes[1:2], dts[1:2]
@@ -193,7 +193,7 @@ def parse_collectives(hlo_text: str) -> list[Collective]:
             inst, rest = m.groups()
             typ, rest = _split_type(rest)
             opcode = rest.split("(", 1)[0].strip()
-            if opcode in _KINDS:
+            if _kind(opcode):
                 c = _collective(
                     inst, typ, rest, opcode, order=len(found), in_conditional=in_cond
                 )
@@ -318,7 +318,7 @@ class Introspection:
 
         Compiles the step for these arguments (nothing runs) and reads
         `Compiled.memory_analysis()`. Use it to compare `donate_state`,
-        `jax.checkpoint` and `sync=jdp.zero()` before committing to a run.
+        `jax.checkpoint` and `jdp.zero(tx)` before committing to a run.
 
         Args:
           state: Replicated state, as for a call.
