@@ -1,11 +1,9 @@
 """Predictor export: a single-device inference function serialised with `jax.export`.
 
-The counterpart of Caffe2's `ExtractPredictorNet`: Caffe2 stripped the `gpu_0/`
-prefix from the training net and returned a one-device inference net plus the blobs
-it needs. Here the inference function is traced with one logical copy of the
-parameters baked in as constants, lowered to StableHLO by `jax.export` (optionally
-for several platforms, with a symbolic batch dimension), and wrapped in a small
-container so that a damaged file is reported as such:
+Caffe2's `ExtractPredictorNet` returned a one-device inference net plus its blobs.
+Here the inference function, with one logical copy of the parameters baked in as
+constants, is lowered to StableHLO by `jax.export` (for several platforms, with a
+symbolic batch dimension) and wrapped in a container that tells damage apart:
 
     offset  size  field
     0       8     magic b"JDPPRED" + one zero byte
@@ -17,12 +15,9 @@ container so that a damaged file is reported as such:
                   platforms, inputs, outputs)
     56+M    P     payload: `jax.export.Exported.serialize()`
 
-Security: loading a predictor compiles and runs the StableHLO inside it, so treat a
-predictor file like code and load only files from sources you trust. The SHA-256 in
-the header is a checksum against accidental damage, not a signature against
-tampering: whoever can change the file can recompute it. To detect tampering, get
-the file's SHA-256 (`hashlib.sha256(data).hexdigest()` of the whole file, or
-`Predictor.sha256`) through a channel you trust and pass it to
+Security: loading compiles and runs the StableHLO inside, so a predictor file is
+code. The header's SHA-256 is a checksum against damage, not a signature against
+tampering; the file's own SHA-256, got through a trusted channel, is checked by
 `jdp.load_predictor(..., expected_sha256=...)`.
 """
 
@@ -73,9 +68,6 @@ _JSON_NAMES = {
     type(None): "null",
 }
 _HEX = frozenset("0123456789abcdef")
-
-
-# -- parameters ------------------------------------------------------------------
 
 
 def _kind(x: Any) -> str:
@@ -137,34 +129,15 @@ def _one_copy(params: PyTree, replicated: bool | None) -> PyTree:
     return jax.tree.map(lambda x: np.asarray(jax.device_get(x)), params)
 
 
-# -- inputs ----------------------------------------------------------------------
-
-
-def _as_tuple(example_inputs: Any) -> tuple:
-    if isinstance(example_inputs, list):
-        return tuple(example_inputs)
-    if isinstance(example_inputs, tuple):
-        return example_inputs
-    return (example_inputs,)
-
-
 def _input_specs(inputs: tuple, batch_polymorphic: bool) -> tuple:
+    """The `jax.ShapeDtypeStruct`s to export for, a symbolic leading axis if asked."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(inputs)
     if not flat:
         raise ValueError(
             "`jdp.export_predictor`: `example_inputs` has no arrays; pass a tuple "
             "of example arrays, e.g. `(x,)`."
         )
-    shapes = [
-        (
-            p,
-            np.shape(x),
-            jax.dtypes.canonicalize_dtype(
-                getattr(x, "dtype", None) or np.result_type(x)
-            ),
-        )
-        for p, x in flat
-    ]
+    shapes = [(p, np.shape(x), _dtype(x)) for p, x in flat]
     if not batch_polymorphic:
         specs = [jax.ShapeDtypeStruct(s, d) for _, s, d in shapes]
         return jax.tree_util.tree_unflatten(treedef, specs)
@@ -189,7 +162,13 @@ def _input_specs(inputs: tuple, batch_polymorphic: bool) -> tuple:
     return jax.tree_util.tree_unflatten(treedef, specs)
 
 
+def _dtype(x: Any) -> np.dtype:
+    """The dtype JAX gives an example input."""
+    return jax.dtypes.canonicalize_dtype(getattr(x, "dtype", None) or np.result_type(x))
+
+
 def _platforms(platforms: Sequence[str]) -> tuple[str, ...]:
+    """`platforms` checked, without repeats, with "gpu" read as "cuda"."""
     if isinstance(platforms, str):
         platforms = (platforms,)
     out = []
@@ -207,11 +186,9 @@ def _platforms(platforms: Sequence[str]) -> tuple[str, ...]:
 
 
 def _format_aval(aval: Any) -> str:
+    """E.g. `float32[batch, 3]`."""
     dims = ", ".join(str(d) for d in aval.shape)
     return f"{aval.dtype}[{dims}]"
-
-
-# -- export ----------------------------------------------------------------------
 
 
 def export_predictor(
@@ -225,18 +202,17 @@ def export_predictor(
 ) -> bytes:
     """Serialises `apply_fn(params, *inputs)` as a standalone inference function.
 
-    One logical copy of `params` is baked into the function as constants and the
-    function is lowered to StableHLO with `jax.export`; the result runs on one
-    device, without a mesh, without the training code and without the model's
-    Python classes (`jdp.load_predictor`). This is Caffe2's `ExtractPredictorNet`.
+    One logical copy of `params` is baked in as constants and the function is
+    lowered to StableHLO with `jax.export`; the result runs on one device, without
+    a mesh, the training code or the model's Python classes (`jdp.load_predictor`).
+    This is Caffe2's `ExtractPredictorNet`.
 
-    Params straight out of a `jdp.parallelize` step carry a replica axis; they are
-    recognised by their layout (every array leaf a `jax.Array` whose leading axis is
-    sharded over every axis of a mesh of that size, as `step.replicate` places them
-    on a 1-D or a 2-D host mesh) and
-    replica 0's copy is exported. Force the reading with `replicated=True` or
-    `False` when the layout is ambiguous (e.g. your own `NamedSharding(mesh,
-    P("data"))` params that are not replicas).
+    Params straight out of a `jdp.parallelize` step carry a replica axis: they are
+    recognised by their layout (every array leaf a `jax.Array` whose leading axis
+    is sharded over every axis of a mesh of that size, as `step.replicate` places
+    them) and replica 0's copy is exported. Force the reading with
+    `replicated=True` or `False` when the layout is ambiguous (e.g. your own
+    `NamedSharding(mesh, P("data"))` params that are not replicas).
 
     Args:
       apply_fn: Inference function `apply_fn(params, *inputs) -> outputs` (any
@@ -276,7 +252,10 @@ def export_predictor(
       (5, 2)
     """
     platforms = _platforms(platforms)
-    inputs = _as_tuple(example_inputs)
+    if isinstance(example_inputs, list | tuple):
+        inputs = tuple(example_inputs)
+    else:
+        inputs = (example_inputs,)
     specs = _input_specs(inputs, batch_polymorphic)
     consts = _one_copy(params, replicated)
 
@@ -339,16 +318,15 @@ def save_predictor(
         raise
 
 
-# -- container -------------------------------------------------------------------
-
-
 def _pack(meta: bytes, payload: bytes) -> bytes:
+    """The container: header, JSON metadata, payload (see the module docstring)."""
     digest = hashlib.sha256(meta + payload).digest()
     header = _HEADER.pack(MAGIC, FORMAT_VERSION, len(meta), len(payload), digest)
     return header + meta + payload
 
 
 def _unpack(data: bytes, source: str) -> tuple[dict, bytes]:
+    """The metadata and payload of a container, after checking every field."""
     prefix = f"`jdp.load_predictor`: {source}"
     if len(data) < _HEADER.size:
         if not MAGIC.startswith(bytes(data[: len(MAGIC)])):
@@ -414,9 +392,6 @@ def _parse_metadata(raw: bytes, prefix: str) -> dict:
     return meta
 
 
-# -- loading ---------------------------------------------------------------------
-
-
 def _numeric(dtype: np.dtype) -> bool:
     """Whether arrays of `dtype` hold numbers or booleans (not text or objects)."""
     return bool(
@@ -427,8 +402,7 @@ def _numeric(dtype: np.dtype) -> bool:
 def _fits(dtype: np.dtype, shape: tuple, aval: Any, bound: dict) -> bool:
     """Whether an input of `dtype` and `shape` fits the exported `aval`.
 
-    A symbolic dimension takes the size of its first input (kept in `bound`); every
-    other input must then have the same size there.
+    A symbolic dimension takes the size of its first input (kept in `bound`).
     """
     if dtype != aval.dtype or len(shape) != len(aval.shape):
         return False
@@ -476,28 +450,24 @@ class Predictor:
         self._call = jax.jit(exported.call)
 
     def _expected(self) -> str:
+        """The sentence listing the expected inputs, for error messages."""
+        numbered = self._args_tree.unflatten(range(self._args_tree.num_leaves))
         paths = [
-            f"args{keystr(p)}"
-            for p, _ in jax.tree_util.tree_flatten_with_path(
-                jax.tree_util.tree_unflatten(
-                    self._args_tree, list(range(self._args_tree.num_leaves))
-                )
-            )[0]
+            keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(numbered)[0]
         ]
         listed = ", ".join(
-            f"{p}: {s}" for p, s in zip(paths, self.input_specs, strict=True)
+            f"args{p}: {s}" for p, s in zip(paths, self.input_specs, strict=True)
         )
-        poly = any(
-            not isinstance(d, int) for a in self.exported.in_avals for d in a.shape
-        )
-        note = (
-            f" ({_BATCH!r} is the batch size: any size >= 1, the same for every input)"
-            if poly
-            else ""
-        )
+        note = ""
+        if any(not isinstance(d, int) for a in self.exported.in_avals for d in a.shape):
+            note = (
+                f" ({_BATCH!r} is the batch size: any size >= 1, the same for every "
+                "input)"
+            )
         return f"Expected inputs: {listed}{note}."
 
     def _check(self, inputs: tuple) -> list:
+        """`inputs` checked against the exported ones and cast to their dtypes."""
         flat, treedef = jax.tree_util.tree_flatten_with_path(inputs)
         if treedef != self._args_tree:
             num = len(self._args_tree.children())
@@ -582,23 +552,19 @@ def _check_sha256(expected_sha256: Any) -> str | None:
 
 
 def load_predictor(
-    path_or_bytes: str | os.PathLike | bytes,
-    *,
-    expected_sha256: str | None = None,
+    path_or_bytes: str | os.PathLike | bytes, *, expected_sha256: str | None = None
 ) -> Predictor:
     """Loads a predictor written by `jdp.save_predictor` / `jdp.export_predictor`.
 
     Needs neither the model code nor the training code: only jax (and jdp).
 
     Security: loading compiles and runs the StableHLO inside the file, so load only
-    predictors from sources you trust, as you would run only code you trust. The
-    SHA-256 in the file's header is a checksum against accidental damage, not a
-    signature against tampering: whoever can change the file can recompute it. To
-    detect tampering, compute the file's SHA-256 where it was written
-    (`hashlib.sha256(open(path, "rb").read()).hexdigest()`, or `Predictor.sha256`
-    of a loaded copy), send it through a channel you trust and pass it as
-    `expected_sha256`: the bytes are then checked against it before anything in
-    them is read.
+    predictors from sources you trust, as you would code. The SHA-256 in the
+    file's header is a checksum against accidental damage, not a signature against
+    tampering (whoever can change the file can recompute it). To detect tampering,
+    send the file's SHA-256 (`hashlib.sha256(data).hexdigest()`, or
+    `Predictor.sha256`) through a channel you trust and pass it as
+    `expected_sha256`: the bytes are checked before anything in them is read.
 
     Args:
       path_or_bytes: A file path, or the bytes `jdp.export_predictor` returned.

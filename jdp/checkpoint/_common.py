@@ -9,18 +9,10 @@ import numpy as np
 
 
 def check_step_number(step: Any, what: str) -> int:
-    """Returns `step` as an int if it is a non-negative integer step number.
+    """`step` (a Python int or a 0-d integer array) as an int; `what` names it.
 
-    Args:
-      step: A Python int or a 0-d integer array (e.g. `state.step`).
-      what: The argument's name, for the messages.
-
-    Returns:
-      The step number.
-
-    Raises:
-      TypeError: If `step` is not an integer (a bool is not one).
-      ValueError: If it is negative or not 0-d.
+    Raises a `TypeError` for a non-integer (a bool is not one), a `ValueError`
+    for a negative or not 0-d one.
     """
     if isinstance(step, bool) or not np.issubdtype(np.asarray(step).dtype, np.integer):
         raise TypeError(f"`{what}` must be an integer step number; got {step!r}.")
@@ -29,19 +21,15 @@ def check_step_number(step: Any, what: str) -> int:
     return int(step)
 
 
+def error_text(error: BaseException) -> str:
+    """`"TypeName: message"`, for the messages that quote a caught error."""
+    return f"{type(error).__name__}: {error}"
+
+
 def same_kind_of_error(error: BaseException, message: str) -> OSError:
-    """An `OSError` carrying `message`, of `error`'s type where it is one.
+    """An `OSError` with `message`, of `error`'s type where that can be built.
 
-    A `PermissionError` stays a `PermissionError` (and so on), so that callers
-    may still catch the specific type; an error whose type cannot be built from
-    one message becomes a plain `OSError`.
-
-    Args:
-      error: The error that was caught.
-      message: The message of the new error.
-
-    Returns:
-      The new error, to raise `from error`.
+    A `PermissionError` stays one, so callers may still catch the specific type.
     """
     if isinstance(error, OSError):
         try:
@@ -52,16 +40,6 @@ def same_kind_of_error(error: BaseException, message: str) -> OSError:
 
 
 def short_list(names: Sequence[str]) -> str:
-    """The first three of `names`, comma-separated, then "and N more".
-
-    For lists inside a sentence; `jdp._tree.format_problems` lists one problem
-    a line instead.
-
-    Args:
-      names: What to list, e.g. leaf paths.
-
-    Returns:
-      E.g. `"a, b, c and 2 more"`.
-    """
+    """The first three of `names`, comma-separated, then "and N more"."""
     shown = ", ".join(names[:3])
     return shown + (f" and {len(names) - 3} more" if len(names) > 3 else "")

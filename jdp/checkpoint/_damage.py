@@ -1,23 +1,25 @@
 """What counts as damage of a checkpoint step's files, its errors, and setting it aside.
 
-Only a real integrity failure (a checksum that differs, a file missing,
-truncated or undecodable) is a `CheckpointCorruptedError`; anything else that
-fails while reading a step (`is_damage` tells them apart) is raised as a
-`RuntimeError` that says the files are not judged damaged (`not_damage`), and
-nothing is moved aside for it. A damaged step is moved aside to
-`<step>.damaged-<n>` by the next `save` (`set_aside`); nothing is deleted.
+Only an integrity failure (a checksum that differs, a file missing, truncated or
+undecodable) is a `CheckpointCorruptedError`; any other failure to read a step
+is a `RuntimeError` saying the files are not judged damaged, and nothing is
+moved aside for it. The next `save` moves a damaged step aside to
+`<step>.damaged-<n>` (`set_aside`); nothing is deleted.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import warnings
 import zlib
+from collections.abc import Iterator
 from typing import Any
 
 import jax
 from etils import epath
 
-from jdp.checkpoint._common import same_kind_of_error
+from jdp.checkpoint._common import error_text, same_kind_of_error
 
 #: What a damaged step is renamed to: `<step>.damaged-<n>`.
 DAMAGED_SUFFIX = ".damaged-"
@@ -91,29 +93,13 @@ class CheckpointCorruptedError(ValueError):
         self.step = step
         self.detail = detail
 
-    def __reduce__(self):
+    def __reduce__(self):  # pickles the keyword attributes too
         kwargs = {"directory": self.directory, "step": self.step, "detail": self.detail}
-        return _rebuild_corrupted, (str(self), kwargs)
-
-
-def _rebuild_corrupted(
-    message: str, kwargs: dict[str, Any]
-) -> CheckpointCorruptedError:
-    """Unpickles a `CheckpointCorruptedError` with its attributes."""
-    return CheckpointCorruptedError(message, **kwargs)
+        return functools.partial(type(self), **kwargs), (str(self),)
 
 
 def corrupt(directory: epath.Path, step: int, detail: str) -> CheckpointCorruptedError:
-    """The error for a damaged checkpoint of `step`.
-
-    Args:
-      directory: The checkpoint directory.
-      step: The damaged step.
-      detail: What is wrong with it.
-
-    Returns:
-      The error, naming the step and what to do.
-    """
+    """The error for a damaged checkpoint of `step`, saying what to do."""
     return CheckpointCorruptedError(
         CORRUPT_MSG.format(step=step, directory=directory, detail=detail),
         directory=directory,
@@ -127,66 +113,45 @@ def is_damage(error: BaseException) -> bool:
 
     Tensorstore raises a `ValueError` for data it cannot find or decode, the file
     system an `OSError`, JSON a `ValueError`, orbax a `KeyError` for a missing
-    item: these are damage. Anything else (a `TypeError` inside orbax, say) is a
-    failure of the reader, not of the files.
-
-    Args:
-      error: What reading raised.
-
-    Returns:
-      True for damage.
-
-    Example:
-      >>> from jdp.checkpoint._damage import is_damage
-      >>> is_damage(ValueError("DATA_LOSS: ...")), is_damage(TypeError("'<'"))
-      (True, False)
+    item; anything else (a `TypeError` inside orbax, say) is a failure of the
+    reader, not of the files.
     """
     return isinstance(error, OSError | ValueError | KeyError | EOFError | zlib.error)
 
 
 def not_damage(
-    directory: epath.Path,
-    step: int,
-    error: BaseException,
-    *,
-    caller: str = "restore",
+    directory: epath.Path, step: int, error: BaseException, *, caller: str = "restore"
 ) -> RuntimeError:
-    """The error for a failure to read a step that is not damage (`is_damage`).
-
-    Args:
-      directory: The checkpoint directory.
-      step: The step being read.
-      error: What reading raised.
-      caller: The `CheckpointManager` method, for the message.
-
-    Returns:
-      A `RuntimeError` to raise `from error`.
-    """
+    """The error for a failure to read a step that is not damage (`is_damage`)."""
     return RuntimeError(
         NOT_DAMAGE_MSG.format(
-            caller=caller,
-            step=step,
-            directory=directory,
-            error=f"{type(error).__name__}: {error}",
+            caller=caller, step=step, directory=directory, error=error_text(error)
         )
     )
 
 
-# -- damaged steps ----------------------------------------------------------------
+@contextlib.contextmanager
+def reading(directory: epath.Path, step: int, failed: str) -> Iterator[None]:
+    """Raises what reading `step` raises as damage (`corrupt`) or `not_damage`.
+
+    `failed` begins the damage detail, e.g. "reading its arrays failed".
+    """
+    try:
+        yield
+    except CheckpointCorruptedError:
+        raise
+    except Exception as e:  # orbax, tensorstore and JSON raise many types
+        if not is_damage(e):
+            raise not_damage(directory, step, e) from e
+        raise corrupt(directory, step, f"{failed} ({error_text(e)}).") from e
 
 
 def set_aside(directory: epath.Path, damaged: dict[int, str]) -> None:
-    """Renames damaged steps to `<step>.damaged-<n>` (process 0), with warnings.
+    """Renames damaged steps to `<step>.damaged-<n>`, with a warning each.
 
-    Called by `CheckpointManager.save` itself: the warnings name its caller.
-    Every process of a job calls it; process 0 renames, the others wait for it.
-
-    Args:
-      directory: The checkpoint directory.
-      damaged: What is wrong with each step to move aside, by step.
-
-    Raises:
-      OSError: If a step cannot be renamed (naming it and what to do).
+    `damaged` gives what is wrong with each step. Every process of a job calls
+    it (from `CheckpointManager.save`, whose caller the warnings name): process
+    0 renames, the others wait. Raises an `OSError` if a rename fails.
     """
     if not damaged:
         return
@@ -203,7 +168,7 @@ def set_aside(directory: epath.Path, damaged: dict[int, str]) -> None:
                     e,
                     f"`CheckpointManager.save`: step {step} in {directory} "
                     f"is incomplete or damaged ({detail}), and moving it aside "
-                    f"to {target} failed ({type(e).__name__}: {e}). Nothing was "
+                    f"to {target} failed ({error_text(e)}). Nothing was "
                     f"saved.\nFix: move or delete {directory / str(step)} "
                     "yourself, then save again.",
                 ) from e

@@ -1,9 +1,8 @@
 """The resume extras of a checkpoint (`save`'s `extra`) to JSON and back.
 
-What a resume needs besides the state (a data loader's position, an epoch, PRNG
-keys) is saved in the step's JSON record: JSON values as they are, NumPy and JAX
-arrays (typed PRNG keys included) as base64 under a reserved key. Every value is
-checked before anything is written, and a bad one is named by its key.
+Extras are kept in the step's JSON record: JSON values as they are, NumPy and
+JAX arrays (typed PRNG keys included) as base64 under a reserved key. Every
+value is checked before anything is written; a bad one is named by its key.
 """
 
 from __future__ import annotations
@@ -29,13 +28,10 @@ BAD_EXTRA_MSG = (
 )
 
 
-def _extra_where(path: Sequence[Any]) -> str:
-    """`extra['data'][0]`: where a value sits in the extras."""
-    return "extra" + "".join(f"[{k!r}]" for k in path)
-
-
 def _bad_extra(path: Sequence[Any], what: str, fix: str) -> TypeError:
-    return TypeError(BAD_EXTRA_MSG.format(where=_extra_where(path), what=what, fix=fix))
+    """The error for the value at `path`, named like `extra['data'][0]`."""
+    where = "extra" + "".join(f"[{k!r}]" for k in path)
+    return TypeError(BAD_EXTRA_MSG.format(where=where, what=what, fix=fix))
 
 
 def _encode_array(path: Sequence[Any], x: Any, encode: bool) -> Any:
@@ -72,9 +68,7 @@ def _encode_array(path: Sequence[Any], x: Any, encode: bool) -> Any:
 
 
 def _encode_extra_value(path: tuple[Any, ...], x: Any, encode: bool) -> Any:
-    if x is None or isinstance(x, bool | int | str):
-        return x
-    if isinstance(x, float):
+    if x is None or isinstance(x, bool | int | float | str):
         return x
     if isinstance(x, jax.Array | np.ndarray | np.generic):
         return _encode_array(path, x, encode)
@@ -106,24 +100,11 @@ def _encode_extra_value(path: tuple[Any, ...], x: Any, encode: bool) -> Any:
 
 
 def encode_extra(extra: Any, *, encode: bool = True) -> dict[str, Any] | None:
-    """The JSON form of `save`'s `extra` (arrays as base64), checking every value.
+    """The JSON form of `save`'s `extra` (None for None), checking every value.
 
-    Args:
-      extra: A dict with string keys of JSON values and arrays, or None.
-      encode: False only checks the values (cheap: no array is copied).
-
-    Returns:
-      The JSON-able dict (None for None, or with `encode=False`).
-
-    Raises:
-      TypeError: If `extra` is not a dict, or a value cannot be saved (naming
-        its key, e.g. `extra['data']['loader']`).
-
-    Example:
-      >>> import numpy as np
-      >>> from jdp.checkpoint._extra import encode_extra, decode_extra
-      >>> decode_extra(encode_extra({"epoch": 2, "perm": np.arange(3)}))
-      {'epoch': 2, 'perm': array([0, 1, 2])}
+    `encode=False` only checks (no array is copied) and returns None. Raises a
+    `TypeError` naming the key (e.g. `extra['data']['loader']`) of a value that
+    cannot be saved, or for an `extra` that is not a dict.
     """
     if extra is None:
         return None
@@ -140,32 +121,22 @@ def encode_extra(extra: Any, *, encode: bool = True) -> dict[str, Any] | None:
 def _decode_extra_value(x: Any) -> Any:
     if isinstance(x, list):
         return [_decode_extra_value(v) for v in x]
-    if isinstance(x, dict):
-        if set(x) == {ARRAY_TAG}:
-            r = x[ARRAY_TAG]
-            data = base64.b64decode(r["data"].encode("ascii"), validate=True)
-            a = np.frombuffer(data, dtype=np.dtype(r["dtype"]))
-            a = a.reshape(tuple(r["shape"])).copy()
-            if r.get("key_impl") is not None:
-                return jax.random.wrap_key_data(a, impl=r["key_impl"])
-            return a
+    if not isinstance(x, dict):
+        return x
+    if set(x) != {ARRAY_TAG}:
         return {k: _decode_extra_value(v) for k, v in x.items()}
-    return x
+    r = x[ARRAY_TAG]
+    data = base64.b64decode(r["data"].encode("ascii"), validate=True)
+    a = np.frombuffer(data, dtype=np.dtype(r["dtype"])).reshape(r["shape"]).copy()
+    if r.get("key_impl") is not None:
+        return jax.random.wrap_key_data(a, impl=r["key_impl"])
+    return a
 
 
 def decode_extra(encoded: Any) -> dict[str, Any]:
-    """The extras of `encode_extra`'s JSON form: arrays as NumPy arrays.
+    """The extras from `encode_extra`'s JSON ({} for None); tuples come back as lists.
 
-    Typed PRNG keys come back as typed keys; tuples come back as lists.
-
-    Args:
-      encoded: What `encode_extra` returned (after a round trip through JSON).
-
-    Returns:
-      The extras (an empty dict for None).
-
-    Raises:
-      ValueError, KeyError, TypeError: If `encoded` is malformed (damage).
+    Raises `ValueError`, `KeyError` or `TypeError` for malformed (damaged) JSON.
     """
     if encoded is None:
         return {}

@@ -4,16 +4,13 @@ A step directory holds orbax items: `state`, one logical copy of the state (NumP
 arrays, written by tensorstore); `jdp_metadata`, a JSON record of the jdp version,
 the replica count, the backend and every leaf's path, shape, dtype and CRC-32;
 and, when the replicas of some leaves differed, `jdp_replicas`, those leaves with
-every replica (`_per_replica`). This module says what is written for each leaf,
-builds the record, and reads the record and the arrays back. It reads with
-tensorstore and JSON only: nothing is ever unpickled. The checks of what is read
-back against the record are `_integrity`'s; what counts as damage is `_damage`'s.
+every replica (`_per_replica`). Reading uses tensorstore and JSON only: nothing is
+ever unpickled.
 
-The arrays of an item are read one by one, by name (`read_arrays`), not through
-orbax's PyTree restore: orbax sorts the saved key paths to rebuild a tree, which
-fails for trees whose nodes mix integer and string keys (flax NNX's
-`nnx.Sequential` and `nnx.List`, whose layers are keyed by position next to
-attributes), though the files are intact.
+The arrays of an item are read by name (`read_arrays`), not through orbax's
+PyTree restore: that sorts the saved key paths to rebuild a tree, which fails for
+nodes that mix integer and string keys (flax NNX's `nnx.Sequential` and
+`nnx.List`) though the files are intact.
 """
 
 from __future__ import annotations
@@ -34,7 +31,7 @@ from etils import epath
 from jdp._layout import is_key, key_impl
 from jdp._tree import keystr
 from jdp._version import __version__
-from jdp.checkpoint._damage import corrupt, is_damage, not_damage
+from jdp.checkpoint._damage import corrupt, reading
 
 PyTree = Any
 
@@ -45,9 +42,6 @@ METADATA_ITEM = "jdp_metadata"
 REPLICAS_ITEM = "jdp_replicas"
 #: Marks a step's JSON as written by this module (and its layout version).
 FORMAT = "jdp.checkpoint/1"
-
-
-# -- leaves as saved --------------------------------------------------------------
 
 
 def dtype_name(dtype: Any) -> str:
@@ -75,26 +69,17 @@ def as_key_data(x: Any) -> Any:
 
 
 def host_copy(x: Any) -> Any:
-    """A leaf of the logical copy as a fresh NumPy array this process owns.
+    """What orbax writes for a leaf of the logical copy: a fresh NumPy array.
 
-    Copying (rather than viewing device memory) keeps an async save correct when
-    the next step donates the state's buffers. A leaf that is not fully
-    addressable (one logical copy spread over several hosts) stays a `jax.Array`:
-    orbax writes each host's part. Typed PRNG keys are saved as their key data.
-
-    Args:
-      x: A leaf of one logical copy of the state.
-
-    Returns:
-      What orbax writes for it.
+    A copy (not a view of device memory) keeps an async save correct when the
+    next step donates the state's buffers. A leaf that is not fully addressable
+    stays a `jax.Array`: orbax writes each host's part. Typed PRNG keys are
+    saved as their key data.
     """
     x = as_key_data(x)
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
         return x
     return np.array(x, copy=True)
-
-
-# -- the record -------------------------------------------------------------------
 
 
 def make_metadata(
@@ -107,16 +92,9 @@ def make_metadata(
 ) -> dict[str, Any]:
     """The JSON record of a step (see `CheckpointManager.metadata`).
 
-    Args:
-      step: The step number.
-      state: The replicated state being saved.
-      logical: One logical copy of `state` (typed keys still keys).
-      host: What is written of `logical` (`host_copy` of each leaf).
-      replicas: The leaves saved with every replica, by path (`host_copy`s).
-      parallel: The `jdp.Parallel` given to `save`, or None.
-
-    Returns:
-      The record, ready for `json.dumps`.
+    `logical` is one copy of the replicated `state` (typed keys still keys),
+    `host` what is written of it (`host_copy`), `replicas` the `host_copy`s of
+    the leaves saved with every replica, by path; `parallel` is `save`'s.
     """
     leaves = []
     for (path, x), one in zip(
@@ -158,24 +136,10 @@ def make_metadata(
     }
 
 
-# -- reading ----------------------------------------------------------------------
-
-
 def restore_item(
     manager: ocp.CheckpointManager, step: int, name: str, item: PyTree, restore_args
 ) -> PyTree:
-    """Reads one orbax PyTree item of a step into `item`'s structure.
-
-    Args:
-      manager: The orbax manager of the directory.
-      step: The step to read.
-      name: The item's name (`STATE_ITEM` or `REPLICAS_ITEM`).
-      item: The tree to read into (`jax.ShapeDtypeStruct` leaves).
-      restore_args: Orbax's restore arguments, a tree like `item`.
-
-    Returns:
-      The item, shaped like `item`.
-    """
+    """Reads the orbax PyTree item `name` of a step into `item`'s structure."""
     args = ocp.args.PyTreeRestore(item=item, restore_args=restore_args)
     return manager.restore(step, args=ocp.args.Composite(**{name: args}))[name]
 
@@ -185,28 +149,13 @@ def read_metadata(
 ) -> dict[str, Any]:
     """The step's JSON record.
 
-    Args:
-      manager: The orbax manager of `directory`.
-      directory: The checkpoint directory.
-      step: The step to read.
-
-    Returns:
-      The record as a dict.
-
-    Raises:
-      CheckpointCorruptedError: If it is missing, unreadable or not a `FORMAT`
-        record.
-      RuntimeError: If reading it fails for another reason (`is_damage`).
+    Raises a `CheckpointCorruptedError` if it is missing, unreadable or not a
+    `FORMAT` record, a `RuntimeError` if reading fails otherwise (`is_damage`).
     """
-    try:
+    with reading(directory, step, "its metadata could not be read"):
         meta = manager.restore(
             step, args=ocp.args.Composite(**{METADATA_ITEM: ocp.args.JsonRestore()})
         )[METADATA_ITEM]
-    except Exception as e:  # orbax/json raise many types for a damaged file
-        if not is_damage(e):
-            raise not_damage(directory, step, e) from e
-        detail = f"its metadata could not be read ({type(e).__name__}: {e})."
-        raise corrupt(directory, step, detail) from e
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise corrupt(directory, step, f"its metadata is not a {FORMAT!r} record.")
     return meta
@@ -215,34 +164,18 @@ def read_metadata(
 def param_name(path: Sequence[Any]) -> str:
     """The name orbax gives a leaf's arrays inside an item: its keys joined by ".".
 
-    Args:
-      path: The leaf's key path in the saved tree.
-
-    Returns:
-      E.g. `"0.layers.2.kernel.value"` for `[0].layers[2].kernel.value`.
-
-    Raises:
-      TypeError: For a key that is not a sequence, dict, attribute or flattened
-        index key (orbax cannot save those).
-
-    Example:
-      >>> import jax
-      >>> from jdp.checkpoint._format import param_name
-      >>> path = jax.tree_util.tree_flatten_with_path({"a": [0, {1: 2}]})[0][1][0]
-      >>> param_name(path)
-      'a.1.1'
+    E.g. `"0.layers.2.kernel.value"` for `[0].layers[2].kernel.value`. Raises a
+    `TypeError` for a key of another kind than orbax can save.
     """
     tu = jax.tree_util
     parts = []
     for key in path:
         if isinstance(key, tu.SequenceKey):
             parts.append(str(key.idx))
-        elif isinstance(key, tu.DictKey):
+        elif isinstance(key, tu.DictKey | tu.FlattenedIndexKey):
             parts.append(str(key.key))
         elif isinstance(key, tu.GetAttrKey):
             parts.append(key.name)
-        elif isinstance(key, tu.FlattenedIndexKey):
-            parts.append(str(key.key))
         else:
             raise TypeError(
                 f"key {key!r} of leaf {keystr(path)} is a {type(key).__name__}: "
@@ -262,16 +195,8 @@ def _item_tree(directory: epath.Path, step: int, item: str) -> dict[str, Any]:
 def item_array_names(directory: epath.Path, step: int, item: str) -> list[str]:
     """The names of the arrays orbax wrote into an item (empty nodes left out).
 
-    Args:
-      directory: The checkpoint directory.
-      step: The step.
-      item: The item's name.
-
-    Returns:
-      The names, as `read_arrays` takes them.
-
-    Raises:
-      OSError, ValueError: If orbax's record of the item is missing or damaged.
+    Raises an `OSError` or `ValueError` if orbax's record of the item is
+    missing or damaged.
     """
     entries = _item_tree(directory, step, item).get("tree_metadata")
     if not isinstance(entries, dict):
@@ -296,24 +221,11 @@ def read_arrays(
     names: Sequence[str],
     dtypes: Sequence[Any] | None = None,
 ) -> list[np.ndarray]:
-    """Reads arrays of an orbax PyTree item by name, as NumPy arrays.
+    """Reads arrays of an orbax PyTree item by name (`param_name`), as NumPy arrays.
 
-    Uses orbax's array reader (`NumpyHandler`, tensorstore underneath) but not
-    its PyTree restore, which rebuilds the saved tree first and fails for trees
-    whose nodes mix integer and string keys (see the module docstring).
-
-    Args:
-      directory: The checkpoint directory.
-      step: The step.
-      item: The item's name (`STATE_ITEM` or `REPLICAS_ITEM`).
-      names: The arrays' names (`param_name` of their paths).
-      dtypes: The dtype to read each array as; None for the saved dtypes.
-
-    Returns:
-      The arrays, in the order of `names`.
-
-    Raises:
-      OSError, ValueError: If a file is missing or cannot be decoded (damage).
+    Uses orbax's `NumpyHandler` (tensorstore) without its PyTree restore (see
+    the module docstring). `dtypes` are those to read as; None for the saved
+    ones. Raises an `OSError` or `ValueError` for a missing or undecodable file.
     """
     th = ocp.type_handlers
     parent = directory / str(step) / item

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 from etils import epath
 
+from jdp.checkpoint._common import error_text
 from jdp.checkpoint._damage import corrupt, is_damage, not_damage
 from jdp.checkpoint._format import (
     REPLICAS_ITEM,
@@ -31,54 +32,33 @@ def check_leaves(
     records: Sequence[dict[str, Any]],
     leaves: Sequence[Any],
 ) -> None:
-    """Checks the leaves read back against their records: shape, dtype, CRC-32.
-
-    Args:
-      directory: The checkpoint directory.
-      step: The step the leaves were read from.
-      records: The step's leaf records, in the order of `leaves`.
-      leaves: The arrays read back.
-
-    Raises:
-      CheckpointCorruptedError: Naming the first leaf that differs from its
-        record.
-    """
+    """Raises a `CheckpointCorruptedError` for the first leaf unlike its record."""
     for record, x in zip(records, leaves, strict=True):
         x = np.asarray(x)
-        detail = None
-        if x.shape != tuple(record["shape"]) or dtype_name(x.dtype) != record["dtype"]:
-            detail = (
+        saved = (tuple(record["shape"]), record["dtype"])
+        if (x.shape, dtype_name(x.dtype)) != saved:
+            raise corrupt(
+                directory,
+                step,
                 f"leaf {record['path']} was read back with shape {x.shape} "
-                f"{dtype_name(x.dtype)}, but was saved with shape "
-                f"{tuple(record['shape'])} {record['dtype']}."
+                f"{dtype_name(x.dtype)}, but was saved with shape {saved[0]} "
+                f"{saved[1]}.",
             )
-        elif record.get("crc32") is not None and crc32(x) != record["crc32"]:
-            detail = (
+        if record.get("crc32") is not None and crc32(x) != record["crc32"]:
+            raise corrupt(
+                directory,
+                step,
                 f"leaf {record['path']} does not match the CRC-32 recorded when "
-                "it was saved."
+                "it was saved.",
             )
-        if detail:
-            raise corrupt(directory, step, detail)
 
 
 def verify_arrays(directory: epath.Path, step: int, meta: dict[str, Any]) -> str | None:
-    """Reads every array of a step and checks its CRC-32.
+    """What is wrong with the arrays of a step, or None if each matches its record.
 
     Needs no `like`: the arrays are matched to the records by shape, dtype and
-    checksum. Reading a whole step is slow: only for a step that would block a
-    save.
-
-    Args:
-      directory: The checkpoint directory.
-      step: The step to read.
-      meta: The step's record.
-
-    Returns:
-      What is wrong with the step, or None if every array matches its record.
-
-    Raises:
-      RuntimeError: If reading fails for a reason that is not damage
-        (`is_damage`): the step is then neither damaged nor known intact.
+    CRC-32. Slow (it reads the whole step): only for a step that would block a
+    save. Raises a `RuntimeError` for a failure to read that is not damage.
     """
     want = collections.Counter()
     for r in meta["leaves"]:
@@ -101,7 +81,7 @@ def verify_arrays(directory: epath.Path, step: int, meta: dict[str, Any]) -> str
     except Exception as e:  # tensorstore raises many types for bad files
         if not is_damage(e):
             raise not_damage(directory, step, e, caller="save") from e
-        return f"reading its arrays failed ({type(e).__name__}: {e})"
+        return f"reading its arrays failed ({error_text(e)})"
     bad = sum((want - have).values())
     if bad:
         return f"{bad} of its arrays do not match the CRC-32 recorded at save"

@@ -1,17 +1,12 @@
 """The writer's lock on a checkpoint directory: one `CheckpointManager` saves at a time.
 
-The lock is a small JSON file, `<directory>/.jdp-checkpoint.lock`, holding the
-owner's process id, host name, process start time and a random token. It is
-created with `O_CREAT | O_EXCL` (atomic on local and network file systems), so
-of two managers only one gets it. A lock whose owner is gone (a killed process
-on the same host, or a manager of this process that was never closed and has
-been garbage collected) is stale: the next manager reclaims it. Checking and
-reclaiming happen under an advisory `flock` on the directory, so two managers
-reclaiming the same stale lock cannot both win.
-
-On object stores (`gs://`, ...) there is no atomic create: the lock is then best
-effort (a second manager that starts while the first is writing its lock file may
-not see it).
+The lock is `<directory>/.jdp-checkpoint.lock`, a JSON file with the owner's
+process id, host, process start time and a random token, created with
+`O_CREAT | O_EXCL` so that of two managers only one gets it. A lock whose owner
+is gone (a dead process on this host, or an unclosed manager of this process
+that was garbage collected) is stale and reclaimed by the next manager, under an
+advisory `flock` on the directory so that two reclaimers cannot both win. On
+object stores (`gs://`, ...) there is no atomic create: the lock is best effort.
 """
 
 from __future__ import annotations
@@ -32,7 +27,7 @@ import numpy as np
 from etils import epath
 
 from jdp._version import __version__
-from jdp.checkpoint._common import same_kind_of_error
+from jdp.checkpoint._common import error_text, same_kind_of_error
 
 #: The lock file's name inside the checkpoint directory.
 LOCK_NAME = ".jdp-checkpoint.lock"
@@ -60,6 +55,17 @@ UNWRITABLE_MSG = (
     "space), or pass another directory."
 )
 
+DIFFERENT_DIRECTORIES_MSG = (
+    "`CheckpointManager.save`: the processes of this job save into different "
+    "directories:\n{listing}\nEvery process of a job must pass the same "
+    "directory: process 0 writes the checkpoint into its own directory and the "
+    "other processes only synchronise with it, so the steps would be saved into "
+    "one directory only and a restore from the others would find nothing. "
+    "Nothing was saved.\nFix: pass the same path on every process (e.g. "
+    "`CheckpointManager(base_dir)`, not a path that holds the process index; an "
+    "absolute path if the processes run in different working directories)."
+)
+
 # Tokens of the locks held by managers of this process that are still open.
 _LIVE: set[str] = set()
 _LIVE_GUARD = threading.Lock()
@@ -77,30 +83,17 @@ def _stat_fields(pid: int) -> list[str]:
 
 def _process_start_time(pid: int) -> int | None:
     """A process's start time in clock ticks since boot (Linux), else None."""
-    fields = _stat_fields(pid)
     try:
-        return int(fields[19])  # field 22 of proc(5)
+        return int(_stat_fields(pid)[19])  # field 22 of proc(5)
     except (IndexError, ValueError):
         return None
-
-
-def _process_state(pid: int) -> str | None:
-    """A process's state letter from /proc (e.g. "Z" for a zombie), else None."""
-    fields = _stat_fields(pid)
-    return fields[0] if fields else None
 
 
 def process_gone(pid: int, start_time: int | None = None) -> str | None:
     """Why process `pid` of this host is not the live lock owner, or None if it is.
 
-    Args:
-      pid: A process id on this host.
-      start_time: The start time recorded with the lock; a running process with
-        another start time reuses the id of a process that ended.
-
-    Returns:
-      None if the process runs (as far as can be told); else a reason: no such
-      process, a zombie, or its id reused by another process.
+    A running process whose start time differs from `start_time` (the lock's)
+    reuses the id of a process that ended.
     """
     try:
         os.kill(pid, 0)
@@ -108,7 +101,7 @@ def process_gone(pid: int, start_time: int | None = None) -> str | None:
         return f"process {pid} is no longer running"
     except PermissionError:
         pass  # it exists, owned by another user
-    if _process_state(pid) in ("Z", "X"):
+    if _stat_fields(pid)[:1] in (["Z"], ["X"]):  # its state letter
         return f"process {pid} is no longer running (it is a zombie)"
     now = _process_start_time(pid)
     if start_time is not None and now is not None and now != start_time:
@@ -135,33 +128,13 @@ def describe_owner(owner: dict[str, Any] | None) -> str:
 
 
 class DirectoryLock:
-    """An exclusive, reclaimable lock on one checkpoint directory.
-
-    Args:
-      directory: The checkpoint directory (it must exist when `acquire` runs).
-    """
+    """An exclusive, reclaimable lock on one checkpoint directory (which must exist)."""
 
     def __init__(self, directory: epath.Path):
         self.directory = directory
         self.path = directory / LOCK_NAME
         self.token: str | None = None
         self._local = "://" not in os.fspath(directory)
-
-    @property
-    def held(self) -> bool:
-        """Whether this object holds the lock."""
-        return self.token is not None
-
-    def _record(self, token: str) -> dict[str, Any]:
-        pid = os.getpid()
-        return {
-            "pid": pid,
-            "host": socket.gethostname(),
-            "start_time": _process_start_time(pid),
-            "created": time.time(),
-            "token": token,
-            "jdp_version": __version__,
-        }
 
     def read_owner(self) -> dict[str, Any] | None:
         """The lock file's record; None if it is missing or unreadable."""
@@ -194,8 +167,8 @@ class DirectoryLock:
     def _guard(self):
         """An advisory `flock` on the directory around check-and-create.
 
-        Yields whether the guard is held (not on object stores, nor where the
-        file system refuses `flock`).
+        Yields whether it is held (not on object stores, nor where the file
+        system refuses `flock`).
         """
         fd = None
         if self._local:
@@ -222,8 +195,17 @@ class DirectoryLock:
             if fd is not None:
                 os.close(fd)  # releases the flock
 
-    def _create(self, record: dict[str, Any]) -> bool:
+    def _create(self, token: str) -> bool:
         """Writes the lock file if none exists; False if one does."""
+        pid = os.getpid()
+        record = {
+            "pid": pid,
+            "host": socket.gethostname(),
+            "start_time": _process_start_time(pid),
+            "created": time.time(),
+            "token": token,
+            "jdp_version": __version__,
+        }
         data = json.dumps(record).encode()
         if not self._local:
             if self.path.exists():
@@ -244,19 +226,21 @@ class DirectoryLock:
     def acquire(self) -> None:
         """Takes the lock, reclaiming a stale one (with a warning).
 
-        Raises:
-          RuntimeError: If a live manager (or one on another host) holds it.
-          OSError: If the lock file cannot be written (naming the directory).
+        Raises a `RuntimeError` if a live manager (or one on another host) holds
+        it, an `OSError` naming the directory if the file cannot be written.
         """
-        if self.held:
+        if self.token is not None:
             return
         token = uuid.uuid4().hex
         with self._guard() as guarded:
             for _ in range(3):
                 try:
-                    created = self._create(self._record(token))
+                    created = self._create(token)
                 except OSError as e:
-                    raise _unwritable(self, e) from e
+                    message = UNWRITABLE_MSG.format(
+                        lock=self.path, directory=self.directory, error=error_text(e)
+                    )
+                    raise same_kind_of_error(e, message) from e
                 if created:
                     with _LIVE_GUARD:
                         _LIVE.add(token)
@@ -266,20 +250,15 @@ class DirectoryLock:
                 reason = self._stale_reason(owner, guarded)
                 if reason is None:
                     raise RuntimeError(self._locked_message(owner))
-                self._reclaim(owner, reason)
+                with contextlib.suppress(FileNotFoundError):
+                    self.path.unlink()
+                warnings.warn(
+                    f"`CheckpointManager.save`: reclaimed the stale lock {self.path} "
+                    f"left by {describe_owner(owner)}: {reason}.",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
         raise RuntimeError(self._locked_message(self.read_owner()))
-
-    def _reclaim(self, owner: dict[str, Any] | None, reason: str) -> None:
-        try:
-            self.path.unlink()
-        except FileNotFoundError:
-            pass
-        warnings.warn(
-            f"`CheckpointManager.save`: reclaimed the stale lock {self.path} left "
-            f"by {describe_owner(owner)}: {reason}.",
-            RuntimeWarning,
-            stacklevel=5,
-        )
 
     def _locked_message(self, owner: dict[str, Any] | None) -> str:
         other_host = owner is not None and owner.get("host") != socket.gethostname()
@@ -305,41 +284,12 @@ class DirectoryLock:
             pass
 
 
-def _unwritable(lock: DirectoryLock, error: OSError) -> OSError:
-    """The error for a lock file that cannot be written, of `error`'s type."""
-    msg = UNWRITABLE_MSG.format(
-        lock=lock.path,
-        directory=lock.directory,
-        error=f"{type(error).__name__}: {error}",
-    )
-    return same_kind_of_error(error, msg)
-
-
-DIFFERENT_DIRECTORIES_MSG = (
-    "`CheckpointManager.save`: the processes of this job save into different "
-    "directories:\n{listing}\nEvery process of a job must pass the same "
-    "directory: process 0 writes the checkpoint into its own directory and the "
-    "other processes only synchronise with it, so the steps would be saved into "
-    "one directory only and a restore from the others would find nothing. "
-    "Nothing was saved.\nFix: pass the same path on every process (e.g. "
-    "`CheckpointManager(base_dir)`, not a path that holds the process index; an "
-    "absolute path if the processes run in different working directories)."
-)
-
-
 def check_same_directory(directory: epath.Path) -> None:
-    """Raises on every process of a job if the processes name different directories.
+    """Raises a `ValueError` on every process if the processes' directories differ.
 
-    Every process of a job must call it (it is a collective): the processes
-    gather a digest of their directory's path, and where the digests differ,
-    the paths themselves, so that every process raises the same error naming
-    each process and its directory. A single process returns at once.
-
-    Args:
-      directory: The checkpoint directory of this process's manager.
-
-    Raises:
-      ValueError: If the processes' directories differ (naming them all).
+    A collective: the processes gather a digest of their directory's path, and
+    where the digests differ the paths themselves, so that every process raises
+    the same error naming each process's directory. One process returns at once.
     """
     if jax.process_count() < 2:
         return
@@ -366,18 +316,10 @@ def check_same_directory(directory: epath.Path) -> None:
 def acquire_for_job(lock: DirectoryLock) -> None:
     """Takes `lock` on process 0 of a job; every process raises if that fails.
 
-    Every process of a job must call it (the broadcast is a collective), so
-    whether the lock is held is decided by process 0's lock, alike on every
-    process. Called by `CheckpointManager.save` itself: a reclaimed stale lock
-    is reported at the caller of `save`.
-
-    Args:
-      lock: The checkpoint directory's lock.
-
-    Raises:
-      RuntimeError: If another manager holds the lock (on process 0; the other
-        processes raise that process 0 could not lock the directory).
-      OSError: If the lock file cannot be written.
+    A collective (process 0's outcome is broadcast), called by
+    `CheckpointManager.save` itself: a reclaimed stale lock is reported at the
+    caller of `save`. Raises `acquire`'s errors on process 0, and on the others
+    a `RuntimeError` saying that process 0 could not lock the directory.
     """
     error = None
     if jax.process_index() == 0:

@@ -1,31 +1,9 @@
 """`jdp.checkpoint.CheckpointManager`: save one copy, restore into every replica.
 
-Caffe2's `GetCheckpointParams` saves the first device's blobs and the iteration
-counter; `FinalizeAfterCheckpoint` copies them back to every device after loading.
-This module does the same on orbax-checkpoint: a save writes one logical copy of a
-replicated state (`jdp._layout.logical_copy`) as an orbax PyTree item plus a JSON
-item of metadata (jdp version, replica count, backend, every leaf's path, shape,
-dtype and CRC-32); a restore reads that copy and places it into the layout of a
-replicated `like` state (`jdp._layout.place_like`), so the number of replicas,
-the devices and the backend may all differ from the run that saved it. Leaves
-whose replicas differ (between the syncs of `jdp.bmuf`) are also saved with every
-replica, as a third item (`_per_replica`).
-
-Orbax writes each step into a temporary directory and renames it when complete
-(or writes a commit marker on object stores), so a save that is killed midway
-leaves nothing that `latest_step` reports; an async save still writing when the
-interpreter exits is finished first (`_finish_saves_at_exit`). One manager at a
-time may save into a directory (`_lock`), and the processes of a job must all
-name the same one. Checkpoints are read with tensorstore and JSON only:
-restoring never unpickles or runs code from the files.
-
-`CheckpointManager` decides what to save and which step to restore; the work is
-done by the private modules next to it: `_store` (orbax's manager, which steps are
-complete), `_format` (the items, the record, checksums, reading them back),
-`_integrity` (the checks against the record), `_damage` (what is damage, its
-errors, damaged steps set aside), `_extra` (the resume extras as JSON), `_save`
-and `_restore` (one step each way), `_per_replica` and `_replicas` (the leaves
-whose replicas differ) and `_lock` (the directory's writer lock).
+It decides what to save and which step to restore; the modules next to it do
+the work: `_store` (orbax's manager, the complete steps), `_format` (items and
+record), `_integrity`, `_damage`, `_extra`, `_save` and `_restore` (a step each
+way), `_per_replica` (leaves whose replicas differ) and `_lock` (writer lock).
 """
 
 from __future__ import annotations
@@ -41,18 +19,10 @@ from typing import Any
 import jax
 from etils import epath
 
-from jdp.checkpoint._common import check_step_number
-from jdp.checkpoint._damage import (
-    DAMAGED_SUFFIX,
-    CheckpointCorruptedError,
-    set_aside,
-)
+from jdp.checkpoint._common import check_step_number, error_text
+from jdp.checkpoint._damage import DAMAGED_SUFFIX, CheckpointCorruptedError, set_aside
 from jdp.checkpoint._extra import encode_extra
-from jdp.checkpoint._lock import (
-    DirectoryLock,
-    acquire_for_job,
-    check_same_directory,
-)
+from jdp.checkpoint._lock import DirectoryLock, acquire_for_job, check_same_directory
 from jdp.checkpoint._restore import (
     read_extra,
     resolve_step,
@@ -80,10 +50,8 @@ ONLY_DAMAGED_MSG = (
 
 _NO_DEFAULT = object()
 
-#: The step stores whose async save may still be writing, finished before the
-#: interpreter exits (`_finish_saves_at_exit`). It holds the stores, not their
-#: managers: a manager dropped without `close` is garbage collected as before,
-#: and its last save is still committed at exit.
+#: The stores whose async save may still be writing, finished at exit. Stores,
+#: not managers: a manager dropped unclosed is still garbage collected.
 _UNFINISHED: set[StepStore] = set()
 _exit_hook_registered = False
 _exit_hook_guard = threading.Lock()
@@ -97,26 +65,23 @@ EXIT_FAILED_MSG = (
 def _finish_saves_at_exit() -> None:
     """Waits for every pending async save, so that exiting never loses a step.
 
-    A script that ends without `close()` or `wait_until_finished()` would
-    otherwise lose its last async save: orbax writes it in background threads,
-    and commits it with thread pools that the interpreter shuts down first.
-    Failures are printed (the process is exiting: nothing could catch them).
+    Orbax commits a step with thread pools that the interpreter shuts down at
+    exit. Failures are printed: nothing could catch them.
     """
     while _UNFINISHED:
         store = _UNFINISHED.pop()
         try:
             store.finish_pending()
         except Exception as e:  # a failed write: report it, finish the others
-            sys.stderr.write(EXIT_FAILED_MSG.format(error=f"{type(e).__name__}: {e}"))
+            sys.stderr.write(EXIT_FAILED_MSG.format(error=error_text(e)))
 
 
 def _register_exit_hook() -> None:
     """Registers `_finish_saves_at_exit` once per process (at the first async save).
 
-    `concurrent.futures` shuts its thread pools down before `atexit` hooks run,
-    and orbax commits a step with them: the hook must run before that, which
-    `threading`'s own exit hooks do (registered later, they run earlier).
-    Where they do not exist, `atexit` is the fallback.
+    `concurrent.futures` shuts its pools down before `atexit` hooks run, so the
+    hook is one of `threading`'s exit hooks, registered after its own (so it
+    runs first); `atexit` where those do not exist.
     """
     global _exit_hook_registered
     # Imported first, it registers its pools' shutdown first: ours runs before.
@@ -134,17 +99,7 @@ def _register_exit_hook() -> None:
 
 
 def _check_positive(name: str, value: Any, *, optional: bool) -> None:
-    """Checks a count argument of `CheckpointManager`.
-
-    Args:
-      name: The argument's name.
-      value: The argument.
-      optional: Whether None is allowed.
-
-    Raises:
-      TypeError: If `value` is not an int (nor None where allowed).
-      ValueError: If it is an int < 1, or a bool.
-    """
+    """Raises unless `value` is an int >= 1 (or, if `optional`, None)."""
     if (value is None and optional) or (
         isinstance(value, int) and not isinstance(value, bool) and value >= 1
     ):
@@ -188,51 +143,42 @@ def _newest_intact(store, directory, candidates: list[int], read) -> Any:
 class CheckpointManager:
     """Saves one copy of a replicated state; restores it into every replica.
 
-    A thin layer over `orbax.checkpoint.CheckpointManager`. `save(step, state)`
-    writes replica 0's copy of `state` (Caffe2's `GetCheckpointParams`), the step
-    number, and a JSON record of the jdp version, the replica count, the backend
-    and every leaf's path, shape, dtype and CRC-32. `restore(like)` reads the
-    newest complete step and gives every replica of `like`'s layout the saved
-    copy (Caffe2's `FinalizeAfterCheckpoint`, i.e. `step.broadcast`), so a run may
-    resume on a different number of devices or hosts. Static pytree fields (such
-    as `jdp.TrainState.tx`) are not saved: they come from `like`.
+    Built on `orbax.checkpoint.CheckpointManager`. `save(step, state)` writes
+    replica 0's copy of `state` (Caffe2's `GetCheckpointParams`) and a JSON
+    record of the jdp version, replica count, backend and every leaf's path,
+    shape, dtype and CRC-32. `restore(like)` gives every replica of `like`'s
+    layout the newest complete step's copy (Caffe2's `FinalizeAfterCheckpoint`),
+    so a run may resume on another number of devices or hosts. Static pytree
+    fields (such as `jdp.TrainState.tx`) are not saved: they come from `like`.
 
-    Leaves whose replicas differ when saved (the local params and inner optimizer
-    state of `jdp.bmuf` between syncs) are saved with every replica too, and a
-    restore into the same number of replicas gives each replica its own values
-    back, so the run resumes bit for bit. Into another number of replicas (or as
-    one copy) those leaves get replica 0's copy, with a warning; for a
-    `jdp.bmuf` state the params are set to the block start, so a new block starts
-    from the global model.
+    Leaves whose replicas differ (`jdp.bmuf`'s local params and inner optimizer
+    state between syncs) are saved with every replica too: restored into as many
+    replicas, the run resumes bit for bit; into another number (or as one copy)
+    they get replica 0's copy, with a warning, and a `jdp.bmuf` state's params
+    are set to the block start, so a new block starts from the global model.
 
-    `restore(like)` with one copy (no replica axis, e.g. `init_state` itself or
-    its `jax.ShapeDtypeStruct`s) returns one copy: NumPy arrays, or `jax.Array`s
-    placed like `like`'s arrays. For notebooks, evaluation and export.
+    `restore(like)` with one copy (no replica axis, e.g. `init_state` or its
+    `jax.ShapeDtypeStruct`s) returns one copy: NumPy arrays, or `jax.Array`s
+    placed like `like`'s. For notebooks, evaluation and export.
 
-    Each step is written into a temporary directory and committed when complete,
-    so a save that crashes midway is ignored. A step number is never overwritten:
-    while a manager saves into a directory it holds a lock file there
-    (`.jdp-checkpoint.lock`, with its process id and host; taken at the first
-    `save`, released by `close`), so a second manager's `save` raises at once
-    (naming the holder) instead of waiting; a lock left by a process that no
-    longer runs on this host is reclaimed. Restoring checks the saved structure,
-    shapes and dtypes against `like` and every leaf's checksum, and never
-    unpickles anything.
+    A step is committed only when complete, so a save that crashes midway is
+    ignored, and a step number is never overwritten. From its first `save` to
+    `close`, a manager holds a lock file in the directory
+    (`.jdp-checkpoint.lock`, naming its process and host): another manager's
+    `save` raises at once, naming the holder; a lock left by a process no longer
+    running on this host is reclaimed. Restoring checks the structure, shapes
+    and dtypes against `like` and every leaf's checksum, and never unpickles.
 
     A damaged or incomplete newest step is never silent: `restore()` warns,
-    naming it, and restores the newest intact step; the next `save` of that step
-    number (or an earlier one) moves the damaged files aside to
-    `<directory>/<step>.damaged-<n>` (with a warning naming the new path) instead
-    of refusing to overwrite them. Nothing is deleted.
+    naming it, and restores the newest intact step; the next `save` of that
+    step number (or an earlier one) moves it aside to
+    `<directory>/<step>.damaged-<n>`, with a warning. Nothing is deleted.
 
     A save that fails (an unwritable directory, a full disk) raises an `OSError`
-    naming the directory and the step; with `async_save` the error of the
-    background write is raised by the next `save`, `wait_until_finished`,
-    `restore` or `close`. The process can always exit afterwards.
-
-    With several processes, every process calls `save` and `restore` with the
-    same directory (the first `save` checks it on every process); orbax lets
-    one process write the copy and the metadata and synchronises the others.
+    naming the directory and the step; with `async_save`, the next `save`,
+    `wait_until_finished`, `restore` or `close` raises it. The process can
+    always exit afterwards. With several processes, every process calls `save`
+    and `restore` with the same directory (the first `save` checks it).
 
     Args:
       directory: Directory holding one subdirectory per saved step (created on the
@@ -321,7 +267,7 @@ class CheckpointManager:
         `restore` found damaged are not listed.
 
         Returns:
-          A sorted list of step numbers (empty if there are none).
+          A sorted list of step numbers, maybe empty.
         """
         return self._store.complete_steps()
 
@@ -370,20 +316,17 @@ class CheckpointManager:
     ) -> bool:
         """Saves one copy of a replicated state under a step number.
 
-        Writes replica 0's value of every leaf (`step.unreplicate`'s copy), so the
-        checkpoint is the size of one model whatever the replica count. Leaves
-        whose replicas differ (under `jdp.bmuf`, the local params and inner
-        optimizer state between syncs) are written with every replica as well,
-        so a restore into as many replicas resumes bit for bit. The copy is
-        taken before `save` returns, so the next step may donate `state` even
-        while an async save is still writing.
+        Writes replica 0's value of every leaf (`step.unreplicate`'s copy): one
+        model's size whatever the replica count. Leaves whose replicas differ
+        (`jdp.bmuf` between syncs) are written with every replica as well. The
+        copy is taken before `save` returns, so the next step may donate `state`
+        even while an async save is still writing.
 
         The first `save` locks the directory against other managers until
         `close`. Right before writing, the directory is listed again: a step
-        saved meanwhile (by an earlier manager) is never overwritten, and an
-        incomplete or damaged step with this number or a later one is moved
-        aside to `<step>.damaged-<n>` (with a warning) so that training can go
-        on from an earlier step.
+        saved meanwhile is never overwritten, and an incomplete or damaged step
+        with this number or a later one is moved aside to `<step>.damaged-<n>`
+        (with a warning) so that training can go on from an earlier step.
 
         Args:
           step: The step number, a non-negative integer (a Python int or a 0-d
@@ -394,15 +337,13 @@ class CheckpointManager:
             and axis name are recorded in the metadata, and the state's layout is
             checked against it.
           force: Save even if `step` is not a multiple of `save_interval_steps`.
-          extra: What a resume needs besides the state, saved with it: e.g. the
-            data position and a PRNG key, `{"epoch": 3, "batch": 120, "key":
-            key}`. A dict with string keys of JSON values (None, bool, int,
-            float, str, lists, tuples, dicts with string keys) and NumPy or JAX
-            arrays (typed PRNG keys included), nested as you like; kept in the
-            step's JSON record (arrays base64-encoded), so keep it small: large
-            arrays belong in the state. `restore(..., with_extra=True)` returns
-            it. Process 0's `extra` is written: give every process the same.
-            Checked at every call, also when the step is skipped.
+          extra: What a resume needs besides the state, e.g. `{"epoch": 3,
+            "batch": 120, "key": key}`: a dict with string keys of JSON values
+            (None, bool, int, float, str, lists, tuples, dicts with string keys)
+            and NumPy or JAX arrays (typed PRNG keys included), nested as you
+            like. Kept in the step's JSON record (arrays base64-encoded), so keep
+            it small; `restore(..., with_extra=True)` returns it. Process 0's is
+            written: give every process the same. Checked at every call.
 
         Returns:
           True if a checkpoint was written (or, with `async_save`, started), False
@@ -410,9 +351,8 @@ class CheckpointManager:
           read or written).
 
         Raises:
-          TypeError: If `step` is not an integer.
-          TypeError: If `extra` is not a dict or holds a value that cannot be
-            saved (naming its key, e.g. `extra['loader']`).
+          TypeError: If `step` is not an integer, or `extra` is not a dict or
+            holds a value that cannot be saved (naming its key).
           ValueError: If `state` is not replicated, `step` already has a
             checkpoint, or `step` is older than the latest checkpoint (nothing is
             overwritten); or, at the first save, if the processes of a job pass
@@ -468,35 +408,30 @@ class CheckpointManager:
         intact step before it is restored instead.
 
         Args:
-          like: Either a replicated state with the layout to restore into (the
-            state a `jdp.Parallel` would run, `step.replicate(init_state)`, or
-            the same tree of `jax.ShapeDtypeStruct`s with shardings; its replica
-            count, devices and backend need not match the run that saved), or
-            one copy whose leaves have exactly the saved shapes (e.g.
-            `init_state`, or its `jax.ShapeDtypeStruct`s). Its static fields
+          like: Either a replicated state with the layout to restore into
+            (`step.replicate(init_state)`, or its `jax.ShapeDtypeStruct`s with
+            shardings; replica count, devices and backend need not match the run
+            that saved), or one copy with exactly the saved shapes (e.g.
+            `init_state` or its `jax.ShapeDtypeStruct`s). Its static fields
             (e.g. `TrainState.tx`) are kept.
           step: The step number to load; None (default) loads the latest.
           default: Returned as it is when `step` is None and the directory holds
-            no complete checkpoint (it does not exist yet or holds none, or only
-            damaged ones: then with a warning), so that
-            `state = manager.restore(like, default=like)` resumes a run or
-            starts it. Without it, that raises. A path that can never hold
-            checkpoints (a file, or a dangling or looping symbolic link) raises
-            even with a `default`: a typo must not start training from scratch.
+            no complete checkpoint (none yet, or only damaged ones: then with a
+            warning), so that `state = manager.restore(like, default=like)`
+            resumes a run or starts it; without it, that raises. A path that can
+            never hold checkpoints (a file, a dangling or looping symbolic link)
+            raises even so: a typo must not start training from scratch.
           with_extra: Return `(state, extra)`: the `extra` saved with the
-            restored step (the same step as the state, also after a fallback
-            from a damaged step), `{}` if it was saved without, or when
-            `default` is returned. JSON values come back as saved (tuples as
+            restored step (also after a fallback), `{}` if it was saved without
+            or `default` is returned. JSON values come back as saved (tuples as
             lists), arrays as NumPy arrays, typed PRNG keys as typed keys.
 
         Returns:
-          A pytree like `like` (same structure and static fields). For a
-          replicated `like`: `jax.Array` leaves shaped and sharded like
-          `like`'s, every replica equal to the saved copy (or, for leaves saved
-          with every replica and as many replicas, its own value). For one
-          copy: NumPy arrays, or `jax.Array`s placed like `like`'s arrays (typed
-          PRNG keys are always keys). With `with_extra`, a pair
-          `(state, extra)`.
+          A pytree like `like` (same structure and static fields): for a
+          replicated `like`, `jax.Array`s shaped and sharded like its leaves,
+          every replica the saved copy (or its own saved value); for one copy,
+          NumPy arrays or `jax.Array`s placed like `like`'s (typed PRNG keys as
+          keys). With `with_extra`, `(state, extra)`.
 
         Raises:
           FileNotFoundError: If the directory holds no complete checkpoint (and

@@ -1,30 +1,36 @@
-"""The leaves saved with every replica: writing them, reading and placing them.
+"""The leaves whose replicas differ: finding, writing, reading and placing them.
 
-Between the syncs of `jdp.bmuf` the replicas of some leaves differ
-(`_replicas.differing_paths` finds them). A save writes those leaves with every
-replica as one more orbax item, `jdp_replicas`, whose keys are `leaf_<i>` for the
-leaf's position `i` in the step's record. A restore into as many replicas gives
-each replica its own value back; into another layout, those leaves get replica
-0's copy (with a warning, and for BMUF the params set to the block start).
+Synchronous steps keep every replica bit-identical; between the syncs of
+`jdp.bmuf` the replicas' params and inner optimizer state differ. A save writes
+those leaves with every replica as one more orbax item, `jdp_replicas`, keyed
+`leaf_<i>` by the leaf's position in the step's record. A restore into as many
+replicas gives each replica its own value back; into another layout, those
+leaves get replica 0's copy (with a warning, and for BMUF the params set to the
+block start). Parts of a `CustomLayout` node (ZeRO's slices) differ by design
+and are left to their layout.
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jdp import _replica_parts
-from jdp._layout import is_custom, place_like
+from jdp._layout import is_custom, place_like, replica_leaves
 from jdp._tree import keystr
 from jdp.checkpoint._common import short_list
-from jdp.checkpoint._damage import corrupt, is_damage, not_damage
+from jdp.checkpoint._damage import corrupt, reading
 from jdp.checkpoint._format import REPLICAS_ITEM, crc32, host_copy, restore_item
-from jdp.checkpoint._replicas import block_start_params, differing_paths
 
 PyTree = Any
 
@@ -37,18 +43,104 @@ DIFFERING_MSG = (
 )
 
 
-# -- save -------------------------------------------------------------------------
+_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
+
+
+def _bits(x: jax.Array) -> list[jax.Array]:
+    """`x` as unsigned integers with the same bits (floats: -0.0 != 0.0, NaNs)."""
+    if jnp.issubdtype(x.dtype, jnp.complexfloating):
+        return _bits(jnp.real(x)) + _bits(jnp.imag(x))
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        return [jax.lax.bitcast_convert_type(x, _UINT[x.dtype.itemsize])]
+    return [x]
+
+
+def _differ(leaves: Sequence[jax.Array]) -> list[jax.Array]:
+    """Per leaf, whether any replica's bits differ from replica 0's (a 0-d bool)."""
+    out = []
+    for x in leaves:
+        flags = [jnp.any(b != b[:1]) for b in _bits(x)]
+        out.append(functools.reduce(jnp.logical_or, flags))
+    return out
+
+
+@functools.cache
+def _differ_fn(mesh: Mesh | None):
+    """`_differ` compiled for `mesh`; its flags replicated, so processes agree."""
+    if mesh is None:
+        return jax.jit(_differ)
+    return jax.jit(_differ, out_shardings=NamedSharding(mesh, P()))
+
+
+def differing_paths(state: PyTree) -> list[str]:
+    """The `keystr` paths of a replicated state's leaves whose replicas differ.
+
+    Compares bits (`-0.0` and `0.0`, or NaNs with other payloads, differ).
+    Leaves inside a `CustomLayout` node are skipped.
+    """
+    paths, arrays, mesh = replica_leaves(state)
+    if not arrays:
+        return []
+    flags = jax.device_get(_differ_fn(mesh)(arrays))
+    return [path for path, flag in zip(paths, flags, strict=True) if bool(flag)]
+
+
+def block_start_params(host: PyTree) -> tuple[PyTree, str]:
+    """`(host, note)`: one copy with its params set to where replicas restart.
+
+    That is a state part's `restart_params` (`_replica_parts`): for `jdp.bmuf`
+    the block start. `note` is a sentence for the warning saying what was done.
+    """
+    starts = _replica_parts.restart_params(host)
+    if len(starts) != 1:
+        return host, ""
+    (start,) = starts
+    params = getattr(host, "params", None)
+    if params is None and isinstance(host, dict):
+        params = host.get("params")
+    same = (
+        params is not None
+        and (
+            isinstance(host, dict)
+            or hasattr(host, "replace")
+            or hasattr(host, "_replace")
+        )
+        and jax.tree.structure(params) == jax.tree.structure(start)
+    )
+    if not same:
+        return host, (
+            " The state holds a `jdp.bmuf` state, but no `params` of the same "
+            "structure to reset: set them to `jdp.bmuf_global_params(state)` "
+            "(with flax NNX: `nnx.update(model, jdp.bmuf_global_params(state))`) "
+            "before training on, so that a new block starts from the global model."
+        )
+    new = jax.tree.map(
+        lambda p, s: np.asarray(s).astype(np.asarray(p).dtype), params, start
+    )
+    if isinstance(host, dict):
+        host = {**host, "params": new}
+    elif hasattr(host, "replace"):  # flax structs, e.g. `jdp.TrainState`
+        host = host.replace(params=new)
+    else:  # named tuples
+        host = host._replace(params=new)
+    return host, (
+        " The state holds a `jdp.bmuf` state: its params are set to the block start "
+        "(its `global_params`, or the look-ahead `start` with "
+        "`jdp.block_momentum(nesterov=True)`), so "
+        "a new block starts from the global model."
+    )
+
+
+def leaves_by_path(tree: PyTree) -> dict[str, Any]:
+    """The leaves of `tree` by `keystr` path, a custom layout node as one leaf."""
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_custom)[0]
+    return {keystr(path): x for path, x in flat}
 
 
 def host_replicas(state: PyTree, flat: list[tuple[Any, Any]]) -> dict[str, Any]:
-    """The leaves of `state` whose replicas differ, with every replica, by path.
+    """The `host_copy` of each leaf of `state` whose replicas differ, by path.
 
-    Args:
-      state: A replicated state.
-      flat: `state` flattened with paths.
-
-    Returns:
-      Host copies (`_format.host_copy`) of those leaves, by `keystr` path.
+    `flat` is `state` flattened with paths.
     """
     per_replica = set(differing_paths(state))
     return {
@@ -59,22 +151,11 @@ def host_replicas(state: PyTree, flat: list[tuple[Any, Any]]) -> dict[str, Any]:
 def replicas_save(
     meta: dict[str, Any], replicas: dict[str, Any]
 ) -> ocp.args.PyTreeSave:
-    """The orbax item of the leaves saved with every replica.
-
-    Args:
-      meta: The step's record (its leaves give each path's position).
-      replicas: The leaves to save, by path (`host_replicas`).
-
-    Returns:
-      Orbax's save arguments for `REPLICAS_ITEM`.
-    """
+    """Orbax's save arguments for `REPLICAS_ITEM` (`replicas` from `host_replicas`)."""
     index = {r["path"]: i for i, r in enumerate(meta["leaves"])}
     return ocp.args.PyTreeSave(
         {f"leaf_{index[path]}": x for path, x in replicas.items()}
     )
-
-
-# -- restore ----------------------------------------------------------------------
 
 
 def records_of(records: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
@@ -90,23 +171,12 @@ def read_replicas(
     per: dict[int, dict[str, Any]],
     like_by_path: dict[str, Any],
 ) -> dict[str, jax.Array]:
-    """The leaves saved with every replica, placed like `like`'s leaves.
+    """The leaves saved with every replica, by path, placed like `like`'s leaves.
 
-    Args:
-      manager: The orbax manager of `directory`.
-      directory: The checkpoint directory.
-      step: The step to read.
-      meta: The step's record.
-      per: The records of those leaves, by position (`records_of`).
-      like_by_path: The leaves of `like` (as many replicas as saved), by path.
-
-    Returns:
-      The arrays, by path (typed PRNG keys as keys).
-
-    Raises:
-      CheckpointCorruptedError: If the item's files are damaged or a leaf's
-        CRC-32 differs.
-      RuntimeError: If reading fails for another reason (not damage).
+    `per` holds their records (`records_of`); `like_by_path` the leaves of a
+    `like` with as many replicas as saved. Typed PRNG keys come back as keys.
+    Raises a `CheckpointCorruptedError` for damaged files or a CRC-32 that
+    differs, a `RuntimeError` for a failure that is not damage.
     """
     num = meta["num_replicas"]
     item, restore_args = {}, {}
@@ -118,16 +188,9 @@ def read_replicas(
             global_shape=shape,
             dtype=np.dtype(r["dtype"]),
         )
-    try:
+    failed = "reading the leaves saved with every replica failed"
+    with reading(directory, step, failed):
         got = restore_item(manager, step, REPLICAS_ITEM, item, restore_args)
-    except Exception as e:  # tensorstore/orbax raise many types for bad files
-        if not is_damage(e):
-            raise not_damage(directory, step, e) from e
-        detail = (
-            "reading the leaves saved with every replica failed "
-            f"({type(e).__name__}: {e})."
-        )
-        raise corrupt(directory, step, detail) from e
     out = {}
     for i, r in per.items():
         x = got[f"leaf_{i}"]
@@ -152,14 +215,6 @@ def place_with(host: PyTree, like: PyTree, own: dict[str, jax.Array]) -> PyTree:
 
     Leaves saved with every replica are never inside a custom layout node, so
     they are top-level leaves of `like` flattened with `is_leaf=is_custom`.
-
-    Args:
-      host: One logical copy (NumPy leaves).
-      like: The replicated state to place it like.
-      own: The leaves read with every replica (`read_replicas`), by path.
-
-    Returns:
-      A tree like `like`.
     """
 
     def mask(path, x):
@@ -167,17 +222,11 @@ def place_with(host: PyTree, like: PyTree, own: dict[str, jax.Array]) -> PyTree:
 
     like_rest = jax.tree_util.tree_map_with_path(mask, like, is_leaf=is_custom)
     host_rest = jax.tree_util.tree_map_with_path(mask, host)
-    placed = place_like(host_rest, like_rest)
-    placed_by_path = {
-        keystr(path): x
-        for path, x in jax.tree_util.tree_flatten_with_path(placed, is_leaf=is_custom)[
-            0
-        ]
-    }
+    placed = leaves_by_path(place_like(host_rest, like_rest))
 
     def pick(path, _):
         name = keystr(path)
-        return own[name] if name in own else placed_by_path[name]
+        return own[name] if name in own else placed[name]
 
     return jax.tree_util.tree_map_with_path(pick, like, is_leaf=is_custom)
 
@@ -190,22 +239,13 @@ def one_copy_of_differing(
     per: dict[int, dict[str, Any]],
     why: str,
 ) -> PyTree:
-    """Warns that per-replica values are dropped; BMUF: params to block start.
+    """`host` (replica 0's values) with BMUF params at the block start, warning.
 
-    The warning names the caller of `CheckpointManager.restore`, four frames up:
-    call this from the function that `_restore.restore_step` calls.
-
-    Args:
-      directory: The checkpoint directory.
-      step: The step being restored.
-      meta: The step's record.
-      host: One logical copy read from the step (replica 0's values).
-      per: The records of the leaves saved with every replica, by position.
-      why: Why their replicas cannot be restored, e.g. "`like` is one copy".
-
-    Returns:
-      `host`, with the params of a `jdp.bmuf` state set to its block start and
-      declared parts that restart (`_replica_parts.restart_local`) restarted.
+    The warning says the replicas' own values of the leaves in `per` are
+    dropped, and `why` (e.g. "`like` is one copy"); it names the caller of
+    `CheckpointManager.restore`, so call this from a function that
+    `_restore.restore_step` calls. Declared parts that restart
+    (`_replica_parts.restart_local`) are restarted.
     """
     host, note = block_start_params(host)
     host, notes = _replica_parts.restart_local(host)

@@ -2,9 +2,9 @@
 
 A replicated `like` (every leaf with a leading replica axis) gets the saved copy
 in every replica (`jdp._layout.place_like`); a `like` without replica axis gets
-one copy back. Before any array is read, the saved structure, shapes and dtypes
-are checked against `like`; every array read is checked against its record.
-`CheckpointManager.restore` decides which step to read; this module reads it.
+one copy back. The saved structure, shapes and dtypes are checked against `like`
+before any array is read, and every array read against its record.
+`CheckpointManager.restore` decides which step to read.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from etils import epath
 from jdp._layout import abstract, is_custom, is_key, logical_like, place_like
 from jdp._tree import format_problems, keystr
 from jdp.checkpoint import _per_replica
-from jdp.checkpoint._common import check_step_number, short_list
-from jdp.checkpoint._damage import DAMAGED_SUFFIX, corrupt, is_damage, not_damage
+from jdp.checkpoint._common import check_step_number, error_text, short_list
+from jdp.checkpoint._damage import DAMAGED_SUFFIX, corrupt, reading
 from jdp.checkpoint._extra import decode_extra
 from jdp.checkpoint._format import (
     STATE_ITEM,
@@ -69,24 +69,11 @@ NEWER_INCOMPLETE_MSG = (
 )
 
 
-# -- which step -------------------------------------------------------------------
-
-
 def resolve_step(store: StepStore, step: Any) -> int:
     """A complete step to read: `step` itself, or the newest for None.
 
-    Args:
-      store: The checkpoint directory's steps.
-      step: A step number, or None for the newest complete step.
-
-    Returns:
-      The step number.
-
-    Raises:
-      TypeError: If `step` is not an integer.
-      ValueError: If `step` is negative.
-      FileNotFoundError: If there is no such complete step (naming the
-        incomplete or damaged ones).
+    Raises `check_step_number`'s errors, or a `FileNotFoundError` (naming the
+    incomplete or damaged steps) if there is no such complete step.
     """
     steps = store.complete_steps()
     ignored = sorted(set(store.steps_on_disk()) - set(steps))
@@ -117,13 +104,9 @@ def resolve_step(store: StepStore, step: Any) -> int:
 
 
 def warn_newer_incomplete(store: StepStore, newest: int) -> None:
-    """Warns about each step on disk after `newest` (incomplete or damaged).
+    """Warns about each step on disk after `newest`, the newest complete step.
 
     Called by `CheckpointManager.restore` itself: the warnings name its caller.
-
-    Args:
-      store: The checkpoint directory's steps.
-      newest: The newest complete step.
     """
     for s in store.steps_on_disk():
         if s > newest:
@@ -139,29 +122,11 @@ def warn_newer_incomplete(store: StepStore, newest: int) -> None:
             )
 
 
-# -- reading a step ---------------------------------------------------------------
-
-
 def restore_step(store: StepStore, step: int, like: PyTree) -> PyTree:
     """Reads a complete step into `like`'s layout, or as one copy.
 
-    Called by `CheckpointManager.restore` itself (warnings name its caller).
-
-    Args:
-      store: The checkpoint directory's steps.
-      step: A complete step.
-      like: A replicated state, or one copy (see `CheckpointManager.restore`).
-
-    Returns:
-      A tree like `like`.
-
-    Raises:
-      TypeError: If a leaf of a replicated `like` has no dtype or sharding.
-      ValueError: If `like` does not match the saved leaves, or mixes one-copy
-        and replicated leaves, or has a 0-d leaf where a replica axis belongs.
-      CheckpointCorruptedError: If the step's files are damaged.
-      RuntimeError: If reading the step fails for another reason (its files
-        are then not judged damaged).
+    Called by `CheckpointManager.restore` itself (warnings name its caller),
+    which documents the errors.
     """
     meta = store.metadata(step)
     flat_like = jax.tree_util.tree_flatten_with_path(like)[0]
@@ -196,8 +161,7 @@ def _restore_replicated(
 ) -> PyTree:
     """Every replica of `like`'s layout gets the saved copy (or its own value)."""
     _check_like(flat_like)
-    # One logical copy of `like`: what was saved (ZeRO-sharded optimizer
-    # state appears as the full optimizer state).
+    # One logical copy of `like` is what was saved (ZeRO's slices whole).
     flat_logical, treedef = jax.tree_util.tree_flatten_with_path(logical_like(like))
     flat_logical = [
         (path, as_key_data(x), key_impl_name(x)) for path, x in flat_logical
@@ -211,10 +175,7 @@ def _restore_replicated(
     per = _per_replica.records_of(records)
     if not per:
         return place_like(host, like)
-    like_by_path = {
-        keystr(path): x
-        for path, x in jax.tree_util.tree_flatten_with_path(like, is_leaf=is_custom)[0]
-    }
+    like_by_path = _per_replica.leaves_by_path(like)
     counts = set()
     for r in per.values():
         ref = like_by_path.get(r["path"])
@@ -260,64 +221,33 @@ def _restore_one_copy(
 
 
 def _read_state(
-    store: StepStore,
-    step: int,
-    records: Sequence[dict[str, Any]],
-    paths: Sequence[Any],
+    store: StepStore, step: int, records: Sequence[dict[str, Any]], paths: Sequence[Any]
 ) -> list[np.ndarray]:
     """The saved copy's leaves as NumPy arrays, checked against their records.
 
-    Args:
-      store: The checkpoint directory's steps.
-      step: The step to read.
-      records: The step's leaf records.
-      paths: The key paths of `like`'s leaves (checked to be the saved ones),
-        in the order of `records`.
-
-    Returns:
-      The leaves, in the order of `records`.
-
-    Raises:
-      CheckpointCorruptedError: If a file is missing or damaged, or a leaf
-        differs from its record.
-      RuntimeError: If reading fails for another reason (not damage).
+    `paths` are the key paths of `like`'s leaves (checked to be the saved
+    ones), in the order of `records`. Raises a `CheckpointCorruptedError` for
+    damage, a `RuntimeError` for another failure to read.
     """
-    try:
+    with reading(store.directory, step, "reading its arrays failed"):
         names = [param_name(path) for path in paths]
         leaves = read_arrays(
             store.directory, step, STATE_ITEM, names, [r["dtype"] for r in records]
         )
-    except Exception as e:  # tensorstore raises many types for bad files
-        if not is_damage(e):
-            raise not_damage(store.directory, step, e) from e
-        detail = f"reading its arrays failed ({type(e).__name__}: {e})."
-        raise corrupt(store.directory, step, detail) from e
     check_leaves(store.directory, step, records, leaves)
     return leaves
 
 
 def read_extra(store: StepStore, step: int) -> dict[str, Any]:
-    """The extras saved with a step (`save(..., extra=...)`); {} if none were.
+    """The extras saved with a complete step ({} if none were).
 
-    Args:
-      store: The checkpoint directory's steps.
-      step: A complete step.
-
-    Returns:
-      The extras: JSON values as saved (tuples as lists), arrays as NumPy
-      arrays, typed PRNG keys as typed keys.
-
-    Raises:
-      CheckpointCorruptedError: If the saved extras cannot be decoded.
+    Raises a `CheckpointCorruptedError` if they cannot be decoded.
     """
     try:
         return decode_extra(store.metadata(step).get("extra"))
     except (ValueError, KeyError, TypeError, AttributeError) as e:
-        detail = f"its extras could not be decoded ({type(e).__name__}: {e})."
+        detail = f"its extras could not be decoded ({error_text(e)})."
         raise corrupt(store.directory, step, detail) from e
-
-
-# -- checks of `like` -------------------------------------------------------------
 
 
 def _check_like(flat_like: Sequence[tuple[Any, Any]]) -> None:
@@ -381,45 +311,26 @@ def _differences(
     saved: dict[str, tuple[Any, str]], wanted: dict[str, tuple[Any, str]]
 ) -> list[str]:
     """Where two `{path: (shape, dtype)}` maps differ, first difference first."""
-    # (position in pytree order, checkpoint side first, message): the first
-    # entry is the first leaf where the two trees part.
-    found = []
+    found = []  # (position in pytree order, checkpoint side first, message)
     for i, (path, (shape, dtype)) in enumerate(saved.items()):
         if path not in wanted:
-            found.append(
-                (
-                    i,
-                    0,
-                    f"{path}: in the checkpoint with shape {shape} {dtype}, not in "
-                    "`like`",
-                )
-            )
+            text = f"in the checkpoint with shape {shape} {dtype}, not in `like`"
+            found.append((i, 0, f"{path}: {text}"))
     for i, (path, (shape, dtype)) in enumerate(wanted.items()):
         if path not in saved:
-            found.append(
-                (
-                    i,
-                    1,
-                    f"{path}: not in the checkpoint; `like` has shape {shape} {dtype}",
-                )
-            )
+            text = f"not in the checkpoint; `like` has shape {shape} {dtype}"
+            found.append((i, 1, f"{path}: {text}"))
         elif saved[path] != (shape, dtype):
             s_shape, s_dtype = saved[path]
-            found.append(
-                (
-                    i,
-                    1,
-                    f"{path}: the checkpoint has shape {s_shape} {s_dtype}, "
-                    f"`like` has shape {shape} {dtype}",
-                )
+            text = (
+                f"the checkpoint has shape {s_shape} {s_dtype}, "
+                f"`like` has shape {shape} {dtype}"
             )
+            found.append((i, 1, f"{path}: {text}"))
     probs = [text for _, _, text in sorted(found)]
     if not probs and list(saved) != list(wanted):
         probs.append("the leaves are the same but in a different pytree order")
     return probs
-
-
-# -- leaves of `like` -------------------------------------------------------------
 
 
 def _data_shape(x: Any) -> tuple[int, ...] | None:

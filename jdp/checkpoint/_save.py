@@ -1,9 +1,8 @@
 """What a save checks and writes: a replicated state, never over a saved step.
 
-`CheckpointManager.save` decides whether to save a step; this module checks that
-the state is replicated and that no complete step would be overwritten, and
-builds the orbax items of the step (`_format` for the record, `_per_replica` for
-the leaves whose replicas differ).
+`CheckpointManager.save` decides whether to save a step; this module checks the
+state and that no complete step would be overwritten, and builds the step's
+orbax items (`_format` for the record, `_per_replica` for differing replicas).
 """
 
 from __future__ import annotations
@@ -41,18 +40,10 @@ NOT_REPLICATED_MSG = (
 def check_replicated(
     state: PyTree, flat: Sequence[tuple[Any, Any]], parallel: Any
 ) -> None:
-    """Checks that every leaf of `state` is a `jax.Array` with a replica axis.
+    """Raises a `ValueError` unless every leaf is a `jax.Array` with a replica axis.
 
-    Args:
-      state: The state to save.
-      flat: `state` flattened with paths.
-      parallel: The `jdp.Parallel` given to `save` (its layout is checked too),
-        or None.
-
-    Raises:
-      ValueError: If `state` has no leaves, or a leaf is not a `jax.Array` with
-        at least one axis (naming the leaves), or does not have `parallel`'s
-        layout.
+    `flat` is `state` flattened with paths; the layout is also checked against
+    `parallel`, `save`'s `jdp.Parallel` (or None).
     """
     if not flat:
         raise ValueError("`CheckpointManager.save`: `state` has no array leaves.")
@@ -71,18 +62,8 @@ def check_not_overwriting(store: StepStore, step: int) -> dict[int, str]:
     """Raises if a complete step >= `step` is on disk; returns the damaged ones.
 
     A step that looks complete is read in full (its checksums checked) before
-    it is allowed to block the save.
-
-    Args:
-      store: The checkpoint directory's steps.
-      step: The step about to be saved.
-
-    Returns:
-      What is wrong with each incomplete or damaged step >= `step`, by step:
-      the steps to move aside before saving.
-
-    Raises:
-      ValueError: If `step` or a later step has an intact checkpoint.
+    it may block the save. Returns what is wrong with each incomplete or
+    damaged step >= `step` (to move aside), by step.
     """
     damaged, intact = {}, []
     for s in store.steps_on_disk():
@@ -115,21 +96,11 @@ def save_items(
     parallel: Any,
     extra: Any = None,
 ) -> dict[str, Any]:
-    """The orbax items of a step: one copy, its record, the differing replicas.
+    """Orbax's save arguments of a step by item name: one copy, record, replicas.
 
-    Copies every array to host memory before returning, so the next step may
-    donate `state` while an async save is still writing.
-
-    Args:
-      step: The step number.
-      state: The replicated state to save (checked by `check_replicated`).
-      flat: `state` flattened with paths.
-      parallel: The `jdp.Parallel` given to `save`, or None.
-      extra: `save`'s `extra` (checked by `_extra.encode_extra`), or None:
-        stored, encoded, in the record under `"extra"`.
-
-    Returns:
-      Orbax's save arguments, by item name.
+    Every array is copied to host memory before this returns, so the next step
+    may donate `state` while an async save is still writing. `extra` (checked)
+    is stored, encoded, in the record under `"extra"`.
     """
     replicas = host_replicas(state, flat)
     logical = logical_copy(state)

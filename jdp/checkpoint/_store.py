@@ -1,10 +1,9 @@
 """The steps in a checkpoint directory: orbax's manager, and which are complete.
 
-`StepStore` owns the `orbax.checkpoint.CheckpointManager` of one directory (made
-lazily, so that reading never creates directories; dropped after a failed save),
-writes steps through it, and tells the complete steps from the incomplete or
-damaged ones, remembering their records. It decides nothing about which step to
-save or restore: `CheckpointManager` does.
+`StepStore` owns the orbax `CheckpointManager` of one directory (made lazily, so
+that reading never creates directories; dropped after a failed save), writes
+steps through it, and tells the complete steps from the incomplete or damaged
+ones. Which step to save or restore, `CheckpointManager` decides.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from jdp.checkpoint import _format, _integrity
-from jdp.checkpoint._common import same_kind_of_error
+from jdp.checkpoint._common import error_text, same_kind_of_error
 from jdp.checkpoint._damage import CheckpointCorruptedError
 from jdp.checkpoint._format import METADATA_ITEM, REPLICAS_ITEM, STATE_ITEM
 
@@ -44,22 +43,13 @@ NOT_A_DIRECTORY_MSG = (
 
 
 def check_directory(directory: epath.Path, caller: str) -> None:
-    """Raises if `directory` can never hold checkpoints (a local path only).
+    """Raises if the local path `directory` can never hold checkpoints.
 
-    A directory that does not exist yet is fine (the first `save` creates it).
-    A regular file, a path under a file, a symbolic link to nothing (dangling)
-    and a symbolic link that loops are not: orbax would report them as an
-    unnamed `FileExistsError`, and `restore(like, default=...)` would return
-    the default as if no run had started.
-
-    Args:
-      directory: The checkpoint directory (absolute, or a URL: not checked).
-      caller: The `CheckpointManager` method, for the message.
-
-    Raises:
-      NotADirectoryError: If it, or a directory above it, is a file.
-      OSError: If it, or a directory above it, is a dangling or looping
-        symbolic link (naming the link and its target).
+    A `NotADirectoryError` if it or a directory above it is a file, an `OSError`
+    for a dangling or looping symbolic link; a path that does not exist yet is
+    fine. Orbax would report these as an unnamed `FileExistsError`, and
+    `restore(like, default=...)` would return the default as if no run had
+    started. `caller` is the `CheckpointManager` method, for the message.
     """
     path = os.fspath(directory)
     if "://" in path:
@@ -78,10 +68,9 @@ def check_directory(directory: epath.Path, caller: str) -> None:
 
 
 def _first_problem(path: str) -> tuple[type[OSError], str, str, str] | None:
-    """What makes `path` unusable: `(error type, where, what is wrong, fix)`.
+    """`(error type, where, what is wrong, fix)` for `path` or the first parent.
 
-    Looks at `path`, then at each directory above it until one exists. None if
-    `path` is a directory, or does not exist yet under a directory.
+    None if `path` is a directory, or does not exist yet under a directory.
     """
     current = path
     while True:
@@ -134,14 +123,9 @@ def _link_target(link: str) -> str:
 
 
 class StepStore:
-    """The step directories under one checkpoint directory.
+    """The step directories under one checkpoint directory (absolute, or a URL).
 
-    Args:
-      directory: The checkpoint directory (absolute, or a URL).
-      max_to_keep: How many of the newest steps orbax keeps; None keeps all.
-      save_interval_steps: Orbax saves the step numbers that are multiples of
-        this (and any step on preemption).
-      async_save: Whether orbax writes in the background.
+    The other arguments are `CheckpointManager`'s, given to orbax.
     """
 
     def __init__(
@@ -162,18 +146,10 @@ class StepStore:
         self._damaged: dict[int, str] = {}
         self._pending: int | None = None  # the step an async save is writing
 
-    # -- orbax's manager ----------------------------------------------------------
-
     def open(self, *, create: bool) -> ocp.CheckpointManager | None:
-        """The orbax manager; made lazily so that reading never creates directories.
+        """The orbax manager, or None while the directory does not exist.
 
-        Args:
-          create: Make the manager (and with it the directory) if the directory
-            does not exist yet.
-
-        Returns:
-          The manager, or None if the directory does not exist and `create` is
-          False.
+        With `create`, the manager (and with it the directory) is made anyway.
         """
         if self._manager is None and (create or self.directory.exists()):
             policies = ocp.checkpoint_managers
@@ -214,13 +190,7 @@ class StepStore:
         """Saves `items` (orbax save arguments by item name) as `step`.
 
         With `async_save`, only starts the write: `finish_pending` waits for it.
-
-        Args:
-          step: The step number.
-          items: The orbax save arguments of each item.
-
-        Raises:
-          OSError: If the write fails (the orbax manager is dropped).
+        Raises an `OSError` if it fails (the orbax manager is then dropped).
         """
         manager = self.open(create=True)
         self._complete.pop(step, None)
@@ -232,11 +202,7 @@ class StepStore:
         self._pending = step if self.async_save else None
 
     def finish_pending(self) -> None:
-        """Waits for an async save; raises its failure as a jdp error.
-
-        Raises:
-          OSError: If the background write failed, naming the directory and step.
-        """
+        """Waits for an async save; raises its failure as an `OSError`."""
         if self._manager is None:
             return
         try:
@@ -250,15 +216,9 @@ class StepStore:
     def write_failed(
         self, step: int | None, error: BaseException, *, what: str
     ) -> OSError:
-        """The error for a save that could not be written, naming the step.
+        """The `OSError` for a save of `step` that failed with `error`.
 
-        Args:
-          step: The step that was being saved.
-          error: What orbax (or the file system) raised.
-          what: What failed, e.g. `"writing"`, as in "writing step 3 to ...".
-
-        Returns:
-          An `OSError` (of `error`'s type where it is one) to raise.
+        `what` failed, e.g. `"writing"`, as in "writing step 3 to ...".
         """
         try:
             kept = self.complete_steps()
@@ -268,7 +228,7 @@ class StepStore:
             what=what,
             step=step,
             directory=self.directory,
-            error=f"{type(error).__name__}: {error}",
+            error=error_text(error),
             kept=f" ({kept})" if kept else "",
         )
         return same_kind_of_error(error, message)
@@ -287,8 +247,6 @@ class StepStore:
                 manager.close()
             except Exception:  # the failure was already reported
                 pass
-
-    # -- which steps are complete -------------------------------------------------
 
     def steps_on_disk(self) -> list[int]:
         """Every step directory on disk, committed or not, damaged or not."""
@@ -309,14 +267,10 @@ class StepStore:
         return [s for s in self.steps_on_disk() if self.incomplete(s) is None]
 
     def incomplete(self, step: int) -> str | None:
-        """Why the step on disk is not a complete checkpoint, or None if it is.
+        """Why a step on disk is not a complete checkpoint, or None if it is.
 
-        Args:
-          step: A step on disk.
-
-        Returns:
-          What is wrong with it (never committed, an item or the record missing
-          or unreadable, or damaged arrays a restore found), or None.
+        Never committed, an item or the record missing or unreadable, or arrays
+        a restore found damaged.
         """
         if step in self._complete:
             return None
@@ -328,28 +282,21 @@ class StepStore:
                 return "it was never committed: a save was interrupted or is running"
             if not (path / STATE_ITEM).exists():
                 return f"its `{STATE_ITEM}` item is missing"
-            meta = self._read_metadata(step)
+            meta = _format.read_metadata(self.open(create=False), self.directory, step)
         except CheckpointCorruptedError as e:
             return e.detail
         except OSError as e:
-            return f"it cannot be read ({type(e).__name__}: {e})"
+            return f"it cannot be read ({error_text(e)})"
         self._complete[step] = meta
         return None
 
     def metadata(self, step: int) -> dict[str, Any]:
         """The record of a step: the one `incomplete` kept, else read from disk.
 
-        Raises:
-          CheckpointCorruptedError: If it is missing or unreadable.
+        Raises a `CheckpointCorruptedError` if it is missing or unreadable.
         """
-        return self._complete.get(step) or self._read_metadata(step)
-
-    def _read_metadata(self, step: int) -> dict[str, Any]:
-        """The step's record, read from disk.
-
-        Raises:
-          CheckpointCorruptedError: If it is missing or unreadable.
-        """
+        if step in self._complete:
+            return self._complete[step]
         return _format.read_metadata(self.open(create=False), self.directory, step)
 
     def verify_arrays(self, step: int) -> str | None:
