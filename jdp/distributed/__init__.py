@@ -15,9 +15,8 @@ from jdp import _batching
 from jdp.distributed import _batch_agreement
 from jdp.distributed._runtime import initialize, is_initialized, shutdown
 
-# `step.shard` compares the processes' batches through this package; the data
-# path knows only the interface (`_batching.ProcessAgreement`).
-_batching.use_process_agreement(_batch_agreement.AGREEMENT)
+# `step.shard` compares the processes' batches through this package.
+_batching.use_process_agreement(_batch_agreement._PROCESS_CHECK)
 
 __all__ = [
     "initialize",

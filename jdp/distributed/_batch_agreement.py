@@ -1,16 +1,10 @@
 """Private: the cross-process agreement of `step.shard`'s batches.
 
-With several processes each process passes its own share of the global batch to
-`step.shard`; the processes' sizes, structures, dtypes and padding are compared
-here, through JAX's coordination service (`jdp._coordination.Store`), because a
-mismatch would otherwise train on misaligned data without an error. A process
-sends its batch's signature only when it changes (or when it pads to the largest
-batch), and waits only then, for the processes that have not yet made that
-call; a loop of steady shapes sends no message at all (see `_ProcessCheck`).
-
-The data path (`jdp._batching`) knows only its `ProcessAgreement` interface;
-`jdp.distributed` plugs `AGREEMENT` into it when imported. This module imports
-the data path (for `padded_size`), never the other way round.
+With several processes, each passes its own share of the global batch to
+`step.shard`; their sizes, structures, dtypes and padding are compared here,
+through JAX's coordination service (`jdp._coordination.Store`), so that a
+mismatch raises instead of training on misaligned data. `jdp.distributed` plugs
+`_PROCESS_CHECK` into `jdp._batching` as its `ProcessAgreement`.
 """
 
 from __future__ import annotations
@@ -27,13 +21,10 @@ from jdp import _coordination
 from jdp._batching import padded_size
 from jdp._tree import keystr
 
-#: Keys in JAX's coordination service (see `_ProcessCheck`): per process, its
-#: record (the last call it made known, and its recent changes of batch); per
-#: call, the processes' rows at a call where they disagreed.
+#: Store keys: per process, its record; per call, the rows of a disagreement.
 _RECORD_KEY = "jdp/step.shard/record/"
 _ERROR_KEY = "jdp/step.shard/error/"
-#: The environment variable that bounds, in seconds, how long a process whose
-#: batch changed waits for another process to pass a matching batch.
+#: Bounds, in seconds, how long a process whose batch changed waits for the others.
 TIMEOUT_ENV = "JDP_SHARD_CHECK_TIMEOUT"
 DEFAULT_TIMEOUT_S = 60.0
 #: Longest pause between two reads while waiting for the other processes.
@@ -53,24 +44,8 @@ def _decode(value: str) -> list:
     return entries
 
 
-def _by_number(entries: dict) -> dict:
-    """`{n: value}` from a directory read of the store (keys ending in `/n`)."""
-    found = {}
-    for key, value in entries.items():
-        tail = key.rstrip("/").rpartition("/")[2]
-        if tail.isdigit():
-            found[int(tail)] = value
-    return found
-
-
 def row_at(entries, call: int):
-    """The row in force at `call`, from a process's `(call, row)` changes.
-
-    Example:
-      >>> from jdp.distributed._batch_agreement import row_at
-      >>> row_at([(0, (8,)), (5, (6,))], 4), row_at([(0, (8,)), (5, (6,))], 5)
-      ((8,), (6,))
-    """
+    """The row in force at `call`, from a process's `(call, row)` changes."""
     found = None
     for c, row in entries:
         if c > call:
@@ -80,36 +55,16 @@ def row_at(entries, call: int):
 
 
 def signature(row: tuple) -> tuple:
-    """What of a row the processes must agree on: sizes count unless padding.
-
-    A process publishes its row only when this changes (see `_ProcessCheck`).
-
-    Example:
-      >>> from jdp.distributed._batch_agreement import signature
-      >>> signature((8, 8, 7, 0, 1, 0)), signature((5, 5, 7, 1, 1, 16))
-      ((8, 8, 7, 0, 1, 0), (0, 0, 7, 1, 1, 16))
-    """
+    """What of a row the processes must agree on: sizes count unless padding."""
     return (0, 0, *row[2:]) if row[3] else row
 
 
 def mismatch(rows) -> str | None:
-    """What the processes' rows disagree on: "layout", "pad", "pad_to", "sizes".
+    """The first field the processes' rows disagree on, or None if they agree.
 
     A row is `(fewest examples, most examples, layout checksum, pad, local
-    replicas, pad_to or 0)`. Sizes may differ when the processes pad.
-
-    Args:
-      rows: One row per process.
-
-    Returns:
-      The first field that differs, or None if the rows agree.
-
-    Example:
-      >>> from jdp.distributed._batch_agreement import mismatch
-      >>> mismatch([(8, 8, 7, 1, 1, 0), (5, 5, 7, 1, 1, 0)]) is None
-      True
-      >>> mismatch([(8, 8, 7, 0, 1, 0), (5, 5, 7, 0, 1, 0)])
-      'sizes'
+    replicas, pad_to or 0)`; the fields: "layout", "pad", "pad_to", "sizes"
+    (which may differ when the processes pad).
     """
     rows = list(rows)
     for name, column in (("layout", 2), ("pad", 3), ("pad_to", 5)):
@@ -121,13 +76,7 @@ def mismatch(rows) -> str | None:
 
 
 def describe(row: tuple) -> str:
-    """A row in words, for error messages.
-
-    Example:
-      >>> from jdp.distributed._batch_agreement import describe
-      >>> describe((8, 8, 255, 0, 1, 0))
-      '8 examples, pad=False, pad_to=None, layout checksum 000000ff'
-    """
+    """A row in words, for error messages."""
     size = f"{row[0]}" if row[0] == row[1] else f"{row[0]}-{row[1]}"
     return (
         ("" if row[3] else f"{size} examples, ")
@@ -140,95 +89,45 @@ class Found(NamedTuple):
     """What a `_ProcessCheck` found at a call: the processes' rows there."""
 
     call: int
-    #: process -> its row at `call`; for a process in `unconfirmed`, its last
-    #: published row (absent if it has published none).
+    #: process -> its row at `call` (for an unconfirmed one, its last published).
     rows: dict
-    #: process -> the call of its last published change (None: it has published
-    #: none), for the processes that did not confirm their row at `call` before
-    #: the wait ran out with something against them; else empty.
+    #: process -> the call of its last published change (None: none yet), for
+    #: the processes that did not confirm `call` before the wait ran out.
     unconfirmed: dict
-    #: Seconds waited for them.
     waited_s: float = 0.0
 
 
 class _ProcessCheck:
     """The cross-process batch check, made by the calling thread (no thread).
 
-    It reads and writes the key-value store of JAX's coordination service (which
-    `jdp.distributed.initialize` set up), not the devices. What it must do: start
-    no background thread; send no message at all in a loop whose batches keep
-    their shapes; and raise a clear error, rather than hang or train on
-    misaligned data, when the processes' batches disagree.
-
-    Every process makes the same `shard` calls in the same order, so a call has
-    the same index `n` on every process, which each process counts by itself. A
-    process's *signature* at a call is what the processes must agree on
-    (`signature` of its row: structure, trailing shapes and dtypes as a
-    checksum, `pad`, `pad_to`, and the sizes unless it pads). In the store,
-    process `p` keeps one record, `record/p`: `reached`, the last call it made
-    known; `raised`, the last call at which it raised a disagreement; and its
-    changes `(call, row)`, each row in force from its call to the next change
-    (before the first, its calls failed their own checks). A change is dropped
-    once every process was seen at the next one or later, so one write
-    publishes a change, one directory read gets every process's history, and
-    the records stay small without deletes (a record per change and call would
-    need both).
-    `error/n` holds the rows at a call `n` where a process found a
-    disagreement. At its call `n`, `p`:
+    Every process makes the same `shard` calls in the same order, so call `n`
+    is the same on every process. A process's *signature* at a call (`signature`
+    of its row) is what they must agree on. In the store, process `p` keeps one
+    record, `record/p`: `reached` (the last call it made known), `raised` (the
+    last call at which it raised) and its changes `(call, row)`, each in force
+    until the next; a change is dropped once every process was seen past it.
+    `error/n` holds the rows at a call `n` where a process found a disagreement.
+    At its call `n`, `p`:
 
     1. only counts, sending nothing, if its signature is that of its last call;
-    2. otherwise (its first call, a short last batch, a change back, the call
-       after an error or after a call that failed its own checks, and every call
-       that pads to the largest batch, `pad=True` without `pad_to`, whose sizes
-       must be exchanged) publishes `(n, row)` with `reached = n` (one write)
-       and reads every record (one read). `q`'s row at `n` is *confirmed* if
-       `q` reached `n`; if not, `q`'s last row *stands in* for it;
-    3. raises at once if the confirmed rows disagree, and goes on if every row
-       is confirmed and they agree. It also goes on, without waiting, when the
-       stand-ins agree with its row and that row is the one it last went on
-       with (or its first): a publication after an error or a failed call. A
-       stand-in from a process that raised with it does not count: that row
-       may be the wrong one;
-    4. otherwise waits, reading again (pauses of up to `_POLL_S`), for at most
-       `$JDP_SHARD_CHECK_TIMEOUT` seconds (60, `DEFAULT_TIMEOUT_S`): a process
-       that has not made call `n` yet may change there too (every process
-       shrinks at the last batch), and it then confirms at once. When the time
-       runs out, `p` raises, naming each process that did not confirm and its
-       last row, and its own row, unless nothing speaks against them: their
-       rows agree (padding to the largest batch needs them confirmed), or, at
-       `p`'s first publication, they have published nothing yet (each compares
-       with `p`'s record at its own first one).
+    2. otherwise (and on every call that pads to the largest batch, whose sizes
+       must be exchanged) publishes `(n, row)` with `reached = n` and reads
+       every record. `q`'s row at `n` is *confirmed* if `q` reached `n`; if
+       not, `q`'s last row *stands in* for it;
+    3. raises at once if the confirmed rows disagree, and goes on if all are
+       confirmed and agree, or, without waiting, if the stand-ins agree with a
+       row it already went on with (or its first) and none of them is one its
+       process raised with;
+    4. otherwise polls for up to `timeout_s()` (a process behind may change at
+       `n` too), then raises naming the unconfirmed processes, unless nothing
+       speaks against them (their rows agree, or, at `p`'s first publication,
+       they have published nothing yet).
 
-    Every disagreement is raised by a process whose signature changed: take the
-    first call `n` at which the signatures differ, and a process `p` whose
-    signature changed there to one that some `q` does not have. If `q` reached
-    `n`, `p` sees its row and raises. If not, `q`'s last row is its row at a
-    call from `p`'s previous change `m` to `n - 1`: at `m`, `p` went on only
-    once `q` had confirmed `m` (by the same argument at `m`, a stand-in did not
-    agree with `p`'s change there), and `q` publishes each change. The
-    signatures agree from `m` to `n - 1`, so that row has `p`'s old signature,
-    not its new one: `p` waits, and raises once `q` confirms `n` or the time
-    runs out. (At its first call, `p` compares with every process that
-    published; the others compare with `p`'s record at their own first call.)
-
-    In agreement, a wait ends as soon as the processes behind reach call `n`,
-    which they do without waiting for `p`: a process waits only for processes
-    behind it, and a device collective that follows call `n` in the program
-    comes after call `n` on every process. After a disagreement was raised,
-    processes that go on are brought back into agreement by step 3 without
-    waiting; the argument above covers the first disagreement only, though the
-    tests find every later one raised too.
-
-    The cost: a process in the wrong whose signature did not change (process 0
-    keeps passing 8 examples when process 1 passes its short last batch of 6)
-    sends nothing and so learns nothing: it goes on into its step, whose
-    collective blocks, while process 1 waits for it until the time runs out and
-    raises. Under `jdp.launch` the job then ends, as it does whenever a process
-    fails (elsewhere the blocked process stays until the job is stopped); a
-    process that goes on after the error can learn of it from `late`. And
-    processes more than the time limit apart when their batches change (one
-    loading data for minutes) get an error where they should not: give them more
-    time with `$JDP_SHARD_CHECK_TIMEOUT`.
+    Every disagreement is thus raised by a process whose signature changed;
+    one whose signature did not (process 0 keeps passing 8 examples when
+    process 1 passes its short last batch) sends nothing and goes on into the
+    step's collective, which blocks, until process 1's wait runs out and it
+    raises. Such a process learns of the error from `late`.
     """
 
     def __init__(
@@ -238,15 +137,7 @@ class _ProcessCheck:
         process: tuple[int, int] | None = None,
         timeout_s: float | None = None,
     ):
-        """A check for this process.
-
-        Args:
-          client: A key-value store to use instead of the coordination
-            service's client (for tests).
-          process: `(index, count)` to use instead of JAX's process index and
-            count (for tests).
-          timeout_s: Seconds to wait instead of `$JDP_SHARD_CHECK_TIMEOUT`.
-        """
+        """`client`, `process=(index, count)`: instead of JAX's (for tests)."""
         self._given_client = client
         self._process = process
         self._given_timeout_s = timeout_s
@@ -306,15 +197,10 @@ class _ProcessCheck:
     def check(self, row: tuple, *, need_sizes: bool) -> Found | None:
         """Counts this call, with `row`; compares it when it must (see the class).
 
-        Args:
-          row: This process's row at this call.
-          need_sizes: Compare even if the row did not change, and wait for every
-            process's row (to agree on the largest size).
-
-        Returns:
-          What this process found at this call when it compared, or what another
-          process found at an earlier call (`call` < this call) and reported;
-          None otherwise.
+        `need_sizes`: compare even if the row did not change, and wait for every
+        process's row. Returns what this process found at this call when it
+        compared, or what another process found at an earlier call and
+        reported; None otherwise.
         """
         client = self._client()
         call = self.calls
@@ -335,6 +221,38 @@ class _ProcessCheck:
             self._disown(client, call)
         return late or now
 
+    def agree(
+        self, host, *, pad: bool, pad_to: int | None, num_local: int
+    ) -> int | None:
+        """Compares this process's batch with the others' (`ProcessAgreement`).
+
+        Returns the padded per-process size when padding to the largest
+        process's batch (`pad` without `pad_to`, compared on every call).
+        """
+        rows = [x.shape[0] for _, x in host]
+        layout = "|".join(f"{keystr(p)}:{x.shape[1:]}:{x.dtype}" for p, x in host)
+        mine = (
+            min(rows),
+            max(rows),
+            zlib.crc32(layout.encode()) & 0x7FFFFFFF,
+            int(pad),
+            num_local,
+            pad_to or 0,
+        )
+        need_sizes = pad and pad_to is None
+        found = self.check(mine, need_sizes=need_sizes)
+        if found is None:
+            return None
+        late = found.call < self.calls - 1  # reported by another process
+        try:
+            padded = _compare_processes(
+                found, host, num_local=num_local, late=late, timeout_s=self.timeout_s
+            )
+        except ValueError:
+            self.forget_last()  # the next call compares again, at once
+            raise
+        return padded if need_sizes and not late else None
+
     def count_only(self) -> None:
         """Counts a call that failed its own checks (the next call publishes)."""
         try:
@@ -352,15 +270,14 @@ class _ProcessCheck:
     def late(self) -> Found | None:
         """A disagreement another process reported and this one has not raised.
 
-        Publishes how far this process got, so that a process waiting for it
-        can decide, and reads the reports (a write and a read; `shard` never
+        Publishes how far this process got and reads the reports (`shard` never
         calls it: a process whose batch did not change sends nothing).
         """
         client = self.client
         if self.pending is None and client is not None and self.entries:
             if self.reached < self.calls - 1:
                 self._publish(client, self.calls - 1)
-            reports = _by_number(client.entries(_ERROR_KEY))
+            reports = _coordination.by_number(client.entries(_ERROR_KEY), _ERROR_KEY)
             newer = {c: v for c, v in reports.items() if c > self.reported}
             if newer:
                 first = min(newer)
@@ -384,7 +301,8 @@ class _ProcessCheck:
     def _read(self, client) -> dict:
         """`{process: (reached, raised, changes)}` of every process that published."""
         records = {}
-        for p, value in _by_number(client.entries(_RECORD_KEY)).items():
+        published = client.entries(_RECORD_KEY)
+        for p, value in _coordination.by_number(published, _RECORD_KEY).items():
             reached, raised, entries = value.split(";")
             records[p] = (int(reached), int(raised), _decode(entries))
         others = [p for p in range(self._count()) if p != self._index()]
@@ -394,9 +312,8 @@ class _ProcessCheck:
     def _compare(self, client, call, row, need_sizes, timeout_s) -> Found:
         """Publishes `row` at `call`; the processes' rows there (see the class)."""
         self.waits += 1
-        # Its row is the one it last went on with (it publishes again after an
-        # error, or a call that failed its own checks), or its first: only then
-        # may the others' last rows stand in for theirs (see the class).
+        # Only for its first row, or the one it last went on with, may the
+        # others' last rows stand in for theirs.
         first = not self.entries
         same = first or signature(row) == self.agreed
         self.entries.append((call, row))
@@ -452,11 +369,7 @@ class _ProcessCheck:
         self._disown(client, found.call)
 
     def _disown(self, client, call: int) -> None:
-        """Publishes that this process raises at `call`.
-
-        Until it publishes its row again, no process then takes its last row for
-        its row at a later call (it may be the wrong one).
-        """
+        """Publishes that this process raises at `call`: its last row may be wrong."""
         self.raised = call
         if self.entries:
             self._publish(client, max(call, self.reached))
@@ -465,49 +378,14 @@ class _ProcessCheck:
 _PROCESS_CHECK = _ProcessCheck()
 
 
-def _check_process_batches(
-    host, *, pad: bool, pad_to: int | None, num_local: int
-) -> int | None:
-    """Compares this process's batch with the other processes' batches.
-
-    With `pad`, the processes' sizes may differ; without `pad_to` (padding to the
-    largest process's batch) this process compares on every call and returns the
-    padded per-process size every process uses; otherwise None.
-    """
-    rows = [x.shape[0] for _, x in host]
-    layout = "|".join(f"{keystr(p)}:{x.shape[1:]}:{x.dtype}" for p, x in host)
-    mine = (
-        min(rows),
-        max(rows),
-        zlib.crc32(layout.encode()) & 0x7FFFFFFF,
-        int(pad),
-        num_local,
-        pad_to or 0,
-    )
-    check = _PROCESS_CHECK
-    need_sizes = pad and pad_to is None
-    found = check.check(mine, need_sizes=need_sizes)
-    if found is None:
-        return None
-    late = found.call < check.calls - 1  # reported by another process
-    try:
-        padded = _compare_processes(
-            found, host, num_local=num_local, late=late, timeout_s=check.timeout_s
-        )
-    except ValueError:
-        check.forget_last()  # the next call compares again, at once
-        raise
-    return padded if need_sizes and not late else None
-
-
 def _compare_processes(
     found: Found, host, *, num_local: int, late: bool = False, timeout_s=None
 ):
     """Raises unless every process's row agrees; the padded size when padding.
 
-    `late`: `found` is what another process found at an earlier call (counted
-    from 0 over this process's `step.shard` calls). `timeout_s`: for the message
-    when some row was not confirmed (a number, or a function that gives it).
+    `late`: `found` is what another process found at an earlier call.
+    `timeout_s`: for the message when some row was not confirmed (a number, or
+    a function that gives it).
     """
     every, me = found.rows, jax.process_index()
     when = ""
@@ -517,10 +395,9 @@ def _compare_processes(
         )
     elif found.unconfirmed:
         when = _unconfirmed(found, me)
+    hint = _hint(found, timeout_s)
     what = mismatch(every.values())
     if what is None and found.unconfirmed:  # a process published nothing yet
-        what = "none"
-    if what == "none":
         raise ValueError(
             f"`step.shard`: {when}every process must call `step.shard` as often, "
             "in the same order."
@@ -535,25 +412,21 @@ def _compare_processes(
             f"{first}; this is process {me}, whose leaves are: "
             + ", ".join(f"{keystr(p)} {x.shape} {x.dtype}" for p, x in host[:5])
             + "). Every process must pass the same leaves with the same shapes "
-            "(except the leading size) and dtypes." + _hint(found, timeout_s)
+            "(except the leading size) and dtypes." + hint
         )
-    if what == "pad":
+    if what in ("pad", "pad_to"):
+        if what == "pad":
+            values = {p: bool(row[3]) for p, row in every.items()}
+            rule = "pad, or none"
+        else:
+            values = {p: row[5] or None for p, row in every.items()}
+            rule = "pass the same `pad_to` (the global batch size to pad to), or none"
         listed = ", ".join(
-            f"process {p}: pad={bool(row[3])}" for p, row in sorted(every.items())
+            f"process {p}: {what}={v}" for p, v in sorted(values.items())
         )
         raise ValueError(
             f"`step.shard`: {when}the processes called `step.shard` with different "
-            f"`pad` ({listed}); every process must pad, or none."
-            + _hint(found, timeout_s)
-        )
-    if what == "pad_to":
-        listed = ", ".join(
-            f"process {p}: pad_to={row[5] or None}" for p, row in sorted(every.items())
-        )
-        raise ValueError(
-            f"`step.shard`: {when}the processes called `step.shard` with different "
-            f"`pad_to` ({listed}); every process must pass the same `pad_to` (the "
-            "global batch size to pad to), or none." + _hint(found, timeout_s)
+            f"`{what}` ({listed}); every process must {rule}." + hint
         )
     if what == "sizes":
         listed = ", ".join(
@@ -567,8 +440,7 @@ def _compare_processes(
             f"(its share of the global batch); got {listed} examples. Give every "
             "process the same number of examples (e.g. drop the smaller last "
             "batch of an epoch), or call `step.shard(batch, pad=True)`, which "
-            "pads every process to the largest local batch and returns a mask."
-            + _hint(found, timeout_s)
+            "pads every process to the largest local batch and returns a mask." + hint
         )
     rows = list(every.values())
     if rows[0][3]:
@@ -605,24 +477,3 @@ def _hint(found: Found, timeout_s) -> str:
         f"{limit} behind the others, e.g. while it loads data, give it more time "
         f"with the environment variable {TIMEOUT_ENV}.)"
     )
-
-
-class BatchAgreement:
-    """`step.shard`'s agreement across processes (`_batching.ProcessAgreement`).
-
-    Works on this process's check, `_PROCESS_CHECK`; `jdp.distributed` plugs
-    `AGREEMENT` into `jdp._batching` when imported.
-    """
-
-    def agree(
-        self, host, *, pad: bool, pad_to: int | None, num_local: int
-    ) -> int | None:
-        """Compares this process's batch with the others' (`_check_process_batches`)."""
-        return _check_process_batches(host, pad=pad, pad_to=pad_to, num_local=num_local)
-
-    def count_only(self) -> None:
-        """Counts a call that failed its own checks (`_ProcessCheck.count_only`)."""
-        _PROCESS_CHECK.count_only()
-
-
-AGREEMENT = BatchAgreement()

@@ -1,18 +1,10 @@
 """Private: what a cluster's environment says about this process.
 
-Two questions that JAX's own cluster detection (SLURM, Open MPI, Kubernetes)
-answers badly, answered here from the environment variables alone (pure
-functions of a mapping, so the tests simulate any cluster):
-
-- `plan_local_devices`: which of the node's GPUs belong to this process. Left to
-  itself, JAX 0.10 gives a process that SLURM or Open MPI started exactly one
-  device, the one numbered like its local rank ($SLURM_LOCALID,
-  $OMPI_COMM_WORLD_LOCAL_RANK): right for one process per GPU, but with one
-  process per node (`srun --ntasks-per-node=1`) every process trains on GPU 0
-  of its node only.
-- `expected_processes`: whether the environment says that the job has several
-  processes (a task count, an indexed Kubernetes job), so that a process which
-  finds itself alone can say so instead of training a model of its own.
+Pure functions of the environment variables (so tests simulate any cluster),
+for two things JAX's own detection answers badly: which of the node's GPUs are
+this process's (`plan_local_devices`; JAX gives a process SLURM or Open MPI
+started only the GPU numbered like its local rank), and whether the job has
+several processes (`expected_processes`), so that one alone can say so.
 """
 
 from __future__ import annotations
@@ -23,10 +15,9 @@ import re
 from collections.abc import Mapping
 from typing import NamedTuple
 
-# The variables JAX 0.10 reads to detect a cluster (jax/_src/clusters/).
-#: Open MPI (up to version 4: its `mpirun` sets this; Open MPI 5's does not).
+#: Open MPI up to version 4 (JAX's detection needs it; Open MPI 5 does not set it).
 OMPI_URI = "OMPI_MCA_orte_hnp_uri"
-#: All of these must be set for JAX to detect SLURM (set inside an `srun` step).
+#: All needed for JAX to detect SLURM (set inside an `srun` step).
 SLURM_REQUIRED = (
     "SLURM_JOB_ID",
     "SLURM_STEP_NODELIST",
@@ -34,18 +25,22 @@ SLURM_REQUIRED = (
     "SLURM_PROCID",
     "SLURM_LOCALID",
 )
-#: The variables that list the GPUs a process sees (NVIDIA, then AMD's), which
-#: the process then numbers from 0.
+#: SLURM's counts of tasks per node, in order of preference.
+TASKS_PER_NODE = (
+    "SLURM_NTASKS_PER_NODE",
+    "SLURM_STEP_TASKS_PER_NODE",
+    "SLURM_TASKS_PER_NODE",
+)
+#: The GPUs a process sees (NVIDIA, then AMD's), which it numbers from 0.
 VISIBLE_DEVICES = (
     "CUDA_VISIBLE_DEVICES",
     "ROCR_VISIBLE_DEVICES",
     "HIP_VISIBLE_DEVICES",
 )
-#: Set in every Kubernetes pod; JAX then needs the `kubernetes` package.
 K8S_HOST = "KUBERNETES_SERVICE_HOST"
 #: An indexed Kubernetes Job's pod index (JAX's process id on Kubernetes).
 K8S_INDEX = "JOB_COMPLETION_INDEX"
-#: A JobSet's counts of jobs (each job: `parallelism` pods).
+#: A JobSet's counts and indices of jobs.
 JOBSET_REPLICAS = ("REPLICATED_JOB_REPLICAS", "GLOBAL_REPLICAS")
 JOBSET_INDEX = ("JOB_INDEX", "JOB_GLOBAL_INDEX")
 
@@ -59,14 +54,8 @@ _K8S_JOB_FIX = (
 )
 
 
-def _int(environ: Mapping[str, str], name: str) -> int | None:
-    """`environ[name]` as an int; None if unset or empty.
-
-    Raises:
-      ValueError: If it is set to something else than an integer (naming the
-        variable and its value): a scheduler sets these to numbers, and a
-        malformed one must not make the job run as one process.
-    """
+def env_int(environ: Mapping[str, str], name: str) -> int | None:
+    """`environ[name]` as an int; None if unset or empty; raises if malformed."""
     value = environ.get(name, "").strip()
     if not value:
         return None
@@ -82,38 +71,22 @@ def _int(environ: Mapping[str, str], name: str) -> int | None:
 
 
 #: The variables read as integers here or by JAX's cluster detection.
-INTEGER_VARIABLES = (
-    (
-        "SLURM_JOB_ID",
-        "SLURM_NTASKS",
-        "SLURM_NPROCS",
-        "SLURM_PROCID",
-        "SLURM_LOCALID",
-        "SLURM_NODEID",
-        "SLURM_GPUS_ON_NODE",
-        "OMPI_COMM_WORLD_SIZE",
-        "OMPI_COMM_WORLD_RANK",
-        "OMPI_COMM_WORLD_LOCAL_RANK",
-        "OMPI_COMM_WORLD_LOCAL_SIZE",
-        "PMI_SIZE",
-        "PMI_RANK",
-        "JAX_COORDINATOR_PORT",
-        "JOB_COMPLETION_INDEX",
-    )
-    + JOBSET_REPLICAS
-    + JOBSET_INDEX
-)
+INTEGER_VARIABLES = [
+    *(
+        "SLURM_JOB_ID SLURM_NTASKS SLURM_NPROCS SLURM_PROCID SLURM_LOCALID "
+        "SLURM_NODEID SLURM_GPUS_ON_NODE OMPI_COMM_WORLD_SIZE OMPI_COMM_WORLD_RANK "
+        "OMPI_COMM_WORLD_LOCAL_RANK OMPI_COMM_WORLD_LOCAL_SIZE PMI_SIZE PMI_RANK "
+        "JAX_COORDINATOR_PORT JOB_COMPLETION_INDEX"
+    ).split(),
+    *JOBSET_REPLICAS,
+    *JOBSET_INDEX,
+]
 
 
 def check_integers(environ: Mapping[str, str]) -> None:
-    """Raises `ValueError` for a cluster variable that is set but not an integer.
-
-    Example:
-      >>> from jdp.distributed import _cluster
-      >>> _cluster.check_integers({"SLURM_NTASKS": "4"})
-    """
+    """Raises `ValueError` for a cluster variable that is set but not an integer."""
     for name in INTEGER_VARIABLES:
-        _int(environ, name)
+        env_int(environ, name)
 
 
 def slurm_source(environ: Mapping[str, str]) -> str:
@@ -142,8 +115,7 @@ def _show(environ: Mapping[str, str], *names: str) -> str:
 class DevicePlan(NamedTuple):
     """What `initialize` passes as `local_device_ids`, and why (for the log)."""
 
-    #: The local device ids; [] for no restriction (every device the process
-    #: sees); None to leave the choice to JAX.
+    #: [] for every device the process sees; None to leave the choice to JAX.
     local_device_ids: list[int] | None
     #: Why, naming the variables read.
     reason: str
@@ -169,22 +141,18 @@ def _local_rank_and_size(
 ) -> tuple[str, int, int | None, str] | None:
     """(scheduler, local rank, tasks on this node, the variables read), or None."""
     if "OMPI_COMM_WORLD_LOCAL_RANK" in environ:  # JAX checks Open MPI first too
-        rank = _int(environ, "OMPI_COMM_WORLD_LOCAL_RANK")
-        size = _int(environ, "OMPI_COMM_WORLD_LOCAL_SIZE")
+        rank = env_int(environ, "OMPI_COMM_WORLD_LOCAL_RANK")
+        size = env_int(environ, "OMPI_COMM_WORLD_LOCAL_SIZE")
         names = ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE")
         if rank is not None:
             return "Open MPI", rank, size, _show(environ, *names)
     if "SLURM_LOCALID" in environ:
-        rank = _int(environ, "SLURM_LOCALID")
+        rank = env_int(environ, "SLURM_LOCALID")
         if rank is None:
             return None
-        for name in (
-            "SLURM_NTASKS_PER_NODE",
-            "SLURM_STEP_TASKS_PER_NODE",
-            "SLURM_TASKS_PER_NODE",
-        ):
+        for name in TASKS_PER_NODE:
             if name in environ:
-                size = _tasks_per_node(environ[name], _int(environ, "SLURM_NODEID"))
+                size = _tasks_per_node(environ[name], env_int(environ, "SLURM_NODEID"))
                 if size is not None:
                     return "SLURM", rank, size, _show(environ, "SLURM_LOCALID", name)
         return "SLURM", rank, None, _show(environ, "SLURM_LOCALID")
@@ -196,11 +164,9 @@ def _visible_gpus(
 ) -> tuple[int | None, str, bool]:
     """(GPUs this process sees, the variable that says so, whether they are its own).
 
-    "Its own": the visible GPUs are a subset of the node's (SLURM's per-task
-    binding, `--gpus-per-task`, or a wrapper that sets $CUDA_VISIBLE_DEVICES per
-    process), so no other process on the node shares them.
+    "Its own": fewer than the node's (a per-task binding), so not shared.
     """
-    node_count = _int(environ, "SLURM_GPUS_ON_NODE")
+    node_count = env_int(environ, "SLURM_GPUS_ON_NODE")
     node_name = "SLURM_GPUS_ON_NODE"
     if node_count is None:
         node_count, node_name = node_gpus, "the node's /dev/nvidia* devices"
@@ -233,24 +199,14 @@ def plan_local_devices(
 ) -> DevicePlan | None:
     """The local devices of a process that SLURM or Open MPI started.
 
-    With one task per node, all of the node's GPUs; with several, an equal share
-    each, by local rank (one task per GPU: its own); with GPUs bound per task
-    ($CUDA_VISIBLE_DEVICES a subset of the node's: SLURM's `--gpus-per-task`),
-    all of those it sees, which CUDA numbers from 0.
-
-    Args:
-      environ: The environment variables.
-      node_gpus: The node's GPU count where no variable gives it (read from
-        `/dev` by the caller), or None.
-
-    Returns:
-      The plan, or None where no scheduler's local rank is set (JAX then
-      restricts nothing).
+    One task per node: all of the node's GPUs; several: an equal share each, by
+    local rank; GPUs bound per task (`$CUDA_VISIBLE_DEVICES` a subset of the
+    node's): all it sees. `node_gpus`: the node's GPU count where no variable
+    gives it. None where no scheduler's local rank is set.
 
     Raises:
-      ValueError: If the variables contradict each other (a local rank not
-        below the node's task count), or the tasks on the node cannot share its
-        GPUs evenly; the message names the variables and the fixes.
+      ValueError: If the variables contradict each other, or the node's GPUs
+        cannot be shared evenly between its tasks (naming variables and fixes).
     """
     found = _local_rank_and_size(environ)
     if found is None:
@@ -290,9 +246,9 @@ def plan_local_devices(
             f"{scheduler}: task {rank} on its node ({tasks}) has GPUs of its own "
             f"({visible}): all {gpus} of them",
         )
+    if gpus == 1 and size != 1:
+        return DevicePlan([0], f"{scheduler}: one GPU visible ({visible})")
     if size is None:
-        if gpus == 1:
-            return DevicePlan([0], f"{scheduler}: one GPU visible ({visible})")
         raise ValueError(
             f"jdp.distributed: {scheduler} started this process as local task "
             f"{rank} ({tasks}) but does not say how many tasks share the node's "
@@ -305,8 +261,6 @@ def plan_local_devices(
             if gpus < size
             else f"{gpus} GPUs ({visible}) do not split evenly between {size} tasks"
         )
-        if gpus < size and gpus == 1:
-            return DevicePlan([0], f"{scheduler}: one GPU visible ({visible})")
         raise ValueError(
             f"jdp.distributed: {scheduler} put {size} tasks on this node "
             f"({tasks}), but {which}: the processes' device counts would "
@@ -339,10 +293,9 @@ class Expected(NamedTuple):
     said: str
     #: Why this process is alone, and what to do.
     fix: str
-    #: False where the variables only hint at it (an indexed Kubernetes Job at
-    #: index 0, which may have one pod): a warning, not an error.
+    #: False where the variables only hint at it: a warning, not an error.
     certain: bool = True
-    #: Whether `count` is the job's size (a task count), not a lower bound.
+    #: Whether `count` is the job's size, not a lower bound.
     exact: bool = True
 
 
@@ -365,19 +318,11 @@ def expected_processes(
 ) -> Expected | None:
     """Whether the environment says that this job has several processes.
 
-    Reads the task counts of SLURM ($SLURM_NTASKS, $SLURM_NPROCS), Open MPI
-    ($OMPI_COMM_WORLD_SIZE), MPICH / Intel MPI ($PMI_SIZE), and the indices and
-    counts of an indexed Kubernetes Job or JobSet ($JOB_COMPLETION_INDEX,
-    $REPLICATED_JOB_REPLICAS, $GLOBAL_REPLICAS, $JOB_INDEX, $JOB_GLOBAL_INDEX).
-
-    Args:
-      environ: The environment variables.
-      kubernetes: Whether the `kubernetes` package is installed.
-
-    Returns:
-      What they say (with the fix for a process that is alone), or None.
+    Reads the task counts of SLURM, Open MPI and MPICH / Intel MPI, and an
+    indexed Kubernetes Job's or JobSet's indices and counts. `kubernetes`:
+    whether the `kubernetes` package is installed.
     """
-    size = _int(environ, "OMPI_COMM_WORLD_SIZE")
+    size = env_int(environ, "OMPI_COMM_WORLD_SIZE")
     if size is not None and size > 1:
         why = (
             f"JAX detects Open MPI through ${OMPI_URI}, which is not set (Open "
@@ -388,7 +333,7 @@ def expected_processes(
         fix = f"{why}: {_explicit_fix('OMPI_COMM_WORLD_RANK', 'OMPI_COMM_WORLD_SIZE')}."
         return Expected(size, _show(environ, "OMPI_COMM_WORLD_SIZE"), fix)
     for name in ("SLURM_NTASKS", "SLURM_NPROCS"):
-        size = _int(environ, name)
+        size = env_int(environ, name)
         if size is not None and size > 1:
             missing = [v for v in SLURM_REQUIRED if v not in environ]
             why = (
@@ -404,7 +349,7 @@ def expected_processes(
                 "process), or run one process on purpose with `--ntasks=1`."
             )
             return Expected(size, _show(environ, name), fix)
-    size = _int(environ, "PMI_SIZE")
+    size = env_int(environ, "PMI_SIZE")
     if size is not None and size > 1:
         fix = (
             "JAX does not detect MPICH or Intel MPI: "
@@ -419,8 +364,8 @@ def _expected_on_kubernetes(
 ) -> Expected | None:
     if K8S_HOST not in environ and K8S_INDEX not in environ:
         return None
-    index = _int(environ, K8S_INDEX)
-    replicas = {n: _int(environ, n) for n in JOBSET_REPLICAS + JOBSET_INDEX}
+    index = env_int(environ, K8S_INDEX)
+    replicas = {n: env_int(environ, n) for n in JOBSET_REPLICAS + JOBSET_INDEX}
     several = [n for n in JOBSET_REPLICAS if (replicas[n] or 0) > 1]
     several += [n for n in JOBSET_INDEX if (replicas[n] or 0) > 0]
     if index is not None and index > 0:
@@ -442,6 +387,7 @@ def _expected_on_kubernetes(
         )
         return Expected(max(count, 2), _show(environ, *several), fix + ".", exact=False)
     if index is not None and not kubernetes:
+        # An Indexed Job at index 0 may have one pod.
         return Expected(
             2,
             _show(environ, K8S_INDEX),

@@ -1,11 +1,8 @@
-"""Private: where a job's configuration comes from, and its checks.
+"""Private: `initialize`'s configuration: where it comes from, and its checks.
 
-`initialize`'s configuration is, in order: its arguments; the `JDP_*`
-environment variables (set by `python -m jdp.launch`); what JAX detects in a
-SLURM job step. This module reads and checks them (arguments, variables and a
-scheduler's task counts), decides each process's devices (`local_devices`, from
-`_cluster`'s plan), and refuses a process that would run alone in a job of
-several. It starts nothing and talks to no other process.
+In order: the arguments; the `JDP_*` variables (set by `python -m jdp.launch`);
+what JAX detects in a SLURM job step. Also each process's devices
+(`local_devices`) and the refusal of a process alone in a job of several.
 """
 
 from __future__ import annotations
@@ -24,26 +21,13 @@ _log = logging.getLogger("jdp.distributed")
 ENV_COORDINATOR_ADDRESS = "JDP_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "JDP_NUM_PROCESSES"
 ENV_PROCESS_ID = "JDP_PROCESS_ID"
-#: The default of `initialize`'s `fail_fast`: "1" or "0" (unset: "0"). Set to "1"
-#: by `python -m jdp.launch` in the processes it starts.
+#: The default of `initialize`'s `fail_fast`: "1" or "0" (unset: "0").
 ENV_FAIL_FAST = "JDP_FAIL_FAST"
 
 CPU_COLLECTIVES = ("gloo", "mpi", None)
 
 #: Where a coordinator address given to `initialize` comes from, for messages.
 _GIVEN_ADDRESS = f"`coordinator_address` (or ${ENV_COORDINATOR_ADDRESS})"
-
-
-def _env_int(name: str) -> int | None:
-    value = os.environ.get(name)
-    if value is None or value == "":
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(
-            f"Environment variable ${name} must be an integer, got {value!r}."
-        ) from None
 
 
 def _split_address(address: str) -> tuple[str, int]:
@@ -111,26 +95,16 @@ def _requested_config(
     num_processes: int | None,
     process_id: int | None,
 ) -> dict:
-    """The job's configuration: the arguments, else the `JDP_*` variables (or None)."""
+    """The job's configuration, checked: the arguments, else the `JDP_*` variables.
+
+    None where neither gives a value.
+    """
     if coordinator_address is None:
         coordinator_address = os.environ.get(ENV_COORDINATOR_ADDRESS) or None
     if num_processes is None:
-        num_processes = _env_int(ENV_NUM_PROCESSES)
+        num_processes = _cluster.env_int(os.environ, ENV_NUM_PROCESSES)
     if process_id is None:
-        process_id = _env_int(ENV_PROCESS_ID)
-    return dict(
-        coordinator_address=coordinator_address,
-        num_processes=num_processes,
-        process_id=process_id,
-    )
-
-
-def _check_config(
-    coordinator_address: str | None,
-    num_processes: int | None,
-    process_id: int | None,
-) -> None:
-    """Checks the parts of the configuration that are given (None: not given)."""
+        process_id = _cluster.env_int(os.environ, ENV_PROCESS_ID)
     _validate.positive_int("num_processes", num_processes, allow_none=True)
     if process_id is not None and num_processes is not None:
         _validate.index(
@@ -140,18 +114,18 @@ def _check_config(
         _validate.non_negative_int("process_id", process_id, allow_none=True)
     if coordinator_address is not None:
         _split_address(coordinator_address)
+    return dict(
+        coordinator_address=coordinator_address,
+        num_processes=num_processes,
+        process_id=process_id,
+    )
 
 
 def _detected_config(requested: dict) -> tuple[dict, str]:
     """The configuration with what JAX detects in a SLURM job step filled in.
 
-    JAX would fill in the same values itself, but then aborts the process
-    (SIGABRT, `DEADLINE_EXCEEDED`) when the coordinator never comes up; known
-    here, they get jdp's watch: warnings while waiting, then a `TimeoutError`.
-    Also returns where the coordinator address comes from, for messages.
-
-    Raises:
-      ValueError: If a scheduler's variable is set but not an integer.
+    Known here, the values get jdp's wait for the coordinator (JAX's own aborts
+    the process). Also returns where the address comes from, for messages.
     """
     if None not in requested.values():
         return requested, _GIVEN_ADDRESS
@@ -165,18 +139,18 @@ def _detected_config(requested: dict) -> tuple[dict, str]:
     }
     if requested["coordinator_address"] is not None:
         return filled, _GIVEN_ADDRESS
-    where = (
-        f"{_cluster.slurm_source(os.environ)}, which `coordinator_address` or "
-        "$JAX_COORDINATOR_PORT override"
-    )
+    source = _cluster.slurm_source(os.environ)
     _log.info(
         "SLURM job step: coordinator %s (%s), process %d of %d.",
         filled["coordinator_address"],
-        _cluster.slurm_source(os.environ),
+        source,
         filled["process_id"],
         filled["num_processes"],
     )
-    return filled, where
+    return (
+        filled,
+        f"{source}, which `coordinator_address` or $JAX_COORDINATOR_PORT override",
+    )
 
 
 def local_devices(
@@ -185,9 +159,7 @@ def local_devices(
 ) -> int | Sequence[int] | None:
     """The `local_device_ids` to pass to JAX: the argument, else the cluster's plan.
 
-    JAX gives a process started by SLURM or Open MPI one device, the one numbered
-    like its local rank, unless told otherwise; `_cluster.plan_local_devices`
-    gives it the GPUs that are its own. The choice is logged (INFO).
+    The choice is logged (INFO).
     """
     environ = os.environ if environ is None else environ
     if local_device_ids is not None:
@@ -203,11 +175,7 @@ def local_devices(
     if plan is None:
         return None
     shown = "every device it sees" if plan.local_device_ids == [] else None
-    _log.info(
-        "local_device_ids=%s (%s).",
-        shown or plan.local_device_ids,
-        plan.reason,
-    )
+    _log.info("local_device_ids=%s (%s).", shown or plan.local_device_ids, plan.reason)
     return plan.local_device_ids
 
 
@@ -227,8 +195,7 @@ def _incomplete_config_error(error: ValueError, requested: dict) -> ValueError:
 def _joined_config(requested: dict) -> dict:
     """The configuration of the job joined; what JAX detected filled in."""
     config = dict(requested)
-    if None in config.values():
-        # Detected by JAX (partly or wholly): ask it (this starts the backends).
+    if None in config.values():  # detected by JAX: ask it (starts the backends)
         config["num_processes"] = jax.process_count()
         config["process_id"] = jax.process_index()
     return config

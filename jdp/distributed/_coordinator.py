@@ -1,10 +1,8 @@
 """Private: reaching process 0's coordinator (JAX's coordination service).
 
-Where the coordinator listens (`bind_address`: loopback only for a job on one
-machine), whether process 0 can listen on its port (`listen_error`; JAX's
-process crashes instead), and the wait of the other processes for it to accept
-a connection, with warnings while they wait and a clear error, or a clear exit
-(`_give_up`), where JAX would abort.
+Where it listens (`bind_address`), whether process 0 can listen there
+(`listen_error`; JAX's process crashes instead), and the other processes' wait
+for it, with warnings and a clear error or exit where JAX would abort.
 """
 
 from __future__ import annotations
@@ -14,12 +12,11 @@ import ipaddress
 import logging
 import os
 import socket
-import sys
 import threading
 import time
 
-from jdp.distributed._config import _GIVEN_ADDRESS, _split_address
-from jdp.distributed._exit import flush_and_exit
+from jdp.distributed._config import _split_address
+from jdp.distributed._exit import exit_timer, print_and_exit
 
 _log = logging.getLogger("jdp.distributed")
 
@@ -44,13 +41,12 @@ _UNREACHABLE_MSG = (
 )
 
 _WAITING_MSG = (
-    "jdp.distributed: process %d of %d is waiting for the coordinator at %s "
-    "(address from %s) to accept a connection: %.1f s so far, giving up after "
-    "%d s. Process 0 hosts it: is it running?"
+    "jdp.distributed: process {pid} of {num} is waiting for the coordinator at "
+    "{addr} (address from {where}) to accept a connection: {waited:.1f} s so far, "
+    "giving up after {timeout} s. Process 0 hosts it: is it running?"
 )
 
-#: How often a process waiting for the coordinator says so (at most; at least
-#: 4 times within `timeout_s`).
+#: How often (at most) a process waiting for the coordinator says so.
 _WAITING_EVERY_S = 5.0
 
 _CANNOT_LISTEN_MSG = (
@@ -67,16 +63,15 @@ def _is_loopback(host: str) -> bool:
         return True
     try:
         return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name: where it points may differ between machines
+    except ValueError:  # a host name may point elsewhere on another machine
         return False
 
 
 def bind_address(coordinator_address: str) -> str | None:
     """Where process 0's coordinator listens; None for JAX's default (every address).
 
-    `$JAX_COORDINATOR_BIND_ADDRESS` if set; else, for a loopback coordinator
-    address (a job on one machine), that loopback address, so that no other
-    machine can reach the coordinator.
+    `$JAX_COORDINATOR_BIND_ADDRESS` if set; else a loopback coordinator address
+    itself (a job on one machine: no other machine can reach it).
     """
     explicit = os.environ.get(ENV_JAX_BIND_ADDRESS)
     if explicit:
@@ -111,9 +106,8 @@ def _bind_candidates(host: str, port: int) -> list[tuple[int, tuple]]:
 def listen_error(address: str) -> OSError | None:
     """The error that listening on `address` ("host:port") gives now, or None.
 
-    Tried with a socket bound and closed at once, with the options JAX's gRPC
-    server uses (`SO_REUSEADDR`: a port in TIME_WAIT is free). JAX itself does not
-    report such an error: its process crashes (SIGSEGV).
+    Binds and closes a socket with the options of JAX's gRPC server
+    (`SO_REUSEADDR`: a port in TIME_WAIT is free).
     """
     try:
         host, port = _split_bind(address)
@@ -166,29 +160,26 @@ def _check_coordinator_port(requested: dict, where: str) -> str | None:
     return bind
 
 
-def _wait_for_coordinator(
-    address: str, deadline: float, say_waiting=None, every_s: float = 5.0
-) -> bool:
+def _wait_for_coordinator(address: str, deadline: float, names: dict) -> bool:
     """Tries TCP connections to `address` until one succeeds or `deadline` passes.
 
-    Calls `say_waiting(seconds waited)` every `every_s` seconds while it waits.
+    Warns (`_WAITING_MSG`, with `names`) every few seconds while it waits.
     """
     host, port = _split_address(address)
-    start = next_say = time.monotonic()
-    next_say += every_s
-    while True:
+    start = time.monotonic()
+    every_s = min(_WAITING_EVERY_S, names["timeout"] / 4)
+    next_say = start + every_s
+    while (left := deadline - time.monotonic()) > 0:
         now = time.monotonic()
-        left = deadline - now
-        if left <= 0:
-            return False
-        if say_waiting is not None and now >= next_say:
-            say_waiting(now - start)
+        if now >= next_say:
+            _log.warning(_WAITING_MSG.format(waited=now - start, **names))
             next_say += every_s
         try:
             with socket.create_connection((host, port), timeout=min(left, 2.0)):
                 return True
         except OSError:
             time.sleep(min(0.2, max(deadline - time.monotonic(), 0)))
+    return False
 
 
 def _start_watchdog(
@@ -197,59 +188,26 @@ def _start_watchdog(
     process_id: int | None,
     *,
     timeout_s: int,
-    where: str = _GIVEN_ADDRESS,
+    where: str,
 ) -> threading.Timer | None:
-    """Waits for the coordinator, then starts the timer that calls `_give_up`.
+    """Waits for the coordinator, then starts the timer that ends this process.
 
-    Returns None (no watchdog) unless the whole configuration is given. A
-    process other than 0 logs a warning every few seconds while the
-    coordinator does not accept its connection, and raises `TimeoutError` if
-    it never does.
+    None (no watchdog) unless the whole configuration is given. Processes
+    other than 0 warn while they wait, and raise `TimeoutError` in the end.
     """
     if coordinator_address is None or num_processes is None or process_id is None:
         return None
     deadline = time.monotonic() + timeout_s
-
-    def say_waiting(waited: float) -> None:
-        _log.warning(
-            _WAITING_MSG,
-            process_id,
-            num_processes,
-            coordinator_address,
-            where,
-            waited,
-            timeout_s,
-        )
-
+    names = dict(
+        pid=process_id,
+        num=num_processes,
+        addr=coordinator_address,
+        timeout=timeout_s,
+        where=where,
+    )
     if process_id != 0 and not _wait_for_coordinator(
-        coordinator_address,
-        deadline,
-        say_waiting,
-        every_s=min(_WAITING_EVERY_S, timeout_s / 4),
+        coordinator_address, deadline, names
     ):
-        raise TimeoutError(
-            _UNREACHABLE_MSG.format(
-                addr=coordinator_address,
-                timeout=timeout_s,
-                pid=process_id,
-                num=num_processes,
-                where=where,
-            )
-        )
-    watchdog = threading.Timer(
-        max(deadline - time.monotonic(), 0.0),
-        _give_up,
-        args=(coordinator_address, num_processes, process_id, timeout_s),
-    )
-    watchdog.daemon = True
-    watchdog.start()
-    return watchdog
-
-
-def _give_up(address: str, num: int, pid: int, timeout: int) -> None:
-    print(
-        _CONNECT_TIMEOUT_MSG.format(pid=pid, num=num, timeout=timeout, addr=address),
-        file=sys.stderr,
-        flush=True,
-    )
-    flush_and_exit(1)
+        raise TimeoutError(_UNREACHABLE_MSG.format(**names))
+    message = _CONNECT_TIMEOUT_MSG.format(**names)
+    return exit_timer(max(deadline - time.monotonic(), 0.0), print_and_exit, message)

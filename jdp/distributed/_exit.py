@@ -1,14 +1,14 @@
 """Private: how a process of a multi-process job exits.
 
 `flush_and_exit` ends the process at once (with the stall verdict's status once
-the stall check stopped the job), and `initialize`'s `fail_fast` hooks make a
-failing process end so instead of holding up the job: an uncaught exception
-exits at once, and SIGTERM stops the process again after JAX's preemption
-service took it over.
+the stall check stopped the job). With `initialize`'s `fail_fast`, an uncaught
+exception exits at once, and SIGTERM gets back its handler from before JAX's
+preemption service took it over.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -20,11 +20,10 @@ from jdp.distributed._state import _this
 
 
 def _exit_on_uncaught(previous):
-    """A `sys.excepthook` that prints the traceback, then exits the process now.
+    """A `sys.excepthook` that runs `previous`, then exits the process now.
 
-    An uncaught exception normally ends in the interpreter's exit handlers, where
-    JAX's shutdown barrier waits for every other process (for up to its shutdown
-    timeout): the job would hang instead of failing.
+    Otherwise the interpreter's exit would wait at JAX's shutdown barrier for
+    every other process: the job would hang instead of failing.
     """
 
     def hook(exc_type, exc, tb):
@@ -42,21 +41,34 @@ def _exit_on_uncaught(previous):
 def flush_and_exit(code: int) -> None:
     """Flushes the standard streams and logging, then `os._exit(code)`.
 
-    Once the stall check has decided to stop the job (`Watchdog.stopping`), the
-    process exits with its status whatever path gets here first: a collective
-    that fails because another process already left must not turn the stall's
-    124 into an error's 1.
+    Once the stall check stops the job (`Watchdog.stopping`), its status wins:
+    a collective that then fails must not turn the stall's 124 into a 1.
     """
     watch = _this.stall_watch
-    if watch is not None and getattr(watch, "stopping", None) is not None:
+    if watch is not None and watch.stopping is not None:
         code = watch.stopping
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(Exception):
             stream.flush()
-        except Exception:  # pragma: no cover
-            pass
     logging.shutdown()
     os._exit(code)
+
+
+def print_and_exit(message: str) -> None:
+    """Prints `message` on stderr, then exits with status 1 (`flush_and_exit`)."""
+    print(message, file=sys.stderr, flush=True)
+    flush_and_exit(1)
+
+
+def exit_timer(seconds: float, fn, *args) -> threading.Timer:
+    """Calls `fn(*args)` (which exits) after `seconds`, on a daemon thread.
+
+    `cancel()` the timer once what it watches is done.
+    """
+    timer = threading.Timer(seconds, fn, args)
+    timer.daemon = True
+    timer.start()
+    return timer
 
 
 def _install_fail_fast() -> None:
@@ -66,7 +78,7 @@ def _install_fail_fast() -> None:
 
 
 def _python_sigterm_handler():
-    """SIGTERM's Python-level handler now (None if not readable or not Python's)."""
+    """SIGTERM's Python-level handler now (None off the main thread)."""
     if threading.current_thread() is not threading.main_thread():
         return None
     return signal.getsignal(signal.SIGTERM)
@@ -75,12 +87,8 @@ def _python_sigterm_handler():
 def _restore_sigterm(handler) -> None:
     """Puts back SIGTERM's handler from before JAX joined the job.
 
-    JAX's preemption service takes SIGTERM over: the signal then only records a
-    preemption notice (for `jax.experimental.multihost_utils`' sync points) and
-    the process runs on. With `fail_fast` (under `python -m jdp.launch`, SIGTERM
-    comes from the launcher stopping the job), it must stop the process as in
-    any program.
+    JAX's preemption service makes SIGTERM only record a preemption notice; with
+    `fail_fast` it must stop the process, as the launcher expects.
     """
-    if handler is None or threading.current_thread() is not threading.main_thread():
-        return
-    signal.signal(signal.SIGTERM, handler)
+    if handler is not None:  # None off the main thread
+        signal.signal(signal.SIGTERM, handler)

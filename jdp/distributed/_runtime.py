@@ -1,29 +1,17 @@
-"""Private: jdp's use of `jax.distributed`, JAX's own multi-process runtime.
+"""Private: joining and leaving the job: the one caller of `jax.distributed`.
 
-`initialize` wraps `jax.distributed.initialize` with what a data-parallel job needs
-around it: the configuration read from `JDP_*` environment variables (set by
-`python -m jdp.launch`), gloo collectives on CPU, arguments checked before anything
-starts, a clear error instead of a native abort (or crash) when the processes cannot
-meet, leave, or host the coordinator, a coordinator that listens on loopback only
-when the job is on one machine, and, when asked (`fail_fast`, the default under
-`python -m jdp.launch`), a failing process that exits at once instead of waiting
-for its peers. Under a cluster's scheduler it also gives each process its own
-GPUs and refuses to run a process alone in a job of several (`_cluster`), and,
-when asked (`stall_timeout_s`), stops a job in which a process is stuck
-(`_watchdog`).
-
-This module joins and leaves the job: it is the one caller of `jax.distributed`.
-The configuration and its checks are in `_config`, the coordinator's address
-and port in `_coordinator`, how a process exits (`fail_fast`) in `_exit`, and
-what `initialize` set up in `_state`.
+`initialize` wraps `jax.distributed.initialize` with what a data-parallel job
+needs around it; its configuration and checks are in `_config`, the
+coordinator's address and port in `_coordinator`, how a process exits in
+`_exit`, and what it set up in `_state`.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
-import sys
 import threading
 from collections.abc import Sequence
 from typing import Literal
@@ -33,9 +21,7 @@ import jax
 from jdp import _coordination, _jax_compat
 from jdp.distributed import _watchdog
 from jdp.distributed._config import (
-    _GIVEN_ADDRESS,
     _check_alone,
-    _check_config,
     _check_options,
     _detected_config,
     _fail_fast,
@@ -49,12 +35,14 @@ from jdp.distributed._exit import (
     _install_fail_fast,
     _python_sigterm_handler,
     _restore_sigterm,
+    exit_timer,
     flush_and_exit,
+    print_and_exit,
 )
 from jdp.distributed._state import _this
 
-#: Extra seconds JAX's own connection deadline gets over `timeout_s`, so that
-#: jdp's watchdog (a clear message) fires before JAX's native abort.
+#: Extra seconds of JAX's own deadlines over `timeout_s`: jdp's watchdogs (a
+#: clear message) fire before JAX's native abort.
 _JAX_GRACE_S = 10
 
 _SHUTDOWN_TIMEOUT_MSG = (
@@ -97,73 +85,53 @@ def initialize(
     wraps `jax.distributed.initialize`: afterwards `jax.devices()` lists the
     devices of every process and `jdp.parallelize` spans them all (Caffe2's
     `rendezvous`, `torch.distributed.init_process_group`, Horovod's `hvd.init`).
+    Calling it again with the same (or no) arguments does nothing.
 
-    Where the configuration comes from, in order: the arguments; the environment
-    variables `JDP_COORDINATOR_ADDRESS`, `JDP_NUM_PROCESSES` and `JDP_PROCESS_ID`
-    (set by `python -m jdp.launch`); otherwise JAX's own detection of SLURM, Open
-    MPI, Kubernetes or Cloud TPU. With none of these, it does nothing and the
-    program runs as one process, so one script runs alone or under a launcher;
-    but where the environment says that the job has several processes (a task
-    count such as `$SLURM_NTASKS=4` or `$OMPI_COMM_WORLD_SIZE=4`, an indexed
-    Kubernetes Job's `$JOB_COMPLETION_INDEX` above 0, a JobSet's
-    `$REPLICATED_JOB_REPLICAS`), a process that finds itself alone raises
-    instead of training a model of its own (an indexed Job at index 0 without
-    the `kubernetes` package, which may have one pod, only logs a warning).
+    The configuration comes from, in order: the arguments; the variables
+    `JDP_COORDINATOR_ADDRESS`, `JDP_NUM_PROCESSES` and `JDP_PROCESS_ID` (set by
+    `python -m jdp.launch`); JAX's detection of SLURM, Open MPI, Kubernetes or
+    Cloud TPU. With none, the program runs as one process (so one script runs
+    alone or under a launcher), unless the environment says that the job has
+    several (`$SLURM_NTASKS=4`, `$OMPI_COMM_WORLD_SIZE=4`, an indexed Kubernetes
+    Job's `$JOB_COMPLETION_INDEX` above 0, a JobSet's `$REPLICATED_JOB_REPLICAS`):
+    then it raises rather than train a model of its own (it only warns for an
+    indexed Job at index 0 without the `kubernetes` package: it may have one pod).
 
-    A process that SLURM or Open MPI started gets the GPUs that belong to it
-    (JAX alone would give it one, numbered like its local rank): the only task
-    on its node, all of them; several tasks sharing the node's GPUs
-    (`$SLURM_NTASKS_PER_NODE`, `$OMPI_COMM_WORLD_LOCAL_SIZE`), an equal share
-    each by local rank (`$SLURM_LOCALID`, `$OMPI_COMM_WORLD_LOCAL_RANK`); a task
-    whose `$CUDA_VISIBLE_DEVICES` is a subset of the node's
-    (`$SLURM_GPUS_ON_NODE`; SLURM's `--gpus-per-task`), all it sees. The choice
-    is logged at INFO (logger `jdp.distributed`).
+    A process that SLURM or Open MPI started gets the GPUs that are its own
+    (JAX would give it the one numbered like its local rank): all of them for
+    the only task on its node; an equal share by local rank for tasks sharing
+    the node (`$SLURM_NTASKS_PER_NODE`, `$OMPI_COMM_WORLD_LOCAL_SIZE`); all it
+    sees where `$CUDA_VISIBLE_DEVICES` is a subset of the node's GPUs
+    (`--gpus-per-task`). The choice is logged at INFO (logger `jdp.distributed`).
+    On CPU, processes use gloo collectives over TCP.
 
-    On CPU, collectives between processes use gloo over TCP. Calling it again with
-    the same (or no) arguments does nothing.
+    Process 0 hosts the job's coordinator (JAX's coordination service), after
+    checking that it can listen on the port (JAX's process would crash). It
+    listens on loopback only for a loopback `coordinator_address` (`127.x.y.z`,
+    `::1`, `localhost`: a job on one machine), else on every address;
+    `$JAX_COORDINATOR_BIND_ADDRESS` (`"host:port"`) chooses it. It accepts any
+    process that connects: on a shared network, firewall its port.
 
-    Process 0 hosts the job's coordinator (JAX's coordination service). It listens
-    on the loopback address only when `coordinator_address` is one (`127.x.y.z`,
-    `::1` or `localhost`: a job on one machine, so no other machine can reach
-    it), and on every address of the machine otherwise (JAX's default), since
-    the other machines connect to it; `$JAX_COORDINATOR_BIND_ADDRESS`
-    (`"host:port"`) chooses the address itself. The coordinator accepts any
-    process that connects, so on a shared network keep its port behind a
-    firewall. Before starting it, process 0 checks that it can listen on the
-    port, which JAX does not do (its process crashes).
-
-    Leaving the job is a barrier: at `shutdown` a process waits for the others,
-    for up to `timeout_s`; past that it prints which processes did not arrive and
-    exits with status 1. At the interpreter's exit, with `fail_fast`, the same;
-    without it, JAX's own exit handler waits (for `timeout_s` + 10 s) and then
-    aborts the process.
-
-    With `fail_fast` (as under `python -m jdp.launch`), SIGTERM stops the process
-    as in any Python program. Otherwise JAX's preemption service takes SIGTERM
-    over: it only records a preemption notice (see
-    `jax.experimental.multihost_utils`) and the process runs on.
-
-    By default `initialize` changes nothing process-wide beyond JAX's own set-up:
-    not `sys.excepthook`, not a signal handler, no `atexit` handler; a program
-    (or a library calling it) keeps its own. `fail_fast=True` asks for them
-    (and `stall_timeout_s` adds an `atexit` handler that tells the other
-    processes' stall checks that this one has finished).
+    Without `fail_fast`, `initialize` changes nothing process-wide beyond JAX's
+    own set-up (no `sys.excepthook`, signal or `atexit` handler), and JAX's
+    preemption service takes SIGTERM over: it only records a preemption notice
+    (see `jax.experimental.multihost_utils`) and the process runs on.
 
     Args:
       coordinator_address: `"host:port"` of process 0, which hosts JAX's
         coordination service on that port; every process passes the same value.
       num_processes: Number of processes in the job.
       process_id: This process's index, in `[0, num_processes)`.
-      local_device_ids: Restricts this process to these local accelerator ids
-        (e.g. one GPU per process); passed to `jax.distributed.initialize`.
-        None (default): under SLURM or Open MPI, the GPUs of this process as
-        described above; otherwise every device the process sees. Given, it
-        always wins.
+      local_device_ids: Restricts this process to these local accelerator ids;
+        passed to `jax.distributed.initialize`. None (default): under SLURM or
+        Open MPI, this process's GPUs as above; otherwise every device it sees.
       cpu_collectives: CPU collectives between processes: `"gloo"` (default),
         `"mpi"` (needs an MPI installation), or None to leave JAX's setting.
-      timeout_s: Seconds to wait for all processes to connect (300 by default);
-        also how long a finishing process waits for the others at shutdown
-        before it exits with status 1.
+      timeout_s: Seconds to wait for all processes to connect (300 by
+        default), and for the others when leaving the job (`shutdown`, a
+        barrier), after which a process prints which did not arrive and exits
+        with status 1 (at the interpreter's exit too with `fail_fast`; without
+        it, JAX's exit handler waits `timeout_s` + 10 s, then aborts).
       heartbeat_timeout_s: Seconds without a heartbeat after which the runtime
         declares a process dead and stops the others (100 by default).
       fail_fast: Whether a failing process ends at once instead of holding up
@@ -171,61 +139,43 @@ def initialize(
         `python -m jdp.launch` sets to "1" (unset: False). If True, once the job
         is joined, `initialize` installs three process-wide hooks: a
         `sys.excepthook` that prints an uncaught exception's traceback and exits
-        the process at once (status 1; 130 for Ctrl-C), where the interpreter's
-        exit would wait for the other processes at JAX's shutdown barrier (up to
-        `timeout_s` + 10 s) and the job would hang; an `atexit` handler that
-        leaves the job through `shutdown` (which names the processes that did
-        not arrive, see above); and SIGTERM's handler from before the call, put
-        back after JAX's preemption service took SIGTERM over. If False, none of
-        these.
+        at once (status 1; 130 for Ctrl-C) rather than hang at JAX's shutdown
+        barrier; an `atexit` handler that leaves the job through `shutdown`;
+        and SIGTERM's handler from before the call, taken back from JAX.
       stall_timeout_s: Seconds after which a job whose processes furthest
         behind made no progress (no jdp step started) is stopped, or None.
         None (default): `$JDP_STALL_TIMEOUT_S` decides (unset, empty or "0":
-        no check). Off by default because what is a stall depends on the job
-        (a long evaluation or checkpoint between two steps is not one). When
-        on, each process publishes its step count through JAX's coordination
-        service and a daemon thread reads the others'; when the processes
-        furthest behind made no progress for `stall_timeout_s` (or processes
-        wait in a step that a finished process never started), every process
-        prints on stderr which process stopped first and at which step call,
-        with that process's Python stack, and exits with status 124 within a
-        few seconds. Nothing is judged before the first step of some process.
-        Under `python -m jdp.launch`, the launcher's own check
-        (`--stall-timeout`) does this already.
+        no check), since what is a stall depends on the job (a long evaluation
+        or checkpoint between two steps is not one). When on, the processes
+        share their step counts through JAX's coordination service; on a stall
+        (or when processes wait in a step that a finished process never
+        started), every process prints which process stopped first, at which
+        step call, with its Python stack, and exits with status 124. Nothing
+        is judged before the first step. An `atexit` handler tells the others
+        that this process finished. `python -m jdp.launch --stall-timeout`
+        does this already.
 
     Raises:
-      TypeError: If an argument has the wrong type (e.g. `num_processes="2"`;
-        counts, ids and seconds are ints, not bools; `fail_fast` is a bool or
-        None; `stall_timeout_s` is a number or None).
-      ValueError: If an argument, a `JDP_*` variable or a scheduler's variable
-        read as a number (e.g. `$SLURM_NTASKS`) is malformed (e.g.
-        `$JDP_FAIL_FAST` other than "0" or "1", `$JDP_STALL_TIMEOUT_S` not a
-        number), a count or timeout is below 1 (`stall_timeout_s`: not above
-        0), `process_id` is outside `[0, num_processes)`, or the configuration
-        is incomplete; or if the SLURM / Open MPI variables contradict each
-        other or the tasks of a node cannot share its GPUs evenly (the message
-        names the variables; pass `local_device_ids` to choose yourself).
-      RuntimeError: If `$JAX_PLATFORMS` asks for CUDA alone and JAX's CUDA
-        plugin is not installed (the message says what to install), or if
-        JAX's backends already started, or this process was
-        already initialized with different arguments, or the environment says
-        that the job has several processes (`$SLURM_NTASKS`,
-        `$OMPI_COMM_WORLD_SIZE`, `$PMI_SIZE`, `$JOB_COMPLETION_INDEX`, a
-        JobSet's counts) but this process would run alone (the message names
-        the variable and the fix, e.g. install `jdp[k8s]` or start the
-        processes with `srun`).
+      TypeError: If an argument has the wrong type (counts, ids and seconds are
+        ints, not bools; `fail_fast` is a bool or None; `stall_timeout_s` is a
+        number or None).
+      ValueError: If an argument or a variable read as one (`JDP_*`, or a
+        scheduler's count such as `$SLURM_NTASKS`) is malformed or out of
+        range, the configuration is incomplete, or the SLURM / Open MPI
+        variables contradict each other or a node's GPUs cannot be shared
+        evenly between its tasks (pass `local_device_ids` to choose yourself).
+      RuntimeError: If JAX's backends already started, this process already
+        joined another job, `$JAX_PLATFORMS` asks for CUDA alone without JAX's
+        CUDA plugin, or the environment says that the job has several
+        processes but this one would run alone (the message names the fix).
       OSError: On process 0, if the coordinator cannot listen on its port
-        (`errno.EADDRINUSE` if the port is in use: the message names the port).
+        (`errno.EADDRINUSE` if the port is in use).
       TimeoutError: If process 0's coordinator accepts no connection within
-        `timeout_s` (on processes other than 0, which log a warning every few
-        seconds while they wait, naming the address and where it came from; in
-        a SLURM job step, JAX's detection, which jdp asks first so that this
-        applies there too).
+        `timeout_s` (on the other processes, which warn while they wait).
 
-    If the coordinator is reachable but not all `num_processes` processes connect
-    within `timeout_s` (for instance a wrong process count), JAX aborts the
-    process; jdp prints which process gave up, why, and how to fix it, and exits
-    with status 1 just before.
+    If the coordinator is reachable but not all processes connect within
+    `timeout_s` (e.g. a wrong process count), jdp prints which process gave up,
+    why, and how to fix it, and exits with status 1 before JAX aborts.
 
     Example:
       >>> import jdp
@@ -242,7 +192,6 @@ def initialize(
     fail_fast = _fail_fast(fail_fast)
     stall_timeout_s = _watchdog.timeout_from(stall_timeout_s, os.environ)
     requested = _requested_config(coordinator_address, num_processes, process_id)
-    _check_config(**requested)
     if _this.config is not None or jax.distributed.is_initialized():
         _check_same_job(requested)
         return
@@ -263,23 +212,22 @@ def initialize(
     bind = _check_coordinator_port(detected, where)
     if cpu_collectives is not None:
         jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
-    sigterm = _python_sigterm_handler()
-    joined = _join(
+    args = jax_initialize_args(
         detected,
         local_device_ids=local_device_ids,
         timeout_s=timeout_s,
         heartbeat_timeout_s=heartbeat_timeout_s,
         bind=bind,
-        where=where,
     )
-    if not joined:
+    sigterm = _python_sigterm_handler()
+    if not _join(detected, args, timeout_s=timeout_s, where=where):
         return
     _this.config = _joined_config(detected)
     _this.shutdown_timeout_s = timeout_s
     if requested["num_processes"] is None and _this.config["num_processes"] == 1:
         _leave_alone_job()
     if fail_fast:
-        _install_exit_hook()
+        _run_at_exit(_shutdown_at_exit)
         _restore_sigterm(sigterm)
         _install_fail_fast()
     if stall_timeout_s is not None:
@@ -299,7 +247,7 @@ def _leave_alone_job() -> None:
 def _start_stall_watch(timeout_s: float) -> None:
     """Starts this process's stall check (see `initialize`'s `stall_timeout_s`)."""
     client = _coordination.store()
-    if client is None or _this.config is None:
+    if client is None:
         return
     _this.stall_watch = _watchdog.Watchdog(
         client,
@@ -313,11 +261,7 @@ def _start_stall_watch(timeout_s: float) -> None:
         "stops the job.",
         timeout_s,
     )
-    if not _this.finish_hook_installed:
-        # Runs before JAX's own exit handler (registered earlier): a process at
-        # its exit makes no more steps, and is not to be judged as stuck.
-        atexit.register(_finished)
-        _this.finish_hook_installed = True
+    _run_at_exit(_finished)  # a process at its exit is not stuck
 
 
 def _finished() -> None:
@@ -343,34 +287,18 @@ def _check_same_job(requested: dict) -> None:
         )
 
 
-def _join(
-    requested: dict,
-    *,
-    local_device_ids: int | Sequence[int] | None,
-    timeout_s: int,
-    heartbeat_timeout_s: int,
-    bind: str | None,
-    where: str = _GIVEN_ADDRESS,
-) -> bool:
-    """Calls `jax.distributed.initialize`; False if there is no job to join.
+def _join(requested: dict, args: dict, *, timeout_s: int, where: str) -> bool:
+    """`jax.distributed.initialize(**args)`; False if there is no job to join.
 
     With the whole configuration given, a watchdog ends the process with a clear
-    message before JAX's own connection deadline aborts it. With part of it (or
-    none), JAX's cluster detection fills in the rest (or fails).
+    message before JAX's own connection deadline aborts it.
     """
-    given = [k for k, v in requested.items() if v is not None]
-    args = jax_initialize_args(
-        requested,
-        local_device_ids=local_device_ids,
-        timeout_s=timeout_s,
-        heartbeat_timeout_s=heartbeat_timeout_s,
-        bind=bind,
-    )
     watchdog = _start_watchdog(**requested, timeout_s=timeout_s, where=where)
     try:
         jax.distributed.initialize(**args)
     except ValueError as e:
-        if not given and _jax_compat.is_no_cluster_found(e):
+        nothing_given = all(v is None for v in requested.values())
+        if nothing_given and _jax_compat.is_no_cluster_found(e):
             _check_alone("JAX's cluster detection found no job to join")
             _log.info("No multi-process configuration found; running as one process.")
             return False
@@ -396,9 +324,8 @@ def jax_initialize_args(
 ) -> dict:
     """The keyword arguments of jdp's call of `jax.distributed.initialize`.
 
-    An empty `local_device_ids` (a process that has its node's devices to itself)
-    is passed as such: JAX 0.10 then restricts nothing, where None would let its
-    cluster detection restrict the process to one device.
+    An empty `local_device_ids` is passed as such: JAX then restricts nothing,
+    where None would let its cluster detection restrict it to one device.
     """
     return dict(
         coordinator_address=requested["coordinator_address"],
@@ -407,24 +334,20 @@ def jax_initialize_args(
         local_device_ids=local_devices(local_device_ids, environ),
         initialization_timeout=timeout_s + _JAX_GRACE_S,
         heartbeat_timeout_seconds=heartbeat_timeout_s,
-        # jdp's own watchdog (`shutdown`) ends the wait first, with a message.
         shutdown_timeout_seconds=timeout_s + _JAX_GRACE_S,
         coordinator_bind_address=bind,
     )
 
 
-def _install_exit_hook() -> None:
-    """Makes the interpreter's exit leave the job through `shutdown` (its watchdog).
-
-    Registered after JAX's own exit handler, so it runs first (handlers run in
-    reverse order); JAX's then finds the job already left.
-    """
-    if not _this.exit_hook_installed:
-        atexit.register(_shutdown_at_exit)
-        _this.exit_hook_installed = True
+def _run_at_exit(hook) -> None:
+    """Registers `hook` at exit once; it runs before JAX's own (registered earlier)."""
+    if hook not in _this.exit_hooks:
+        atexit.register(hook)
+        _this.exit_hooks.append(hook)
 
 
 def _shutdown_at_exit() -> None:
+    """Leaves the job through `shutdown` (its watchdog) before JAX's handler."""
     if _this.config is not None:
         shutdown()
 
@@ -458,70 +381,50 @@ def shutdown() -> None:
 def _leave(process_id: int, num_processes: int, timeout_s: int) -> None:
     """`jax.distributed.shutdown()`, ended after `timeout_s` s with a clear message.
 
-    JAX's shutdown is a barrier of every process; past its deadline JAX aborts the
-    process (SIGABRT) with a message about "Shutdown barrier has failed". Here a
-    watchdog stops the wait first and names the processes that did not arrive
-    (each process notes its arrival in the coordination service first).
+    JAX's shutdown barrier aborts the process past its deadline; jdp's watchdog
+    stops the wait first and names the processes that did not note their
+    arrival in the coordination service.
     """
     client = _coordination.store()
-    watchdog = threading.Timer(
-        timeout_s,
-        _shutdown_timed_out,
-        args=(client, process_id, num_processes, timeout_s),
-    )
-    watchdog.daemon = True
-    watchdog.start()
+    args = (client, process_id, num_processes, timeout_s)
+    watchdog = exit_timer(timeout_s, _shutdown_timed_out, *args)
     try:
         if client is not None:
-            try:
+            # The service may be gone; the barrier then says so.
+            with contextlib.suppress(Exception):
                 client.put(f"{_ARRIVED_KEY}{process_id}", "1")
-            except Exception:  # the service may be gone; the barrier then says so
-                pass
         jax.distributed.shutdown()
     finally:
         watchdog.cancel()
 
 
-def _not_arrived(client, num_processes: int, wait_s: float = 2.0) -> list[int] | None:
+def _not_arrived(client, num_processes: int) -> list[int] | None:
     """The processes that did not note their arrival at shutdown (None: unknown)."""
     found: list = []
 
     def read():
-        try:
+        with contextlib.suppress(Exception):  # the service is gone: unknown
             found.append(client.entries(_ARRIVED_KEY))
-        except Exception:  # the service is gone (process 0 left): unknown
-            pass
 
     if client is None:
         return None
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    reader.join(wait_s)  # the service may not answer: do not wait for it
+    reader.join(2.0)  # the service may not answer: do not wait for it
     if not found:
         return None
-    arrived = set()
-    for key in found[0]:
-        tail = key.rstrip("/").rpartition("/")[2]
-        if tail.isdigit():
-            arrived.add(int(tail))
+    arrived = _coordination.by_number(found[0], _ARRIVED_KEY)
     return [p for p in range(num_processes) if p not in arrived]
 
 
 def _shutdown_timed_out(client, process_id: int, num: int, timeout_s: int) -> None:
     missing = _not_arrived(client, num)
-    if missing:
-        noun = "process" if len(missing) == 1 else "processes"
-        who = f"{noun} {', '.join(map(str, missing))}"
-    else:
-        who = "the other processes"
-    print(
+    who = _watchdog.process_list(missing) if missing else "the other processes"
+    print_and_exit(
         _SHUTDOWN_TIMEOUT_MSG.format(
             pid=process_id, num=num, timeout=timeout_s, who=who
-        ),
-        file=sys.stderr,
-        flush=True,
+        )
     )
-    flush_and_exit(1)
 
 
 def is_initialized() -> bool:

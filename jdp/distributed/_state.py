@@ -1,8 +1,4 @@
-"""Private: what `jdp.distributed.initialize` set up in this process.
-
-The package's one mutable state (`_this`): the job joined, how long shutdown
-waits, the stall check, and which exit hooks are installed.
-"""
+"""Private: what `jdp.distributed.initialize` set up in this process."""
 
 from __future__ import annotations
 
@@ -13,23 +9,19 @@ from jdp.distributed import _watchdog
 
 @dataclasses.dataclass
 class _ThisProcess:
-    """What `initialize` set up in this process: jdp.distributed's one mutable state.
+    """jdp.distributed's one mutable state.
 
     Attributes:
       config: The arguments of the successful `initialize` (or None).
-      shutdown_timeout_s: Its `timeout_s`: how long `shutdown` waits for the
-        other processes.
+      shutdown_timeout_s: Its `timeout_s`: how long `shutdown` waits.
       stall_watch: The stall check (`stall_timeout_s`), while in a job.
-      exit_hook_installed: Whether `shutdown` is registered to run at exit.
-      finish_hook_installed: Whether the stall check is told at exit that this
-        process finished.
+      exit_hooks: The functions registered to run at exit.
     """
 
     config: dict | None = None
     shutdown_timeout_s: int = 300
     stall_watch: _watchdog.Watchdog | None = None
-    exit_hook_installed: bool = False
-    finish_hook_installed: bool = False
+    exit_hooks: list = dataclasses.field(default_factory=list)
 
 
 _this = _ThisProcess()

@@ -1,31 +1,19 @@
 """Private: the stall check of a job started without `python -m jdp.launch`.
 
-A process that is alive but stuck (a deadlocked data loader, a rank waiting in a
-collective that another never joins) is invisible to JAX: its heartbeats go on,
-and the others wait for it forever. Under `srun`, `mpirun` or Kubernetes no
-launcher watches the processes, so each process watches the others itself,
-through JAX's coordination service (its key-value store):
-
-- every process publishes its progress count (`jdp._progress`, one more as each
-  jdp step starts) under `jdp/stall/p/<process>`, when it changes;
-- a daemon thread in every process reads all the counts and judges them as the
-  launcher does (`jdp/launch/_stall.py`): nothing is judged before the first
-  progress of some process; then the running processes furthest behind have
-  `timeout_s` seconds to progress;
-- the first process to find a stall writes the verdict (`jdp/stall/verdict`,
-  written once: the first writer wins, so every process acts on the same one);
-  the processes it names dump their own Python stacks (`faulthandler`) and
-  publish them; every process prints the verdict on stderr, then all exit with
-  status `EXIT_CODE` within a few seconds of one another.
-
-A process that reaches the end of its program (`shutdown`, or the interpreter's
-exit) says so (`"done"`): it is not judged as stuck, but processes in a step it
-never started wait for it in vain, which is reported after
-`min(FINISHED_GRACE_S, timeout_s)`.
+A process that is alive but stuck (a deadlocked loader, a collective another
+never joins) keeps its heartbeats, so JAX never notices. Each process therefore
+publishes its progress count (`jdp._progress`) under `jdp/stall/p/<process>`,
+and a daemon thread judges every count as the launcher does
+(`jdp/launch/_stall.py`). The first process to find a stall writes the verdict
+once (`jdp/stall/verdict`); the processes it names publish their Python stacks,
+every process prints the verdict, and all exit with `EXIT_CODE`. A finished
+process (`"done"`) is not stuck, but processes waiting in a step it never
+started are stopped after `min(FINISHED_GRACE_S, timeout_s)`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import logging
@@ -42,20 +30,15 @@ from jdp import _coordination, _progress, _validate
 
 #: The default of `initialize`'s `stall_timeout_s` (seconds; unset or "0": off).
 ENV_STALL_TIMEOUT = "JDP_STALL_TIMEOUT_S"
-#: The exit status of every process of a stalled job (as `timeout(1)` and the
-#: launcher's stall check).
+#: The exit status of a stalled job's processes (as `timeout(1)`'s).
 EXIT_CODE = 124
-#: Seconds without progress of processes in a step that a finished process never
-#: started, after which they are stopped (at most the stall timeout).
 FINISHED_GRACE_S = 15.0
 #: How long a process waits for the stuck processes' stacks, and for the others
 #: to print, before it exits.
 STACK_WAIT_S = 5.0
 ACK_WAIT_S = 3.0
-#: Once every process has printed, how long process 0 waits before it exits. It
-#: hosts JAX's coordination service: a process still on its way out when that
-#: service goes away is aborted by JAX (SIGABRT) instead of exiting with
-#: `EXIT_CODE`.
+#: How long process 0 (the coordination service's host) outlives the others:
+#: JAX aborts a process whose service goes away before it exits.
 COORDINATOR_LAST_S = 2.0
 
 _PREFIX = "jdp/stall/"
@@ -77,9 +60,9 @@ _log = logging.getLogger("jdp.distributed")
 def timeout_from(
     stall_timeout_s: float | None, environ: Mapping[str, str]
 ) -> float | None:
-    """`initialize`'s `stall_timeout_s`, checked; None: from `$JDP_STALL_TIMEOUT_S`.
+    """`initialize`'s `stall_timeout_s`, checked, else `$JDP_STALL_TIMEOUT_S`'s.
 
-    Returns None (no stall check) for None with the variable unset, empty or "0".
+    None (no stall check) for None with the variable unset, empty or "0".
     """
     if stall_timeout_s is None:
         value = environ.get(ENV_STALL_TIMEOUT, "").strip()
@@ -114,15 +97,13 @@ def timeout_from(
 class Verdict(NamedTuple):
     """What stopped the job."""
 
-    #: "stall" (the processes furthest behind made no progress for the
-    #: timeout) or "finished" (processes wait in a step that a finished process
-    #: never started).
+    #: "stall", or "finished" (processes wait in a step that the finished
+    #: process `finished` never started).
     kind: str
     #: The processes that stopped making progress (their stacks are shown).
     behind: list[int]
     #: Every process's progress count, by process.
     counts: dict[int, int]
-    #: The finished process the others wait for ("finished" only).
     finished: int | None = None
 
     def to_json(self) -> str:
@@ -138,11 +119,8 @@ class Verdict(NamedTuple):
 class Tracker:
     """Judges the processes' progress counts, as the launcher's `StallMonitor`.
 
-    Args:
-      num_processes: The processes of the job.
-      timeout_s: Seconds without progress that stop the job.
-      finished_grace_s: Seconds without progress of processes in a step that a
-        finished process never started (at most `timeout_s`).
+    `finished_grace_s`: seconds without progress of processes in a step that a
+    finished process never started (at most `timeout_s`).
     """
 
     def __init__(
@@ -195,20 +173,14 @@ class Tracker:
         return None
 
 
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}" if n == 1 else f"{n} {word}s"
-
-
-def _ranks(ranks: list[int]) -> str:
+def process_list(ranks: list[int]) -> str:
+    """`process 1` or `processes 0, 2`."""
     one = len(ranks) == 1
     return ("process " if one else "processes ") + ", ".join(map(str, ranks))
 
 
 def describe(verdict: Verdict, timeout_s: float, grace_s: float, who: Mapping) -> str:
-    """The message of `verdict`: who stopped making progress first, at which step.
-
-    `who`: `{process: "host, pid N"}` where known.
-    """
+    """The message of `verdict`; `who`: `{process: "host, pid N"}` where known."""
     n = len(verdict.counts)
     counts = verdict.counts
 
@@ -219,47 +191,37 @@ def describe(verdict: Verdict, timeout_s: float, grace_s: float, who: Mapping) -
         first, waiting = verdict.finished, verdict.behind
         at = sorted({counts[r] for r in waiting})
         one = len(waiting) == 1
+        calls = f"{counts[first]} step call" + ("" if counts[first] == 1 else "s")
         return (
-            f"{named(first)} finished its program after "
-            f"{_plural(counts[first], 'step call')} while {_ranks(waiting)} "
-            f"{'is' if one else 'are'} still running (at step call "
-            f"{', '.join(map(str, at))}) and made no progress for {grace_s:g} s: "
-            f"{'it waits' if one else 'they wait'} in a step that process "
-            f"{first} will never join. {_UNEVEN_HINT}"
+            f"{named(first)} finished its program after {calls} while "
+            f"{process_list(waiting)} {'is' if one else 'are'} still running (at "
+            f"step call {', '.join(map(str, at))}) and made no progress for "
+            f"{grace_s:g} s: {'it waits' if one else 'they wait'} in a step that "
+            f"process {first} will never join. {_UNEVEN_HINT}"
         )
     behind = verdict.behind
     low, high = counts[behind[0]], max(counts.values())
-    limit = f"{timeout_s:g} s"
     if low == high:
         of = "" if len(behind) == n else f" (of {n}) still running"
         return (
             f"none of the {len(behind)} processes{of} made progress for more than "
-            f"{limit}, all at step call {low}: they wait for each other (a "
+            f"{timeout_s:g} s, all at step call {low}: they wait for each other (a "
             "deadlock), or a step takes longer than that."
         )
-    last = (
-        "before its first step call"
-        if low == 0
-        else f"its last step call was number {low}"
-    )
-    subject = (
-        named(behind[0])
-        if len(behind) == 1
-        else f"processes {', '.join(map(str, behind))} of {n}"
-    )
     one = len(behind) == 1
+    subject = named(behind[0]) if one else f"{process_list(behind)} of {n}"
+    last = (
+        f"its last step call was number {low}" if low else "before its first step call"
+    )
     return (
-        f"{subject} stopped making progress first: none for more than {limit} "
-        f"({last}), while the others reached step call {high} and wait for "
-        f"{'it' if one else 'them'}."
+        f"{subject} stopped making progress first: none for more than "
+        f"{timeout_s:g} s ({last}), while the others reached step call {high} and "
+        f"wait for {'it' if one else 'them'}."
     )
 
 
 def _dump_stack() -> str:
-    """This process's Python stacks, as `faulthandler` prints them.
-
-    Every thread but the one dumping them (the stall check's own).
-    """
+    """This process's Python stacks (`faulthandler`), but the stall check's own."""
     with tempfile.TemporaryFile(mode="w+") as f:
         faulthandler.dump_traceback(file=f, all_threads=True)
         f.seek(0)
@@ -276,14 +238,8 @@ def _indent(text: str) -> str:
 class Watchdog:
     """The stall check of one process: a daemon thread (see the module's text).
 
-    Args:
-      client: The coordination-service client (its key-value store).
-      process_id: This process.
-      num_processes: The processes of the job.
-      timeout_s: Seconds without progress that stop the job.
-      exit_fn: Ends the process with a status (flushes, then `os._exit`).
-      count: This process's progress count (`jdp._progress.count`).
-      out: Where the message goes (stderr).
+    `exit_fn` ends the process with a status; `count` gives this process's
+    progress count; the message goes to `out` (None: stderr).
     """
 
     def __init__(
@@ -328,10 +284,8 @@ class Watchdog:
     def mark_finished(self) -> None:
         """Says that this process makes no more steps (its program has finished)."""
         self._finished = True
-        try:
+        with contextlib.suppress(Exception):  # the service may be gone
             self._publish()
-        except Exception:  # the service may be gone; the others then stop too
-            pass
 
     def _publish(self) -> None:
         with self._lock:
@@ -365,22 +319,19 @@ class Watchdog:
         self._publish()
         entries = self.client.entries(_PREFIX)
         reports = {}
-        for key, value in entries.items():
-            if key.startswith(_PROGRESS) and key[len(_PROGRESS) :].isdigit():
-                rank = int(key[len(_PROGRESS) :])
-                record = json.loads(value)
-                reports[rank] = (int(record["n"]), bool(record["done"]))
-                self.who[rank] = record.get("who", "")
+        for rank, value in _coordination.by_number(entries, _PROGRESS).items():
+            record = json.loads(value)
+            reports[rank] = (int(record["n"]), bool(record["done"]))
+            self.who[rank] = record.get("who", "")
         if _VERDICT in entries:
             return Verdict.from_json(entries[_VERDICT])
         self.tracker.update(reports, time.monotonic())
         found = self.tracker.verdict(time.monotonic())
         if found is None:
             return None
-        try:  # the first process to write it wins: every process acts on one
+        # The first process to write it wins: every process acts on one.
+        with contextlib.suppress(Exception):
             self.client.put(_VERDICT, found.to_json(), overwrite=False)
-        except Exception:
-            pass
         return Verdict.from_json(self.client.get(_VERDICT))
 
     def _act(self, verdict: Verdict) -> None:
@@ -389,10 +340,8 @@ class Watchdog:
         stacks: dict[int, str] = {}
         if self.me in verdict.behind:
             stacks[self.me] = _dump_stack()
-            try:
+            with contextlib.suppress(Exception):
                 self.client.put(f"{_STACK}{self.me}", stacks[self.me])
-            except Exception:
-                pass
         show = [r for r in verdict.behind if r != self.me]
         if self.me != 0 and self.me not in verdict.behind:
             show = []  # process 0 shows them: one copy in a merged output
@@ -404,19 +353,15 @@ class Watchdog:
             except Exception:
                 stacks[r] = ""
         self._print(verdict, stacks, show)
-        try:
+        with contextlib.suppress(Exception):
             self.client.put(f"{_ACK}{self.me}", "1")
-        except Exception:
-            pass
-        # Exit together: a process that leaves first may end the others (JAX
-        # stops a job one of whose processes disconnected) before they print.
+        # Exit together: JAX may end a job one of whose processes left before
+        # the others printed.
         deadline = time.monotonic() + ACK_WAIT_S
         for r in range(self.n):
             if r != self.me:
-                try:
+                with contextlib.suppress(Exception):
                     self.client.wait(f"{_ACK}{r}", deadline - time.monotonic())
-                except Exception:
-                    pass
         if self.me == 0 and self.n > 1:
             time.sleep(COORDINATOR_LAST_S)  # the others leave first
         self.exit_fn(EXIT_CODE)
@@ -441,9 +386,9 @@ class Watchdog:
                 )
         if not stacks and verdict.behind:
             text += (
-                f"\n(The stack of {_ranks(verdict.behind)} is in the output of "
-                f"{'process 0 and of ' if 0 not in verdict.behind else ''}"
-                f"{_ranks(verdict.behind)}.)"
+                f"\n(The stack of {process_list(verdict.behind)} is in the output "
+                f"of {'process 0 and of ' if 0 not in verdict.behind else ''}"
+                f"{process_list(verdict.behind)}.)"
             )
         text += (
             f"\nStopping process {self.me} of {self.n} with status {EXIT_CODE}. If "
@@ -452,8 +397,6 @@ class Watchdog:
             f"`jdp.distributed.initialize` (or ${ENV_STALL_TIMEOUT})."
         )
         out = self.out if self.out is not None else sys.stderr
-        try:
+        with contextlib.suppress(Exception):  # a closed stream must not block the exit
             print(text, file=out, flush=True)
-        except Exception:  # pragma: no cover - a closed stream must not block the exit
-            pass
         _log.debug("stall check: %s", verdict)
