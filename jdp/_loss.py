@@ -1,8 +1,7 @@
 """How a train step calls its loss and differentiates it.
 
-The loss's parameters (batch statistics, `rng`, `step`), microbatches (a
-`lax.scan`), sparse row gradients, `jdp.weighted` losses and the loss reported
-over the kept replicas, and loss scaling with flax's `DynamicScale`.
+The loss's parameters, microbatches, sparse row gradients, `jdp.weighted` losses
+and loss scaling with flax's `DynamicScale`.
 """
 
 from __future__ import annotations
@@ -14,12 +13,13 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 from jdp import _collectives, _metrics, _sync
 from jdp._tree import format_problems, is_float, keystr
-from jdp.sparse._lookup import IndexedRows
+from jdp.sparse._lookup import is_rows, split_rows
 
 PyTree = Any
 
@@ -36,11 +36,7 @@ def loss_keywords(loss_fn: Callable[..., Any]) -> tuple[str, ...]:
 
 
 def takes_batch_stats(loss_fn: Callable[..., Any]) -> bool:
-    """Whether `loss_fn` is `(params, batch_stats, batch)` (else `(params, batch)`).
-
-    Read from its required positional parameters: two or three, not counting
-    the `LOSS_KEYWORDS` it declares (`rng`, `step`).
-    """
+    """Whether `loss_fn` is `(params, batch_stats, batch)` (else `(params, batch)`)."""
     try:
         signature = inspect.signature(loss_fn)
     except (TypeError, ValueError) as e:
@@ -70,11 +66,7 @@ def takes_batch_stats(loss_fn: Callable[..., Any]) -> bool:
 
 
 def _rng_hint(signature: inspect.Signature, always: bool = False) -> str:
-    """A sentence for a loss whose PRNG key parameter is not named `rng`.
-
-    flax's examples call it `dropout_rng`; jdp passes a key only to `rng`, and
-    takes any other parameter for the batch statistics or the batch.
-    """
+    """A sentence for a loss whose PRNG key parameter is not named `rng`."""
     keys = [
         name
         for name in signature.parameters
@@ -134,9 +126,8 @@ class Gradients(NamedTuple):
 def loss_kwargs(state, keywords, axis_name, api) -> Callable[[Any], dict]:
     """`part -> {keyword: value}` for the `LOSS_KEYWORDS` the loss declares.
 
-    `step` is the state's step counter; `rng` this replica's key for this step
-    (and microbatch `part`, unless None): `fold_in` of the state's `rng` with
-    the step, the part and the replica index.
+    `rng` is `fold_in` of the state's `rng` with the step, the microbatch `part`
+    (unless None) and the replica index.
     """
     if "rng" in keywords and getattr(state, "rng", None) is None:
         raise ValueError(
@@ -165,29 +156,20 @@ def gradients(
 ):
     """`loss_and_grads` over the whole batch, or accumulated over microbatches.
 
-    With `microbatches=k` the replica's batch is split into `k` equal parts along
-    its leading axis and processed in sequence (`lax.scan`, so activations of one
-    part are live at a time). For a loss that is a mean over examples, gradients
-    and losses are averaged over the parts, which equals the whole batch at once;
-    for a `jdp.weighted` loss, totals, weights and gradients are summed, which
-    is exact whatever the parts' weights. Sparse row gradients (`jdp.sparse.
-    rows()`) are concatenated over the parts (the sum of their scatter-adds),
-    not accumulated in a dense table. Every part starts from the step's
-    batch statistics: their floating leaves (BatchNorm's running averages) end
-    as the mean over the parts, one update per step as with the whole batch,
-    while the others (RNG counters) carry from one part to the next, so each
-    part draws its own dropout masks. Auxiliary values are combined as
-    `_combine_parts` says.
+    The `microbatches` parts run in a `lax.scan`. Mean losses and gradients are
+    averaged over the parts, `jdp.weighted` ones summed, sparse rows
+    concatenated. Every part starts from the step's floating batch statistics
+    (they end as the parts' mean); the others (RNG counters) carry over.
     """
-    if microbatches == 1:
+
+    def run(current, part, index):
+        kwargs = loss_kwargs(index)
         return loss_and_grads(
-            value_and_grad,
-            loss_fn,
-            state,
-            batch,
-            has_aux=has_aux,
-            kwargs=loss_kwargs(None),
+            value_and_grad, loss_fn, current, part, has_aux=has_aux, kwargs=kwargs
         )
+
+    if microbatches == 1:
+        return run(state, batch, None)
     k = microbatches
     bad = [
         f"{keystr(p)}: {np.shape(x)[0] if np.ndim(x) else 'a scalar'}"
@@ -205,23 +187,17 @@ def gradients(
     parts = jax.tree.map(lambda x: x.reshape((k, x.shape[0] // k) + x.shape[1:]), batch)
     stats = getattr(state, "batch_stats", None)
 
-    def part_grads(index, part):
-        return loss_and_grads(
-            value_and_grad,
-            loss_fn,
-            state,
-            part,
-            has_aux=has_aux,
-            kwargs=loss_kwargs(index),
-        ).grads
-
     if value_and_grad is jax.value_and_grad:
-        zeros = jax.tree.map(jax.numpy.zeros_like, state.params)
+        zeros = jax.tree.map(jnp.zeros_like, state.params)
     else:  # a sync piece's own: its gradients may hold sparse rows
+
+        def part_grads(index, part):
+            return run(state, part, index).grads
+
         first = jax.tree.map(lambda x: x[0], parts)
-        shapes = jax.eval_shape(part_grads, jax.numpy.uint32(0), first)
+        shapes = jax.eval_shape(part_grads, jnp.uint32(0), first)
         zeros = jax.tree.map(
-            lambda s: jax.numpy.zeros(s.shape, s.dtype), _split_rows(shapes)[0]
+            lambda s: jnp.zeros(s.shape, s.dtype), split_rows(shapes)[0]
         )
 
     def body(carry, indexed):
@@ -234,20 +210,13 @@ def gradients(
                     lambda s, c: s if is_float(s) else c, stats, carried
                 )
             )
-        out = loss_and_grads(
-            value_and_grad,
-            loss_fn,
-            current,
-            part,
-            has_aux=has_aux,
-            kwargs=loss_kwargs(index),
-        )
-        dense, rows = _split_rows(out.grads)
-        total = jax.tree.map(lambda a, g: a + g, total, dense)
+        out = run(current, part, index)
+        dense, rows = split_rows(out.grads)
+        total = jax.tree.map(jnp.add, total, dense)
         carried = carried if stats is None else out.new_stats
         return (total, carried), out._replace(grads=rows)
 
-    indices = jax.numpy.arange(k, dtype=jax.numpy.uint32)
+    indices = jnp.arange(k, dtype=jnp.uint32)
     (total, carried), outs = lax.scan(body, (zeros, stats), (indices, parts))
     new_stats = None
     if stats is not None:
@@ -259,46 +228,27 @@ def gradients(
     aux = _combine_parts(outs.aux, k)
     # Sparse rows of the parts are concatenated: their scatter-add is the sum.
     rows = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), outs.grads)
+    grads = jax.tree.map(
+        lambda r, d: d if r is None else r,
+        rows,
+        total,
+        is_leaf=lambda x: x is None or is_rows(x),
+    )
     if outs.weight is not None:
-        grads = _join_rows(total, rows)
         return Gradients(outs.loss.sum(0), outs.weight.sum(0), aux, new_stats, grads)
-    grads = jax.tree.map(lambda g: g / k if is_float(g) else g, _join_rows(total, rows))
+    grads = jax.tree.map(lambda g: g / k if is_float(g) else g, grads)
     return Gradients(outs.loss.mean(0), None, aux, new_stats, grads)
 
 
-def _is_rows(x) -> bool:
-    return isinstance(x, IndexedRows)
-
-
-def _split_rows(grads: PyTree) -> tuple[PyTree, PyTree]:
-    """`grads` as its dense part and its sparse rows (`IndexedRows`).
-
-    Each of the two has None where the other has a leaf, so that `_join_rows`
-    puts them back together.
-    """
-    dense = jax.tree.map(lambda g: None if _is_rows(g) else g, grads, is_leaf=_is_rows)
-    rows = jax.tree.map(lambda g: g if _is_rows(g) else None, grads, is_leaf=_is_rows)
-    return dense, rows
-
-
-def _join_rows(dense: PyTree, rows: PyTree) -> PyTree:
-    """The inverse of `_split_rows`."""
-    return jax.tree.map(
-        lambda r, d: d if r is None else r,
-        rows,
-        dense,
-        is_leaf=lambda x: x is None or _is_rows(x),
-    )
+def _summable(x: jax.Array) -> jax.Array:
+    return x.astype(jnp.int32) if x.dtype == jnp.bool_ else x
 
 
 def _combine_parts(aux: PyTree, k: int) -> PyTree:
     """The auxiliary values of `k` microbatches (stacked) as one step's.
 
-    `jdp.weighted` values: totals and weights summed; `jdp.metrics.sum`: summed;
-    `jdp.metrics.gather`: concatenated in batch order; unmarked scalars:
-    averaged (as over replicas). An unmarked array is refused: whether it holds
-    one value per example (to concatenate) or something to average, only the
-    step's author knows.
+    `jdp.weighted` and `jdp.metrics.sum` values are summed, `jdp.metrics.gather`
+    ones concatenated, unmarked scalars averaged; an unmarked array is refused.
     """
 
     def combine(path, x):
@@ -307,9 +257,7 @@ def _combine_parts(aux: PyTree, k: int) -> PyTree:
         if isinstance(x, _metrics.Reduced):
             value = x.value
             if x.how == "sum":
-                if value.dtype == jax.numpy.bool_:
-                    value = value.astype(jax.numpy.int32)
-                return _metrics.Reduced(value.sum(0), "sum")
+                return _metrics.Reduced(_summable(value).sum(0), "sum")
             if value.ndim >= 2:
                 value = value.reshape((-1,) + value.shape[2:])
             return _metrics.Reduced(value, "gather")
@@ -322,10 +270,9 @@ def _combine_parts(aux: PyTree, k: int) -> PyTree:
                 "order), counts `jdp.metrics.sum(x)`, ratios `jdp.weighted(total, "
                 "weight)`, or reduce it to a scalar (averaged)."
             )
-        total = x.astype(jax.numpy.int32) if x.dtype == jax.numpy.bool_ else x
-        total = total.sum(0)
+        total = _summable(x).sum(0)
         if not is_float(x):
-            x = x.astype(jax.numpy.result_type(float))
+            x = x.astype(jnp.result_type(float))
         mean = x.mean(0)
         _collectives.record_total(mean, total)  # a `jdp.metrics.sum` around it
         return mean
@@ -336,35 +283,32 @@ def _combine_parts(aux: PyTree, k: int) -> PyTree:
 def keep_finite_stats(new: PyTree, old: PyTree, extra: dict) -> PyTree:
     """A skipped step's batch statistics: the new ones where they are finite.
 
-    A loss scaler's overflow (gradients only) leaves the forward pass's
-    statistics finite, and flax's recipe keeps them; a NaN or inf in the forward
-    pass would make them NaN for good, so a skipped step keeps the old leaf.
+    A loss scaler's overflow leaves them finite (flax's recipe keeps them); a
+    NaN in the forward pass would poison them for good, so that keeps the old.
     """
     skipped = extra["skipped"] > 0
 
     def one(n, o):
         if not is_float(n):
             return n
-        bad = skipped & ~jax.numpy.all(jax.numpy.isfinite(n))
-        return lax.select(bad, o, n)
+        return lax.select(skipped & ~jnp.all(jnp.isfinite(n)), o, n)
 
     return jax.tree.map(one, new, old)
+
+
+def _ratio(total: jax.Array, weight: jax.Array) -> jax.Array:
+    """`total / weight`, 0 where `weight` is not positive."""
+    some = weight > 0
+    return jnp.where(some, total / jnp.where(some, weight, 1), 0)
 
 
 def normalise(out: Gradients, axis_name) -> tuple[jax.Array, PyTree]:
     """The loss metric and the gradients the sync piece averages.
 
-    For a `jdp.weighted` loss, every replica's summed gradients are scaled by
-    `kept / kept_weight`, `kept` counting the replicas whose gradients are
-    finite and `kept_weight` their weight, so that the mean over those replicas
-    (what the pieces compute: every replica, or the valid ones with
-    `on_bad_replica="drop"`) is their sum over their weight, exactly one
-    device's per-token mean whatever the split. With every replica finite that
-    is `num_replicas / global weight`; a non-finite replica makes the average
-    non-finite anyway, unless the piece drops it, and then its weight is not
-    counted either. A kept weight of 0 (nothing but padding) gives zero
-    gradients. The loss is the global total over the global weight, the same
-    on every replica.
+    A `jdp.weighted` loss's gradients are scaled by `kept / kept_weight` (the
+    replicas with finite gradients and their weight), so that their mean over
+    those replicas is their sum over their weight, one device's per-token mean.
+    The loss is the global total over the global weight (0 if none was kept).
     """
     if out.weight is None:
         return out.loss, out.grads
@@ -374,24 +318,19 @@ def normalise(out: Gradients, axis_name) -> tuple[jax.Array, PyTree]:
     total, weight, kept_weight, kept = lax.psum(
         (out.loss, weight, valid * weight, valid), axis_name
     )
-    some = kept_weight > 0
-    scale = jax.numpy.where(some, kept / jax.numpy.where(some, kept_weight, 1), 0)
+    scale = _ratio(kept, kept_weight)
     grads = jax.tree.map(
         lambda g: g * scale.astype(g.dtype) if is_float(g) else g, out.grads
     )
-    return jax.numpy.where(some, total / jax.numpy.where(some, weight, 1), 0), grads
+    return _ratio(total, jnp.where(kept_weight > 0, weight, 0)), grads
 
 
 def kept_loss(out: Gradients, loss: jax.Array, extra: dict, axis_name):
     """`(loss, extra)`: the loss over the replicas a sync piece kept, if it says.
 
-    A piece that leaves bad replicas out (`on_bad_replica="drop"`) puts each
-    replica's share under `_sync.KEPT` in its metrics: `num_replicas / kept` on
-    a kept replica, 0 on a dropped one (1 everywhere when none was kept), so
-    that the metrics' mean over replicas is the kept replicas' mean: a dropped
-    replica's NaN does not make the step's loss NaN, and no collective is
-    added. A `jdp.weighted` loss: the kept replicas' totals over their weights
-    (one scalar sum). Other pieces' metrics are returned as they are.
+    A piece that drops bad replicas puts each replica's share under `_sync.KEPT`
+    (`num_replicas / kept` on a kept replica, 0 on a dropped one), so that the
+    metrics' mean over replicas is the kept replicas' mean.
     """
     if _sync.KEPT not in extra:
         return loss, extra
@@ -399,18 +338,16 @@ def kept_loss(out: Gradients, loss: jax.Array, extra: dict, axis_name):
     share = extra.pop(_sync.KEPT)
     kept = share > 0
     if out.weight is None:
-        kept_loss = jax.numpy.where(kept, loss * share.astype(loss.dtype), 0)
+        kept_loss = jnp.where(kept, loss * share.astype(loss.dtype), 0)
         return kept_loss.astype(loss.dtype), extra
-    zero = jax.numpy.zeros_like(out.loss)
     total, weight = lax.psum(
         (
-            jax.numpy.where(kept, out.loss, zero),
-            jax.numpy.where(kept, out.weight.astype(out.loss.dtype), zero),
+            jnp.where(kept, out.loss, 0),
+            jnp.where(kept, out.weight.astype(out.loss.dtype), 0),
         ),
         axis_name,
     )
-    some = weight > 0
-    return jax.numpy.where(some, total / jax.numpy.where(some, weight, 1), 0), extra
+    return _ratio(total, weight), extra
 
 
 #: A loss scale below this no longer scales anything up: flax's `DynamicScale`
@@ -446,8 +383,8 @@ def check_loss_scaling(sync, microbatches: int) -> None:
     if isinstance(sync, _sync.OwnUpdate):
         raise ValueError(
             "A state with a `dynamic_scale` (loss scaling) needs a `jdp.Sync` "
-            "(e.g. `jdp.all_reduce()`): `jdp.zero()` and `jdp.sparse.rows()` "
-            "apply the optimizer themselves and do not support loss scaling."
+            "(e.g. `jdp.all_reduce()`): `jdp.sparse.rows()` applies the "
+            "optimizer itself and does not support loss scaling."
         )
     if microbatches != 1:
         raise ValueError(
@@ -459,10 +396,8 @@ def check_loss_scaling(sync, microbatches: int) -> None:
 def scaled(scale):
     """`value_and_grad` through a flax `DynamicScale` (loss scaling).
 
-    The scaled loss is differentiated and the gradients unscaled (to float32)
-    by `DynamicScale.value_and_grad`, without its `axis_name`: the sync piece
-    syncs them next, and the step decides on the synced gradients, agreed by
-    every replica (`next_scale`).
+    Without its `axis_name`: the step decides on the synced gradients
+    (`next_scale`).
     """
 
     def value_and_grad(fun, *, has_aux):
@@ -480,12 +415,11 @@ def scaled(scale):
 def next_scale(scale, finite: jax.Array):
     """The `DynamicScale` after a step whose synced gradients were `finite`.
 
-    flax's own rule (grow after `growth_interval` finite steps, back off
-    otherwise), driven by the verdict every replica agreed on: the gradient of
-    `x * c` is `c`, finite exactly when `finite`.
+    flax's own rule, driven by the replicas' agreed verdict: the gradient of
+    `x * c` is finite exactly when `finite`.
     """
-    c = jax.numpy.where(finite, 0.0, jax.numpy.nan).astype(jax.numpy.float32)
-    new, _, _, _ = scale.value_and_grad(lambda x: x * c)(jax.numpy.float32(0.0))
+    c = jnp.where(finite, 0.0, jnp.nan).astype(jnp.float32)
+    new, _, _, _ = scale.value_and_grad(lambda x: x * c)(jnp.float32(0.0))
     return new
 
 
@@ -494,12 +428,10 @@ def loss_and_grads(
 ) -> Gradients:
     """One replica's `loss_fn`, differentiated.
 
-    A state with `batch_stats` calls `loss_fn(params, batch_stats, batch) ->
-    (loss, new_batch_stats)` (or `(loss, (new_batch_stats, aux))` with
-    `has_aux`); otherwise `loss_fn(params, batch)`. The loss may be a
-    `jdp.weighted(total, weight)`: the total is differentiated, the weight
-    returned beside it (no gradient flows into it). `aux` and `new_stats` are
-    None when absent. `kwargs` (`rng`, `step`) are passed by name.
+    With `batch_stats`, `loss_fn(params, batch_stats, batch) -> (loss,
+    new_batch_stats)` (or `(loss, (new_batch_stats, aux))` with `has_aux`);
+    otherwise `loss_fn(params, batch)`. A `jdp.weighted` loss's weight gets no
+    gradient. `kwargs` (`rng`, `step`) are passed by name.
     """
     loss_fn = _fresh_arguments(loss_fn)
     with_stats = getattr(state, "batch_stats", None) is not None
@@ -524,16 +456,10 @@ def loss_and_grads(
 
 
 def _fresh_arguments(loss_fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`loss_fn` with the arguments it is not differentiated by rebuilt inside.
+    """`loss_fn` with its non-differentiated arguments rebuilt (new nodes) inside.
 
-    `jax.value_and_grad` hands the arguments it does not differentiate (batch
-    statistics, the batch) to the function as the very objects it was given. A
-    flax NNX `Variable` remembers the trace it was made in and refuses updates
-    from another one, so a `loss_fn` that `nnx.merge`s the batch statistics and
-    runs BatchNorm in training mode would fail with "Cannot mutate BatchStat
-    from a different trace level". Rebuilding those pytrees inside the
-    differentiated function (same leaves, new nodes) makes them this trace's
-    own, as `nnx.merge(..., copy=True)` would; other pytrees are unaffected.
+    A flax NNX `Variable` refuses updates from another trace ("Cannot mutate
+    BatchStat from a different trace level"); rebuilt pytrees are this trace's.
     """
 
     @functools.wraps(loss_fn)

@@ -32,6 +32,17 @@ class IndexedRows(NamedTuple):
     rows: jax.Array
 
 
+def is_rows(x: Any) -> bool:
+    return isinstance(x, IndexedRows)
+
+
+def split_rows(grads: PyTree) -> tuple[PyTree, PyTree]:
+    """`grads` as its dense leaves and its `IndexedRows`, None where the other is."""
+    dense = jax.tree.map(lambda g: None if is_rows(g) else g, grads, is_leaf=is_rows)
+    rows = jax.tree.map(lambda g: g if is_rows(g) else None, grads, is_leaf=is_rows)
+    return dense, rows
+
+
 # -- table paths -----------------------------------------------------------------
 
 
@@ -74,8 +85,7 @@ def locate_tables(
         )
     index = {t: names[t] for t in tables}
     for t, i in index.items():
-        leaf = flat[i][1]
-        if np.ndim(leaf) < 1:
+        if np.ndim(flat[i][1]) < 1:
             raise ValueError(
                 f"`{api}`: table {t!r} at {keystr(flat[i][0])} is a scalar; a table "
                 "needs a leading row axis."
@@ -86,6 +96,13 @@ def locate_tables(
 # -- lookup ----------------------------------------------------------------------
 
 
+def row_index(ids: jax.Array, num_rows: int) -> jax.Array:
+    """Ids with negative ones moved out of range (no wrap-around), for `mode=`."""
+    if ids.dtype.itemsize < 4:
+        ids = ids.astype(jnp.int32)
+    return jnp.where(ids < 0, num_rows, ids)
+
+
 def _gather(table: jax.Array, ids: Any) -> jax.Array:
     ids = jnp.asarray(ids)
     if not jnp.issubdtype(ids.dtype, jnp.integer):
@@ -93,25 +110,19 @@ def _gather(table: jax.Array, ids: Any) -> jax.Array:
             f"`jdp.sparse.lookup`: ids must be integers, got dtype {ids.dtype}. "
             "Cast them with `ids.astype(jnp.int32)`."
         )
-    if ids.dtype.itemsize < 4:
-        ids = ids.astype(jnp.int32)
-    num_rows = table.shape[0]
-    safe = jnp.where(ids < 0, num_rows, ids)  # no wrap-around: negative is invalid
-    return table.at[safe].get(mode="fill", fill_value=0)
+    index = row_index(ids, table.shape[0])
+    return table.at[index].get(mode="fill", fill_value=0)
 
 
 def lookup(table: Any, ids: Any) -> jax.Array:
     """Looks up rows of an embedding table: `table[ids]`, with a sparse gradient.
 
-    On a plain array this is a gather whose gradient is the usual dense
-    scatter-add (so the same model trains with `jdp.make_train_step`). Inside
-    `jdp.sparse.value_and_grad` / `jdp.sparse.rows()`, where the table
-    arrives as a handle, the gradient is kept as `(ids, row gradients)` instead
-    (`jdp.sparse.IndexedRows`), never as a dense table.
-
-    Ids outside `[0, num_rows)` (negative ones included: there is no wrap-around)
-    read a row of zeros and receive no update, on both paths. Use
-    `jdp.sparse.rows(check_ids=True)` to get an error instead.
+    On an array this is a gather with the usual dense gradient (so the same
+    model trains with `jdp.make_train_step`). Inside `jdp.sparse.value_and_grad`
+    and `jdp.sparse.rows()` the table is a handle and its gradient is kept as
+    `jdp.sparse.IndexedRows`, never as a dense table. Ids outside `[0,
+    num_rows)` (negative ones too: no wrap-around) read zeros and receive no
+    update; `jdp.sparse.rows(check_ids=True)` raises instead.
 
     Args:
       table: The table, shape `(num_rows, ...)`: a parameter leaf (array or the
@@ -145,7 +156,7 @@ class _Record(NamedTuple):
 
 
 class _Recorder:
-    """Collects one trace's lookups: their shapes (first pass) or their ids."""
+    """One trace's lookups: their shapes (first pass) or their ids (second)."""
 
     def __init__(self, perturbations: Sequence[jax.Array] | None = None, expected=None):
         self.records: list[_Record] = []
@@ -214,18 +225,15 @@ def value_and_grad(
     """Like `jax.value_and_grad`, but the gradient of each table is sparse rows.
 
     `fun(params, *args)` reads each table in `tables` only through
-    `jdp.sparse.lookup(params[...], ids)`. The returned function gives `(value,
-    grads)` where `grads` mirrors `params` except that every table leaf holds a
-    `jdp.sparse.IndexedRows`: the ids of all its lookups (flattened, in call
-    order) and the gradient of the loss with respect to each looked-up row. A
-    dense table gradient is never formed (the two-part gradient of Caffe2's
-    `GradientSlice`).
+    `jdp.sparse.lookup(params[...], ids)`. In the gradient, every table leaf
+    holds a `jdp.sparse.IndexedRows`: the ids of all its lookups (flattened, in
+    call order) and the gradient with respect to each looked-up row; a dense
+    table gradient is never formed (Caffe2's `GradientSlice`).
 
-    The function is traced twice: once abstractly (`jax.eval_shape`) to learn
-    the lookups' shapes, then for the gradient, which is taken with respect to
-    the looked-up rows. So lookups must happen at the top level of `fun`, not
-    inside `jax.vmap`/`lax.scan` bodies, and their number and shapes must not
-    depend on values.
+    `fun` is traced twice, abstractly to learn the lookups' shapes, then for
+    the gradient with respect to the looked-up rows. So lookups must happen at
+    the top level of `fun`, not inside `jax.vmap`/`lax.scan` bodies, and their
+    number and shapes must not depend on values.
 
     Args:
       fun: `fun(params, *args) -> loss` (or `(loss, aux)` with `has_aux`).
@@ -300,21 +308,14 @@ def value_and_grad(
         )(dense, zeros)
         grads = list(dense_grads)
         for t, i in index.items():
-            table = table_values[t]
+            row_shape = table_values[t].shape[1:]
             mine = [k for k, r in enumerate(records) if r.table == t]
-            if mine:
-                sparse = IndexedRows(
-                    jnp.concatenate([ids[k].reshape(-1) for k in mine]),
-                    jnp.concatenate(
-                        [row_grads[k].reshape((-1,) + table.shape[1:]) for k in mine]
-                    ),
-                )
-            else:
-                sparse = IndexedRows(
-                    jnp.zeros((0,), jnp.int32),
-                    jnp.zeros((0,) + table.shape[1:], table.dtype),
-                )
-            grads[i] = sparse
+            table_ids = [ids[k].reshape(-1) for k in mine]
+            rows = [row_grads[k].reshape((-1,) + row_shape) for k in mine]
+            if not mine:
+                table_ids = [jnp.zeros((0,), jnp.int32)]
+                rows = [jnp.zeros((0,) + row_shape, table_values[t].dtype)]
+            grads[i] = IndexedRows(jnp.concatenate(table_ids), jnp.concatenate(rows))
         value = (loss, aux) if has_aux else loss
         return value, jax.tree_util.tree_unflatten(treedef, grads)
 

@@ -11,7 +11,14 @@ import optax
 
 from jdp import _validate
 from jdp.sparse._gather import combine_rows
-from jdp.sparse._lookup import IndexedRows, TablePath, locate_tables, normalize_path
+from jdp.sparse._lookup import (
+    IndexedRows,
+    TablePath,
+    is_rows,
+    locate_tables,
+    normalize_path,
+    row_index,
+)
 
 PyTree = Any
 
@@ -39,39 +46,26 @@ def _check_rows(grads: IndexedRows, table: jax.Array, api: str) -> None:
         )
 
 
-def _row_index(ids: jax.Array, num_rows: int) -> jax.Array:
-    """Ids with negative ones moved out of range, so `mode="drop"` skips them."""
-    if ids.dtype.itemsize < 4:
-        ids = ids.astype(jnp.int32)
-    return jnp.where(ids < 0, num_rows, ids)
-
-
-def _update_rows(
-    grads: IndexedRows,
+def _update(
+    grads: IndexedRows | jax.Array,
     table: jax.Array,
     states: tuple[jax.Array, ...],
     step: Callable[..., tuple[jax.Array, ...]],
     api: str,
 ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-    """Applies a row-wise rule to the rows `grads` touches, and to nothing else.
+    """`step(g, *state_rows) -> (delta, *new_state_rows)` on the rows touched.
 
-    Repeated ids are summed first (`combine_rows`), so each touched row is
-    updated once, with the gradient the dense path would give it. Invalid ids
-    (negative, or `>= num_rows`) read zero state and their writes are dropped.
-
-    Args:
-      grads: The sparse gradient.
-      table: The table.
-      states: Per-row state arrays, each shaped like the table.
-      step: `step(rows, *state_rows) -> (delta, *new_state_rows)`.
-      api: The optimizer's name, for error messages.
-
-    Returns:
-      `(new_table, new_states)`.
+    A dense gradient touches every row. Row gradients with per-row state have
+    their repeated ids summed first, so that each row is updated once, with its
+    dense gradient; invalid ids read zero state and their writes are dropped.
     """
+    if not isinstance(grads, IndexedRows):
+        delta, *new = step(grads, *states)
+        states = tuple(n.astype(s.dtype) for s, n in zip(states, new, strict=True))
+        return table + delta.astype(table.dtype), states
     _check_rows(grads, table, api)
-    ids, rows = combine_rows(*grads)
-    index = _row_index(ids, table.shape[0])
+    ids, rows = combine_rows(*grads) if states else grads
+    index = row_index(ids, table.shape[0])
     delta, *new = step(
         rows, *(s.at[index].get(mode="fill", fill_value=0) for s in states)
     )
@@ -83,24 +77,11 @@ def _update_rows(
     return table, states
 
 
-def _update_dense(
-    grads: jax.Array,
-    table: jax.Array,
-    states: tuple[jax.Array, ...],
-    step: Callable[..., tuple[jax.Array, ...]],
-) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-    """The same rule on a dense gradient: every row counts as touched."""
-    delta, *new = step(grads, *states)
-    states = tuple(n.astype(s.dtype) for s, n in zip(states, new, strict=True))
-    return table + delta.astype(table.dtype), states
-
-
 def sgd(learning_rate: float) -> RowOptimizer:
     """Plain SGD on the rows touched: `table[ids] -= learning_rate * rows`.
 
-    Caffe2's `ScatterWeightedSum` / PyTorch's `SGD` on a sparse gradient. Gives
-    the same table as `optax.sgd(learning_rate)` on the dense gradient: rows not
-    touched have a zero gradient and do not move. Repeated ids add up.
+    Caffe2's `ScatterWeightedSum`; the same table as `optax.sgd(learning_rate)`
+    on the dense gradient. Repeated ids add up.
 
     Args:
       learning_rate: Step size (a constant).
@@ -123,22 +104,13 @@ def sgd(learning_rate: float) -> RowOptimizer:
         del table
         return optax.EmptyState()
 
+    def step(g):
+        return (-learning_rate * g,)
+
     def update_fn(grads, state, table):
-        if isinstance(grads, IndexedRows):
-            _check_rows(grads, table, "jdp.sparse.sgd")
-            index = _row_index(grads.ids, table.shape[0])
-            delta = (-learning_rate * grads.rows).astype(table.dtype)
-            return table.at[index].add(delta, mode="drop"), state
-        return table + (-learning_rate * grads).astype(table.dtype), state
+        return _update(grads, table, (), step, "jdp.sparse.sgd")[0], state
 
     return RowOptimizer(init_fn, update_fn)
-
-
-def _update(grads, table, states, step, api: str):
-    """`step` on the touched rows (row gradients) or on every row (a dense one)."""
-    if isinstance(grads, IndexedRows):
-        return _update_rows(grads, table, states, step, api)
-    return _update_dense(grads, table, states, step)
 
 
 class AdagradRowState(NamedTuple):
@@ -156,9 +128,8 @@ def adagrad(
 
     For each distinct id (repeated ids are summed first, as PyTorch's sparse
     Adagrad coalesces), `s[id] += g ** 2` and `table[id] -= learning_rate * g /
-    sqrt(s[id] + eps)`, elementwise. This is `optax.adagrad`'s rule with its
-    defaults, so on the dense gradient both give the same table: a row with zero
-    gradient keeps its value and its accumulator.
+    sqrt(s[id] + eps)`: `optax.adagrad`'s rule, so the dense gradient gives the
+    same table (a row with zero gradient keeps its value and accumulator).
 
     Args:
       learning_rate: Step size (a constant).
@@ -208,22 +179,16 @@ def momentum(
 ) -> RowOptimizer:
     """SGD with momentum on the rows touched (Caffe2's `SparseMomentumSGDUpdate`).
 
-    Each row of the table has its own momentum buffer `m`. For each distinct id
-    in the gradient (repeated ids are summed first), `m[id] = g + momentum *
-    m[id]` and `table[id] -= learning_rate * m[id]` (with `nesterov`, `table[id]
-    -= learning_rate * (g + momentum * m[id])`). This is `optax.sgd(learning_rate,
-    momentum=momentum, nesterov=nesterov)`'s rule, applied to the touched rows
-    only.
+    Each row has its own momentum buffer `m`. For each distinct id (repeated
+    ids are summed first), `m[id] = g + momentum * m[id]` and `table[id] -=
+    learning_rate * m[id]` (with `nesterov`, `table[id] -= learning_rate * (g +
+    momentum * m[id])`): `optax.sgd(learning_rate, momentum=momentum,
+    nesterov=nesterov)`'s rule on the touched rows only.
 
-    Unlike dense momentum, a row that is not in the batch is left alone: it
-    keeps its value and its momentum. Dense momentum (`optax.sgd(...,
-    momentum=...)`) decays every row's momentum every step and keeps moving the
-    rows with nonzero momentum even when they get no gradient. The two give the
-    same table only while every row is touched at every step; otherwise a row
-    trained here stops moving as soon as it leaves the batch.
-
-    Given a dense gradient (the table trained by `jdp.make_train_step`), every
-    row counts as touched, and the update is dense momentum.
+    A row not in the batch keeps its value and its momentum, where dense
+    momentum decays every row's buffer and keeps moving rows that get no
+    gradient: the two agree only while every row is touched at every step. A
+    dense gradient (`jdp.make_train_step`) touches every row: dense momentum.
 
     Args:
       learning_rate: Step size (a constant, >= 0).
@@ -290,33 +255,24 @@ def adam(
 ) -> RowOptimizer:
     """Lazy Adam on the rows touched (PyTorch's `SparseAdam`, TF's `LazyAdam`).
 
-    Each row of the table has its own first and second moments `mu`, `nu`; a
-    step count `t` is shared by the whole table. Every update increments `t`;
-    for each distinct id in the gradient (repeated ids are summed first, so a
-    repeated id counts as one row with the summed gradient, as in the dense
-    gradient), `mu[id] = b1 * mu[id] + (1 - b1) * g`, `nu[id] = b2 * nu[id] +
-    (1 - b2) * g ** 2` and `table[id] -= learning_rate * mu_hat / (sqrt(nu_hat)
-    + eps)`, with `mu_hat = mu[id] / (1 - b1 ** t)` and `nu_hat = nu[id] / (1 -
-    b2 ** t)`. This is `optax.adam(learning_rate, b1, b2, eps)`'s rule (`eps`
-    is added after the bias correction, as optax does; PyTorch adds it before),
-    applied to the touched rows only.
+    Each row has its own moments `mu`, `nu`; the step count `t` is the
+    table's, incremented by every update. For each distinct id (repeated ids
+    are summed first), `mu[id] = b1 * mu[id] + (1 - b1) * g`, `nu[id] = b2 *
+    nu[id] + (1 - b2) * g ** 2` and `table[id] -= learning_rate * mu_hat /
+    (sqrt(nu_hat) + eps)`, with `mu_hat = mu[id] / (1 - b1 ** t)` and `nu_hat =
+    nu[id] / (1 - b2 ** t)`: `optax.adam(learning_rate, b1, b2, eps)`'s rule
+    (`eps` after the bias correction; PyTorch adds it before) on the touched
+    rows only.
 
-    Unlike dense Adam, a row that is not in the batch is left alone: it keeps
-    its value and its moments. Dense Adam (`optax.adam`) decays every row's
-    moments every step and keeps moving the rows whose first moment is nonzero
-    even when they get no gradient. The two give the same table only while every
-    row is touched at every step.
+    A row not in the batch keeps its value and its moments, where dense Adam
+    decays every row's moments and keeps moving rows that get no gradient: the
+    two agree only while every row is touched at every step. A dense gradient
+    (`jdp.make_train_step`) touches every row: dense Adam.
 
-    The bias correction uses the global step count `t`, as PyTorch's
-    `SparseAdam` and TF's `LazyAdam` do, not a count of the row's own updates.
-    A row first touched at step `t` gets `mu_hat = (1 - b1) * g / (1 - b1 **
-    t)` and `nu_hat = (1 - b2) * g ** 2 / (1 - b2 ** t)`, so its first step is
-    `learning_rate` at `t = 1` but tends to `(1 - b1) / sqrt(1 - b2)` times
-    `learning_rate` for large `t` (2.5 times at step 1000 with the defaults,
-    3.2 times in the limit).
-
-    Given a dense gradient (the table trained by `jdp.make_train_step`), every
-    row counts as touched, and the update is dense Adam.
+    The bias correction uses the global `t`, as PyTorch's `SparseAdam` and TF's
+    `LazyAdam` do, so a row first touched at a late step takes a larger first
+    step: `learning_rate` at `t = 1`, about `(1 - b1) / sqrt(1 - b2)` times it
+    for large `t` (2.5 times at step 1000 with the defaults, 3.2 in the limit).
 
     Args:
       learning_rate: Step size (a constant, >= 0).
@@ -387,10 +343,9 @@ class OptimizerState(NamedTuple):
 class SparseTransformation(optax.GradientTransformation):
     """An `optax.GradientTransformation` that also trains some tables sparsely.
 
-    Made by `jdp.sparse.optimizer`. Its `init`/`update` follow optax (`update`
-    takes dense gradients, so the same optimizer also works with
-    `jdp.make_train_step`); `jdp.sparse.rows()` instead applies the
-    tables' row optimizers to sparse gradients directly.
+    Made by `jdp.sparse.optimizer`. Its `update` takes dense gradients (for
+    `jdp.make_train_step`); `jdp.sparse.rows()` applies the tables' row
+    optimizers to sparse gradients directly.
 
     Attributes:
       dense: The optimizer of every parameter that is not a table.
@@ -401,34 +356,17 @@ class SparseTransformation(optax.GradientTransformation):
     tables: tuple[tuple[str, RowOptimizer], ...]
 
 
-def _split(params: PyTree, tx: SparseTransformation, api: str):
-    names = [t for t, _ in tx.tables]
-    leaves, treedef, index = locate_tables(params, names, api=api)
-    at_table = set(index.values())
-    dense = jax.tree_util.tree_unflatten(
-        treedef, [None if i in at_table else x for i, x in enumerate(leaves)]
-    )
-    return leaves, treedef, index, dense
-
-
-def _flat_with_none(tree: PyTree) -> list[Any]:
-    return jax.tree_util.tree_leaves(tree, is_leaf=lambda x: x is None)
-
-
 def optimizer(
     dense_tx: optax.GradientTransformation,
     tables: Mapping[TablePath, RowOptimizer],
 ) -> SparseTransformation:
     """Combines an optax optimizer for the dense parameters with row optimizers.
 
-    The state for `jdp.TrainState.create(params=..., tx=...)` holds `dense_tx`'s
-    state for every parameter except the tables (no dense optimizer state is
-    allocated for a table) and each table's row-optimizer state. Use it with
-    `sync=jdp.sparse.rows()` for sparse table gradients; it also works with
-    `jdp.make_train_step` (dense table gradients). With `sgd` and `adagrad` both
-    give the same updates; with `momentum` and `adam` a dense gradient touches
-    every row, so `jdp.make_train_step` gives dense momentum / dense Adam, which
-    also moves the rows outside the batch.
+    Its state holds `dense_tx`'s state for every parameter but the tables (none
+    is allocated for a table) and each table's row-optimizer state. Use it with
+    `sync=jdp.sparse.rows()` for sparse table gradients; with
+    `jdp.make_train_step` (dense table gradients) `sgd` and `adagrad` give the
+    same updates, `momentum` and `adam` dense momentum / dense Adam.
 
     Args:
       dense_tx: optax optimizer for all non-table parameters.
@@ -450,6 +388,7 @@ def optimizer(
       >>> state.opt_state.dense[0].mu  # Adam moments only for the dense part
       {'embed': None, 'w': Array([0., 0., 0., 0., 0., 0., 0., 0.], dtype=float32)}
     """
+    api = "jdp.sparse.optimizer"
     named = tuple((normalize_path(p), opt) for p, opt in tables.items())
     if not named:
         raise ValueError("`jdp.sparse.optimizer`: `tables` is empty.")
@@ -462,9 +401,9 @@ def optimizer(
             )
 
     def init_fn(params):
-        leaves, _, index, dense = _split(params, tx, "jdp.sparse.optimizer")
+        leaves, _, index = locate_tables(params, [t for t, _ in named], api=api)
         return OptimizerState(
-            dense=dense_tx.init(dense),
+            dense=dense_tx.init(_without_tables(params, index)),
             tables={p: opt.init(jnp.asarray(leaves[index[p]])) for p, opt in named},
         )
 
@@ -474,34 +413,13 @@ def optimizer(
                 "`jdp.sparse.optimizer(...).update` needs `params` (the tables' row "
                 "optimizers update the tables themselves)."
             )
-        leaves, treedef, index, dense_params = _split(
-            params, tx, "jdp.sparse.optimizer"
-        )
-        grads = jax.tree_util.tree_leaves(
-            updates, is_leaf=lambda x: isinstance(x, IndexedRows)
-        )
-        if any(isinstance(g, IndexedRows) for g in grads):
+        if any(map(is_rows, jax.tree.leaves(updates, is_leaf=is_rows))):
             raise TypeError(
                 "`jdp.sparse.optimizer(...).update` got sparse `IndexedRows` "
                 "gradients; apply those with `sync=jdp.sparse.rows()`, or pass "
                 "dense gradients."
             )
-        at_table = set(index.values())
-        dense_grads = jax.tree_util.tree_unflatten(
-            treedef, [None if i in at_table else g for i, g in enumerate(grads)]
-        )
-        dense_updates, dense_state = dense_tx.update(
-            dense_grads, state.dense, dense_params
-        )
-        out = _flat_with_none(dense_updates)
-        table_states = {}
-        for p, opt in named:
-            i = index[p]
-            new, table_states[p] = opt.update(grads[i], state.tables[p], leaves[i])
-            out[i] = new - leaves[i]
-        return jax.tree_util.tree_unflatten(treedef, out), OptimizerState(
-            dense_state, table_states
-        )
+        return apply_sparse(tx, updates, state, params, api=api, as_updates=True)
 
     tx = SparseTransformation(init_fn, update_fn)
     tx.dense = dense_tx
@@ -509,26 +427,43 @@ def optimizer(
     return tx
 
 
-def apply_sparse(
-    tx: SparseTransformation, grads: PyTree, opt_state: OptimizerState, params: PyTree
-) -> tuple[PyTree, OptimizerState]:
-    """Applies dense grads with `tx.dense` and `IndexedRows` with the row optimizers."""
-    leaves, treedef, index, dense_params = _split(params, tx, "jdp.sparse.rows")
-    flat = jax.tree_util.tree_leaves(
-        grads, is_leaf=lambda x: isinstance(x, IndexedRows)
-    )
+def _without_tables(tree: PyTree, index: dict[str, int]) -> PyTree:
+    """`tree` with None at the table leaves (`index`'s leaf positions)."""
+    leaves, treedef = jax.tree.flatten(tree, is_leaf=is_rows)
     at_table = set(index.values())
-    dense_grads = jax.tree_util.tree_unflatten(
-        treedef, [None if i in at_table else g for i, g in enumerate(flat)]
+    return treedef.unflatten(
+        [None if i in at_table else x for i, x in enumerate(leaves)]
     )
-    updates, dense_state = tx.dense.update(dense_grads, opt_state.dense, dense_params)
-    new_leaves = _flat_with_none(optax.apply_updates(dense_params, updates))
+
+
+def apply_sparse(
+    tx: SparseTransformation,
+    grads: PyTree,
+    opt_state: OptimizerState,
+    params: PyTree,
+    *,
+    api: str = "jdp.sparse.rows",
+    as_updates: bool = False,
+) -> tuple[PyTree, OptimizerState]:
+    """Dense grads through `tx.dense`, each table's (rows or dense) through its own.
+
+    Returns the new params, or with `as_updates` optax's updates (new - old).
+    """
+    leaves, treedef, index = locate_tables(params, [t for t, _ in tx.tables], api=api)
+    dense_params = _without_tables(params, index)
+    updates, dense_state = tx.dense.update(
+        _without_tables(grads, index), opt_state.dense, dense_params
+    )
+    if not as_updates:
+        updates = optax.apply_updates(dense_params, updates)
+    out = jax.tree.leaves(updates, is_leaf=lambda x: x is None)
+    grad_leaves = jax.tree.leaves(grads, is_leaf=is_rows)
     table_states = {}
     for p, opt in tx.tables:
         i = index[p]
-        new_leaves[i], table_states[p] = opt.update(
-            flat[i], opt_state.tables[p], leaves[i]
+        out[i], table_states[p] = opt.update(
+            grad_leaves[i], opt_state.tables[p], leaves[i]
         )
-    return jax.tree_util.tree_unflatten(treedef, new_leaves), OptimizerState(
-        dense_state, table_states
-    )
+        if as_updates:
+            out[i] = out[i] - leaves[i]
+    return treedef.unflatten(out), OptimizerState(dense_state, table_states)

@@ -13,7 +13,7 @@ import numpy as np
 
 from jdp import _collectives, _jax_compat, _sync
 from jdp.sparse._gather import all_gather_rows, combine_rows
-from jdp.sparse._lookup import IndexedRows, path_name, value_and_grad
+from jdp.sparse._lookup import is_rows, path_name, split_rows, value_and_grad
 from jdp.sparse._optim import SparseTransformation, apply_sparse
 
 PyTree = Any
@@ -28,7 +28,7 @@ class IdsOutOfRangeError(ValueError):
 
 
 class _QuietIdErrors(logging.Filter):
-    """Drops JAX's per-replica log of our own check error (it is raised anyway)."""
+    """Drops JAX's per-replica log of the id check's error (raised anyway)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
@@ -36,13 +36,10 @@ class _QuietIdErrors(logging.Filter):
 
 
 _FILTER = _QuietIdErrors()
-# Whether `_forget_failed_checks` is registered to run at exit.
 _exit_hook_installed = False
 
 
 def _install_filter() -> None:
-    # JAX has no public switch for this log; if the loggers move, the filter
-    # just stops applying (`_jax_compat.CALLBACK_LOGGERS` has a test).
     global _exit_hook_installed
     for name in _jax_compat.CALLBACK_LOGGERS:
         logger = logging.getLogger(name)
@@ -55,13 +52,7 @@ def _install_filter() -> None:
 
 
 def _forget_failed_checks() -> None:
-    """At exit: JAX would report a failed id check again (twice), as unhandled.
-
-    The error reached the caller when the failed step's outputs were read; JAX
-    also keeps the failed step's runtime token and raises its error from its
-    exit handlers ("Exception ignored in atexit callback"), even after the
-    caller handled it and trained on.
-    """
+    """At exit: JAX would raise a handled id check error again from its tokens."""
     _jax_compat.drop_failed_runtime_tokens(
         lambda e: _jax_compat.error_names_type(e, IdsOutOfRangeError)
     )
@@ -79,11 +70,9 @@ def _raise_if_out_of_range(count, first, *, table: str, num_rows: int) -> np.nda
 
 
 def _check_ids(ids: jax.Array, num_rows: int, table: str) -> jax.Array:
-    """Returns `ids`, made to depend on a host check that raises if any is invalid.
+    """`ids`, made to depend on a host check (a `pure_callback`) of their range.
 
-    The check is a `pure_callback` whose result feeds the ids, so it runs before
-    the table update; its failure fails the step, whose outputs then raise when
-    read. Every replica checks the same gathered ids and fails at the same point.
+    Every replica checks the same gathered ids, so all fail at the same point.
     """
     bad = (ids < 0) | (ids >= num_rows)
     count = jnp.sum(bad)
@@ -107,17 +96,15 @@ def rows(
     """A sync piece that trains embedding tables with sparse gradients.
 
     For `jdp.make_train_step(loss_fn, tx, sync=jdp.sparse.rows())`, with `tx`
-    made by `jdp.sparse.optimizer`. The dense parameters' gradients are averaged
-    with `jdp.all_reduce_gradients` and applied with `tx.dense`; each table's
-    gradient is kept as rows (`jdp.sparse.value_and_grad`), divided by the
-    number of replicas, exchanged with `jdp.sparse.all_gather_rows` and applied
-    by the table's row optimizer to the touched rows only. Communication per
-    table is `num_replicas * ids_per_replica * (row bytes + id bytes)` instead of
-    the whole table, and every replica applies the same gathered rows, so the
-    replicas stay identical. The result equals `jdp.all_reduce()` with the same
-    `tx` (up to float rounding).
-
-    The loss reads each table only through `jdp.sparse.lookup(params[...], ids)`.
+    made by `jdp.sparse.optimizer`, and a loss that reads each table only
+    through `jdp.sparse.lookup(params[...], ids)`. The dense gradients are
+    averaged with `jdp.all_reduce_gradients` and applied with `tx.dense`; each
+    table's gradient is kept as rows (`jdp.sparse.value_and_grad`), divided by
+    the number of replicas, exchanged with `jdp.sparse.all_gather_rows` and
+    applied by the table's row optimizer to the touched rows only. A table
+    costs `num_replicas * ids_per_replica * (row bytes + id bytes)` instead of
+    the whole table; every replica applies the same rows, and the result equals
+    `jdp.all_reduce()` with the same `tx` (up to float rounding).
 
     Args:
       combine: Sum the rows of repeated ids after gathering (a sort of the
@@ -125,15 +112,12 @@ def rows(
         anyway); `adagrad`, `momentum` and `adam` combine by themselves.
       check_ids: Check every gathered id against its table's size (a debugging
         mode: one host callback per replica and step). An id out of range fails
-        the step on every replica at the same point (the ids are the gathered
-        ones, identical everywhere, so no replica is left waiting in a
-        collective): reading the step's outputs raises a
+        the step on every replica at the same point: reading the step's outputs
+        (`float(metrics["loss"])`, `jax.block_until_ready`) raises a
         `jax.errors.JaxRuntimeError` carrying the `IdsOutOfRangeError` message
-        (table, count, first bad id). JAX dispatches asynchronously, so the
-        error appears when the outputs are read (`float(metrics["loss"])`,
-        `jax.block_until_ready`). A failed call consumes a donated state; use
-        `jdp.parallelize(..., donate_state=False)` to keep it. Without the
-        check, invalid ids read zero rows and never update the table.
+        (table, count, first bad id). A failed call consumes a donated state;
+        `jdp.parallelize(..., donate_state=False)` keeps it. Without the check,
+        invalid ids read zero rows and never update the table.
       bucket_bytes: Largest bucket of the dense parameters' all-reduce.
       reduce_dtype: Wire dtype of the dense parameters' all-reduce.
 
@@ -180,37 +164,29 @@ def rows(
 
     def apply(grads, state, optimizer, axis_name):
         num = _collectives.axis_size(axis_name, api)
-        is_rows = lambda x: isinstance(x, IndexedRows)  # noqa: E731
-        leaves, treedef = jax.tree_util.tree_flatten(grads, is_leaf=is_rows)
-        rows_at = [i for i, g in enumerate(leaves) if is_rows(g)]
-        dense = jax.tree_util.tree_unflatten(
-            treedef, [None if is_rows(g) else g for g in leaves]
-        )
         dense = _collectives.all_reduce(
-            dense,
+            split_rows(grads)[0],
             axis_name=axis_name,
             bucket_bytes=bucket_bytes,
             reduce_dtype=reduce_dtype,
             api=api,
         )
-        merged = jax.tree_util.tree_leaves(dense, is_leaf=lambda x: x is None)
-        param_leaves = jax.tree_util.tree_leaves(state.params)
-        for i, path in zip(rows_at, _row_paths(grads, is_rows), strict=True):
-            ids, rows = leaves[i]
-            gathered = all_gather_rows(ids, rows / num, axis_name=axis_name)
+
+        def exchange(path, g, reduced, param):
+            if not is_rows(g):
+                return reduced
+            gathered = all_gather_rows(g.ids, g.rows / num, axis_name=axis_name)
             if check_ids:
-                checked = _check_ids(gathered.ids, param_leaves[i].shape[0], path)
-                gathered = IndexedRows(checked, gathered.rows)
-            merged[i] = combine_rows(*gathered) if combine else gathered
-        grads = jax.tree_util.tree_unflatten(treedef, merged)
+                ids = _check_ids(gathered.ids, param.shape[0], path_name(path))
+                gathered = gathered._replace(ids=ids)
+            return combine_rows(*gathered) if combine else gathered
+
+        grads = jax.tree_util.tree_map_with_path(
+            exchange, grads, dense, state.params, is_leaf=is_rows
+        )
         params, opt_state = apply_sparse(
             optimizer, grads, state.opt_state, state.params
         )
         return params, opt_state, {}
 
     return _sync.OwnUpdate(apply, value_and_grad=grads_fn)
-
-
-def _row_paths(grads: PyTree, is_rows) -> list[str]:
-    flat = jax.tree_util.tree_flatten_with_path(grads, is_leaf=is_rows)[0]
-    return [path_name(p) for p, g in flat if is_rows(g)]
