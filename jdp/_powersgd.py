@@ -1,9 +1,7 @@
-"""`jdp.powersgd`: PowerSGD low-rank gradient compression.
+"""`jdp.powersgd`: PowerSGD low-rank gradient compression, a sync piece.
 
-A sync piece (`jdp.make_train_step(..., sync=jdp.powersgd(rank=4))`; in a
-hand-written step, `jdp.sync_gradients(jdp.powersgd(rank=4))`). The matrices of
-the gradients travel as rank-r factors P and Q (two small bucketed
-all-reduces), everything else through one plain bucketed all-reduce.
+Gradient matrices travel as rank-r factors P and Q (two bucketed all-reduces),
+everything else through one plain bucketed all-reduce.
 """
 
 from __future__ import annotations
@@ -27,11 +25,9 @@ class PowerSGDState(NamedTuple):
     """State of `jdp.powersgd`: the train state's `sync_state`.
 
     (Under `jdp.sync_gradients(jdp.powersgd(...))`, part of the optimizer state.)
-
     One entry of `q` and `error` per compressed matrix, in the order of the
-    gradient pytree's leaves. `count` and `q` are the same on every replica (`q`
-    is the all-reduced factor); `error` differs between replicas and is saved
-    with every replica by `jdp.checkpoint.CheckpointManager`.
+    gradient's leaves. `count` and `q` are the same on every replica; `error`
+    differs, and `jdp.checkpoint.CheckpointManager` saves every replica's.
 
     Attributes:
       count: Steps taken so far, the plain all-reduce steps before `start_step`
@@ -57,11 +53,7 @@ class PowerSGDState(NamedTuple):
     )
 
     def restart_local(self) -> PowerSGDState:
-        """Zero errors: a checkpoint restored into another replica count.
-
-        Each replica's error belongs to the replica; with another count there is
-        no replica to give it to. The agreed Q carries over (a warm start).
-        """
+        """Zero errors, for another replica count; the agreed Q carries over."""
         if self.error is None:
             return self
         return self._replace(error=tuple(np.zeros_like(e) for e in self.error))
@@ -87,49 +79,14 @@ class _Matrix(NamedTuple):
     rank: int
 
 
-def _check_options(**options: Any) -> _Options:
-    _validate.positive_int("rank", options["rank"], note="the rank r of P and Q")
-    _validate.non_negative_int(
-        "start_step", options["start_step"], note="plain all-reduce steps first"
-    )
-    _validate.finite_number(
-        "min_compression_rate",
-        options["min_compression_rate"],
-        at_least=0,
-        note="compress a matrix only if (n + m) * r * rate < n * m",
-    )
-    _validate.boolean("error_feedback", options["error_feedback"])
-    _validate.boolean("warm_start", options["warm_start"])
-    _validate.finite_number(
-        "orthogonalization_epsilon", options["orthogonalization_epsilon"], at_least=0
-    )
-    if not _validate.is_int(options["seed"]):
-        raise TypeError(
-            f"`seed` must be an int, got {_validate.describe(options['seed'])}."
-        )
-    _collectives.check_bucket_bytes(options["bucket_bytes"])
-    options["min_compression_rate"] = float(options["min_compression_rate"])
-    options["orthogonalization_epsilon"] = float(options["orthogonalization_epsilon"])
-    return _Options(**options)
-
-
-def _view(shape: tuple[int, ...]) -> tuple[int, int]:
-    """The `(n, m)` matrix view of a leaf: all axes but the last, then the last."""
-    return math.prod(shape[:-1]), shape[-1]
-
-
 def _plan(leaves: list[Any], options: _Options) -> list[_Matrix]:
-    """The leaves to compress: floating, 2-D or more, and worth it by the rate rule.
-
-    PyTorch's `_should_compress`: with `r = min(n, m, rank)`, compress only if
-    `(n + m) * r * min_compression_rate < n * m`.
-    """
+    """Floating leaves of 2-D or more that PyTorch's `_should_compress` takes."""
     plan = []
     for i, x in enumerate(leaves):
         shape = jnp.shape(x)
         if len(shape) < 2 or not is_float(x) or math.prod(shape) == 0:
             continue
-        n, m = _view(shape)
+        n, m = math.prod(shape[:-1]), shape[-1]
         r = min(n, m, options.rank)
         if (n + m) * r * options.min_compression_rate < n * m:
             plan.append(_Matrix(i, n, m, r))
@@ -137,11 +94,7 @@ def _plan(leaves: list[Any], options: _Options) -> list[_Matrix]:
 
 
 def _draw(seed: int, matrix: _Matrix, dtype: Any, count: Any = None) -> jax.Array:
-    """A standard normal `(m, r)` Q, the same on every replica (no broadcast).
-
-    The key is `fold_in(key(seed), leaf index)`, folded with the step counter too
-    when Q is redrawn every step (`warm_start=False`).
-    """
+    """A standard normal `(m, r)` Q from the seed, the leaf and maybe the step."""
     key = jax.random.fold_in(jax.random.key(seed), matrix.index)
     if count is not None:
         key = jax.random.fold_in(key, count)
@@ -160,12 +113,14 @@ def _init(params: PyTree, options: _Options) -> PowerSGDState:
     return PowerSGDState(count=jnp.zeros((), jnp.int32), q=q, error=error)
 
 
+def _matmul(a: jax.Array, b: jax.Array) -> jax.Array:
+    return jnp.matmul(a, b, precision=lax.Precision.HIGHEST)
+
+
 def _orthogonalize(p: jax.Array, epsilon: float) -> jax.Array:
     """The columns of `p` made orthonormal by modified Gram-Schmidt, as PyTorch.
 
-    PyTorch's `_orthogonalize_gram_schmidt`: each column in turn is divided by
-    its norm (plus `epsilon`; with `epsilon=0` a zero column stays zero rather
-    than becoming NaN) and projected out of the columns after it.
+    With `epsilon=0` a zero column stays zero rather than becoming NaN.
     """
     r = p.shape[1]
     for i in range(r):
@@ -178,13 +133,8 @@ def _orthogonalize(p: jax.Array, epsilon: float) -> jax.Array:
         p = p.at[:, i].set(col)
         if i + 1 < r:
             rest = p[:, i + 1 :]
-            dots = jnp.matmul(col, rest, precision=lax.Precision.HIGHEST)
-            p = p.at[:, i + 1 :].set(rest - dots[None, :] * col[:, None])
+            p = p.at[:, i + 1 :].set(rest - _matmul(col, rest)[None, :] * col[:, None])
     return p
-
-
-def _matmul(a: jax.Array, b: jax.Array) -> jax.Array:
-    return jnp.matmul(a, b, precision=lax.Precision.HIGHEST)
 
 
 #: Up to this rank, XLA:CPU computes M^T P one column of P at a time.
@@ -192,12 +142,10 @@ _CPU_COLUMNS_UP_TO = 8
 
 
 def _transposed_matmul(m: jax.Array, p: jax.Array) -> jax.Array:
-    """M^T P, `(m, r)`.
+    """M^T P, `(m, r)`: on XLA:CPU one product per column of P.
 
-    XLA:CPU contracts a matrix over its first axis slowly: 20-50 ms for a
-    2048 x 2048 M against a few columns, where M Q takes under 1 ms. One
-    vector-matrix product per column of P takes about 0.5 ms each there.
-    Elsewhere (GPU, TPU) the one product reads M once.
+    XLA:CPU contracts over a matrix's first axis slowly (20-50 ms for a 2048 x
+    2048 M, against about 0.5 ms per column).
     """
     r = p.shape[1]
     if jax.default_backend() == "cpu" and r <= _CPU_COLUMNS_UP_TO:
@@ -247,14 +195,8 @@ def _average(
 ) -> tuple[PyTree, PowerSGDState]:
     """The replicas' gradients averaged by PowerSGD, and the new state.
 
-    Before `start_step` (a `lax.cond` on the counter, so one program) every leaf
-    goes through the plain bucketed all-reduce. From then on each compressed
-    leaf M (this replica's gradient plus its error, viewed as `(n, m)`) goes
-    through Vogels et al.'s Algorithm 1 with PyTorch's order of operations:
-    orthogonalise Q (warm start) or draw it; P = M Q; P summed over replicas
-    (all matrices' P in one bucketed all-reduce) and orthogonalised; Q = M^T P,
-    averaged over replicas (one bucketed all-reduce); the approximation P Q^T is
-    the average every replica applies, and M minus it the new error.
+    Vogels et al.'s Algorithm 1 in PyTorch's order of operations (`powersgd`);
+    before `start_step` a `lax.cond` takes the plain all-reduce instead.
     """
     num = _collectives.axis_size(axis_name, api)
     leaves, treedef = jax.tree.flatten(grads)
@@ -300,16 +242,15 @@ def _average(
         ]
         qs = [_transposed_matmul(m, p) for m, p in zip(ms, ps, strict=True)]
         qs = [q / num for q in _psum_all(qs, axis_name, options.bucket_bytes)]
-        errors = []
-        for mat, m, p, q in zip(plan, ms, ps, qs, strict=True):
-            approx = _matmul(p, q.T)
+        approx = [_matmul(p, q.T) for p, q in zip(ps, qs, strict=True)]
+        for mat, a in zip(plan, approx, strict=True):
             g = leaves[mat.index]
-            out[mat.index] = approx.reshape(g.shape).astype(g.dtype)
-            errors.append((m - approx).reshape(g.shape))
+            out[mat.index] = a.reshape(g.shape).astype(g.dtype)
         error = None
         if state.error is not None:
             error = tuple(
-                e.astype(old.dtype) for e, old in zip(errors, state.error, strict=True)
+                (m - a).reshape(old.shape).astype(old.dtype)
+                for m, a, old in zip(ms, approx, state.error, strict=True)
             )
         new_q = tuple(q.astype(old.dtype) for q, old in zip(qs, state.q, strict=True))
         return out, PowerSGDState(count=count + 1, q=new_q, error=error)
@@ -336,35 +277,30 @@ def powersgd(
 ) -> _sync.Sync:
     """PowerSGD: gradients averaged as rank-`rank` factors (PyTorch's `powerSGD_hook`).
 
-    Vogels et al.'s low-rank gradient compression as a sync piece. Each floating
-    leaf of two or more axes, viewed as an `(n, m)` matrix, travels as two thin
-    factors, P (`n x r`) and Q (`m x r`), instead of its `n * m` numbers; the
-    replicas apply the same approximation `P Q^T` of the averaged gradient, so
-    their params stay identical. Per step and matrix, on each replica (M = its
-    gradient plus its error feedback):
+    Vogels et al.'s low-rank gradient compression. Each floating leaf of two or
+    more axes, viewed as an `(n, m)` matrix, travels as thin factors P (`n x r`)
+    and Q (`m x r`) instead of its `n * m` numbers; every replica applies the
+    same approximation `P Q^T` of the averaged gradient. Per step and matrix,
+    with M the replica's gradient plus its error feedback:
 
     1. Q is the last step's (warm start), orthogonalised, or a fresh draw;
     2. P = M Q, summed over replicas, orthogonalised (Gram-Schmidt);
     3. Q = M^T P, averaged over replicas;
     4. the averaged gradient is P Q^T, and M - P Q^T the replica's new error.
 
-    The P of all matrices travel in one bucketed all-reduce, then the Q in
-    another; vectors, scalars and matrices too small to gain go through one
-    plain bucketed all-reduce (as `jdp.all_reduce`). Then `tx` applies the
-    averaged gradient on every replica.
+    All P travel in one bucketed all-reduce, then all Q in another; the other
+    leaves in one plain bucketed all-reduce (as `jdp.all_reduce`).
 
-    Compression is lossy, error feedback makes up for it over steps: the
-    quality of training depends on the rank (try 1, 2, 4, then more) and on
-    warming up with `start_step` plain steps. The state (Q, errors, a counter)
-    lives in the train state's `sync_state`: create it with
-    `jdp.TrainState.create(params=..., tx=..., sync=piece)`. Checkpoints save
-    each replica's errors; a restore into as many replicas resumes exactly.
-    Not combinable with loss scaling (`dynamic_scale`).
+    Compression is lossy and error feedback makes up for it over steps: tune
+    the rank (try 1, 2, 4, then more) and warm up with `start_step` plain
+    steps. The state (Q, errors, a counter) lives in the train state's
+    `sync_state`: create it with `jdp.TrainState.create(params=..., tx=...,
+    sync=piece)`. Checkpoints save each replica's errors. Not combinable with
+    loss scaling (`dynamic_scale`).
 
-    A leaf of shape `(d0, ..., dk)` is viewed as `(d0 * ... * dk-1, dk)`: flax
-    keeps output features last (a Dense kernel `(in, out)`, a conv kernel
-    `(kh, kw, in, out)`), so this is the transpose of PyTorch's
-    `(out, in * kh * kw)` view of the same layer; P Q^T approximates either.
+    A leaf `(d0, ..., dk)` is viewed as `(d0 * ... * dk-1, dk)` (flax keeps
+    output features last), the transpose of PyTorch's `(out, in * kh * kw)`
+    view of the same layer; P Q^T approximates either.
 
     Args:
       rank: The rank r of the factors, PyTorch's `matrix_approximation_rank`
@@ -426,16 +362,28 @@ def powersgd(
       Compression for Distributed Optimization", NeurIPS 2019,
       https://arxiv.org/abs/1905.13758.
     """
-    options = _check_options(
-        rank=rank,
-        start_step=start_step,
-        min_compression_rate=min_compression_rate,
-        error_feedback=error_feedback,
-        warm_start=warm_start,
-        orthogonalization_epsilon=orthogonalization_epsilon,
+    options = _Options(
+        rank=_validate.positive_int("rank", rank, note="the rank r of P and Q"),
+        start_step=_validate.non_negative_int(
+            "start_step", start_step, note="plain all-reduce steps first"
+        ),
+        min_compression_rate=_validate.finite_number(
+            "min_compression_rate",
+            min_compression_rate,
+            at_least=0,
+            note="compress a matrix only if (n + m) * r * rate < n * m",
+        ),
+        error_feedback=_validate.boolean("error_feedback", error_feedback),
+        warm_start=_validate.boolean("warm_start", warm_start),
+        orthogonalization_epsilon=_validate.finite_number(
+            "orthogonalization_epsilon", orthogonalization_epsilon, at_least=0
+        ),
         seed=seed,
         bucket_bytes=bucket_bytes,
     )
+    if not _validate.is_int(seed):
+        raise TypeError(f"`seed` must be an int, got {_validate.describe(seed)}.")
+    _collectives.check_bucket_bytes(bucket_bytes)
     api = "jdp.powersgd"
 
     def init(params):
