@@ -6,7 +6,7 @@ replica axis sharded over the mesh, `jdp._layout`):
 - `"shard_map"`: `jax.jit(jax.shard_map(body))`, whose blocks keep a size-1
   replica axis (removed on the way in, restored on the way out); the batch is
   `(B, ...)`. A donating step runs on a concatenated view of the state instead
-  (`_DonatingShardMapStep`). 1-D and 2-D meshes.
+  (`_ShardMapStep`). 1-D and 2-D meshes.
 - `"pmap"`: `jax.pmap(body)`; the batch is `(num_replicas, B / num_replicas, ...)`.
 
 `check_vma=False` gives `shard_map` pmap's semantics: the per-replica state varies
@@ -336,11 +336,11 @@ class _ShardMap(Backend):
 
     def build_step(self, body: Body, *, donate: bool) -> Step:
         stacked = _flat_step(self._map_step(body, _squeeze, _expand), donate=False)
-        forward = _PlaceEmptyLeaves(stacked, self.sharding)
+        forward = _ShardMapStep(stacked, mesh=self.mesh, view=False)
         if not donate:
             return Step(forward, forward, donate=False, out_state=None, mesh=self.mesh)
         core = _flat_step(self._map_step(body, _block_in, _block_out), donate=True)
-        train = _DonatingShardMapStep(core, mesh=self.mesh, sharding=self.sharding)
+        train = _ShardMapStep(core, mesh=self.mesh, view=True)
         return Step(
             train, forward, donate=True, out_state=train.out_state, mesh=self.mesh
         )
@@ -376,43 +376,7 @@ class _ShardMap(Backend):
         ]
 
 
-def _place_empty_leaves(
-    out: list, sharding: NamedSharding, idx: list[int] | None = None
-) -> list[int]:
-    """Gives the zero-size leaves of `out` (jit replicates them) the replica sharding.
-
-    In place; `idx`: their indices, if known from the last call. Returns them.
-    """
-    if idx is None:
-        idx = [i for i, x in enumerate(out) if x.size == 0 and x.sharding != sharding]
-    _apply(out, idx, lambda xs: jax.device_put(xs, sharding))
-    return idx
-
-
-class _PlaceEmptyLeaves:
-    """A jitted, non-donating shard_map step on the state's leaves (`_flat_step`)."""
-
-    def __init__(self, fn, sharding: NamedSharding):
-        self._fn = fn
-        self._sharding = sharding
-
-    def run(self, state, batch, *, returned: bool = False, flat=None):
-        """`(new_state or None, metrics, new leaves or None)`; `flat` as in `Step`."""
-        del returned  # nothing is donated: the state's layout is checked anyway
-        leaves, treedef = flat if flat is not None else jax.tree.flatten(state)
-        out, metrics = self._fn(list(leaves), batch, treedef)
-        if out is None:
-            return None, metrics, None
-        out = list(out)
-        _place_empty_leaves(out, self._sharding)
-        return jax.tree.unflatten(treedef, out), metrics, out
-
-    def lower(self, state, batch) -> jax.stages.Lowered:
-        leaves, treedef = jax.tree.flatten(state)
-        return self._fn.lower(leaves, batch, treedef)
-
-
-# -- the donating shard_map step ---------------------------------------------------
+# -- the shard_map step on leaves, donating on a view ------------------------------
 #
 # XLA:CPU cannot update a donated `(1, ...)` buffer in place through the bitcast to
 # the `(...)` block a computation uses, so it would copy every updated leaf (about
@@ -437,10 +401,6 @@ def _viewable(shape: tuple[int, ...], itemsize: int) -> bool:
         and shape[0] > 1
         and math.prod(shape) * itemsize >= VIEW_MIN_BYTES
     )
-
-
-def _needs_view(x) -> bool:
-    return _viewable(x.shape[1:], x.dtype.itemsize)
 
 
 def _view_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -476,14 +436,19 @@ def _flat_step(mapped, *, donate: bool):
     return jax.jit(flat, static_argnums=2, donate_argnums=0 if donate else ())
 
 
-class _DonatingShardMapStep:
-    """A donating `jit(shard_map(body))` step: view, `core` on the view, unview."""
+class _ShardMapStep:
+    """A jitted shard_map step on the state's leaves (`_flat_step`).
 
-    def __init__(self, core, *, mesh: Mesh, sharding: NamedSharding):
+    With `view` (a donating step), `core` runs on the state's view: view, step,
+    unview. Its empty leaves get the replica sharding (jit replicates them).
+    """
+
+    def __init__(self, core, *, mesh: Mesh, view: bool):
         self._core = core
+        self._viewing = view
         self._picked: tuple[list[int], list[int], list[int]] | None = None
         self._n = n = mesh.size
-        self._sharding = sharding
+        self._sharding = sharding = replica_sharding(mesh)
         self._view = jax.jit(
             lambda xs: [x.reshape(_view_shape(x.shape)) for x in xs],
             donate_argnums=0,
@@ -495,11 +460,14 @@ class _DonatingShardMapStep:
             out_shardings=sharding,
         )
 
+    def _viewed(self, x) -> bool:
+        return self._viewing and _viewable(x.shape[1:], x.dtype.itemsize)
+
     def _trace(self, state, batch):
         """The trace of the step on the view of `state`, and `state`'s treedef."""
 
         def spec(x):
-            shape = _view_shape(x.shape) if _needs_view(x) else x.shape
+            shape = _view_shape(x.shape) if self._viewed(x) else x.shape
             return jax.ShapeDtypeStruct(
                 shape,
                 x.dtype,
@@ -523,7 +491,7 @@ class _DonatingShardMapStep:
         return jax.tree.unflatten(treedef, out)
 
     def run(self, state, batch, *, returned: bool = False, flat=None):
-        """`(new_state, metrics, its leaves)`; `returned` and `flat` as in `Step`.
+        """`(new_state or None, metrics, its leaves or None)`; args as in `Step`.
 
         A `returned` state reuses the last call's picks of leaves to view, unview
         and re-place (finding them costs about 1 us a leaf).
@@ -534,15 +502,21 @@ class _DonatingShardMapStep:
         if picked:
             view_idx, unview_idx, empty_idx = picked
         else:
-            view_idx = [i for i, x in enumerate(leaves) if _needs_view(x)]
+            view_idx = [i for i, x in enumerate(leaves) if self._viewed(x)]
         _apply(leaves, view_idx, self._view)
         out, metrics = self._core(leaves, batch, treedef)
+        if out is None:  # forward-only
+            return None, metrics, None
         out = list(out)
         if not picked:
             unview_idx = [i for i, x in enumerate(out) if x.shape[0] != self._n]
-            empty_idx = None
         _apply(out, unview_idx, self._unview)
-        empty_idx = _place_empty_leaves(out, self._sharding, empty_idx)
+        if not picked:
+            sharding = self._sharding
+            empty_idx = [
+                i for i, x in enumerate(out) if x.size == 0 and x.sharding != sharding
+            ]
+        _apply(out, empty_idx, lambda xs: jax.device_put(xs, self._sharding))
         self._picked = (view_idx, unview_idx, empty_idx)
         return jax.tree.unflatten(treedef, out), metrics, out
 

@@ -318,7 +318,12 @@ def prefetch(iterable, *, size: int, place: Callable[[Any], Any]):
     """
     _validate.positive_int("size", size)
     if jax.process_count() > 1:
-        yield from _prefetch_inline(iter(iterable), size, place)
+        ahead = collections.deque()
+        for batch in iterable:
+            ahead.append(place(batch))
+            if len(ahead) > size:
+                yield ahead.popleft()
+        yield from ahead
         return
     queue: Queue = Queue(maxsize=size)
     stop = threading.Event()
@@ -336,32 +341,18 @@ def prefetch(iterable, *, size: int, place: Callable[[Any], Any]):
     def fill():
         try:
             for batch in iterable:
-                if not put((place(batch), None)):
+                if not put(place(batch)):
                     return
-            item = (_DONE, None)
+            put(_DONE)
         except BaseException as e:  # handed to the consumer, raised there
-            item = (_DONE, e)
-        put(item)
+            put(e)
 
     thread = threading.Thread(target=fill, name="jdp-prefetch", daemon=True)
     thread.start()
     try:
-        while True:
-            placed, error = queue.get()
-            if placed is _DONE:
-                if error is not None:
-                    raise error
-                return
-            yield placed
+        while (item := queue.get()) is not _DONE:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
     finally:
         stop.set()
-
-
-def _prefetch_inline(it, size: int, place):
-    ahead = collections.deque()
-    for batch in it:
-        ahead.append(place(batch))
-        if len(ahead) > size:
-            yield ahead.popleft()
-    while ahead:
-        yield ahead.popleft()
