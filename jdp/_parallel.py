@@ -1,9 +1,7 @@
 """`jdp.parallelize` and the `Parallel` step object it returns.
 
-`Parallel` composes the layers below it: the layout (`_layout`: replicate,
-unreplicate), batching (`_batching`: shard), a backend (`_backends`: the compiled
-step) and introspection (`_hlo`). It holds no logic of its own beyond checking
-what it is given.
+`Parallel` composes the layout (`_layout`), batching (`_batching`), a backend
+(`_backends`) and introspection (`_hlo`), and checks what it is given.
 """
 
 from __future__ import annotations
@@ -81,17 +79,16 @@ class Parallel(_hlo.Introspection):
         self.donate_state = donate_state
         self._step = self._backend.build_step(self._body, donate=donate_state)
         self._broadcasts: dict[int, Callable[[PyTree], PyTree]] = {}
-        # A train step may declare the part of its state replicas must agree on
-        # (one that trains replicas locally between syncs does).
-        agreed = getattr(train_step, "must_agree", None) or _agreed_by_default
+        # What replicas must agree on: what the step declares, else all but the
+        # parts the state's own nodes declare per-replica.
+        agreed = getattr(train_step, "must_agree", None) or _replica_parts.must_agree
         self._sync_check = _divergence.Guard(check_sync, agreed, self.mesh)
         self._returned = _backends.Returned()
         self._calls = 0
         functools.update_wrapper(self, train_step, updated=())
 
     def _body(self, state, batch):
-        # What came in, before a step that changes its state in place (a flax
-        # NNX module's Python attributes) has run.
+        # Before a step that changes its state in place (NNX modules) has run.
         received = jax.tree.structure(state)
         try:
             with _collectives.bound_axis(self.axis_name) as totals:
@@ -127,8 +124,7 @@ class Parallel(_hlo.Introspection):
         Raises:
           ValueError: If `state` or `batch` was not placed for this step.
         """
-        # The usual loop passes back the state the last call returned: those
-        # arrays are placed and distinct, so only their deletion is checked.
+        # The state the last call returned needs no placement checks.
         flat = jax.tree.flatten(state)
         returned = self._returned.holds(flat[0])
         if not returned:
@@ -208,41 +204,28 @@ class Parallel(_hlo.Introspection):
     def shard(self, batch: PyTree, *, pad: bool = False, pad_to: int | None = None):
         """Splits a global batch across replicas along every leaf's leading axis.
 
-        With several processes, `batch` is this process's share (each process
-        loads its own slice, like `jax.make_array_from_process_local_data`): the
-        global batch is the shares in process order. Every process must pass the
-        same number of examples (unless padding), with the same leaves, trailing
-        shapes, dtypes, `pad` and `pad_to`: a mismatch would train on misaligned
-        data. `shard` compares the processes' batches through JAX's coordination
-        service (not the devices), and only when a process's batch changes (its
-        first call, a short last batch, a change back; with `pad=True` and no
-        `pad_to`, every call, to agree on the largest size): a loop whose batch
-        shapes stay the same sends no message at all. A process whose batch
-        changed raises a `ValueError` naming each process's batch when another
-        process's differs; it waits for a process that has not reached that call
-        yet (it may change there too) for at most `$JDP_SHARD_CHECK_TIMEOUT`
-        seconds (60), then raises naming that process and both batches. A process
-        whose batch did not change sends nothing and so learns nothing: when it is
-        the one in the wrong, it goes on into its step, whose collective blocks
-        until the job is stopped (`python -m jdp.launch` stops every process when
-        one fails). Processes more than that time apart when their batches change
-        (one loading data for minutes) need a larger `$JDP_SHARD_CHECK_TIMEOUT`.
+        With several processes, `batch` is this process's share (the global batch
+        is the shares in process order), and every process must pass as many
+        examples (unless padding), the same leaves, trailing shapes, dtypes, `pad`
+        and `pad_to`. `shard` compares them through JAX's coordination service
+        when a process's batch changes (every call with `pad=True` and no
+        `pad_to`), waiting up to `$JDP_SHARD_CHECK_TIMEOUT` seconds (60) for a
+        process that has not reached that call, and raises a `ValueError` naming
+        the batches that differ. A process whose batch did not change learns
+        nothing: if it is the one in the wrong, its step blocks until the job is
+        stopped (`python -m jdp.launch` stops every process when one fails).
 
         Args:
           batch: Pytree of arrays whose leading axis is the example axis.
           pad: If True, pad the batch to a multiple of the replica count (with
             several processes: to the largest process's padded batch) and also
-            return a boolean mask, True for real examples. Padded rows hold
-            zeros in integer (and boolean) leaves, so padded token ids are
-            padding (0) and count for nothing in a metric weighted by `inputs >
-            0`, and a copy of the last real example in floating leaves (a valid
-            input for any model). Weigh per-example metrics by the mask, e.g.
-            return `{"accuracy": jdp.weighted(jnp.sum(ok * mask),
-            jnp.sum(mask))}`: the ratio is then exact.
+            return a boolean mask, True for real examples. Padded rows hold zeros
+            in integer and boolean leaves (padding ids) and a copy of the last
+            real example in floating ones. Weigh per-example metrics by the mask,
+            e.g. `jdp.weighted(jnp.sum(ok * mask), jnp.sum(mask))`.
           pad_to: With `pad=True`, pad to this global batch size instead (a
-            multiple of the replica count), so that a short last batch has the
-            shape of the others and evaluation compiles one program (flax's
-            `min_device_batch`).
+            multiple of the replica count), so that a short last batch compiles
+            no new program (flax's `min_device_batch`).
 
         Returns:
           The placed batch, or `(batch, mask)` when `pad` is True.
@@ -275,12 +258,10 @@ class Parallel(_hlo.Introspection):
     ) -> Iterator[PyTree]:
         """Yields placed batches, placing the next ones while the steps run.
 
-        `step.shard` applied to every batch of `batches`, up to `size` batches
-        ahead (flax's `prefetch_to_device`), so that loading a batch on the host
-        overlaps the step on the devices: in one process a background thread
-        places them; with several processes they are placed on the calling
-        thread, ahead of use. Errors of the loader are raised where the batch
-        would have been yielded.
+        `step.shard` applied to every batch, up to `size` batches ahead (flax's
+        `prefetch_to_device`), on a background thread in one process and on the
+        calling thread with several. The loader's errors are raised where its
+        batch would have been yielded.
 
         Args:
           batches: Any iterable of global batches (or of this process's shares).
@@ -309,10 +290,9 @@ class Parallel(_hlo.Introspection):
     def broadcast(self, tree: PyTree, *, root: int = 0) -> PyTree:
         """Gives every replica replica `root`'s value of a replicated pytree.
 
-        The outside-a-step form of `jdp.broadcast` (Caffe2's
-        `FinalizeAfterCheckpoint`): use it after loading or editing one replica.
-        Parts of the state that differ between replicas by design (the slices of
-        a sharded optimizer state) are left as they are.
+        The outside-a-step form of `jdp.broadcast`, for after loading or editing
+        one replica. Parts that differ between replicas by design (a sharded
+        optimizer state's slices) are left as they are.
 
         Args:
           tree: A pytree replicated by this step.
@@ -362,57 +342,42 @@ def parallelize(
 ) -> Parallel:
     """Runs a per-replica training step on every device: synchronous data parallelism.
 
-    `train_step(state, batch) -> (state, metrics)` is written for ONE replica and
-    sees that replica's state and its slice of the batch; collectives over
-    `axis_name` (`jdp.all_reduce_gradients`, `lax.pmean`, ...) are bound inside it.
-    This is Caffe2's `Parallelize_GPU` / PyTorch DDP, as a function transform. A
-    step that returns only a dict of metrics is forward-only (evaluation).
-
-    The state keeps one copy per replica on both backends (a leading replica axis,
-    sharded over the mesh), so replicas may differ between syncs (BMUF) and
-    `jdp.replicas_in_sync` can compare them. Metrics come back averaged over the
-    replicas.
+    `train_step(state, batch) -> (state, metrics)` is written for ONE replica (its
+    state and its slice of the batch), with collectives over `axis_name` bound
+    inside it: Caffe2's `Parallelize_GPU` / PyTorch DDP as a function transform.
+    The state keeps one copy per replica (a leading replica axis sharded over the
+    mesh), so replicas may differ between syncs (BMUF) and be compared. Metrics
+    come back averaged over the replicas.
 
     Args:
       train_step: Pure per-replica function `(state, batch) -> (state, metrics)`,
         or `(state, batch) -> metrics` for a forward-only step.
-      devices: Devices to run on, one replica each. `None` (default) means every
-        device: all local devices, or all global devices after
-        `jdp.distributed.initialize`. A 2-D array (or nested list) of devices
-        lays them out as a `(hosts, devices per host)` mesh whose rows stand
-        for hosts, also in one process (to try a hierarchical schedule on one
-        machine); it needs two names in `axis_name`. With several processes,
-        each row must hold one process's devices, rows in process order.
+      devices: Devices to run on, one replica each; `None` (default): every
+        device (all global ones after `jdp.distributed.initialize`). A 2-D array
+        (or nested list) lays them out as a `(hosts, devices per host)` mesh,
+        also in one process; it needs two names in `axis_name`. With several
+        processes each row holds one process's devices, in process order.
       backend: `"shard_map"` (default; `jax.jit` over `jax.shard_map`) or
         `"pmap"` (`jax.pmap`). Both give the same numbers.
       axis_name: Name of the replica axis inside the step (`"data"`). Two names,
         e.g. `("host", "device")`, lay the devices out as a 2-D mesh of
-        `(processes, devices per process)` (`"shard_map"` only); the replica axis
-        is then the tuple of both names: pass it to your step's collectives.
-        `jdp.all_reduce_gradients` then reduces within each host first (a
-        reduce-scatter), then across hosts (an all-reduce of a 1/devices-per-host
-        slice), then gathers within the host: Caffe2's NCCL-then-Gloo path, with
-        the cross-host traffic of one device per host. The numbers equal the flat
-        mesh's (up to the order of the sums). With `jdp.all_reduce(axis_name=
-        "device")` and `jdp.bmuf(..., axis_name="host")` the step is
-        hierarchical local SGD: synchronous within hosts, BMUF across them.
+        `(processes, devices per process)` (`"shard_map"` only), whose replica
+        axis is the tuple of both. `jdp.all_reduce_gradients` then reduces within
+        each host first, then across hosts (the cross-host traffic of one device
+        per host, Caffe2's NCCL-then-Gloo path), with the flat mesh's numbers.
+        `jdp.all_reduce(axis_name="device")` with `jdp.bmuf(..., axis_name=
+        "host")` is hierarchical local SGD.
       donate_state: Donate the input state's buffers to the output (default), so
-        a training step holds one copy of params and optimizer state, not two.
-        The state you pass in is deleted by the call; use the returned one. A
-        forward-only step never donates. A state that holds one array in two
-        leaves is refused: it cannot be donated twice.
-      check_sync: Guard against replicas that silently drift apart (a step that
-        forgets to average its gradients trains N different models): after the
-        first call and then every `check_sync` calls (100 by default), compare a
-        fingerprint of every state leaf across replicas (one pass over the
-        state, in a small program of its own) and raise
+        a training step holds one copy of the state, not two: the state passed
+        in is deleted by the call. A forward-only step never donates. A state
+        that holds one array in two leaves is refused.
+      check_sync: Guard against replicas that silently drift apart: after the
+        first call and then every `check_sync` calls (100), compare a
+        fingerprint of every state leaf across replicas and raise
         `jdp.ReplicaDivergenceError` naming the first leaf that differs. Parts
-        that differ by design are not compared (BMUF's local parameters between
-        syncs with `make_train_step(..., sync=jdp.local())`, ZeRO's slices); in
-        a step of your own whose state holds a `jdp.bmuf` state (flax's
-        `apply_gradients`, an `nnx.Optimizer`), only that state's global model,
-        velocity and counters are. None turns the guard off, for deliberately
-        local training of your own.
+        that differ by design (BMUF's local parameters, ZeRO's slices, a
+        `jdp.bmuf` state's local part in a step of your own) are not compared.
+        None turns the guard off.
 
     Returns:
       A `jdp.Parallel`, callable as `step(state, batch)`, with `replicate`,
@@ -469,16 +434,3 @@ def parallelize(
         donate_state=donate_state,
         check_sync=check_sync,
     )
-
-
-def _agreed_by_default(state: PyTree) -> PyTree:
-    """What replicas must agree on when the step declares nothing: all of it.
-
-    Except the parts the state's own nodes declare per-replica
-    (`_replica_parts.must_agree`): error buffers, and, with an optimizer that
-    trains replicas locally between syncs (a `jdp.bmuf` in a step of one's
-    own), the params and the optimizer state shaped like them, in whatever
-    container the step holds them; BMUF's global model, step counters and
-    hyper-parameters must still agree.
-    """
-    return _replica_parts.must_agree(state)
