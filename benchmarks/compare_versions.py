@@ -127,7 +127,11 @@ def zero_adam(jdp, V3):
 
     # Across processes under pmap, both 0.3 and 0.4 fail in the step's layout
     # check: the state laid out for 4 replicas, the step counting 2.
-    return setup(sync=jdp.zero(), tx=optax.adam(1e-2), multiprocess=("shard_map",))
+    if V3:
+        return setup(sync=jdp.zero(), tx=optax.adam(1e-2), multiprocess=("shard_map",))
+    return setup(
+        sync=jdp.local(), tx=jdp.zero(optax.adam(1e-2)), multiprocess=("shard_map",)
+    )
 
 
 def block_momentum(jdp, momentum: float) -> dict:

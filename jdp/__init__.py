@@ -38,10 +38,11 @@ from jdp._parallel import Parallel, parallelize
 from jdp._partition import partition
 from jdp._powersgd import PowerSGDState, powersgd
 from jdp._replica_parts import declare_per_replica
-from jdp._sync import Sync, all_reduce, local, sync_gradients, zero
+from jdp._sync import Sync, all_reduce, local, sync_gradients
 from jdp._train_state import TrainState
 from jdp._train_step import make_train_step
 from jdp._version import __version__ as __version__
+from jdp._zero import zero
 
 __all__ = [
     "BMUFState",

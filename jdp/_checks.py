@@ -71,8 +71,7 @@ def replicas_in_sync(state: PyTree, *, atol: float = 0.0) -> bool:
     Compares each array leaf's replicas (its leading axis, as `step.replicate`
     lays it out) with replica 0. Synchronous steps keep replicas bit-identical, so
     the default tolerance is exact; NaNs in the same places count as equal. The
-    slices of a sharded optimizer state (`make_train_step(...,
-    sync=jdp.zero())`) differ between replicas by design and are
+    slices of a sharded optimizer state (`jdp.zero(tx)`) differ between replicas by design and are
     skipped; its step counts are compared.
 
     Args:

@@ -162,9 +162,9 @@ class Parallel(_hlo.Introspection):
         Each array leaf of the result has a leading replica axis of size
         `num_replicas`, sharded over the mesh, on both backends. With several
         processes, process 0's value is broadcast to every process first
-        (Caffe2's `_AddDistributedParameterSync`). A train step that lays its state
-        out in its own way (`make_train_step(..., sync=jdp.zero())`) gets that
-        layout.
+        (Caffe2's `_AddDistributedParameterSync`). A state node with a
+        layout of its own (`jdp.zero`'s optimizer state: one slice per replica)
+        is laid out its way.
 
         Args:
           tree: Any pytree of arrays, scalars or typed PRNG keys (params, a
@@ -184,8 +184,7 @@ class Parallel(_hlo.Introspection):
           >>> step.replicate({"w": jnp.ones(3)})["w"].shape
           (4, 3)
         """
-        layout = getattr(self.train_step, "state_layout", None)
-        return _layout.replicate(tree, self.mesh, state_layout=layout)
+        return _layout.replicate(tree, self.mesh)
 
     def unreplicate(self, tree: PyTree) -> PyTree:
         """Returns one replica's copy of a replicated pytree (replica 0 on process 0).

@@ -1,7 +1,7 @@
 """The gradient sync pieces, and `jdp.sync_gradients` to put one in an optimizer.
 
-`jdp.Sync`, `jdp.all_reduce`, `jdp.local`, `jdp.zero` (which applies the
-optimizer itself) and `jdp.sync_gradients`, any piece as an optax transform.
+`jdp.Sync`, `jdp.all_reduce`, `jdp.local` and `jdp.sync_gradients`, any piece
+as an optax transform.
 
 A sync piece transforms one replica's gradients into the gradients the
 optimizer sees, as an optax transform transforms updates: `init(params)` makes
@@ -26,13 +26,11 @@ from jax import lax
 from jdp import (
     _bmuf,
     _collectives,
+    _layout,
     _replica_parts,
     _transforms,
-    _validate,
     _wire,
-    _zero,
 )
-from jdp._layout import StateLayout
 from jdp._tree import is_float
 
 PyTree = Any
@@ -98,18 +96,16 @@ class Sync(NamedTuple):
 
 
 class OwnUpdate(NamedTuple):
-    """A sync piece that applies the optimizer itself: `jdp.zero`, `jdp.sparse.rows`.
+    """A sync piece that applies the optimizer itself: `jdp.sparse.rows`.
 
-    Not a `jdp.Sync`: ZeRO's optimizer state is laid out over the replicas (it
-    reduce-scatters the gradients, updates its slice and gathers the params),
-    and the rows piece differentiates its own way and applies row optimizers.
+    Not a `jdp.Sync`: it differentiates its own way (with respect to the rows
+    a batch looks up) and applies row optimizers.
     `apply(grads, state, tx, axis_name) -> (params, opt_state, metrics)`;
-    `state_layout(tx)` the `StateLayout` it needs; `value_and_grad`, None or
-    `value_and_grad(tx)`, how it differentiates the loss.
+    `value_and_grad`, None or `value_and_grad(tx)`, how it differentiates the
+    loss.
     """
 
     apply: Callable[..., tuple[PyTree, PyTree, dict[str, jax.Array]]]
-    state_layout: Callable[[Any], StateLayout | None] | None = None
     value_and_grad: Callable[[Any], Callable[..., Any]] | None = None
 
 
@@ -391,72 +387,6 @@ def _own(grads, state, params, axis_name):
     return grads, state, {}
 
 
-def zero(
-    *,
-    bucket_bytes: int | None = _collectives.DEFAULT_BUCKET_BYTES,
-    reduce_dtype: Any = None,
-    clip_grad_norm: float | None = None,
-) -> OwnUpdate:
-    """ZeRO stages 1 and 2: the optimizer state sharded over replicas.
-
-    PyTorch's `ZeroRedundancyOptimizer`, DeepSpeed ZeRO-1/2: gradients are
-    reduce-scattered, each replica keeps and updates only its 1/N slice of the
-    (flattened, padded) optimizer state, and the updated parameters are
-    all-gathered. The same numbers as `jdp.all_reduce` for element-wise
-    optimizers (SGD, momentum, Adam, AdamW, RMSProp, Lion, Adagrad, with
-    schedules); others are refused with a message. `step.replicate` lays the
-    optimizer state out sharded; `step.unreplicate` and checkpoints see one full
-    logical copy. It applies the optimizer itself, so it is given whole as the
-    step's `sync=` (not inside `jdp.partition` or `jdp.sync_gradients`).
-
-    Args:
-      bucket_bytes: Largest bucket of the reduce-scatters and all-gathers.
-      reduce_dtype: Wire dtype of the reduce-scatter.
-      clip_grad_norm: If set, clip the averaged gradients to this global L2
-        norm, computed across the replicas' slices (a `psum`; an
-        `optax.clip_by_global_norm` inside `tx` would see one slice only), and
-        report the norm before clipping as metric `"grad_norm"`.
-
-    Returns:
-      The piece, for `jdp.make_train_step(..., sync=...)`.
-
-    Raises:
-      ValueError: If `clip_grad_norm` is not a positive finite number, or
-        `bucket_bytes` is out of range as for `jdp.all_reduce`; at trace time,
-        if the optimizer is not element-wise or the state was not placed by
-        `step.replicate`.
-
-    Example:
-      >>> import jax.numpy as jnp, optax, jdp
-      >>> def loss_fn(params, batch):
-      ...     return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
-      >>> tx = optax.adam(1e-3)
-      >>> params = {"w": jnp.zeros((800, 1))}
-      >>> batch = {"x": jnp.zeros((8, 800)), "y": jnp.zeros((8, 1))}
-      >>> def bytes_per_device(sync):
-      ...     step = jdp.parallelize(jdp.make_train_step(loss_fn, tx, sync=sync))
-      ...     state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
-      ...     return step.memory_analysis(state, step.shard(batch)).argument_bytes
-      >>> bytes_per_device(jdp.all_reduce()) - bytes_per_device(jdp.zero())
-      5600
-
-    References:
-      Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion
-      Parameter Models", SC 2020, https://arxiv.org/abs/1910.02054.
-    """
-    _collectives.check_bucket_bytes(bucket_bytes)
-    if clip_grad_norm is not None:
-        _validate.finite_number(
-            "clip_grad_norm", clip_grad_norm, above=0, note="a global norm, or None"
-        )
-    apply = _zero.update_fn(
-        bucket_bytes=bucket_bytes,
-        reduce_dtype=reduce_dtype,
-        clip_grad_norm=clip_grad_norm,
-    )
-    return OwnUpdate(apply, state_layout=_zero.layout_fn)
-
-
 def sync_gradients(
     sync: Any = None, *, axis_name: _collectives.AxisName | None = None
 ) -> optax.GradientTransformationExtraArgs:
@@ -480,8 +410,8 @@ def sync_gradients(
       An `optax.GradientTransformationExtraArgs`.
 
     Raises:
-      TypeError: If `sync` is not a `jdp.Sync` (e.g. `jdp.zero()`, which
-        applies the optimizer itself).
+      TypeError: If `sync` is not a `jdp.Sync` (e.g. `jdp.sparse.rows()`,
+        which applies the optimizer itself).
 
     Example:
       >>> import optax, jdp
@@ -498,8 +428,8 @@ def sync_gradients(
         raise TypeError(
             "`jdp.sync_gradients` turns a `jdp.Sync` (e.g. `jdp.all_reduce()`, "
             f"`jdp.powersgd(rank=4)`) into an optax transform; got "
-            f"{type(sync).__name__}. `jdp.zero()` applies the optimizer itself: "
-            "give it to `jdp.make_train_step(..., sync=...)` instead."
+            f"{type(sync).__name__}. `jdp.sparse.rows()` applies the optimizer "
+            "itself: give it to `jdp.make_train_step(..., sync=...)` instead."
         )
 
     def init_fn(params):
@@ -566,4 +496,12 @@ def agreed_locally(state: PyTree) -> PyTree:
     """
     if not hasattr(state, "replace"):
         return None
+    if syncs_gradients(state.opt_state):  # `jdp.zero`: replicas hold equal params
+        return _replica_parts.must_agree(state)
     return state.replace(params=None, opt_state=_replica_parts.agreed(state.opt_state))
+
+
+def syncs_gradients(opt_state: PyTree) -> bool:
+    """Whether the optimizer state declares that it averages gradients itself."""
+    nodes = jax.tree.leaves(opt_state, is_leaf=_layout.is_custom)
+    return any(_layout.is_custom(x) and x.syncs_gradients for x in nodes)

@@ -6,15 +6,15 @@ A train step is composed of pieces rather than switched by flags:
 - how gradients are synchronised: ONE piece, `sync=` (a `jdp.Sync`: averaged
   by an all-reduce, compressed, kept local for optimizers that communicate
   themselves such as `jdp.bmuf`, or one of your own); the step then applies
-  the optimizer once. `jdp.zero()` and `jdp.sparse.rows()` apply the optimizer
-  themselves (a sharded optimizer state, sparse rows);
+  the optimizer once. `jdp.sparse.rows()` applies the optimizer itself (sparse
+  rows);
 - what the step does around them, once for every piece: skipping non-finite
   steps (`skip_nonfinite`), syncing batch statistics (`batch_stats`), loss
   scaling;
-- how the state is laid out across replicas and which part of it replicas must
-  agree on, declared as data (`state_layout` and `must_agree` of the returned
-  `TrainStep`), which `step.replicate`, checkpoints and the divergence guard
-  follow.
+- which part of the state replicas must agree on, declared as data
+  (`must_agree` of the returned `TrainStep`), which checkpoints and the
+  divergence guard follow.
+
 """
 
 from __future__ import annotations
@@ -36,9 +36,15 @@ from jdp import (
     _sync,
     _validate,
 )
-from jdp._layout import StateLayout
 
 PyTree = Any
+
+AVERAGED_TWICE_MSG = (
+    "`{api}`: the optimizer averages the gradients across replicas itself "
+    "(`jdp.zero` reduce-scatters them), and so does the sync piece. Give the "
+    "optimizer each replica's own gradients: `jdp.make_train_step(loss_fn, "
+    "jdp.zero(tx), sync=jdp.local())`."
+)
 
 #: `jdp.all_reduce()`, the default piece (made once: a `Sync` is immutable).
 _DEFAULT_SYNC = _sync.all_reduce()
@@ -56,18 +62,16 @@ class LossSpec(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class TrainStep:
-    """A per-replica train step and the layout of the state it expects.
+    """A per-replica train step and what it declares about its state.
 
     What `jdp.make_train_step` returns: call it as `step_fn(state, batch)`.
-    `state_layout`, when set, maps the abstract logical state and the replica
-    count to the per-replica layout; `step.replicate` follows it. `must_agree`,
+    `must_agree`,
     when set, maps a state to the part of it replicas must agree on (others set
     to None); `jdp.parallelize`'s `check_sync` compares only that part.
     `loss` says how the step calls its loss, for `jdp.check_equivalence`.
     """
 
     step_fn: Callable[[PyTree, PyTree], tuple[PyTree, dict[str, jax.Array]]]
-    state_layout: StateLayout | None = None
     must_agree: Callable[[PyTree], PyTree] | None = None
     loss: LossSpec | None = None
 
@@ -103,7 +107,7 @@ def make_train_step(
     mean).
 
     Everything else is composed from the pieces that already do it: gradient
-    clipping is `optax.clip_by_global_norm` in `tx` (with `jdp.zero`, its
+    clipping is `optax.clip_by_global_norm` in `tx` (under `jdp.zero`, its
     `clip_grad_norm`); rematerialisation is `jax.checkpoint` around `loss_fn`
     (e.g. `jax.checkpoint(loss_fn, policy=jax.checkpoint_policies.
     dots_with_no_batch_dims_saveable)`).
@@ -128,10 +132,9 @@ def make_train_step(
       sync: How gradients are synchronised: a `jdp.Sync` such as
         `jdp.all_reduce()` (default, PyTorch DDP), `jdp.powersgd(...)`,
         `jdp.partition(...)` or `jdp.local()` (each replica's own gradients,
-        for optimizers that communicate themselves: `jdp.bmuf`, or
-        `jdp.sync_gradients` inside `optax.MultiSteps`); or `jdp.zero()` (the
-        optimizer state sharded over replicas) or `jdp.sparse.rows()` (sparse
-        embedding gradients), which apply the optimizer themselves.
+        for optimizers that communicate themselves: `jdp.bmuf`, `jdp.zero`, or
+        `jdp.sync_gradients` inside `optax.MultiSteps`); or `jdp.sparse.rows()`
+        (sparse embedding gradients), which applies the optimizer itself.
       has_aux: Whether `loss_fn` returns auxiliary data; a dict of scalars becomes
         extra metrics, anything else is returned under `"aux"`.
       microbatches: Gradient accumulation (PyTorch DDP's `no_sync()`, Horovod's
@@ -147,8 +150,8 @@ def make_train_step(
         replica (the verdict is agreed by one scalar collective): params,
         optimizer state, the piece's state and batch statistics stay as they
         were on every replica, the state's `skipped_steps` grows by one and
-        metric `"skipped"` is 1. With `jdp.zero()` each replica's own
-        gradients are checked, before they are reduced. (`optax.apply_if_finite`
+        metric `"skipped"` is 1. (With `jdp.local()` each replica's own
+        gradients are checked.) (`optax.apply_if_finite`
         in `tx` is the optimizer's own way, for a state without a counter.)
       batch_stats: How batch statistics (`state.batch_stats`) are synced every
         step: `"mean"` (default) or `"broadcast"` replica 0's (see
@@ -176,9 +179,9 @@ def make_train_step(
       `train_step(state, batch) -> (state, metrics)`, to give to `jdp.parallelize`.
 
     Raises:
-      TypeError: If `sync` is not a `jdp.Sync` (nor `jdp.zero()` or
-        `jdp.sparse.rows()`), `skip_nonfinite` is not a bool, or `loss_fn`'s
-        parameters cannot be read.
+      TypeError: If `sync` is not a `jdp.Sync` (nor `jdp.sparse.rows()`),
+        `skip_nonfinite` is not a bool, or `loss_fn`'s parameters cannot be
+        read.
       ValueError: If `microbatches` is not a positive int or `batch_stats` is
         unknown. At trace time, if
         the optimizer trains replicas locally (`jdp.bmuf`) and `sync` averages
@@ -216,8 +219,8 @@ def make_train_step(
     if not isinstance(sync, (_sync.Sync, _sync.OwnUpdate)):
         raise TypeError(
             "`sync` must be a `jdp.Sync`, e.g. `jdp.all_reduce()`, `jdp.local()`, "
-            "`jdp.powersgd()` or `jdp.partition(...)` (or `jdp.zero()`, "
-            f"`jdp.sparse.rows()`); got {type(sync).__name__}."
+            "`jdp.powersgd()` or `jdp.partition(...)` (or `jdp.sparse.rows()`); "
+            f"got {type(sync).__name__}."
         )
     _validate.positive_int("microbatches", microbatches)
     _validate.boolean("skip_nonfinite", skip_nonfinite)
@@ -238,7 +241,7 @@ def make_train_step(
         _step_checks.check_trainable(state.params, api)
         _step_checks.check_known_fields(state, api)
         if not own:
-            _step_checks.check_piece(sync, optimizer, state, axis, api)
+            _check_piece(sync, optimizer, state, axis, api)
         _loss.check_batch_stats(state, takes_stats, api, loss_fn)
         loss_kwargs = _loss.loss_kwargs(state, keywords, axis, api)
         value_and_grad = (
@@ -293,18 +296,25 @@ def make_train_step(
         return state.replace(**changes), metrics
 
     spec = LossSpec(loss_fn, has_aux, microbatches, keywords, axis_name)
-    return TrainStep(train_step, *_declared(sync, tx), spec)
+    return TrainStep(train_step, _must_agree(sync), spec)
 
 
-def _declared(sync, tx) -> tuple[StateLayout | None, Callable | None]:
-    """`(state_layout, must_agree)` of a step with piece `sync`."""
+def _check_piece(sync, tx, state, axis, api) -> None:
+    """The piece against the optimizer and the state (traced)."""
+    if sync.averages and _sync.syncs_gradients(state.opt_state):
+        raise ValueError(AVERAGED_TWICE_MSG.format(api=api))
+    _step_checks.check_piece(sync, tx, state, axis, api)
+
+
+def _must_agree(sync) -> Callable | None:
+    """What replicas of a step with piece `sync` must agree on."""
     if isinstance(sync, _sync.OwnUpdate):
-        return (None if sync.state_layout is None else sync.state_layout(tx)), None
+        return None
     if sync.must_agree is not None:
-        return None, sync.must_agree
+        return sync.must_agree
     if sync.averages:
-        return None, _replica_parts.must_agree
-    return None, _sync.agreed_locally
+        return _replica_parts.must_agree
+    return _sync.agreed_locally
 
 
 def _synced_update(sync, grads, state, tx, axis, skip, *, counted):
@@ -338,7 +348,7 @@ def _synced_update(sync, grads, state, tx, axis, skip, *, counted):
 
 
 def _own_update(sync, grads, state, tx, axis, skip, *, counted=True):
-    """A piece that applies the optimizer itself (`jdp.zero`).
+    """A piece that applies the optimizer itself (`jdp.sparse.rows`).
 
     With `skip`, a step whose own gradients are not finite on any replica is
     skipped.

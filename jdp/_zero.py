@@ -1,35 +1,17 @@
-"""Private: ZeRO-style sharded optimizer state (stages 1 and 2) for `make_train_step`.
+"""Private: `jdp.zero`, ZeRO stages 1 and 2 as an optimizer wrapper.
 
-With `jdp.make_train_step(loss_fn, tx, sync=jdp.zero())` each replica
-keeps only its 1/N slice of the optimizer state instead of a full copy:
+`jdp.zero(tx)` is an optax transform that communicates, as `jdp.bmuf(tx)` is:
 
 1. every parameter leaf is flattened and zero-padded to a multiple of N; replica
    `r` owns elements `[r * c, (r + 1) * c)` of it, with `c = ceil(size / N)`;
-2. the gradients are reduce-scattered (`lax.psum_scatter`, bucketed like
-   `jdp.all_reduce_gradients`), so each replica receives only the averaged
-   gradient of its slices (stage 2: no replica holds the full averaged gradient);
-3. the optimizer updates the slices (`tx.update` on a pytree like `params` whose
-   leaves are the replica's 1-D slices) and the updated slices are all-gathered
-   (`lax.all_gather`) into full, replicated parameters.
+2. the replica's own gradients are reduce-scattered (bucketed `lax.psum_scatter`),
+   so each replica receives the averaged gradient of its slices only;
+3. `tx` updates the slices (a pytree like `params` of 1-D slices) and the updates
+   are all-gathered into full updates, which the step adds to the parameters.
 
-This equals plain synchronous training for any optimizer that acts element by
-element (SGD, momentum, Adam, AdamW, RMSProp, Lion, Adagrad, with schedules).
-Optimizers that look at whole parameters (global-norm clipping, LAMB, Adafactor)
-are detected from their jaxpr and refused with a message; global-norm clipping is
-available as `jdp.zero(clip_grad_norm=...)`, which computes the norm
-across replicas with a `psum`.
-
-Layout. The optimizer state lives in the train state as a `ShardedOptState`: the
-optimizer's own state pytree (structure unchanged) whose per-parameter leaves are
-slices, plus static metadata (each leaf's full logical shape, or None for leaves
-such as step counts that every replica holds whole). Replicated, every leaf still
-has the leading replica axis sharded over the mesh, so `jdp.parallelize` treats it
-like any state; replica `r`'s row is its slice. `ShardedOptState` is a
-`jdp._layout.CustomLayout`: it converts itself between this layout and ONE full
-logical copy (unreplicate, checkpoints), so a checkpoint holds the ordinary
-optimizer state and restores into any replica count, with or without sharding.
-The ZeRO train step declares the layout (`layout_fn`), and `step.replicate`
-follows it.
+Its state, a `ZeroState`, is a `CustomLayout`: `tx.init(params)`'s state whole
+(what `step.unreplicate` returns and checkpoints hold, restorable into any
+replica count) or, once placed by `step.replicate`, one slice per replica.
 
 References:
   Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion
@@ -38,7 +20,6 @@ References:
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -50,7 +31,7 @@ import optax
 from flax import struct
 from jax import lax
 
-from jdp import _collectives, _jax_compat
+from jdp import _collectives, _jax_compat, _validate
 from jdp._layout import CustomLayout, abstract
 from jdp._tree import format_problems, keystr
 
@@ -59,54 +40,77 @@ PyTree = Any
 API = "jdp.zero"
 PLACING = "Placing a ZeRO optimizer state (`step.replicate`, a checkpoint restore): "
 
-#: Leading sizes of the probe parameters used to tell per-element state leaves
-#: from others; far from any real shape, and never allocated (`jax.eval_shape`).
+#: Leading sizes of the probe parameters that tell per-element state leaves from
+#: others; far from any real shape, never allocated (`jax.eval_shape`).
 _SENTINEL = 1_000_003_000
 
 ELEMENTWISE_HINT = (
-    "With `sync=jdp.zero()` each replica updates only its slice of "
-    "every parameter (seen by the optimizer as a 1-D vector), so the optimizer "
-    "must act element by element, as SGD, momentum, Adam, AdamW, RMSProp, Lion and "
-    "Adagrad do (with any schedule)."
+    "Under `jdp.zero` each replica updates only its slice of every parameter "
+    "(seen by the optimizer as a 1-D vector), so the optimizer must act element "
+    "by element, as SGD, momentum, Adam, AdamW, RMSProp, Lion and Adagrad do "
+    "(with any schedule)."
 )
 
 NOT_LAID_OUT_MSG = (
-    f"`{API}`: the state's `opt_state` is a full optimizer state, not the sharded "
-    "layout this step needs. Place the state with `step.replicate(state)` of the "
-    "`jdp.parallelize` that runs this train step. If you wrap the train step in "
-    "your own function, give `jdp.parallelize` an object that keeps its "
-    "`state_layout` attribute (`functools.wraps` copies it), so that "
-    "`step.replicate` finds it."
+    f"`{API}`: the optimizer state is one full logical copy, not the sharded "
+    "layout of {num} replicas that this step needs. Place the state with "
+    "`step.replicate(state)` of the `jdp.parallelize` that runs the step (a "
+    "sharded state for another replica count: `step.replicate(other_step."
+    "unreplicate(state))`)."
 )
 
 
-def _is_none(x: Any) -> bool:
-    return x is None
-
-
-class ShardedOptState(struct.PyTreeNode, CustomLayout):
-    """An optimizer state sharded across replicas (one slice of it per replica).
+class ZeroState(struct.PyTreeNode, CustomLayout):
+    """`jdp.zero`'s state: the wrapped optimizer's, whole or one slice per replica.
 
     Attributes:
-      chunks: The optimizer's state pytree (same structure as `tx.init(params)`);
-        each per-parameter leaf holds the replica's 1-D slice of the flattened,
-        zero-padded logical leaf; other leaves (counts) are held whole.
-      shapes: Static, one entry per leaf of `chunks` in flattening order: the
-        logical leaf's full shape, or None for a leaf every replica holds whole.
+      chunks: The wrapped optimizer's state (the structure of `tx.init(params)`).
+        Whole, or, placed, each per-parameter leaf holds the replica's 1-D slice
+        of the flattened, zero-padded leaf (other leaves, counts, stay whole).
+      grad_norm: With `clip_grad_norm`, the global norm of the last step's
+        averaged gradients before clipping; None without.
+      shapes: Static, one entry per leaf of `chunks`: the full shape of a
+        per-parameter leaf, or None for a leaf every replica holds whole.
+      num_shards: Static: the replica count it is sliced for; None while whole.
     """
 
     chunks: PyTree
+    grad_norm: jax.Array | None
     shapes: tuple[tuple[int, ...] | None, ...] = struct.field(pytree_node=False)
+    num_shards: int | None = struct.field(pytree_node=False, default=None)
 
-    def logical(self) -> PyTree:
-        """One full logical copy of the optimizer state (see `logical`)."""
-        return logical(self)
+    #: It averages the gradients itself: the step's piece must not.
+    syncs_gradients = True
 
-    def place(self, host_value: PyTree, place_leaf) -> ShardedOptState:
-        """Splits one full logical optimizer state into this layout (see `place`)."""
+    def layout(self, num_replicas: int) -> ZeroState:
+        """The abstract per-replica layout of this (whole, abstract) state."""
+        leaves, treedef = jax.tree.flatten(self.chunks)
+        sliced = [
+            x
+            if shape is None
+            else jax.ShapeDtypeStruct(
+                (chunk_size(math.prod(shape), num_replicas),), x.dtype
+            )
+            for x, shape in zip(leaves, self.shapes, strict=True)
+        ]
+        return self.replace(
+            chunks=jax.tree.unflatten(treedef, sliced), num_shards=num_replicas
+        )
+
+    def logical(self) -> ZeroState:
+        """One whole copy of the replicated state; abstract leaves give abstract."""
+        leaves, treedef = jax.tree.flatten(self.chunks)
+        out = [_whole(x, shape) for x, shape in zip(leaves, self.shapes, strict=True)]
+        norm = None if self.grad_norm is None else _whole(self.grad_norm, None)
+        return self.replace(
+            chunks=jax.tree.unflatten(treedef, out), grad_norm=norm, num_shards=None
+        )
+
+    def place(self, host_value: PyTree, place_leaf) -> ZeroState:
+        """Splits one whole state (`host_value`) into this layout."""
         return place(host_value, self, place_leaf)
 
-    def agreed(self) -> ShardedOptState:
+    def agreed(self) -> ZeroState:
         """This node with its slices (which differ between replicas) set to None."""
         leaves, treedef = jax.tree.flatten(self.chunks, is_leaf=_is_none)
         kept = [
@@ -114,7 +118,7 @@ class ShardedOptState(struct.PyTreeNode, CustomLayout):
         ]
         return self.replace(chunks=jax.tree.unflatten(treedef, kept))
 
-    def with_agreed(self, agreed: ShardedOptState) -> ShardedOptState:
+    def with_agreed(self, agreed: ZeroState) -> ZeroState:
         """This node with its whole leaves taken from `agreed`."""
         new = iter(jax.tree.leaves(agreed.chunks))
         leaves, treedef = jax.tree.flatten(self.chunks)
@@ -122,12 +126,13 @@ class ShardedOptState(struct.PyTreeNode, CustomLayout):
             old if s is not None else next(new)
             for old, s in zip(leaves, self.shapes, strict=True)
         ]
-        return self.replace(chunks=jax.tree.unflatten(treedef, merged))
+        return self.replace(
+            chunks=jax.tree.unflatten(treedef, merged), grad_norm=agreed.grad_norm
+        )
 
 
-def is_sharded(x: Any) -> bool:
-    """Whether `x` is a `ShardedOptState` node (an `is_leaf` for tree maps)."""
-    return isinstance(x, ShardedOptState)
+def _is_none(x: Any) -> bool:
+    return x is None
 
 
 def chunk_size(size: int, num_shards: int) -> int:
@@ -135,14 +140,79 @@ def chunk_size(size: int, num_shards: int) -> int:
     return -(-size // num_shards)
 
 
-# -- layout: full logical state <-> sharded per-replica state -----------------------
+def _whole(x: Any, shape: tuple[int, ...] | None) -> Any:
+    """One whole leaf of a replicated one (slices gathered and trimmed)."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        whole = x.shape[1:] if shape is None else shape
+        return jax.ShapeDtypeStruct(tuple(whole), x.dtype)
+    if not isinstance(x, jax.Array):
+        return x
+    if shape is None:
+        data = x.addressable_shards[0].data
+        return data.reshape(data.shape[1:])
+    if x.is_fully_addressable:
+        rows = np.asarray(jax.device_get(x))
+    else:
+        from jax.experimental import multihost_utils
+
+        rows = np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    full = rows.reshape(-1)[: math.prod(shape)].reshape(shape)
+    return jax.device_put(full, x.addressable_shards[0].device)
+
+
+def place(
+    host: PyTree, like: ZeroState, place_whole: Callable[[Any, Any], jax.Array]
+) -> ZeroState:
+    """Splits a whole `ZeroState` into the layout of `like` (replica `r`: slice `r`).
+
+    `like` holds replicated arrays or `jax.ShapeDtypeStruct`s with the replica
+    axis and a sharding; `place_whole` places a leaf every replica holds whole.
+    """
+    if not isinstance(host, ZeroState) or host.num_shards is not None:
+        got = "a sharded one" if isinstance(host, ZeroState) else type(host).__name__
+        raise ValueError(
+            f"{PLACING}expected one whole `jdp.zero` state, got {got}; pass "
+            "`step.unreplicate(state)` (or the state a checkpoint saved)."
+        )
+    refs, treedef = jax.tree.flatten(like.chunks)
+    try:
+        values = treedef.flatten_up_to(host.chunks)
+    except (ValueError, TypeError) as e:
+        raise ValueError(
+            f"{PLACING}it does not match the layout it is placed into ({e}). "
+            "Restore a state saved for the same model and optimizer."
+        ) from e
+    out = []
+    for x, ref, shape in zip(values, refs, like.shapes, strict=True):
+        if shape is None:
+            out.append(place_whole(x, ref))
+            continue
+        x = np.asarray(jax.device_get(x)).astype(ref.dtype, copy=False)
+        if x.shape != tuple(shape):
+            raise ValueError(
+                f"{PLACING}a leaf has shape {x.shape}, expected {tuple(shape)}."
+            )
+        num, size = ref.shape
+        rows = np.zeros(num * size, ref.dtype)
+        rows[: x.size] = x.reshape(-1)
+        rows = rows.reshape(num, size)
+        out.append(
+            jax.make_array_from_callback(ref.shape, ref.sharding, rows.__getitem__)
+        )
+    norm = like.grad_norm
+    if norm is not None:
+        norm = place_whole(host.grad_norm, norm)
+    return like.replace(chunks=jax.tree.unflatten(treedef, out), grad_norm=norm)
+
+
+# -- what the optimizer may be ------------------------------------------------------
 
 
 def _refuse(what: str, fix: str) -> ValueError:
     return ValueError(f"`{API}`: the optimizer {what}. {ELEMENTWISE_HINT} Fix: {fix}")
 
 
-_FIX_GENERIC = "use an element-wise optimizer, or `sync=jdp.all_reduce()`."
+_FIX_GENERIC = "use an element-wise optimizer, or no `jdp.zero`."
 
 
 def _check_params(params: PyTree) -> list[tuple[Any, jax.ShapeDtypeStruct]]:
@@ -158,71 +228,39 @@ def _check_params(params: PyTree) -> list[tuple[Any, jax.ShapeDtypeStruct]]:
         raise ValueError(
             f"`{API}` shards floating-point parameters only; these leaves are not:"
             f"{format_problems(bad)}\nFix: keep integer state outside `params` "
-            "(e.g. in `batch_stats`), or use `sync=jdp.all_reduce()`."
+            "(e.g. in `batch_stats`), or do without `jdp.zero`."
         )
     return flat
 
 
-def opt_state_layout(
-    opt_state: PyTree,
-    params: PyTree,
-    tx: optax.GradientTransformation,
-    num_shards: int,
-) -> ShardedOptState:
-    """The per-replica abstract layout of a full optimizer state.
+def _leaf_shapes(tx, opt_state: PyTree, params: PyTree) -> tuple:
+    """Per leaf of `opt_state`: its parameter's shape, or None if not per element.
 
-    Args:
-      opt_state: The full (logical) optimizer state, arrays or ShapeDtypeStructs.
-      params: The parameters it belongs to (their shapes and dtypes).
-      tx: The optimizer that made it.
-      num_shards: Number of replicas it is split across.
-
-    Returns:
-      A `ShardedOptState` of per-replica `jax.ShapeDtypeStruct`s (no replica axis).
-
-    Raises:
-      ValueError: If the optimizer state is not one value per parameter element,
-        or does not match `tx.init(params)`.
+    Found by initialising `tx` on probe shapes no real parameter has.
     """
     flat_params = _check_params(params)
-    treedef = jax.tree.structure(params)
     probe_params = jax.tree.unflatten(
-        treedef,
+        jax.tree.structure(params),
         [
             jax.ShapeDtypeStruct((_SENTINEL + i,), x.dtype)
             for i, (_, x) in enumerate(flat_params)
         ],
     )
-    probe = jax.eval_shape(tx.init, probe_params)
+    probe_leaves, probe_def = jax.tree.flatten(jax.eval_shape(tx.init, probe_params))
     full, state_def = jax.tree_util.tree_flatten_with_path(opt_state)
-    probe_leaves, probe_def = jax.tree.flatten(probe)
     if probe_def != state_def:
         raise _refuse(
             "state's structure depends on the parameters' shapes (for example a "
-            "mask chosen by `ndim`), or `opt_state` was not made by this `tx` "
-            f"(`tx.init` on 1-D slices gives {probe_def.num_leaves} leaves, the "
-            f"state has {state_def.num_leaves})",
-            "choose masks by parameter path, not shape; or use "
-            "`sync=jdp.all_reduce()`.",
+            f"mask chosen by `ndim`): `tx.init` on 1-D slices gives "
+            f"{probe_def.num_leaves} leaves, on the parameters "
+            f"{state_def.num_leaves}",
+            "choose masks by parameter path, not shape; or do without `jdp.zero`.",
         )
-    chunks, shapes = [], []
+    shapes = []
     for (path, leaf), ref in zip(full, probe_leaves, strict=True):
-        leaf = abstract(leaf)
         owner = ref.shape[0] - _SENTINEL if len(ref.shape) == 1 else -1
         if 0 <= owner < len(flat_params):
-            ppath, pshape = flat_params[owner][0], flat_params[owner][1].shape
-            if leaf.shape != pshape:
-                raise ValueError(
-                    f"`{API}`: optimizer state leaf {keystr(path)} has shape "
-                    f"{leaf.shape}, but its parameter "
-                    f"{keystr(ppath)} has shape {pshape}. Pass "
-                    "the state made by `jdp.TrainState.create(params=..., tx=...)`."
-                )
-            size = math.prod(pshape)
-            chunks.append(
-                jax.ShapeDtypeStruct((chunk_size(size, num_shards),), leaf.dtype)
-            )
-            shapes.append(tuple(leaf.shape))
+            shapes.append(tuple(flat_params[owner][1].shape))
         elif any(d >= _SENTINEL for d in ref.shape) or ref.shape != leaf.shape:
             raise _refuse(
                 f"keeps state leaf {keystr(path)} of shape {leaf.shape}, which is "
@@ -230,134 +268,8 @@ def opt_state_layout(
                 _FIX_GENERIC,
             )
         else:
-            chunks.append(leaf)
             shapes.append(None)
-    return ShardedOptState(
-        chunks=jax.tree.unflatten(state_def, chunks), shapes=tuple(shapes)
-    )
-
-
-def layout_fn(tx: optax.GradientTransformation | None):
-    """The state layout of a ZeRO train step (for `TrainStep.state_layout`)."""
-    return functools.partial(state_layout, tx=tx)
-
-
-def state_layout(
-    state: PyTree, num_replicas: int, *, tx: optax.GradientTransformation | None
-) -> PyTree:
-    """A train state's abstract layout with its optimizer state sharded.
-
-    Trees without `opt_state`/`params` (e.g. bare parameters) are returned as
-    they are.
-    """
-    if not (hasattr(state, "opt_state") and hasattr(state, "params")):
-        return state
-    if is_sharded(state.opt_state):
-        return state
-    optimizer = tx if tx is not None else getattr(state, "tx", None)
-    if optimizer is None:
-        raise ValueError(
-            f"`{API}` got no optimizer: pass `tx` or use a state that carries one "
-            "(`jdp.TrainState.create(params=..., tx=...)`)."
-        )
-    layout = opt_state_layout(state.opt_state, state.params, optimizer, num_replicas)
-    return state.replace(opt_state=layout)
-
-
-def place(
-    host_opt_state: PyTree,
-    like: ShardedOptState,
-    place_whole: Callable[[Any, Any], jax.Array],
-) -> ShardedOptState:
-    """Splits a full logical optimizer state into the layout of `like`.
-
-    Args:
-      host_opt_state: The full optimizer state (e.g. from `tx.init(params)` or a
-        checkpoint).
-      like: A `ShardedOptState` of replicated `jax.Array`s or
-        `jax.ShapeDtypeStruct`s with the replica axis and a sharding.
-      place_whole: Places a leaf every replica holds whole (as `step.replicate`
-        does).
-
-    Returns:
-      The `ShardedOptState` with replica `r`'s row holding slice `r`.
-    """
-    if is_sharded(host_opt_state):
-        raise ValueError(
-            f"{PLACING}expected one full logical copy of the optimizer state, "
-            "got an already sharded one; pass `step.unreplicate(state)` (or the "
-            "state a checkpoint saved)."
-        )
-    refs, treedef = jax.tree.flatten(like.chunks)
-    try:
-        values = treedef.flatten_up_to(host_opt_state)
-    except (ValueError, TypeError) as e:
-        raise ValueError(
-            f"{PLACING}it does not match the layout it is "
-            f"placed into ({e}). Restore a state saved for the same model and "
-            "optimizer."
-        ) from e
-    out = []
-    for x, ref, shape in zip(values, refs, like.shapes, strict=True):
-        if shape is None:
-            out.append(place_whole(x, ref))
-            continue
-        x = np.asarray(jax.device_get(x)).astype(ref.dtype, copy=False)
-        if x.shape != tuple(shape):
-            raise ValueError(
-                f"{PLACING}a leaf has shape {x.shape}, expected {tuple(shape)}."
-            )
-        num, size = ref.shape[0], ref.shape[1]
-        rows = np.zeros(num * size, ref.dtype)
-        rows[: x.size] = x.reshape(-1)
-        rows = rows.reshape(num, size)
-        out.append(
-            jax.make_array_from_callback(ref.shape, ref.sharding, rows.__getitem__)
-        )
-    return like.replace(chunks=jax.tree.unflatten(treedef, out))
-
-
-def _gather_rows(x: jax.Array) -> np.ndarray:
-    if x.is_fully_addressable:
-        return np.asarray(jax.device_get(x))
-    from jax.experimental import multihost_utils
-
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-
-
-def logical(node: ShardedOptState) -> PyTree:
-    """One full logical copy of a replicated `ShardedOptState` (the optimizer state).
-
-    Sliced leaves are gathered from every replica, trimmed of padding and reshaped;
-    whole leaves come from the first replica. `jax.ShapeDtypeStruct` leaves give
-    the logical `jax.ShapeDtypeStruct`. Every process must call it when the state
-    spans several processes.
-    """
-    leaves, treedef = jax.tree.flatten(node.chunks)
-    out = []
-    for x, shape in zip(leaves, node.shapes, strict=True):
-        if isinstance(x, jax.ShapeDtypeStruct):
-            logical_shape = shape if shape is not None else x.shape[1:]
-            out.append(jax.ShapeDtypeStruct(tuple(logical_shape), x.dtype))
-        elif not isinstance(x, jax.Array):
-            out.append(x)
-        elif shape is None:
-            data = x.addressable_shards[0].data
-            out.append(data.reshape(data.shape[1:]))
-        else:
-            full = _gather_rows(x).reshape(-1)[: math.prod(shape)].reshape(shape)
-            out.append(jax.device_put(full, x.addressable_shards[0].device))
-    return jax.tree.unflatten(treedef, out)
-
-
-# -- the refusal check: is the optimizer element-wise? -------------------------------
-
-# JAX's primitive names, kept with jdp's other assumptions about JAX.
-_REDUCTIONS = _jax_compat.REDUCTION_PRIMITIVES
-_COLLECTIVES = _jax_compat.COLLECTIVE_PRIMITIVES
-#: Primitives whose presence depends only on ranks, ignored when comparing the
-#: update on full parameters with the update on 1-D slices.
-_SHAPE_ONLY = _jax_compat.SHAPE_ONLY_PRIMITIVES
+    return tuple(shapes)
 
 
 def _update_eqns(tx, grads, opt_state, params) -> list:
@@ -367,22 +279,13 @@ def _update_eqns(tx, grads, opt_state, params) -> list:
     return _jax_compat.equations(closed)
 
 
-def check_elementwise(
-    tx: optax.GradientTransformation,
-    slices: PyTree,
-    opt_slices: PyTree,
-    params: PyTree,
-    opt_state: PyTree,
-) -> None:
-    """Refuses optimizers whose update is not element-wise (traces, runs nothing).
+def check_elementwise(tx, slices, opt_slices, params, opt_state) -> None:
+    """Refuses an optimizer whose update is not element-wise (traces, runs nothing).
 
-    Traces `tx.update` on the replica's slices and looks for reductions over
-    non-scalar values (global norms, per-leaf norms, factored moments) and for
-    collectives; then compares it with the update on the full parameters, which
-    must issue the same operations (a mask chosen by shape would not).
-
-    Raises:
-      ValueError: Naming what was found and how to fix it.
+    Looks in `tx.update` on the slices for collectives and for reductions over
+    non-scalar values (global norms, factored moments), then compares it with
+    the update on the whole parameters, which must issue the same operations (a
+    mask chosen by shape would not).
     """
     slices, opt_slices, params, opt_state = jax.tree.map(
         abstract, (slices, opt_slices, params, opt_state)
@@ -391,27 +294,28 @@ def check_elementwise(
     for eqn in eqns:
         name = eqn.primitive.name
         shapes = [getattr(v.aval, "shape", ()) for v in eqn.invars]
-        if name in _COLLECTIVES:
+        if name in _jax_compat.COLLECTIVE_PRIMITIVES:
             raise _refuse(
                 f"communicates across replicas itself (`{name}` in its update), as "
                 "`jdp.sync_gradients` or `jdp.bmuf` do",
-                "drop it from `tx`: this step already averages the gradients "
-                "(reduce-scatter).",
+                "drop that from the optimizer `jdp.zero` wraps: `jdp.zero` "
+                "averages the gradients itself (reduce-scatter).",
             )
-        if name in _REDUCTIONS and any(len(s) >= 1 for s in shapes):
+        if name in _jax_compat.REDUCTION_PRIMITIVES and any(len(s) for s in shapes):
             raise _refuse(
                 f"reduces over whole parameters (`{name}` of a "
                 f"{max(shapes, key=len)} operand in its update), as global-norm "
                 "clipping, `optax.apply_if_finite`, LAMB or Adafactor do; on a slice "
                 "that would see only part of each parameter",
                 "for global-norm clipping remove `optax.clip_by_global_norm` from "
-                "`tx` and pass `sync=jdp.zero(clip_grad_norm=max_norm)`, "
-                "which computes the global norm across replicas; otherwise use "
-                "`sync=jdp.all_reduce()`.",
+                "the wrapped optimizer and pass `jdp.zero(tx, clip_grad_norm="
+                "max_norm)`, which computes the global norm across replicas; "
+                "otherwise do without `jdp.zero`.",
             )
+    ignored = _jax_compat.SHAPE_ONLY_PRIMITIVES
+    names = [e.primitive.name for e in eqns if e.primitive.name not in ignored]
     full = _update_eqns(tx, params, opt_state, params)
-    names = [e.primitive.name for e in eqns if e.primitive.name not in _SHAPE_ONLY]
-    full_names = [e.primitive.name for e in full if e.primitive.name not in _SHAPE_ONLY]
+    full_names = [e.primitive.name for e in full if e.primitive.name not in ignored]
     if names != full_names:
         raise _refuse(
             "does not do the same on a 1-D slice of a parameter as on the whole "
@@ -420,11 +324,11 @@ def check_elementwise(
             "by `ndim` or shape",
             "choose masks by parameter path, e.g. `mask=lambda p: "
             "jax.tree_util.tree_map_with_path(lambda path, _: path[-1].key != 'b', "
-            "p)`; or use `sync=jdp.all_reduce()`.",
+            "p)`; or do without `jdp.zero`.",
         )
 
 
-# -- the per-replica update ---------------------------------------------------------
+# -- the update ---------------------------------------------------------------------
 
 
 def _padded_rows(x: jax.Array, num: int, size: int) -> jax.Array:
@@ -454,134 +358,141 @@ def _reduce_scatter(grads, sizes, *, num, axis_name, bucket_bytes, dtype):
     ]
 
 
-def _all_gather(slices, like, *, axis_name, bucket_bytes):
-    """Full parameters from every replica's new slices (bucketed all-gathers)."""
-    rows = _collectives.bucketed(
-        "all_gather", slices, axis_name=axis_name, bucket_bytes=bucket_bytes
-    )
-    return [
-        r.reshape(-1)[: ref.size].reshape(ref.shape).astype(ref.dtype)
-        for r, ref in zip(rows, like, strict=True)
-    ]
-
-
-def update_fn(*, bucket_bytes, reduce_dtype, clip_grad_norm):
-    """The ZeRO update of a train step: `apply(grads, state, tx, axis_name)`."""
-
-    def apply(grads, state, tx, axis_name):
-        params, opt_state, grad_norm = sharded_update(
-            grads,
-            state.opt_state,
-            state.params,
-            tx,
-            axis_name=axis_name,
-            bucket_bytes=bucket_bytes,
-            reduce_dtype=reduce_dtype,
-            clip_grad_norm=clip_grad_norm,
-        )
-        return params, opt_state, {} if grad_norm is None else {"grad_norm": grad_norm}
-
-    return apply
-
-
-def sharded_update(
-    grads: PyTree,
-    opt_state: ShardedOptState,
-    params: PyTree,
-    tx: optax.GradientTransformation,
-    *,
-    axis_name: str,
-    bucket_bytes: int | None,
-    reduce_dtype: Any,
-    clip_grad_norm: float | None,
-) -> tuple[PyTree, ShardedOptState, jax.Array | None]:
-    """One ZeRO update inside the step: reduce-scatter, slice update, all-gather.
-
-    Args:
-      grads: This replica's gradients (not yet averaged).
-      opt_state: This replica's `ShardedOptState` (its slices).
-      params: The full parameters (equal on every replica).
-      tx: The optimizer (element-wise).
-      axis_name: The replica axis.
-      bucket_bytes: Largest bucket per collective (None: one per dtype).
-      reduce_dtype: Optional wire dtype of the reduce-scatter.
-      clip_grad_norm: If set, clip the averaged gradients to this global norm.
-
-    Returns:
-      `(new_params, new_opt_state, grad_norm)`; `grad_norm` is the global norm of
-      the averaged gradients before clipping, or None without clipping.
-    """
-    axis_name = _collectives.resolve_axis(axis_name)
-    num = _collectives.axis_size(axis_name, API)
-    if not is_sharded(opt_state):
-        raise ValueError(NOT_LAID_OUT_MSG)
-    _collectives.check_bucket_bytes(bucket_bytes)
-    _check_params(params)
-    p_leaves, p_def = jax.tree.flatten(params)
-    p_leaves = [jnp.asarray(x) for x in p_leaves]
-    g_leaves = [jnp.asarray(g) for g in p_def.flatten_up_to(grads)]
-    sizes = [chunk_size(x.size, num) for x in p_leaves]
-    for x, shape in zip(
-        jax.tree.leaves(opt_state.chunks), opt_state.shapes, strict=True
-    ):
-        if shape is not None and x.shape != (chunk_size(math.prod(shape), num),):
-            raise ValueError(
-                f"`{API}`: the sharded optimizer state was laid out for another "
-                f"number of replicas (a slice of {x.shape[0]} elements for a leaf of "
-                f"shape {shape}; num_replicas={num} needs "
-                f"{chunk_size(math.prod(shape), num)}). Use `step.replicate` of "
-                "this step, e.g. `step.replicate(other_step.unreplicate(state))`."
-            )
-    index = lax.axis_index(axis_name)
-    grad_slices = _reduce_scatter(
-        g_leaves,
-        sizes,
-        num=num,
-        axis_name=axis_name,
-        bucket_bytes=bucket_bytes,
-        dtype=reduce_dtype,
-    )
-    param_slices = [
-        lax.dynamic_index_in_dim(_padded_rows(x, num, s), index, keepdims=False)
-        for x, s in zip(p_leaves, sizes, strict=True)
-    ]
-    grad_norm = None
-    if clip_grad_norm is not None:
-        local = sum(
-            (jnp.sum(jnp.real(g * jnp.conj(g))) for g in grad_slices),
-            start=jnp.zeros((), jnp.float32),
-        )
-        grad_norm = jnp.sqrt(lax.psum(local, axis_name))
-        grad_slices = [clip_to_norm(g, grad_norm, clip_grad_norm) for g in grad_slices]
-    g_tree = jax.tree.unflatten(p_def, grad_slices)
-    p_tree = jax.tree.unflatten(p_def, param_slices)
-    check_elementwise(
-        tx, g_tree, opt_state.chunks, params, logical_abstract(opt_state, num)
-    )
-    updates, chunks = tx.update(g_tree, opt_state.chunks, p_tree)
-    new_slices = jax.tree.leaves(optax.apply_updates(p_tree, updates))
-    new_params = _all_gather(
-        new_slices, p_leaves, axis_name=axis_name, bucket_bytes=bucket_bytes
-    )
-    return (
-        jax.tree.unflatten(p_def, new_params),
-        opt_state.replace(chunks=chunks),
-        grad_norm,
-    )
-
-
-def logical_abstract(node: ShardedOptState, num: int) -> PyTree:
-    """The full optimizer state's shapes, from a per-replica `ShardedOptState`."""
-    leaves, treedef = jax.tree.flatten(node.chunks)
-    return jax.tree.unflatten(
-        treedef,
-        [
-            jax.ShapeDtypeStruct(s if s is not None else x.shape, x.dtype)
-            for x, s in zip(leaves, node.shapes, strict=True)
-        ],
-    )
-
-
 def clip_to_norm(g: jax.Array, norm: jax.Array, max_norm: float) -> jax.Array:
     """`optax.clip_by_global_norm`'s rule for one leaf, given the global norm."""
     return lax.select(norm < max_norm, g, (g / norm.astype(g.dtype)) * max_norm)
+
+
+def zero(
+    tx: optax.GradientTransformation | None = None,
+    *,
+    bucket_bytes: int | None = _collectives.DEFAULT_BUCKET_BYTES,
+    reduce_dtype: Any = None,
+    clip_grad_norm: float | None = None,
+    axis_name: _collectives.AxisName | None = None,
+) -> optax.GradientTransformationExtraArgs:
+    """ZeRO stages 1 and 2: `tx` with its state sharded over the replicas.
+
+    PyTorch's `ZeroRedundancyOptimizer`, DeepSpeed ZeRO-1/2, as an optimizer
+    that communicates (like `jdp.bmuf`): it takes each replica's own gradients
+    (`jdp.make_train_step(..., sync=jdp.local())`, or a hand-written step),
+    reduce-scatters them, updates only this replica's 1/N slice of every
+    (flattened, padded) parameter with `tx`, whose state it keeps for that slice
+    only, and all-gathers the updates. The same numbers as `jdp.all_reduce()`
+    with `tx`, for element-wise optimizers (SGD, momentum, Adam, AdamW, RMSProp,
+    Lion, Adagrad, with schedules); others are refused with a message.
+    `step.replicate` lays its state out sharded; `step.unreplicate` and
+    checkpoints see the whole state, which restores into any replica count.
+
+    Args:
+      tx: The element-wise optimizer to shard.
+      bucket_bytes: Largest bucket of the reduce-scatters and all-gathers.
+      reduce_dtype: Wire dtype of the reduce-scatter.
+      clip_grad_norm: If set, clip the averaged gradients to this global L2
+        norm, computed across the replicas' slices (an
+        `optax.clip_by_global_norm` inside `tx` would see one slice only); the
+        norm before clipping is kept as the state's `grad_norm`.
+      axis_name: The replica axis; None uses the step's.
+
+    Returns:
+      An optax transform whose `update` needs `params`.
+
+    Raises:
+      ValueError: If `tx` is missing, `clip_grad_norm` is not a positive finite
+        number, or `bucket_bytes` is out of range as for `jdp.all_reduce`; at
+        `init`, if the parameters are not floating point; at trace time, if the
+        optimizer is not element-wise or the state was not placed by
+        `step.replicate`.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jdp
+      >>> def loss_fn(params, batch):
+      ...     return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
+      >>> params = {"w": jnp.zeros((800, 1))}
+      >>> batch = {"x": jnp.zeros((8, 800)), "y": jnp.zeros((8, 1))}
+      >>> def bytes_per_device(tx, sync):
+      ...     step = jdp.parallelize(jdp.make_train_step(loss_fn, tx, sync=sync))
+      ...     state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
+      ...     return step.memory_analysis(state, step.shard(batch)).argument_bytes
+      >>> adam = optax.adam(1e-3)
+      >>> sharded = bytes_per_device(jdp.zero(adam), jdp.local())
+      >>> bytes_per_device(adam, jdp.all_reduce()) - sharded
+      5600
+    """
+    if tx is None or not callable(getattr(tx, "update", None)):
+        raise ValueError(
+            f"`{API}` wraps the optimizer (it shards the optimizer's state): "
+            "`jdp.make_train_step(loss_fn, jdp.zero(tx), sync=jdp.local())`; got "
+            f"{'no optimizer' if tx is None else type(tx).__name__}. (Before 0.4 "
+            "it was the piece `sync=jdp.zero()`.)"
+        )
+    _collectives.check_bucket_bytes(bucket_bytes)
+    if clip_grad_norm is not None:
+        _validate.finite_number(
+            "clip_grad_norm", clip_grad_norm, above=0, note="a global norm, or None"
+        )
+
+    def init(params):
+        inner = tx.init(params)
+        norm = None if clip_grad_norm is None else jnp.zeros((), jnp.float32)
+        return ZeroState(inner, norm, _leaf_shapes(tx, inner, params))
+
+    def update(grads, state, params=None, **extra):
+        del extra
+        if params is None:
+            raise ValueError(
+                f"`{API}` needs the parameters: `tx.update(grads, state, params)`."
+            )
+        axis = _collectives.resolve_axis(axis_name)
+        num = _collectives.axis_size(axis, API)
+        if not isinstance(state, ZeroState) or state.num_shards != num:
+            raise ValueError(NOT_LAID_OUT_MSG.format(num=num))
+        p_leaves, p_def = jax.tree.flatten(params)
+        p_leaves = [jnp.asarray(x) for x in p_leaves]
+        g_leaves = [jnp.asarray(g) for g in p_def.flatten_up_to(grads)]
+        sizes = [chunk_size(x.size, num) for x in p_leaves]
+        grad_slices = _reduce_scatter(
+            g_leaves,
+            sizes,
+            num=num,
+            axis_name=axis,
+            bucket_bytes=bucket_bytes,
+            dtype=reduce_dtype,
+        )
+        index = lax.axis_index(axis)
+        param_slices = [
+            lax.dynamic_index_in_dim(_padded_rows(x, num, s), index, keepdims=False)
+            for x, s in zip(p_leaves, sizes, strict=True)
+        ]
+        norm = None
+        if clip_grad_norm is not None:
+            local = sum(
+                (jnp.sum(jnp.real(g * jnp.conj(g))) for g in grad_slices),
+                start=jnp.zeros((), jnp.float32),
+            )
+            norm = jnp.sqrt(lax.psum(local, axis))
+            grad_slices = [clip_to_norm(g, norm, clip_grad_norm) for g in grad_slices]
+        g_tree = jax.tree.unflatten(p_def, grad_slices)
+        p_tree = jax.tree.unflatten(p_def, param_slices)
+        whole = [
+            jax.ShapeDtypeStruct(s if s is not None else x.shape, x.dtype)
+            for x, s in zip(jax.tree.leaves(state.chunks), state.shapes, strict=True)
+        ]
+        whole = jax.tree.unflatten(jax.tree.structure(state.chunks), whole)
+        check_elementwise(tx, g_tree, state.chunks, params, whole)
+        updates, chunks = tx.update(g_tree, state.chunks, p_tree)
+        rows = _collectives.bucketed(
+            "all_gather",
+            jax.tree.leaves(updates),
+            axis_name=axis,
+            bucket_bytes=bucket_bytes,
+        )
+        full = [
+            r.reshape(-1)[: p.size].reshape(p.shape)
+            for r, p in zip(rows, p_leaves, strict=True)
+        ]
+        return jax.tree.unflatten(p_def, full), state.replace(
+            chunks=chunks, grad_norm=norm
+        )
+
+    return optax.GradientTransformationExtraArgs(init, update)

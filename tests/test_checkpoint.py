@@ -437,9 +437,9 @@ def test_each_replicas_own_prng_key_round_trips(tmp_path):
 
 def test_zero_slices_are_not_saved_per_replica(tmp_path):
     """ZeRO's optimizer-state slices differ by design: their layout restores them."""
-    tx = optax.adam(1e-2)
+    tx = jdp.zero(optax.adam(1e-2))
     step = jdp.parallelize(
-        jdp.make_train_step(mlp_loss, tx, sync=jdp.zero()),
+        jdp.make_train_step(mlp_loss, tx, sync=jdp.local()),
         devices=jax.devices()[:4],
     )
     init = init_state(tx=tx)
@@ -448,7 +448,7 @@ def test_zero_slices_are_not_saved_per_replica(tmp_path):
         manager.save(2, state)
         assert not any(r.get("per_replica") for r in manager.metadata()["leaves"])
         two = jdp.parallelize(
-            jdp.make_train_step(mlp_loss, tx, sync=jdp.zero()),
+            jdp.make_train_step(mlp_loss, tx, sync=jdp.local()),
             devices=jax.devices()[:2],
         )
         with warnings.catch_warnings():

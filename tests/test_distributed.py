@@ -465,10 +465,12 @@ def test_host_mesh_reduces_within_hosts_then_across(two_hosts):
 
 def zero_training(axis_name, batches, params, tx):
     step = jdp.parallelize(
-        jdp.make_train_step(mlp_loss, tx, sync=jdp.zero(), axis_name=axis_name),
+        jdp.make_train_step(
+            mlp_loss, jdp.zero(tx), sync=jdp.local(), axis_name=axis_name
+        ),
         axis_name=axis_name,
     )
-    state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
+    state = step.replicate(jdp.TrainState.create(params=params, tx=jdp.zero(tx)))
     for batch in batches:
         state, _ = step(state, step.shard(batch))
     return step, state

@@ -333,8 +333,8 @@ def test_differing_labels_compares_paths_and_lengths():
         ({1: jdp.all_reduce()}, TypeError, r"labels must be str; got 1"),
         ({"a": "sometimes"}, TypeError, r"label 'a' is 'sometimes'.*per_replica"),
         ({"a": optax.sgd(0.1)}, TypeError, r"label 'a' must be a `jdp.Sync`"),
-        # They apply the optimizer themselves: not gradient pieces.
-        ({"a": jdp.zero()}, TypeError, r"label 'a' must be a `jdp.Sync`"),
+        # It applies the optimizer itself: not a gradient piece.
+        ({"a": jdp.zero(optax.sgd(0.1))}, TypeError, r"label 'a' must be a `jdp.Sync`"),
         ({"a": jdp.sparse.rows()}, TypeError, r"label 'a' must be a `jdp.Sync`"),
     ],
 )

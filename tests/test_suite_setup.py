@@ -33,7 +33,7 @@ PROGRAMS = textwrap.dedent(
         "int8+ef": (jdp.all_reduce(wire=jdp.wire.int8(), error_feedback=True),
                     optax.sgd(0.1)),
         "bmuf": (jdp.local(), jdp.bmuf(optax.sgd(0.1), sync_period=4)),
-        "zero": (jdp.zero(), optax.adam(0.1)),
+        "zero": (jdp.local(), jdp.zero(optax.adam(0.1))),
         "powersgd": (jdp.powersgd(rank=2), optax.sgd(0.1)),
     }
     readings = {}

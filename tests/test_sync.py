@@ -210,7 +210,7 @@ def test_a_piece_of_ones_own_in_a_hand_written_step_through_sync_gradients():
 
 def test_sync_gradients_refuses_what_is_not_a_piece():
     with pytest.raises(TypeError, match=r"turns a `jdp.Sync`.*got OwnUpdate"):
-        jdp.sync_gradients(jdp.zero())
+        jdp.sync_gradients(jdp.sparse.rows())
 
 
 def test_bmuf_in_a_hand_written_step_runs_the_same_block_sync():
@@ -245,7 +245,7 @@ def test_bmuf_in_a_hand_written_step_runs_the_same_block_sync():
             r"`batch_stats` must be one of",
         ),
         (lambda: jdp.all_reduce(bucket_bytes=0), r"`bucket_bytes`"),
-        (lambda: jdp.zero(bucket_bytes=-1), r"`bucket_bytes`"),
+        (lambda: jdp.zero(optax.sgd(0.1), bucket_bytes=-1), r"`bucket_bytes`"),
         (lambda: jdp.sparse.rows(bucket_bytes=0), r"`bucket_bytes`"),
     ],
 )

@@ -227,9 +227,11 @@ def nan_on_request(params, batch):
 @pytest.mark.parametrize("grad_sync", ["all_reduce", "local", "zero"])
 def test_skip_nonfinite_leaves_params_and_optimizer_state_alone(backend, grad_sync):
     tx = optax.adam(1e-2)
+    sync = jdp.local() if grad_sync != "all_reduce" else jdp.all_reduce()
     if grad_sync == "local":
         tx = jdp.bmuf(tx, sync_period=2)
-    sync = getattr(jdp, grad_sync)()
+    elif grad_sync == "zero":
+        tx = jdp.zero(tx)
     step = jdp.parallelize(
         jdp.make_train_step(nan_on_request, tx, sync=sync, skip_nonfinite=True),
         backend=backend,
@@ -425,12 +427,13 @@ def test_dynamic_scale_is_honoured_and_skips_overflowing_steps(backend):
     jdp.assert_replicas_in_sync(state)
 
 
-def test_dynamic_scale_with_a_sharded_update_is_refused():
+def test_dynamic_scale_with_a_piece_that_applies_the_optimizer_is_refused():
     from flax.training.dynamic_scale import DynamicScale
 
-    tx = optax.sgd(0.1)
+    tx = jdp.sparse.optimizer(optax.sgd(0.1), {"layer0/w": jdp.sparse.sgd(0.1)})
     step = jdp.parallelize(
-        jdp.make_train_step(mlp_loss, tx, sync=jdp.zero()), devices=jax.devices()[:2]
+        jdp.make_train_step(mlp_loss, tx, sync=jdp.sparse.rows()),
+        devices=jax.devices()[:2],
     )
     state = step.replicate(
         jdp.TrainState.create(

@@ -158,7 +158,7 @@ def test_other_pieces_normalise_by_the_global_count(piece):
     batches = padded_batches(4)
     expected, expected_losses, _ = one_device(tx, batches)
     if piece == "zero":
-        params, losses, _ = run(lm_loss, tx, batches, sync=jdp.zero())
+        params, losses, _ = run(lm_loss, jdp.zero(tx), batches, sync=jdp.local())
     else:
         local_tx = jdp.bmuf(tx, 1, outer=jdp.block_momentum(momentum=0.0))
         params, losses, _ = run(lm_loss, local_tx, batches, sync=jdp.local())

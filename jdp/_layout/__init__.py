@@ -42,7 +42,6 @@ from jdp._layout._mesh import (
 from jdp._layout._place import (
     ALREADY_REPLICATED_MSG,
     SHARED_VARIABLE_MSG,
-    StateLayout,
     is_replicated,
     logical_copy,
     logical_like,
@@ -71,7 +70,6 @@ __all__ = [
     "STATE_CHANGED_MSG",
     "AxisName",
     "CustomLayout",
-    "StateLayout",
     "abstract",
     "agreed",
     "changes",

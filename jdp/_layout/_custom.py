@@ -22,6 +22,15 @@ class CustomLayout:
     slice) says how to convert between that and one logical copy.
     """
 
+    #: Whether the node's optimizer averages the gradients itself (`jdp.zero`),
+    #: so that the step's sync piece must not.
+    syncs_gradients = False
+
+    def layout(self, num_replicas: int):
+        """The abstract per-replica layout of this abstract logical node."""
+        del num_replicas
+        return self
+
     def logical(self) -> PyTree:
         """One logical copy of the replicated node (arrays, or abstract values)."""
         raise NotImplementedError

@@ -8,7 +8,6 @@ shapes) back out, and `is_replicated` recognises a leaf laid out this way.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -38,10 +37,6 @@ ALREADY_REPLICATED_MSG = (
     "again would give every replica the whole stack. Pass it to the step as it "
     "is, or re-place one copy with `step.replicate(other_step.unreplicate(tree))`."
 )
-
-#: Turns an abstract logical state into its abstract per-replica layout.
-StateLayout = Callable[[PyTree, int], PyTree]
-
 
 def logical_copy(tree: PyTree) -> PyTree:
     """One logical copy of a replicated pytree: replica 0's value of every leaf.
@@ -120,16 +115,12 @@ def place_like(host_tree: PyTree, like: PyTree) -> PyTree:
     return jax.tree.map(place, like, host_tree, is_leaf=is_custom)
 
 
-def replicate(
-    tree: PyTree, mesh: Mesh, *, state_layout: StateLayout | None = None
-) -> PyTree:
+def replicate(tree: PyTree, mesh: Mesh) -> PyTree:
     """Gives every replica of `mesh` a copy of `tree` (process 0's, across processes).
 
     Args:
       tree: One logical copy: any pytree of arrays, scalars or typed PRNG keys.
       mesh: The step's mesh.
-      state_layout: Optional; maps the abstract logical state and the replica
-        count to the abstract per-replica state (a custom layout, e.g. ZeRO's).
 
     Returns:
       The replicated pytree.
@@ -151,8 +142,9 @@ def replicate(
         host = multihost_utils.broadcast_one_to_all(host)
     shapes = jax.tree.map(abstract, tree)
     num = mesh.size
-    if state_layout is not None:
-        shapes = state_layout(shapes, num)
+    shapes = jax.tree.map(  # custom layouts: their per-replica parts
+        lambda x: x.layout(num) if is_custom(x) else x, shapes, is_leaf=is_custom
+    )
     sharding = replica_sharding(mesh)
     like = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct((num,) + x.shape, x.dtype, sharding=sharding),

@@ -60,8 +60,9 @@ def build_algo(args: argparse.Namespace) -> Algo:
     if args.algo == "sync":
         return Algo("sync", sgd, jdp.make_train_step(_model.loss_fn, sgd))
     if args.algo == "zero":
-        step = jdp.make_train_step(_model.loss_fn, sgd, sync=jdp.zero())
-        return Algo("zero", sgd, step)
+        zero = jdp.zero(sgd)
+        step = jdp.make_train_step(_model.loss_fn, zero, sync=jdp.local())
+        return Algo("zero", zero, step)
     # The block momentum (1 - 1/devices by default) plays the part of momentum:
     # inner momentum on top of it overshoots, so the local optimizer is plain SGD.
     tx = jdp.bmuf(
