@@ -62,6 +62,12 @@ EXPECTED: dict[tuple[str, str | None, int | None], str] = {
         "update and contracts 0.9*trace+g into an FMA: <= 1 ulp a step; now the same "
         "bits as skip_nonfinite=True without a scaler"
     ),
+    ("zero_adam", None, None): (
+        "0.4's jdp.zero is an optimizer: it all-gathers the updates and the step adds "
+        "them to the params, as for every optimizer; 0.3 added them to the slice "
+        "inside the optimizer's fusion before gathering the params, where XLA:CPU may "
+        "contract Adam's last multiply and the add into an FMA: <= 1 ulp a step"
+    ),
     ("loss_scaling", None, 2): (
         "the optimizer in lax.cond, as with one process, and the synced gradients "
         "as well (loss_scaling_sgd)"
