@@ -1,8 +1,7 @@
 """Private: the command line of `python -m jdp.demo`.
 
-Everything here runs before JAX's backend starts: the arguments are checked (bad
-ones end the program with a one-line error and exit code 2, like `argparse`), the
-number of simulated CPU devices is written to `XLA_FLAGS`, and Ctrl-C is turned
+Runs before JAX's backend starts: checks the arguments (a bad one is a one-line
+error, exit code 2), sets the number of simulated CPU devices, and turns Ctrl-C
 into a request to stop after the current step (and save a checkpoint).
 """
 
@@ -16,16 +15,18 @@ import sys
 import tempfile
 
 from jdp import _allocator
-from jdp.demo._errors import UsageError
 
-#: Simulated CPU devices when the machine has no accelerator and `--devices` is
-#: not given.
+#: Simulated CPU devices when there is no accelerator and no `--devices`.
 DEFAULT_CPU_DEVICES = 8
 ALGOS = ("sync", "bmuf", "zero")
 BACKENDS = ("shard_map", "pmap")
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 _DEVICE_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
+
+
+class UsageError(Exception):
+    """A bad argument found after start-up: printed as one line, exit code 2."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -37,23 +38,19 @@ def build_parser() -> argparse.ArgumentParser:
     """The demo's options."""
     p = _Parser(
         prog="python -m jdp.demo",
-        description=(
-            "Data-parallel training of a small CNN (BatchNorm) on scikit-learn's 8x8 "
-            "digits with jdp, on every local device (8 simulated CPU devices when "
-            "there is no accelerator). Prints a summary table and writes "
-            "metrics.json and loss_accuracy.png to --out."
-        ),
+        description="Data-parallel training of a small CNN (BatchNorm) on "
+        "scikit-learn's 8x8 digits with jdp, on every local device (8 simulated CPU "
+        "devices when there is no accelerator). Prints a summary table and writes "
+        "metrics.json and loss_accuracy.png to --out.",
     )
     p.add_argument(
         "--algo",
         choices=ALGOS,
         default="sync",
-        help=(
-            "sync: synchronous SGD (gradients all-reduced every step); bmuf: blockwise "
-            "model-update filtering (replicas train alone, models merged every "
-            "--sync-period steps); zero: synchronous SGD with the optimizer state "
-            "sharded across devices. Default: %(default)s."
-        ),
+        help="sync: synchronous SGD (gradients all-reduced every step); bmuf: "
+        "blockwise model-update filtering (replicas train alone, models merged "
+        "every --sync-period steps); zero: synchronous SGD with the optimizer "
+        "state sharded across devices. Default: %(default)s.",
     )
     p.add_argument(
         "--backend",
@@ -64,13 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--devices",
         type=int,
-        default=None,
         metavar="N",
-        help=(
-            "Use N devices: the first N accelerators, or N simulated CPU devices on a "
-            f"CPU-only machine. Default: all accelerators, or {DEFAULT_CPU_DEVICES} "
-            "simulated CPU devices."
-        ),
+        help="Use N devices: the first N accelerators, or N simulated CPU devices "
+        f"on a CPU-only machine. Default: all accelerators, or {DEFAULT_CPU_DEVICES} "
+        "simulated CPU devices.",
     )
     p.add_argument(
         "--steps",
@@ -88,10 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--lr",
         type=float,
         default=0.05,
-        help=(
-            "Learning rate of SGD (momentum 0.9 for sync and zero; for bmuf the "
-            "block momentum replaces it). Default: %(default)s."
-        ),
+        help="Learning rate of SGD (momentum 0.9 for sync and zero; for bmuf the "
+        "block momentum replaces it). Default: %(default)s.",
     )
     p.add_argument(
         "--sync-period",
@@ -103,7 +95,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--block-momentum",
         type=float,
-        default=None,
         help="BMUF: block momentum in [0, 1). Default: 1 - 1/devices.",
     )
     p.add_argument(
@@ -115,22 +106,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--checkpoint-dir",
-        default=None,
         metavar="DIR",
-        help=(
-            "Save checkpoints to DIR (every --checkpoint-every steps, at the end, and "
-            "on Ctrl-C)."
-        ),
+        help="Save checkpoints to DIR (every --checkpoint-every steps, at the end, and "
+        "on Ctrl-C).",
     )
     p.add_argument(
         "--checkpoint-every",
         type=int,
         default=100,
         metavar="STEPS",
-        help=(
-            "Steps between checkpoints (BMUF saves at the end of a block, when the "
-            "replicas agree). Default: %(default)s."
-        ),
+        help="Steps between checkpoints (BMUF saves at the end of a block, when the "
+        "replicas agree). Default: %(default)s.",
     )
     p.add_argument(
         "--resume",
@@ -167,17 +153,12 @@ def _check_writable_dir(option: str, path: str) -> str | None:
 
 def check_args(args: argparse.Namespace) -> str | None:
     """Returns a one-line complaint about the arguments, or None if they are fine."""
-    positive = {
-        "--steps": args.steps,
-        "--batch-size": args.batch_size,
-        "--sync-period": args.sync_period,
-        "--eval-every": args.eval_every,
-        "--checkpoint-every": args.checkpoint_every,
-    }
+    positive = ["steps", "batch_size", "sync_period", "eval_every", "checkpoint_every"]
     if args.devices is not None:
-        positive["--devices"] = args.devices
-    for option, value in positive.items():
-        if value < 1:
+        positive.append("devices")
+    for name in positive:
+        if (value := getattr(args, name)) < 1:
+            option = "--" + name.replace("_", "-")
             return f"{option} must be a positive integer, got {value}."
     if not args.lr > 0:
         return f"--lr must be positive, got {args.lr}."
@@ -202,11 +183,9 @@ def check_args(args: argparse.Namespace) -> str | None:
 
 
 def simulate_cpu_devices(num: int) -> None:
-    """Asks XLA for `num` CPU devices; must run before JAX's backend starts.
+    """Asks XLA for `num` CPU devices (replacing any count in `XLA_FLAGS`).
 
-    Replaces a device-count flag already in `XLA_FLAGS` rather than adding a
-    second one. Accelerators are unaffected: on a GPU machine JAX still picks the
-    GPUs.
+    Must run before JAX's backend starts; accelerators are unaffected.
     """
     flags = _DEVICE_FLAG.sub("", os.environ.get("XLA_FLAGS", ""))
     os.environ["XLA_FLAGS"] = (
@@ -236,14 +215,10 @@ class _StopRequest:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Runs the demo; returns the process exit code.
+    """Runs the demo on `argv` (default: `sys.argv[1:]`); returns the exit code.
 
-    Args:
-      argv: Command-line arguments (default: `sys.argv[1:]`).
-
-    Returns:
-      0 when training finished, 130 when stopped by Ctrl-C (after saving a
-      checkpoint if `--checkpoint-dir` is set), 2 for bad arguments.
+    0 when training finished, 130 when stopped by Ctrl-C (after saving a
+    checkpoint if `--checkpoint-dir` is set), 2 for bad arguments.
     """
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -22,11 +22,7 @@ class Digits:
 
 
 def load_digits(*, split_seed: int = 0) -> Digits:
-    """Loads the digits shipped with scikit-learn and makes a stratified split.
-
-    The split does not depend on the training seed, so every run of the demo is
-    tested on the same 360 images.
-    """
+    """scikit-learn's digits, split (stratified) independently of the training seed."""
     from sklearn.datasets import load_digits as sk_load_digits
     from sklearn.model_selection import train_test_split
 
@@ -42,10 +38,9 @@ def load_digits(*, split_seed: int = 0) -> Digits:
 def train_batch(data: Digits, *, step: int, batch_size: int, seed: int) -> dict:
     """The global batch of training step `step` (0-based).
 
-    Each epoch is a fresh permutation of the training set drawn from
-    `(seed, epoch)`, and step `s` reads examples `s * batch_size ...` of the
-    concatenated epochs. A batch depends only on `(seed, step)`, so a resumed run
-    sees exactly the batches the uninterrupted run would have seen.
+    Step `s` reads examples `s * batch_size ...` of the concatenated epochs,
+    each a permutation drawn from `(seed, epoch)`: a resumed run sees exactly
+    the batches of the uninterrupted run.
     """
     n = len(data.x_train)
     start = step * batch_size

@@ -34,10 +34,7 @@ def init_variables(seed: int, example_x) -> dict:
 
 
 def loss_fn(params, batch_stats, batch):
-    """Cross-entropy on one replica's slice; returns `(loss, new_batch_stats)`.
-
-    The signature `jdp.make_train_step` expects for a state with `batch_stats`.
-    """
+    """Cross-entropy on one replica's slice: `(loss, new_batch_stats)`."""
     logits, updates = MODEL.apply(
         {"params": params, "batch_stats": batch_stats},
         batch["x"],
@@ -48,18 +45,12 @@ def loss_fn(params, batch_stats, batch):
     return loss, updates["batch_stats"]
 
 
-def predict(variables, x):
-    """Inference: logits with BatchNorm's running statistics."""
-    return MODEL.apply(variables, x, train=False)
-
-
 def eval_step(variables, batch):
-    """Forward-only step: counts correct predictions among the real examples.
+    """Counts the correct predictions among the examples `batch["mask"]` marks.
 
-    `batch` carries the mask `step.shard(..., pad=True)` returns, so padding is
-    not counted; the two sums are averaged over replicas and their ratio is the
-    exact accuracy.
+    The mask is `step.shard(..., pad=True)`'s: padding does not count, and the
+    ratio of the two sums (averaged over replicas) is the exact accuracy.
     """
-    logits = predict(variables, batch["x"])
+    logits = MODEL.apply(variables, batch["x"], train=False)
     correct = (jnp.argmax(logits, -1) == batch["y"]) & batch["mask"]
     return {"correct": jnp.sum(correct), "count": jnp.sum(batch["mask"])}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import os
@@ -24,11 +25,11 @@ def format_bytes(num: float | None) -> str:
     """`153900` -> `'150.3 KiB'`."""
     if num is None:
         return "-"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(num) < 1024 or unit == "GiB":
-            return f"{num:.0f} {unit}" if unit == "B" else f"{num:.1f} {unit}"
+    for unit in ("B", "KiB", "MiB"):
+        if abs(num) < 1024:
+            return f"{num:.0f} B" if unit == "B" else f"{num:.1f} {unit}"
         num /= 1024
-    raise AssertionError("unreachable")
+    return f"{num:.1f} GiB"
 
 
 def _ratio(comm: dict[str, Any]) -> str:
@@ -67,11 +68,8 @@ def format_table(rows: list[list[str]]) -> str:
     ]
 
     def line(cells):
-        return (
-            "| "
-            + " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True))
-            + " |"
-        )
+        padded = [c.ljust(w) for c, w in zip(cells, widths, strict=True)]
+        return f"| {' | '.join(padded)} |"
 
     sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
     return "\n".join([line(COLUMNS), sep, *(line(r) for r in rows)])
@@ -80,10 +78,9 @@ def format_table(rows: list[list[str]]) -> str:
 def describe_communication(metrics: dict[str, Any]) -> str:
     """One sentence: which collectives a step runs, how often, and their sizes."""
     comm = metrics["communication"]
-    groups: dict[tuple[str, int], int] = {}
+    groups: collections.Counter[tuple[str, int]] = collections.Counter()
     for c in comm["collectives"]:
-        key = (c["kind"], c["runs_every"])
-        groups[key] = groups.get(key, 0) + c["bytes"]
+        groups[c["kind"], c["runs_every"]] += c["bytes"]
     parts = [
         f"{kind} of {format_bytes(size)} "
         + ("every step" if every == 1 else f"every {every} steps (block sync)")
@@ -115,8 +112,8 @@ def plot(metrics: dict[str, Any], path: str) -> None:
     fig = Figure(figsize=(10, 4), layout="constrained")
     ax_loss, ax_acc = fig.subplots(1, 2)
     hist, ev = metrics["history"], metrics["eval"]
-    cfg = metrics["config"]
-    label = f"{cfg['algo']} ({metrics['num_devices']} {metrics['platform']} devices)"
+    algo = metrics["config"]["algo"]
+    label = f"{algo} ({metrics['num_devices']} {metrics['platform']} devices)"
     ax_loss.plot(hist["step"], hist["loss"], lw=1, label=label)
     ax_loss.set(xlabel="step", ylabel="train loss", yscale="log", title="Train loss")
     ax_acc.plot(ev["step"], [100 * a for a in ev["test_accuracy"]], "o-", ms=3,

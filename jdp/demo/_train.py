@@ -17,10 +17,10 @@ import optax
 
 import jdp
 from jdp.demo import _data, _model, _report
-from jdp.demo._errors import UsageError
+from jdp.demo._cli import UsageError
 
 MOMENTUM = 0.9
-LOG_EVERY = 10  # steps between reads of the loss (each read waits for the device)
+LOG_EVERY = 10  # steps between reads of the loss (each waits for the device)
 METRICS_FILE = "metrics.json"
 PLOT_FILE = "loss_accuracy.png"
 HISTORY_FILE = "history.json"  # in --checkpoint-dir, beside the checkpoints
@@ -36,8 +36,7 @@ class Algo:
     name: str
     tx: optax.GradientTransformation
     train_step: Callable
-    #: Steps per BMUF block: the conditional collectives run once per block, and
-    #: replicas agree (so a checkpoint is exact) only at block ends.
+    #: Steps per BMUF block: replicas agree (a checkpoint is exact) at its end.
     sync_period: int = 1
     #: Replicated state -> replicated params to evaluate (None: `state.params`).
     eval_params: Callable | None = None
@@ -60,9 +59,8 @@ def build_algo(args: argparse.Namespace) -> Algo:
     if args.algo == "sync":
         return Algo("sync", sgd, jdp.make_train_step(_model.loss_fn, sgd))
     if args.algo == "zero":
-        zero = jdp.zero(sgd)
-        step = jdp.make_train_step(_model.loss_fn, zero, sync=jdp.local())
-        return Algo("zero", zero, step)
+        step = jdp.make_train_step(_model.loss_fn, sgd, sync=jdp.zero())
+        return Algo("zero", sgd, step)
     # The block momentum (1 - 1/devices by default) plays the part of momentum:
     # inner momentum on top of it overshoots, so the local optimizer is plain SGD.
     tx = jdp.bmuf(
@@ -71,23 +69,16 @@ def build_algo(args: argparse.Namespace) -> Algo:
         outer=jdp.block_momentum(momentum=args.block_momentum),
     )
     step = jdp.make_train_step(_model.loss_fn, tx, sync=jdp.local())
-    return Algo(
-        "bmuf",
-        tx,
-        step,
-        sync_period=args.sync_period,
-        eval_params=jdp.bmuf_global_params,
-    )
+    return Algo("bmuf", tx, step, args.sync_period, jdp.bmuf_global_params)
 
 
 def _sent_fraction(kind: str, num: int) -> float:
     """Bytes a device sends per buffer byte with ring algorithms (NCCL's busbw)."""
     if num <= 1:
         return 0.0
-    ring = (num - 1) / num
-    return {"all-reduce": 2 * ring}.get(
-        kind, ring if kind != "collective-permute" else 1
-    )
+    if kind == "collective-permute":
+        return 1.0
+    return (2 if kind == "all-reduce" else 1) * (num - 1) / num
 
 
 def communication(
@@ -95,31 +86,34 @@ def communication(
 ) -> dict:
     """What one step communicates on average, read from the compiled step's HLO.
 
-    `bytes_per_step` is what each device sends per step with ring algorithms: an
-    all-reduce of a B-byte buffer sends 2 (N-1)/N B, a reduce-scatter or an
-    all-gather (N-1)/N B, so ZeRO's reduce-scatter plus all-gather costs what
-    an all-reduce does. Collectives inside a conditional branch run once every
-    `sync_period` steps (BMUF's block sync) and count `1 / sync_period`.
+    `bytes_per_step` is what each device sends per step with ring algorithms
+    (`_sent_fraction`); collectives inside a conditional branch (BMUF's block
+    sync) run once every `sync_period` steps.
     """
-    ops = step.collectives(state, batch, stage=stage)
-    num = step.num_replicas
-    sent = 0.0
-    for c in ops:
-        weight = 1 / sync_period if c.in_conditional else 1.0
-        sent += weight * _sent_fraction(c.kind, num) * c.bytes
-    return {
-        "bytes_per_step": sent,
-        "collectives": [
-            {
-                "kind": c.kind,
-                "dtype": c.dtype,
-                "bytes": c.bytes,
-                "in_conditional": c.in_conditional,
-                "runs_every": sync_period if c.in_conditional else 1,
-            }
-            for c in ops
-        ],
-    }
+    collectives = [
+        {
+            "kind": c.kind,
+            "dtype": c.dtype,
+            "bytes": c.bytes,
+            "in_conditional": c.in_conditional,
+            "runs_every": sync_period if c.in_conditional else 1,
+        }
+        for c in step.collectives(state, batch, stage=stage)
+    ]
+    sent = sum(
+        _sent_fraction(c["kind"], step.num_replicas) * c["bytes"] / c["runs_every"]
+        for c in collectives
+    )
+    return {"bytes_per_step": sent, "collectives": collectives}
+
+
+def _train_state(step: jdp.Parallel, variables: dict, tx) -> jdp.TrainState:
+    """The replicated initial state of the CNN."""
+    return step.replicate(
+        jdp.TrainState.create(
+            params=variables["params"], tx=tx, batch_stats=variables["batch_stats"]
+        )
+    )
 
 
 def sync_reference_bytes(devices, backend, variables, batch_host) -> float:
@@ -128,16 +122,9 @@ def sync_reference_bytes(devices, backend, variables, batch_host) -> float:
     step = jdp.parallelize(
         jdp.make_train_step(_model.loss_fn, tx), devices=devices, backend=backend
     )
-    state = step.replicate(
-        jdp.TrainState.create(
-            params=variables["params"], tx=tx, batch_stats=variables["batch_stats"]
-        )
-    )
-    # The lowered module lists the same bytes as the compiled one (XLA only merges
-    # all-reduces) and needs no compilation.
-    comm = communication(
-        step, state, step.shard(batch_host), sync_period=1, stage="lowered"
-    )
+    # The lowered module lists the same bytes as the compiled one, uncompiled.
+    state, batch = _train_state(step, variables, tx), step.shard(batch_host)
+    comm = communication(step, state, batch, sync_period=1, stage="lowered")
     return comm["bytes_per_step"]
 
 
@@ -180,9 +167,6 @@ class _Checkpoints:
         state = self.manager.restore(like, step=self.last_saved)
         return self.last_saved, state, record
 
-    def close(self) -> None:
-        self.manager.close()
-
 
 def _upto(part: dict[str, list] | None, step: int) -> dict[str, list] | None:
     """The entries of a `{"step": [...], ...}` history at or before `step`."""
@@ -222,13 +206,7 @@ class _Run:
         test = {"x": self.data.x_test, "y": self.data.y_test}
         self.test_batch, mask = self.evaluator.shard(test, pad=True)
         self.test_batch["mask"] = mask  # padding does not count (see eval_step)
-        self.state = self.step.replicate(
-            jdp.TrainState.create(
-                params=self.variables["params"],
-                tx=self.algo.tx,
-                batch_stats=self.variables["batch_stats"],
-            )
-        )
+        self.state = _train_state(self.step, self.variables, self.algo.tx)
         self.ckpt = _Checkpoints(args.checkpoint_dir) if args.checkpoint_dir else None
         self.start = 0
         self.history: dict[str, list] = {"step": [], "loss": []}
@@ -249,8 +227,6 @@ class _Run:
         self.timed_steps = 0
         self._pending: list[tuple[int, Any]] = []
 
-    # -- pieces --------------------------------------------------------------------
-
     def batch(self, i: int):
         """Training batch of step `i`, placed on the devices."""
         host = _data.train_batch(
@@ -258,13 +234,20 @@ class _Run:
         )
         return self.step.shard(host)
 
-    def evaluate(self) -> float:
-        """Test accuracy of the model (BMUF: the global model `g`)."""
+    def evaluate(self) -> None:
+        """Records the test accuracy of the model now (BMUF: the global model `g`)."""
         state, algo = self.state, self.algo
         params = state.params if algo.eval_params is None else algo.eval_params(state)
         variables = {"params": params, "batch_stats": state.batch_stats}
         m = self.evaluator(variables, self.test_batch)
-        return float(m["correct"]) / float(m["count"])
+        self.evals["step"].append(self.i)
+        self.evals["test_accuracy"].append(float(m["correct"]) / float(m["count"]))
+
+    def step_communication(self) -> dict:
+        """What a step communicates (`communication`)."""
+        batch = self.batch(self.i)
+        period = self.algo.sync_period
+        return communication(self.step, self.state, batch, sync_period=period)
 
     def record(self) -> dict:
         """What `--resume` needs besides the state: config and history."""
@@ -281,8 +264,6 @@ class _Run:
     def at_block_end(self) -> bool:
         """Whether replicas agree now (always, except inside a BMUF block)."""
         return self.i % self.algo.sync_period == 0
-
-    # -- the loop ------------------------------------------------------------------
 
     def train(self) -> None:
         """Runs steps until `--steps`, or until Ctrl-C at a block end."""
@@ -318,12 +299,7 @@ class _Run:
                 bar.update(1)
                 if self.comm is None:  # compiled by now: read what it communicates
                     jax.block_until_ready(metrics)
-                    self.comm = communication(
-                        self.step,
-                        self.state,
-                        self.batch(self.i - 1),
-                        sync_period=self.algo.sync_period,
-                    )
+                    self.comm = self.step_communication()
                     t_mark = time.perf_counter()  # the first step (compile) is untimed
                 else:
                     self.timed_steps += 1
@@ -343,8 +319,7 @@ class _Run:
                 if self.examples_per_second():
                     postfix["ex/s"] = f"{self.examples_per_second():,.0f}"
                 if eval_now:
-                    self.evals["step"].append(self.i)
-                    self.evals["test_accuracy"].append(self.evaluate())
+                    self.evaluate()
                     postfix["test acc"] = (
                         f"{100 * self.evals['test_accuracy'][-1]:.1f}%"
                     )
@@ -368,34 +343,24 @@ class _Run:
             return None
         return self.timed_steps * self.args.batch_size / self.train_seconds
 
-    # -- the end -------------------------------------------------------------------
-
     def finish(self) -> dict:
         """Final evaluation and checkpoint; returns the metrics written to --out."""
         args = self.args
         if not self.evals["step"] or self.evals["step"][-1] != self.i:
-            self.evals["step"].append(self.i)
-            self.evals["test_accuracy"].append(self.evaluate())
+            self.evaluate()
         if self.ckpt:
             if self.ckpt.last_saved != self.i:
                 self.ckpt.save(self.i, self.state, self.step, self.record())
-            self.ckpt.close()
-        comm = self.comm or communication(  # None if no step ran in this process
-            self.step,
-            self.state,
-            self.batch(self.i),
-            sync_period=self.algo.sync_period,
-        )
+            self.ckpt.manager.close()
+        comm = self.comm or self.step_communication()  # None if no step ran here
         if self.algo.name == "sync":
             comm["sync_bytes_per_step"] = comm["bytes_per_step"]
         else:
+            host = _data.train_batch(
+                self.data, step=0, batch_size=args.batch_size, seed=0
+            )
             comm["sync_bytes_per_step"] = sync_reference_bytes(
-                self.devices,
-                args.backend,
-                self.variables,
-                _data.train_batch(
-                    self.data, step=0, batch_size=args.batch_size, seed=0
-                ),
+                self.devices, args.backend, self.variables, host
             )
         sent = comm["bytes_per_step"]
         comm["reduction_vs_sync"] = comm["sync_bytes_per_step"] / sent if sent else None
