@@ -87,19 +87,6 @@ def exchange(
     `client`: a key-value store to use instead of this process's (for tests).
     Returns `{process: value}` of this process and of every other that
     published within `timeout_s`.
-
-    Example:
-      >>> from jdp import _coordination
-      >>> class Store(dict):
-      ...     def key_value_set(self, k, v, allow_overwrite=False):
-      ...         self[k] = v
-      ...     def blocking_key_value_get(self, k, timeout_in_ms):
-      ...         return self[k]
-      >>> store = Store({"x/1": "b"})
-      >>> _coordination.exchange(
-      ...     "x", "a", process=0, processes=[0, 1], timeout_s=1, client=store
-      ... )
-      {0: 'a', 1: 'b'}
     """
     kv = Store.of(client) if client is not None else store()
     kv.put(f"{key}/{process}", value)

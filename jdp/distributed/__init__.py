@@ -18,8 +18,4 @@ from jdp.distributed._runtime import initialize, is_initialized, shutdown
 # `step.shard` compares the processes' batches through this package.
 _batching.use_process_agreement(_batch_agreement._PROCESS_CHECK)
 
-__all__ = [
-    "initialize",
-    "is_initialized",
-    "shutdown",
-]
+__all__ = ["initialize", "is_initialized", "shutdown"]

@@ -75,11 +75,15 @@ def mismatch(rows) -> str | None:
     return None
 
 
+def _size(row: tuple) -> str:
+    """A row's examples: `8`, or `6-8` where its leaves' sizes differ."""
+    return f"{row[0]}" if row[0] == row[1] else f"{row[0]}-{row[1]}"
+
+
 def describe(row: tuple) -> str:
     """A row in words, for error messages."""
-    size = f"{row[0]}" if row[0] == row[1] else f"{row[0]}-{row[1]}"
     return (
-        ("" if row[3] else f"{size} examples, ")
+        ("" if row[3] else f"{_size(row)} examples, ")
         + f"pad={bool(row[3])}, pad_to={row[5] or None}, "
         + f"layout checksum {row[2]:08x}"
     )
@@ -323,12 +327,10 @@ class _ProcessCheck:
         pause = 0.0005
         while True:
             records = self._read(client)
+            records.setdefault(me, (call, -1, [(call, row)]))
             rows, unconfirmed, doubtful = {}, {}, False
             for q in range(self._count()):
-                mine = (call, -1, [(call, row)])
-                reached, raised, entries = records.get(
-                    q, mine if q == me else (-1, -1, [])
-                )
+                reached, raised, entries = records.get(q, (-1, -1, []))
                 if q == me or reached >= call:
                     # Before its first row, its calls failed their own checks.
                     rows[q] = row_at(entries, call) or entries[0][1]
@@ -430,8 +432,7 @@ def _compare_processes(
         )
     if what == "sizes":
         listed = ", ".join(
-            f"process {p}: {row[0]}" + (f"-{row[1]}" if row[1] != row[0] else "")
-            for p, row in sorted(every.items())
+            f"process {p}: {_size(row)}" for p, row in sorted(every.items())
         )
         raise ValueError(
             f"`step.shard`: {when}the processes passed local batches of "

@@ -167,9 +167,9 @@ def _visible_gpus(
     "Its own": fewer than the node's (a per-task binding), so not shared.
     """
     node_count = env_int(environ, "SLURM_GPUS_ON_NODE")
-    node_name = "SLURM_GPUS_ON_NODE"
+    node_said = _show(environ, "SLURM_GPUS_ON_NODE")
     if node_count is None:
-        node_count, node_name = node_gpus, "the node's /dev/nvidia* devices"
+        node_count, node_said = node_gpus, "the node's /dev/nvidia* devices"
     visible = next((n for n in VISIBLE_DEVICES if n in environ), None)
     if visible is not None:
         listed = [d for d in environ[visible].split(",") if d.strip()]
@@ -178,13 +178,10 @@ def _visible_gpus(
         said = _show(environ, visible)
         own = node_count is not None and len(listed) < node_count
         if own:
-            said += (
-                f" of {node_count} ({_show(environ, node_name) or node_name}), "
-                "renumbered from 0"
-            )
+            said += f" of {node_count} ({node_said}), renumbered from 0"
         return len(listed), said, own
     if node_count is not None:
-        return node_count, _show(environ, node_name) or node_name, False
+        return node_count, node_said, False
     return None, "", False
 
 

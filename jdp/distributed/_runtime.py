@@ -19,26 +19,7 @@ from typing import Literal
 import jax
 
 from jdp import _coordination, _jax_compat
-from jdp.distributed import _watchdog
-from jdp.distributed._config import (
-    _check_alone,
-    _check_options,
-    _detected_config,
-    _fail_fast,
-    _incomplete_config_error,
-    _joined_config,
-    _requested_config,
-    local_devices,
-)
-from jdp.distributed._coordinator import _check_coordinator_port, _start_watchdog
-from jdp.distributed._exit import (
-    _install_fail_fast,
-    _python_sigterm_handler,
-    _restore_sigterm,
-    exit_timer,
-    flush_and_exit,
-    print_and_exit,
-)
+from jdp.distributed import _config, _coordinator, _exit, _watchdog
 from jdp.distributed._state import _this
 
 #: Extra seconds of JAX's own deadlines over `timeout_s`: jdp's watchdogs (a
@@ -188,17 +169,19 @@ def initialize(
       >>> jdp.distributed.initialize(fail_fast=True)  # doctest: +SKIP
       >>> jdp.distributed.initialize(stall_timeout_s=60)  # doctest: +SKIP
     """
-    _check_options(cpu_collectives, timeout_s, heartbeat_timeout_s)
-    fail_fast = _fail_fast(fail_fast)
+    _config._check_options(cpu_collectives, timeout_s, heartbeat_timeout_s)
+    fail_fast = _config._fail_fast(fail_fast)
     stall_timeout_s = _watchdog.timeout_from(stall_timeout_s, os.environ)
-    requested = _requested_config(coordinator_address, num_processes, process_id)
+    requested = _config._requested_config(
+        coordinator_address, num_processes, process_id
+    )
     if _this.config is not None or jax.distributed.is_initialized():
         _check_same_job(requested)
         return
     given = [k for k, v in requested.items() if v is not None]
     if _jax_compat.backends_started():
         if not given:  # nothing configured: a single process, already running
-            _check_alone(
+            _config._check_alone(
                 "JAX's backends started before `jdp.distributed.initialize` "
                 "(call it first, before any other JAX call), so this process "
                 "runs alone"
@@ -208,8 +191,8 @@ def initialize(
     # A platform that cannot start fails a bare `assert` in JAX at the first
     # array, in every process: say so now.
     _jax_compat.check_platforms_available()
-    detected, where = _detected_config(requested)
-    bind = _check_coordinator_port(detected, where)
+    detected, where = _config._detected_config(requested)
+    bind = _coordinator._check_coordinator_port(detected, where)
     if cpu_collectives is not None:
         jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
     args = jax_initialize_args(
@@ -219,17 +202,17 @@ def initialize(
         heartbeat_timeout_s=heartbeat_timeout_s,
         bind=bind,
     )
-    sigterm = _python_sigterm_handler()
+    sigterm = _exit._python_sigterm_handler()
     if not _join(detected, args, timeout_s=timeout_s, where=where):
         return
-    _this.config = _joined_config(detected)
+    _this.config = _config._joined_config(detected)
     _this.shutdown_timeout_s = timeout_s
     if requested["num_processes"] is None and _this.config["num_processes"] == 1:
         _leave_alone_job()
     if fail_fast:
         _run_at_exit(_shutdown_at_exit)
-        _restore_sigterm(sigterm)
-        _install_fail_fast()
+        _exit._restore_sigterm(sigterm)
+        _exit._install_fail_fast()
     if stall_timeout_s is not None:
         _start_stall_watch(stall_timeout_s)
 
@@ -237,7 +220,7 @@ def initialize(
 def _leave_alone_job() -> None:
     """Raises if JAX's cluster detection made a job of one where there are several."""
     try:
-        _check_alone("JAX's cluster detection made a job of one process")
+        _config._check_alone("JAX's cluster detection made a job of one process")
     except RuntimeError:
         _this.config = None
         jax.distributed.shutdown()
@@ -254,7 +237,7 @@ def _start_stall_watch(timeout_s: float) -> None:
         _this.config["process_id"],
         _this.config["num_processes"],
         timeout_s,
-        exit_fn=flush_and_exit,
+        exit_fn=_exit.flush_and_exit,
     ).start()
     _log.info(
         "Stall check on: a process with no progress for %g s while others wait "
@@ -293,16 +276,18 @@ def _join(requested: dict, args: dict, *, timeout_s: int, where: str) -> bool:
     With the whole configuration given, a watchdog ends the process with a clear
     message before JAX's own connection deadline aborts it.
     """
-    watchdog = _start_watchdog(**requested, timeout_s=timeout_s, where=where)
+    watchdog = _coordinator._start_watchdog(
+        **requested, timeout_s=timeout_s, where=where
+    )
     try:
         jax.distributed.initialize(**args)
     except ValueError as e:
         nothing_given = all(v is None for v in requested.values())
         if nothing_given and _jax_compat.is_no_cluster_found(e):
-            _check_alone("JAX's cluster detection found no job to join")
+            _config._check_alone("JAX's cluster detection found no job to join")
             _log.info("No multi-process configuration found; running as one process.")
             return False
-        raise _incomplete_config_error(e, requested) from e
+        raise _config._incomplete_config_error(e, requested) from e
     except RuntimeError as e:
         if _jax_compat.is_initialize_too_late(e):
             raise RuntimeError(_TOO_LATE_MSG) from e
@@ -331,7 +316,7 @@ def jax_initialize_args(
         coordinator_address=requested["coordinator_address"],
         num_processes=requested["num_processes"],
         process_id=requested["process_id"],
-        local_device_ids=local_devices(local_device_ids, environ),
+        local_device_ids=_config.local_devices(local_device_ids, environ),
         initialization_timeout=timeout_s + _JAX_GRACE_S,
         heartbeat_timeout_seconds=heartbeat_timeout_s,
         shutdown_timeout_seconds=timeout_s + _JAX_GRACE_S,
@@ -387,7 +372,7 @@ def _leave(process_id: int, num_processes: int, timeout_s: int) -> None:
     """
     client = _coordination.store()
     args = (client, process_id, num_processes, timeout_s)
-    watchdog = exit_timer(timeout_s, _shutdown_timed_out, *args)
+    watchdog = _exit.exit_timer(timeout_s, _shutdown_timed_out, *args)
     try:
         if client is not None:
             # The service may be gone; the barrier then says so.
@@ -420,7 +405,7 @@ def _not_arrived(client, num_processes: int) -> list[int] | None:
 def _shutdown_timed_out(client, process_id: int, num: int, timeout_s: int) -> None:
     missing = _not_arrived(client, num)
     who = _watchdog.process_list(missing) if missing else "the other processes"
-    print_and_exit(
+    _exit.print_and_exit(
         _SHUTDOWN_TIMEOUT_MSG.format(
             pid=process_id, num=num, timeout=timeout_s, who=who
         )

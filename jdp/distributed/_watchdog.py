@@ -21,6 +21,7 @@ import os
 import socket
 import sys
 import tempfile
+import textwrap
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -231,15 +232,10 @@ def _dump_stack() -> str:
     return "\n\n".join(others or blocks)
 
 
-def _indent(text: str) -> str:
-    return "".join(f"    {line}\n" for line in text.rstrip().splitlines())
-
-
 class Watchdog:
     """The stall check of one process: a daemon thread (see the module's text).
 
-    `exit_fn` ends the process with a status; `count` gives this process's
-    progress count; the message goes to `out` (None: stderr).
+    `exit_fn` ends the process with a status (flushed, `os._exit`).
     """
 
     def __init__(
@@ -250,16 +246,12 @@ class Watchdog:
         timeout_s: float,
         *,
         exit_fn: Callable[[int], None],
-        count: Callable[[], int] = _progress.count,
-        out: Any = None,
     ):
         self.client = _coordination.Store.of(client)
         self.me = process_id
         self.n = num_processes
         self.timeout_s = timeout_s
         self.exit_fn = exit_fn
-        self.count = count
-        self.out = out
         self.period_s = min(max(timeout_s / 10, 0.1), 2.0)
         self.tracker = Tracker(num_processes, timeout_s)
         self._stop = threading.Event()
@@ -269,13 +261,10 @@ class Watchdog:
         self.stopping: int | None = None
         self.who: dict[int, str] = {}
         self._lock = threading.Lock()
-        self._thread = threading.Thread(
-            target=self._run, name="jdp-stall-watch", daemon=True
-        )
 
     def start(self) -> Watchdog:
         self._publish()
-        self._thread.start()
+        threading.Thread(target=self._run, name="jdp-stall-watch", daemon=True).start()
         return self
 
     def stop(self) -> None:
@@ -289,16 +278,11 @@ class Watchdog:
 
     def _publish(self) -> None:
         with self._lock:
-            now = (self.count(), self._finished)
+            now = (_progress.count(), self._finished)
             if now == self._published:
                 return
-            value = json.dumps(
-                {
-                    "n": now[0],
-                    "done": now[1],
-                    "who": f"{socket.gethostname()}, pid {os.getpid()}",
-                }
-            )
+            who = f"{socket.gethostname()}, pid {os.getpid()}"
+            value = json.dumps({"n": now[0], "done": now[1], "who": who})
             self.client.put(f"{_PROGRESS}{self.me}", value)
             self._published = now
 
@@ -377,7 +361,7 @@ class Watchdog:
                 text += (
                     f"\nThe Python stack of process {r} (faulthandler, every thread):\n"
                 )
-                text += _indent(stacks[r])
+                text += textwrap.indent(stacks[r].rstrip(), "    ") + "\n"
             elif r in shown:
                 text += (
                     f"\nProcess {r} did not send its stack within {STACK_WAIT_S:g} "
@@ -396,7 +380,6 @@ class Watchdog:
             "(an evaluation, a checkpoint), raise `stall_timeout_s` of "
             f"`jdp.distributed.initialize` (or ${ENV_STALL_TIMEOUT})."
         )
-        out = self.out if self.out is not None else sys.stderr
         with contextlib.suppress(Exception):  # a closed stream must not block the exit
-            print(text, file=out, flush=True)
+            print(text, file=sys.stderr, flush=True)
         _log.debug("stall check: %s", verdict)
