@@ -82,16 +82,20 @@ def device_bytes(tree) -> int:
 REMAT_FULL = jax.checkpoint(loss_fn)
 REMAT_DOTS = jax.checkpoint(loss_fn, policy=jax.checkpoint_policies.dots_saveable)
 
+#: ZeRO: the benchmark's optimizer wrapped, fed each replica's own gradients.
+ZERO = {"wrap_tx": jdp.zero, "sync": jdp.local()}
+
 #: Per configuration: `make_train_step`'s options, plus the loss (`loss_fn` unless
-#: given) and `parallelize`'s `donate_state` (True unless given).
+#: given), `wrap_tx` applied to the benchmark's optimizer (for the step and its
+#: state alike) and `parallelize`'s `donate_state` (True unless given).
 CONFIGS = {
     "plain": {},
     "no donation": {"donate_state": False},
     "remat full": {"loss_fn": REMAT_FULL},
     "remat dots_saveable": {"loss_fn": REMAT_DOTS},
-    "ZeRO": {"sync": jdp.zero()},
-    "ZeRO + remat full": {"sync": jdp.zero(), "loss_fn": REMAT_FULL},
-    "ZeRO, no donation": {"sync": jdp.zero(), "donate_state": False},
+    "ZeRO": ZERO,
+    "ZeRO + remat full": {**ZERO, "loss_fn": REMAT_FULL},
+    "ZeRO, no donation": {**ZERO, "donate_state": False},
     "microbatches 2": {"microbatches": 2},
     "microbatches 8": {"microbatches": 8},
 }
@@ -104,6 +108,7 @@ class Config:
         options = dict(options)
         donate = options.pop("donate_state", True)
         loss = options.pop("loss_fn", loss_fn)
+        tx = options.pop("wrap_tx", lambda tx: tx)(tx)
         self.name = name
         self.step = jdp.parallelize(
             jdp.make_train_step(loss, tx, **options), donate_state=donate
