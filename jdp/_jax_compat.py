@@ -112,7 +112,7 @@ def drop_failed_runtime_tokens(is_expected: Callable[[BaseException], bool]) -> 
 
 
 def is_initialize_too_late(error: BaseException) -> bool:
-    """Whether `error` is `jax.distributed.initialize` refusing to run too late.
+    """Whether `error` is JAX's `distributed.initialize` refusing to run too late.
 
     A `RuntimeError` ("... must be called before ...") once the backends started.
     """
@@ -120,7 +120,7 @@ def is_initialize_too_late(error: BaseException) -> bool:
 
 
 def is_no_cluster_found(error: BaseException) -> bool:
-    """Whether `error` is `jax.distributed.initialize` finding no job to join.
+    """Whether `error` is JAX's `distributed.initialize` finding no job to join.
 
     A `ValueError("coordinator_address should be defined.")`.
     """
