@@ -1,9 +1,6 @@
 """Private: what the replicas of a state must agree on, and the leaves compared.
 
-Every leaf must be equal in every replica except the parts a `CustomLayout`
-holds out by design (`agreed`); `replica_leaves` gives the arrays every
-comparison of replicas reads, and `map_agreed` applies a function to the agreed
-parts only.
+Every leaf but the parts a `CustomLayout` holds out by design (`agreed`).
 """
 
 from __future__ import annotations
@@ -22,28 +19,18 @@ PyTree = Any
 
 
 def agreed(tree: PyTree) -> PyTree:
-    """`tree` with the leaves that differ between replicas by design set to None.
-
-    What replicas must agree on: `jdp.replicas_in_sync` compares it.
-    """
+    """`tree` with the leaves that differ between replicas by design set to None."""
     return jax.tree.map(
         lambda x: x.agreed() if is_custom(x) else x, tree, is_leaf=is_custom
     )
 
 
 def replica_leaves(tree: PyTree) -> tuple[list[str], list[jax.Array], Mesh | None]:
-    """The leaves of a replicated tree whose replicas can be compared.
+    """`(paths, arrays, mesh)`: the leaves whose replicas every comparison reads.
 
-    Array leaves with more than one replica and some data, without the parts of
-    custom layouts that differ by design (`agreed`); typed PRNG keys as their key
-    data. Used by every comparison of replicas (`replicas_in_sync`, `check_sync`,
-    checkpoints of replicas that differ).
-
-    Returns:
-      `(paths, arrays, mesh)`: the leaves' `keystr` paths, the arrays, and, when
-      some replicas live on other processes, the mesh over which a comparison's
-      small result must be replicated so that every process can read it (else
-      None).
+    Agreed array leaves with more than one replica and some data (PRNG keys as
+    their key data); `mesh` is the mesh to replicate a comparison's result over
+    when some replicas live on other processes, else None.
     """
     paths, arrays = [], []
     for path, x in jax.tree_util.tree_flatten_with_path(agreed(tree))[0]:

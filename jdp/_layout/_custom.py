@@ -1,10 +1,4 @@
-"""Private: `CustomLayout`, the protocol of a pytree node with its own layout.
-
-The default layout gives every replica a full copy of every leaf. A node that
-holds something else per replica (ZeRO's sharded optimizer state: replica `r`
-holds slice `r`) subclasses `CustomLayout` and converts itself; the rest of jdp
-only asks `is_custom` and calls the protocol's methods.
-"""
+"""Private: `CustomLayout`, the protocol of a pytree node with its own layout."""
 
 from __future__ import annotations
 
@@ -15,11 +9,10 @@ PyTree = Any
 
 
 class CustomLayout:
-    """A pytree node that lays its leaves out in its own way across replicas.
+    """A pytree node that holds something other than a full copy per replica.
 
-    The default layout gives every replica a full copy. A subclass (a pytree node,
-    e.g. a flax `struct.PyTreeNode`) that holds something else per replica (a
-    slice) says how to convert between that and one logical copy.
+    A subclass (e.g. ZeRO's state, where replica `r` holds slice `r`) converts
+    between its layout and one logical copy.
     """
 
     #: Whether the node's optimizer averages the gradients itself (`jdp.zero`),
@@ -36,11 +29,9 @@ class CustomLayout:
         raise NotImplementedError
 
     def place(self, host_value: PyTree, place_leaf: Callable[[Any, Any], Any]):
-        """This node's layout holding `host_value` (one logical copy).
+        """This abstract node's layout holding `host_value` (one logical copy).
 
-        `self` is abstract (`jax.ShapeDtypeStruct`s with the replica axis and a
-        sharding); `place_leaf(value, ref)` places a leaf every replica holds
-        whole.
+        `place_leaf(value, ref)` places a leaf every replica holds whole.
         """
         raise NotImplementedError
 

@@ -1,9 +1,6 @@
 """Private: typed PRNG keys among the leaves, and each leaf's host and abstract value.
 
-A leaf holding typed PRNG keys is moved and placed as its key data and wrapped
-back with its implementation (`key_impl`); `host_value` and `abstract` are the
-one place that reads any leaf, keys included, as a NumPy value or as its shape
-and dtype.
+Keys are moved as their key data and wrapped back with `key_impl`.
 """
 
 from __future__ import annotations

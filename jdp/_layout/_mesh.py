@@ -1,10 +1,7 @@
 """Private: the step's mesh, the axis names it is checked against, and its sharding.
 
-`mesh_for` checks `jdp.parallelize`'s `devices` and `axis_name` and builds the
-mesh: 1-D for one axis name, `(hosts, devices per host)` for two. Replicated
-state (and every batch) is sharded over all of its axes by `replica_sharding`:
-`NamedSharding(mesh, P(axis_name))`, with `axis_name` the mesh's one axis name or
-the tuple of both.
+1-D for one axis name, `(hosts, devices per host)` for two; replicated state and
+batches are sharded over all of its axes (`replica_sharding`).
 """
 
 from __future__ import annotations
@@ -35,30 +32,30 @@ def mesh_for(devices: Any, axis_name: Any) -> Mesh:
     """The mesh of `jdp.parallelize(devices=..., axis_name=...)`, checked.
 
     `devices` is None (every device), a sequence of devices (1-D), or a 2-D
-    array or nested list of devices whose rows stand for hosts: a
-    `(hosts, devices per host)` mesh in one process too, named by the two
-    names of `axis_name`.
+    array or nested list of devices whose rows stand for hosts (a
+    `(hosts, devices per host)` mesh, in one process too, named by the two
+    names of `axis_name`).
 
     Raises:
-      ValueError: If `devices` is empty, lists a device twice, is not 1-D or
-        2-D (or its rows differ in length), is 2-D with one axis name,
-        `axis_name` is not one name or two distinct names, or, with several
-        processes, the processes hold different numbers of `devices` (or a row
-        of a 2-D layout holds devices of several processes).
+      ValueError: For empty `devices`, a device listed twice, a layout neither
+        1-D nor 2-D (or with rows of different lengths), a 2-D one with one axis
+        name, an `axis_name` not one name or two distinct names, or, with
+        several processes, processes holding different numbers of `devices` (or
+        a row of a 2-D layout holding devices of several processes).
       TypeError: If `axis_name` is neither a str nor a tuple, or an entry of
         `devices` is not a device.
     """
     grid = None if devices is None else _device_grid(devices)
-    if grid is not None and grid.ndim == 2:
-        return _grid_mesh(grid, axis_name)
-    devices = list(_jax_compat.devices() if grid is None else grid)
-    if not devices:
+    flat = list(_jax_compat.devices() if grid is None else grid.flat)
+    if not flat:
         raise ValueError("`devices` is empty; pass at least one device (or None).")
-    if len(set(devices)) != len(devices):
-        raise ValueError(f"`devices` lists a device twice: {devices}.")
-    axis_name = _check_axis_name(axis_name)
-    _check_devices_per_process(devices)
-    return make_mesh(devices, axis_name)
+    if len(set(flat)) != len(flat):
+        raise ValueError(f"`devices` lists a device twice: {flat}.")
+    names = _check_axis_name(axis_name)
+    if grid is not None and grid.ndim == 2:
+        return _grid_mesh(grid, names, axis_name)
+    _check_devices_per_process(flat)
+    return make_mesh(flat, names)
 
 
 def _device_grid(devices: Any) -> np.ndarray:
@@ -68,24 +65,21 @@ def _device_grid(devices: Any) -> np.ndarray:
     else:
         rows = list(devices)
         nested = [isinstance(r, (list, tuple, np.ndarray)) for r in rows]
-        if rows and any(nested):
-            if not all(nested) or len({len(r) for r in rows}) != 1:
-                lengths = [
-                    len(r) if n else "a device"
-                    for r, n in zip(rows, nested, strict=True)
-                ]
-                raise ValueError(
-                    "`devices`: a 2-D layout needs rows (hosts) of equal length, "
-                    f"each a list of devices; got rows of {lengths}. Pass e.g. "
-                    "`np.array(jax.devices()[:4]).reshape(2, 2)`."
-                )
+        if any(nested) and (not all(nested) or len({len(r) for r in rows}) != 1):
+            lengths = [
+                len(r) if n else "a device" for r, n in zip(rows, nested, strict=True)
+            ]
+            raise ValueError(
+                "`devices`: a 2-D layout needs rows (hosts) of equal length, "
+                f"each a list of devices; got rows of {lengths}. Pass e.g. "
+                "`np.array(jax.devices()[:4]).reshape(2, 2)`."
+            )
+        if any(nested):
             grid = np.empty((len(rows), len(rows[0])), dtype=object)
-            for i, row in enumerate(rows):
-                for j, d in enumerate(row):
-                    grid[i, j] = d
+            grid[:] = [list(row) for row in rows]
         else:
             grid = np.empty(len(rows), dtype=object)
-            grid[:] = rows if rows else []
+            grid[:] = rows
     if grid.ndim not in (1, 2):
         raise ValueError(
             "`devices` must be a sequence of devices (1-D) or a 2-D array of "
@@ -102,14 +96,8 @@ def _device_grid(devices: Any) -> np.ndarray:
     return grid
 
 
-def _grid_mesh(grid: np.ndarray, axis_name: Any) -> Mesh:
+def _grid_mesh(grid: np.ndarray, names: AxisName, axis_name: Any) -> Mesh:
     """The `(hosts, devices per host)` mesh of a 2-D `devices=` layout, checked."""
-    if grid.size == 0:
-        raise ValueError("`devices` is empty; pass at least one device (or None).")
-    flat = list(grid.flat)
-    if len(set(flat)) != len(flat):
-        raise ValueError(f"`devices` lists a device twice: {flat}.")
-    names = _check_axis_name(axis_name)
     if isinstance(names, str):
         raise ValueError(
             f"`devices` is a 2-D layout of shape {grid.shape} (hosts, devices per "
@@ -118,7 +106,7 @@ def _grid_mesh(grid: np.ndarray, axis_name: Any) -> Mesh:
             "devices for a flat mesh."
         )
     if jax.process_count() > 1:
-        _check_devices_per_process(flat)
+        _check_devices_per_process(list(grid.flat))
         for i, row in enumerate(grid):
             processes = sorted({d.process_index for d in row})
             if len(processes) != 1:
@@ -140,10 +128,8 @@ def _grid_mesh(grid: np.ndarray, axis_name: Any) -> Mesh:
 def make_mesh(devices: Sequence[jax.Device], axis_name: AxisName) -> Mesh:
     """The mesh of a step: 1-D for a name, `(hosts, devices per host)` for two.
 
-    With two names, row h holds process h's devices (every process must hold the
-    same number of `devices`); the replica order (row-major) is the 1-D mesh's
-    order when `devices` are listed process by process, as `jax.devices()` lists
-    them.
+    With two names, row h holds process h's devices, in the 1-D mesh's order
+    when `devices` are listed process by process (as `jax.devices()` does).
     """
     if isinstance(axis_name, str):
         return Mesh(np.asarray(devices, dtype=object), (axis_name,))

@@ -1,9 +1,4 @@
-"""Private: one logical copy to replicated arrays and back.
-
-`replicate` and `place_like` give every replica a copy of a logical pytree (each
-custom layout its part), `logical_copy` and `logical_like` take one copy (or its
-shapes) back out, and `is_replicated` recognises a leaf laid out this way.
-"""
+"""Private: one logical copy to replicated arrays and back."""
 
 from __future__ import annotations
 
@@ -38,12 +33,12 @@ ALREADY_REPLICATED_MSG = (
     "is, or re-place one copy with `step.replicate(other_step.unreplicate(tree))`."
 )
 
+
 def logical_copy(tree: PyTree) -> PyTree:
     """One logical copy of a replicated pytree: replica 0's value of every leaf.
 
-    Array leaves with a leading replica axis give this process's first replica
-    (`addressable_shards[0]`, no gather); custom layouts convert themselves; other
-    leaves pass through. What `step.unreplicate` returns and checkpoints save.
+    Array leaves give this process's first replica (no gather); custom layouts
+    convert themselves; other leaves pass through.
     """
 
     def first(x):
@@ -57,25 +52,17 @@ def logical_copy(tree: PyTree) -> PyTree:
     return jax.tree.map(first, tree, is_leaf=is_custom)
 
 
-def _without_replica_axis(x: Any) -> Any:
-    if hasattr(x, "shape") and hasattr(x, "dtype") and len(x.shape) >= 1:
-        return jax.ShapeDtypeStruct(tuple(x.shape[1:]), x.dtype)
-    return x
-
-
 def logical_like(tree: PyTree) -> PyTree:
-    """Shapes and dtypes of one logical copy of a replicated pytree; reads no data.
-
-    What `logical_copy(tree)` would return, as `jax.ShapeDtypeStruct`s: the target
-    structure for restoring a checkpoint into `tree`'s layout.
-    """
+    """What `logical_copy(tree)` would return, as `jax.ShapeDtypeStruct`s."""
 
     def one(x):
         if is_custom(x):
             return jax.tree.map(
                 lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), x
             ).logical()
-        return _without_replica_axis(x)
+        if hasattr(x, "shape") and hasattr(x, "dtype") and len(x.shape) >= 1:
+            return jax.ShapeDtypeStruct(tuple(x.shape[1:]), x.dtype)
+        return x
 
     return jax.tree.map(one, tree, is_leaf=is_custom)
 
@@ -96,15 +83,8 @@ def _place_leaf(x: Any, ref: Any) -> jax.Array:
 def place_like(host_tree: PyTree, like: PyTree) -> PyTree:
     """Replicates one logical copy into the layout of `like` (undoes `logical_copy`).
 
-    Args:
-      host_tree: One copy of every leaf (NumPy or JAX arrays) without replica axis.
-      like: A replicated pytree of the same structure: `jax.Array`s or
-        `jax.ShapeDtypeStruct`s whose `shape` has the leading replica axis and
-        whose `sharding` says where the replicas live.
-
-    Returns:
-      `jax.Array`s shaped and placed like `like`, every replica equal to
-      `host_tree` (custom layouts: each replica its part).
+    `like` holds arrays or `jax.ShapeDtypeStruct`s with the replica axis and a
+    sharding; every replica gets `host_tree` (custom layouts: its part).
     """
 
     def place(ref, x):
@@ -116,15 +96,7 @@ def place_like(host_tree: PyTree, like: PyTree) -> PyTree:
 
 
 def replicate(tree: PyTree, mesh: Mesh) -> PyTree:
-    """Gives every replica of `mesh` a copy of `tree` (process 0's, across processes).
-
-    Args:
-      tree: One logical copy: any pytree of arrays, scalars or typed PRNG keys.
-      mesh: The step's mesh.
-
-    Returns:
-      The replicated pytree.
-    """
+    """Gives every replica of `mesh` a copy of `tree` (process 0's, over processes)."""
     shared = shared_variables(tree)
     if shared:
         raise ValueError(
@@ -154,12 +126,7 @@ def replicate(tree: PyTree, mesh: Mesh) -> PyTree:
 
 
 def shared_variables(tree: PyTree) -> list[tuple[str, str]]:
-    """Pairs of paths at which `tree` holds one flax NNX `Variable` twice.
-
-    A weight shared between modules (tied embeddings) is one `Variable` reached
-    from two attributes. Flattened as a pytree (modules passed to JAX directly),
-    each path becomes its own array and the tie is lost; `nnx.split` keeps one.
-    """
+    """Pairs of paths at which `tree` holds one flax NNX `Variable` (a tied weight)."""
     nnx = sys.modules.get("flax.nnx")  # no NNX objects unless it was imported
     if nnx is None:
         return []

@@ -1,10 +1,8 @@
 """Private: the checks of a state a step receives and returns.
 
-A state passed in must be laid out by `replicate` for the step's sharding and
-not donated (`check_replicated`, `misplaced`, `deleted`); the state a step
-returns must keep the structure, per-replica shapes and dtypes of the one it
-received (`check_unchanged`, `check_same_structure`, `changes`). Every message
-names the offending leaves and how to fix them.
+A state passed in must be laid out by `replicate` and not donated; the state a
+step returns must keep the structure, per-replica shapes and dtypes of the one
+it received. Every message names the offending leaves and how to fix them.
 """
 
 from __future__ import annotations
@@ -144,11 +142,7 @@ def deleted(tree: PyTree) -> list[str]:
 def check_same_structure(before: PyTree, after: PyTree) -> None:
     """The state a step returns must have the structure of the one it received.
 
-    `before` may be the received state's structure (a `PyTreeDef`), taken before
-    a step that changes the state in place ran.
-
-    Checked while tracing the step (any layout, any call that compiles): the
-    donating step rebuilds the new state with the input's structure.
+    `before` may be that state's `PyTreeDef`. Checked while tracing the step.
     """
     probs = _structure_change(before, after)
     if probs:
@@ -156,19 +150,15 @@ def check_same_structure(before: PyTree, after: PyTree) -> None:
 
 
 def _structure_change(before: PyTree, after: PyTree) -> list[str]:
-    old, new = _structure(before), jax.tree.structure(after)
+    old = before
+    if not isinstance(before, jax.tree_util.PyTreeDef):
+        old = jax.tree.structure(before)
+    new = jax.tree.structure(after)
     if old == new:
         return []
     return [
         _first_change(old, new, "state") or f"the structure changed from {old} to {new}"
     ]
-
-
-def _structure(tree: Any) -> Any:
-    """`tree`'s structure (a `PyTreeDef` is taken as it is)."""
-    if isinstance(tree, jax.tree_util.PyTreeDef):
-        return tree
-    return jax.tree.structure(tree)
 
 
 def _child_names(treedef) -> list[str]:
@@ -184,9 +174,7 @@ def _child_names(treedef) -> list[str]:
 def _first_change(old, new, path: str) -> str | None:
     """Where two pytree structures first differ, in words (None if not found).
 
-    A flax NNX object keeps its Python attributes (counters, flags such as
-    BatchNorm's `use_running_average`) as static data: a changed one is named
-    with its old and new values.
+    A changed static attribute of a flax NNX object is named with both values.
     """
     od, nd = old.node_data(), new.node_data()
     if od is None or nd is None or od[0] is not nd[0]:
@@ -219,9 +207,8 @@ def _static_attributes(aux: Any) -> dict[str, Any]:
     if not (isinstance(aux, tuple) and len(aux) == 3):
         return {}
     names, values = aux[1], aux[2]
-    if not (isinstance(names, tuple) and isinstance(values, tuple)):
-        return {}
-    if len(names) != len(values):
+    pairs = isinstance(names, tuple) and isinstance(values, tuple)
+    if not pairs or len(names) != len(values):
         return {}
     return {
         str(n): v
@@ -231,11 +218,7 @@ def _static_attributes(aux: Any) -> dict[str, Any]:
 
 
 def changes(before: PyTree, after: PyTree) -> list[str]:
-    """How `after` differs from `before` in structure, per-replica shapes or dtypes.
-
-    Both are replicated pytrees (arrays or abstract values with the replica
-    axis); shapes are reported per replica.
-    """
+    """How replicated `after` differs from `before` in structure, shapes or dtypes."""
     structure = _structure_change(before, after)
     if structure:
         return structure
