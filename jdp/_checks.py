@@ -1,8 +1,7 @@
 """`jdp.replicas_in_sync` / `jdp.assert_replicas_in_sync`: catch a forgotten sync.
 
-The functional form of Caffe2's `_AnalyzeOperators` sanity check and of the
-cross-replica comparisons users of DDP and fairseq write by hand: every replica of
-a replicated state should hold the same values after a synchronous step.
+The functional form of Caffe2's `_AnalyzeOperators` check and of the replica
+comparisons DDP and fairseq users write by hand.
 """
 
 from __future__ import annotations
@@ -40,10 +39,10 @@ def _replica_differences(leaves):
 
 @functools.cache
 def _differences_fn(mesh: Mesh | None):
-    """`_replica_differences`, compiled once per mesh (and leaf structure).
+    """`_replica_differences`, compiled once per mesh (None: one process).
 
-    With several processes the per-replica differences come back replicated on
-    `mesh`, so that every process reads all of them without another gather.
+    With several processes the result is replicated over `mesh`, so that every
+    process reads all of it.
     """
     if mesh is None:
         return jax.jit(_replica_differences)
@@ -51,7 +50,7 @@ def _differences_fn(mesh: Mesh | None):
 
 
 def _differences(state: PyTree, atol: float):
-    # Parts of a custom layout (ZeRO's slices) differ between replicas by design.
+    """`(path, replica, difference)` of each leaf whose replicas differ by > `atol`."""
     paths, arrays, mesh = _layout.replica_leaves(state)
     if not arrays:
         return []
@@ -71,8 +70,8 @@ def replicas_in_sync(state: PyTree, *, atol: float = 0.0) -> bool:
     Compares each array leaf's replicas (its leading axis, as `step.replicate`
     lays it out) with replica 0. Synchronous steps keep replicas bit-identical, so
     the default tolerance is exact; NaNs in the same places count as equal. The
-    slices of a sharded optimizer state (`jdp.zero(tx)`) differ between replicas by design and are
-    skipped; its step counts are compared.
+    slices of a sharded optimizer state (`jdp.zero(tx)`) differ between replicas
+    by design and are skipped; its step counts are compared.
 
     Args:
       state: A pytree replicated by a `jdp.Parallel` step.

@@ -1,23 +1,12 @@
 """Private: the replica-divergence guard of `jdp.parallelize(..., check_sync=K)`.
 
-A synchronous step keeps every replica's state bit-identical. A step that forgets
-to average its gradients trains N different models without any error; only the
-replicas' values show it. After the first call and then every K-th call,
-`Parallel` fingerprints every leaf that replicas must agree on and compares the
-replicas: one pass over the state (every K steps) in a small program of its own,
-so the step itself is unchanged and compiles once.
+A step that forgets to average its gradients trains N different models without
+any error. After the first call and then every K-th call, `Parallel`
+fingerprints every leaf that replicas must agree on (an exact, order-independent
+hash of its bits) in a small program of its own and compares the replicas.
 
-The fingerprint of a leaf on one replica is the wrapping sum of its bits (as
-unsigned integers): exact and independent of summation order, so equal replicas
-always give equal fingerprints on every platform, and a replica that differs in
-any value almost surely gives another.
-
-With several processes, the check is a collective across them that runs on some
-calls only, so every process must pass the same `check_sync`: otherwise one
-process runs the check while another runs its next step, and both wait for each
-other forever. At its first call, a step over several processes compares the
-values through JAX's coordination service (`Guard`) and raises a `ValueError`
-naming each process's value.
+With several processes the check is a collective that runs on some calls only,
+so `Guard` first makes sure every process passed the same `check_sync`.
 """
 
 from __future__ import annotations
@@ -41,49 +30,56 @@ from jdp._tree import keystr
 
 PyTree = Any
 
-DIVERGED_MSG = (
+# The start and end every divergence message shares.
+_DIVERGED = (
     "`jdp.parallelize(..., check_sync=...)`: the replicas' states diverged "
     "during step call {call}: {leaf} differs "
     "between replica 0 and replica {replica} ({count} of {total} checked leaves "
-    "differ{more}). A synchronous step keeps every replica identical, so the step "
+    "differ"
+)
+_RESET = (
+    " The state the step returned is `error.state`; `step.broadcast(error.state)` "
+    "resets every replica to replica 0."
+)
+
+DIVERGED_MSG = (
+    _DIVERGED
+    + "{more}). A synchronous step keeps every replica identical, so the step "
     "most likely does not average its gradients (or syncs computed state on one "
     "replica only): use `jdp.make_train_step`, or `jdp.all_reduce_gradients` / "
     "`jdp.sync_gradients` and `jdp.sync_batch_stats` in your own step. For "
     "deliberately local training (local SGD, your own model averaging) pass "
-    "`check_sync=None` to `jdp.parallelize`. The state the step returned is "
-    "`error.state`; `step.broadcast(error.state)` resets every replica to "
-    "replica 0."
+    "`check_sync=None` to `jdp.parallelize`." + _RESET
 )
 
 LOCAL_MSG = (
-    "`jdp.parallelize(..., check_sync=...)`: the replicas' states diverged "
-    "during step call {call}: {leaf} differs "
-    "between replica 0 and replica {replica} ({count} of {total} checked leaves "
-    "differ{more}). The state holds an optimizer that trains each replica on its "
+    _DIVERGED + "{more}). The state holds an optimizer that trains each replica on its "
     "own gradients (`jdp.bmuf`): between syncs the params and the optimizer state "
     "shaped like them may differ, but everything else must be equal on every "
     "replica (the global model, step counters, hyper-parameters, other state). "
     "Compute such parts from values every replica shares, not from the replica's "
     "own batch or `lax.axis_index`, or average them (`lax.pmean`); for a part "
-    "that differs by design, pass `check_sync=None` to `jdp.parallelize`. The "
-    "state the step returned is `error.state`; `step.broadcast(error.state)` "
-    "resets every replica to replica 0."
+    "that differs by design, pass `check_sync=None` to `jdp.parallelize`." + _RESET
 )
 
 METRICS_MSG = (
-    "`jdp.parallelize(..., check_sync=...)`: the replicas' states diverged "
-    "during step call {call}: {leaf} differs "
-    "between replica 0 and replica {replica} ({count} of {total} checked leaves "
-    "differ, all of them flax NNX metric accumulators). Each replica's metrics "
+    _DIVERGED + ", all of them flax NNX metric accumulators). Each replica's metrics "
     "(an `nnx.MultiMetric` in the state, as in the NNX tutorial) counted only its "
     "own examples. Update them with every replica's values, e.g. "
     "`metrics.update(loss=lax.pmean(loss, {axis}), logits=lax.all_gather(logits, "
     "{axis}, tiled=True), labels=lax.all_gather(labels, {axis}, tiled=True))`, so "
     "that every replica counts the global batch; or keep them out of the state "
     "and update them on the host from what the step returns "
-    "(`jdp.metrics.gather(logits)`). The state the step returned is "
-    "`error.state`; `step.broadcast(error.state)` resets every replica to "
-    "replica 0."
+    "(`jdp.metrics.gather(logits)`)." + _RESET
+)
+
+BATCH_STATS_MSG = (
+    _DIVERGED + ", all of them BatchNorm statistics). Each replica normalised with the "
+    "statistics of its own examples. Give BatchNorm the replica axis, "
+    "`axis_name={axis}` (flax `nn.BatchNorm` or `nnx.BatchNorm`), so that every "
+    "replica uses the global batch's statistics, or average them after the update "
+    "with `jdp.sync_batch_stats` (`jdp.make_train_step` does this for a state's "
+    "`batch_stats`)." + _RESET
 )
 
 
@@ -118,20 +114,6 @@ _multi_process_guards = itertools.count()
 def _ordinal(n: int) -> str:
     suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10)
     return f"{n}{suffix or 'th'}"
-
-
-BATCH_STATS_MSG = (
-    "`jdp.parallelize(..., check_sync=...)`: the replicas' states diverged "
-    "during step call {call}: {leaf} differs "
-    "between replica 0 and replica {replica} ({count} of {total} checked leaves "
-    "differ, all of them BatchNorm statistics). Each replica normalised with the "
-    "statistics of its own examples. Give BatchNorm the replica axis, "
-    "`axis_name={axis}` (flax `nn.BatchNorm` or `nnx.BatchNorm`), so that every "
-    "replica uses the global batch's statistics, or average them after the update "
-    "with `jdp.sync_batch_stats` (`jdp.make_train_step` does this for a state's "
-    "`batch_stats`). The state the step returned is `error.state`; "
-    "`step.broadcast(error.state)` resets every replica to replica 0."
-)
 
 
 class ReplicaDivergenceError(RuntimeError):
@@ -171,12 +153,9 @@ def _bits(x: jax.Array) -> jax.Array:
 def _fingerprints(leaves: list[jax.Array]) -> jax.Array:
     """`(num_leaves, num_replicas)` 32-bit hashes, per leaf and replica.
 
-    Each element's bits are mixed with its position (a multiply-xorshift hash,
-    as in MurmurHash3's finaliser) before the wrapping sum, so permuted values
-    and changes that cancel in a plain sum (one element an ulp up, another an
-    ulp down) change the fingerprint too. One fused pass over the leaf, as the
-    plain sum was; two states that differ still collide with probability about
-    2**-32 per leaf.
+    The wrapping sum of each element's bits mixed with its position
+    (MurmurHash3's finaliser), so permuted values and changes that cancel in a
+    plain sum show too; differing states collide with probability ~2**-32.
     """
     rows = []
     for x in leaves:
@@ -192,11 +171,7 @@ def _fingerprints(leaves: list[jax.Array]) -> jax.Array:
 
 @functools.cache
 def _fingerprints_fn(mesh: Mesh):
-    """`_fingerprints`, compiled once per mesh (and leaf structure), replicated.
-
-    The result is small and replicated over `mesh`, so that every process reads
-    every replica's fingerprints (one small collective across processes).
-    """
+    """`_fingerprints`, compiled once per mesh, its result replicated over it."""
     return jax.jit(_fingerprints, out_shardings=NamedSharding(mesh, P()))
 
 
@@ -237,13 +212,7 @@ def _all_of_kind(tree: PyTree, leaves: list[str], kind: str) -> bool:
 
 
 def check(tree: PyTree, mesh: Mesh, *, state: PyTree, call: int) -> None:
-    """Raises `ReplicaDivergenceError` if the replicas of `tree` differ.
-
-    The message names the first diverging leaf and the likely cause: per-replica
-    metric accumulators or BatchNorm statistics when every diverging leaf is one,
-    a part that must agree even when the optimizer trains replicas locally, else
-    a step that does not average its gradients.
-    """
+    """Raises `ReplicaDivergenceError`, naming a likely cause, if replicas differ."""
     found = divergences(tree, mesh)
     if found is None:
         return
@@ -273,14 +242,8 @@ class Guard:
     """`check_sync`: compares the agreed part of a step's state across replicas.
 
     After the first call, then every `every` calls; never with one replica or
-    `every=None`.
-
-    When the mesh spans several processes, the first `due` call (each process's
-    first call of the step) first compares `every` across those processes: each
-    publishes its value in the coordination service under a key of this guard's
-    own (the number of steps over several processes the process built before
-    it) and reads the others'. Different values raise a `ValueError` naming each
-    process's value, on every process, at this and every later call.
+    `every=None`. Over several processes, the first `due` call first compares
+    `every` across them through the coordination service (`_agree`).
     """
 
     def __init__(
@@ -290,8 +253,7 @@ class Guard:
         self.agreed = agreed
         self.mesh = mesh
         processes = sorted({d.process_index for d in mesh.devices.flat})
-        # The processes whose `check_sync` this one must match (None: compared,
-        # or a single process).
+        # The processes to compare `check_sync` with (None: done, or just one).
         self._processes = processes if len(processes) > 1 else None
         self._number = next(_multi_process_guards) if self._processes else None
         self._requested = every
@@ -303,11 +265,11 @@ class Guard:
         return self.every is not None and (calls == 1 or calls % self.every == 0)
 
     def _agree(self, client: Any = None) -> None:
-        """Compares `check_sync` with the other processes (once); raises if they differ.
+        """Compares `check_sync` with the other processes once; raises if they differ.
 
-        Args:
-          client: A key-value store to use instead of the coordination
-            service's client (for tests).
+        Each publishes its value under this guard's number (the steps over
+        several processes it built before); `client` replaces the coordination
+        service's key-value store in tests.
         """
         if self._error is not None:
             raise ValueError(self._error)

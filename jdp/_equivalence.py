@@ -1,11 +1,4 @@
-"""`jdp.check_equivalence`: does a parallel train step take one device's step?
-
-A loss ported as written can be right on one device and wrong across replicas:
-a mean over a count that differs between replicas (the real tokens of a padded
-batch), BatchNorm that normalises with each replica's own statistics, a sum over
-the batch where a mean was meant. Nothing fails; the model trains differently.
-The check computes both gradients on the same global batch and compares them.
-"""
+"""`jdp.check_equivalence`: does a parallel train step take one device's step?"""
 
 from __future__ import annotations
 
@@ -22,18 +15,12 @@ from jdp._tree import format_problems, is_float, keystr
 PyTree = Any
 OnMismatch = Literal["warn", "raise"]
 
-#: The default largest relative gap between the two gradients. Both are float32
-#: sums of the same terms in another order (replicas then a mean, against one
-#: sum): they differ by about 1e-6 relative, 1000 times less. A loss normalised
-#: per replica is off by the spread of the replicas' counts (tens of percent
-#: for padded text), BatchNorm without `axis_name` by the spread of the
-#: replicas' statistics, a sum instead of a mean by a factor of the replicas.
+#: The default largest relative gap: float32 reorderings differ by about 1e-6,
+#: the mistakes checked for by percents or more.
 RTOL = 1e-3
 
-#: A leaf's gap is measured against its own gradient's norm, but at least this
-#: fraction of the whole gradient's norm: a leaf whose gradient is zero in
-#: exact arithmetic (the bias of a layer that BatchNorm follows) holds only
-#: rounding, which no relative measure of its own can bound.
+#: A leaf's gap is relative to its gradient's norm, but at least this fraction
+#: of the whole gradient's norm (a leaf zero in exact arithmetic holds rounding).
 FLOOR = 1e-2
 
 CAUSES = (
@@ -68,36 +55,27 @@ def check_equivalence(
     compares them leaf by leaf. A loss that is right on one device can be
     silently wrong across replicas: a mean over a count that differs between
     replicas (`jnp.sum(l * w) / jnp.sum(w)` over the real tokens of a padded
-    batch, flax's lm1b example as written: a different model, or NaN when a
-    replica holds only padding; use `jdp.weighted`), BatchNorm without
-    `axis_name`, a sum over the batch instead of a mean. Call it once, on the
-    first batch, before training; it changes nothing.
+    batch, as in flax's lm1b example: a different model, or NaN when a replica
+    holds only padding; use `jdp.weighted`), BatchNorm without `axis_name`, a
+    sum over the batch instead of a mean. Call it once, on the first batch,
+    before training; it changes nothing. (The step does not run it itself: it
+    costs a second compilation, dropout makes the gradients differ anyway, and
+    per-replica statistics may be meant.)
 
-    It is not run by the step on its own: it costs a second compilation (the
-    gradients twice) and one device's gradient on the global batch, the
-    randomness of most real losses (dropout) makes the two gradients differ
-    anyway, and per-replica statistics (BatchNorm without `axis_name`) may be
-    meant. Under `jax.jit`, the global-batch gradient is partitioned over the
-    step's devices like any program, so it needs no more memory on one device
-    than it holds.
+    Each replica runs the step's loss on its slice as the step does
+    (microbatches, batch statistics, `jdp.weighted`; dense gradients whatever
+    the sync piece) and the gradients are averaged; one device runs the loss on
+    the global batch with the replica axis bound to a single replica. Both start
+    from replica 0's params and batch statistics, and a loss that takes `rng`
+    receives the state's `rng`, but draws of another shape still differ: check
+    with dropout off. The global-batch gradient is partitioned over the step's
+    devices like any jitted program.
 
-    What is compared: each replica runs the step's loss on its slice as the
-    step does (its microbatches, batch statistics and `jdp.weighted`
-    normalisation; dense gradients through `jax.value_and_grad`, whatever the
-    sync piece) and the gradients are averaged over replicas; one device runs
-    the loss on the global batch at once, with the replica axis bound with a
-    single replica (so BatchNorm's `axis_name` is valid there). Both start from
-    replica 0's params and batch statistics. Randomness: a loss that takes `rng`
-    receives the state's `rng` itself, the same key on every replica and on one
-    device, but draws of another shape still differ, so check with dropout off
-    (rate 0 or `deterministic=True`): the check needs a deterministic loss.
-
-    Tolerance: a leaf's gap is `|parallel - one device|` (its norm) over its
+    Tolerance: a leaf's gap is the norm of `parallel - one device` over its
     one-device gradient's norm, at least `1e-2` of the whole gradient's norm (a
-    leaf that is zero in exact arithmetic holds only rounding). The two are
-    float32 sums of the same terms in another order, about `1e-6` apart; the
-    mistakes above are off by percents or more. Parameters in a narrower float
-    type are held to `8 * eps` of their type at least.
+    leaf zero in exact arithmetic holds only rounding). Float32 reorderings
+    differ by about `1e-6`, the mistakes above by percents or more; parameters
+    in a narrower float type are held to `8 * eps` of their type at least.
 
     Args:
       step: A `jdp.parallelize`d step made by `jdp.make_train_step`.
@@ -140,16 +118,13 @@ def check_equivalence(
         raise ValueError(f"`rtol` must be a positive number; got {rtol!r}.")
     spec = getattr(getattr(step, "train_step", None), "loss", None)
     if not isinstance(step, _parallel.Parallel) or spec is None:
+        kind = type(step).__name__
+        if isinstance(step, _parallel.Parallel):
+            kind += f" of {type(step.train_step).__name__}"
         raise TypeError(
             "`jdp.check_equivalence` needs the step `jdp.parallelize` returned for "
             "a `jdp.make_train_step(loss_fn, ...)`, whose loss it can run again; "
-            f"got {type(step).__name__}"
-            + (
-                f" of {type(step.train_step).__name__}"
-                if isinstance(step, _parallel.Parallel)
-                else ""
-            )
-            + ". For a step of your own, compare its gradients with "
+            f"got {kind}. For a step of your own, compare its gradients with "
             "`jax.grad` of the loss on the whole batch yourself."
         )
     step._check_state(state)
@@ -163,7 +138,8 @@ def check_equivalence(
         }
     )
     replicas = _parallel.Parallel(
-        functools.partial(_replica_gradients, spec),
+        # A forward-only step: its metrics, averaged over replicas, are the result.
+        functools.partial(_loss_and_grads, spec, microbatches=spec.microbatches),
         mesh=step.mesh,
         backend=step.backend,
         donate_state=False,
@@ -228,17 +204,11 @@ def _loss_and_grads(spec: _train_step.LossSpec, state, batch, microbatches: int)
     return {"loss": loss, "grads": grads}
 
 
-def _replica_gradients(spec: _train_step.LossSpec, state, batch):
-    """A forward-only step: its metrics, averaged over replicas, are the result."""
-    return _loss_and_grads(spec, state, batch, spec.microbatches)
-
-
 def _one_device(spec: _train_step.LossSpec, axis_name, state, batch, *, stacked):
     """The loss's gradient on the whole global batch, replica 0's state, one replica.
 
     The replica axis is bound by `jax.vmap` over a leading axis of size 1 (one
-    per name of a host mesh), so collectives in the loss (BatchNorm's
-    `axis_name`) see a single replica.
+    per axis name), so collectives in the loss see a single replica.
     """
     state = jax.tree.map(lambda x: x[0], state)  # replica 0 (a gather, once)
     if stacked:  # pmap's batch leaves: (replicas, examples per replica, ...)

@@ -1,9 +1,7 @@
 """Private: how a step's metrics are combined over replicas (`jdp.metrics`).
 
-A metric a step returns is averaged over replicas by default. Wrapped with
-`jdp.metrics.sum` it is summed (integers stay integers, so counts are exact), and
-with `jdp.metrics.gather` every replica's values are gathered in replica order,
-which is the global batch order for per-example values.
+Averaged by default; the markers `jdp.metrics.sum`, `jdp.metrics.gather` and
+`jdp.weighted` say otherwise.
 """
 
 from __future__ import annotations
@@ -40,9 +38,8 @@ jax.tree_util.register_dataclass(Reduced, data_fields=["value"], meta_fields=["h
 class Weighted(NamedTuple):
     """A total and the weight it is to be divided by, once, over all replicas.
 
-    Its repr says what it is for, so that JAX's errors about a function that
-    returns one outside a jdp step ("Gradient only defined for scalar-output
-    functions. Output was Weighted(...)") say how to get the scalar.
+    Its repr says how to get the scalar, for JAX's errors about a function that
+    returns one outside a jdp step.
     """
 
     total: Any
@@ -60,28 +57,22 @@ class Weighted(NamedTuple):
 def weighted(total: Any, weight: Any) -> Weighted:
     """A loss or metric normalised by a count that differs between replicas.
 
-    For a loss that is a sum over a varying number of items, the padded tokens of
-    a language model's batch or the masked entries of any masked loss: return
+    For a loss that is a sum over a varying number of items (the padded tokens
+    of a language model's batch, the masked entries of any masked loss), return
     `jdp.weighted(jnp.sum(loss * mask), jnp.sum(mask))` instead of dividing by
-    the replica's own count. `jdp.make_train_step` then differentiates the
-    total, sums the totals, the weights and the gradients over replicas (and
-    microbatches) and divides once by the global weight: the global per-item
-    mean, exactly what one device computes on the global batch, for any split
-    of the items between replicas (fairseq's `sample_size`). A replica whose
-    slice is all padding contributes nothing (no 0 / 0); a global weight of 0
-    gives a zero gradient and a loss of 0.
+    the replica's own count. `jdp.make_train_step` then sums the totals, the
+    weights and the gradients of the totals over replicas (and microbatches)
+    and divides once by the global weight: the global per-item mean one device
+    computes, for any split of the items (fairseq's `sample_size`). A replica
+    whose slice is all padding contributes nothing (no 0 / 0); a global weight
+    of 0 gives a zero gradient and a loss of 0. Dividing per replica instead
+    weights every replica alike, however many items it had.
 
-    Dividing per replica instead (`jnp.sum(loss * mask) / jnp.sum(mask)`) and
-    letting jdp average the replicas' means weights every replica alike, however
-    many items it had: not one device's numbers.
-
-    Returned among a step's metrics (or in the loss's auxiliary metrics), a
-    weighted value comes back as `sum(total) / sum(weight)` over replicas and
-    microbatches: token accuracy, say.
-
+    Among a step's metrics (or the loss's auxiliary metrics), a weighted value
+    comes back as `sum(total) / sum(weight)` over replicas and microbatches.
     Under `jdp.local()` (local SGD, BMUF) each replica applies its own summed
-    gradient scaled by `num_replicas / global weight`: replicas with more items
-    step further, and their average is the global per-item mean.
+    gradient scaled by `num_replicas / global weight`, so that their average is
+    the global per-item mean.
 
     Args:
       total: The replica's sum (a scalar), e.g. of per-token losses times the mask.
@@ -187,23 +178,18 @@ def reduce_metrics(
     totals = totals or {}
 
     def combine(path, m):
-        how = "mean"
         if isinstance(m, Weighted):
-            total, weight = (_as_array(path, x) for x in m)
+            total, weight = (_as_array(path, x, m) for x in m)
             total, weight = lax.psum((total, weight.astype(total.dtype)), axis_name)
             some = weight > 0
             return jnp.where(some, total / jnp.where(some, weight, 1), 0)
+        how, marker = "mean", None
         if isinstance(m, Reduced):
-            m, how = m.value, m.how
+            marker, m, how = m, m.value, m.how
             mean, total = totals.get(id(m), (None, None))
             if how == "sum" and mean is m:
                 m = total
-            if is_marker(m):
-                raise TypeError(
-                    f"The step's metric {keystr(path)} is marked twice (a "
-                    f"`jdp.metrics.{how}` of a {_marker_name(m)}); mark it once."
-                )
-        m = _as_array(path, m)
+        m = _as_array(path, m, marker)
         if how == "sum":
             # Booleans and narrow integers (a uint8 mask's sum) count in int32,
             # so that a total over replicas cannot wrap around.
@@ -226,11 +212,9 @@ def reduce_metrics(
 def _mean(m: jax.Array, axis_name: AxisName) -> jax.Array:
     """The mean over replicas; for a scalar all replicas hold alike, that value.
 
-    A sum divided by N is often an ulp off a value every replica holds (a
-    learning rate, a global loss). One sum (XLA combines it with the step's
-    other metric sums) also brings replica 0's value; where the mean is within
-    N ulps of it, which includes every case of equal values, that value is
-    returned, itself within rounding of the mean.
+    A sum divided by N is often an ulp off a value every replica holds, so the
+    same sum also brings replica 0's value, returned where the mean is within
+    N ulps of it.
     """
     dtype = m.dtype
     if jnp.finfo(dtype).bits < 32:  # a float16 sum over replicas could overflow
@@ -265,11 +249,12 @@ def _marker_name(m: Any) -> str:
     return f"`jdp.metrics.{m.how}`"
 
 
-def _as_array(path, m) -> jax.Array:
+def _as_array(path, m, marker) -> jax.Array:
+    """A metric's value as an array, refused if it is a marker inside `marker`."""
     if is_marker(m):
         raise TypeError(
             f"The step's metric {keystr(path)} is marked twice (a "
-            f"{_marker_name(m)} inside another marker); mark it once."
+            f"{_marker_name(marker)} of a {_marker_name(m)}); mark it once."
         )
     dtype = getattr(m, "dtype", None)
     if dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key):

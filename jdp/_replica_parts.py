@@ -1,37 +1,12 @@
 """Which parts of a state may differ between replicas: the declaration protocol.
 
-A state node (an optimizer state, a sync piece's state) whose fields are not all
-equal on every replica declares so with `declare`:
-
-    @_replica_parts.declare(local=("inner_state",), required=("count",))
-    class MyState(NamedTuple): ...
-
-- `local` names the fields whose values may differ between replicas (trained on
-  each replica's own gradients, or error buffers); every other field must agree.
-- `required` names fields that are always present, so that the node is also
-  recognised in the layout flax NNX gives it (`nnx.state` turns a NamedTuple
-  into a mapping from field names to values, dropping fields that hold no
-  array): a mapping whose keys are the class's fields and include `required`.
-- `trains_locally=True` says the optimizer that owns the node trains replicas on
-  their own gradients (so a step must not average the gradients first).
-- A `restart_params(self)` method, if the class has one, returns the params
-  every replica should hold when the state is laid out anew for another replica
-  count (a checkpoint restored elsewhere): BMUF's block start.
-- A `restart_local(self)` method, if the class has one, returns the node as it
-  should be after such a re-layout (error-feedback buffers start from zero)
-  instead of replica 0's copy of its local fields, or the node itself if
-  nothing restarts; its class's `RESTART_NOTE` says what restarted (a sentence
-  for the checkpoint's warning).
-
-Readers (the divergence guard, `jdp.local()`, checkpoints, the train step's
-checks) ask only this module; none of them knows the declaring classes.
-
-In a step of one's own, nothing says where the params are: the user holds the
-state in any container. A node that trains locally and has `restart_params()`
-gives the params' layout (BMUF's block start is a copy of the params), and
-`must_agree` finds every subtree laid out like it: the params themselves, and
-the parts of the optimizer state shaped like them (an `optax.MultiSteps`
-accumulator).
+A NamedTuple state node whose fields are not all equal on every replica declares
+so with `declare` (`local` fields may differ; `required` ones identify it in
+flax NNX's mapping layout). Its class may also define `restart_params()` (the
+params every replica holds after a re-layout to another replica count),
+`restart_local()` (the node after such a re-layout) and `RESTART_NOTE` (what
+restarted, for the checkpoint's warning). Readers (the divergence guard,
+`jdp.local()`, checkpoints, the train step's checks) ask only this module.
 """
 
 from __future__ import annotations
@@ -60,16 +35,10 @@ _DECLARED: list[_Declaration] = []
 def declare(
     *, local: tuple[str, ...], required: tuple[str, ...], trains_locally: bool = False
 ) -> Callable[[type], type]:
-    """Class decorator: declares a NamedTuple state's per-replica fields.
+    """Class decorator: records a NamedTuple state's `local` and `required` fields.
 
-    Args:
-      local: The fields whose values may differ between replicas.
-      required: Fields always present (they identify the NNX mapping layout).
-      trains_locally: Whether the optimizer owning the state trains each replica
-        on its own gradients.
-
-    Returns:
-      The decorator, which returns the class unchanged after recording it.
+    `trains_locally`: the optimizer owning the state trains each replica on its
+    own gradients (a step must not average them first).
     """
 
     def register(cls: type) -> type:
@@ -151,8 +120,7 @@ def _is_declared(x: Any) -> bool:
 def find(tree: PyTree) -> list[Any]:
     """Every declared node in `tree`, in order, as instances of its class.
 
-    Nodes in flax NNX's mapping layout come back as instances of their class,
-    with None for the fields the mapping lacks.
+    Nodes in flax NNX's mapping layout get None for the fields they lack.
     """
     found = []
     for x in jax.tree.leaves(tree, is_leaf=_is_declared):
@@ -196,10 +164,9 @@ def map_declared(
 
 
 def agreed(tree: PyTree) -> PyTree | None:
-    """What replicas agree on in `tree`: its declared nodes less their local fields.
+    """`tree`'s declared nodes less their local fields, other leaves None.
 
-    Every leaf outside a declared node is None (not declared to agree: the
-    caller decides about it). None if `tree` holds no declared node.
+    None if `tree` holds no declared node.
     """
     if not find(tree):
         return None
@@ -207,10 +174,7 @@ def agreed(tree: PyTree) -> PyTree | None:
 
 
 def less_local(tree: PyTree) -> PyTree:
-    """`tree` less the local fields of its declared nodes; the rest as it is.
-
-    The local fields are set to None (dropped in flax NNX's mapping layout).
-    """
+    """`tree` less the local fields of its declared nodes; the rest as it is."""
     return map_declared(tree, lambda path, x: x)
 
 
@@ -246,24 +210,14 @@ def _layout(params: PyTree, variables: tuple[type, ...]) -> dict[tuple, tuple]:
 
 
 def must_agree(tree: PyTree) -> PyTree:
-    """What replicas must agree on in a state laid out by a step of one's own.
+    """`tree` (any container) with the leaves that may differ set to None.
 
-    The state may be any container (a tuple, a dict, a dataclass, a flax
-    `TrainState`, an NNX state or modules). What may differ between replicas:
-
-    - the local fields of declared nodes (BMUF's inner state, error buffers);
-    - when a node trains locally: every leaf of a subtree laid out like its
-      `restart_params()` (the same key names to leaves of the same shapes; a
-      subtree with more leaves qualifies too, for params an `optax.masked`
-      or `optax.multi_transform` gave it part of): the params, and the parts
-      of the optimizer state shaped like them. Not inside the agreed fields of
-      declared nodes (BMUF's global model).
-
-    Everything else must agree: counters, hyper-parameters, other leaves.
-
-    Returns:
-      `tree` with the leaves that may differ set to None (declared nodes less
-      their local fields); `tree` itself if it holds no declared node.
+    Those are the local fields of declared nodes and, where a node trains
+    locally, every leaf of a subtree laid out like its `restart_params()` (the
+    same key names to leaves of the same shapes, more leaves allowed for params
+    an `optax.masked` saw part of): the params, and the parts of the optimizer
+    state shaped like them, outside declared nodes. `tree` itself if it holds no
+    declared node.
     """
     found = find(tree)
     if not found:
@@ -286,9 +240,8 @@ def must_agree(tree: PyTree) -> PyTree:
     ]
     differ: set[tuple] = set()
     for template in templates:
-        # For each subtree (by its path), the leaves that sit where the template
-        # has one of the same shape; the subtree is laid out like the params
-        # when it holds all of them.
+        # Per subtree, the leaves where the template has one of the same shape;
+        # a subtree holding all of them is laid out like the params.
         hits: dict[tuple, list[tuple]] = defaultdict(list)
         for path, names, shape in leaves:
             if shape is None:
@@ -312,11 +265,9 @@ def restart_params(tree: PyTree) -> list[PyTree]:
 
 
 def restart_local(tree: PyTree) -> tuple[PyTree, list[str]]:
-    """`tree` with every declared node that has `restart_local()` replaced by it.
+    """`(tree, notes)`: every declared node replaced by its `restart_local()`.
 
-    Returns:
-      `(tree, notes)`: the `RESTART_NOTE` of each kind of node that changed, in
-      the order found, each once (empty if none changed).
+    `notes` holds the `RESTART_NOTE` of each kind of node that changed, once.
     """
     notes: list[str] = []
 
