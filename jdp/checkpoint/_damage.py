@@ -1,10 +1,7 @@
 """What counts as damage of a checkpoint step's files, its errors, and setting it aside.
 
-Only an integrity failure (a checksum that differs, a file missing, truncated or
-undecodable) is a `CheckpointCorruptedError`; any other failure to read a step
-is a `RuntimeError` saying the files are not judged damaged, and nothing is
-moved aside for it. The next `save` moves a damaged step aside to
-`<step>.damaged-<n>` (`set_aside`); nothing is deleted.
+Only an integrity failure is a `CheckpointCorruptedError`; any other failure to
+read a step is a `RuntimeError` saying the files are not judged damaged.
 """
 
 from __future__ import annotations
@@ -111,10 +108,8 @@ def corrupt(directory: epath.Path, step: int, detail: str) -> CheckpointCorrupte
 def is_damage(error: BaseException) -> bool:
     """Whether an error raised while reading a step's files means they are damaged.
 
-    Tensorstore raises a `ValueError` for data it cannot find or decode, the file
-    system an `OSError`, JSON a `ValueError`, orbax a `KeyError` for a missing
-    item; anything else (a `TypeError` inside orbax, say) is a failure of the
-    reader, not of the files.
+    What tensorstore, the file system, JSON and orbax raise for bad data; not,
+    say, a `TypeError` inside orbax (a failure of the reader).
     """
     return isinstance(error, OSError | ValueError | KeyError | EOFError | zlib.error)
 
@@ -147,11 +142,9 @@ def reading(directory: epath.Path, step: int, failed: str) -> Iterator[None]:
 
 
 def set_aside(directory: epath.Path, damaged: dict[int, str]) -> None:
-    """Renames damaged steps to `<step>.damaged-<n>`, with a warning each.
+    """Renames the `damaged` steps to `<step>.damaged-<n>`, warning at `save`'s caller.
 
-    `damaged` gives what is wrong with each step. Every process of a job calls
-    it (from `CheckpointManager.save`, whose caller the warnings name): process
-    0 renames, the others wait. Raises an `OSError` if a rename fails.
+    A collective: process 0 renames, the others wait.
     """
     if not damaged:
         return

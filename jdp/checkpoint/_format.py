@@ -3,14 +3,8 @@
 A step directory holds orbax items: `state`, one logical copy of the state (NumPy
 arrays, written by tensorstore); `jdp_metadata`, a JSON record of the jdp version,
 the replica count, the backend and every leaf's path, shape, dtype and CRC-32;
-and, when the replicas of some leaves differed, `jdp_replicas`, those leaves with
-every replica (`_per_replica`). Reading uses tensorstore and JSON only: nothing is
-ever unpickled.
-
-The arrays of an item are read by name (`read_arrays`), not through orbax's
-PyTree restore: that sorts the saved key paths to rebuild a tree, which fails for
-nodes that mix integer and string keys (flax NNX's `nnx.Sequential` and
-`nnx.List`) though the files are intact.
+and `jdp_replicas`, the leaves whose replicas differed, with every replica
+(`_per_replica`). Reading uses tensorstore and JSON only: nothing is unpickled.
 """
 
 from __future__ import annotations
@@ -71,10 +65,8 @@ def as_key_data(x: Any) -> Any:
 def host_copy(x: Any) -> Any:
     """What orbax writes for a leaf of the logical copy: a fresh NumPy array.
 
-    A copy (not a view of device memory) keeps an async save correct when the
-    next step donates the state's buffers. A leaf that is not fully addressable
-    stays a `jax.Array`: orbax writes each host's part. Typed PRNG keys are
-    saved as their key data.
+    A copy survives the next step donating the state's buffers. A leaf spread
+    over hosts stays a `jax.Array`; typed PRNG keys become their key data.
     """
     x = as_key_data(x)
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
@@ -92,9 +84,8 @@ def make_metadata(
 ) -> dict[str, Any]:
     """The JSON record of a step (see `CheckpointManager.metadata`).
 
-    `logical` is one copy of the replicated `state` (typed keys still keys),
-    `host` what is written of it (`host_copy`), `replicas` the `host_copy`s of
-    the leaves saved with every replica, by path; `parallel` is `save`'s.
+    `host` is what is written of `logical`, one copy of `state`; `replicas` the
+    leaves saved with every replica, by path.
     """
     leaves = []
     for (path, x), one in zip(
@@ -223,9 +214,9 @@ def read_arrays(
 ) -> list[np.ndarray]:
     """Reads arrays of an orbax PyTree item by name (`param_name`), as NumPy arrays.
 
-    Uses orbax's `NumpyHandler` (tensorstore) without its PyTree restore (see
-    the module docstring). `dtypes` are those to read as; None for the saved
-    ones. Raises an `OSError` or `ValueError` for a missing or undecodable file.
+    Not through orbax's PyTree restore: that rebuilds the tree from sorted key
+    paths, which fails for nodes mixing integer and string keys (flax NNX's
+    `nnx.Sequential` and `nnx.List`). `dtypes`: None reads the saved ones.
     """
     th = ocp.type_handlers
     parent = directory / str(step) / item

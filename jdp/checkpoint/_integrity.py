@@ -14,16 +14,9 @@ from typing import Any
 import numpy as np
 from etils import epath
 
+from jdp.checkpoint import _format
 from jdp.checkpoint._common import error_text
 from jdp.checkpoint._damage import corrupt, is_damage, not_damage
-from jdp.checkpoint._format import (
-    REPLICAS_ITEM,
-    STATE_ITEM,
-    crc32,
-    dtype_name,
-    item_array_names,
-    read_arrays,
-)
 
 
 def check_leaves(
@@ -35,16 +28,16 @@ def check_leaves(
     """Raises a `CheckpointCorruptedError` for the first leaf unlike its record."""
     for record, x in zip(records, leaves, strict=True):
         x = np.asarray(x)
-        saved = (tuple(record["shape"]), record["dtype"])
-        if (x.shape, dtype_name(x.dtype)) != saved:
+        shape, dtype = tuple(record["shape"]), record["dtype"]
+        if (x.shape, _format.dtype_name(x.dtype)) != (shape, dtype):
             raise corrupt(
                 directory,
                 step,
                 f"leaf {record['path']} was read back with shape {x.shape} "
-                f"{dtype_name(x.dtype)}, but was saved with shape {saved[0]} "
-                f"{saved[1]}.",
+                f"{_format.dtype_name(x.dtype)}, but was saved with shape {shape} "
+                f"{dtype}.",
             )
-        if record.get("crc32") is not None and crc32(x) != record["crc32"]:
+        if record.get("crc32") is not None and _format.crc32(x) != record["crc32"]:
             raise corrupt(
                 directory,
                 step,
@@ -69,15 +62,15 @@ def verify_arrays(directory: epath.Path, step: int, meta: dict[str, Any]) -> str
             shape = (meta["num_replicas"], *r["shape"])
             want[(shape, r["dtype"], per["crc32"])] += 1
     have = collections.Counter()
-    items = [STATE_ITEM]
+    items = [_format.STATE_ITEM]
     if any(r.get("per_replica") for r in meta["leaves"]):
-        items.append(REPLICAS_ITEM)
+        items.append(_format.REPLICAS_ITEM)
     try:
         for item in items:
-            names = item_array_names(directory, step, item)
-            for x in read_arrays(directory, step, item, names):
+            names = _format.item_array_names(directory, step, item)
+            for x in _format.read_arrays(directory, step, item, names):
                 x = np.asarray(x)
-                have[(x.shape, dtype_name(x.dtype), crc32(x))] += 1
+                have[(x.shape, _format.dtype_name(x.dtype), _format.crc32(x))] += 1
     except Exception as e:  # tensorstore raises many types for bad files
         if not is_damage(e):
             raise not_damage(directory, step, e, caller="save") from e

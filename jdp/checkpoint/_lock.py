@@ -1,12 +1,8 @@
 """The writer's lock on a checkpoint directory: one `CheckpointManager` saves at a time.
 
-The lock is `<directory>/.jdp-checkpoint.lock`, a JSON file with the owner's
-process id, host, process start time and a random token, created with
-`O_CREAT | O_EXCL` so that of two managers only one gets it. A lock whose owner
-is gone (a dead process on this host, or an unclosed manager of this process
-that was garbage collected) is stale and reclaimed by the next manager, under an
-advisory `flock` on the directory so that two reclaimers cannot both win. On
-object stores (`gs://`, ...) there is no atomic create: the lock is best effort.
+A JSON file naming its owner, created with `O_CREAT | O_EXCL` (best effort on
+object stores). A lock whose owner is gone is reclaimed under an advisory
+`flock` on the directory, so that two reclaimers cannot both win.
 """
 
 from __future__ import annotations
@@ -287,9 +283,8 @@ class DirectoryLock:
 def check_same_directory(directory: epath.Path) -> None:
     """Raises a `ValueError` on every process if the processes' directories differ.
 
-    A collective: the processes gather a digest of their directory's path, and
-    where the digests differ the paths themselves, so that every process raises
-    the same error naming each process's directory. One process returns at once.
+    A collective: digests of the paths are gathered, and where they differ the
+    paths themselves, for the message.
     """
     if jax.process_count() < 2:
         return
@@ -316,10 +311,8 @@ def check_same_directory(directory: epath.Path) -> None:
 def acquire_for_job(lock: DirectoryLock) -> None:
     """Takes `lock` on process 0 of a job; every process raises if that fails.
 
-    A collective (process 0's outcome is broadcast), called by
-    `CheckpointManager.save` itself: a reclaimed stale lock is reported at the
-    caller of `save`. Raises `acquire`'s errors on process 0, and on the others
-    a `RuntimeError` saying that process 0 could not lock the directory.
+    A collective, called by `CheckpointManager.save` itself (warnings name its
+    caller).
     """
     error = None
     if jax.process_index() == 0:

@@ -19,16 +19,11 @@ from typing import Any
 import jax
 from etils import epath
 
+from jdp.checkpoint import _restore
 from jdp.checkpoint._common import check_step_number, error_text
 from jdp.checkpoint._damage import DAMAGED_SUFFIX, CheckpointCorruptedError, set_aside
 from jdp.checkpoint._extra import encode_extra
 from jdp.checkpoint._lock import DirectoryLock, acquire_for_job, check_same_directory
-from jdp.checkpoint._restore import (
-    read_extra,
-    resolve_step,
-    restore_step,
-    warn_newer_incomplete,
-)
 from jdp.checkpoint._save import check_not_overwriting, check_replicated, save_items
 from jdp.checkpoint._store import StepStore, check_directory
 
@@ -79,9 +74,8 @@ def _finish_saves_at_exit() -> None:
 def _register_exit_hook() -> None:
     """Registers `_finish_saves_at_exit` once per process (at the first async save).
 
-    `concurrent.futures` shuts its pools down before `atexit` hooks run, so the
-    hook is one of `threading`'s exit hooks, registered after its own (so it
-    runs first); `atexit` where those do not exist.
+    As a `threading` exit hook: those run before `concurrent.futures` shuts its
+    pools down (`atexit` hooks run after).
     """
     global _exit_hook_registered
     # Imported first, it registers its pools' shutdown first: ours runs before.
@@ -302,7 +296,7 @@ class CheckpointManager:
         Raises:
           FileNotFoundError: If there is no such (complete) checkpoint.
         """
-        step = resolve_step(self._store, step)
+        step = _restore.resolve_step(self._store, step)
         return dict(self._store.metadata(step))
 
     def save(
@@ -455,11 +449,11 @@ class CheckpointManager:
         store.finish_pending()
 
         def read(s: int) -> Any:
-            state = restore_step(store, s, like)
-            return (state, read_extra(store, s)) if with_extra else state
+            state = _restore.restore_step(store, s, like)
+            return (state, _restore.read_extra(store, s)) if with_extra else state
 
         if step is not None:
-            step = resolve_step(store, step)
+            step = _restore.resolve_step(store, step)
             try:
                 return read(step)
             except CheckpointCorruptedError as e:
@@ -469,7 +463,7 @@ class CheckpointManager:
         if not candidates:
             on_disk = store.steps_on_disk() if self.directory.exists() else []
             if default is _NO_DEFAULT:
-                resolve_step(store, None)  # raises, naming what is there
+                _restore.resolve_step(store, None)  # raises, naming what is there
             if on_disk:
                 warnings.warn(
                     ONLY_DAMAGED_MSG.format(
@@ -479,7 +473,7 @@ class CheckpointManager:
                     stacklevel=2,
                 )
             return (default, {}) if with_extra else default
-        warn_newer_incomplete(store, candidates[0])
+        _restore.warn_newer_incomplete(store, candidates[0])
         return _newest_intact(store, self.directory, candidates, read)
 
     def wait_until_finished(self) -> None:
@@ -500,10 +494,9 @@ class CheckpointManager:
           OSError: If a background save failed (the lock is released anyway).
         """
         try:
-            self._store.finish_pending()
+            self.wait_until_finished()
             self._store.close()
         finally:
-            _UNFINISHED.discard(self._store)
             self._lock.release()
             self._lock_settled = False
 

@@ -1,13 +1,9 @@
-"""The leaves whose replicas differ: finding, writing, reading and placing them.
+"""The leaves whose replicas differ (`jdp.bmuf` between syncs): found, written, read.
 
-Synchronous steps keep every replica bit-identical; between the syncs of
-`jdp.bmuf` the replicas' params and inner optimizer state differ. A save writes
-those leaves with every replica as one more orbax item, `jdp_replicas`, keyed
-`leaf_<i>` by the leaf's position in the step's record. A restore into as many
-replicas gives each replica its own value back; into another layout, those
-leaves get replica 0's copy (with a warning, and for BMUF the params set to the
-block start). Parts of a `CustomLayout` node (ZeRO's slices) differ by design
-and are left to their layout.
+A save writes them with every replica as the orbax item `jdp_replicas`, keyed
+`leaf_<i>` by position in the record. A restore into as many replicas gives each
+its own value back; into another layout, replica 0's copy (with a warning).
+Parts of a `CustomLayout` node (ZeRO's slices) are left to their layout.
 """
 
 from __future__ import annotations
@@ -171,12 +167,10 @@ def read_replicas(
     per: dict[int, dict[str, Any]],
     like_by_path: dict[str, Any],
 ) -> dict[str, jax.Array]:
-    """The leaves saved with every replica, by path, placed like `like`'s leaves.
+    """The leaves saved with every replica (records `per`), by path.
 
-    `per` holds their records (`records_of`); `like_by_path` the leaves of a
-    `like` with as many replicas as saved. Typed PRNG keys come back as keys.
-    Raises a `CheckpointCorruptedError` for damaged files or a CRC-32 that
-    differs, a `RuntimeError` for a failure that is not damage.
+    Placed like `like_by_path`'s leaves (as many replicas as saved); typed PRNG
+    keys come back as keys.
     """
     num = meta["num_replicas"]
     item, restore_args = {}, {}
@@ -239,13 +233,11 @@ def one_copy_of_differing(
     per: dict[int, dict[str, Any]],
     why: str,
 ) -> PyTree:
-    """`host` (replica 0's values) with BMUF params at the block start, warning.
+    """`host` (replica 0's values) set to where replicas restart, with a warning.
 
-    The warning says the replicas' own values of the leaves in `per` are
-    dropped, and `why` (e.g. "`like` is one copy"); it names the caller of
-    `CheckpointManager.restore`, so call this from a function that
-    `_restore.restore_step` calls. Declared parts that restart
-    (`_replica_parts.restart_local`) are restarted.
+    The warning says `why` the leaves in `per` lose their replicas' own values;
+    it names the caller of `CheckpointManager.restore` (call this from a
+    function that `_restore.restore_step` calls).
     """
     host, note = block_start_params(host)
     host, notes = _replica_parts.restart_local(host)

@@ -16,14 +16,8 @@ import orbax.checkpoint as ocp
 
 from jdp._layout import logical_copy
 from jdp._tree import format_problems, keystr
+from jdp.checkpoint import _format
 from jdp.checkpoint._extra import encode_extra
-from jdp.checkpoint._format import (
-    METADATA_ITEM,
-    REPLICAS_ITEM,
-    STATE_ITEM,
-    host_copy,
-    make_metadata,
-)
 from jdp.checkpoint._per_replica import host_replicas, replicas_save
 from jdp.checkpoint._store import StepStore
 
@@ -104,14 +98,14 @@ def save_items(
     """
     replicas = host_replicas(state, flat)
     logical = logical_copy(state)
-    host = jax.tree.map(host_copy, logical)
-    meta = make_metadata(step, state, logical, host, replicas, parallel)
+    host = jax.tree.map(_format.host_copy, logical)
+    meta = _format.make_metadata(step, state, logical, host, replicas, parallel)
     if extra is not None:
         meta["extra"] = encode_extra(extra)
     items = {
-        STATE_ITEM: ocp.args.PyTreeSave(host),
-        METADATA_ITEM: ocp.args.JsonSave(meta),
+        _format.STATE_ITEM: ocp.args.PyTreeSave(host),
+        _format.METADATA_ITEM: ocp.args.JsonSave(meta),
     }
     if replicas:
-        items[REPLICAS_ITEM] = replicas_save(meta, replicas)
+        items[_format.REPLICAS_ITEM] = replicas_save(meta, replicas)
     return items

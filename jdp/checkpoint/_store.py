@@ -8,6 +8,7 @@ ones. Which step to save or restore, `CheckpointManager` decides.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
@@ -45,11 +46,9 @@ NOT_A_DIRECTORY_MSG = (
 def check_directory(directory: epath.Path, caller: str) -> None:
     """Raises if the local path `directory` can never hold checkpoints.
 
-    A `NotADirectoryError` if it or a directory above it is a file, an `OSError`
-    for a dangling or looping symbolic link; a path that does not exist yet is
-    fine. Orbax would report these as an unnamed `FileExistsError`, and
-    `restore(like, default=...)` would return the default as if no run had
-    started. `caller` is the `CheckpointManager` method, for the message.
+    A file or a dangling or looping symbolic link (there or above): orbax would
+    report it as an unnamed `FileExistsError`, and `restore(like, default=...)`
+    would return the default as if no run had started.
     """
     path = os.fspath(directory)
     if "://" in path:
@@ -235,18 +234,14 @@ class StepStore:
 
     def close(self) -> None:
         """Releases orbax's resources (after `finish_pending`)."""
-        if self._manager is not None:
-            self._manager.close()
-            self._manager = None
+        manager, self._manager = self._manager, None
+        if manager is not None:
+            manager.close()
 
     def _discard(self) -> None:
         """Drops the orbax manager after a failed save; the next save makes anew."""
-        manager, self._manager = self._manager, None
-        if manager is not None:
-            try:
-                manager.close()
-            except Exception:  # the failure was already reported
-                pass
+        with contextlib.suppress(Exception):  # the failure was already reported
+            self.close()
 
     def steps_on_disk(self) -> list[int]:
         """Every step directory on disk, committed or not, damaged or not."""
