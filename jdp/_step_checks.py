@@ -1,9 +1,7 @@
 """What a train step checks before it runs: the piece, the axes, the state.
 
-A sync piece's state against the train state's, an averaging piece beside an
-optimizer that syncs replicas itself (hierarchical local SGD on a host mesh,
-checked from the axes their collectives move values over), a warning when
-nothing syncs at all, and the state's fields and params.
+A sync piece against the train state and the optimizer (which mesh axes each
+syncs, for hierarchical local SGD), and the state's fields and params.
 """
 
 from __future__ import annotations
@@ -61,57 +59,35 @@ AVERAGES_WITH_BMUF_MSG = (
 
 
 def _check_axes(sync, tx, state, axis, api) -> None:
-    """An averaging piece's axes, against the step's and the optimizer's."""
-    if _replica_parts.trains_locally(state.opt_state):
-        _check_hierarchical(sync, tx, state, axis, api)
-    else:
-        _check_every_axis_synced(sync, tx, state, axis, api)
+    """An averaging piece's axes, against the step's and the optimizer's.
 
-
-def _check_hierarchical(sync, tx, state, axis, api) -> None:
-    """Allows an averaging piece with `jdp.bmuf` only as hierarchical local SGD.
-
-    The piece must average over a strict subset of the step's axes (e.g.
-    `"device"` of `("host", "device")`), and the optimizer must sync over every
-    other axis (`jdp.bmuf(..., axis_name="host")`); anything else trains on
-    gradients averaged where `jdp.bmuf` expects each replica's own, or leaves
-    replicas that never sync.
+    Every axis of the step the piece does not average over must be synced by
+    the optimizer (`jdp.bmuf(..., axis_name=...)`, or a `jdp.sync_gradients` of
+    its own). Beside `jdp.bmuf`, which expects each replica's own gradients,
+    the piece must also leave it at least one axis: hierarchical local SGD.
     """
-    step_axes = _axes(axis)
-    if len(step_axes) < 2:  # a flat mesh: no axis left for `jdp.bmuf`
-        raise ValueError(
-            AVERAGES_WITH_BMUF_MSG.format(
-                api=api,
-                piece=", ".join(map(repr, sorted(step_axes))),
-                bmuf="the same axis",
-            )
-        )
-    piece = _piece_axes(sync, state, axis)
-    optimizer = _optimizer_axes(tx, state)
-    rest = step_axes - piece
-    if piece and rest and rest <= optimizer:
-        return
-    raise ValueError(
-        AVERAGES_WITH_BMUF_MSG.format(
-            api=api, piece=_names(piece), bmuf=_names(optimizer)
-        )
-    )
-
-
-def _check_every_axis_synced(sync, tx, state, axis, api) -> None:
-    """Refuses an averaging piece that leaves some of the step's axes unsynced.
-
-    On a host mesh, `jdp.all_reduce(axis_name="device")` averages within each
-    host; unless the optimizer syncs the other axes (`jdp.bmuf(...,
-    axis_name="host")`, checked by `_check_hierarchical`, or a
-    `jdp.sync_gradients` of its own), the hosts train models of their own. A
-    piece that moves nothing at all is left to the divergence guard.
-    """
+    local = _replica_parts.trains_locally(state.opt_state)
     step_axes = _axes(axis)
     if len(step_axes) < 2:
+        if local:  # a flat mesh: no axis left for `jdp.bmuf`
+            raise ValueError(
+                AVERAGES_WITH_BMUF_MSG.format(
+                    api=api, piece=_names(step_axes), bmuf="the same axis"
+                )
+            )
         return
     piece = _piece_axes(sync, state, axis)
     rest = step_axes - piece
+    if local:
+        optimizer = _optimizer_axes(tx, state)
+        if piece and rest and rest <= optimizer:
+            return
+        raise ValueError(
+            AVERAGES_WITH_BMUF_MSG.format(
+                api=api, piece=_names(piece), bmuf=_names(optimizer)
+            )
+        )
+    # A piece that moves nothing at all is left to the divergence guard.
     if not piece or not rest or rest <= _optimizer_axes(tx, state):
         return
     raise ValueError(
@@ -128,19 +104,18 @@ def _check_every_axis_synced(sync, tx, state, axis, api) -> None:
 
 def _piece_axes(sync, state, axis) -> set[str]:
     """The mesh axes over which `sync.update` moves gradients (traced only)."""
-    grads = jax.tree.map(lambda p: p if is_float(p) else None, state.params)
     held = getattr(state, "sync_state", None)
     piece_state = sync.initial_state(state.params) if held is None else held
     return _moving_axes(
-        lambda g: sync.update(g, piece_state, state.params, axis)[:2], grads
+        lambda g: sync.update(g, piece_state, state.params, axis)[:2], state.params
     )
 
 
 def _optimizer_axes(tx, state) -> set[str]:
     """The mesh axes over which optimizer `tx` moves values (traced only)."""
-    grads = jax.tree.map(lambda p: p if is_float(p) else None, state.params)
     return _moving_axes(
-        lambda g: _transforms.update(tx, g, state.opt_state, state.params), grads
+        lambda g: _transforms.update(tx, g, state.opt_state, state.params),
+        state.params,
     )
 
 
@@ -154,13 +129,13 @@ def _axes(axis) -> set[str]:
     return {a for a in axes if isinstance(a, str)}
 
 
-def _moving_axes(fn, *args) -> set[str]:
-    """The mesh axes over which `fn`'s collectives move floating-point values.
+def _moving_axes(fn, params) -> set[str]:
+    """The mesh axes over which `fn(gradients like params)` moves values.
 
-    Traced, nothing runs. Collectives of scalar integers or booleans (a
-    finiteness verdict agreed over the step's axis) do not count; arrays of
-    integers do (a wire format's int8 codes are gradients too).
+    Traced, nothing runs. Scalar integers and booleans (an agreed finiteness
+    verdict) do not count; integer arrays (a wire format's codes) do.
     """
+    grads = jax.tree.map(lambda p: p if is_float(p) else None, params)
     found: set[str] = set()
 
     def values(v) -> bool:
@@ -169,15 +144,14 @@ def _moving_axes(fn, *args) -> set[str]:
             return False
         return jax.numpy.issubdtype(dtype, jax.numpy.inexact) or v.aval.size > 1
 
-    for eqn in _jax_compat.equations(jax.make_jaxpr(fn)(*args)):
+    for eqn in _jax_compat.equations(jax.make_jaxpr(fn)(grads)):
         axes = _jax_compat.collective_axes(eqn)
         if axes and any(values(v) for v in eqn.outvars):
             found.update(_axes(axes))
     return found
 
 
-#: The state fields a train step reads and writes (static fields, such as a flax
-#: `TrainState`'s `apply_fn` and `tx`, are not part of the pytree).
+#: The state fields a train step reads and writes.
 KNOWN_FIELDS = (
     "step",
     "params",
@@ -191,12 +165,10 @@ KNOWN_FIELDS = (
 
 
 def check_known_fields(state: PyTree, api: str) -> None:
-    """Refuses a state field the step would carry along unchanged at every step.
+    """Refuses a dataclass state's field that the step would never update.
 
-    A dataclass state (a flax `struct`, flax's `TrainState` and its subclasses)
-    may hold only the fields the step updates, static fields and fields that
-    hold no arrays (None): an `ema_params` or a dropout key the step never
-    touched would otherwise train silently wrong.
+    Static fields and fields without arrays (None) are fine; an `ema_params`
+    the step never touched would otherwise train silently wrong.
     """
     if not dataclasses.is_dataclass(state):
         return
@@ -222,9 +194,8 @@ def check_known_fields(state: PyTree, api: str) -> None:
 def check_sync_state(state: PyTree, sync: _sync.Sync, api: str) -> None:
     """A piece that keeps state needs the state's `sync_state`, and only it does."""
     held = getattr(state, "sync_state", None)
-    keeps = sync.init is not None and jax.tree.leaves(
-        jax.eval_shape(sync.init, state.params)
-    )
+    want = None if sync.init is None else jax.eval_shape(sync.init, state.params)
+    keeps = bool(jax.tree.leaves(want))
     if keeps and held is None:
         raise ValueError(
             f"`{api}`: this sync piece keeps state of its own (error buffers, "
@@ -241,29 +212,24 @@ def check_sync_state(state: PyTree, sync: _sync.Sync, api: str) -> None:
             "Use the same piece for `jdp.TrainState.create(..., sync=...)` and "
             "`jdp.make_train_step(..., sync=...)`."
         )
-    if keeps and held is not None:
-        # Another piece's state (e.g. a PowerSGDState for an error-feedback
-        # piece): its type differs. Same type, other params: the piece says so.
-        want = jax.tree.structure(jax.eval_shape(sync.init, state.params))
-        same_type = _describe_sync_state(held) == _describe_sync_state(want)
-        if not same_type and jax.tree.structure(held) != want:
-            raise TypeError(
-                f"`{api}`: the state's `sync_state` was made by another sync "
-                f"piece: it holds {_describe_sync_state(held)}, where this step's "
-                f"piece keeps {_describe_sync_state(want)}. Create the state with "
-                "the same piece as the step: `jdp.TrainState.create(params=..., "
-                "tx=..., sync=sync)`, passing the `sync` given to "
-                "`jdp.make_train_step`."
-            )
+    # Another piece's state has another type; for the same type made for other
+    # params, the piece's own checks say more.
+    held, want = jax.tree.structure(held), jax.tree.structure(want)
+    if keeps and _kind(held) != _kind(want) and held != want:
+        raise TypeError(
+            f"`{api}`: the state's `sync_state` was made by another sync piece: it "
+            f"holds {_kind(held)}, where this step's piece keeps {_kind(want)}. "
+            "Create the state with the same piece as the step: `jdp.TrainState."
+            "create(params=..., tx=..., sync=sync)`, passing the `sync` given to "
+            "`jdp.make_train_step`."
+        )
 
 
-def _describe_sync_state(tree: PyTree) -> str:
+def _kind(tree: jax.tree_util.PyTreeDef) -> str:
     """A sync piece's state for a message: its type, e.g. "a PowerSGDState"."""
-    if isinstance(tree, jax.tree_util.PyTreeDef):
-        node = tree.node_data()
-        kind = getattr(node[0], "__name__", None) if node else None
-        return f"a {kind}" if kind else f"a tree of structure {tree}"
-    return f"a {type(tree).__name__}"
+    node = tree.node_data()
+    kind = getattr(node[0], "__name__", None) if node else None
+    return f"a {kind}" if kind else f"a tree of structure {tree}"
 
 
 def check_trainable(params: PyTree, api: str) -> None:

@@ -1,9 +1,7 @@
 """How a train step applies an optimizer, and what jdp knows of optax's states.
 
-An `optax.MultiSteps` (gradient accumulation by the optimizer) runs its
-collectives only on the micro-steps that update. This is the one module that
-recognises optax's own state types (`MultiStepsState`, `PartitionState`,
-`MaskedNode`); the rest of jdp asks it.
+The one module that recognises optax's own state types (`MultiStepsState`,
+`PartitionState`, `MaskedNode`); the rest of jdp asks it.
 """
 
 from __future__ import annotations
@@ -26,23 +24,12 @@ def update(
 ) -> tuple[Any, Any]:
     """`tx.update` with optax's extra arguments, run as a train step runs it.
 
-    Transforms that take no extra arguments ignore them. An `optax.MultiSteps`
-    (recognised here, and only here) runs its collectives only on the
-    micro-steps that update: `optax.MultiSteps` runs its inner optimizer on
-    every micro-step and masks the result on the steps that only accumulate, so
-    a `jdp.sync_gradients()` inside it would all-reduce on every micro-step.
-    Here the micro-steps that only accumulate run with jdp's collectives turned
-    off (the extra argument `COLLECTIVES_ARG=False`; their inner result is
-    discarded anyway) and the updating ones as they are, under `lax.cond`: the
-    all-reduce sits in the branch taken once per update. Whether a micro-step
-    updates is read from the optimizer's own bookkeeping (a first evaluation
-    whose only kept output is the `gradient_step` counter; XLA removes the
-    rest), so any `every_k_schedule` works. The numbers equal `tx.update`'s.
-
-    The decision is the same on every replica as long as the counters are: they
-    are, unless a `should_skip_update_fn` decides differently on different
-    replicas (which would stall optax's own conditional around the inner
-    optimizer too).
+    `optax.MultiSteps` runs its inner optimizer on every micro-step, so a
+    `jdp.sync_gradients()` inside it would all-reduce on each. Here a
+    `lax.cond` runs the micro-steps that only accumulate with jdp's collectives
+    off (`COLLECTIVES_ARG=False`; their inner result is discarded anyway).
+    Whether a micro-step updates is read from a first evaluation whose only
+    kept output is the `gradient_step` counter (XLA removes the rest).
     """
     if not isinstance(tx, optax.MultiSteps):  # whose `update` takes extra args
         tx = optax.with_extra_args_support(tx)
@@ -66,23 +53,15 @@ def is_masked(x: Any) -> bool:
 
 
 def map_label_states(opt_state: Any, fn) -> Any:
-    """`opt_state` with each `optax.multi_transform` label's inner state mapped.
+    """Each `optax.multi_transform` inner state mapped by `fn(label, state)`.
 
-    Args:
-      opt_state: An optimizer state.
-      fn: `fn(label, inner_state) -> inner_state`.
-
-    Returns:
-      The state with every `optax.multi_transform` node's inner states
-      replaced by `fn`'s; None if it holds no such node.
+    None if `opt_state` holds no `optax.multi_transform` state.
     """
 
     def is_partition(x):
         return isinstance(x, optax.transforms.PartitionState)
 
-    if not any(
-        is_partition(x) for x in jax.tree.leaves(opt_state, is_leaf=is_partition)
-    ):
+    if not any(map(is_partition, jax.tree.leaves(opt_state, is_leaf=is_partition))):
         return None
 
     def one(x):

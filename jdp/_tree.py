@@ -24,8 +24,7 @@ def repeated_paths(
 ) -> list[tuple[str, str]]:
     """`(first path, later path)` for each leaf that is an object met before.
 
-    With `is_leaf`, only the nodes it accepts are compared (e.g. flax NNX
-    `Variable`s rather than the arrays inside them).
+    With `is_leaf`, only the nodes it accepts are compared (e.g. NNX `Variable`s).
     """
     first: dict[int, str] = {}
     pairs = []
