@@ -16,8 +16,8 @@ PyTree = Any
 class TrainState(struct.PyTreeNode):
     """An immutable training state: step counter, params, optimizer state, stats.
 
-    A flax `struct` dataclass (a pytree); the optimizer is a static field.
-    `jdp.make_train_step` also accepts flax's own `flax.training.train_state.
+    A flax `struct` dataclass (a pytree) whose optimizer is a static field.
+    `jdp.make_train_step` also accepts flax's `flax.training.train_state.
     TrainState` or any pytree with `step`, `params`, `opt_state` and `replace`.
 
     Attributes:
@@ -31,11 +31,10 @@ class TrainState(struct.PyTreeNode):
         overflow; an int32 array).
       dynamic_scale: A flax `DynamicScale` for float16 training (loss scaling),
         or None.
-      rng: A PRNG key (typed or raw) from which `jdp.make_train_step` derives
-        each replica's key for each step, for a `loss_fn` with an `rng`
-        parameter (dropout); or None. It does not change: the key of a step is
-        `fold_in(fold_in(rng, step), replica)`, so a restored checkpoint draws
-        the same numbers again.
+      rng: A PRNG key (typed or raw), or None. For a `loss_fn` with an `rng`
+        parameter (dropout), the step's key on each replica is
+        `fold_in(fold_in(rng, step), replica)`; `rng` itself never changes, so
+        a restored checkpoint draws the same numbers again.
       sync_state: The state of a sync piece that keeps one (e.g. the error
         buffers of `jdp.all_reduce(wire=..., error_feedback=True)`), made by
         `create(..., sync=piece)`; or None.
@@ -71,9 +70,9 @@ class TrainState(struct.PyTreeNode):
     ) -> TrainState:
         """Makes a state at step 0 with `tx.init(params)` as optimizer state.
 
-        Pass the train step's `sync` piece when it keeps state of its own
-        (`sync.init` is set, e.g. `jdp.all_reduce(wire=..., error_feedback=
-        True)`): the state then holds `sync_state=sync.init(params)`.
+        Pass the train step's `sync` piece when it keeps state of its own (e.g.
+        `jdp.all_reduce(wire=..., error_feedback=True)`): the state then holds
+        `sync_state=sync.init(params)`.
         """
         if sync is not None and not isinstance(sync, (_sync.Sync, _sync.OwnUpdate)):
             raise TypeError(
@@ -83,8 +82,8 @@ class TrainState(struct.PyTreeNode):
         sync_state = None
         if isinstance(sync, _sync.Sync) and sync.init is not None:
             sync_state = sync.init(params)
-            if not jax.tree.leaves(sync_state):
-                sync_state = None
+        if not jax.tree.leaves(sync_state):
+            sync_state = None
         return cls(
             step=jax.numpy.zeros((), jax.numpy.int32),
             params=params,

@@ -1,20 +1,13 @@
 """Sparse gradients for embedding tables (Caffe2's `GradientSlice` path).
 
-A batch touches a few thousand rows of a table that may have millions; the dense
-gradient of the table, and its all-reduce, cost the whole table every step. Here
-the gradient of a table is kept as the rows that were looked up and their
-gradients (`IndexedRows`), the replicas exchange those rows with
-`all_gather_rows`, and row-wise optimizers update only the touched rows:
-
-- `sgd` and `adagrad` give the same table as `optax.sgd` / `optax.adagrad` on
-  the dense gradient;
-- `momentum` (Caffe2's `SparseMomentumSGDUpdate`) and `adam` (lazy Adam, as
-  PyTorch's `SparseAdam`) keep per-row state that only the touched rows update:
-  rows outside the batch keep their values and state, where dense momentum and
-  Adam keep moving them.
-
-`rows()`, a sync piece for `jdp.make_train_step`, puts it together with the
-usual dense path for the rest of the model:
+A batch touches a few thousand rows of a table that may have millions, but a
+dense gradient and its all-reduce cost the whole table every step. Here a
+table's gradient is kept as the looked-up rows (`IndexedRows`), the replicas
+exchange them with `all_gather_rows`, and row-wise optimizers update only the
+touched rows: `sgd` and `adagrad` as `optax.sgd` / `optax.adagrad` would;
+`momentum` and `adam` (lazy, as PyTorch's `SparseAdam`) leave the rows outside
+the batch and their state alone, where dense momentum and Adam move them.
+`rows()`, a sync piece, adds the usual dense path for the rest of the model:
 
     tx = jdp.sparse.optimizer(optax.adam(1e-3), {"embed": jdp.sparse.adagrad(0.1)})
     step = jdp.parallelize(jdp.make_train_step(loss_fn, tx, sync=jdp.sparse.rows()))

@@ -11,9 +11,6 @@ from jax import lax
 from jdp._collectives import AxisName, axis_size, resolve_axis
 from jdp.sparse._lookup import IndexedRows
 
-#: Id of the padding slots that `combine_rows` leaves at the end.
-PAD_ID = -1
-
 
 def _flat(ids: Any, rows: Any, api: str) -> IndexedRows:
     ids = jnp.asarray(ids)
@@ -51,10 +48,9 @@ def combine_rows(ids: Any, rows: Any) -> IndexedRows:
     n = ids.shape[0]
     if n == 0:
         return IndexedRows(ids, rows)
-    unique, inverse = jnp.unique(ids, size=n, fill_value=PAD_ID, return_inverse=True)
+    # Padding (-1) sorts last, a real -1 first: both are skipped as invalid.
+    unique, inverse = jnp.unique(ids, size=n, fill_value=-1, return_inverse=True)
     summed = jax.ops.segment_sum(rows, inverse.reshape(n), num_segments=n)
-    # `unique` is sorted; a real id -1 would sort first and padding -1s last:
-    # both are invalid ids, skipped by the optimizers.
     return IndexedRows(unique, summed)
 
 
@@ -68,14 +64,10 @@ def all_gather_rows(
     """Concatenates every replica's `(ids, rows)` slices, inside a parallel step.
 
     Caffe2's sparse-gradient exchange: instead of all-reducing a dense table
-    gradient, each replica all-gathers the ids it touched and their rows
-    (Caffe2 concatenates the `GradientSlice` indices and values of every device).
-    Shapes stay static: the result has `num_replicas * ids.size` slots, replica
-    0's first.
-
-    The rows are concatenated, not averaged: to get the mean over replicas that
-    `jdp.all_reduce_gradients` gives dense gradients, divide the rows by the
-    number of replicas first (`jdp.sparse.rows()` does).
+    gradient, each replica all-gathers the ids it touched and their rows, into
+    `num_replicas * ids.size` slots (static shapes), replica 0's first. The
+    rows are concatenated, not averaged: for the mean over replicas, divide
+    them by the number of replicas first (`jdp.sparse.rows()` does).
 
     Args:
       ids: This replica's integer ids, any shape.

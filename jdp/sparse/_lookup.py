@@ -46,16 +46,9 @@ def split_rows(grads: PyTree) -> tuple[PyTree, PyTree]:
 # -- table paths -----------------------------------------------------------------
 
 
-def _key_name(key: Any) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
-
-
 def path_name(path: Sequence[Any]) -> str:
     """A pytree key path as `"a/b/c"`, the form `jdp.sparse` names tables by."""
-    return "/".join(_key_name(k) for k in path)
+    return jax.tree_util.keystr(tuple(path), simple=True, separator="/")
 
 
 def normalize_path(table: TablePath) -> str:

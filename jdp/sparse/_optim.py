@@ -179,16 +179,12 @@ def momentum(
 ) -> RowOptimizer:
     """SGD with momentum on the rows touched (Caffe2's `SparseMomentumSGDUpdate`).
 
-    Each row has its own momentum buffer `m`. For each distinct id (repeated
-    ids are summed first), `m[id] = g + momentum * m[id]` and `table[id] -=
-    learning_rate * m[id]` (with `nesterov`, `table[id] -= learning_rate * (g +
-    momentum * m[id])`): `optax.sgd(learning_rate, momentum=momentum,
-    nesterov=nesterov)`'s rule on the touched rows only.
-
-    A row not in the batch keeps its value and its momentum, where dense
-    momentum decays every row's buffer and keeps moving rows that get no
-    gradient: the two agree only while every row is touched at every step. A
-    dense gradient (`jdp.make_train_step`) touches every row: dense momentum.
+    `optax.sgd(learning_rate, momentum=momentum, nesterov=nesterov)`'s rule on
+    the touched rows only, repeated ids summed first: `m[id] = g + momentum *
+    m[id]`, `table[id] -= learning_rate * m[id]`. A row not in the batch keeps
+    its value and its momentum, where dense momentum keeps moving it, so the
+    two agree only while every row is touched at every step. A dense gradient
+    (`jdp.make_train_step`) touches every row: dense momentum.
 
     Args:
       learning_rate: Step size (a constant, >= 0).
@@ -196,8 +192,7 @@ def momentum(
       nesterov: Use Nesterov momentum, as `optax.sgd(..., nesterov=True)`.
 
     Returns:
-      A `jdp.sparse.RowOptimizer` whose state is a `MomentumRowState` (one
-      buffer shaped like the table, initially zero).
+      A `jdp.sparse.RowOptimizer` whose state is a `MomentumRowState`.
 
     Raises:
       TypeError: If `learning_rate` or `momentum` is not a real number, or
@@ -255,24 +250,17 @@ def adam(
 ) -> RowOptimizer:
     """Lazy Adam on the rows touched (PyTorch's `SparseAdam`, TF's `LazyAdam`).
 
-    Each row has its own moments `mu`, `nu`; the step count `t` is the
-    table's, incremented by every update. For each distinct id (repeated ids
-    are summed first), `mu[id] = b1 * mu[id] + (1 - b1) * g`, `nu[id] = b2 *
-    nu[id] + (1 - b2) * g ** 2` and `table[id] -= learning_rate * mu_hat /
-    (sqrt(nu_hat) + eps)`, with `mu_hat = mu[id] / (1 - b1 ** t)` and `nu_hat =
-    nu[id] / (1 - b2 ** t)`: `optax.adam(learning_rate, b1, b2, eps)`'s rule
-    (`eps` after the bias correction; PyTorch adds it before) on the touched
-    rows only.
-
-    A row not in the batch keeps its value and its moments, where dense Adam
-    decays every row's moments and keeps moving rows that get no gradient: the
+    `optax.adam(learning_rate, b1, b2, eps)`'s rule (`eps` after the bias
+    correction; PyTorch adds it before) on the touched rows only, repeated ids
+    summed first. Each row has its own moments `mu`, `nu`; a row not in the
+    batch keeps them and its value, where dense Adam keeps moving it, so the
     two agree only while every row is touched at every step. A dense gradient
     (`jdp.make_train_step`) touches every row: dense Adam.
 
-    The bias correction uses the global `t`, as PyTorch's `SparseAdam` and TF's
-    `LazyAdam` do, so a row first touched at a late step takes a larger first
-    step: `learning_rate` at `t = 1`, about `(1 - b1) / sqrt(1 - b2)` times it
-    for large `t` (2.5 times at step 1000 with the defaults, 3.2 in the limit).
+    The bias correction uses the table's step count `t`, as PyTorch's
+    `SparseAdam` and TF's `LazyAdam` do, so a row first touched late takes a
+    larger first step: `learning_rate` at `t = 1`, about `(1 - b1) / sqrt(1 -
+    b2)` times it for large `t` (2.5 times at step 1000 with the defaults).
 
     Args:
       learning_rate: Step size (a constant, >= 0).
@@ -281,8 +269,7 @@ def adam(
       eps: Added to the denominator, > 0.
 
     Returns:
-      A `jdp.sparse.RowOptimizer` whose state is an `AdamRowState` (a step count
-      and two moments shaped like the table, initially zero).
+      A `jdp.sparse.RowOptimizer` whose state is an `AdamRowState`.
 
     Raises:
       TypeError: If a hyperparameter is not a real number.
