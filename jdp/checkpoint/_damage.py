@@ -53,12 +53,10 @@ class CheckpointCorruptedError(ValueError):
 
     Raised by `CheckpointManager.restore` when a step's files fail an integrity
     check: an array whose CRC-32 differs from the one recorded at save, or a
-    file that is missing, truncated or cannot be decoded. A subclass of
-    `ValueError`, which `restore` raised for damaged files before this class
-    existed. Any other failure while reading a step is not reported as damage.
-
-    The next `save` of that step number (or an earlier one) moves the damaged
-    step aside to `<directory>/<step>.damaged-<n>` (nothing is deleted).
+    file that is missing, truncated or cannot be decoded (any other failure to
+    read a step is not damage). A `ValueError`. The next `save` of that step
+    number (or an earlier one) moves the step aside to
+    `<directory>/<step>.damaged-<n>` (nothing is deleted).
 
     Args:
       message: The whole error message.

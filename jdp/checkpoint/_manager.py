@@ -103,7 +103,7 @@ def _check_positive(name: str, value: Any, *, optional: bool) -> None:
         + (" or None" if optional else "")
         + f"; got {value!r}."
     )
-    # `True` is an int to Python: reported as a bad value, as it always was.
+    # `True` is an int to Python: a bad value, not a bad type.
     raise (ValueError if isinstance(value, int) else TypeError)(message)
 
 
