@@ -25,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jdp import _coordination, _replica_parts
-from jdp._layout import replica_leaves
+from jdp._layout import mesh_axis, replica_leaves
 from jdp._tree import keystr
 
 PyTree = Any
@@ -119,12 +119,12 @@ def _ordinal(n: int) -> str:
 class ReplicaDivergenceError(RuntimeError):
     """Replicas of a synchronous step's state hold different values.
 
-    Raised by a `jdp.parallelize` step (see its `check_sync`) after the call that
-    made them differ.
+    Raised by a `jdp.parallelize` step (`check_sync`) after the call that made
+    them differ.
 
     Attributes:
-      state: The replicated state that call returned (nothing is lost: continue
-        from it, or reset it with `step.broadcast(error.state)`).
+      state: The replicated state that call returned (continue from it, or
+        reset it with `step.broadcast(error.state)`).
       leaf: The path of the first leaf whose replicas differ, e.g.
         `.params['dense']['kernel']`.
       replica: A replica whose copy of that leaf differs from replica 0's.
@@ -217,24 +217,23 @@ def check(tree: PyTree, mesh: Mesh, *, state: PyTree, call: int) -> None:
     if found is None:
         return
     leaves, replica, total = found
-    names = mesh.axis_names
-    fields = dict(
+    if _all_of_kind(tree, leaves, "metric"):
+        template = METRICS_MSG
+    elif _all_of_kind(tree, leaves, "batch_stat"):
+        template = BATCH_STATS_MSG
+    elif _replica_parts.trains_locally(state):
+        template = LOCAL_MSG
+    else:
+        template = DIVERGED_MSG
+    message = template.format(
         call=call,
         leaf=leaves[0],
         replica=replica,
         count=len(leaves),
         total=total,
-        axis=repr(names[0] if len(names) == 1 else tuple(names)),
+        axis=repr(mesh_axis(mesh)),
         more="" if len(leaves) == 1 else "; the first is named",
     )
-    if _all_of_kind(tree, leaves, "metric"):
-        message = METRICS_MSG.format(**fields)
-    elif _all_of_kind(tree, leaves, "batch_stat"):
-        message = BATCH_STATS_MSG.format(**fields)
-    elif _replica_parts.trains_locally(state):
-        message = LOCAL_MSG.format(**fields)
-    else:
-        message = DIVERGED_MSG.format(**fields)
     raise ReplicaDivergenceError(message, state=state, leaf=leaves[0], replica=replica)
 
 

@@ -22,11 +22,7 @@ PyTree = Any
 
 @dataclasses.dataclass(frozen=True)
 class Reduced:
-    """A metric value and how to combine it over replicas.
-
-    A pytree node (the value its child, `how` static), so a marked value may be
-    returned through `jax.value_and_grad(..., has_aux=True)` and `lax.scan`.
-    """
+    """A metric value and how to combine it over replicas (a pytree node)."""
 
     value: Any
     how: Literal["sum", "gather"]
@@ -36,11 +32,7 @@ jax.tree_util.register_dataclass(Reduced, data_fields=["value"], meta_fields=["h
 
 
 class Weighted(NamedTuple):
-    """A total and the weight it is to be divided by, once, over all replicas.
-
-    Its repr says how to get the scalar, for JAX's errors about a function that
-    returns one outside a jdp step.
-    """
+    """A total and the weight it is to be divided by, once, over all replicas."""
 
     total: Any
     weight: Any
@@ -114,7 +106,7 @@ def sum(x: Any) -> Reduced:  # noqa: A001 - `jdp.metrics.sum`, as users write it
     """Marks a metric to be summed over replicas instead of averaged.
 
     Integer and boolean values are summed as integers (exact counts); floating
-    values in their own dtype. Use it in the step given to `jdp.parallelize`.
+    values in their own dtype.
 
     Args:
       x: The replica's value: a number or array.
@@ -138,11 +130,10 @@ def sum(x: Any) -> Reduced:  # noqa: A001 - `jdp.metrics.sum`, as users write it
 def gather(x: Any) -> Reduced:
     """Marks a metric whose every replica's values come back, in batch order.
 
-    Per-example values (a leading axis of the replica's examples) are
-    concatenated in replica order, which is the order of the global batch given
-    to `step.shard`: predictions for every example, say. With
-    `step.shard(..., pad=True)`, drop the padded rows with the mask:
-    `values[np.asarray(mask).reshape(-1)]`. A scalar gives one value per replica.
+    Per-example values are concatenated in replica order, the order of the
+    global batch given to `step.shard`; with `step.shard(..., pad=True)`, drop
+    the padded rows with the mask (`values[np.asarray(mask).reshape(-1)]`). A
+    scalar gives one value per replica.
 
     Args:
       x: The replica's values: an array with a leading example axis, or a scalar.

@@ -55,12 +55,11 @@ def declare(
 def declare_per_replica(*fields: str) -> Callable[[type], type]:
     """Class decorator: these fields of a state differ between replicas.
 
-    For the state of a sync piece (or an optimizer) of one's own, a NamedTuple:
-    the fields named here (error-feedback buffers, a replica's own copy) may
-    hold different values on every replica, every other field must agree. The
-    divergence guard (`jdp.parallelize(..., check_sync=...)`) compares only
-    the fields that agree, and checkpoints save the named ones with every
-    replica (restored into another replica count, replica 0's copy is used).
+    For the NamedTuple state of a sync piece (or an optimizer) of one's own: the
+    named fields (error-feedback buffers, a replica's own copy) may differ
+    between replicas, every other field must agree. The divergence guard
+    (`check_sync`) compares only the agreed fields; checkpoints save the named
+    ones per replica (into another replica count, replica 0's copy is used).
 
     Args:
       *fields: Names of the NamedTuple's fields that differ between replicas.

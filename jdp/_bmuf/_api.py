@@ -54,51 +54,31 @@ def bmuf(
 
     Every step, each replica applies `inner` to its OWN gradients (no all-reduce:
     use `jdp.make_train_step(loss_fn, tx, sync=jdp.local())`). Every
-    `sync_period`-th step, after that local update, the block update runs; with
-    `start` the model every replica began the block from (the initial params for
-    the first block), in the notation of Chen & Huo:
+    `sync_period`-th step, after that local update, the block update runs (in
+    Chen & Huo's notation, `start` the model every replica began the block from):
 
-    - `avg`, W̄(t): the replicas' mean of their locally updated params, one
-      all-reduce of the parameters, the only communication (how: `average`);
+    - `avg`, W̄(t): the replicas' mean of their params, one all-reduce of the
+      parameters, the only communication (how: `average`);
     - `outer` updates the global model `g` with the pseudo-gradient
-      `start - avg`; by default the classical block filter,
-      `jdp.block_momentum()`: `v = η * v + ζ * (avg - start)`, Δ(t), then
-      `g = g + v`, W(t);
+      `start - avg`; by default `jdp.block_momentum()`, the classical block
+      filter `v = η * v + ζ * (avg - start)`, Δ(t), then `g = g + v`, W(t);
     - every replica's params, and the next `start`, become `g` (classical block
-      momentum, CBM: Caffe2's broadcast of the master's model), or `g + η * v`
-      with `jdp.block_momentum(nesterov=True)` (the paper's Nesterov-like block
-      momentum, NBM).
+      momentum, CBM, as Caffe2), or `g + η * v` with
+      `jdp.block_momentum(nesterov=True)` (the paper's Nesterov-like block
+      momentum, NBM; not Caffe2's `nesterov=True` nor fairseq's `use_nbm`).
 
-    `outer=jdp.block_momentum(momentum=0.0)` is plain model averaging (with
-    `sync_period=1` and plain SGD, synchronous SGD); DiLoCo is
-    `outer=optax.sgd(0.7, momentum=0.9, nesterov=True)`. The sync sits in a
-    `lax.cond`, so the parameter all-reduce runs on sync steps only (see
-    `step.collectives`, field `in_conditional`). `jdp.make_train_step` runs it
-    after the parameter update, so a step that does not sync costs what the
-    local step costs; a hand-written step (`tx.update` then
-    `optax.apply_updates`, as flax's `TrainState.apply_gradients`) runs it
-    inside the optimizer: the same results, more temporary memory.
+    `outer=jdp.block_momentum(momentum=0.0)` is plain model averaging; DiLoCo is
+    `outer=optax.sgd(0.7, momentum=0.9, nesterov=True)`; `streaming=` gives
+    Streaming DiLoCo. The sync sits in a `lax.cond`, so its all-reduce runs on
+    sync steps only (`step.collectives`, field `in_conditional`).
+    `jdp.make_train_step` runs it after the parameter update and leaves every
+    replica's params exactly at the block start; a hand-written step
+    (`tx.update` then `optax.apply_updates`) runs it inside the optimizer, with
+    more temporary memory, and reaches the block start up to float rounding,
+    which the next sync erases. `g` is identical on every replica.
 
-    The state holds `g` and `v` (or `outer`'s state), and `start` only where it
-    differs from `g` (NBM), stored rather than recomputed so that every replica
-    lands on exactly the same bits after a sync. Caffe2's `nesterov=True` (next
-    start `W(t) - η * Δ(t)`) and fairseq's `use_nbm=True` (CBM with a block
-    learning rate scaled by `1 + η`) are NOT the paper's NBM; both agree with
-    the paper, and with jdp, for CBM.
-
-    `streaming=jdp.Streaming(fragments, delay, mix)` (Streaming DiLoCo) syncs
-    one fragment of the parameters at a time, spreads its all-reduce over
-    `delay` steps and mixes the merged fragment with the local one (see the
-    BMUF guide).
-
-    Must be the LAST transform of a chain (its updates move the params to the
-    merged model on sync steps): `optax.chain(optax.clip_by_global_norm(1.0),
-    jdp.bmuf(optax.sgd(0.1, momentum=0.9), sync_period=8))`. After a sync,
-    `jdp.make_train_step` leaves every replica's params exactly equal to the
-    block start; in a hand-written step, `optax.apply_updates` of the sync's
-    updates (`new_params - params`) reaches it up to float rounding (replicas
-    may differ by an ulp, which the next sync erases). `g` itself is identical
-    on every replica.
+    Must be the LAST transform of a chain, e.g. `optax.chain(
+    optax.clip_by_global_norm(1.0), jdp.bmuf(optax.sgd(0.1), sync_period=8))`.
 
     Args:
       inner: The local optimizer, any optax transform (e.g.
@@ -106,16 +86,12 @@ def bmuf(
         gradients.
       sync_period: Steps per block, τ (an int >= 1).
       outer: The outer optimizer, an optax transform applied at a sync to the
-        block start with the pseudo-gradient `start - avg`; its result becomes
-        `g`, the params and the next start. None (default):
+        block start with the pseudo-gradient `start - avg`. None (default):
         `jdp.block_momentum()`, block learning rate 1 and block momentum
-        `1 - 1 / num_replicas`; `jdp.block_momentum(learning_rate, momentum,
-        nesterov)` for other settings (run by BMUF's own formula, which keeps
-        W(t) apart from the NBM look-ahead).
-      warmup_steps: For the first `warmup_steps` updates the gradients are
-        averaged across replicas before `inner` (synchronous SGD, like PyTorch's
-        post-local-SGD warmup), so the replicas stay identical; `g` is the
-        model at the end of warmup and blocks count from there. 0 by default.
+        `1 - 1 / num_replicas`.
+      warmup_steps: For the first `warmup_steps` updates (0 by default) the
+        gradients are averaged across replicas before `inner` (synchronous SGD,
+        like PyTorch's post-local-SGD warmup); blocks count from there.
       inner_state_at_sync: What happens to `inner`'s state at a sync: `"keep"`
         it (default); `"reset"` its floating leaves (momentum, moments) to their
         initial values, keeping integer leaves (step counts, so learning-rate
@@ -169,15 +145,11 @@ def bmuf(
       Chen & Huo, "Scalable training of deep learning machines by incremental
       block training with intra-block parallel optimization and blockwise
       model-update filtering", ICASSP 2016,
-      https://doi.org/10.1109/ICASSP.2016.7472805.
-
-      Douillard et al., "DiLoCo: Distributed Low-Communication Training of
-      Language Models", 2023, https://arxiv.org/abs/2311.08105.
-
-      Douillard et al., "Streaming DiLoCo with overlapping communication:
-      Towards a Distributed Free Lunch", 2025, https://arxiv.org/abs/2501.18512
-      (`jdp.Streaming`); torchft's `torchft/local_sgd.py`,
-      `DiLoCo(model_fragments, ..., fragment_sync_delay, fragment_update_alpha)`.
+      https://doi.org/10.1109/ICASSP.2016.7472805. Douillard et al., "DiLoCo:
+      Distributed Low-Communication Training of Language Models", 2023,
+      https://arxiv.org/abs/2311.08105, and "Streaming DiLoCo with overlapping
+      communication", 2025, https://arxiv.org/abs/2501.18512 (torchft's
+      `DiLoCo`).
     """
     options = record(
         sync_period, outer, warmup_steps, inner_state_at_sync, streaming, average

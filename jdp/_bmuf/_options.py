@@ -24,22 +24,19 @@ class Streaming:
     """Streaming DiLoCo's schedule, for `jdp.bmuf(streaming=jdp.Streaming(...))`.
 
     The parameters are split into `fragments` parts of nearly equal bytes
-    (leaves in tree order, cut along their first axis where needed; a function
-    of the shapes alone), each with its own slices of `g`, `start` and `v` (or
-    its own `outer` state). One fragment syncs every `sync_period / fragments`
-    updates, round-robin from fragment 0 (the BMUF guide has the exact
-    schedule). `jdp.Streaming()` is the plain block sync, as `streaming=None`.
+    (leaves in tree order, cut along their first axis where needed), each with
+    its own slices of `g`, `start` and `v` (or its own `outer` state); one
+    fragment syncs every `sync_period / fragments` updates, round-robin (see
+    the BMUF guide). `jdp.Streaming()` is the block sync, as `streaming=None`.
 
     Attributes:
       fragments: F, an int >= 1 dividing `sync_period` (torchft's
         `len(model_fragments)`). 1 (default): the whole model at once.
       delay: τ, the number of updates over which a fragment's all-reduce is
         spread (0 <= τ <= `sync_period / fragments`; torchft's
-        `fragment_sync_delay`, the paper's overlap τ): its local params are
-        taken τ updates before its sync and all-reduced one chunk per update
-        from a buffer in the state (not waiting for the step's gradients);
-        the local progress of those τ updates is kept by `mix` only. 0
-        (default): taken and all-reduced at the sync.
+        `fragment_sync_delay`): its local params are taken τ updates before its
+        sync and all-reduced one chunk per update; the local progress of those
+        τ updates is kept by `mix` only. 0 (default): all at the sync.
       mix: α in [0, 1), how much of the local fragment to keep at its sync
         (torchft's `fragment_update_alpha`, the paper's α): the local slices
         become `(1 - α) * new + α * local`, `new` being what they become
@@ -98,17 +95,15 @@ class BlockAverage:
         quantised and averaged by an all-to-all and an all-gather of the narrow
         type, and the sync uses `start` minus that mean (torchft's
         `should_quantize`). None (default): the params in their own type.
-      on_bad_replica: `"drop"`: at a block sync, a replica whose locally
-        updated params are not finite (a NaN or inf gradient during the block),
-        or moved farther than `bad_replica_max_norm` from the block start, is
-        left out of the average (its validity bit masks its contribution and
-        rides in the same all-reduce). Every replica starts the next block from
-        the new model; a dropped replica's floating `inner` state is reset (with
-        `inner_state_at_sync="average"`, set to the valid replicas' mean). If
-        no replica is valid, `g`, `start` and `v` (or the `outer` state) stay as
-        they were and every replica restarts from the previous block start. The
-        state's `dropped` counts the replicas left out. Block sync only
-        (`streaming=None`), without `wire`. None (default): every replica.
+      on_bad_replica: `"drop"`: at a block sync, a replica whose params are
+        not finite (a NaN or inf gradient during the block), or moved farther
+        than `bad_replica_max_norm` from the block start, is left out of the
+        average (in the same all-reduce). Every replica starts the next block
+        from the new model, a dropped one with its floating `inner` state reset
+        (with `inner_state_at_sync="average"`, the valid replicas' mean); if
+        none is valid, the model stays and every replica restarts from the
+        previous block start. The state's `dropped` counts the replicas left
+        out. Block sync only, without `wire`. None (default): every replica.
       bad_replica_max_norm: With `on_bad_replica="drop"`, also drop a replica
         whose params' L2 distance (over all floating leaves) from the block
         start exceeds this (a finite number > 0). None (default): finiteness

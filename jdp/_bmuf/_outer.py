@@ -60,25 +60,18 @@ def block_momentum(
     paper's Δ(t)), then `g = g + v` (W(t)). The next block starts from `g`
     (classical block momentum, CBM) or, with `nesterov=True`, from the
     look-ahead `g + momentum * v` (Nesterov-like block momentum, NBM). The
-    default `outer` of `jdp.bmuf`, which runs the formula on its own state and
-    so keeps W(t) (`jdp.bmuf_global_params`) apart from the look-ahead.
-
-    As a transform of its own, `update(start - avg, v, params)` returns the new
-    `v` (with `nesterov=True`, the step to the look-ahead `v + momentum * v`) and
-    `v` as the state. `optax.sgd(learning_rate, momentum=momentum)` reaches the
-    same models up to float rounding, and `optax.sgd(1.0, momentum=momentum,
-    nesterov=True)` the same params as NBM with the look-ahead as its global
-    model.
+    default `outer` of `jdp.bmuf`. Alone, `update(start - avg, v, params)`
+    returns the new `v` (with `nesterov=True`, `v + momentum * v`) and `v` as
+    the state; `optax.sgd(learning_rate, momentum=momentum)` reaches the same
+    models up to float rounding.
 
     Args:
       learning_rate: ζ, the block learning rate (a finite number > 0; 1.0 by
         default).
       momentum: η, the block momentum in [0, 1); None (default) means
-        `1 - 1 / num_replicas` with every replica of every host counted (the
-        Caffe2 default; 0 with one replica). Over a run of only tens of blocks
-        with an adaptive inner optimizer (Adam), a smaller value can train
-        better: see the BMUF guide ("Accuracy, momenta and evaluation").
-        `momentum=0.0` is plain model averaging.
+        `1 - 1 / num_replicas` over every replica of every host (Caffe2's
+        default). Over only tens of blocks with Adam, a smaller value can train
+        better (see the BMUF guide). `momentum=0.0` is plain model averaging.
       nesterov: Start the next block from the look-ahead `g + η v` (NBM)
         instead of `g` (CBM, default).
 

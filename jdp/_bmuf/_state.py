@@ -21,20 +21,15 @@ PyTree = Any
     trains_locally=True,
 )
 class BMUFState(NamedTuple):
-    """State of `jdp.bmuf`.
-
-    Each replica holds its own copy; `count`, `global_params`, `start`, `velocity`
-    and `synced` are equal on every replica, `inner_state` differs between syncs.
+    """State of `jdp.bmuf`: per replica, equal but for `inner_state` and `pending`.
 
     Attributes:
       count: Number of updates applied so far, warmup included (int32, shape ()).
       global_params: The global model `g`, the paper's W(t): what to evaluate and
-        export (read it with `jdp.bmuf_global_params`). During warmup it follows
-        the (identical) replicas' parameters.
+        export (`jdp.bmuf_global_params`); during warmup, the replicas' params.
       start: With `outer=jdp.block_momentum(nesterov=True)`, the model every
         replica began the current block from, `g + η v` (the initial params
-        for the first block); after a sync every replica's params equal it.
-        None otherwise: the block start is then `g` itself.
+        for the first block). None otherwise: the block start is `g` itself.
       velocity: The block velocity `v`, the paper's Δ(t), shaped like the params
         and zero until the first sync; with another `outer`, its state (with a
         `jdp.Streaming` schedule, a tuple of one per fragment, each over the
@@ -44,9 +39,8 @@ class BMUFState(NamedTuple):
         fragment (`jdp.Streaming(fragments=...)`) a fragment's sync (bool,
         shape ()).
       pending: With a streaming `delay` >= 1, the fragment sync in flight,
-        shaped like the params: the fragment's slices hold this replica's local
-        params from `delay` steps before its sync, and each chunk already
-        all-reduced holds the replicas' mean instead. None otherwise.
+        shaped like the params (this replica's snapshot of the fragment, the
+        replicas' mean in each chunk already all-reduced). None otherwise.
       dropped: With `jdp.BlockAverage(on_bad_replica="drop")`, how many
         replicas' blocks were left out of the average so far, summed over syncs
         (int32, shape (), equal on every replica). None otherwise.

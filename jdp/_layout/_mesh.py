@@ -138,27 +138,20 @@ def make_mesh(devices: Sequence[jax.Device], axis_name: AxisName) -> Mesh:
 
 def _check_axis_name(axis_name: Any) -> AxisName:
     """One axis name, or two for a `(hosts, devices per host)` mesh."""
-    if isinstance(axis_name, str) and axis_name:
-        return axis_name
     if not isinstance(axis_name, (str, tuple, list)):
         raise TypeError(
             "`axis_name` must be a str, e.g. 'data', or a tuple of two, e.g. "
             f"('host', 'device'); got {describe_value(axis_name)}."
         )
-    names = tuple(axis_name)
-    if len(names) == 1 and isinstance(names[0], str) and names[0]:
-        return names[0]
-    if (
-        len(names) != 2
-        or len(set(names)) != 2
-        or not all(isinstance(n, str) and n for n in names)
-    ):
+    names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+    named = all(isinstance(n, str) and n for n in names)
+    if not named or len(names) not in (1, 2) or len(set(names)) != len(names):
         raise ValueError(
             "`axis_name` must be one name, e.g. 'data', or the two names of a "
             f"(hosts, devices per host) mesh, e.g. ('host', 'device'); got "
             f"{axis_name!r}."
         )
-    return names
+    return names[0] if len(names) == 1 else names
 
 
 def _check_devices_per_process(devices: Sequence[jax.Device]) -> None:
@@ -168,7 +161,9 @@ def _check_devices_per_process(devices: Sequence[jax.Device]) -> None:
     counts = {p: 0 for p in range(jax.process_count())}
     for d in devices:
         counts[d.process_index] += 1
-    if len(set(counts.values())) != 1 or counts[0] == 0:
+    if jax.config.jax_enable_recoverability:  # a lost process holds none
+        counts = {p: n for p, n in counts.items() if n or p == jax.process_index()}
+    if len(set(counts.values())) != 1 or counts[jax.process_index()] == 0:
         listed = ", ".join(f"process {p}: {n}" for p, n in counts.items())
         raise ValueError(
             "`devices`: with several processes every process must hold the same "
