@@ -104,34 +104,27 @@ class Found(NamedTuple):
 class _ProcessCheck:
     """The cross-process batch check, made by the calling thread (no thread).
 
-    Every process makes the same `shard` calls in the same order, so call `n`
-    is the same on every process. A process's *signature* at a call (`signature`
-    of its row) is what they must agree on. In the store, process `p` keeps one
-    record, `record/p`: `reached` (the last call it made known), `raised` (the
-    last call at which it raised) and its changes `(call, row)`, each in force
-    until the next; a change is dropped once every process was seen past it.
-    `error/n` holds the rows at a call `n` where a process found a disagreement.
+    Every process makes the same `shard` calls in the same order. In the store,
+    process `p` keeps one record, `record/p`: `reached` (the last call it made
+    known), `raised` (the last call at which it raised) and its recent changes
+    `(call, row)`; `error/n` holds the rows of a disagreement found at call `n`.
     At its call `n`, `p`:
 
-    1. only counts, sending nothing, if its signature is that of its last call;
-    2. otherwise (and on every call that pads to the largest batch, whose sizes
-       must be exchanged) publishes `(n, row)` with `reached = n` and reads
-       every record. `q`'s row at `n` is *confirmed* if `q` reached `n`; if
-       not, `q`'s last row *stands in* for it;
-    3. raises at once if the confirmed rows disagree, and goes on if all are
-       confirmed and agree, or, without waiting, if the stand-ins agree with a
-       row it already went on with (or its first) and none of them is one its
-       process raised with;
+    1. only counts, sending nothing, if its `signature` did not change (and it
+       does not pad to the largest batch, whose sizes must be exchanged);
+    2. otherwise publishes `(n, row)` and reads every record: `q`'s row at `n`
+       is confirmed if `q` reached `n`, else `q`'s last row stands in for it;
+    3. raises if the confirmed rows disagree; goes on if all are confirmed and
+       agree, or, at once, if the stand-ins agree with a row it already went on
+       with (or its first) and none is one its process raised with;
     4. otherwise polls for up to `timeout_s()` (a process behind may change at
        `n` too), then raises naming the unconfirmed processes, unless nothing
-       speaks against them (their rows agree, or, at `p`'s first publication,
-       they have published nothing yet).
+       speaks against them.
 
-    Every disagreement is thus raised by a process whose signature changed;
-    one whose signature did not (process 0 keeps passing 8 examples when
-    process 1 passes its short last batch) sends nothing and goes on into the
-    step's collective, which blocks, until process 1's wait runs out and it
-    raises. Such a process learns of the error from `late`.
+    So the process whose signature changed raises; one whose signature did not
+    (process 0 keeps passing 8 examples when process 1 passes its short last
+    batch) goes on into the step's collective, and learns of the error from
+    `late`.
     """
 
     def __init__(
@@ -199,12 +192,9 @@ class _ProcessCheck:
         return value
 
     def check(self, row: tuple, *, need_sizes: bool) -> Found | None:
-        """Counts this call, with `row`; compares it when it must (see the class).
+        """Counts this call; what it found when it compared, or a `late` report.
 
-        `need_sizes`: compare even if the row did not change, and wait for every
-        process's row. Returns what this process found at this call when it
-        compared, or what another process found at an earlier call and
-        reported; None otherwise.
+        `need_sizes`: compare even if the row did not change, and wait for all.
         """
         client = self._client()
         call = self.calls

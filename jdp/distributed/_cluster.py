@@ -53,6 +53,13 @@ _K8S_JOB_FIX = (
     "coordinator (see the clusters guide)"
 )
 
+_K8S_NO_PACKAGE_FIX = (
+    "JAX's Kubernetes detection needs the `kubernetes` package, which is "
+    "not installed: install `jdp[k8s]` (or `jax[k8s]`) in the image, and "
+    "give the pods' service account permission to read pods and jobs "
+    "(see the clusters guide)"
+)
+
 
 def env_int(environ: Mapping[str, str], name: str) -> int | None:
     """`environ[name]` as an int; None if unset or empty; raises if malformed."""
@@ -367,15 +374,7 @@ def _expected_on_kubernetes(
     several += [n for n in JOBSET_INDEX if (replicas[n] or 0) > 0]
     if index is not None and index > 0:
         several.insert(0, K8S_INDEX)
-    if not kubernetes:
-        fix = (
-            "JAX's Kubernetes detection needs the `kubernetes` package, which is "
-            "not installed: install `jdp[k8s]` (or `jax[k8s]`) in the image, and "
-            "give the pods' service account permission to read pods and jobs "
-            "(see the clusters guide)"
-        )
-    else:
-        fix = _K8S_JOB_FIX
+    fix = _K8S_JOB_FIX if kubernetes else _K8S_NO_PACKAGE_FIX
     if several:
         count = max(
             [index + 1 if index is not None else 2]
