@@ -69,7 +69,7 @@ def test_donation_removes_the_second_copy():
 
 def test_sharded_optimizer_state_shrinks_the_arguments():
     plain, plain_state, batch = make()
-    zero, zero_state, _ = make(sync=jdp.zero())
+    zero, zero_state, _ = make(jdp.zero(optax.adam(1e-3)), sync=jdp.local())
     saved = per_device_bytes(plain_state.opt_state) - per_device_bytes(
         zero_state.opt_state
     )
