@@ -110,9 +110,6 @@ def check_batch_stats(
         )
 
 
-# -- gradients ------------------------------------------------------------------
-
-
 class Gradients(NamedTuple):
     """One replica's loss, gradients and what came with them."""
 
@@ -124,11 +121,7 @@ class Gradients(NamedTuple):
 
 
 def loss_kwargs(state, keywords, axis_name, api) -> Callable[[Any], dict]:
-    """`part -> {keyword: value}` for the `LOSS_KEYWORDS` the loss declares.
-
-    `rng` is `fold_in` of the state's `rng` with the step, the microbatch `part`
-    (unless None) and the replica index.
-    """
+    """`part -> {keyword: value}`; `rng` folds in the step, `part`, the replica."""
     if "rng" in keywords and getattr(state, "rng", None) is None:
         raise ValueError(
             f"`{api}`: `loss_fn` takes `rng`, but the state has no `rng` (None). "
@@ -154,12 +147,11 @@ def loss_kwargs(state, keywords, axis_name, api) -> Callable[[Any], dict]:
 def gradients(
     value_and_grad, loss_fn, state, batch, *, has_aux, microbatches, loss_kwargs
 ):
-    """`loss_and_grads` over the whole batch, or accumulated over microbatches.
+    """`loss_and_grads` over the batch, or accumulated over microbatches (a scan).
 
-    The `microbatches` parts run in a `lax.scan`. Mean losses and gradients are
-    averaged over the parts, `jdp.weighted` ones summed, sparse rows
-    concatenated. Every part starts from the step's floating batch statistics
-    (they end as the parts' mean); the others (RNG counters) carry over.
+    Mean losses and gradients are averaged over the parts, `jdp.weighted` ones
+    summed, sparse rows concatenated. Floating batch statistics start from the
+    step's in every part and end as their mean; the rest carries over.
     """
 
     def run(current, part, index):
@@ -245,11 +237,7 @@ def _summable(x: jax.Array) -> jax.Array:
 
 
 def _combine_parts(aux: PyTree, k: int) -> PyTree:
-    """The auxiliary values of `k` microbatches (stacked) as one step's.
-
-    `jdp.weighted` and `jdp.metrics.sum` values are summed, `jdp.metrics.gather`
-    ones concatenated, unmarked scalars averaged; an unmarked array is refused.
-    """
+    """The `k` microbatches' stacked auxiliary values as one step's (by marker)."""
 
     def combine(path, x):
         if isinstance(x, _metrics.Weighted):
@@ -281,11 +269,7 @@ def _combine_parts(aux: PyTree, k: int) -> PyTree:
 
 
 def keep_finite_stats(new: PyTree, old: PyTree, extra: dict) -> PyTree:
-    """A skipped step's batch statistics: the new ones where they are finite.
-
-    A loss scaler's overflow leaves them finite (flax's recipe keeps them); a
-    NaN in the forward pass would poison them for good, so that keeps the old.
-    """
+    """A skipped step's batch statistics: the new ones where finite (as flax)."""
     skipped = extra["skipped"] > 0
 
     def one(n, o):
@@ -305,10 +289,9 @@ def _ratio(total: jax.Array, weight: jax.Array) -> jax.Array:
 def normalise(out: Gradients, axis_name) -> tuple[jax.Array, PyTree]:
     """The loss metric and the gradients the sync piece averages.
 
-    A `jdp.weighted` loss's gradients are scaled by `kept / kept_weight` (the
-    replicas with finite gradients and their weight), so that their mean over
-    those replicas is their sum over their weight, one device's per-token mean.
-    The loss is the global total over the global weight (0 if none was kept).
+    A `jdp.weighted` loss's gradients are scaled by `kept / kept_weight` (over
+    the replicas with finite gradients), so that their mean over those replicas
+    is one device's per-token mean; the loss is the global total over weight.
     """
     if out.weight is None:
         return out.loss, out.grads
@@ -328,9 +311,8 @@ def normalise(out: Gradients, axis_name) -> tuple[jax.Array, PyTree]:
 def kept_loss(out: Gradients, loss: jax.Array, extra: dict, axis_name):
     """`(loss, extra)`: the loss over the replicas a sync piece kept, if it says.
 
-    A piece that drops bad replicas puts each replica's share under `_sync.KEPT`
-    (`num_replicas / kept` on a kept replica, 0 on a dropped one), so that the
-    metrics' mean over replicas is the kept replicas' mean.
+    `extra[_sync.KEPT]` is `num_replicas / kept` on a kept replica, 0 on a
+    dropped one, so that the mean over replicas is the kept replicas' mean.
     """
     if _sync.KEPT not in extra:
         return loss, extra
@@ -394,18 +376,13 @@ def check_loss_scaling(sync, microbatches: int) -> None:
 
 
 def scaled(scale):
-    """`value_and_grad` through a flax `DynamicScale` (loss scaling).
-
-    Without its `axis_name`: the step decides on the synced gradients
-    (`next_scale`).
-    """
+    """`value_and_grad` through a flax `DynamicScale`, without its `axis_name`."""
 
     def value_and_grad(fun, *, has_aux):
         grad_fn = scale.value_and_grad(fun, has_aux=has_aux)
 
         def value_and_grads(*args):
-            _, _, value, grads = grad_fn(*args)
-            return value, grads
+            return grad_fn(*args)[2:]  # after the new scale and its verdict
 
         return value_and_grads
 
@@ -413,11 +390,8 @@ def scaled(scale):
 
 
 def next_scale(scale, finite: jax.Array):
-    """The `DynamicScale` after a step whose synced gradients were `finite`.
-
-    flax's own rule, driven by the replicas' agreed verdict: the gradient of
-    `x * c` is finite exactly when `finite`.
-    """
+    """The `DynamicScale` after a step, by flax's rule and the agreed `finite`."""
+    # The gradient of `x * c` is `c`: finite exactly when `finite`.
     c = jnp.where(finite, 0.0, jnp.nan).astype(jnp.float32)
     new, _, _, _ = scale.value_and_grad(lambda x: x * c)(jnp.float32(0.0))
     return new
@@ -428,10 +402,8 @@ def loss_and_grads(
 ) -> Gradients:
     """One replica's `loss_fn`, differentiated.
 
-    With `batch_stats`, `loss_fn(params, batch_stats, batch) -> (loss,
-    new_batch_stats)` (or `(loss, (new_batch_stats, aux))` with `has_aux`);
-    otherwise `loss_fn(params, batch)`. A `jdp.weighted` loss's weight gets no
-    gradient. `kwargs` (`rng`, `step`) are passed by name.
+    With `batch_stats`, `loss_fn(params, batch_stats, batch, **kwargs) -> (loss,
+    new_batch_stats)`, or `(loss, (new_batch_stats, aux))` with `has_aux`.
     """
     loss_fn = _fresh_arguments(loss_fn)
     with_stats = getattr(state, "batch_stats", None) is not None
@@ -459,7 +431,7 @@ def _fresh_arguments(loss_fn: Callable[..., Any]) -> Callable[..., Any]:
     """`loss_fn` with its non-differentiated arguments rebuilt (new nodes) inside.
 
     A flax NNX `Variable` refuses updates from another trace ("Cannot mutate
-    BatchStat from a different trace level"); rebuilt pytrees are this trace's.
+    BatchStat from a different trace level").
     """
 
     @functools.wraps(loss_fn)

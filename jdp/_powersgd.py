@@ -30,15 +30,11 @@ class PowerSGDState(NamedTuple):
     differs, and `jdp.checkpoint.CheckpointManager` saves every replica's.
 
     Attributes:
-      count: Steps taken so far, the plain all-reduce steps before `start_step`
-        included (int32, shape ()).
-      q: The right factors Q, one `(m, r)` array per compressed matrix leaf
-        viewed as `(n, m)`: the last step's averaged Q (with `warm_start`, the
-        next step starts from it), or the initial draw before the first
-        compressed step.
-      error: Each replica's error feedback, one array per compressed matrix
-        leaf, shaped like the leaf: what its gradient (plus error) held beyond
-        the low-rank approximation the replicas applied. None without
+      count: Steps taken, the plain ones before `start_step` included (int32).
+      q: The right factors Q, one `(m, r)` array per compressed matrix: the
+        last step's averaged Q, or the initial draw.
+      error: Each replica's error feedback (what its gradient held beyond the
+        applied approximation), shaped like each compressed leaf; None without
         `error_feedback`.
     """
 
@@ -278,10 +274,11 @@ def powersgd(
     """PowerSGD: gradients averaged as rank-`rank` factors (PyTorch's `powerSGD_hook`).
 
     Vogels et al.'s low-rank gradient compression. Each floating leaf of two or
-    more axes, viewed as an `(n, m)` matrix, travels as thin factors P (`n x r`)
-    and Q (`m x r`) instead of its `n * m` numbers; every replica applies the
-    same approximation `P Q^T` of the averaged gradient. Per step and matrix,
-    with M the replica's gradient plus its error feedback:
+    more axes, viewed as an `(n, m)` matrix (`(d0 * ... * dk-1, dk)`, the
+    transpose of PyTorch's view of the same flax layer), travels as thin
+    factors P (`n x r`) and Q (`m x r`) instead of its `n * m` numbers; every
+    replica applies the same approximation `P Q^T` of the averaged gradient.
+    Per step and matrix, with M the replica's gradient plus its error feedback:
 
     1. Q is the last step's (warm start), orthogonalised, or a fresh draw;
     2. P = M Q, summed over replicas, orthogonalised (Gram-Schmidt);
@@ -289,39 +286,28 @@ def powersgd(
     4. the averaged gradient is P Q^T, and M - P Q^T the replica's new error.
 
     All P travel in one bucketed all-reduce, then all Q in another; the other
-    leaves in one plain bucketed all-reduce (as `jdp.all_reduce`).
-
-    Compression is lossy and error feedback makes up for it over steps: tune
-    the rank (try 1, 2, 4, then more) and warm up with `start_step` plain
-    steps. The state (Q, errors, a counter) lives in the train state's
-    `sync_state`: create it with `jdp.TrainState.create(params=..., tx=...,
-    sync=piece)`. Checkpoints save each replica's errors. Not combinable with
-    loss scaling (`dynamic_scale`).
-
-    A leaf `(d0, ..., dk)` is viewed as `(d0 * ... * dk-1, dk)` (flax keeps
-    output features last), the transpose of PyTorch's `(out, in * kh * kw)`
-    view of the same layer; P Q^T approximates either.
+    leaves in one plain bucketed all-reduce. Compression is lossy and error
+    feedback makes up for it over steps: tune the rank (try 1, 2, 4, then more)
+    and warm up with `start_step` plain steps. The state (Q, errors, a counter)
+    lives in the train state's `sync_state`: create it with
+    `jdp.TrainState.create(params=..., tx=..., sync=piece)`.
 
     Args:
       rank: The rank r of the factors, PyTorch's `matrix_approximation_rank`
-        (an int >= 1; a matrix's rank is at most `min(n, m)`).
-      start_step: Steps of plain all-reduce before compression starts,
-        PyTorch's `start_powerSGD_iter` (0 by default: compress from the
-        first step). The switch is a `lax.cond` on the counter in the state:
-        one compiled program.
+        (an int >= 1; at most `min(n, m)` for each matrix).
+      start_step: Plain all-reduce steps before compression starts, PyTorch's
+        `start_powerSGD_iter` (0: compress from the first step); a `lax.cond`
+        on the state's counter, so one compiled program.
       min_compression_rate: Compress a matrix only if `(n + m) * r *
-        min_compression_rate < n * m`, PyTorch's `min_compression_rate`
-        (2.0); others go through the plain all-reduce. 0 compresses every
-        matrix.
+        min_compression_rate < n * m`, PyTorch's `min_compression_rate`; 0
+        compresses every matrix.
       error_feedback: Keep each replica's compression error and add it to the
-        next step's gradient, PyTorch's `use_error_feedback` (True). Without
-        it the state holds no error buffers.
+        next step's gradient, PyTorch's `use_error_feedback`.
       warm_start: Start each step's power iteration from the last step's Q,
-        PyTorch's `warm_start` (True); otherwise Q is drawn afresh every step
-        (from `seed`, the leaf's index and the counter).
+        PyTorch's `warm_start`; otherwise Q is drawn afresh every step (from
+        `seed`, the leaf's index and the counter).
       orthogonalization_epsilon: Added to each column's norm in Gram-Schmidt,
-        PyTorch's `orthogonalization_epsilon` (0.0: a zero column is left
-        zero).
+        PyTorch's `orthogonalization_epsilon` (0.0: a zero column stays zero).
       seed: Seed of the initial Q: leaf `i`'s is a standard normal draw from
         `fold_in(key(seed), i)`, the same on every replica without a broadcast.
       bucket_bytes: Largest bucket of the all-reduces (25 MiB); None for one
@@ -333,10 +319,8 @@ def powersgd(
     Raises:
       TypeError: If an argument has the wrong type (`rank` not an int,
         `warm_start` not a bool, ...).
-      ValueError: If `rank` < 1, `start_step` < 0, `min_compression_rate` or
-        `orthogonalization_epsilon` is negative or not finite, `bucket_bytes`
-        is not positive; at trace time, if the
-        state's `sync_state` was made for other params or options.
+      ValueError: If an argument is out of range; at trace time, if the state's
+        `sync_state` was made for other params or options.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, jdp

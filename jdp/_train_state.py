@@ -24,20 +24,16 @@ class TrainState(struct.PyTreeNode):
       step: Number of updates applied (an int32 array).
       params: The trained parameters.
       opt_state: The optimizer's state.
-      batch_stats: Computed, non-trained state such as BatchNorm statistics, or
-        None.
-      skipped_steps: Steps skipped because their gradients were not finite
-        (`jdp.make_train_step(..., skip_nonfinite=True)`, or a loss scaler's
-        overflow; an int32 array).
-      dynamic_scale: A flax `DynamicScale` for float16 training (loss scaling),
-        or None.
+      batch_stats: Non-trained state such as BatchNorm statistics, or None.
+      skipped_steps: Steps skipped for non-finite gradients (`skip_nonfinite`,
+        or a loss scaler's overflow; an int32 array).
+      dynamic_scale: A flax `DynamicScale` (float16 loss scaling), or None.
       rng: A PRNG key (typed or raw), or None. For a `loss_fn` with an `rng`
         parameter (dropout), the step's key on each replica is
         `fold_in(fold_in(rng, step), replica)`; `rng` itself never changes, so
         a restored checkpoint draws the same numbers again.
-      sync_state: The state of a sync piece that keeps one (e.g. the error
-        buffers of `jdp.all_reduce(wire=..., error_feedback=True)`), made by
-        `create(..., sync=piece)`; or None.
+      sync_state: The state of a sync piece that keeps one (error buffers,
+        PowerSGD's factors), made by `create(..., sync=piece)`; or None.
       tx: The optax optimizer (static: not a pytree leaf).
 
     Example:

@@ -9,14 +9,12 @@ import jax.numpy as jnp
 from jax import lax
 
 from jdp._collectives import AxisName, axis_size, resolve_axis
-from jdp.sparse._lookup import IndexedRows
+from jdp.sparse._lookup import IndexedRows, integer_ids
 
 
 def _flat(ids: Any, rows: Any, api: str) -> IndexedRows:
-    ids = jnp.asarray(ids)
+    ids = integer_ids(ids, api)
     rows = jnp.asarray(rows)
-    if not jnp.issubdtype(ids.dtype, jnp.integer):
-        raise TypeError(f"`{api}`: ids must be integers, got dtype {ids.dtype}.")
     if rows.shape[: ids.ndim] != ids.shape:
         raise ValueError(
             f"`{api}`: rows of shape {rows.shape} do not start with the ids' shape "

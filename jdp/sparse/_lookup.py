@@ -19,9 +19,9 @@ TablePath = str | tuple[Any, ...]
 class IndexedRows(NamedTuple):
     """Rows of a table at given ids: a sparse gradient (Caffe2's `GradientSlice`).
 
-    Row `rows[i]` belongs to table row `ids[i]`. Ids may repeat (their rows then
-    add up, as in a dense scatter-add); ids outside `[0, num_rows)`, including
-    the `-1` padding of combined slices, are skipped by `jdp.sparse`'s optimizers.
+    Row `rows[i]` belongs to table row `ids[i]`. Repeated ids add up (as in a
+    dense scatter-add); `jdp.sparse`'s optimizers skip ids outside `[0,
+    num_rows)`, such as the `-1` padding of combined slices.
 
     Attributes:
       ids: Integer row ids, shape `(n,)`.
@@ -41,9 +41,6 @@ def split_rows(grads: PyTree) -> tuple[PyTree, PyTree]:
     dense = jax.tree.map(lambda g: None if is_rows(g) else g, grads, is_leaf=is_rows)
     rows = jax.tree.map(lambda g: g if is_rows(g) else None, grads, is_leaf=is_rows)
     return dense, rows
-
-
-# -- table paths -----------------------------------------------------------------
 
 
 def path_name(path: Sequence[Any]) -> str:
@@ -86,9 +83,6 @@ def locate_tables(
     return [x for _, x in flat], treedef, index
 
 
-# -- lookup ----------------------------------------------------------------------
-
-
 def row_index(ids: jax.Array, num_rows: int) -> jax.Array:
     """Ids with negative ones moved out of range (no wrap-around), for `mode=`."""
     if ids.dtype.itemsize < 4:
@@ -96,14 +90,18 @@ def row_index(ids: jax.Array, num_rows: int) -> jax.Array:
     return jnp.where(ids < 0, num_rows, ids)
 
 
-def _gather(table: jax.Array, ids: Any) -> jax.Array:
+def integer_ids(ids: Any, api: str) -> jax.Array:
     ids = jnp.asarray(ids)
     if not jnp.issubdtype(ids.dtype, jnp.integer):
         raise TypeError(
-            f"`jdp.sparse.lookup`: ids must be integers, got dtype {ids.dtype}. "
-            "Cast them with `ids.astype(jnp.int32)`."
+            f"`{api}`: ids must be integers, got dtype {ids.dtype}. Cast them "
+            "with `ids.astype(jnp.int32)`."
         )
-    index = row_index(ids, table.shape[0])
+    return ids
+
+
+def _gather(table: jax.Array, ids: Any) -> jax.Array:
+    index = row_index(integer_ids(ids, "jdp.sparse.lookup"), table.shape[0])
     return table.at[index].get(mode="fill", fill_value=0)
 
 
@@ -131,12 +129,10 @@ def lookup(table: Any, ids: Any) -> jax.Array:
     Example:
       >>> import jax.numpy as jnp, jdp
       >>> table = jnp.arange(6.0).reshape(3, 2)
-      >>> jdp.sparse.lookup(table, jnp.array([[2, 0], [5, -1]]))
-      Array([[[4., 5.],
-              [0., 1.]],
-      <BLANKLINE>
-             [[0., 0.],
-              [0., 0.]]], dtype=float32)
+      >>> jdp.sparse.lookup(table, jnp.array([2, 5, -1]))  # 5, -1: out of range
+      Array([[4., 5.],
+             [0., 0.],
+             [0., 0.]], dtype=float32)
     """
     if isinstance(table, _TableHandle):
         return table._lookup(ids)

@@ -317,9 +317,6 @@ def adam(
     return RowOptimizer(init_fn, update_fn)
 
 
-# -- mixed models ----------------------------------------------------------------
-
-
 class OptimizerState(NamedTuple):
     """State of `jdp.sparse.optimizer`: the dense optimizer's and each table's."""
 

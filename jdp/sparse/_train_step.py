@@ -22,8 +22,8 @@ PyTree = Any
 class IdsOutOfRangeError(ValueError):
     """An id out of its table's range, seen by a `check_ids=True` step.
 
-    Raised by the step's host check; it reaches the caller inside the
-    `jax.errors.JaxRuntimeError` that reading the failed step's outputs raises.
+    It reaches the caller inside the `jax.errors.JaxRuntimeError` that reading
+    the failed step's outputs raises.
     """
 
 
@@ -107,9 +107,9 @@ def rows(
     `jdp.all_reduce()` with the same `tx` (up to float rounding).
 
     Args:
-      combine: Sum the rows of repeated ids after gathering (a sort of the
-        gathered ids). It changes no result for `sgd` (a scatter-add sums them
-        anyway); `adagrad`, `momentum` and `adam` combine by themselves.
+      combine: Sum the rows of repeated ids after gathering (a sort). It
+        changes no result: `sgd`'s scatter-add sums them anyway, and the other
+        row optimizers combine by themselves.
       check_ids: Check every gathered id against its table's size (a debugging
         mode: one host callback per replica and step). An id out of range fails
         the step on every replica at the same point: reading the step's outputs
@@ -122,9 +122,8 @@ def rows(
       reduce_dtype: Wire dtype of the dense parameters' all-reduce.
 
     Returns:
-      The piece, for `jdp.make_train_step(..., sync=...)`. It applies the row
-      optimizers itself, so it is given whole as the step's `sync=` (not
-      inside `jdp.partition` or `jdp.sync_gradients`).
+      The piece, for `jdp.make_train_step(..., sync=...)` as a whole (not inside
+      `jdp.partition` or `jdp.sync_gradients`): it applies the optimizer itself.
 
     Raises:
       ValueError: If `bucket_bytes` is out of range.
