@@ -10,17 +10,15 @@ From the command line:
 
 starts N processes on 127.0.0.1 with a free coordinator port, sets
 `JDP_COORDINATOR_ADDRESS`, `JDP_NUM_PROCESSES` and `JDP_PROCESS_ID` (read by
-`jdp.distributed.initialize()`) and `JDP_FAIL_FAST=1` (so that `initialize()`
-makes a failing process exit at once: its `fail_fast`), prefixes every output line
-with its process index, forwards Ctrl-C / SIGTERM to every process, and, as soon
-as one process fails, stops the others and exits non-zero. A process that is alive
-but stuck (the others wait for it) is found from the progress the processes report
-at each jdp step: after `--stall-timeout` seconds (300 by default) the job is
-stopped, naming it. Processes that wait in a step for one that has finished (it
-made fewer step calls: its data ran out first) are stopped sooner, after 15 s
-without progress (or the stall limit, if shorter), naming the finished process.
-When several processes fail at once (one died; the others' collectives with it
-failed), the one that ended first is named.
+`jdp.distributed.initialize()`) and `JDP_FAIL_FAST=1` (its `fail_fast`: a failing
+process exits at once), prefixes every output line with its process index,
+forwards Ctrl-C / SIGTERM to every process, and, as soon as one process fails,
+stops the others and exits non-zero, naming the process that ended first. A
+process that is alive but stuck is found from the progress reported at each jdp
+step: after `--stall-timeout` seconds (300 by default) the job is stopped,
+naming it. Processes that wait in a step for one that has finished (it made
+fewer step calls: its data ran out first) are stopped after 15 s without
+progress (or the stall limit, if shorter), naming the finished process.
 
 With `--max-restarts K` (`run(..., max_restarts=K)`), a failed or stalled job is
 started again on a fresh port, up to K times, with a line per restart; every

@@ -10,24 +10,16 @@ from jdp.launch._stall import DEFAULT_STALL_TIMEOUT_S
 
 _DESCRIPTION = """\
 Run a training script as N processes of one job on this machine (127.0.0.1).
-Every process runs the same script; `jdp.distributed.initialize()` in the script
-reads the job from the JDP_COORDINATOR_ADDRESS, JDP_NUM_PROCESSES and
-JDP_PROCESS_ID variables set here, and fails fast (JDP_FAIL_FAST=1: a process
-with an uncaught exception exits at once). Output lines are prefixed with
-"[process_id]".
-If one process fails, the others are stopped and the launcher exits non-zero.
-If the processes furthest behind report no progress (a jdp step) for
---stall-timeout seconds while the others wait for them, the job is stopped and
-the stuck processes are named, with where they were last seen (exit status 124).
-If a process has finished while the others wait in a step it never started (it
-made fewer step calls, e.g. its data ran out first), the job is stopped after
-15 s without progress (or --stall-timeout, if shorter), naming it (status 124).
-With --max-restarts K, a failed or stalled job is started again, up to K times
-(a line per restart names the process that failed and how); every process sees
-JDP_RESTART_COUNT (0, 1, ...) and resumes from its latest checkpoint. With
---min-processes M (which needs --max-restarts 2 or more), a process index that
-fails first in two attempts in a row makes the next attempt run one process
-fewer, down to M.
+`jdp.distributed.initialize()` in the script reads the job from the
+JDP_COORDINATOR_ADDRESS, JDP_NUM_PROCESSES and JDP_PROCESS_ID variables set
+here, and fails fast (JDP_FAIL_FAST=1: an uncaught exception exits at once).
+Output lines are prefixed with "[process_id]". If one process fails, the others
+are stopped and the launcher exits non-zero. A job whose processes furthest
+behind stall (--stall-timeout), or wait in a step for a process that has
+finished (it made fewer step calls, e.g. its data ran out first: after 15 s
+without progress, or --stall-timeout if shorter), is stopped with exit status
+124, naming them and where they were last seen. --max-restarts and
+--min-processes start a failed or stalled job again, with a line per restart.
 """
 
 

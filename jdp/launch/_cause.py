@@ -39,11 +39,6 @@ def cause_first(
     In the order they ended, except within `ENDING_WAIT_S` of the first
     failure: a process killed by one of `CAUSE_SIGNALS` goes first, and one
     whose last output (`tails[process_id]`) says a peer left goes last.
-
-    Example:
-      >>> from jdp.launch._cause import cause_first
-      >>> cause_first([(0.0, 0, 1), (0.01, 1, -9)])  # SIGKILL: the cause
-      [(1, -9), (0, 1)]
     """
     first = failed[0][0]
 
@@ -69,11 +64,6 @@ def finished_before(
     `FINISHED_THEN_FAILED_S` before the failure at `failed_at`, or seen to end
     up to `ENDING_WAIT_S` after it (a program does not complete because a peer
     failed).
-
-    Example:
-      >>> from jdp.launch._cause import finished_before
-      >>> finished_before([(9.0, 0, 0), (10.0, 1, 1), (1.0, 2, 0)], failed_at=10.0)
-      [(0, 1.0)]
     """
     return [
         (r, failed_at - t)
@@ -83,13 +73,7 @@ def finished_before(
 
 
 def describe_exit(code: int) -> str:
-    """How a process ended, from its returncode (minus the signal that killed it).
-
-    Example:
-      >>> from jdp.launch._cause import describe_exit
-      >>> describe_exit(-9), describe_exit(3)
-      ('was killed by SIGKILL', 'exited with status 3')
-    """
+    """`exited with status 3` or `was killed by SIGKILL` (returncode -9)."""
     if code >= 0:
         return f"exited with status {code}"
     try:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from jdp.distributed._coordinator import listen_error, listen_reason
 from jdp.launch._launcher import Job
 from jdp.launch._restarts import Restarts, run_attempts
-from jdp.launch._setup import _check_arguments, new_job, script_command
+from jdp.launch._setup import WORKER, _check_arguments, new_job
 from jdp.launch._stall import DEFAULT_STALL_TIMEOUT_S
 
 
@@ -56,7 +56,8 @@ def launch_command(
             "`--port` out to let the launcher pick a free one."
         )
         return 2
-    command = script_command(target, args, module=module)
+    mode = "--module" if module else "--script"
+    command = [sys.executable, WORKER, mode, target, *args]
     received: list[int] = []
     current: list[Job] = []
 

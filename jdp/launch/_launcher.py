@@ -1,16 +1,12 @@
 """Private: start N processes of one job on this machine, watch them, stop them.
 
-A `Job` is one attempt: its processes, their output prefixed with each line's
-process index, and the rule "one fails, all stop". JAX notices a dead peer only
-at its heartbeat timeout, and a process blocked in a collective with a dead peer
-may never return, so the launcher kills the others itself. A process that is
-alive but stuck is found from the progress reports (`_stall`).
-
-When one process dies, the others fail within milliseconds, sometimes before the
-dead one is reaped (a large process's memory takes a while to free). So a
-process ended when its output closed (with its connections) or, if sooner, when
-it was reaped; and once a process failed, the launcher waits a moment for those
-that are ending before it names the cause (`_cause`).
+A `Job` is one attempt. JAX notices a dead peer only at its heartbeat timeout,
+and a process blocked in a collective with a dead peer may never return, so the
+launcher kills the others itself; a process that is alive but stuck is found
+from the progress reports (`_stall`). A process ended when its output closed
+(with its connections) or, if sooner, when it was reaped: its peers may fail
+before it is reaped, so the launcher waits a moment for the processes that are
+ending before it names the cause (`_cause`).
 """
 
 from __future__ import annotations
@@ -52,10 +48,9 @@ SETTLE_S = 0.5
 
 
 def _exit_status(pid: int) -> tuple[bool, int | None]:
-    """Whether child `pid` has exited, and its returncode (`Popen`'s) if not reaped.
+    """Whether child `pid` has exited, and its returncode (None once reaped).
 
-    The returncode is None once a thread of ours reaped it (and is about to
-    record it). The process is left to be reaped.
+    Leaves the process to be reaped.
     """
     try:
         info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
@@ -65,6 +60,12 @@ def _exit_status(pid: int) -> tuple[bool, int | None]:
         return False, None
     code = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
     return True, code
+
+
+def _start_thread(target, *args) -> threading.Thread:
+    thread = threading.Thread(target=target, args=args, daemon=True)
+    thread.start()
+    return thread
 
 
 class Job:
@@ -118,27 +119,20 @@ class Job:
     def start(self) -> None:
         """Starts every process, each in its own session (to stop it whole)."""
         try:
-            for rank, (cmd, env) in enumerate(
-                zip(self.commands, self.envs, strict=True)
-            ):
+            for rank, command in enumerate(self.commands):
                 proc = subprocess.Popen(
-                    cmd,
-                    env=env,
+                    command,
+                    env=self.envs[rank],
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
                     start_new_session=True,
                 )
                 self.procs.append(proc)
-                threading.Thread(
-                    target=self._reap, args=(rank, proc), daemon=True
-                ).start()
-                for pipe, name in ((proc.stdout, "stdout"), (proc.stderr, "stderr")):
-                    t = threading.Thread(
-                        target=self._pump, args=(rank, pipe, name), daemon=True
-                    )
-                    t.start()
-                    self._pumps.append(t)
+                _start_thread(self._reap, rank, proc)
+                for name in ("stdout", "stderr"):
+                    pipe = getattr(proc, name)
+                    self._pumps.append(_start_thread(self._pump, rank, pipe, name))
         except BaseException:
             self.kill()
             raise
@@ -156,8 +150,7 @@ class Job:
     def _notice_exits(self) -> set[int]:
         """Records the exits that the (late) reaping threads have not recorded yet.
 
-        Returns the processes that exited but whose returncode is not known yet
-        (a thread reaped them and has yet to record it).
+        Returns the processes whose returncode a thread reaped but not recorded.
         """
         with self._exits_lock:
             seen = {r for _, r, _ in self.exits}
@@ -178,7 +171,7 @@ class Job:
             self.tails[rank].append(line)
             if not self.echo:
                 continue
-            stream = sys.stdout if name == "stdout" else sys.stderr
+            stream = getattr(sys, name)
             with self._write_lock, contextlib.suppress(ValueError, OSError):
                 stream.write(f"[{rank}] {line}\n")  # the stream may be closed
                 stream.flush()
@@ -222,11 +215,10 @@ class Job:
     ) -> bool:
         """Waits until all processes succeed (True) or one fails (False).
 
-        On a failure the others are stopped at once and `self.failure` says which
-        process failed first and how. Raises `TimeoutError` (after stopping every
-        process) if the job is still running after `timeout_s` seconds (the
-        message names `limit_s`, the limit of the whole run, if given), and
-        `StallError` (a `TimeoutError`) if `stall` finds stalled processes.
+        On a failure the others are stopped and `self.failure` says which
+        process failed first and how. Stops every process and raises
+        `TimeoutError` after `timeout_s` seconds (naming `limit_s`, the limit of
+        the whole run, if given), or `StallError` if `stall` finds stalled ones.
         """
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         try:

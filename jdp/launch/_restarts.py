@@ -19,10 +19,9 @@ from jdp.launch._stall import StallError, plural
 class Restarts:
     """When to start a failed job again, and with how many processes.
 
-    Torchrun's `--max-restarts`, plus a simple elastic rule: when the same
-    process index is the first to fail in two attempts in a row (a bad device
-    or host slot, not a one-off fault), the next attempt runs with one process
-    fewer, down to `min_processes`. Each restart counts towards `max_restarts`.
+    Torchrun's `--max-restarts`, plus an elastic rule: when the same process
+    index fails first in two attempts in a row (a bad device or host slot), the
+    next attempt runs with one process fewer, down to `min_processes`.
 
     Args:
       num_processes: The processes of the first attempt.
@@ -72,14 +71,9 @@ class Restarts:
     def next_attempt(self, first_failed: int | None, how: str) -> str | None:
         """Records a failed attempt; returns the restart line, or None to stop.
 
-        Args:
-          first_failed: The process index that failed first (None for a stall:
-            no process is to blame alone).
-          how: What happened, a sentence that starts the line.
-
-        Returns:
-          The line to print about the restart (`num_processes` is updated), or
-          None when no restart is left.
+        `first_failed`: the process index that failed first (None for a
+        stall); `how`: what happened, a sentence that starts the line. A restart
+        updates `num_processes`.
         """
         if self.restarts >= self.max_restarts:
             return None
@@ -113,19 +107,12 @@ def run_attempts(
 ) -> tuple[Job, TimeoutError | None]:
     """Runs attempts until one needs no restart; returns it, and its timeout.
 
-    Args:
-      make_job: Builds an attempt's `Job` from its process count and its folder
-        (of `directory`, for its progress files).
-      policy: Decides restarts; each restart's line goes to `say`.
-      directory: Where the attempts' folders go.
-      timeout_s: The limit of the whole run, restarts included.
-      say: Prints a line about the job.
-      interrupted: Whether a forwarded signal stopped the job (then the last
-        attempt is returned as it is).
-
-    Returns:
-      The last attempt (`job.failure` is set if it failed), and the
-      `TimeoutError` (a `StallError` for a stall) that ended it, or None.
+    `make_job(processes, folder)` builds each attempt (a folder of `directory`
+    each), `policy` decides the restarts, and `say` prints their lines.
+    `timeout_s` bounds all attempts together. Returns the last attempt
+    (`job.failure` is set if it failed) and the `TimeoutError` (a `StallError`
+    for a stall) that ended it, or None. Once `interrupted()` (a forwarded
+    signal), the attempt is returned as it is.
     """
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:

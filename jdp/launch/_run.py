@@ -94,11 +94,10 @@ def run(
     Raises:
       RuntimeError: If a process fails (exits non-zero or is killed) and no
         restart is left.
-      TimeoutError: If the job runs longer than `timeout_s`, or stalls for
-        `stall_timeout_s` (the message names the processes that stalled), or
-        its processes wait in a step for one that has finished (it made fewer
-        step calls), for 15 s or `stall_timeout_s` if shorter (the message
-        names it).
+      TimeoutError: If the job runs longer than `timeout_s`, stalls for
+        `stall_timeout_s`, or waits in a step for a process that has finished
+        (it made fewer step calls) for 15 s or `stall_timeout_s` if shorter;
+        the message names the processes.
       TypeError: If `num_processes`, `devices_per_process`, `timeout_s`,
         `stall_timeout_s` or `max_restarts` has the wrong type, or `fn` or its
         arguments cannot be pickled.
@@ -124,7 +123,7 @@ def run(
             pickle.dump({"sys_path": list(sys.path), "main": _main_path(fn)}, f)
             call = dict(fn=fn, args=tuple(args), kwargs=dict(kwargs or {}))
             try:
-                pickle.dump({**call, "initialize": initialize}, f)
+                pickle.dump(dict(call, initialize=initialize), f)
             except (pickle.PicklingError, AttributeError, TypeError) as e:
                 raise TypeError(
                     "`jdp.launch.run`: `fn` and its arguments must be picklable; "

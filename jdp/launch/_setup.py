@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import re
 import socket
-import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -30,10 +29,9 @@ from jdp.launch._worker import ENV_PROGRESS_FILE
 #: The entry point of every process, run by path (see its docstring).
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_worker.py")
 
-#: How many times the job was restarted before this attempt (0 at first), set in
-#: every process (torchrun's `TORCHELASTIC_RESTART_COUNT`).
+#: Restarts before this attempt (torchrun's `TORCHELASTIC_RESTART_COUNT`).
 ENV_RESTART_COUNT = "JDP_RESTART_COUNT"
-#: The `--max-restarts` the job runs under (torchrun's `TORCHELASTIC_MAX_RESTARTS`).
+#: The job's `--max-restarts` (torchrun's `TORCHELASTIC_MAX_RESTARTS`).
 ENV_MAX_RESTARTS = "JDP_MAX_RESTARTS"
 
 _DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
@@ -80,12 +78,6 @@ def process_env(
     return env
 
 
-def script_command(target: str, args: Sequence[str], *, module: bool) -> list[str]:
-    """The command line of one process running a script (or `-m module`)."""
-    mode = "--module" if module else "--script"
-    return [sys.executable, WORKER, mode, target, *args]
-
-
 def _progress_setup(
     envs: list[dict[str, str]], directory: str, stall_timeout_s: float | None, hint: str
 ) -> StallMonitor | None:
@@ -110,9 +102,9 @@ def new_job(
     port: int | None = None,
     echo: bool = True,
 ) -> Job:
-    """The `Job` of `policy`'s next attempt: a process per command, on `port`.
+    """The `Job` of `policy`'s next attempt: a process per command.
 
-    `port` None: a free one. `folder` holds the processes' progress files.
+    On `port` (None: a free one), with its progress files in `folder`.
     """
     port = port or free_port()
     envs = [

@@ -59,21 +59,17 @@ def process_list(
 class StallMonitor:
     """Follows the progress files of a job's processes and finds a stalled one.
 
-    Nothing is judged until some process reports progress for the first time, so
-    a program that never reports (one that does not use jdp's steps) is never
-    stopped, and start-up does not count. From then on, every process has
-    `timeout_s` seconds from its last report (or from that first report) to make
-    its next one. A process whose record says `"finished": true` is never
-    stalled: `finished_early` judges the others against it.
+    Nothing is judged before the first report of any process (a program that
+    never reports is never stopped; start-up does not count); from then on,
+    every process has `timeout_s` seconds from its last report (or that first
+    one) to make its next. A process whose record says `"finished": true` is
+    never stalled: `finished_early` judges the others against it.
 
     Args:
       paths: The progress file of each process, in process order.
       timeout_s: Seconds without progress that stop the job.
-      how_to_change: How to change the limit, ending the stall message (e.g.
-        "raise the limit with `--stall-timeout SECONDS`").
-      finished_grace_s: Seconds without progress of processes in a step that a
-        finished process never started, after which `finished_early` reports
-        them (at most `timeout_s`).
+      how_to_change: Ends the stall message (e.g. "raise the limit with ...").
+      finished_grace_s: The limit of `finished_early` (at most `timeout_s`).
     """
 
     def __init__(
@@ -127,10 +123,8 @@ class StallMonitor:
     ) -> list[int]:
         """The running processes furthest behind, if none progressed for too long.
 
-        Args:
-          now: The time (`time.monotonic()`); now if None.
-          running: The processes still running (a finished one is not stuck);
-            all if None.
+        `now`: `time.monotonic()` if None; `running`: the processes still
+        running (all if None).
         """
         now = self._read_due(now)
         running = range(len(self.paths)) if running is None else running
@@ -152,23 +146,13 @@ class StallMonitor:
         running: Sequence[int] | None = None,
         exited: Mapping[int, float] | None = None,
     ) -> tuple[int, list[int]] | None:
-        """A finished process that the others wait for in vain, if any.
+        """`(finished process, processes that wait for it in vain)`, or None.
 
         That is: a process reported that it finished (with its exact count),
-        some process still running is in a step it never started (a count above
-        its final count), and none of the processes still running progressed
-        for `finished_grace_s` seconds since it finished.
-
-        Args:
-          now: The time (`time.monotonic()`); now if None.
-          running: The processes still running (not exited); all if None.
-          exited: When the processes that exited with status 0 did so, by
-            process; such a process counts as finished only if its last record
-            says so (its count is then exact).
-
-        Returns:
-          `(the finished process with the fewest step calls, the processes
-          still running that wait for it)`, or None.
+        some process still running is in a step it never started, and none of
+        those still running progressed for `finished_grace_s` since it finished.
+        `now` and `running` are as for `stalled`; `exited` maps the processes
+        that exited with status 0 to when they did.
         """
         now = self._read_due(now)
         done = {r: t for r, t in enumerate(self.finished_at) if t is not None}
@@ -234,9 +218,8 @@ class StallMonitor:
     ) -> str:
         """Which processes stalled, how far they got, where they were last seen.
 
-        `exited`: the processes that exited with status 0 (as for
-        `finished_early`); one with fewer step calls than the stalled ones is
-        named as a likely cause.
+        A process of `exited` (as for `finished_early`) with fewer step calls
+        than the stalled ones is named as a likely cause.
         """
         n, low, one = len(self.paths), self.beats[behind[0]], len(behind) == 1
         limit = f"{self.timeout_s:g} s"

@@ -16,6 +16,7 @@ last record marks a target that finished without an error (`report_finished`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import linecache
 import os
@@ -51,16 +52,15 @@ def _exit_now(code: int) -> None:
     flush_and_exit(code)
 
 
-def _run_script(path: str, args: list[str]) -> None:
-    sys.argv = [path, *args]
-    sys.path[0] = os.path.dirname(os.path.abspath(path))
-    runpy.run_path(path, run_name="__main__")
-
-
-def _run_module(name: str, args: list[str]) -> None:
-    sys.argv = [name, *args]
-    sys.path[0] = os.getcwd()
-    runpy.run_module(name, run_name="__main__", alter_sys=True)
+def _run_target(target: str, args: list[str], *, module: bool) -> None:
+    """Runs a script, or a module (`module`), as `__main__`."""
+    sys.argv = [target, *args]
+    if module:
+        sys.path[0] = os.getcwd()
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
+    else:
+        sys.path[0] = os.path.dirname(os.path.abspath(target))
+        runpy.run_path(target, run_name="__main__")
 
 
 def _run_call(payload_path: str, result_path: str) -> None:
@@ -104,14 +104,11 @@ def _exit_when_orphaned() -> None:
     parent = os.getppid()
 
     def watch():
-        while True:
+        while os.getppid() == parent:
             time.sleep(1.0)
-            if os.getppid() != parent:
-                try:  # the launcher read our output: this may hit a closed pipe
-                    print("jdp.launch: the launcher died; exiting.", file=sys.stderr)
-                except Exception:
-                    pass
-                _exit_now(1)
+        with contextlib.suppress(Exception):  # our output may be a closed pipe
+            print("jdp.launch: the launcher died; exiting.", file=sys.stderr)
+        _exit_now(1)
 
     threading.Thread(target=watch, name="jdp-orphan-watch", daemon=True).start()
 
@@ -235,12 +232,10 @@ def main(argv: list[str]) -> None:
         report_progress(progress)
     mode, target, rest = argv[0], argv[1], argv[2:]
     try:
-        if mode == "--script":
-            _run_script(target, rest)
-        elif mode == "--module":
-            _run_module(target, rest)
-        else:
+        if mode == "--call":
             _run_call(target, rest[0])
+        else:
+            _run_target(target, rest, module=mode == "--module")
     except SystemExit as e:
         if e.code not in (None, 0):
             if not isinstance(e.code, int):
