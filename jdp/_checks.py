@@ -1,8 +1,4 @@
-"""`jdp.replicas_in_sync` / `jdp.assert_replicas_in_sync`: catch a forgotten sync.
-
-The functional form of Caffe2's `_AnalyzeOperators` check and of the replica
-comparisons DDP and fairseq users write by hand.
-"""
+"""`jdp.replicas_in_sync` / `jdp.assert_replicas_in_sync`: catch a forgotten sync."""
 
 from __future__ import annotations
 
@@ -39,11 +35,7 @@ def _replica_differences(leaves):
 
 @functools.cache
 def _differences_fn(mesh: Mesh | None):
-    """`_replica_differences`, compiled once per mesh (None: one process).
-
-    With several processes the result is replicated over `mesh`, so that every
-    process reads all of it.
-    """
+    """`_replica_differences` compiled once per mesh, its result replicated there."""
     if mesh is None:
         return jax.jit(_replica_differences)
     return jax.jit(_replica_differences, out_shardings=NamedSharding(mesh, P()))
@@ -67,11 +59,10 @@ def _differences(state: PyTree, atol: float):
 def replicas_in_sync(state: PyTree, *, atol: float = 0.0) -> bool:
     """Whether every replica of a replicated pytree holds the same values.
 
-    Compares each array leaf's replicas (its leading axis, as `step.replicate`
-    lays it out) with replica 0. Synchronous steps keep replicas bit-identical, so
-    the default tolerance is exact; NaNs in the same places count as equal. The
-    slices of a sharded optimizer state (`jdp.zero(tx)`) differ between replicas
-    by design and are skipped; its step counts are compared.
+    Compares each array leaf's replicas (its leading axis) with replica 0,
+    exactly by default (synchronous steps keep replicas bit-identical); NaNs in
+    the same places count as equal. The slices of `jdp.zero(tx)`'s sharded
+    optimizer state differ by design and are skipped.
 
     Args:
       state: A pytree replicated by a `jdp.Parallel` step.

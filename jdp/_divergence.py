@@ -1,12 +1,9 @@
 """Private: the replica-divergence guard of `jdp.parallelize(..., check_sync=K)`.
 
-A step that forgets to average its gradients trains N different models without
-any error. After the first call and then every K-th call, `Parallel`
-fingerprints every leaf that replicas must agree on (an exact, order-independent
-hash of its bits) in a small program of its own and compares the replicas.
-
-With several processes the check is a collective that runs on some calls only,
-so `Guard` first makes sure every process passed the same `check_sync`.
+After the first call and then every K-th call, `Parallel` fingerprints every
+leaf that replicas must agree on (a hash of its bits), in a program of its own,
+and compares the replicas; over several processes `Guard` first checks that
+every process passed the same `check_sync`.
 """
 
 from __future__ import annotations
@@ -192,22 +189,17 @@ def divergences(tree: PyTree, mesh: Mesh) -> tuple[list[str], int, int] | None:
     return [paths[i] for i in bad], replica, len(paths)
 
 
-def _nnx_prefixes(tree: PyTree, kind: str) -> list[str]:
-    """The paths of flax NNX variables of one kind: "metric" or "batch_stat"."""
-    nnx = sys.modules.get("flax.nnx")  # no NNX variables unless it was imported
-    if nnx is None:
-        return []
-    cls = nnx.metrics.MetricState if kind == "metric" else nnx.BatchStat
-    is_kind = lambda x: isinstance(x, cls)  # noqa: E731
-    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_kind)[0]
-    return [keystr(path) for path, x in flat if is_kind(x)]
-
-
 def _all_of_kind(tree: PyTree, leaves: list[str], kind: str) -> bool:
-    """Whether every diverging leaf is a metric accumulator / BatchNorm statistic."""
-    prefixes = _nnx_prefixes(tree, kind)
+    """Whether every diverging leaf is a "metric" accumulator or a "batch_stat"."""
+    prefixes = []
     if kind == "batch_stat":  # linen's collection, or a `jdp.TrainState` field
         prefixes += ["['batch_stats']", ".batch_stats"]
+    nnx = sys.modules.get("flax.nnx")  # no NNX variables unless it was imported
+    if nnx is not None:
+        cls = nnx.metrics.MetricState if kind == "metric" else nnx.BatchStat
+        is_kind = lambda x: isinstance(x, cls)  # noqa: E731
+        flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_kind)[0]
+        prefixes += [keystr(path) for path, x in flat if is_kind(x)]
     return all(any(p.startswith(m) for m in prefixes) for p in leaves)
 
 
@@ -240,9 +232,7 @@ def check(tree: PyTree, mesh: Mesh, *, state: PyTree, call: int) -> None:
 class Guard:
     """`check_sync`: compares the agreed part of a step's state across replicas.
 
-    After the first call, then every `every` calls; never with one replica or
-    `every=None`. Over several processes, the first `due` call first compares
-    `every` across them through the coordination service (`_agree`).
+    After the first call, then every `every` calls; never with one replica.
     """
 
     def __init__(
@@ -266,9 +256,7 @@ class Guard:
     def _agree(self, client: Any = None) -> None:
         """Compares `check_sync` with the other processes once; raises if they differ.
 
-        Each publishes its value under this guard's number (the steps over
-        several processes it built before); `client` replaces the coordination
-        service's key-value store in tests.
+        `client` replaces the coordination service's key-value store in tests.
         """
         if self._error is not None:
             raise ValueError(self._error)

@@ -50,32 +50,20 @@ def check_equivalence(
 ) -> float:
     """Checks that a parallel train step takes one device's step on the global batch.
 
-    Computes the replicas' averaged gradient (what `jdp.all_reduce()` applies)
-    and one device's gradient of the same loss on the whole global batch, and
-    compares them leaf by leaf. A loss that is right on one device can be
-    silently wrong across replicas: a mean over a count that differs between
-    replicas (`jnp.sum(l * w) / jnp.sum(w)` over the real tokens of a padded
-    batch, as in flax's lm1b example: a different model, or NaN when a replica
-    holds only padding; use `jdp.weighted`), BatchNorm without `axis_name`, a
-    sum over the batch instead of a mean. Call it once, on the first batch,
-    before training; it changes nothing. (The step does not run it itself: it
-    costs a second compilation, dropout makes the gradients differ anyway, and
-    per-replica statistics may be meant.)
+    Compares, leaf by leaf, the replicas' averaged gradient (what
+    `jdp.all_reduce()` applies) with one device's gradient of the same loss on
+    the whole global batch, both from replica 0's params and batch statistics.
+    A loss right on one device can be silently wrong across replicas: a mean
+    over a count that differs between replicas (`jnp.sum(l * w) / jnp.sum(w)`
+    over the real tokens of a padded batch, as in flax's lm1b example; use
+    `jdp.weighted`), BatchNorm without `axis_name`, a sum over the batch
+    instead of a mean. Call it once, on the first batch, with dropout off (the
+    loss gets the state's `rng`, but draws still differ); it changes nothing.
 
-    Each replica runs the step's loss on its slice as the step does
-    (microbatches, batch statistics, `jdp.weighted`; dense gradients whatever
-    the sync piece) and the gradients are averaged; one device runs the loss on
-    the global batch with the replica axis bound to a single replica. Both start
-    from replica 0's params and batch statistics, and a loss that takes `rng`
-    receives the state's `rng`, but draws of another shape still differ: check
-    with dropout off. The global-batch gradient is partitioned over the step's
-    devices like any jitted program.
-
-    Tolerance: a leaf's gap is the norm of `parallel - one device` over its
-    one-device gradient's norm, at least `1e-2` of the whole gradient's norm (a
-    leaf zero in exact arithmetic holds only rounding). Float32 reorderings
-    differ by about `1e-6`, the mistakes above by percents or more; parameters
-    in a narrower float type are held to `8 * eps` of their type at least.
+    A leaf's gap is the norm of `parallel - one device` over its one-device
+    gradient's norm, at least `1e-2` of the whole gradient's norm. Float32
+    reorderings differ by about `1e-6`, the mistakes above by percents or more;
+    parameters in a narrower float type are held to `8 * eps` at least.
 
     Args:
       step: A `jdp.parallelize`d step made by `jdp.make_train_step`.
@@ -172,11 +160,14 @@ def check_equivalence(
     return gap
 
 
-def _fixed_kwargs(spec: _train_step.LossSpec, state: PyTree) -> dict[str, Any]:
-    """The loss's `rng` and `step`: the state's own, the same everywhere."""
-    out = {}
+def _loss_and_grads(spec: _train_step.LossSpec, state, batch, microbatches: int):
+    """`{"loss", "grads"}` of one replica (or one device): normalised as the step.
+
+    The loss's `rng` and `step` are the state's own, the same everywhere.
+    """
+    kwargs = {}
     if "step" in spec.keywords:
-        out["step"] = state.step
+        kwargs["step"] = state.step
     if "rng" in spec.keywords:
         if getattr(state, "rng", None) is None:
             raise ValueError(
@@ -184,13 +175,7 @@ def _fixed_kwargs(spec: _train_step.LossSpec, state: PyTree) -> dict[str, Any]:
                 "no `rng` (None). Create it with a key, e.g. "
                 "`jdp.TrainState.create(..., rng=jax.random.key(0))`."
             )
-        out["rng"] = state.rng
-    return out
-
-
-def _loss_and_grads(spec: _train_step.LossSpec, state, batch, microbatches: int):
-    """`{"loss", "grads"}` of one replica (or one device): normalised as the step."""
-    kwargs = _fixed_kwargs(spec, state)
+        kwargs["rng"] = state.rng
     out = _loss.gradients(
         jax.value_and_grad,
         spec.loss_fn,

@@ -1,8 +1,4 @@
-"""Private: how a step's metrics are combined over replicas (`jdp.metrics`).
-
-Averaged by default; the markers `jdp.metrics.sum`, `jdp.metrics.gather` and
-`jdp.weighted` say otherwise.
-"""
+"""Private: how a step's metrics are combined over replicas (`jdp.metrics`)."""
 
 from __future__ import annotations
 
@@ -49,22 +45,17 @@ class Weighted(NamedTuple):
 def weighted(total: Any, weight: Any) -> Weighted:
     """A loss or metric normalised by a count that differs between replicas.
 
-    For a loss that is a sum over a varying number of items (the padded tokens
-    of a language model's batch, the masked entries of any masked loss), return
+    For a loss summed over a varying number of items (the padded tokens of a
+    language model's batch, any masked loss), return
     `jdp.weighted(jnp.sum(loss * mask), jnp.sum(mask))` instead of dividing by
     the replica's own count. `jdp.make_train_step` then sums the totals, the
-    weights and the gradients of the totals over replicas (and microbatches)
-    and divides once by the global weight: the global per-item mean one device
-    computes, for any split of the items (fairseq's `sample_size`). A replica
-    whose slice is all padding contributes nothing (no 0 / 0); a global weight
-    of 0 gives a zero gradient and a loss of 0. Dividing per replica instead
-    weights every replica alike, however many items it had.
-
-    Among a step's metrics (or the loss's auxiliary metrics), a weighted value
-    comes back as `sum(total) / sum(weight)` over replicas and microbatches.
-    Under `jdp.local()` (local SGD, BMUF) each replica applies its own summed
-    gradient scaled by `num_replicas / global weight`, so that their average is
-    the global per-item mean.
+    weights and the gradients over replicas (and microbatches) and divides once
+    by the global weight: one device's per-item mean, for any split of the
+    items (fairseq's `sample_size`). An all-padding replica contributes nothing
+    (no 0 / 0); a global weight of 0 gives a zero gradient and a loss of 0.
+    Among a step's metrics, a weighted value comes back as `sum(total) /
+    sum(weight)`. Under `jdp.local()` each replica applies its own summed
+    gradient scaled by `num_replicas / global weight`.
 
     Args:
       total: The replica's sum (a scalar), e.g. of per-token losses times the mask.
@@ -162,9 +153,8 @@ def reduce_metrics(
 ) -> PyTree:
     """A step's metrics combined over replicas: averaged unless marked otherwise.
 
-    `totals` (what `_collectives.bound_axis` collected while the step was
-    traced) maps a microbatch mean to its total: a `jdp.metrics.sum` of that
-    very value sums the total.
+    `totals` maps a microbatch mean to its total, which a `jdp.metrics.sum` of
+    that very value sums.
     """
     totals = totals or {}
 
@@ -203,9 +193,8 @@ def reduce_metrics(
 def _mean(m: jax.Array, axis_name: AxisName) -> jax.Array:
     """The mean over replicas; for a scalar all replicas hold alike, that value.
 
-    A sum divided by N is often an ulp off a value every replica holds, so the
-    same sum also brings replica 0's value, returned where the mean is within
-    N ulps of it.
+    (A sum over N is often an ulp off it: replica 0's value is returned where
+    the mean is within N ulps of it.)
     """
     dtype = m.dtype
     if jnp.finfo(dtype).bits < 32:  # a float16 sum over replicas could overflow

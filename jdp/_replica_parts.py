@@ -1,12 +1,9 @@
 """Which parts of a state may differ between replicas: the declaration protocol.
 
-A NamedTuple state node whose fields are not all equal on every replica declares
-so with `declare` (`local` fields may differ; `required` ones identify it in
-flax NNX's mapping layout). Its class may also define `restart_params()` (the
-params every replica holds after a re-layout to another replica count),
-`restart_local()` (the node after such a re-layout) and `RESTART_NOTE` (what
-restarted, for the checkpoint's warning). Readers (the divergence guard,
-`jdp.local()`, checkpoints, the train step's checks) ask only this module.
+A NamedTuple state whose fields are not all equal on every replica declares so
+with `declare`; its class may define `restart_params()` (the params after a
+re-layout to another replica count), `restart_local()` (the node after one) and
+`RESTART_NOTE` (what restarted). Readers ask only this module.
 """
 
 from __future__ import annotations
@@ -35,10 +32,11 @@ _DECLARED: list[_Declaration] = []
 def declare(
     *, local: tuple[str, ...], required: tuple[str, ...], trains_locally: bool = False
 ) -> Callable[[type], type]:
-    """Class decorator: records a NamedTuple state's `local` and `required` fields.
+    """Class decorator: records a NamedTuple state's per-replica fields.
 
-    `trains_locally`: the optimizer owning the state trains each replica on its
-    own gradients (a step must not average them first).
+    `local` fields may differ between replicas; `required` ones identify the
+    node in flax NNX's mapping layout; `trains_locally`: its optimizer trains
+    each replica on its own gradients.
     """
 
     def register(cls: type) -> type:

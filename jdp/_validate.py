@@ -1,9 +1,7 @@
 """Private: argument checks shared by jdp's modules, with one wording for each.
 
-A wrong type raises `TypeError`, a bad value of the right type `ValueError`;
-both name the argument, say what it must be and show what it got, e.g.
-"`num_processes` must be an int >= 1, got '2' (a str)." An int is a Python
-`int` other than a bool.
+A wrong type raises `TypeError`, a bad value `ValueError`, e.g. "`num_processes`
+must be an int >= 1, got '2' (a str)." An int is never a bool.
 """
 
 from __future__ import annotations

@@ -1,8 +1,4 @@
-"""`jdp.bmuf` and `jdp.bmuf_global_params`: the public transform and its reader.
-
-`bmuf` checks its options, builds the state and runs the local step; the sync
-is `_block.merge` or, with a streaming schedule, `_streaming.merge`.
-"""
+"""`jdp.bmuf` and `jdp.bmuf_global_params`: the public transform and its reader."""
 
 from __future__ import annotations
 
@@ -19,13 +15,7 @@ from jdp._bmuf import _block, _streaming
 from jdp._bmuf._average import mean
 from jdp._bmuf._deferred import MERGES_ARG
 from jdp._bmuf._fragments import plan, take
-from jdp._bmuf._options import (
-    BlockAverage,
-    InnerStateAtSync,
-    Streaming,
-    check,
-    record,
-)
+from jdp._bmuf._options import BlockAverage, InnerStateAtSync, Streaming, check, record
 from jdp._bmuf._state import BMUFState, find_states
 from jdp._tree import is_float
 
@@ -81,9 +71,8 @@ def bmuf(
     optax.clip_by_global_norm(1.0), jdp.bmuf(optax.sgd(0.1), sync_period=8))`.
 
     Args:
-      inner: The local optimizer, any optax transform (e.g.
-        `optax.sgd(0.1, momentum=0.9)`), applied every step to the replica's own
-        gradients.
+      inner: The local optimizer, any optax transform, applied every step to
+        the replica's own gradients.
       sync_period: Steps per block, τ (an int >= 1).
       outer: The outer optimizer, an optax transform applied at a sync to the
         block start with the pseudo-gradient `start - avg`. None (default):
@@ -93,19 +82,15 @@ def bmuf(
         gradients are averaged across replicas before `inner` (synchronous SGD,
         like PyTorch's post-local-SGD warmup); blocks count from there.
       inner_state_at_sync: What happens to `inner`'s state at a sync: `"keep"`
-        it (default); `"reset"` its floating leaves (momentum, moments) to their
-        initial values, keeping integer leaves (step counts, so learning-rate
-        schedules continue), as Caffe2's `reset_momentum_sgd`; or `"average"`
-        its floating leaves across replicas (fairseq's `average_sync`; one more
-        all-reduce, on sync steps only).
-      streaming: Streaming DiLoCo's schedule, a `jdp.Streaming(fragments,
-        delay, mix)`; its `fragments` must divide `sync_period` and its `delay`
-        be at most `sync_period / fragments`. None (default): the whole model
-        at every sync.
+        it (default); `"reset"` its floating leaves (momenta) to their initial
+        values, keeping step counts (Caffe2's `reset_momentum_sgd`); or
+        `"average"` its floating leaves across replicas (fairseq's
+        `average_sync`; one more all-reduce).
+      streaming: Streaming DiLoCo's schedule, a `jdp.Streaming`. None
+        (default): the whole model at every sync.
       average: How the replicas' params are averaged at a sync, a
-        `jdp.BlockAverage(wire, on_bad_replica, bad_replica_max_norm)`: a
-        compressed exchange, or leaving out the replicas that went bad. None
-        (default): the plain mean, in the params' own type.
+        `jdp.BlockAverage` (a compressed exchange, dropping bad replicas).
+        None (default): the plain mean, in the params' own type.
       axis_name: Replica axis; None (default) uses the one bound by the
         enclosing `jdp.parallelize`.
 

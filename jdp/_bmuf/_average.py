@@ -1,10 +1,4 @@
-"""The average across replicas at a sync: the one place every sync averages.
-
-`params_mean` is a plain all-reduce, or a compressed exchange with `wire=`; the
-block sync hands the update a `Mean`, which also says which replicas it counted
-(every one, or with `_drop` the valid ones), so the update formula reads the
-mean alone.
-"""
+"""The average across replicas at a sync: the one place every sync averages."""
 
 from __future__ import annotations
 
@@ -56,11 +50,7 @@ EVERY = Mean()
 
 
 def params_mean(local: PyTree, ref: PyTree, axis_name, wire=None) -> PyTree:
-    """The replicas' mean of their `local` params, `ref` the block start.
-
-    With a `wire` format the pseudo-gradient `ref - local` is compressed and
-    averaged (`_wire.mean`), and the result is `ref` minus that mean.
-    """
+    """The replicas' mean of `local`; with `wire`, `ref` minus the pseudo-gradients'."""
     if wire is None:
         return mean(local, axis_name)
     pseudo = float_map(lambda r, x: r - x.astype(r.dtype), ref, local)

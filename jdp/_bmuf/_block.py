@@ -14,21 +14,11 @@ PyTree = Any
 
 
 def merge(params, old_state, state, *, inner, axis, options):
-    """`jdp.bmuf`'s block sync on the params after this step's local update.
+    """`(params, state)` after the block sync of the locally updated `params`.
 
-    Args:
-      params: The locally updated params.
-      old_state: The state before the update.
-      state: The state the update returned (`count` and `synced` advanced).
-      inner: The inner optimizer.
-      axis: The replica axis as given to `jdp.bmuf` (None: the bound one).
-      options: The `_options.Options`.
-
-    Returns:
-      `(params, state)`: on a step that ends a block, every replica's params are
-      exactly the next block's start and the state holds the new global model
-      and velocity; otherwise both as given (during warmup `g` follows the
-      replicas).
+    `old_state` is the state before the update, `state` the one it returned. On
+    a step that ends a block every replica's params become exactly the next
+    block's start; otherwise both come back as given (but for warmup).
     """
     axis_name = _collectives.resolve_axis(axis)
     eta = _update.eta(axis_name, options.block_momentum)
@@ -63,11 +53,7 @@ def merge(params, old_state, state, *, inner, axis, options):
 
 
 def average(params, ref, axis_name, options) -> _average.Mean:
-    """The replicas' `Mean` at a block sync, `ref` the block start.
-
-    The seam of the options that change what is averaged: `wire=` (compressed
-    pseudo-gradients) and `on_bad_replica="drop"` (the valid replicas alone).
-    """
+    """The replicas' `Mean` at a block sync (`wire=`, `on_bad_replica=`)."""
     if options.on_bad_replica is not None:
         return _drop.valid_mean(params, ref, axis_name, options.bad_replica_max_norm)
     return _average.Mean(_average.params_mean(params, ref, axis_name, options.wire))

@@ -18,22 +18,10 @@ MERGES_ARG = "jdp_bmuf_merges"
 def merge_updated(
     params: PyTree, old_opt_state: PyTree, opt_state: PyTree, merges: list[Callable]
 ) -> tuple[PyTree, PyTree]:
-    """Runs the block sync `jdp.bmuf` left in `merges` on the updated `params`.
+    """`(params, opt_state)` after the block sync `jdp.bmuf` left in `merges`.
 
-    Run inside the optimizer (a hand-written step), the same sync needs the
-    updated params computed there first: a larger temporary buffer every step.
-
-    Args:
-      params: The params after `optax.apply_updates`.
-      old_opt_state: The optimizer state before the update.
-      opt_state: The optimizer state the update returned.
-      merges: The list given to the optimizer as `MERGES_ARG`.
-
-    Returns:
-      `(params, opt_state)` after the sync (as given on a step without one).
-
-    Raises:
-      ValueError: If the optimizer holds more than one `jdp.bmuf`.
+    `params` are the updated params; inside the optimizer (a hand-written step)
+    the same sync would need them computed there, a larger temporary buffer.
     """
     if not merges:
         return params, opt_state

@@ -1,10 +1,8 @@
 """Dropping bad replicas (`on_bad_replica="drop"`): the mean of the valid ones.
 
-A replica is valid when its locally updated params are finite and, with
-`bad_replica_max_norm`, within that L2 distance of the block start. Its bit
-masks its contribution and rides as one more float32 leaf in the same
-all-reduce; the mean of the contributions over the mean of the bits is the
-valid replicas' mean (exactly the plain mean when all are valid).
+Each replica's validity bit masks its contribution and rides in the same
+all-reduce; the contributions' mean over the bits' mean is the valid replicas'
+mean (exactly the plain mean when all are valid).
 """
 
 from __future__ import annotations

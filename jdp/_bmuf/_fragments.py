@@ -1,8 +1,4 @@
-"""Streaming DiLoCo's fragment plan: the params' split into slices.
-
-`plan` is a function of the leaves' shapes and dtypes; `take` reads its slices
-of a list of leaves and `put` writes them.
-"""
+"""Streaming DiLoCo's fragment plan (the params' split into slices), `take`, `put`."""
 
 from __future__ import annotations
 

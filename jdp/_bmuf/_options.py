@@ -1,9 +1,4 @@
-"""`jdp.bmuf`'s options, their record and their checks.
-
-`Streaming` and `BlockAverage` are immutable values that check themselves;
-`Options` is the record the sync reads (built by `record`) and `check` makes the
-checks that span several options.
-"""
+"""`jdp.bmuf`'s options: `Streaming`, `BlockAverage`, their record and checks."""
 
 from __future__ import annotations
 
@@ -190,11 +185,7 @@ class Options(NamedTuple):
 
 def record(sync_period, outer, warmup_steps, inner_state_at_sync, streaming,
             average) -> Options:  # fmt: skip
-    """The record of `jdp.bmuf`'s arguments.
-
-    A `jdp.block_momentum` transform (the default `outer`) runs as the classical
-    block filter: its settings in the record, `outer` None.
-    """
+    """The record of `jdp.bmuf`'s arguments (`outer` None for `block_momentum`)."""
     _check_value(streaming, Streaming, "streaming", "jdp.Streaming(fragments=2)")
     _check_value(average, BlockAverage, "average", "jdp.BlockAverage(wire=...)")
     if outer is None:

@@ -1,8 +1,4 @@
-"""The classical block filter of Chen & Huo, written once: `jdp.block_momentum`.
-
-`jdp.bmuf` recognises a `BlockMomentum` and runs the same formula (`velocity`,
-`eta`) on its own state, which keeps W(t) apart from the Nesterov look-ahead.
-"""
+"""The classical block filter of Chen & Huo, written once: `jdp.block_momentum`."""
 
 from __future__ import annotations
 

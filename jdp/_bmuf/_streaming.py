@@ -1,8 +1,4 @@
-"""Streaming DiLoCo: fragment syncs, chunked delayed all-reduces, snapshots.
-
-The block sync's averaging and update formula, applied to one fragment's slices
-at a time, under conditionals that copy nothing when nothing is due.
-"""
+"""Streaming DiLoCo: fragment syncs, chunked delayed all-reduces, snapshots."""
 
 from __future__ import annotations
 
@@ -100,13 +96,10 @@ def _sync_fragments(dues, plan, leaves, velocity, inner_state, tree, *,
                     inner, eta, axis_name, options):  # fmt: skip
     """The sync of the fragment `f` whose `dues[f]` holds (at most one).
 
-    `leaves` are the flat leaf lists `(params, g, start, v, pending)` (None
-    where the state has none); returns them updated, with the outer states and
-    the inner state (None unless `inner_state_at_sync` acts on it).
-
-    Without `outer=`, two conditionals per fragment: one computes `v`, the next
-    writes `g`, `start` and the local params, each ordered after every other
-    reader of the buffers it updates, so that XLA updates them in place.
+    Returns the flat leaf lists `leaves` (`(params, g, start, v, pending)`)
+    updated, the outer states and the inner state. Without `outer=`, one
+    conditional computes `v` and the next writes the rest, each ordered after
+    the other readers of what it updates, so XLA updates buffers in place.
     """
     p_leaves, g_leaves, s_leaves, v_leaves, pend = leaves
     delay, alpha, wire, outer = options.delay, options.mix, options.wire, options.outer
@@ -199,12 +192,8 @@ def _reduce_chunks(in_flight, chunk, plan, pending, ref, axis_name, wire):
 
     def reduce(pieces, written, read, extra):
         pending, ref = written
-        avg = params_mean(
-            take(pending, pieces),
-            None if ref is None else take(ref, pieces),
-            axis_name,
-            wire,
-        )
+        ref_f = None if ref is None else take(ref, pieces)
+        avg = params_mean(take(pending, pieces), ref_f, axis_name, wire)
         return [put(pending, pieces, avg), ref], extra
 
     delay = len(plan.chunks[0])
@@ -234,10 +223,8 @@ def _snapshots(due, which, plan, pending, local):
 def _when(pred, pieces, fn, written, read, extra=None):
     """`(written, extra)` after `fn` under a `lax.cond` on the leaves `pieces` touch.
 
-    `written` and `read` are lists of flat leaf lists (or None); only the
-    touched leaves cross the conditional, so XLA updates them in place.
-    `fn(pieces, written, read, extra) -> (written, extra)` sees those leaves
-    alone, the pieces renumbered to match.
+    `written` and `read` are lists of flat leaf lists (or None); `fn(pieces,
+    written, read, extra) -> (written, extra)` sees the touched leaves alone.
     """
     ids = sorted({p.leaf for p in pieces})
     where = {leaf: i for i, leaf in enumerate(ids)}

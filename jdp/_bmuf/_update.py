@@ -1,9 +1,4 @@
-"""What a sync does to the state, written once for every schedule.
-
-The block filter or the `outer` optimizer applied to the mean from `_average`,
-the inner state at a sync, and the global model following the replicas during
-warmup: on the whole tree (block sync) or on a fragment's slices (streaming).
-"""
+"""What a sync does to the state, for the whole tree or a fragment's slices."""
 
 from __future__ import annotations
 

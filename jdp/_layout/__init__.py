@@ -1,17 +1,10 @@
 """Private: the replica layout, the one package that knows how state is laid out.
 
-A *logical* pytree (one copy: what the user writes, `step.unreplicate` returns
-and checkpoints save) becomes a *replicated* pytree whose every array leaf has a
-leading replica axis of size `num_replicas`, sharded over every axis of the mesh
-(`replica_sharding`). Typed PRNG keys are placed as their key data. A node that
-lays its leaves out otherwise (ZeRO's sharded optimizer state) subclasses
-`CustomLayout`, and every conversion here asks it to convert itself.
-
-Modules, each importing only those before it: `_mesh` (the mesh and its
-sharding), `_keys` (PRNG keys, a leaf's host and abstract value), `_custom`
-(`CustomLayout`), `_agreed` (what replicas must agree on), `_place` (replicate
-and take one copy back), `_state_checks` (checks of the state a step receives
-and returns). The rest of jdp imports their names from here.
+A *logical* pytree (one copy) becomes a *replicated* one whose every array leaf
+has a leading replica axis sharded over the whole mesh; a `CustomLayout` node
+(ZeRO's state) converts itself. Modules, each importing only those before it:
+`_mesh`, `_keys` (typed PRNG keys), `_custom`, `_agreed` (what replicas must
+agree on), `_place` (replicate, take one copy back), `_state_checks`.
 """
 
 from jdp._layout._agreed import map_agreed, replica_leaves

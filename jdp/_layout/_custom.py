@@ -9,11 +9,7 @@ PyTree = Any
 
 
 class CustomLayout:
-    """A pytree node that holds something other than a full copy per replica.
-
-    A subclass (e.g. ZeRO's state, where replica `r` holds slice `r`) converts
-    between its layout and one logical copy.
-    """
+    """A pytree node that holds something other than a full copy per replica."""
 
     #: Whether the node's optimizer averages the gradients itself (`jdp.zero`),
     #: so that the step's sync piece must not.

@@ -1,8 +1,4 @@
-"""Private: the step's mesh, the axis names it is checked against, and its sharding.
-
-1-D for one axis name, `(hosts, devices per host)` for two; replicated state and
-batches are sharded over all of its axes (`replica_sharding`).
-"""
+"""Private: the step's mesh (1-D, or hosts by devices), its axis names and sharding."""
 
 from __future__ import annotations
 
@@ -32,18 +28,8 @@ def mesh_for(devices: Any, axis_name: Any) -> Mesh:
     """The mesh of `jdp.parallelize(devices=..., axis_name=...)`, checked.
 
     `devices` is None (every device), a sequence of devices (1-D), or a 2-D
-    array or nested list of devices whose rows stand for hosts (a
-    `(hosts, devices per host)` mesh, in one process too, named by the two
-    names of `axis_name`).
-
-    Raises:
-      ValueError: For empty `devices`, a device listed twice, a layout neither
-        1-D nor 2-D (or with rows of different lengths), a 2-D one with one axis
-        name, an `axis_name` not one name or two distinct names, or, with
-        several processes, processes holding different numbers of `devices` (or
-        a row of a 2-D layout holding devices of several processes).
-      TypeError: If `axis_name` is neither a str nor a tuple, or an entry of
-        `devices` is not a device.
+    array or nested list of devices whose rows stand for hosts, named by the
+    two names of `axis_name`.
     """
     grid = None if devices is None else _device_grid(devices)
     flat = list(_jax_compat.devices() if grid is None else grid.flat)
@@ -128,8 +114,7 @@ def _grid_mesh(grid: np.ndarray, names: AxisName, axis_name: Any) -> Mesh:
 def make_mesh(devices: Sequence[jax.Device], axis_name: AxisName) -> Mesh:
     """The mesh of a step: 1-D for a name, `(hosts, devices per host)` for two.
 
-    With two names, row h holds process h's devices, in the 1-D mesh's order
-    when `devices` are listed process by process (as `jax.devices()` does).
+    With two names row h holds process h's devices, in the 1-D mesh's order.
     """
     if isinstance(axis_name, str):
         return Mesh(np.asarray(devices, dtype=object), (axis_name,))

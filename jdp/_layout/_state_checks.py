@@ -1,9 +1,4 @@
-"""Private: the checks of a state a step receives and returns.
-
-A state passed in must be laid out by `replicate` and not donated; the state a
-step returns must keep the structure, per-replica shapes and dtypes of the one
-it received. Every message names the offending leaves and how to fix them.
-"""
+"""Private: the checks of a state a step receives and returns (layout, types)."""
 
 from __future__ import annotations
 
