@@ -62,8 +62,10 @@ def test_public_subpackages_are_pinned():
     assert sorted(jdp.wire.__all__) == ["Wire", "WireState", "bf16", "fp8", "int8"]
     assert jdp.checkpoint.__all__ == ["CheckpointCorruptedError", "CheckpointManager"]
     assert sorted(jdp.distributed.__all__) == [
+        "LiveStep",
         "initialize",
         "is_initialized",
+        "live",
         "shutdown",
     ]
     assert jdp.launch.__all__ == ["run"]

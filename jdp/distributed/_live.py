@@ -1,0 +1,219 @@
+"""`jdp.distributed.live`: a train step that keeps going when a process dies.
+
+Each call runs inside `multihost_utils.live_devices`, JAX's barrier over the
+live processes whose body either completes on every one of them or raises on
+every one. When a process is lost the step in flight is discarded everywhere
+(the state passed in is kept: the step does not donate it), the survivors build
+a new mesh over the live devices and run the same step again, on the same
+global batch split over fewer replicas. No checkpoint is read: each device
+keeps its own replica of the state, which is rewrapped for the new mesh.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from jdp import _layout
+from jdp._parallel import Parallel, parallelize
+
+PyTree = Any
+
+_log = logging.getLogger("jdp.distributed")
+
+API = "jdp.distributed.live"
+
+
+class LiveStep:
+    """A train step over the devices of the live processes (see `live`)."""
+
+    def __init__(
+        self,
+        train_step: Callable[[PyTree, PyTree], tuple[PyTree, dict]],
+        devices: Sequence[jax.Device],
+        max_retries: int,
+    ):
+        self._train_step = train_step
+        self._devices = list(devices)
+        self._max_retries = max_retries
+        self._used: set[tuple[int, ...]] = set()
+        self._parallel: Parallel | None = None
+        #: How many times the set of replicas changed after the first mesh.
+        self.membership_changes = 0
+
+    @property
+    def num_replicas(self) -> int:
+        """Replicas of the current mesh (one per live device)."""
+        return 0 if self._parallel is None else self._parallel.num_replicas
+
+    @property
+    def devices(self) -> list[jax.Device]:
+        """The devices of the current mesh, in replica order."""
+        return [] if self._parallel is None else list(self._parallel.mesh.devices.flat)
+
+    def replicate(self, state: PyTree) -> PyTree:
+        """Places one logical copy of `state` on every live device.
+
+        Every process must pass the same `state` (e.g. built from the same seed,
+        or restored from the same checkpoint): nothing is broadcast, so that no
+        collective spans a process that may already be gone.
+        """
+        with multihost_utils.live_devices(self._devices) as live:
+            self._form(live)
+            like = jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(
+                    (self.num_replicas,) + np.shape(x),
+                    _layout.abstract(x).dtype,
+                    sharding=self._parallel.sharding,
+                ),
+                state,
+            )
+            return _layout.place_like(jax.tree.map(_layout.host_value, state), like)
+
+    def __call__(self, state: PyTree, batch: PyTree) -> tuple[PyTree, dict]:
+        """One step on `batch`, the global batch (the same on every process).
+
+        Returns:
+          `(state, metrics)` as the wrapped step does, on the current mesh.
+
+        Raises:
+          RuntimeError: After `max_retries` membership changes within one step.
+        """
+        failures = []
+        for _ in range(self._max_retries + 1):
+            try:
+                with multihost_utils.live_devices(self._devices) as live:
+                    if [d.id for d in live] != sorted(d.id for d in self.devices):
+                        state = self._reform(live, state)
+                    out = self._parallel(state, self._place(batch))
+                    jax.block_until_ready(out)
+                return out
+            except Exception as e:  # noqa: BLE001 - raised on every survivor alike
+                failures.append(f"{type(e).__name__}: {e}")
+                _log.warning(
+                    "%s: the step failed on every live process (%s); it runs again "
+                    "on the live devices.",
+                    API,
+                    failures[-1][:200],
+                )
+        raise RuntimeError(
+            f"`{API}`: the step failed {len(failures)} times in a row; the last "
+            f"failure: {failures[-1]}"
+        )
+
+    def _form(self, live: Sequence[jax.Device]) -> None:
+        """A mesh over `live`, in a device order no earlier mesh used.
+
+        The CPU collectives cache their connections by the ordered device list,
+        and a list used before a failure does not work again.
+        """
+        for order in itertools.permutations(sorted(live, key=lambda d: d.id)):
+            ids = tuple(d.id for d in order)
+            if ids not in self._used:
+                break
+        else:  # every order used: try the first one again
+            order = tuple(sorted(live, key=lambda d: d.id))
+            ids = tuple(d.id for d in order)
+        if self._parallel is not None:
+            self.membership_changes += 1
+        self._used.add(ids)
+        self._parallel = parallelize(
+            self._train_step, devices=list(order), donate_state=False
+        )
+        _log.info("%s: %d replicas, devices %s", API, len(order), list(ids))
+
+    def _reform(self, live: Sequence[jax.Device], state: PyTree) -> PyTree:
+        """`state` rewrapped for a mesh over `live`: each device keeps its replica."""
+        self._form(live)
+        sharding = self._parallel.sharding
+        mine = [d for d in self.devices if d.process_index == jax.process_index()]
+
+        def rewrap(x):
+            if not isinstance(x, jax.Array):
+                return x
+            held = {s.device: s.data for s in x.addressable_shards}
+            shape = (self.num_replicas,) + x.shape[1:]
+            return jax.make_array_from_single_device_arrays(
+                shape, sharding, [held[d] for d in mine]
+            )
+
+        return jax.tree.map(rewrap, state)
+
+    def _place(self, batch: PyTree) -> PyTree:
+        """This process's replicas' rows of the global `batch`, placed."""
+        n = self.num_replicas
+        sharding = self._parallel.sharding
+
+        def place(path, x):
+            x = np.asarray(x)
+            if x.ndim == 0 or x.shape[0] % n:
+                raise ValueError(
+                    f"`{API}`: batch leaf {jax.tree_util.keystr(path)} has "
+                    f"{x.shape[0] if x.ndim else 0} examples, which the {n} live "
+                    "replicas cannot share equally. Give a global batch whose "
+                    "size every replica count that may remain divides (e.g. a "
+                    "multiple of 12 for up to 4 processes)."
+                )
+            return jax.make_array_from_callback(x.shape, sharding, x.__getitem__)
+
+        return jax.tree_util.tree_map_with_path(place, batch)
+
+
+def live(
+    train_step: Callable[[PyTree, PyTree], tuple[PyTree, dict]],
+    *,
+    devices: Sequence[jax.Device] | None = None,
+    max_retries: int = 3,
+) -> LiveStep:
+    """`train_step` on the live processes: a lost process does not stop the others.
+
+    Each call runs the step inside `jax.experimental.multihost_utils.
+    live_devices`, JAX's barrier over the live processes. When a process dies
+    (not process 0, which hosts JAX's coordination service), the step in flight
+    fails on every survivor alike; they form a new mesh over the live devices
+    and run the same step again, on the same global batch split over fewer
+    replicas, so the optimizer sees the mean over the same examples. Each
+    device keeps its own replica of the state (per-replica parts included,
+    e.g. error-feedback buffers or `jdp.bmuf`'s local models, and a dead
+    replica leaves `jdp.bmuf`'s block average), so nothing is read from a
+    checkpoint. The step does not donate its state (a failed step must leave
+    the state it was given).
+
+    It needs JAX's fault tolerance, set up before `jdp.distributed.initialize`:
+    `jax.config.update("jax_enable_recoverability", True)`, `fail_fast=False`,
+    a short `heartbeat_timeout_s` (how soon a dead process is noticed) and, on
+    CPU, `XLA_FLAGS=--xla_cpu_collective_timeout_seconds=N` (a collective a
+    dead peer never joins ends after N seconds). Tested on CPU with gloo, real
+    processes on one machine; see the guide for what is not.
+
+    Args:
+      train_step: A per-replica step, e.g. from `jdp.make_train_step`. Its
+        state must not be laid out per replica in its own way (`jdp.zero`'s
+        slices die with their process).
+      devices: The devices to train on (default: all of every process).
+      max_retries: How many membership changes one step may meet before it
+        gives up.
+
+    Returns:
+      A `LiveStep`: `state = step.replicate(state)`, then `state, metrics =
+      step(state, global_batch)` with the same global batch on every process.
+
+    Raises:
+      RuntimeError: If JAX's fault tolerance is off or the distributed runtime
+        is not initialized.
+    """
+    if not jax.config.jax_enable_recoverability:
+        raise RuntimeError(
+            f"`{API}` needs JAX's fault tolerance: call "
+            '`jax.config.update("jax_enable_recoverability", True)` before '
+            "`jdp.distributed.initialize(..., fail_fast=False)`."
+        )
+    return LiveStep(
+        train_step, jax.devices() if devices is None else devices, max_retries
+    )
