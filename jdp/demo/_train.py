@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -59,8 +60,9 @@ def build_algo(args: argparse.Namespace) -> Algo:
     if args.algo == "sync":
         return Algo("sync", sgd, jdp.make_train_step(_model.loss_fn, sgd))
     if args.algo == "zero":
-        step = jdp.make_train_step(_model.loss_fn, sgd, sync=jdp.zero())
-        return Algo("zero", sgd, step)
+        zero = jdp.zero(sgd)
+        step = jdp.make_train_step(_model.loss_fn, zero, sync=jdp.local())
+        return Algo("zero", zero, step)
     # The block momentum (1 - 1/devices by default) plays the part of momentum:
     # inner momentum on top of it overshoots, so the local optimizer is plain SGD.
     tx = jdp.bmuf(
@@ -194,15 +196,11 @@ class _Run:
         self.data = _data.load_digits()
         self.variables = _model.init_variables(args.seed, self.data.x_train)
         self.algo = build_algo(args)
-        self.step = jdp.parallelize(
-            self.algo.train_step, devices=self.devices, backend=args.backend
+        parallel = functools.partial(
+            jdp.parallelize, devices=self.devices, backend=args.backend
         )
-        self.evaluator = jdp.parallelize(
-            _model.eval_step,
-            devices=self.devices,
-            backend=args.backend,
-            donate_state=False,
-        )
+        self.step = parallel(self.algo.train_step)
+        self.evaluator = parallel(_model.eval_step, donate_state=False)
         test = {"x": self.data.x_test, "y": self.data.y_test}
         self.test_batch, mask = self.evaluator.shard(test, pad=True)
         self.test_batch["mask"] = mask  # padding does not count (see eval_step)
@@ -303,8 +301,7 @@ class _Run:
                     t_mark = time.perf_counter()  # the first step (compile) is untimed
                 else:
                     self.timed_steps += 1
-                last = self.i == args.steps
-                eval_now = self.i % args.eval_every == 0 or last
+                eval_now = self.i % args.eval_every == 0 or self.i == args.steps
                 save_now = (
                     self.ckpt is not None
                     and self.i - (self.ckpt.last_saved or 0) >= args.checkpoint_every
