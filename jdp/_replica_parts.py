@@ -175,12 +175,6 @@ def less_local(tree: PyTree) -> PyTree:
     return map_declared(tree, lambda path, x: x)
 
 
-def _variables() -> tuple[type, ...]:
-    """The `Variable` class of flax NNX, if it was imported (else no NNX state)."""
-    nnx = sys.modules.get("flax.nnx")
-    return (nnx.Variable,) if nnx is not None else ()
-
-
 def _name(key: Any) -> Any:
     """A key path entry without its kind: `['w']`, `.w` and NNX's `w` all name `w`."""
     for attr in ("key", "name", "idx"):
@@ -189,21 +183,17 @@ def _name(key: Any) -> Any:
     return str(key)
 
 
-def _shape(x: Any) -> tuple[int, ...] | None:
-    """The shape of an array leaf, or of the one array in an NNX `Variable`."""
-    leaves = jax.tree.leaves(x)
-    if len(leaves) != 1 or not hasattr(leaves[0], "shape"):
-        return None
-    return tuple(leaves[0].shape)
+def _shaped_leaves(tree: PyTree, is_leaf) -> list[tuple[tuple, tuple, tuple]]:
+    """`(path, key names, shape)` of each array leaf (or NNX `Variable`) of `tree`.
 
-
-def _layout(params: PyTree, variables: tuple[type, ...]) -> dict[tuple, tuple]:
-    """`{leaf path as key names: shape}` of a params tree."""
-    flat = jax.tree_util.tree_flatten_with_path(
-        params, is_leaf=lambda x: isinstance(x, variables)
-    )[0]
-    layout = {tuple(map(_name, path)): _shape(x) for path, x in flat}
-    return {path: shape for path, shape in layout.items() if shape is not None}
+    Declared nodes are left out.
+    """
+    out = []
+    for path, x in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]:
+        arrays = jax.tree.leaves(x)
+        if not _is_declared(x) and len(arrays) == 1 and hasattr(arrays[0], "shape"):
+            out.append((tuple(path), tuple(map(_name, path)), tuple(arrays[0].shape)))
+    return out
 
 
 def must_agree(tree: PyTree) -> PyTree:
@@ -219,30 +209,29 @@ def must_agree(tree: PyTree) -> PyTree:
     found = find(tree)
     if not found:
         return tree
-    variables = _variables()
+    nnx = sys.modules.get("flax.nnx")  # no NNX state unless it was imported
+    variables = (nnx.Variable,) if nnx is not None else ()
+
+    def is_variable(x):
+        return isinstance(x, variables)
+
+    def is_leaf(x):
+        return _is_declared(x) or is_variable(x)
+
     templates: list[dict[tuple, tuple]] = []
     for x in found:
         if _declaration(x).trains_locally and hasattr(x, "restart_params"):
-            template = _layout(x.restart_params(), variables)
+            params = _shaped_leaves(x.restart_params(), is_variable)
+            template = {names: shape for _, names, shape in params}
             if template and template not in templates:
                 templates.append(template)
-
-    def is_leaf(x):
-        return _is_declared(x) or isinstance(x, variables)
-
-    leaves = [
-        (tuple(path), tuple(map(_name, path)), _shape(x))
-        for path, x in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]
-        if not _is_declared(x)
-    ]
+    leaves = _shaped_leaves(tree, is_leaf)
     differ: set[tuple] = set()
     for template in templates:
         # Per subtree, the leaves where the template has one of the same shape;
         # a subtree holding all of them is laid out like the params.
         hits: dict[tuple, list[tuple]] = defaultdict(list)
         for path, names, shape in leaves:
-            if shape is None:
-                continue
             for cut in range(len(names) + 1):
                 if template.get(names[cut:]) == shape:
                     hits[names[:cut]].append(path)
