@@ -139,18 +139,14 @@ def where(thread_id: int, library_dirs: tuple[str, ...]) -> str | None:
     _value`` (the innermost frame is named if it is in a library). None if the
     thread has no Python frame.
     """
-    frame = sys._current_frames().get(thread_id)
-    if frame is None:
+    innermost = own = sys._current_frames().get(thread_id)
+    if innermost is None:
         return None
-    innermost, own = frame, None
-    while frame is not None:
-        name = frame.f_code.co_filename
-        if not name.startswith("<") and not os.path.realpath(name).startswith(
-            library_dirs
-        ):
-            own = frame
-            break
-        frame = frame.f_back
+    while own is not None and (  # out of library code (and `<frozen ...>`)
+        own.f_code.co_filename.startswith("<")
+        or os.path.realpath(own.f_code.co_filename).startswith(library_dirs)
+    ):
+        own = own.f_back
     if own is None:
         return _describe_frame(innermost)
     text = _describe_frame(own)
