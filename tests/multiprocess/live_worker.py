@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 os.environ["XLA_FLAGS"] = (
-    "--xla_force_host_platform_device_count=1 --xla_cpu_collective_timeout_seconds=10"
+    "--xla_force_host_platform_device_count=1 --xla_cpu_collective_timeout_seconds=20"
 )
 pid, num, port, out_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 die_process, die_at, config = int(sys.argv[5]), int(sys.argv[6]), sys.argv[7]
@@ -27,7 +27,7 @@ jdp.distributed.initialize(
     f"127.0.0.1:{port}",
     num,
     pid,
-    heartbeat_timeout_s=5,
+    heartbeat_timeout_s=10,
     fail_fast=False,
 )
 
