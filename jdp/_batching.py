@@ -1,8 +1,6 @@
-"""Private: `step.shard`, splitting a global batch across replicas.
+"""Private: `step.shard`, which checks, pads and places a batch in a backend's layout.
 
-Checks a batch's leaves, pads them and places them in a backend's layout. With
-several processes the processes' batches must agree; `jdp.distributed` plugs that
-check in (`use_process_agreement`), so this module imports nothing of it.
+`jdp.distributed` plugs in the processes' agreement (`use_process_agreement`).
 """
 
 from __future__ import annotations
@@ -107,11 +105,10 @@ class ProcessAgreement(Protocol):
     def agree(
         self, host: list, *, pad: bool, pad_to: int | None, num_local: int
     ) -> int | None:
-        """Compares this process's batch, `(path, NumPy array)` of every leaf.
+        """Compares this process's `(path, array)` leaves: ValueError if they differ.
 
-        Returns, with `pad` and no `pad_to`, the padded per-process size every
-        process uses (when compared at this call), else None. Raises ValueError
-        where the batches disagree, RuntimeError where they cannot be compared.
+        Returns the padded per-process size, with `pad` and no `pad_to` (else
+        None); RuntimeError where the batches cannot be compared.
         """
 
     def count_only(self) -> None:
@@ -127,36 +124,21 @@ def use_process_agreement(agreement: ProcessAgreement) -> None:
     _agreement = agreement
 
 
-def _process_agreement() -> ProcessAgreement:
-    if _agreement is None:
-        raise RuntimeError(
-            "`step.shard` across processes compares the processes' batches "
-            "through `jdp.distributed`, which was not imported: import "
-            "`jdp.distributed` and call `jdp.distributed.initialize()` first."
-        )
-    return _agreement
-
-
 def padded_size(size: int, num_local: int) -> int:
     """`size` rounded up to a multiple of `num_local` (at least `num_local`)."""
     return max(num_local, math.ceil(size / num_local) * num_local)
 
 
-def shard(
-    batch: PyTree,
-    *,
-    pad: bool,
-    pad_to: int | None = None,
-    num_local: int,
-    num_replicas: int,
-    place_leaf: Callable[[np.ndarray], jax.Array],
-    backend: str,
-):
-    """`Parallel.shard`: `place_leaf` puts a host leaf in `backend`'s layout."""
+def shard(batch: PyTree, *, pad: bool, pad_to: int | None, backend):
+    """`Parallel.shard` on `backend` (a `_backends.Backend`)."""
+    num_local = len(backend.mesh.local_devices)
+    num_replicas = backend.mesh.size
     flat, treedef = jax.tree_util.tree_flatten_with_path(batch)
     several = jax.process_count() > 1
     try:
-        host = _host_leaves(flat, num_replicas)
+        if not flat:
+            raise ValueError("`step.shard`: the batch has no array leaves.")
+        host = [(path, _host_leaf(path, x, num_replicas)) for path, x in flat]
         if pad_to is not None:
             per_process = _local_pad_to(pad_to, pad, num_replicas)
     except (TypeError, ValueError):
@@ -166,7 +148,13 @@ def shard(
         raise
     padded_everywhere = None
     if several:
-        padded_everywhere = _process_agreement().agree(
+        if _agreement is None:
+            raise RuntimeError(
+                "`step.shard` across processes compares the processes' batches "
+                "through `jdp.distributed`, which was not imported: import "
+                "`jdp.distributed` and call `jdp.distributed.initialize()` first."
+            )
+        padded_everywhere = _agreement.agree(
             host, pad=pad, pad_to=pad_to, num_local=num_local
         )
     if pad_to is not None:
@@ -177,25 +165,14 @@ def shard(
     else:
         _batch_size(host)
         _check_divisible(host, num_local, num_replicas)
-    leaves = [place_leaf(x) for _, x in host]
-    remember_layout(leaves, backend)
+    leaves = [backend.place_batch_leaf(x) for _, x in host]
+    remember_layout(leaves, backend.name)
     placed = jax.tree_util.tree_unflatten(treedef, leaves[: len(flat)])
     return (placed, leaves[-1]) if pad else placed
 
 
-def _host_leaves(flat, num_replicas: int) -> list:
-    """`(path, NumPy array)` of every batch leaf, checked (see `_host_leaf`)."""
-    if not flat:
-        raise ValueError("`step.shard`: the batch has no array leaves.")
-    return [(path, _host_leaf(path, x, num_replicas)) for path, x in flat]
-
-
 def _host_leaf(path, x, num_replicas: int) -> np.ndarray:
-    """A batch leaf as the NumPy array JAX would place, checked for what JAX cannot.
-
-    Strings and objects cannot be placed; integers wider than JAX's default types
-    (without `jax_enable_x64`) would wrap around silently.
-    """
+    """A batch leaf as the NumPy array JAX would place; no strings, no wrap-around."""
     raw = x if isinstance(x, jax.Array) else np.asarray(x)
     if raw.dtype.kind in "USOV":
         raise TypeError(
@@ -279,11 +256,7 @@ def _pad(host, padded_everywhere: int | None, num_local: int):
 
 
 def _padding(x: np.ndarray, extra: int) -> np.ndarray:
-    """The rows `pad=True` appends: zeros for integers, else copies of the last.
-
-    Integer ids' 0 is padding by convention; the last real row is a valid input
-    for any model (zeros could divide by zero, a NaN spoil a masked sum).
-    """
+    """The rows `pad=True` appends: zeros for integers, else copies of the last row."""
     if x.dtype.kind in "iub":
         return np.zeros((extra,) + x.shape[1:], x.dtype)
     return np.repeat(x[-1:], extra, axis=0)
@@ -313,8 +286,7 @@ _DONE = object()
 def prefetch(iterable, *, size: int, place: Callable[[Any], Any]):
     """Yields `place(batch)` for each batch, placing up to `size` batches ahead.
 
-    In one process on a background thread; with several on the calling thread
-    (placing compares the batches across processes, in the same order on each).
+    With several processes on the calling thread (see the multi-host guide).
     """
     _validate.positive_int("size", size)
     if jax.process_count() > 1:

@@ -1,9 +1,4 @@
-"""Collectives for use inside a parallel step: gradients, computed state, broadcast.
-
-Every function here runs inside a step given to `jdp.parallelize` (or any
-`shard_map`/`pmap` that binds `axis_name`); called outside one it raises a
-`RuntimeError` that says so.
-"""
+"""Collectives for use inside a parallel step: gradients, computed state, broadcast."""
 
 from __future__ import annotations
 
@@ -25,9 +20,8 @@ AxisName = str | tuple[str, ...]
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 
-#: With flat buffers, a leaf of at least this size travels as its own array: packing
-#: costs about 1 ms per MiB on XLA:CPU, against 0.6-4 ms per extra array in a gloo
-#: collective (`benchmarks/multihost.py`: 4 MiB leaves pack faster, 16 MiB do not).
+#: With flat buffers, a leaf of at least this size travels as its own array (see
+#: the performance guide; `benchmarks/multihost.py`).
 ALONE_BYTES = 8 * 2**20
 
 UNBOUND_AXIS_MSG = (
@@ -64,8 +58,7 @@ def bound_axis(axis_name: AxisName) -> Iterator[dict[int, tuple[Any, Any]]]:
 def record_total(mean: Any, total: Any) -> None:
     """Notes that the metric `mean` averages `total`'s microbatch parts.
 
-    A `jdp.metrics.sum` a step puts on `mean` then sums `total` instead (see
-    `_metrics.reduce_metrics`). Outside a `jdp.parallelize` trace, nothing.
+    A `jdp.metrics.sum` put on `mean` then sums `total` (`_metrics.reduce_metrics`).
     """
     bound = _BOUND_AXIS.get()
     if bound is not None:
@@ -112,28 +105,23 @@ def all_reduce_gradients(
 ) -> PyTree:
     """Averages a gradient pytree over replicas using a few large collectives.
 
-    Floating leaves are packed, per dtype and last leaf first (the order the
-    backward pass produces them, as in Caffe2 and PyTorch DDP), into buckets of at
-    most `bucket_bytes`; each bucket is one all-reduce. The result equals
-    `jax.lax.pmean(grads, axis_name)` up to float rounding. Integer and boolean
-    leaves are returned unchanged (never learned); empty ones communicate nothing.
+    Floating leaves are packed, per dtype and last leaf first, into buckets of at
+    most `bucket_bytes`, one all-reduce each: `jax.lax.pmean(grads, axis_name)`
+    up to float rounding. Integer and boolean leaves are returned unchanged. See
+    the performance guide (docs/guides/performance.md).
 
     Args:
       grads: Per-replica gradients, any pytree of arrays.
       axis_name: Replica axis; None (default) uses the one bound by the
         enclosing `jdp.parallelize` (`"data"` outside one).
-      bucket_bytes: Largest bucket size in bytes, 25 MiB by default (PyTorch DDP's
-        `bucket_cap_mb`). `None` packs all leaves of a dtype into one bucket. A leaf
-        larger than the limit travels alone.
+      bucket_bytes: Largest bucket size in bytes (25 MiB); `None`: one bucket
+        per dtype. A larger leaf travels alone.
       reverse: Pack leaves last-first (default) rather than in pytree order.
-      reduce_dtype: Optional wire dtype, e.g. `jnp.bfloat16` to halve the bytes
-        sent; results keep each leaf's dtype. The gradients are divided by the
-        replica count before the cast, so the sum cannot overflow.
-      flatten: Pack a bucket's leaves under 8 MiB into one flat buffer (True:
-        a copy in and out, one array per collective), send each bucket as a tuple
-        of its leaves for XLA's combiner to merge (False), or decide (None, the
-        default: flat across CPU processes, whose gloo collectives cost a
-        latency per array).
+      reduce_dtype: Optional wire dtype, e.g. `jnp.bfloat16`; results keep each
+        leaf's dtype (the division by the replica count comes first).
+      flatten: Send a bucket's leaves under 8 MiB as one flat buffer (True) or
+        as a tuple for XLA's combiner (False); None (default): flat across CPU
+        processes only.
 
     Returns:
       A pytree like `grads` holding the mean over replicas of every floating leaf.
@@ -151,10 +139,6 @@ def all_reduce_gradients(
       >>> _, metrics = step(step.replicate({}), step.shard(jnp.arange(4.0)))
       >>> float(metrics["g"])  # mean of (0 + 1) and (2 + 3)
       3.0
-
-    References:
-      Li et al., "PyTorch Distributed: Experiences on Accelerating Data Parallel
-      Training", VLDB 2020, https://arxiv.org/abs/2006.15704.
     """
     return all_reduce(
         grads,
@@ -202,7 +186,6 @@ def all_reduce(
         bucket_bytes=bucket_bytes,
         reverse=reverse,
         flatten=flatten,
-        alone_bytes=ALONE_BYTES,
     )
     out = list(leaves)
     for i, total, divided in zip(float_idx, summed, first, strict=True):
@@ -232,13 +215,11 @@ def bucketed(
     - `"psum"`: sums each array over replicas; returns `(1, size)` rows.
     - `"psum_scatter"`: each array holds one row per replica, `(num, n)`;
       returns this replica's row of the sum, `(1, n)`.
-    - `"all_gather"`: each array is this replica's row, `(n,)` or `(1, n)`;
+    - `"all_gather"`: each array is this replica's `(n,)` or `(1, n)` row;
       returns every replica's row in replica order, `(num, n)`.
 
-    Buckets as `_buckets.plan_buckets` (the larger of input and output counts).
-    With `flatten`, a bucket travels packed as ONE collective (an array of at
-    least `alone_bytes` alone); otherwise its collectives go back to back. On a
-    2-D host mesh every collective runs within hosts first, then across them.
+    With `flatten`, a bucket is packed into ONE collective (an array of at least
+    `alone_bytes` alone). On a 2-D host mesh each runs within hosts first.
     """
     axis_name = resolve_axis(axis_name)
     num = lax.axis_size(axis_name)
@@ -281,9 +262,8 @@ def _split_axes(axis_name: AxisName):
 def _hierarchical_psum(x, axis_name: AxisName):
     """`lax.psum` of a flat buffer (or a list of arrays), host by host.
 
-    On axes `(outer..., inner)` a flat buffer is reduce-scattered within `inner`,
-    all-reduced across (1/size(inner) of it per device), then all-gathered; a list
-    is summed within, then across. A single axis name is a plain `psum`.
+    On `(outer..., inner)` a buffer is reduce-scattered within `inner`, summed
+    across, then all-gathered; a list is summed within, then across.
     """
     axes = _split_axes(axis_name)
     if axes is None:
@@ -347,9 +327,8 @@ def broadcast(
 ) -> PyTree:
     """Gives every replica replica `root`'s value of `tree` (inside a parallel step).
 
-    The checkpoint-sync primitive (Caffe2's `FinalizeAfterCheckpoint`, Horovod's
-    `broadcast_parameters`): an all-reduce to which only `root` contributes
-    non-zeros, for every dtype. Outside a step use `step.broadcast(tree)`.
+    Works for every dtype, typed PRNG keys included. Outside a step use
+    `step.broadcast(tree)`.
 
     Args:
       tree: Per-replica pytree of arrays.
@@ -401,10 +380,8 @@ def sync_batch_stats(
 ) -> PyTree:
     """Synchronises computed, non-trained state such as BatchNorm running statistics.
 
-    `mode="mean"` averages the floating leaves across replicas (each replica's
-    statistics saw a different slice of the batch) and leaves integer ones such as
-    counters unchanged. `mode="broadcast"` copies replica 0's value of every leaf,
-    as Caffe2's `broadcast_computed_params` does.
+    `mode="mean"` averages the floating leaves across replicas and leaves integer
+    ones (counters) unchanged; `mode="broadcast"` copies replica 0's value.
 
     Args:
       tree: Per-replica pytree (e.g. flax `batch_stats`).
@@ -440,9 +417,8 @@ def sync_batch_stats(
 def replica_key(key: jax.Array, *, axis_name: AxisName | None = None) -> jax.Array:
     """A PRNG key that differs on every replica (dropout, augmentation).
 
-    `jax.random.fold_in(key, replica index)`: every replica draws its own random
-    numbers from one key in the replicated state, the same on every run and
-    backend for the same replica count.
+    `jax.random.fold_in(key, replica index)`: the same on every run and backend
+    for the same replica count.
 
     Args:
       key: A key equal on every replica (e.g. from the state), typed or raw.

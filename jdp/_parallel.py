@@ -1,8 +1,4 @@
-"""`jdp.parallelize` and the `Parallel` step object it returns.
-
-`Parallel` composes the layout (`_layout`), batching (`_batching`), a backend
-(`_backends`) and introspection (`_hlo`), and checks what it is given.
-"""
+"""`jdp.parallelize` and the `Parallel` step object it returns."""
 
 from __future__ import annotations
 
@@ -159,12 +155,10 @@ class Parallel(_hlo.Introspection):
     def replicate(self, tree: PyTree) -> PyTree:
         """Gives every replica a copy of `tree` (the initial parameter sync).
 
-        Each array leaf of the result has a leading replica axis of size
-        `num_replicas`, sharded over the mesh, on both backends. With several
-        processes, process 0's value is broadcast to every process first
-        (Caffe2's `_AddDistributedParameterSync`). A state node with a
-        layout of its own (`jdp.zero`'s optimizer state: one slice per replica)
-        is laid out its way.
+        Each array leaf gets a leading replica axis of size `num_replicas`,
+        sharded over the mesh; a node with a layout of its own (`jdp.zero`'s
+        optimizer state) is laid out its way. With several processes, process
+        0's value wins.
 
         Args:
           tree: Any pytree of arrays, scalars or typed PRNG keys (params, a
@@ -187,65 +181,43 @@ class Parallel(_hlo.Introspection):
         return _layout.replicate(tree, self.mesh)
 
     def unreplicate(self, tree: PyTree) -> PyTree:
-        """Returns one replica's copy of a replicated pytree (replica 0 on process 0).
-
-        Reads `x.addressable_shards[0].data` (no gather of every replica, unlike
-        `x[0]`). Non-array leaves are returned as they are.
+        """Returns this process's first replica of a replicated pytree (no gather).
 
         Args:
           tree: A pytree replicated by this step (e.g. the state it returned).
 
         Returns:
-          The pytree without its replica axis, on one device.
+          The pytree without its replica axis, on one device (non-array leaves
+          as they are).
         """
         return _layout.logical_copy(tree)
 
     def shard(self, batch: PyTree, *, pad: bool = False, pad_to: int | None = None):
         """Splits a global batch across replicas along every leaf's leading axis.
 
-        With several processes, `batch` is this process's share (the global batch
-        is the shares in process order), and every process must pass as many
-        examples (unless padding), the same leaves, trailing shapes, dtypes, `pad`
-        and `pad_to`. `shard` compares them through JAX's coordination service
-        when a process's batch changes (every call with `pad=True` and no
-        `pad_to`), waiting up to `$JDP_SHARD_CHECK_TIMEOUT` seconds (60) for a
-        process that has not reached that call, and raises a `ValueError` naming
-        the batches that differ. A process whose batch did not change learns
-        nothing: if it is the one in the wrong, its step blocks until the job is
-        stopped (`python -m jdp.launch` stops every process when one fails).
+        With several processes, `batch` is this process's share and the
+        processes' batches must agree; see the multi-host guide
+        (docs/guides/multihost.md).
 
         Args:
           batch: Pytree of arrays whose leading axis is the example axis.
-          pad: If True, pad the batch to a multiple of the replica count (with
-            several processes: to the largest process's padded batch) and also
-            return a boolean mask, True for real examples. Padded rows hold zeros
-            in integer and boolean leaves (padding ids) and a copy of the last
-            real example in floating ones. Weigh per-example metrics by the mask,
-            e.g. `jdp.weighted(jnp.sum(ok * mask), jnp.sum(mask))`.
+          pad: If True, pad the batch to a multiple of the replica count and
+            also return a mask, True for real examples (see the padding guide).
           pad_to: With `pad=True`, pad to this global batch size instead (a
-            multiple of the replica count), so that a short last batch compiles
-            no new program (flax's `min_device_batch`).
+            multiple of the replica count), so a short last batch compiles no
+            new program.
 
         Returns:
           The placed batch, or `(batch, mask)` when `pad` is True.
 
         Raises:
-          ValueError: If a leaf's leading size is not divisible by the replica count
-            (and `pad` is False), the batch is empty (naming its leaves), a leaf
-            is a scalar, or leaves disagree on the batch size when padding;
-            with several processes, if the processes' batches differ in size
-            (and `pad` is False) or in structure, trailing shapes or dtypes.
+          ValueError: If the batch is empty, a leaf is a scalar, the leaves
+            disagree on the batch size, it is not divisible by the replica count
+            (without `pad`), or the processes' batches differ.
+          TypeError: If a leaf holds strings or Python objects.
         """
         _progress.beat()  # its cross-process size check waits for the others
-        return _batching.shard(
-            batch,
-            pad=pad,
-            pad_to=pad_to,
-            num_local=len(self.mesh.local_devices),
-            num_replicas=self.num_replicas,
-            place_leaf=self._backend.place_batch_leaf,
-            backend=self.backend,
-        )
+        return _batching.shard(batch, pad=pad, pad_to=pad_to, backend=self._backend)
 
     def prefetch(
         self,
@@ -255,12 +227,9 @@ class Parallel(_hlo.Introspection):
         pad: bool = False,
         pad_to: int | None = None,
     ) -> Iterator[PyTree]:
-        """Yields placed batches, placing the next ones while the steps run.
+        """Yields `step.shard(batch)` for every batch, up to `size` batches ahead.
 
-        `step.shard` applied to every batch, up to `size` batches ahead (flax's
-        `prefetch_to_device`), on a background thread in one process and on the
-        calling thread with several. The loader's errors are raised where its
-        batch would have been yielded.
+        The loader's errors are raised where its batch would have been yielded.
 
         Args:
           batches: Any iterable of global batches (or of this process's shares).
@@ -289,9 +258,8 @@ class Parallel(_hlo.Introspection):
     def broadcast(self, tree: PyTree, *, root: int = 0) -> PyTree:
         """Gives every replica replica `root`'s value of a replicated pytree.
 
-        The outside-a-step form of `jdp.broadcast`, for after loading or editing
-        one replica. Parts that differ between replicas by design (a sharded
-        optimizer state's slices) are left as they are.
+        The outside-a-step form of `jdp.broadcast`. Parts that differ between
+        replicas by design (ZeRO's slices) are left as they are.
 
         Args:
           tree: A pytree replicated by this step.
@@ -343,54 +311,37 @@ def parallelize(
 
     `train_step(state, batch) -> (state, metrics)` is written for ONE replica (its
     state and its slice of the batch), with collectives over `axis_name` bound
-    inside it: Caffe2's `Parallelize_GPU` / PyTorch DDP as a function transform.
-    The state keeps one copy per replica (a leading replica axis sharded over the
-    mesh), so replicas may differ between syncs (BMUF) and be compared. Metrics
-    come back averaged over the replicas.
+    inside it. The state keeps one copy per replica; metrics come back averaged
+    over the replicas. See Concepts (docs/concepts.md).
 
     Args:
       train_step: Pure per-replica function `(state, batch) -> (state, metrics)`,
         or `(state, batch) -> metrics` for a forward-only step.
       devices: Devices to run on, one replica each; `None` (default): every
-        device (all global ones after `jdp.distributed.initialize`). A 2-D array
-        (or nested list) lays them out as a `(hosts, devices per host)` mesh,
-        also in one process; it needs two names in `axis_name`. With several
-        processes each row holds one process's devices, in process order.
+        device of every process. A 2-D array lays them out as a `(hosts,
+        devices per host)` mesh (one row per process) and needs two axis names.
       backend: `"shard_map"` (default; `jax.jit` over `jax.shard_map`) or
         `"pmap"` (`jax.pmap`). Both give the same numbers.
-      axis_name: Name of the replica axis inside the step (`"data"`). Two names,
-        e.g. `("host", "device")`, lay the devices out as a 2-D mesh of
-        `(processes, devices per process)` (`"shard_map"` only), whose replica
-        axis is the tuple of both. `jdp.all_reduce_gradients` then reduces within
-        each host first, then across hosts (the cross-host traffic of one device
-        per host, Caffe2's NCCL-then-Gloo path), with the flat mesh's numbers.
-        `jdp.all_reduce(axis_name="device")` with `jdp.bmuf(..., axis_name=
-        "host")` is hierarchical local SGD.
-      donate_state: Donate the input state's buffers to the output (default), so
-        a training step holds one copy of the state, not two: the state passed
-        in is deleted by the call. A forward-only step never donates. A state
-        that holds one array in two leaves is refused.
-      check_sync: Guard against replicas that silently drift apart: after the
-        first call and then every `check_sync` calls (100), compare a
-        fingerprint of every state leaf across replicas and raise
-        `jdp.ReplicaDivergenceError` naming the first leaf that differs. Parts
-        that differ by design (BMUF's local parameters, ZeRO's slices, a
-        `jdp.bmuf` state's local part in a step of your own) are not compared.
-        None turns the guard off.
+      axis_name: Name of the replica axis inside the step (`"data"`). Two
+        names, e.g. `("host", "device")`, make a 2-D host mesh (`"shard_map"`
+        only; see the multi-host guide, docs/guides/multihost.md).
+      donate_state: Donate the input state's buffers to the output (default):
+        the state passed in is deleted by the call. A forward-only step never
+        donates.
+      check_sync: Every `check_sync` calls (100) and after the first, raise
+        `jdp.ReplicaDivergenceError` if replicas that must agree differ. None
+        turns the guard off.
 
     Returns:
-      A `jdp.Parallel`, callable as `step(state, batch)`, with `replicate`,
-      `unreplicate`, `shard`, `broadcast`, `collectives` and `lower`.
+      A `jdp.Parallel`, callable as `step(state, batch)`.
 
     Raises:
       ValueError: If `backend` is unknown, `check_sync` is not positive,
-        `devices` is empty, lists a device twice, is neither 1-D nor 2-D (or
-        has rows of different lengths), or is 2-D with one axis name,
         `axis_name` is not one name or two distinct names (two need
-        `"shard_map"`), or, with several processes, the processes hold different
-        numbers of `devices` (or a row of a 2-D layout spans processes).
-      TypeError: If `axis_name` is neither a str nor a tuple, `devices` holds
-        something other than devices, or `check_sync` is not an int.
+        `"shard_map"`), `devices` is empty, repeats a device or is not 1-D or
+        2-D (2-D needs two names), or the processes hold different numbers of
+        `devices` (or a 2-D row spans processes).
+      TypeError: If `axis_name`, `devices` or `check_sync` has the wrong type.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, jdp
@@ -404,15 +355,6 @@ def parallelize(
       ...     state, metrics = step(state, batch)
       >>> round(float(step.unreplicate(state).params["w"]), 3)
       2.0
-
-      Two simulated hosts of two devices each, in one process:
-
-      >>> import numpy as np
-      >>> hosts = np.array(jax.devices()[:4]).reshape(2, 2)
-      >>> step = jdp.parallelize(jdp.make_train_step(loss_fn, tx), devices=hosts,
-      ...                        axis_name=("host", "device"))
-      >>> dict(step.mesh.shape)
-      {'host': 2, 'device': 2}
     """
     if backend not in _backends.BACKENDS:
         raise ValueError(
