@@ -1,9 +1,4 @@
-"""Private: what XLA says about a compiled step: its collectives and its memory.
-
-`Introspection` gives `jdp.Parallel` its `collectives` and `memory_analysis`. The
-collectives are parsed from HLO text, lowered (one entry per `psum` issued) or
-compiled (after XLA combined and possibly retyped them).
-"""
+"""Private: what XLA says about a compiled step (its collectives and its memory)."""
 
 from __future__ import annotations
 
@@ -53,29 +48,24 @@ _PAIRS = re.compile(r"source_target_pairs=\{((?:\{[0-9,]*\},?)*)\}")
 
 @dataclasses.dataclass(frozen=True)
 class Collective:
-    """One collective operation of a compiled (or lowered) step.
+    """One collective operation of a compiled (or lowered) step, read from XLA's HLO.
 
-    A debugging aid, read from XLA's HLO text. Stable: the fields and their
-    meaning. Not stable: `name`, `order`, and which collectives a compiled module
-    holds (XLA combines, splits and retypes them from one version or platform to
-    the next: compare within one run). HLO text is no public JAX interface
-    (`tests/test_hlo.py` pins what this parser reads).
+    A debugging aid; see Limitations (docs/limitations.md) for what is stable.
 
     Attributes:
       kind: `"all-reduce"`, `"all-gather"`, `"reduce-scatter"`, `"all-to-all"`,
         `"collective-permute"` or `"collective-broadcast"`.
-      dtype: Element type(s) as XLA names them (`"f32"`, `"bf16"`, or
-        `"f32,s32"` for a tuple of mixed types).
-      bytes: Size of the full logical buffer per device, the size NCCL's
-        benchmarks quote: the all-reduced buffer, the gathered result of an
-        all-gather, the input of a reduce-scatter.
+      dtype: Element type(s) as XLA names them (`"f32"`, or `"f32,s32"` for a
+        tuple of mixed types).
+      bytes: Size of the full logical buffer per device (as NCCL's benchmarks
+        count): the all-reduced buffer, the gathered result, the scattered input.
       result_bytes: Bytes of the operation's result on each device.
       shapes: Result shapes, one per tuple element.
       replica_groups: The groups of devices that communicate, as tuples of
         device indices (empty when XLA means "all devices").
       order: Position in program order among the step's collectives.
-      in_conditional: Whether the op sits inside a `conditional` branch (it then
-        runs only when that branch is taken, e.g. on BMUF's sync steps).
+      in_conditional: Whether the op sits inside a `conditional` branch (it runs
+        only when that branch is taken, e.g. on BMUF's sync steps).
       name: The HLO instruction name.
     """
 
@@ -145,23 +135,21 @@ def _parse_computations(hlo_text: str):
 def _collective(name, typ, rest, opcode, *, order, in_conditional) -> Collective:
     """The `Collective` of one instruction: `name = typ opcode(...)rest`."""
     kind = _kind(opcode)
-    shapes, sizes, dts = [], [], []
-    for dt, dims in _SHAPE.findall(typ):
-        shape = _ints(dims)
-        shapes.append(shape)
-        dts.append(dt)
-        sizes.append(int(np.prod(shape, dtype=np.int64)) * _dtype_bytes(dt))
-    if opcode in ("all-gather-start", "collective-permute-start") and len(sizes) > 1:
-        # Async start ops return (operand, result[, scratch]).
-        shapes, sizes, dts = shapes[1:2], sizes[1:2], dts[1:2]
+    found = _SHAPE.findall(typ)
+    if opcode in ("all-gather-start", "collective-permute-start") and len(found) > 1:
+        found = found[1:2]  # async start ops return (operand, result[, scratch])
+    shapes = [_ints(dims) for _, dims in found]
+    result = sum(
+        int(np.prod(shape, dtype=np.int64)) * _dtype_bytes(dt)
+        for shape, (dt, _) in zip(shapes, found, strict=True)
+    )
     groups = _groups(rest)
-    result = sum(sizes)
     full = result
     if kind == "reduce-scatter" and groups and groups[0]:
         full = result * len(groups[0])
     return Collective(
         kind=kind,
-        dtype=",".join(dict.fromkeys(dts)),
+        dtype=",".join(dict.fromkeys(dt for dt, _ in found)),
         bytes=full,
         result_bytes=result,
         shapes=tuple(shapes),
@@ -226,23 +214,18 @@ def _creation_index(c: Collective) -> tuple[int, int]:
 
 @dataclasses.dataclass(frozen=True)
 class MemoryAnalysis:
-    """Per-device memory of one compiled step, from XLA (`step.memory_analysis`).
-
-    A debugging aid. Stable: the fields and their meaning; the figures are XLA's
-    own estimates for this platform and version: compare within one run.
+    """Per-device memory of one compiled step, XLA's estimates (`step.memory_analysis`).
 
     Attributes:
-      argument_bytes: Inputs held by one device: its replica of the state and its
-        slice of the batch.
+      argument_bytes: Inputs of one device: its replica of the state, its batch slice.
       output_bytes: Outputs of one device (new state, metrics).
-      alias_bytes: Output bytes written into donated input buffers
-        (`donate_state=True`); counted in both of the above but held once.
+      alias_bytes: Output bytes written into donated input buffers; counted in
+        both of the above but held once.
       temp_bytes: XLA's scratch space: activations, gradients, collective buffers.
       generated_code_bytes: Size of the compiled code.
-      peak_bytes: Estimate of the step's peak, `argument + output - alias + temp`:
-        an upper bound, since temporaries are not all live at once.
-      xla_peak_bytes: XLA's own peak figure where it reports one, else None (on
-        CPU it covers arguments and outputs but leaves out temporaries).
+      peak_bytes: `argument + output - alias + temp`: an upper bound of the peak.
+      xla_peak_bytes: XLA's own peak figure, or None (on CPU it leaves out
+        temporaries).
     """
 
     argument_bytes: int
@@ -287,15 +270,15 @@ class Introspection:
         Args:
           state: Replicated state, as for a call.
           batch: Sharded batch, as for a call.
-          stage: `"compiled"` (default) reads the optimised module: what really
-            runs, after XLA has combined collectives (on CPU a step's all-reduces
-            become one) and chosen their types (XLA:CPU computes a bf16 all-reduce
-            in f32). `"lowered"` reads the module as jdp and your step issued it:
-            one entry per `psum`, in the wire dtype you asked for.
+          stage: `"compiled"` (default): what really runs, after XLA combined and
+            retyped the collectives; `"lowered"`: one entry per `psum` the step
+            issued, in the dtype it asked for.
 
         Returns:
-          One `jdp.Collective` per collective, in program order, with kind, dtype,
-          bytes, replica groups and whether it sits inside a conditional branch.
+          One `jdp.Collective` per collective, in program order.
+
+        Raises:
+          ValueError: If `stage` is neither `"compiled"` nor `"lowered"`.
 
         Example:
           >>> import jax, jax.numpy as jnp, jdp
@@ -314,19 +297,14 @@ class Introspection:
         return parse_collectives(lowered.as_text(dialect="hlo"))
 
     def memory_analysis(self, state: PyTree, batch: PyTree) -> MemoryAnalysis:
-        """Per-device memory of one step, from XLA's analysis of the compiled step.
-
-        Compiles the step for these arguments (nothing runs) and reads
-        `Compiled.memory_analysis()`. Use it to compare `donate_state`,
-        `jax.checkpoint` and `jdp.zero(tx)` before committing to a run.
+        """Per-device memory of one step: compiles it (nothing runs) and asks XLA.
 
         Args:
           state: Replicated state, as for a call.
           batch: Sharded batch, as for a call.
 
         Returns:
-          A `jdp.MemoryAnalysis` with argument, output, alias and temp bytes per
-          device and a peak estimate.
+          A `jdp.MemoryAnalysis`.
 
         Raises:
           RuntimeError: If XLA reports no memory analysis on this platform.

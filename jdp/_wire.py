@@ -1,12 +1,6 @@
 """Compressed all-reduce: wire formats, error feedback, and the exchange.
 
-A `Wire` says what an all-reduce sends: bfloat16, or int8 / fp8 with one float32
-scale per block. `mean` averages gradients in the shape of DeepSpeed's compressed
-all-reduce: each replica quantises its float leaves (plus its worker error); an
-all-to-all sends chunk `j` to replica `j`, which averages the N copies in float32
-(plus its server error) and quantises the average again; an all-gather hands
-every replica every chunk. Both exchanges move the narrow type. With error
-feedback, what either quantisation dropped is added back the next step.
+The exchange (`mean`) is described step by step in docs/guides/compression.md.
 """
 
 from __future__ import annotations
@@ -93,13 +87,12 @@ def bf16() -> Wire:
 def int8(block_size: int = 256) -> Wire:
     """int8 on the wire, one float32 scale per block: about a quarter of the bytes.
 
-    Each block of `block_size` consecutive gradient values is scaled so that its
-    largest magnitude maps to 127, rounded to the nearest integer (ties to even)
-    and sent with its scale.
+    Each block's largest magnitude maps to 127; values are rounded to the nearest
+    integer (ties to even).
 
     Args:
-      block_size: Values per scale (256 by default: scales add 1.6% to the
-        bytes). Smaller blocks follow the values more closely and cost more.
+      block_size: Values per scale (256: scales add 1.6% to the bytes). Smaller
+        blocks follow the values more closely and cost more.
 
     Returns:
       A wire format.
@@ -119,10 +112,8 @@ def int8(block_size: int = 256) -> Wire:
 def fp8(block_size: int = 256) -> Wire:
     """8-bit floats (e4m3) on the wire, one float32 scale per block.
 
-    As `int8`, with each block's largest magnitude mapped to 448 (e4m3's largest
-    finite value) and values rounded to the nearest e4m3 value: a relative error
-    per value rather than an absolute one per block, so small values beside a
-    large one survive better. The arithmetic is float32.
+    As `int8`, with each block's largest magnitude mapped to 448: a relative
+    error per value rather than an absolute one per block.
 
     Args:
       block_size: Values per scale (256 by default), as for `int8`.
@@ -179,12 +170,10 @@ class WireState(NamedTuple):
 
     Attributes:
       worker: What this replica's quantisation dropped last step: one float32
-        vector per float leaf of the gradients (in pytree order), the leaf's
-        values padded with zeros to whole blocks.
-      server: What this replica's re-quantisation of the chunk it owns dropped
-        last step: the chunk's values first, zeros after (one float32 vector
-        as long as the worker buffers together, so that its size does not
-        depend on the replica count).
+        vector per float gradient leaf, padded with zeros to whole blocks.
+      server: What its re-quantisation of the chunk it owns dropped: the chunk
+        first, zeros after (as long as all worker buffers, whatever the
+        replica count).
     """
 
     worker: tuple[jax.Array, ...]
@@ -197,12 +186,7 @@ class WireState(NamedTuple):
     )
 
     def restart_local(self) -> WireState:
-        """Zero buffers: a checkpoint restored into another replica count.
-
-        The buffers belong to one replica and (the server error) to the chunk
-        it owned, which another replica count splits differently; at most one
-        step's quantisation error is lost.
-        """
+        """Zero buffers, for a checkpoint restored into another replica count."""
         return jax.tree.map(np.zeros_like, self)
 
 
@@ -239,11 +223,10 @@ def mean(
 ) -> tuple[PyTree, WireState | None]:
     """Averages `grads` over replicas sending `wire`'s format: `(grads, new error)`.
 
-    Float leaves are averaged, others pass through. Each leaf is quantised on its
-    own and decoded straight from the gathered result, so the float32 gradients
-    are read and written once. `axis_name` is resolved; on a host mesh's `(host,
-    device)` axes the devices of a host average in float32 first and only the
-    hosts' exchange is compressed. `error`: the buffers of `init_state`, or None.
+    Float leaves are averaged, others pass through; each is quantised alone and
+    decoded straight from the gathered result (read and written once). `axis_name`
+    is resolved; on `(host, device)` axes only the hosts' exchange is compressed.
+    `error`: the buffers of `init_state`, or None.
     """
     outer, inner = _split_outer(axis_name)
     leaves, treedef = jax.tree_util.tree_flatten(grads)
@@ -303,7 +286,7 @@ def mean(
 def _quantise(values, sizes, padded, wire: Wire, error, num: int):
     """Each leaf plus its worker error quantised: `(worker errors, payload, scales)`.
 
-    The payloads (and scales) are joined and padded to `num` chunks of whole blocks.
+    Joined and padded to `num` chunks of whole blocks.
     """
     payloads, scales, workers = [], [], []
     for k, (v, n, p) in enumerate(zip(values, sizes, padded, strict=True)):
@@ -350,11 +333,7 @@ _UINT = {1: jnp.uint8, 2: jnp.uint16}
 
 
 def _pack(payload: jax.Array, scale: jax.Array | None, rows: int) -> jax.Array:
-    """`rows` rows of unsigned ints: each row's payload bits, then its scales' bytes.
-
-    XLA:CPU computes a bfloat16 all-to-all in float32, and float8 collectives
-    need not exist.
-    """
+    """`rows` rows of unsigned ints: each row's payload bits, then its scales' bytes."""
     bits = _UINT[payload.dtype.itemsize]
     raw = lax.bitcast_convert_type(payload, bits)
     if scale is None:
