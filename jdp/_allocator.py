@@ -1,13 +1,6 @@
-"""Private: glibc's allocator set up for XLA:CPU's per-step temporaries.
+"""Private: glibc's mmap and trim thresholds raised for XLA:CPU's step temporaries.
 
-XLA:CPU allocates a step's temporaries on every call and frees them after it.
-Above glibc's mmap threshold (32 MiB at most, by default) freed blocks go back to
-the kernel, so their pages are faulted in again at every step (42-50 ms a step
-instead of 27-31 ms for the MLP of `benchmarks/allocator.py`). jdp's entry points
-raise the mmap and trim thresholds to 1 GiB, as JAX's performance guide advises:
-the processes `jdp.launch` starts through glibc's variables, `python -m jdp.demo`
-at run time (`tune`). Where the variables are set, or with `JDP_DEFAULT_MALLOC=1`,
-glibc's own settings stay.
+Why, and who sets them: "Temporaries over 32 MiB on CPU" in the performance guide.
 """
 
 from __future__ import annotations

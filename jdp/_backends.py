@@ -1,16 +1,8 @@
 """Private: the only module that calls `jax.pmap` / `jax.shard_map`.
 
-Both backends run the same per-replica body on the same state layout (a leading
-replica axis sharded over the mesh, `jdp._layout`):
-
-- `"shard_map"`: `jax.jit(jax.shard_map(body))`, whose blocks keep a size-1
-  replica axis (removed on the way in, restored on the way out); the batch is
-  `(B, ...)`. A donating step runs on a concatenated view of the state instead
-  (`_ShardMapStep`). 1-D and 2-D meshes.
-- `"pmap"`: `jax.pmap(body)`; the batch is `(num_replicas, B / num_replicas, ...)`.
-
-`check_vma=False` gives `shard_map` pmap's semantics: the per-replica state varies
-along the axis, so its gradients are never summed implicitly.
+Both run the same per-replica body on a state with a leading replica axis. A
+`shard_map` block keeps a size-1 replica axis (removed in the body, restored
+after), and `check_vma=False` gives it pmap's semantics: no implicit gradient sums.
 """
 
 from __future__ import annotations
@@ -75,11 +67,9 @@ def check_distinct(state: PyTree) -> None:
 class Step:
     """A built step: `(replicated state, placed batch) -> (state or None, metrics)`.
 
-    `train` donates its state (when asked to), `forward` never does: both have
-    `run(state, batch, *, returned, flat) -> (new_state or None, metrics, new
-    leaves or None)` and `lower(state, batch)`. Tracing `train` once (the trace
-    the first call uses) tells whether the body returns a state; a forward-only
-    step runs `forward` and never deletes its input.
+    `train` donates its state (when asked to), `forward` never does; both have
+    `run(state, batch, *, returned, flat)` and `lower`. Tracing `train` once tells
+    whether the body returns a state; a forward-only step runs `forward`.
 
     On simulated CPU devices one step is kept in flight: with several queued, the
     devices' threads (one pool) can block in different steps' rendezvous forever.
@@ -109,11 +99,11 @@ class Step:
         return self._train
 
     def __call__(self, state, batch, *, before=None, returned: bool = False, flat=None):
-        """`(new_state, metrics, its leaves or None)`; `before(state, out_state)` first.
+        """`(new_state, metrics, its leaves or None)`.
 
-        `before` runs once, when the out state is known before the first call.
-        `returned`: `state` is what the last call returned, none deleted (no
-        checks needed, same layout). `flat`: `jax.tree.flatten(state)`, if at hand.
+        `before(state, out_state)` runs once, if the out state is known before the
+        first call. `returned`: `state` is what the last call returned, none
+        deleted. `flat`: `jax.tree.flatten(state)`, if at hand.
         """
         first = self.returns_state is None
         fn = self._pick(state, batch, returned=returned)
@@ -153,8 +143,8 @@ class Step:
 class Returned:
     """Weak references to the leaves of the state a step last returned (or checked).
 
-    A state whose leaves are exactly those arrays, none deleted, needs none of the
-    per-leaf placement checks (about 1.5 us a leaf); see `jdp/ARCHITECTURE.md`.
+    A state of exactly those arrays, none deleted, skips the per-leaf placement
+    checks (about 1.5 us a leaf).
     """
 
     def __init__(self):
@@ -179,7 +169,16 @@ class Returned:
 
 
 class Backend:
-    """How a step runs on a mesh: build a step or a map, place a batch leaf."""
+    """How a step runs on a mesh.
+
+    Each backend defines:
+    - `build_step(body, *, donate) -> Step`: `body(state, batch) -> (state or
+      None, metrics)` per replica;
+    - `build_map(fn)`: `fn(tree) -> tree` per replica on a replicated tree (no
+      donation);
+    - `place_batch_leaf(x)`: one process-local batch leaf (leading axis: examples);
+    - `batch_problems(batch)`: leaves of a placed batch whose shapes do not fit.
+    """
 
     name: BackendName
 
@@ -187,22 +186,6 @@ class Backend:
         self.mesh = mesh
         self.axis_name = mesh_axis(mesh)
         self.sharding = replica_sharding(mesh)
-
-    def build_step(self, body: Body, *, donate: bool) -> Step:
-        """The step of `body(state, batch) -> (state or None, metrics)` per replica."""
-        raise NotImplementedError
-
-    def build_map(self, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
-        """Runs `fn(tree) -> tree` per replica on a replicated tree (no donation)."""
-        raise NotImplementedError
-
-    def place_batch_leaf(self, x: np.ndarray) -> jax.Array:
-        """Places one process-local batch leaf (leading axis: examples)."""
-        raise NotImplementedError
-
-    def batch_problems(self, batch: PyTree) -> list[str]:
-        """Leaves of a placed batch whose shapes do not fit this backend."""
-        return []
 
 
 def make_backend(name: BackendName, mesh: Mesh) -> Backend:
@@ -223,15 +206,16 @@ def _with_leading(tree: PyTree, n: int) -> PyTree:
 class _TreeStep:
     """A step called on the state as a tree (`jax.pmap` flattens it itself)."""
 
-    def __init__(self, fn):
+    def __init__(self, fn, to_global):
         self._fn = fn
+        self._to_global = to_global
         self.lower = fn.lower
 
     def run(self, state, batch, *, returned: bool = False, flat=None):
         """`(new_state or None, metrics, None)`: the new leaves are not at hand."""
         del returned, flat
         new_state, metrics = self._fn(state, batch)
-        return new_state, metrics, None
+        return self._to_global(new_state), metrics, None
 
 
 class _Pmap(Backend):
@@ -245,25 +229,15 @@ class _Pmap(Backend):
             **kwargs,
         )
 
-    def _global(self, fn, *, state_only: bool = False):
-        """`fn` whose mapped outputs (the state only, if `state_only`) are global.
-
-        With several processes `jax.pmap` returns host-local arrays; they are
-        rewrapped as global arrays over the mesh (no copy).
-        """
+    def _global(self, tree):
+        """`jax.pmap`'s host-local outputs as global arrays over the mesh (no copy)."""
         if jax.process_count() == 1:
-            return fn
+            return tree
         from jax.experimental import multihost_utils
 
-        def call(*args):
-            out = fn(*args)
-            tree = multihost_utils.host_local_array_to_global_array(
-                out[0] if state_only else out, self.mesh, P(self.axis_name)
-            )
-            return (tree, out[1]) if state_only else tree
-
-        call.lower = fn.lower
-        return call
+        return multihost_utils.host_local_array_to_global_array(
+            tree, self.mesh, P(self.axis_name)
+        )
 
     def build_step(self, body: Body, *, donate: bool) -> Step:
         def build(donate_argnums):
@@ -290,15 +264,16 @@ class _Pmap(Backend):
             return _with_leading(out, self.mesh.size)
 
         return Step(
-            _TreeStep(self._global(train, state_only=True)),
-            _TreeStep(self._global(forward, state_only=True)),
+            _TreeStep(train, self._global),
+            _TreeStep(forward, self._global),
             donate=donate,
             out_state=out_state,
             mesh=self.mesh,
         )
 
     def build_map(self, fn):
-        return self._global(self._pmap(fn))
+        mapped = self._pmap(fn)
+        return lambda tree: self._global(mapped(tree))
 
     def place_batch_leaf(self, x: np.ndarray) -> jax.Array:
         num_local = len(self.mesh.local_devices)
@@ -378,19 +353,15 @@ class _ShardMap(Backend):
 
 # -- the shard_map step on leaves, donating on a view ------------------------------
 #
-# XLA:CPU cannot update a donated `(1, ...)` buffer in place through the bitcast to
-# the `(...)` block a computation uses, so it would copy every updated leaf (about
-# 20% of an MLP's step). The donating step runs on a concatenated view instead: a
-# per-replica `(d0, d1, ...)` leaf is viewed as `(N * d0, d1, ...)`, whose block is
-# the replica's shape, by two tiny donated jits of bitcasts. Leaves whose view
-# would be ambiguous or lose its sharding (per-replica shape `()` or starting with
-# 0 or 1), or under `VIEW_MIN_BYTES`, stay stacked. The rules are exact inverses:
+# A donating step runs on a concatenated view of the state, updated in place (why:
+# the performance guide): a per-replica `(d0, d1, ...)` leaf is viewed as
+# `(N * d0, d1, ...)` by two donated jits of bitcasts. Leaves whose view would be
+# ambiguous or lose its sharding (per-replica shape `()` or starting with 0 or 1),
+# or under `VIEW_MIN_BYTES` per replica, stay stacked. The rules are exact inverses:
 #   view:      (N, d0, ...) -> (N * d0, ...)        when viewable (else unchanged)
 #   block in:  (1, ...) -> squeezed                 (else the replica's shape)
 #   block out: unchanged when viewable              (else expanded to (1, ...))
 #   unview:    (N * d0, ...) -> (N, d0, ...)        when the leading size is not N
-
-# Smaller leaves (per replica) stay stacked: copying them costs less than viewing.
 VIEW_MIN_BYTES = 1 << 16
 
 
@@ -423,8 +394,7 @@ def _flat_step(mapped, *, donate: bool):
     """`jit(mapped)` on leaves: `(leaves, batch, treedef) -> (leaves or None, metrics)`.
 
     The caller has the leaves anyway, and jit then flattens nothing but a list (two
-    Python traversals saved for NNX modules). The body keeps the structure
-    (`jdp._layout.check_same_structure`); a forward-only one returns None.
+    Python traversals saved for NNX modules).
     """
 
     def flat(leaves, batch, treedef):
@@ -493,8 +463,7 @@ class _ShardMapStep:
     def run(self, state, batch, *, returned: bool = False, flat=None):
         """`(new_state or None, metrics, its leaves or None)`; args as in `Step`.
 
-        A `returned` state reuses the last call's picks of leaves to view, unview
-        and re-place (finding them costs about 1 us a leaf).
+        A `returned` state reuses the last call's picks of leaves (1 us a leaf).
         """
         leaves, treedef = flat if flat is not None else jax.tree.flatten(state)
         leaves = list(leaves)

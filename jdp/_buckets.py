@@ -1,9 +1,4 @@
-"""Private, pure packing of pytree leaves into flat communication buckets.
-
-Plans buckets (per dtype, at most `bucket_bytes`, last leaf first by default: the
-order the backward pass produces gradients) and (un)packs them; it issues no
-collective, so it is testable without devices.
-"""
+"""Private, pure planning and (un)packing of communication buckets (no collectives)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """Private: everything jdp assumes about JAX beyond its public API, in one place.
 
-Private JAX modules, JAX's errors recognised by their text, and the names of JAX's
-primitives and loggers; each docstring names the JAX version it was checked
-against and the public API that is missing. `tests/test_jax_compat.py` checks each
-one against the installed JAX. Where JAX moved something, the private functions
-fall back to a safe answer and the text matchers to "not recognised".
+Each docstring names the JAX version it was checked against and what public API
+is missing; `tests/test_jax_compat.py` checks each against the installed JAX.
+Where JAX moved something, the answer is a safe default or "not recognised".
 """
 
 from __future__ import annotations
@@ -23,8 +21,8 @@ import jax
 def backends_started() -> bool:
     """Whether JAX's backends started (e.g. after `jax.devices()` or an array).
 
-    Private JAX (`jax._src.xla_bridge.backends_are_initialized`, JAX 0.10): no
-    public API asks without starting them. False if JAX moved it.
+    `jax._src.xla_bridge.backends_are_initialized` (JAX 0.10): no public API
+    asks without starting them.
     """
     try:
         from jax._src import xla_bridge
@@ -37,8 +35,8 @@ def backends_started() -> bool:
 def coordination_client() -> Any:
     """This process's client of JAX's coordination service; None if not joined.
 
-    Private JAX (`jax._src.distributed.global_state.client`, JAX 0.10): no public
-    API reaches the service's key-value store. None if JAX moved it.
+    `jax._src.distributed.global_state.client` (JAX 0.10): no public API reaches
+    the service's key-value store.
     """
     try:
         from jax._src import distributed
@@ -51,10 +49,9 @@ def coordination_client() -> Any:
 def slurm_config() -> tuple[str, int, int] | None:
     """`(coordinator_address, num_processes, process_id)` JAX detects under SLURM.
 
-    None where JAX 0.10's `distributed.initialize()` would not pick SLURM (its
-    variables incomplete, or an environment JAX checks first present). Private
-    JAX (`jax._src.clusters.ClusterEnv`): no public API says what the detection
-    finds, and jdp needs the address to watch the connection. None if JAX moved it.
+    None where JAX 0.10's `distributed.initialize()` would not pick SLURM.
+    `jax._src.clusters.ClusterEnv`: no public API says what the detection finds,
+    and jdp needs the address to watch the connection.
     """
     try:
         from jax._src import clusters
@@ -83,10 +80,9 @@ def slurm_config() -> tuple[str, int, int] | None:
 def drop_failed_runtime_tokens(is_expected: Callable[[BaseException], bool]) -> int:
     """Forgets the failed runtime tokens whose errors `is_expected` accepts.
 
-    JAX 0.10 keeps the token of the last side-effecting computation per device
-    and waits on it at exit, printing a failed one's error; a later call does
-    not replace a failed token. Private JAX (`jax._src.dispatch.runtime_tokens`):
-    no public API clears it. Returns how many were dropped (0 if JAX moved it).
+    JAX 0.10 waits at exit on each device's last side-effecting computation and
+    prints a failed one's error; `jax._src.dispatch.runtime_tokens`: no public
+    API clears it. Returns how many were dropped.
     """
     try:
         from jax._src import dispatch
@@ -112,26 +108,19 @@ def drop_failed_runtime_tokens(is_expected: Callable[[BaseException], bool]) -> 
 
 
 def is_initialize_too_late(error: BaseException) -> bool:
-    """Whether `error` is JAX's `distributed.initialize` refusing to run too late.
-
-    A `RuntimeError` ("... must be called before ...") once the backends started.
-    """
+    """Whether `error` is JAX refusing `distributed.initialize` after backends start."""
     return isinstance(error, RuntimeError) and "must be called before" in str(error)
 
 
 def is_no_cluster_found(error: BaseException) -> bool:
-    """Whether `error` is JAX's `distributed.initialize` finding no job to join.
-
-    A `ValueError("coordinator_address should be defined.")`.
-    """
+    """Whether `error` is JAX's `distributed.initialize` finding no job to join."""
     return isinstance(error, ValueError) and "coordinator_address" in str(error)
 
 
 def is_symbolic_dimension_error(error: BaseException) -> bool:
     """Whether `error` comes from a shape-polymorphic export's symbolic dimension.
 
-    Some are `jax.errors.InconclusiveDimensionOperation`; others only say so in
-    their text (naming JAX's private `_DimExpr`, or a "symbolic" dimension).
+    Not all are `jax.errors.InconclusiveDimensionOperation`: some only say so.
     """
     if isinstance(error, jax.errors.InconclusiveDimensionOperation):
         return True
@@ -140,18 +129,12 @@ def is_symbolic_dimension_error(error: BaseException) -> bool:
 
 
 def error_names_type(error: BaseException, cls: type) -> bool:
-    """Whether JAX's `TypeError` about a value it cannot use names the type `cls`.
-
-    No attribute of the error carries the value or its type.
-    """
+    """Whether JAX's `TypeError` about a value it cannot use names the type `cls`."""
     return cls.__name__ in str(error)
 
 
 def is_unbound_axis_error(error: BaseException) -> bool:
-    """Whether `error` is a collective traced outside any mapping of its axis.
-
-    A `NameError` ("Found an unbound axis name: data. ...").
-    """
+    """Whether `error` is a collective traced outside any mapping of its axis."""
     return isinstance(error, NameError) and "unbound axis name" in str(error)
 
 
@@ -215,8 +198,7 @@ def equations(closed_jaxpr: Any) -> list[Any]:
 def collective_axes(eqn: Any) -> tuple[Any, ...]:
     """The mapped axes a collective equation communicates over; () for others.
 
-    JAX 0.10 names the parameter `axes` or `axis_name`; equation parameters have
-    no public schema.
+    JAX 0.10's parameter `axes` or `axis_name` (parameters have no public schema).
     """
     axes = eqn.params.get("axes", eqn.params.get("axis_name"))
     if axes is None:
@@ -227,8 +209,7 @@ def collective_axes(eqn: Any) -> tuple[Any, ...]:
 def key_impl_name(dtype: Any) -> str:
     """The PRNG implementation's name of a typed-key dtype, e.g. "threefry2x32".
 
-    `jax.random.key_impl` takes arrays only; this reads the dtype's private
-    `_impl` (JAX 0.10).
+    `jax.random.key_impl` takes arrays only: the dtype's private `_impl` (JAX 0.10).
     """
     return dtype._impl.name
 
@@ -288,12 +269,9 @@ def no_backend_message(requested: str | None) -> str:
 
 
 def check_platforms_available() -> None:
-    """Raises where `$JAX_PLATFORMS` asks for CUDA alone and no plugin provides it.
+    """A `RuntimeError` where `$JAX_PLATFORMS` asks for CUDA alone and no plugin has it.
 
     Checked without starting JAX's backends (they would fail a bare `assert`).
-
-    Raises:
-      RuntimeError: Naming `$JAX_PLATFORMS` and what to install.
     """
     requested = _requested_platforms()
     if _cuda_only(requested) and not cuda_plugin_installed():
@@ -301,13 +279,9 @@ def check_platforms_available() -> None:
 
 
 def devices() -> list[Any]:
-    """`jax.devices()`, with a clear error where JAX found no backend at all.
+    """`jax.devices()`, with a clear `RuntimeError` where JAX found no backend.
 
-    JAX 0.10 fails an internal `assert` with no message for a platform it cannot
-    start.
-
-    Raises:
-      RuntimeError: Naming `JAX_PLATFORMS` and how to fix it.
+    JAX 0.10 fails an internal `assert` for a platform it cannot start.
     """
     try:
         return jax.devices()
