@@ -9,11 +9,7 @@ import numpy as np
 
 
 def check_step_number(step: Any, what: str) -> int:
-    """`step` (a Python int or a 0-d integer array) as an int; `what` names it.
-
-    Raises a `TypeError` for a non-integer (a bool is not one), a `ValueError`
-    for a negative or not 0-d one.
-    """
+    """`step` (a Python int or a 0-d integer array) as an int; `what` names it."""
     if isinstance(step, bool) or not np.issubdtype(np.asarray(step).dtype, np.integer):
         raise TypeError(f"`{what}` must be an integer step number; got {step!r}.")
     if np.ndim(step) != 0 or int(step) < 0:
@@ -27,10 +23,7 @@ def error_text(error: BaseException) -> str:
 
 
 def same_kind_of_error(error: BaseException, message: str) -> OSError:
-    """An `OSError` with `message`, of `error`'s type where that can be built.
-
-    A `PermissionError` stays one, so callers may still catch the specific type.
-    """
+    """An `OSError` with `message`, of `error`'s type where that can be built."""
     if isinstance(error, OSError):
         try:
             return type(error)(message)

@@ -1,4 +1,4 @@
-"""What counts as damage of a checkpoint step's files, its errors, and setting it aside.
+"""What counts as damage of a step's files, its errors, and setting it aside.
 
 Only an integrity failure is a `CheckpointCorruptedError`; any other failure to
 read a step is a `RuntimeError` saying the files are not judged damaged.
@@ -52,11 +52,9 @@ class CheckpointCorruptedError(ValueError):
     """A checkpoint step whose files are damaged (not a `like` that does not match).
 
     Raised by `CheckpointManager.restore` when a step's files fail an integrity
-    check: an array whose CRC-32 differs from the one recorded at save, or a
-    file that is missing, truncated or cannot be decoded (any other failure to
-    read a step is not damage). A `ValueError`. The next `save` of that step
-    number (or an earlier one) moves the step aside to
-    `<directory>/<step>.damaged-<n>` (nothing is deleted).
+    check: a CRC-32 that differs from the one recorded at save, or a file that
+    is missing, truncated or undecodable. The next `save` of that step number
+    (or an earlier one) moves the step aside to `<step>.damaged-<n>`.
 
     Args:
       message: The whole error message.
@@ -104,11 +102,7 @@ def corrupt(directory: epath.Path, step: int, detail: str) -> CheckpointCorrupte
 
 
 def is_damage(error: BaseException) -> bool:
-    """Whether an error raised while reading a step's files means they are damaged.
-
-    What tensorstore, the file system, JSON and orbax raise for bad data; not,
-    say, a `TypeError` inside orbax (a failure of the reader).
-    """
+    """Whether an error raised reading a step's files means they are damaged."""
     return isinstance(error, OSError | ValueError | KeyError | EOFError | zlib.error)
 
 
@@ -125,10 +119,7 @@ def not_damage(
 
 @contextlib.contextmanager
 def reading(directory: epath.Path, step: int, failed: str) -> Iterator[None]:
-    """Raises what reading `step` raises as damage (`corrupt`) or `not_damage`.
-
-    `failed` begins the damage detail, e.g. "reading its arrays failed".
-    """
+    """Raises errors reading `step` as damage (`corrupt`) or `not_damage`."""
     try:
         yield
     except CheckpointCorruptedError:
@@ -140,10 +131,7 @@ def reading(directory: epath.Path, step: int, failed: str) -> Iterator[None]:
 
 
 def set_aside(directory: epath.Path, damaged: dict[int, str]) -> None:
-    """Renames the `damaged` steps to `<step>.damaged-<n>`, warning at `save`'s caller.
-
-    A collective: process 0 renames, the others wait.
-    """
+    """Renames the `damaged` steps to `<step>.damaged-<n>` (a collective)."""
     if not damaged:
         return
     if jax.process_index() == 0:

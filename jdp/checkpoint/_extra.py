@@ -1,8 +1,7 @@
 """The resume extras of a checkpoint (`save`'s `extra`) to JSON and back.
 
-Extras are kept in the step's JSON record: JSON values as they are, NumPy and
-JAX arrays (typed PRNG keys included) as base64 under a reserved key. Every
-value is checked before anything is written; a bad one is named by its key.
+JSON values are kept as they are, NumPy and JAX arrays (typed PRNG keys too) as
+base64 under a reserved key; a value that cannot be saved is named by its key.
 """
 
 from __future__ import annotations
@@ -100,11 +99,10 @@ def _encode_extra_value(path: tuple[Any, ...], x: Any, encode: bool) -> Any:
 
 
 def encode_extra(extra: Any, *, encode: bool = True) -> dict[str, Any] | None:
-    """The JSON form of `save`'s `extra` (None for None), checking every value.
+    """The JSON form of `save`'s `extra`, checked (`encode=False`: only checked).
 
-    `encode=False` only checks (no array is copied) and returns None. Raises a
-    `TypeError` naming the key (e.g. `extra['data']['loader']`) of a value that
-    cannot be saved, or for an `extra` that is not a dict.
+    Raises a `TypeError` naming the key (e.g. `extra['data']['loader']`) of a value
+    that cannot be saved, or for an `extra` that is not a dict.
     """
     if extra is None:
         return None
@@ -134,10 +132,7 @@ def _decode_extra_value(x: Any) -> Any:
 
 
 def decode_extra(encoded: Any) -> dict[str, Any]:
-    """The extras from `encode_extra`'s JSON ({} for None); tuples come back as lists.
-
-    Raises `ValueError`, `KeyError` or `TypeError` for malformed (damaged) JSON.
-    """
+    """The extras from `encode_extra`'s JSON ({} for None); tuples become lists."""
     if encoded is None:
         return {}
     if not isinstance(encoded, dict):

@@ -1,10 +1,8 @@
 """The on-disk format of a checkpoint step: its items, its record, reading them back.
 
-A step directory holds orbax items: `state`, one logical copy of the state (NumPy
-arrays, written by tensorstore); `jdp_metadata`, a JSON record of the jdp version,
-the replica count, the backend and every leaf's path, shape, dtype and CRC-32;
-and `jdp_replicas`, the leaves whose replicas differed, with every replica
-(`_per_replica`). Reading uses tensorstore and JSON only: nothing is unpickled.
+Items: `state` (one logical copy, by tensorstore), `jdp_metadata` (the JSON
+record) and `jdp_replicas` (leaves whose replicas differed, every replica).
+Reading uses tensorstore and JSON only: nothing is unpickled.
 """
 
 from __future__ import annotations
@@ -63,10 +61,10 @@ def as_key_data(x: Any) -> Any:
 
 
 def host_copy(x: Any) -> Any:
-    """What orbax writes for a leaf of the logical copy: a fresh NumPy array.
+    """A leaf of the logical copy as written: a fresh NumPy array (key data for keys).
 
-    A copy survives the next step donating the state's buffers. A leaf spread
-    over hosts stays a `jax.Array`; typed PRNG keys become their key data.
+    A copy survives the next step donating the state; a leaf spread over hosts
+    stays a `jax.Array`.
     """
     x = as_key_data(x)
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
@@ -82,11 +80,7 @@ def make_metadata(
     replicas: dict[str, Any],
     parallel: Any,
 ) -> dict[str, Any]:
-    """The JSON record of a step (see `CheckpointManager.metadata`).
-
-    `host` is what is written of `logical`, one copy of `state`; `replicas` the
-    leaves saved with every replica, by path.
-    """
+    """The JSON record of a step (`host`: what is written of `logical`)."""
     leaves = []
     for (path, x), one in zip(
         jax.tree_util.tree_flatten_with_path(host)[0],
@@ -138,11 +132,7 @@ def restore_item(
 def read_metadata(
     manager: ocp.CheckpointManager, directory: epath.Path, step: int
 ) -> dict[str, Any]:
-    """The step's JSON record.
-
-    Raises a `CheckpointCorruptedError` if it is missing, unreadable or not a
-    `FORMAT` record, a `RuntimeError` if reading fails otherwise (`is_damage`).
-    """
+    """The step's JSON record; a `CheckpointCorruptedError` if it is damaged."""
     with reading(directory, step, "its metadata could not be read"):
         meta = manager.restore(
             step, args=ocp.args.Composite(**{METADATA_ITEM: ocp.args.JsonRestore()})
@@ -153,11 +143,7 @@ def read_metadata(
 
 
 def param_name(path: Sequence[Any]) -> str:
-    """The name orbax gives a leaf's arrays inside an item: its keys joined by ".".
-
-    E.g. `"0.layers.2.kernel.value"` for `[0].layers[2].kernel.value`. Raises a
-    `TypeError` for a key of another kind than orbax can save.
-    """
+    """Orbax's name of a leaf in an item, e.g. `"0.layers.2.kernel"`."""
     tu = jax.tree_util
     parts = []
     for key in path:
@@ -184,11 +170,7 @@ def _item_tree(directory: epath.Path, step: int, item: str) -> dict[str, Any]:
 
 
 def item_array_names(directory: epath.Path, step: int, item: str) -> list[str]:
-    """The names of the arrays orbax wrote into an item (empty nodes left out).
-
-    Raises an `OSError` or `ValueError` if orbax's record of the item is
-    missing or damaged.
-    """
+    """The names of the arrays orbax wrote into an item (empty nodes left out)."""
     entries = _item_tree(directory, step, item).get("tree_metadata")
     if not isinstance(entries, dict):
         raise ValueError(f"the `{item}` item's _METADATA lists no tree")
@@ -214,9 +196,8 @@ def read_arrays(
 ) -> list[np.ndarray]:
     """Reads arrays of an orbax PyTree item by name (`param_name`), as NumPy arrays.
 
-    Not through orbax's PyTree restore: that rebuilds the tree from sorted key
-    paths, which fails for nodes mixing integer and string keys (flax NNX's
-    `nnx.Sequential` and `nnx.List`). `dtypes`: None reads the saved ones.
+    Not through orbax's PyTree restore, which fails for nodes mixing integer and
+    string keys (flax NNX's `nnx.Sequential` and `nnx.List`).
     """
     th = ocp.type_handlers
     parent = directory / str(step) / item

@@ -1,9 +1,4 @@
-"""The checks of a checkpoint step's arrays against the record written at save.
-
-`check_leaves` checks the leaves a restore read back (shape, dtype, CRC-32);
-`verify_arrays` reads every array of a step, without a `like`, to tell whether
-a step that would block a save is damaged.
-"""
+"""The checks of a checkpoint step's arrays against the record written at save."""
 
 from __future__ import annotations
 
@@ -47,11 +42,9 @@ def check_leaves(
 
 
 def verify_arrays(directory: epath.Path, step: int, meta: dict[str, Any]) -> str | None:
-    """What is wrong with the arrays of a step, or None if each matches its record.
+    """What is wrong with a step's arrays, or None (read in full, without `like`).
 
-    Needs no `like`: the arrays are matched to the records by shape, dtype and
-    CRC-32. Slow (it reads the whole step): only for a step that would block a
-    save. Raises a `RuntimeError` for a failure to read that is not damage.
+    Arrays are matched to their records by shape, dtype and CRC-32.
     """
     want = collections.Counter()
     for r in meta["leaves"]:

@@ -1,14 +1,12 @@
 """The writer's lock on a checkpoint directory: one `CheckpointManager` saves at a time.
 
 A JSON file naming its owner, created with `O_CREAT | O_EXCL` (best effort on
-object stores). A lock whose owner is gone is reclaimed under an advisory
-`flock` on the directory, so that two reclaimers cannot both win.
+object stores); a stale lock is reclaimed under an advisory `flock`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import socket
@@ -86,11 +84,7 @@ def _process_start_time(pid: int) -> int | None:
 
 
 def process_gone(pid: int, start_time: int | None = None) -> str | None:
-    """Why process `pid` of this host is not the live lock owner, or None if it is.
-
-    A running process whose start time differs from `start_time` (the lock's)
-    reuses the id of a process that ended.
-    """
+    """Why process `pid` of this host is not the live lock owner, or None if it is."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -161,11 +155,7 @@ class DirectoryLock:
 
     @contextlib.contextmanager
     def _guard(self):
-        """An advisory `flock` on the directory around check-and-create.
-
-        Yields whether it is held (not on object stores, nor where the file
-        system refuses `flock`).
-        """
+        """An advisory `flock` on the directory; yields whether it is held."""
         fd = None
         if self._local:
             try:
@@ -220,11 +210,7 @@ class DirectoryLock:
         return True
 
     def acquire(self) -> None:
-        """Takes the lock, reclaiming a stale one (with a warning).
-
-        Raises a `RuntimeError` if a live manager (or one on another host) holds
-        it, an `OSError` naming the directory if the file cannot be written.
-        """
+        """Takes the lock, reclaiming a stale one (with a warning)."""
         if self.token is not None:
             return
         token = uuid.uuid4().hex
@@ -281,39 +267,27 @@ class DirectoryLock:
 
 
 def check_same_directory(directory: epath.Path) -> None:
-    """Raises a `ValueError` on every process if the processes' directories differ.
-
-    A collective: digests of the paths are gathered, and where they differ the
-    paths themselves, for the message.
-    """
+    """Raises a `ValueError` on every process if the processes' directories differ."""
     if jax.process_count() < 2:
         return
     from jax.experimental import multihost_utils
 
-    path = os.fspath(directory).encode()
-    digest = np.frombuffer(hashlib.sha256(path).digest(), np.int32)
-    row = np.concatenate([np.array([len(path)], np.int32), digest])
-    rows = np.asarray(multihost_utils.process_allgather(row))
-    if (rows == rows[0]).all():
-        return
-    longest = int(rows[:, 0].max())
-    padded = np.zeros(longest, np.uint8)
-    padded[: len(path)] = np.frombuffer(path, np.uint8)
+    path = np.frombuffer(os.fspath(directory).encode(), np.uint8)
+    sizes = np.asarray(multihost_utils.process_allgather(np.int32(len(path))))
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[: len(path)] = path
     paths = np.asarray(multihost_utils.process_allgather(padded))
     names = [
-        bytes(paths[i, : int(rows[i, 0])]).decode(errors="replace")
-        for i in range(len(rows))
+        bytes(p[:n]).decode(errors="replace") for p, n in zip(paths, sizes, strict=True)
     ]
+    if len(set(names)) == 1:
+        return
     listing = "\n".join(f"  process {i}: {name}" for i, name in enumerate(names))
     raise ValueError(DIFFERENT_DIRECTORIES_MSG.format(listing=listing))
 
 
 def acquire_for_job(lock: DirectoryLock) -> None:
-    """Takes `lock` on process 0 of a job; every process raises if that fails.
-
-    A collective, called by `CheckpointManager.save` itself (warnings name its
-    caller).
-    """
+    """Takes `lock` on process 0 of a job; every process raises if that fails."""
     error = None
     if jax.process_index() == 0:
         try:

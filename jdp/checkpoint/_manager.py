@@ -1,9 +1,7 @@
-"""`jdp.checkpoint.CheckpointManager`: save one copy, restore into every replica.
+"""`jdp.checkpoint.CheckpointManager`: which step to save or restore.
 
-It decides what to save and which step to restore; the modules next to it do
-the work: `_store` (orbax's manager, the complete steps), `_format` (items and
-record), `_integrity`, `_damage`, `_extra`, `_save` and `_restore` (a step each
-way), `_per_replica` (leaves whose replicas differ) and `_lock` (writer lock).
+The modules next to it do the work: `_store` (orbax's manager), `_format`,
+`_save`, `_restore`, `_per_replica`, `_integrity`, `_damage`, `_extra`, `_lock`.
 """
 
 from __future__ import annotations
@@ -58,11 +56,7 @@ EXIT_FAILED_MSG = (
 
 
 def _finish_saves_at_exit() -> None:
-    """Waits for every pending async save, so that exiting never loses a step.
-
-    Orbax commits a step with thread pools that the interpreter shuts down at
-    exit. Failures are printed: nothing could catch them.
-    """
+    """Waits for every pending async save at exit; failures are printed."""
     while _UNFINISHED:
         store = _UNFINISHED.pop()
         try:
@@ -72,10 +66,9 @@ def _finish_saves_at_exit() -> None:
 
 
 def _register_exit_hook() -> None:
-    """Registers `_finish_saves_at_exit` once per process (at the first async save).
+    """Registers `_finish_saves_at_exit` once, before orbax's pools shut down.
 
-    As a `threading` exit hook: those run before `concurrent.futures` shuts its
-    pools down (`atexit` hooks run after).
+    As a `threading` exit hook: those run before `concurrent.futures`'s.
     """
     global _exit_hook_registered
     # Imported first, it registers its pools' shutdown first: ours runs before.
@@ -108,11 +101,7 @@ def _check_positive(name: str, value: Any, *, optional: bool) -> None:
 
 
 def _newest_intact(store, directory, candidates: list[int], read) -> Any:
-    """`read(step)` of the newest intact step of `candidates` (newest first).
-
-    A damaged step is marked so and reported with a `RuntimeWarning` naming the
-    older step tried next; if none is intact, the first error is raised.
-    """
+    """`read(step)` of the newest intact step of `candidates` (newest first)."""
     first_error = None
     for i, candidate in enumerate(candidates):
         try:
@@ -138,55 +127,25 @@ class CheckpointManager:
     """Saves one copy of a replicated state; restores it into every replica.
 
     Built on `orbax.checkpoint.CheckpointManager`. `save(step, state)` writes
-    replica 0's copy of `state` (Caffe2's `GetCheckpointParams`) and a JSON
-    record of the jdp version, replica count, backend and every leaf's path,
-    shape, dtype and CRC-32. `restore(like)` gives every replica of `like`'s
-    layout the newest complete step's copy (Caffe2's `FinalizeAfterCheckpoint`),
-    so a run may resume on another number of devices or hosts. Static pytree
-    fields (such as `jdp.TrainState.tx`) are not saved: they come from `like`.
-
-    Leaves whose replicas differ (`jdp.bmuf`'s local params and inner optimizer
-    state between syncs) are saved with every replica too: restored into as many
-    replicas, the run resumes bit for bit; into another number (or as one copy)
-    they get replica 0's copy, with a warning, and a `jdp.bmuf` state's params
-    are set to the block start, so a new block starts from the global model.
-
-    `restore(like)` with one copy (no replica axis, e.g. `init_state` or its
-    `jax.ShapeDtypeStruct`s) returns one copy: NumPy arrays, or `jax.Array`s
-    placed like `like`'s. For notebooks, evaluation and export.
-
-    A step is committed only when complete, so a save that crashes midway is
-    ignored, and a step number is never overwritten. From its first `save` to
-    `close`, a manager holds a lock file in the directory
-    (`.jdp-checkpoint.lock`, naming its process and host): another manager's
-    `save` raises at once, naming the holder; a lock left by a process no longer
-    running on this host is reclaimed. Restoring checks the structure, shapes
-    and dtypes against `like` and every leaf's checksum, and never unpickles.
-
-    A damaged or incomplete newest step is never silent: `restore()` warns,
-    naming it, and restores the newest intact step; the next `save` of that
-    step number (or an earlier one) moves it aside to
-    `<directory>/<step>.damaged-<n>`, with a warning. Nothing is deleted.
-
-    A save that fails (an unwritable directory, a full disk) raises an `OSError`
-    naming the directory and the step; with `async_save`, the next `save`,
-    `wait_until_finished`, `restore` or `close` raises it. The process can
-    always exit afterwards. With several processes, every process calls `save`
-    and `restore` with the same directory (the first `save` checks it).
+    replica 0's copy of `state` and a JSON record of it; `restore(like)` gives
+    every replica of `like`'s layout the saved copy, on any number of devices
+    or hosts, or returns one copy for a `like` without replica axis. Static
+    pytree fields (such as `jdp.TrainState.tx`) come from `like`. A step is
+    committed only when complete and never overwritten, a damaged newest step
+    is reported and skipped, and one manager at a time saves into a directory
+    (a lock file, from its first `save` to `close`). See the Checkpoints guide
+    (docs/guides/checkpoints.md).
 
     Args:
-      directory: Directory holding one subdirectory per saved step (created on the
-        first save). Any path `etils.epath` understands (local, `gs://`, ...;
-        on object stores the lock is best effort).
-      max_to_keep: How many of the newest checkpoints to keep (3 by default);
-        older ones are deleted after each save. None keeps all.
-      save_interval_steps: Save only when the step number is a multiple of this
-        (1 by default: every call to `save`); `save(..., force=True)` overrides.
-      async_save: If True, `save` returns once the state is copied to host memory
-        and writes in the background; `wait_until_finished`, `close` and leaving
-        the `with` block wait for it, and so does the interpreter's exit (a
-        script that ends without `close` still commits its last step). False
-        by default.
+      directory: Directory holding one subdirectory per saved step (created at
+        the first save); any path `etils.epath` understands (local, `gs://`).
+      max_to_keep: How many of the newest steps to keep (3 by default); older
+        ones are deleted after each save. None keeps all.
+      save_interval_steps: Save only steps that are multiples of this (1 by
+        default); `save(..., force=True)` overrides.
+      async_save: If True, `save` returns once the state is copied to host
+        memory and writes in the background; `wait_until_finished`, `close`,
+        leaving the `with` block and the interpreter's exit wait for it.
 
     Raises:
       TypeError: If `max_to_keep` or `save_interval_steps` is not an integer
@@ -195,9 +154,8 @@ class CheckpointManager:
         bool.
 
     Example:
-      Resume or start, in one line: `restore(like, default=like)` returns `like`
-      itself when the directory holds no checkpoint yet. `restore` with one copy
-      returns one copy:
+      `restore(like, default=like)` resumes a run, or starts it when the
+      directory holds no checkpoint yet; `restore` with one copy returns one:
 
       >>> import tempfile, jax, jax.numpy as jnp, optax, jdp
       >>> tx = optax.sgd(0.1)
@@ -257,41 +215,29 @@ class CheckpointManager:
     def all_steps(self) -> list[int]:
         """Step numbers of the complete checkpoints, oldest first.
 
-        A save still in progress (async), one that was interrupted, and a step a
-        `restore` found damaged are not listed.
-
-        Returns:
-          A sorted list of step numbers, maybe empty.
+        A save still in progress, one that was interrupted, and a step found
+        damaged are not listed.
         """
         return self._store.complete_steps()
 
     def latest_step(self) -> int | None:
-        """The newest complete step, or None if there is none.
-
-        Returns:
-          A step number that `restore` can read, or None.
-        """
+        """The newest complete step, or None if there is none."""
         steps = self.all_steps()
         return steps[-1] if steps else None
 
     def metadata(self, step: int | None = None) -> dict[str, Any]:
         """The JSON record saved with a step (the newest complete one by default).
 
-        Keys: `format`, `step`, `jdp_version`, `jax_version`, `python_version`,
-        `num_replicas`, `backend` and `axis_name` (None when `save` was not given
-        `parallel`), `process_count`, `state_type`, and `leaves`: one
-        `{"path", "shape", "dtype", "crc32"}` per leaf of the saved copy, in
-        pytree order, plus `"key_impl"` for typed PRNG keys and
-        `"per_replica": {"crc32": ...}` for a leaf whose replicas differed (saved
-        with every replica, shape `(num_replicas, *shape)`). A step saved with
-        `extra` also has `extra`, in its JSON form (arrays base64-encoded):
-        `restore(..., with_extra=True)` decodes it.
-
         Args:
           step: The step number; None for the latest.
 
         Returns:
-          The record as a dict.
+          A dict: `format`, `step`, `jdp_version`, `jax_version`,
+          `python_version`, `num_replicas`, `backend` and `axis_name` (None
+          without `save`'s `parallel`), `process_count`, `state_type`; `leaves`,
+          one `{"path", "shape", "dtype", "crc32"}` per leaf in pytree order
+          (plus `"key_impl"` for typed PRNG keys, and `"per_replica"` for a leaf
+          saved with every replica); and `extra` in its JSON form, if saved.
 
         Raises:
           FileNotFoundError: If there is no such (complete) checkpoint.
@@ -310,49 +256,37 @@ class CheckpointManager:
     ) -> bool:
         """Saves one copy of a replicated state under a step number.
 
-        Writes replica 0's value of every leaf (`step.unreplicate`'s copy): one
-        model's size whatever the replica count. Leaves whose replicas differ
-        (`jdp.bmuf` between syncs) are written with every replica as well. The
-        copy is taken before `save` returns, so the next step may donate `state`
-        even while an async save is still writing.
-
-        The first `save` locks the directory against other managers until
-        `close`. Right before writing, the directory is listed again: a step
-        saved meanwhile is never overwritten, and an incomplete or damaged step
-        with this number or a later one is moved aside to `<step>.damaged-<n>`
-        (with a warning) so that training can go on from an earlier step.
+        Writes replica 0's value of every leaf, and every replica of the leaves
+        whose replicas differ (`jdp.bmuf` between syncs). The copy is taken
+        before `save` returns, so the next step may donate `state`. An
+        incomplete or damaged step with this number or a later one is moved
+        aside to `<step>.damaged-<n>`, with a warning.
 
         Args:
           step: The step number, a non-negative integer (a Python int or a 0-d
             integer array such as `step.unreplicate(state).step`).
-          state: A state replicated by a `jdp.Parallel` step, e.g. the one it
-            returned.
+          state: A state replicated by a `jdp.Parallel` step.
           parallel: Optionally the `jdp.Parallel` that runs `state`: its backend
-            and axis name are recorded in the metadata, and the state's layout is
-            checked against it.
+            and axis name are recorded, and the state's layout checked.
           force: Save even if `step` is not a multiple of `save_interval_steps`.
           extra: What a resume needs besides the state, e.g. `{"epoch": 3,
-            "batch": 120, "key": key}`: a dict with string keys of JSON values
-            (None, bool, int, float, str, lists, tuples, dicts with string keys)
-            and NumPy or JAX arrays (typed PRNG keys included), nested as you
-            like. Kept in the step's JSON record (arrays base64-encoded), so keep
-            it small; `restore(..., with_extra=True)` returns it. Process 0's is
-            written: give every process the same. Checked at every call.
+            "key": key}`: a dict with string keys of JSON values and NumPy or
+            JAX arrays (typed PRNG keys included), nested, kept in the step's
+            JSON record (process 0's); checked at every call. See the Restarts
+            guide (docs/guides/restarts.md).
 
         Returns:
           True if a checkpoint was written (or, with `async_save`, started), False
-          if `save_interval_steps` skipped this step (then nothing on disk is
-          read or written).
+          if `save_interval_steps` skipped this step (nothing on disk touched).
 
         Raises:
           TypeError: If `step` is not an integer, or `extra` is not a dict or
             holds a value that cannot be saved (naming its key).
-          ValueError: If `state` is not replicated, `step` already has a
-            checkpoint, or `step` is older than the latest checkpoint (nothing is
-            overwritten); or, at the first save, if the processes of a job pass
-            different directories (naming each process's directory).
-          RuntimeError: If another manager (in this process or another one)
-            holds the directory's lock, naming its process id and host.
+          ValueError: If `state` is not replicated, or `step` is not newer than
+            the latest checkpoint; at the first save, if the processes of a job
+            pass different directories.
+          RuntimeError: If another manager holds the directory's lock, naming
+            its process id and host.
           NotADirectoryError: If the directory (or one above it) is a file.
           OSError: If the directory cannot be written (naming it and the step),
             is a dangling or looping symbolic link, or an earlier async save
@@ -397,52 +331,44 @@ class CheckpointManager:
     ) -> PyTree | tuple[PyTree, dict[str, Any]]:
         """Loads a saved copy into every replica of `like`'s layout, or as one copy.
 
-        With `step=None`, a newest step that turns out damaged (or was never
-        committed) is reported with a `RuntimeWarning` naming it, and the newest
-        intact step before it is restored instead.
+        With `step=None`, a newest step that is damaged or incomplete is
+        reported with a `RuntimeWarning` and the newest intact step restored.
 
         Args:
-          like: Either a replicated state with the layout to restore into
+          like: A replicated state with the layout to restore into
             (`step.replicate(init_state)`, or its `jax.ShapeDtypeStruct`s with
-            shardings; replica count, devices and backend need not match the run
-            that saved), or one copy with exactly the saved shapes (e.g.
-            `init_state` or its `jax.ShapeDtypeStruct`s). Its static fields
-            (e.g. `TrainState.tx`) are kept.
+            shardings; the replica count and backend may differ from the saving
+            run's), or one copy with the saved shapes (e.g. `init_state`). Its
+            static fields (e.g. `TrainState.tx`) are kept.
           step: The step number to load; None (default) loads the latest.
           default: Returned as it is when `step` is None and the directory holds
-            no complete checkpoint (none yet, or only damaged ones: then with a
-            warning), so that `state = manager.restore(like, default=like)`
-            resumes a run or starts it; without it, that raises. A path that can
-            never hold checkpoints (a file, a dangling or looping symbolic link)
-            raises even so: a typo must not start training from scratch.
+            no complete checkpoint, so that `manager.restore(like, default=like)`
+            resumes a run or starts it. A path that can never hold checkpoints
+            (a file, a dangling or looping symbolic link) raises even so.
           with_extra: Return `(state, extra)`: the `extra` saved with the
-            restored step (also after a fallback), `{}` if it was saved without
-            or `default` is returned. JSON values come back as saved (tuples as
-            lists), arrays as NumPy arrays, typed PRNG keys as typed keys.
+            restored step (`{}` if none, or for `default`); arrays come back as
+            NumPy arrays, typed PRNG keys as keys, tuples as lists.
 
         Returns:
-          A pytree like `like` (same structure and static fields): for a
-          replicated `like`, `jax.Array`s shaped and sharded like its leaves,
-          every replica the saved copy (or its own saved value); for one copy,
-          NumPy arrays or `jax.Array`s placed like `like`'s (typed PRNG keys as
-          keys). With `with_extra`, `(state, extra)`.
+          A pytree like `like`: for a replicated `like`, `jax.Array`s shaped and
+          sharded like its leaves; for one copy, NumPy arrays, or `jax.Array`s
+          placed like `like`'s. With `with_extra`, `(state, extra)`.
 
         Raises:
           FileNotFoundError: If the directory holds no complete checkpoint (and
             no `default` is given), or not one for `step`.
           TypeError: If `step` is not an integer, or a leaf of a replicated
             `like` has no dtype or sharding.
-          ValueError: If the checkpoint's structure, shapes or dtypes differ from
-            `like` (naming the first differing leaf paths and both shapes), if
-            `like` mixes one-copy and replicated leaves or has a 0-d leaf where
-            the replica axis belongs, if `step` is negative, or if its files are
-            corrupted or truncated (and no older step is intact): then a
-            `jdp.checkpoint.CheckpointCorruptedError`.
+          ValueError: If the saved structure, shapes or dtypes differ from
+            `like` (naming the first differing leaves), `like` mixes one-copy
+            and replicated leaves or has a 0-d leaf where the replica axis
+            belongs, or `step` is negative; a `CheckpointCorruptedError` if the
+            files are damaged and no older step is intact.
           NotADirectoryError: If the directory (or one above it) is a file.
           OSError: If the directory (or one above it) is a dangling or looping
             symbolic link, or an earlier async save of this manager failed.
           RuntimeError: If reading a step fails for a reason that is not damage
-            (its files are then left as they are, and not reported damaged).
+            (its files are then left as they are).
         """
         check_directory(self.directory, "restore")
         store = self._store

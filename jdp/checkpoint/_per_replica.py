@@ -1,9 +1,7 @@
 """The leaves whose replicas differ (`jdp.bmuf` between syncs): found, written, read.
 
-A save writes them with every replica as the orbax item `jdp_replicas`, keyed
-`leaf_<i>` by position in the record. A restore into as many replicas gives each
-its own value back; into another layout, replica 0's copy (with a warning).
-Parts of a `CustomLayout` node (ZeRO's slices) are left to their layout.
+Saved with every replica as the item `jdp_replicas` (`leaf_<i>` by position in
+the record); restored into as many replicas, else replica 0's copy (warned).
 """
 
 from __future__ import annotations
@@ -69,11 +67,7 @@ def _differ_fn(mesh: Mesh | None):
 
 
 def differing_paths(state: PyTree) -> list[str]:
-    """The `keystr` paths of a replicated state's leaves whose replicas differ.
-
-    Compares bits (`-0.0` and `0.0`, or NaNs with other payloads, differ).
-    Leaves inside a `CustomLayout` node are skipped.
-    """
+    """The paths of a replicated state's leaves whose replicas' bits differ."""
     paths, arrays, mesh = replica_leaves(state)
     if not arrays:
         return []
@@ -84,26 +78,20 @@ def differing_paths(state: PyTree) -> list[str]:
 def block_start_params(host: PyTree) -> tuple[PyTree, str]:
     """`(host, note)`: one copy with its params set to where replicas restart.
 
-    That is a state part's `restart_params` (`_replica_parts`): for `jdp.bmuf`
-    the block start. `note` is a sentence for the warning saying what was done.
+    That is `_replica_parts.restart_params` (for `jdp.bmuf` the block start);
+    `note` says what was done, for the warning.
     """
+    tree_def = jax.tree.structure
     starts = _replica_parts.restart_params(host)
     if len(starts) != 1:
         return host, ""
     (start,) = starts
     params = getattr(host, "params", None)
-    if params is None and isinstance(host, dict):
+    if isinstance(host, dict):
         params = host.get("params")
-    same = (
-        params is not None
-        and (
-            isinstance(host, dict)
-            or hasattr(host, "replace")
-            or hasattr(host, "_replace")
-        )
-        and jax.tree.structure(params) == jax.tree.structure(start)
-    )
-    if not same:
+    settable = hasattr(host, "replace") or hasattr(host, "_replace")
+    settable = settable or isinstance(host, dict)
+    if params is None or not settable or tree_def(params) != tree_def(start):
         return host, (
             " The state holds a `jdp.bmuf` state, but no `params` of the same "
             "structure to reset: set them to `jdp.bmuf_global_params(state)` "
@@ -134,10 +122,7 @@ def leaves_by_path(tree: PyTree) -> dict[str, Any]:
 
 
 def host_replicas(state: PyTree, flat: list[tuple[Any, Any]]) -> dict[str, Any]:
-    """The `host_copy` of each leaf of `state` whose replicas differ, by path.
-
-    `flat` is `state` flattened with paths.
-    """
+    """The `host_copy` of each leaf of `state` (`flat`) whose replicas differ."""
     per_replica = set(differing_paths(state))
     return {
         keystr(path): host_copy(x) for path, x in flat if keystr(path) in per_replica
@@ -167,11 +152,7 @@ def read_replicas(
     per: dict[int, dict[str, Any]],
     like_by_path: dict[str, Any],
 ) -> dict[str, jax.Array]:
-    """The leaves saved with every replica (records `per`), by path.
-
-    Placed like `like_by_path`'s leaves (as many replicas as saved); typed PRNG
-    keys come back as keys.
-    """
+    """The leaves saved with every replica (records `per`), placed, by path."""
     num = meta["num_replicas"]
     item, restore_args = {}, {}
     for i, r in per.items():
@@ -205,11 +186,7 @@ def read_replicas(
 
 
 def place_with(host: PyTree, like: PyTree, own: dict[str, jax.Array]) -> PyTree:
-    """`place_like(host, like)`, but the leaves in `own` (by path) taken as they are.
-
-    Leaves saved with every replica are never inside a custom layout node, so
-    they are top-level leaves of `like` flattened with `is_leaf=is_custom`.
-    """
+    """`place_like(host, like)`, but the leaves in `own` (by path) taken as they are."""
 
     def mask(path, x):
         return None if keystr(path) in own else x
@@ -235,9 +212,8 @@ def one_copy_of_differing(
 ) -> PyTree:
     """`host` (replica 0's values) set to where replicas restart, with a warning.
 
-    The warning says `why` the leaves in `per` lose their replicas' own values;
-    it names the caller of `CheckpointManager.restore` (call this from a
-    function that `_restore.restore_step` calls).
+    The warning says `why`, and names `CheckpointManager.restore`'s caller when
+    called from a function that `_restore.restore_step` calls.
     """
     host, note = block_start_params(host)
     host, notes = _replica_parts.restart_local(host)

@@ -1,10 +1,7 @@
 """Reading one saved step into the layout of `like`, or as one copy.
 
-A replicated `like` (every leaf with a leading replica axis) gets the saved copy
-in every replica (`jdp._layout.place_like`); a `like` without replica axis gets
-one copy back. The saved structure, shapes and dtypes are checked against `like`
-before any array is read, and every array read against its record.
-`CheckpointManager.restore` decides which step to read.
+The saved structure, shapes and dtypes are checked against `like` before any
+array is read, and every array read against its record.
 """
 
 from __future__ import annotations
@@ -70,11 +67,7 @@ NEWER_INCOMPLETE_MSG = (
 
 
 def resolve_step(store: StepStore, step: Any) -> int:
-    """A complete step to read: `step` itself, or the newest for None.
-
-    Raises `check_step_number`'s errors, or a `FileNotFoundError` (naming the
-    incomplete or damaged steps) if there is no such complete step.
-    """
+    """A complete step to read: `step`, or the newest for None (else raises)."""
     steps = store.complete_steps()
     ignored = sorted(set(store.steps_on_disk()) - set(steps))
     note = (
@@ -104,10 +97,7 @@ def resolve_step(store: StepStore, step: Any) -> int:
 
 
 def warn_newer_incomplete(store: StepStore, newest: int) -> None:
-    """Warns about each step on disk after `newest`, the newest complete step.
-
-    Called by `CheckpointManager.restore` itself: the warnings name its caller.
-    """
+    """Warns about each step on disk after `newest` (called by `restore` itself)."""
     for s in store.steps_on_disk():
         if s > newest:
             warnings.warn(
@@ -123,11 +113,7 @@ def warn_newer_incomplete(store: StepStore, newest: int) -> None:
 
 
 def restore_step(store: StepStore, step: int, like: PyTree) -> PyTree:
-    """Reads a complete step into `like`'s layout, or as one copy.
-
-    Called by `CheckpointManager.restore` itself (warnings name its caller),
-    which documents the errors.
-    """
+    """Reads a complete step into `like`'s layout, or as one copy (for `restore`)."""
     meta = store.metadata(step)
     flat_like = jax.tree_util.tree_flatten_with_path(like)[0]
     if _is_one_copy(step, meta, flat_like):
@@ -223,12 +209,7 @@ def _restore_one_copy(
 def _read_state(
     store: StepStore, step: int, records: Sequence[dict[str, Any]], paths: Sequence[Any]
 ) -> list[np.ndarray]:
-    """The saved copy's leaves as NumPy arrays, checked against their records.
-
-    `paths` are the key paths of `like`'s leaves (checked to be the saved
-    ones), in the order of `records`. Raises a `CheckpointCorruptedError` for
-    damage, a `RuntimeError` for another failure to read.
-    """
+    """The saved copy's leaves (at `like`'s `paths`) as NumPy arrays, checked."""
     with reading(store.directory, step, "reading its arrays failed"):
         names = [param_name(path) for path in paths]
         leaves = read_arrays(
@@ -239,10 +220,7 @@ def _read_state(
 
 
 def read_extra(store: StepStore, step: int) -> dict[str, Any]:
-    """The extras saved with a complete step ({} if none were).
-
-    Raises a `CheckpointCorruptedError` if they cannot be decoded.
-    """
+    """The extras saved with a complete step ({} if none were)."""
     try:
         return decode_extra(store.metadata(step).get("extra"))
     except (ValueError, KeyError, TypeError, AttributeError) as e:

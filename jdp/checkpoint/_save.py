@@ -1,9 +1,4 @@
-"""What a save checks and writes: a replicated state, never over a saved step.
-
-`CheckpointManager.save` decides whether to save a step; this module checks the
-state and that no complete step would be overwritten, and builds the step's
-orbax items (`_format` for the record, `_per_replica` for differing replicas).
-"""
+"""What a save checks and writes: a replicated state, never over a saved step."""
 
 from __future__ import annotations
 
@@ -34,11 +29,7 @@ NOT_REPLICATED_MSG = (
 def check_replicated(
     state: PyTree, flat: Sequence[tuple[Any, Any]], parallel: Any
 ) -> None:
-    """Raises a `ValueError` unless every leaf is a `jax.Array` with a replica axis.
-
-    `flat` is `state` flattened with paths; the layout is also checked against
-    `parallel`, `save`'s `jdp.Parallel` (or None).
-    """
+    """Raises a `ValueError` unless every leaf (of `flat`) has a replica axis."""
     if not flat:
         raise ValueError("`CheckpointManager.save`: `state` has no array leaves.")
     probs = []
@@ -53,12 +44,7 @@ def check_replicated(
 
 
 def check_not_overwriting(store: StepStore, step: int) -> dict[int, str]:
-    """Raises if a complete step >= `step` is on disk; returns the damaged ones.
-
-    A step that looks complete is read in full (its checksums checked) before
-    it may block the save. Returns what is wrong with each incomplete or
-    damaged step >= `step` (to move aside), by step.
-    """
+    """Raises if an intact step >= `step` is on disk; else `{damaged step: why}`."""
     damaged, intact = {}, []
     for s in store.steps_on_disk():
         if s < step:
@@ -90,12 +76,7 @@ def save_items(
     parallel: Any,
     extra: Any = None,
 ) -> dict[str, Any]:
-    """Orbax's save arguments of a step by item name: one copy, record, replicas.
-
-    Every array is copied to host memory before this returns, so the next step
-    may donate `state` while an async save is still writing. `extra` (checked)
-    is stored, encoded, in the record under `"extra"`.
-    """
+    """Orbax's save arguments of a step by item name, every array in host memory."""
     replicas = host_replicas(state, flat)
     logical = logical_copy(state)
     host = jax.tree.map(_format.host_copy, logical)

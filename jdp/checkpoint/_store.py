@@ -1,9 +1,7 @@
 """The steps in a checkpoint directory: orbax's manager, and which are complete.
 
-`StepStore` owns the orbax `CheckpointManager` of one directory (made lazily, so
-that reading never creates directories; dropped after a failed save), writes
-steps through it, and tells the complete steps from the incomplete or damaged
-ones. Which step to save or restore, `CheckpointManager` decides.
+`StepStore` makes the orbax manager lazily (reading never creates directories)
+and drops it after a failed save.
 """
 
 from __future__ import annotations
@@ -44,12 +42,7 @@ NOT_A_DIRECTORY_MSG = (
 
 
 def check_directory(directory: epath.Path, caller: str) -> None:
-    """Raises if the local path `directory` can never hold checkpoints.
-
-    A file or a dangling or looping symbolic link (there or above): orbax would
-    report it as an unnamed `FileExistsError`, and `restore(like, default=...)`
-    would return the default as if no run had started.
-    """
+    """Raises if `directory` is (or is under) a file or a dangling or looping link."""
     path = os.fspath(directory)
     if "://" in path:
         return  # object stores have no files in the way
@@ -67,10 +60,7 @@ def check_directory(directory: epath.Path, caller: str) -> None:
 
 
 def _first_problem(path: str) -> tuple[type[OSError], str, str, str] | None:
-    """`(error type, where, what is wrong, fix)` for `path` or the first parent.
-
-    None if `path` is a directory, or does not exist yet under a directory.
-    """
+    """`(error type, where, what is wrong, fix)` for `path` or a parent, or None."""
     current = path
     while True:
         link = os.path.islink(current)
@@ -122,10 +112,7 @@ def _link_target(link: str) -> str:
 
 
 class StepStore:
-    """The step directories under one checkpoint directory (absolute, or a URL).
-
-    The other arguments are `CheckpointManager`'s, given to orbax.
-    """
+    """The step directories under one checkpoint directory (absolute, or a URL)."""
 
     def __init__(
         self,
@@ -146,10 +133,7 @@ class StepStore:
         self._pending: int | None = None  # the step an async save is writing
 
     def open(self, *, create: bool) -> ocp.CheckpointManager | None:
-        """The orbax manager, or None while the directory does not exist.
-
-        With `create`, the manager (and with it the directory) is made anyway.
-        """
+        """The orbax manager (made with `create`; else None without a directory)."""
         if self._manager is None and (create or self.directory.exists()):
             policies = ocp.checkpoint_managers
             options = ocp.CheckpointManagerOptions(
@@ -186,11 +170,7 @@ class StepStore:
         return step % self.save_interval_steps == 0 or manager.reached_preemption(step)
 
     def write(self, step: int, items: dict[str, Any]) -> None:
-        """Saves `items` (orbax save arguments by item name) as `step`.
-
-        With `async_save`, only starts the write: `finish_pending` waits for it.
-        Raises an `OSError` if it fails (the orbax manager is then dropped).
-        """
+        """Saves (or, with `async_save`, starts saving) `items` as `step`."""
         manager = self.open(create=True)
         self._complete.pop(step, None)
         try:
@@ -215,10 +195,7 @@ class StepStore:
     def write_failed(
         self, step: int | None, error: BaseException, *, what: str
     ) -> OSError:
-        """The `OSError` for a save of `step` that failed with `error`.
-
-        `what` failed, e.g. `"writing"`, as in "writing step 3 to ...".
-        """
+        """The `OSError` for a save of `step` that failed (`what`: e.g. "writing")."""
         try:
             kept = self.complete_steps()
         except Exception:  # the directory may be unreadable too
@@ -262,11 +239,7 @@ class StepStore:
         return [s for s in self.steps_on_disk() if self.incomplete(s) is None]
 
     def incomplete(self, step: int) -> str | None:
-        """Why a step on disk is not a complete checkpoint, or None if it is.
-
-        Never committed, an item or the record missing or unreadable, or arrays
-        a restore found damaged.
-        """
+        """Why a step on disk is not a complete checkpoint, or None if it is."""
         if step in self._complete:
             return None
         if step in self._damaged:
@@ -286,10 +259,7 @@ class StepStore:
         return None
 
     def metadata(self, step: int) -> dict[str, Any]:
-        """The record of a step: the one `incomplete` kept, else read from disk.
-
-        Raises a `CheckpointCorruptedError` if it is missing or unreadable.
-        """
+        """The record of a step: the one `incomplete` kept, else read from disk."""
         if step in self._complete:
             return self._complete[step]
         return _format.read_metadata(self.open(create=False), self.directory, step)
