@@ -1,24 +1,7 @@
 """Predictor export: a single-device inference function serialised with `jax.export`.
 
-Caffe2's `ExtractPredictorNet` returned a one-device inference net plus its blobs.
-Here the inference function, with one logical copy of the parameters baked in as
-constants, is lowered to StableHLO by `jax.export` (for several platforms, with a
-symbolic batch dimension) and wrapped in a container that tells damage apart:
-
-    offset  size  field
-    0       8     magic b"JDPPRED" + one zero byte
-    8       4     format version (little-endian uint32)
-    12      4     metadata length M (uint32)
-    16      8     payload length P (uint64)
-    24      32    SHA-256 of metadata + payload
-    56      M     metadata: a UTF-8 JSON object (format, jdp/jax versions,
-                  platforms, inputs, outputs)
-    56+M    P     payload: `jax.export.Exported.serialize()`
-
-Security: loading compiles and runs the StableHLO inside, so a predictor file is
-code. The header's SHA-256 is a checksum against damage, not a signature against
-tampering; the file's own SHA-256, got through a trusted channel, is checked by
-`jdp.load_predictor(..., expected_sha256=...)`.
+The container (header, JSON metadata, `Exported.serialize()` payload, SHA-256 of
+both) is described in the export guide (docs/guides/export.md).
 """
 
 from __future__ import annotations
@@ -204,15 +187,9 @@ def export_predictor(
 
     One logical copy of `params` is baked in as constants and the function is
     lowered to StableHLO with `jax.export`; the result runs on one device, without
-    a mesh, the training code or the model's Python classes (`jdp.load_predictor`).
-    This is Caffe2's `ExtractPredictorNet`.
-
-    Params straight out of a `jdp.parallelize` step carry a replica axis: they are
-    recognised by their layout (every array leaf a `jax.Array` whose leading axis
-    is sharded over every axis of a mesh of that size, as `step.replicate` places
-    them) and replica 0's copy is exported. Force the reading with
-    `replicated=True` or `False` when the layout is ambiguous (e.g. your own
-    `NamedSharding(mesh, P("data"))` params that are not replicas).
+    the training code or the model's Python classes (`jdp.load_predictor`).
+    Params replicated by a `jdp.parallelize` step are recognised by their layout
+    and replica 0's copy is exported. See the Export guide (docs/guides/export.md).
 
     Args:
       apply_fn: Inference function `apply_fn(params, *inputs) -> outputs` (any
@@ -221,20 +198,16 @@ def export_predictor(
         one plain copy, or replicated by `step.replicate` / returned by a step.
       example_inputs: Tuple of example inputs (arrays or pytrees of arrays); a
         single array is taken as one input. Only shapes and dtypes are used.
-      platforms: Platforms to lower for (`"cpu"`, `"cuda"`, `"rocm"`, `"tpu"`);
-        the loaded predictor runs on whichever of them the loading process uses.
+      platforms: Platforms to lower for (`"cpu"`, `"cuda"`, `"rocm"`, `"tpu"`).
       batch_polymorphic: Make the leading axis of every input a symbolic batch
-        size, so one predictor serves any batch (every input must then have a
-        leading axis, of the same size in `example_inputs`). False exports the
-        example shapes exactly.
-      replicated: Whether `params` is replicated; None (default) decides from the
-        layout as described above. True requires that layout of every leaf;
-        False takes `params` as they are (a leading axis is kept).
+        size (every input must then have one, of the same size); False exports
+        the example shapes exactly.
+      replicated: Whether `params` is replicated; None (default) decides from
+        the layout, True requires the replicated layout of every leaf, False
+        takes `params` as they are.
 
     Returns:
-      The serialised predictor (bytes) for `jdp.load_predictor` or a file;
-      `hashlib.sha256(blob).hexdigest()` is the digest to publish with it for
-      `jdp.load_predictor(..., expected_sha256=...)`.
+      The serialised predictor (bytes), for `jdp.load_predictor` or a file.
 
     Raises:
       ValueError: If `platforms` names an unknown platform, the inputs do not
@@ -292,10 +265,7 @@ def save_predictor(
     example_inputs: Any,
     **kwargs: Any,
 ) -> None:
-    """Writes the bytes of `jdp.export_predictor(...)` to the file `path`.
-
-    The file is written to a temporary name in the same directory and renamed, so
-    a crash never leaves a half-written predictor under `path`.
+    """Writes `jdp.export_predictor(...)`'s bytes to `path`, atomically (by rename).
 
     Args:
       path: Destination file.
@@ -319,7 +289,7 @@ def save_predictor(
 
 
 def _pack(meta: bytes, payload: bytes) -> bytes:
-    """The container: header, JSON metadata, payload (see the module docstring)."""
+    """The container: header, JSON metadata, payload (see the export guide)."""
     digest = hashlib.sha256(meta + payload).digest()
     header = _HEADER.pack(MAGIC, FORMAT_VERSION, len(meta), len(payload), digest)
     return header + meta + payload
@@ -392,13 +362,6 @@ def _parse_metadata(raw: bytes, prefix: str) -> dict:
     return meta
 
 
-def _numeric(dtype: np.dtype) -> bool:
-    """Whether arrays of `dtype` hold numbers or booleans (not text or objects)."""
-    return bool(
-        jax.numpy.issubdtype(dtype, np.number) or jax.numpy.issubdtype(dtype, np.bool_)
-    )
-
-
 def _fits(dtype: np.dtype, shape: tuple, aval: Any, bound: dict) -> bool:
     """Whether an input of `dtype` and `shape` fits the exported `aval`.
 
@@ -419,9 +382,7 @@ class Predictor:
     """A loaded predictor: call it with the inputs, as `apply_fn` without `params`.
 
     Made by `jdp.load_predictor`. Inputs are checked against the exported shapes
-    and dtypes before the call (a clear `TypeError` for text or other non-numeric
-    data, a `ValueError` for wrong shapes or dtypes, instead of an XLA error); the
-    first call for each batch size compiles.
+    and dtypes before the call; the first call for each batch size compiles.
 
     Attributes:
       exported: The `jax.export.Exported` function.
@@ -429,9 +390,8 @@ class Predictor:
         `batch` is the symbolic batch size.
       platforms: The platforms it was exported for.
       metadata: The container's metadata (jdp and jax versions, inputs, outputs).
-      sha256: SHA-256 of the file's bytes it was loaded from, as 64 hex digits
-        (`hashlib.sha256(data).hexdigest()`), to publish for
-        `jdp.load_predictor(..., expected_sha256=...)`; None when not known.
+      sha256: SHA-256 of the bytes it was loaded from, as 64 hex digits, to
+        publish for `jdp.load_predictor(..., expected_sha256=...)`; or None.
     """
 
     def __init__(
@@ -485,7 +445,9 @@ class Predictor:
             f"args{keystr(path)}: got {_kind(x)} of dtype {a.dtype} and shape "
             f"{a.shape}, expected {_format_aval(aval)}"
             for (path, x), a, aval in zip(flat, arrays, avals, strict=True)
-            if not _numeric(a.dtype) and a.dtype != aval.dtype
+            if a.dtype != aval.dtype
+            and not jax.numpy.issubdtype(a.dtype, np.number)
+            and not jax.numpy.issubdtype(a.dtype, np.bool_)
         ]
         if probs:
             raise TypeError(
@@ -556,32 +518,26 @@ def load_predictor(
 ) -> Predictor:
     """Loads a predictor written by `jdp.save_predictor` / `jdp.export_predictor`.
 
-    Needs neither the model code nor the training code: only jax (and jdp).
-
-    Security: loading compiles and runs the StableHLO inside the file, so load only
-    predictors from sources you trust, as you would code. The SHA-256 in the
-    file's header is a checksum against accidental damage, not a signature against
-    tampering (whoever can change the file can recompute it). To detect tampering,
-    send the file's SHA-256 (`hashlib.sha256(data).hexdigest()`, or
-    `Predictor.sha256`) through a channel you trust and pass it as
-    `expected_sha256`: the bytes are checked before anything in them is read.
+    Needs neither the model code nor the training code. Loading compiles and runs
+    the StableHLO inside, so load only files you trust. The header's SHA-256 is a
+    checksum against damage, not a signature: to detect tampering, pass
+    `expected_sha256`, got through a channel you trust.
 
     Args:
       path_or_bytes: A file path, or the bytes `jdp.export_predictor` returned.
-      expected_sha256: Optional SHA-256 of the whole file (its bytes), as 64 hex
-        digits (`hashlib.sha256(data).hexdigest()`; upper case is accepted).
+      expected_sha256: Optional SHA-256 of the whole file, as 64 hex digits
+        (`hashlib.sha256(data).hexdigest()`; upper case is accepted), checked
+        before anything in the file is read.
 
     Returns:
-      A callable `predict(*inputs) -> outputs` (a `Predictor`, which also tells
-      its `input_specs`, `platforms` and `sha256`).
+      A `Predictor`: `predict(*inputs) -> outputs`.
 
     Raises:
       TypeError: If `expected_sha256` is not a str.
       ValueError: If `expected_sha256` is not 64 hex digits or the data does not
         hash to it; or if the data is not a jdp predictor, is truncated or
-        corrupted (checksum mismatch), has a bad JSON header, was written in
-        another format version, or was not exported for the platform this
-        process runs on.
+        corrupted, has a bad JSON header, is of another format version, or was
+        not exported for this process's platform.
       FileNotFoundError: If the path does not exist.
 
     Example:
