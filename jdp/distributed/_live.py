@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jdp import _layout
+from jdp import _coordination, _layout
 from jdp._parallel import Parallel, parallelize
 
 PyTree = Any
@@ -28,6 +28,13 @@ PyTree = Any
 _log = logging.getLogger("jdp.distributed")
 
 API = "jdp.distributed.live"
+
+
+_KEYS = "jdp/live/"
+
+
+def _ids(devices: Sequence[jax.Device]) -> str:
+    return ",".join(str(d.id) for d in devices)
 
 
 class LiveStep:
@@ -42,8 +49,10 @@ class LiveStep:
         self._train_step = train_step
         self._devices = list(devices)
         self._max_retries = max_retries
-        self._used: set[tuple[int, ...]] = set()
+        self._store = _coordination.store()
         self._parallel: Parallel | None = None
+        #: Steps completed through this object.
+        self.position = 0
         #: How many times the set of replicas changed after the first mesh.
         self.membership_changes = 0
 
@@ -63,18 +72,25 @@ class LiveStep:
         Every process must pass the same `state` (e.g. built from the same seed,
         or restored from the same checkpoint): nothing is broadcast, so that no
         collective spans a process that may already be gone.
+
+        Raises:
+          RuntimeError: In a process that starts while the others already train
+            (a replacement): it cannot join them yet.
         """
-        with multihost_utils.live_devices(self._devices) as live:
-            self._form(live)
-            like = jax.tree.map(
-                lambda x: jax.ShapeDtypeStruct(
-                    (self.num_replicas,) + np.shape(x),
-                    _layout.abstract(x).dtype,
-                    sharding=self._parallel.sharding,
-                ),
-                state,
+        if self._value("running") == "1":
+            raise RuntimeError(
+                f"`{API}`: the other processes of this job are already training; a "
+                "replacement process cannot join them yet. Restart the whole job "
+                "from its latest checkpoint (`python -m jdp.launch --max-restarts`)."
             )
-            return _layout.place_like(jax.tree.map(_layout.host_value, state), like)
+        for attempt in self._attempts():
+            with attempt:
+                with multihost_utils.live_devices(self._devices) as live:
+                    self._form(live)
+                    placed = self._place_state(state)
+            if attempt.ok:
+                return placed
+        raise AssertionError("unreachable")  # `_attempts` raises when tries run out
 
     def __call__(self, state: PyTree, batch: PyTree) -> tuple[PyTree, dict]:
         """One step on `batch`, the global batch (the same on every process).
@@ -83,50 +99,65 @@ class LiveStep:
           `(state, metrics)` as the wrapped step does, on the current mesh.
 
         Raises:
-          RuntimeError: After `max_retries` membership changes within one step.
+          RuntimeError: After `max_retries` failed attempts at one step.
         """
-        failures = []
-        for _ in range(self._max_retries + 1):
-            try:
+        for attempt in self._attempts():
+            with attempt:
                 with multihost_utils.live_devices(self._devices) as live:
-                    if [d.id for d in live] != sorted(d.id for d in self.devices):
+                    if _ids(live) != _ids(sorted(self.devices, key=_id)):
                         state = self._reform(live, state)
                     out = self._parallel(state, self._place(batch))
                     jax.block_until_ready(out)
+            if attempt.ok:
+                self.position += 1
+                if self.position == 1:
+                    self._store.put(f"{_KEYS}running", "1")
                 return out
-            except Exception as e:  # noqa: BLE001 - raised on every survivor alike
-                failures.append(f"{type(e).__name__}: {e}")
-                _log.warning(
-                    "%s: the step failed on every live process (%s); it runs again "
-                    "on the live devices.",
-                    API,
-                    failures[-1][:200],
+        raise AssertionError("unreachable")  # `_attempts` raises when tries run out
+
+    def _attempts(self):
+        """Context managers, one per try, until the caller stops or too many fail."""
+        failures: list[str] = []
+        while True:
+            attempt = _Attempt(self, failures)
+            yield attempt
+            if len(failures) > self._max_retries:
+                raise RuntimeError(
+                    f"`{API}`: the step failed {len(failures)} times in a row; the "
+                    f"last failure: {failures[-1]}"
                 )
-        raise RuntimeError(
-            f"`{API}`: the step failed {len(failures)} times in a row; the last "
-            f"failure: {failures[-1]}"
-        )
+
+    def _value(self, key: str) -> str | None:
+        try:
+            return self._store.get(_KEYS + key)
+        except Exception:  # noqa: BLE001 - the store raises for a missing key
+            return None
 
     def _form(self, live: Sequence[jax.Device]) -> None:
-        """A mesh over `live`, in a device order no earlier mesh used.
+        """A mesh over `live`, in a device order no earlier mesh of the job used.
 
         The CPU collectives cache their connections by the ordered device list,
-        and a list used before a failure does not work again.
+        and a list used before a failure does not work again; the orders used
+        are kept in the coordination service's store, which a replacement reads.
         """
-        for order in itertools.permutations(sorted(live, key=lambda d: d.id)):
-            ids = tuple(d.id for d in order)
-            if ids not in self._used:
-                break
-        else:  # every order used: try the first one again
-            order = tuple(sorted(live, key=lambda d: d.id))
-            ids = tuple(d.id for d in order)
+        used = set(self._store.entries(f"{_KEYS}used/").values())
+        ordered = sorted(live, key=_id)
+        order = next(
+            (o for o in itertools.permutations(ordered) if _ids(o) not in used),
+            ordered,
+        )
         if self._parallel is not None:
             self.membership_changes += 1
-        self._used.add(ids)
+        devices = list(order)
         self._parallel = parallelize(
-            self._train_step, devices=list(order), donate_state=False
+            self._train_step, devices=devices, donate_state=False
         )
-        _log.info("%s: %d replicas, devices %s", API, len(order), list(ids))
+        _log.info("%s: %d replicas, devices %s", API, len(order), _ids(order))
+
+    def _mark_used(self) -> None:
+        if self._parallel is not None:
+            ids = _ids(self.devices)
+            self._store.put(f"{_KEYS}used/{ids}", ids)
 
     def _reform(self, live: Sequence[jax.Device], state: PyTree) -> PyTree:
         """`state` rewrapped for a mesh over `live`: each device keeps its replica."""
@@ -144,6 +175,26 @@ class LiveStep:
             )
 
         return jax.tree.map(rewrap, state)
+
+    def _place_state(self, state: PyTree) -> PyTree:
+        """This process's logical `state` on its devices of the current mesh."""
+        if any(
+            map(_layout.is_custom, jax.tree.leaves(state, is_leaf=_layout.is_custom))
+        ):
+            raise ValueError(
+                f"`{API}`: the state holds a node laid out per replica in its own "
+                "way (`jdp.zero`'s optimizer-state slices), which dies with its "
+                "process. Train without `jdp.zero` under `jdp.distributed.live`."
+            )
+        like = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(
+                (self.num_replicas,) + np.shape(x),
+                _layout.abstract(x).dtype,
+                sharding=self._parallel.sharding,
+            ),
+            state,
+        )
+        return _layout.place_like(jax.tree.map(_layout.host_value, state), like)
 
     def _place(self, batch: PyTree) -> PyTree:
         """This process's replicas' rows of the global `batch`, placed."""
@@ -163,6 +214,43 @@ class LiveStep:
             return jax.make_array_from_callback(x.shape, sharding, x.__getitem__)
 
         return jax.tree_util.tree_map_with_path(place, batch)
+
+
+class _Attempt:
+    """One try of a `LiveStep` round: a failure is logged and recorded, not raised."""
+
+    def __init__(self, step: LiveStep, failures: list[str]):
+        self._step, self._failures = step, failures
+        self.ok = False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, tb):
+        step = self._step
+        step._mark_used()
+        if error is None:
+            self.ok = True
+            step._store.put(f"{_KEYS}mesh", _ids(step.devices))
+            return False
+        if (
+            not isinstance(error, Exception)
+            or isinstance(error, ValueError)
+            and (API in str(error))
+        ):
+            return False  # interrupts, and this module's own input errors
+        self._failures.append(f"{type(error).__name__}: {error}")
+        _log.warning(
+            "%s: the step failed on every live process (%s); it runs again on the "
+            "live devices.",
+            API,
+            self._failures[-1][:200],
+        )
+        return True
+
+
+def _id(device: jax.Device) -> int:
+    return device.id
 
 
 def live(
@@ -208,6 +296,11 @@ def live(
       RuntimeError: If JAX's fault tolerance is off or the distributed runtime
         is not initialized.
     """
+    if _coordination.store() is None:
+        raise RuntimeError(
+            f"`{API}` trains across processes: call `jdp.distributed.initialize` "
+            "first (with `fail_fast=False`)."
+        )
     if not jax.config.jax_enable_recoverability:
         raise RuntimeError(
             f"`{API}` needs JAX's fault tolerance: call "

@@ -1,8 +1,10 @@
 """One process of a live job: trains through `jdp.distributed.live`.
 
-argv: PROCESS_ID NUM_PROCESSES PORT OUT_DIR DIE_PROCESS DIE_AT CONFIG. Process
-DIE_PROCESS SIGKILLs itself at step DIE_AT (-1: nobody dies). Each survivor
-writes its final params, loss history and replica count per step to OUT_DIR.
+argv: PROCESS_ID NUM_PROCESSES PORT OUT_DIR DIE_PROCESS DIE_AT CONFIG [STEPS
+PAUSE_S REPLACEMENT]. Process DIE_PROCESS SIGKILLs itself at step DIE_AT (-1:
+nobody dies) unless it is a REPLACEMENT (1), which joins the others where they
+are. Each process that finishes writes its final params, loss history and
+replica count per step to OUT_DIR.
 """
 
 import os
@@ -16,6 +18,13 @@ os.environ["XLA_FLAGS"] = (
 )
 pid, num, port, out_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 die_process, die_at, config = int(sys.argv[5]), int(sys.argv[6]), sys.argv[7]
+steps, pause_s, replacement = 12, 0.0, False
+if len(sys.argv) > 8:
+    steps, pause_s, replacement = (
+        int(sys.argv[8]),
+        float(sys.argv[9]),
+        sys.argv[10] == "1",
+    )
 
 import jax  # noqa: E402
 
@@ -31,12 +40,13 @@ jdp.distributed.initialize(
     fail_fast=False,
 )
 
+import time  # noqa: E402
+
 import optax  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from helpers import init_mlp, make_batches, mlp_loss  # noqa: E402
 
-STEPS = 12
 GLOBAL_BATCH = 12  # divisible by 3, 2 and 1 replicas
 
 if config == "all_reduce":
@@ -54,10 +64,13 @@ state = step.replicate(
     jdp.TrainState.create(params=init_mlp(jax.random.key(0)), tx=tx, sync=sync)
 )
 losses, replicas = [], []
-for i, batch in enumerate(make_batches(STEPS, GLOBAL_BATCH)):
-    if pid == die_process and i == die_at:
+batches = make_batches(steps, GLOBAL_BATCH)
+while step.position < steps:  # a replacement starts where the others are
+    i = step.position
+    if pid == die_process and i == die_at and not replacement:
         os.kill(os.getpid(), signal.SIGKILL)
-    state, metrics = step(state, batch)
+    time.sleep(pause_s)
+    state, metrics = step(state, batches[i])
     losses.append(float(metrics["loss"]))
     replicas.append(step.num_replicas)
 one = jax.tree.map(
@@ -71,6 +84,7 @@ with open(Path(out_dir) / f"{pid}.pkl", "wb") as f:
             "losses": losses,
             "replicas": replicas,
             "changes": step.membership_changes,
+            "first": steps - len(losses),
         },
         f,
     )

@@ -25,22 +25,32 @@ WORKER = Path(__file__).with_name("live_worker.py")
 NUM, DIE_PROCESS, DIE_AT, STEPS, GLOBAL_BATCH = 3, 2, 5, 12, 12
 
 
-def run_job(tmp_path, config, *, timeout=150):
-    """Starts the processes; returns each survivor's results and the outputs."""
+def run_job(tmp_path, config, *, timeout=150, replace=False):
+    """Starts the processes; returns each survivor's results and the outputs.
+
+    With `replace`, process DIE_PROCESS is started again once it has died, as a
+    replacement (its output is the last of the outputs).
+    """
     port = free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), str(p), str(NUM), str(port), str(tmp_path)]
-            + [str(DIE_PROCESS), str(DIE_AT), config],
+    args = [str(NUM), str(port), str(tmp_path), str(DIE_PROCESS), str(DIE_AT), config]
+    slow = ["40", "0.3"] if replace else []
+
+    def start(p, replacement="0"):
+        return subprocess.Popen(
+            [sys.executable, str(WORKER), str(p), *args]
+            + (slow + [replacement] if slow else []),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
         )
-        for p in range(NUM)
-    ]
+
+    procs = [start(p) for p in range(NUM)]
     deadline = time.monotonic() + timeout
     outputs = []
     try:
+        if replace:
+            procs[DIE_PROCESS].wait(timeout=timeout)
+            procs.append(start(DIE_PROCESS, "1"))
         for proc in procs:
             left = max(1.0, deadline - time.monotonic())
             outputs.append(proc.communicate(timeout=left)[0])
@@ -125,3 +135,13 @@ def test_per_replica_state_survives_a_kill(tmp_path, config):
     # carries into the next step.
     tolerance = dict(rtol=1e-5, atol=1e-6) if config == "bmuf" else dict(atol=2e-3)
     assert_trees_close(results[0]["params"], reference(config), **tolerance)
+
+
+def test_a_replacement_is_refused_with_a_message_and_the_others_train_on(tmp_path):
+    """Rejoining a live job is not supported yet: the replacement says so and
+    exits, and the survivors are not disturbed."""
+    results, outputs = run_job(tmp_path, "all_reduce", replace=True)
+    assert "cannot join them yet" in outputs[-1], outputs[-1][-3000:]
+    assert set(results) == {0, 1}, "\n".join(o[-3000:] for o in outputs)
+    for r in results.values():
+        assert r["replicas"] == [3] * DIE_AT + [2] * (40 - DIE_AT)
