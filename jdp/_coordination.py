@@ -1,8 +1,7 @@
 """Private: this process's client of JAX's coordination service.
 
-Its key-value store is where the processes agree on something without a device
-collective: `step.shard`'s batch agreement, shutdown's arrivals, the stall
-check, and `check_sync`'s comparison (`exchange`). All go through `Store`.
+Its key-value store (`Store`) is where processes agree without a device
+collective: `step.shard`'s batches, shutdown, the stall check, `check_sync`.
 """
 
 from __future__ import annotations
@@ -15,11 +14,10 @@ from jdp import _jax_compat
 
 
 class Store:
-    """The coordination service's key-value store, as every jdp protocol uses it.
+    """The coordination service's key-value store: string keys under `jdp/`, values.
 
-    The one caller of the client's `key_value_*` methods. Keys are strings under
-    `jdp/`, values strings. A call raises what the client raises (the service
-    may be gone); callers decide what that means.
+    The one caller of the client's `key_value_*` methods; a call raises what the
+    client raises (the service may be gone).
     """
 
     def __init__(self, client: Any):
@@ -78,15 +76,10 @@ def exchange(
     timeout_s: float,
     client: Any = None,
 ) -> dict[int, str]:
-    """Publishes this process's `value` and reads the other processes' values.
+    """Publishes this process's `value`; `{process: value}` of those within `timeout_s`.
 
-    Each of `processes` calls it with the same `key` (written once per process)
-    and its own value: one write, then one blocking read per other process,
-    for at most `timeout_s` seconds in all.
-
-    `client`: a key-value store to use instead of this process's (for tests).
-    Returns `{process: value}` of this process and of every other that
-    published within `timeout_s`.
+    Each of `processes` calls it with the same `key`; `client` replaces this
+    process's store (for tests).
     """
     kv = Store.of(client) if client is not None else store()
     kv.put(f"{key}/{process}", value)

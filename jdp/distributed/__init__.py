@@ -1,15 +1,9 @@
 """Multi-process training on JAX's distributed runtime (`jax.distributed`).
 
-Public, stable names:
-
-- `initialize`: join a multi-process job (call first, in every process).
-- `shutdown`: leave it (also done at interpreter exit).
-- `is_initialized`: whether this process has joined one.
-- `live`: a train step that keeps going when a process dies (`LiveStep`).
-
-Once initialized, `jdp.parallelize` spans the devices of every process. Start the
-processes with `python -m jdp.launch` on one machine, or with SLURM / Open MPI /
-Kubernetes on a cluster.
+`initialize` joins a job (call it first, in every process), `shutdown` leaves it
+(also done at exit), `is_initialized` tells whether this process joined one, and
+`live` makes a train step that keeps going when a process dies. Start the
+processes with `python -m jdp.launch`, or with SLURM / Open MPI / Kubernetes.
 """
 
 from jdp import _batching

@@ -1,10 +1,8 @@
 """Private: the cross-process agreement of `step.shard`'s batches.
 
-With several processes, each passes its own share of the global batch to
-`step.shard`; their sizes, structures, dtypes and padding are compared here,
-through JAX's coordination service (`jdp._coordination.Store`), so that a
-mismatch raises instead of training on misaligned data. `jdp.distributed` plugs
-`_PROCESS_CHECK` into `jdp._batching` as its `ProcessAgreement`.
+Each process passes its share of the global batch; sizes, structures, dtypes and
+padding are compared through JAX's coordination service, so that a mismatch
+raises instead of training on misaligned data (`_PROCESS_CHECK`).
 """
 
 from __future__ import annotations
@@ -102,29 +100,18 @@ class Found(NamedTuple):
 
 
 class _ProcessCheck:
-    """The cross-process batch check, made by the calling thread (no thread).
+    """The cross-process batch check, made by the calling thread.
 
-    Every process makes the same `shard` calls in the same order. In the store,
-    process `p` keeps one record, `record/p`: `reached` (the last call it made
-    known), `raised` (the last call at which it raised) and its recent changes
-    `(call, row)`; `error/n` holds the rows of a disagreement found at call `n`.
-    At its call `n`, `p`:
-
-    1. only counts, sending nothing, if its `signature` did not change (and it
-       does not pad to the largest batch, whose sizes must be exchanged);
-    2. otherwise publishes `(n, row)` and reads every record: `q`'s row at `n`
-       is confirmed if `q` reached `n`, else `q`'s last row stands in for it;
-    3. raises if the confirmed rows disagree; goes on if all are confirmed and
-       agree, or, at once, if the stand-ins agree with a row it already went on
-       with (or its first) and none is one its process raised with;
-    4. otherwise polls for up to `timeout_s()` (a process behind may change at
-       `n` too), then raises naming the unconfirmed processes, unless nothing
-       speaks against them.
-
-    So the process whose signature changed raises; one whose signature did not
-    (process 0 keeps passing 8 examples when process 1 passes its short last
-    batch) goes on into the step's collective, and learns of the error from
-    `late`.
+    Process `p` keeps one record in the store, `record/p`: `reached` (the last
+    call it made known), `raised` (the last call at which it raised) and its
+    recent changes `(call, row)`; `error/n` holds the rows of a disagreement at
+    call `n`. At its call `n`, `p` only counts if its `signature` did not change
+    (and it does not pad to the largest batch). Otherwise it publishes `(n, row)`
+    and reads every record (`q`'s row at `n` is confirmed if `q` reached `n`,
+    else `q`'s last row stands in for it); it raises if the confirmed rows
+    disagree, goes on if all agree (or the stand-ins agree with a row it went on
+    with before), else polls for up to `timeout_s()`. A process whose signature
+    did not change goes on into the step and learns of an error from `late`.
     """
 
     def __init__(
@@ -134,7 +121,6 @@ class _ProcessCheck:
         process: tuple[int, int] | None = None,
         timeout_s: float | None = None,
     ):
-        """`client`, `process=(index, count)`: instead of JAX's (for tests)."""
         self._given_client = client
         self._process = process
         self._given_timeout_s = timeout_s
@@ -192,10 +178,7 @@ class _ProcessCheck:
         return value
 
     def check(self, row: tuple, *, need_sizes: bool) -> Found | None:
-        """Counts this call; what it found when it compared, or a `late` report.
-
-        `need_sizes`: compare even if the row did not change, and wait for all.
-        """
+        """Counts this call; what it found when it compared, or a `late` report."""
         client = self._client()
         call = self.calls
         self.calls += 1
@@ -218,11 +201,7 @@ class _ProcessCheck:
     def agree(
         self, host, *, pad: bool, pad_to: int | None, num_local: int
     ) -> int | None:
-        """Compares this process's batch with the others' (`ProcessAgreement`).
-
-        Returns the padded per-process size when padding to the largest
-        process's batch (`pad` without `pad_to`, compared on every call).
-        """
+        """Compares this batch with the others'; the padded size for `pad` alone."""
         rows = [x.shape[0] for _, x in host]
         layout = "|".join(f"{keystr(p)}:{x.shape[1:]}:{x.dtype}" for p, x in host)
         mine = (
@@ -262,11 +241,7 @@ class _ProcessCheck:
 
     @property
     def late(self) -> Found | None:
-        """A disagreement another process reported and this one has not raised.
-
-        Publishes how far this process got and reads the reports (`shard` never
-        calls it: a process whose batch did not change sends nothing).
-        """
+        """A disagreement another process reported and this one has not raised."""
         client = self.client
         if self.pending is None and client is not None and self.entries:
             if self.reached < self.calls - 1:
@@ -375,9 +350,7 @@ def _compare_processes(
 ):
     """Raises unless every process's row agrees; the padded size when padding.
 
-    `late`: `found` is what another process found at an earlier call.
-    `timeout_s`: for the message when some row was not confirmed (a number, or
-    a function that gives it).
+    `late`: `found` is another process's, from an earlier call.
     """
     every, me = found.rows, jax.process_index()
     when = ""

@@ -1,10 +1,8 @@
 """Private: what a cluster's environment says about this process.
 
-Pure functions of the environment variables (so tests simulate any cluster),
-for two things JAX's own detection answers badly: which of the node's GPUs are
-this process's (`plan_local_devices`; JAX gives a process SLURM or Open MPI
-started only the GPU numbered like its local rank), and whether the job has
-several processes (`expected_processes`), so that one alone can say so.
+Pure functions of the environment variables: which of the node's GPUs are this
+process's (`plan_local_devices`), and whether the job has several processes
+(`expected_processes`), so that one alone can say so.
 """
 
 from __future__ import annotations
@@ -169,10 +167,7 @@ def _local_rank_and_size(
 def _visible_gpus(
     environ: Mapping[str, str], node_gpus: int | None
 ) -> tuple[int | None, str, bool]:
-    """(GPUs this process sees, the variable that says so, whether they are its own).
-
-    "Its own": fewer than the node's (a per-task binding), so not shared.
-    """
+    """(GPUs this process sees, the variable that says so, whether only it has them)."""
     node_count = env_int(environ, "SLURM_GPUS_ON_NODE")
     node_said = _show(environ, "SLURM_GPUS_ON_NODE")
     if node_count is None:
@@ -201,16 +196,11 @@ def node_gpus() -> int | None:
 def plan_local_devices(
     environ: Mapping[str, str], *, node_gpus: int | None = None
 ) -> DevicePlan | None:
-    """The local devices of a process that SLURM or Open MPI started.
+    """The local devices of a process that SLURM or Open MPI started, or None.
 
     One task per node: all of the node's GPUs; several: an equal share each, by
-    local rank; GPUs bound per task (`$CUDA_VISIBLE_DEVICES` a subset of the
-    node's): all it sees. `node_gpus`: the node's GPU count where no variable
-    gives it. None where no scheduler's local rank is set.
-
-    Raises:
-      ValueError: If the variables contradict each other, or the node's GPUs
-        cannot be shared evenly between its tasks (naming variables and fixes).
+    local rank; GPUs bound per task: all it sees. Raises a `ValueError` if the
+    variables contradict each other or the GPUs cannot be shared evenly.
     """
     found = _local_rank_and_size(environ)
     if found is None:
@@ -320,12 +310,7 @@ def _explicit_fix(rank_var: str, size_var: str) -> str:
 def expected_processes(
     environ: Mapping[str, str], *, kubernetes: bool
 ) -> Expected | None:
-    """Whether the environment says that this job has several processes.
-
-    Reads the task counts of SLURM, Open MPI and MPICH / Intel MPI, and an
-    indexed Kubernetes Job's or JobSet's indices and counts. `kubernetes`:
-    whether the `kubernetes` package is installed.
-    """
+    """Whether the environment (SLURM, MPI, Kubernetes) says the job has several."""
     size = env_int(environ, "OMPI_COMM_WORLD_SIZE")
     if size is not None and size > 1:
         why = (

@@ -1,8 +1,7 @@
 """Private: `initialize`'s configuration: where it comes from, and its checks.
 
-In order: the arguments; the `JDP_*` variables (set by `python -m jdp.launch`);
-what JAX detects in a SLURM job step. Also each process's devices
-(`local_devices`) and the refusal of a process alone in a job of several.
+In order: the arguments; the `JDP_*` variables; JAX's detection of a SLURM job
+step. Also each process's devices, and the refusal of a process alone in a job.
 """
 
 from __future__ import annotations
@@ -95,10 +94,7 @@ def _requested_config(
     num_processes: int | None,
     process_id: int | None,
 ) -> dict:
-    """The job's configuration, checked: the arguments, else the `JDP_*` variables.
-
-    None where neither gives a value.
-    """
+    """The job's configuration, checked: the arguments, else the `JDP_*` variables."""
     if coordinator_address is None:
         coordinator_address = os.environ.get(ENV_COORDINATOR_ADDRESS) or None
     if num_processes is None:
@@ -122,10 +118,9 @@ def _requested_config(
 
 
 def _detected_config(requested: dict) -> tuple[dict, str]:
-    """The configuration with what JAX detects in a SLURM job step filled in.
+    """The configuration with what JAX detects in a SLURM job step, and its source.
 
-    Known here, the values get jdp's wait for the coordinator (JAX's own aborts
-    the process). Also returns where the address comes from, for messages.
+    Known here, the values get jdp's wait for the coordinator (JAX's aborts).
     """
     if None not in requested.values():
         return requested, _GIVEN_ADDRESS
@@ -157,10 +152,7 @@ def local_devices(
     local_device_ids: int | Sequence[int] | None,
     environ: dict | None = None,
 ) -> int | Sequence[int] | None:
-    """The `local_device_ids` to pass to JAX: the argument, else the cluster's plan.
-
-    The choice is logged (INFO).
-    """
+    """The `local_device_ids` to pass to JAX (logged): given, else the cluster's."""
     environ = os.environ if environ is None else environ
     if local_device_ids is not None:
         _log.info("local_device_ids=%s (given).", local_device_ids)

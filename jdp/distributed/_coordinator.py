@@ -1,8 +1,7 @@
 """Private: reaching process 0's coordinator (JAX's coordination service).
 
-Where it listens (`bind_address`), whether process 0 can listen there
-(`listen_error`; JAX's process crashes instead), and the other processes' wait
-for it, with warnings and a clear error or exit where JAX would abort.
+Where it listens, whether process 0 can (JAX's process crashes instead), and the
+others' wait for it, with a clear error where JAX would abort.
 """
 
 from __future__ import annotations
@@ -68,11 +67,7 @@ def _is_loopback(host: str) -> bool:
 
 
 def bind_address(coordinator_address: str) -> str | None:
-    """Where process 0's coordinator listens; None for JAX's default (every address).
-
-    `$JAX_COORDINATOR_BIND_ADDRESS` if set; else a loopback coordinator address
-    itself (a job on one machine: no other machine can reach it).
-    """
+    """Where process 0's coordinator listens: the env's, a loopback one, or None."""
     explicit = os.environ.get(ENV_JAX_BIND_ADDRESS)
     if explicit:
         return explicit
@@ -104,11 +99,7 @@ def _bind_candidates(host: str, port: int) -> list[tuple[int, tuple]]:
 
 
 def listen_error(address: str) -> OSError | None:
-    """The error that listening on `address` ("host:port") gives now, or None.
-
-    Binds and closes a socket with the options of JAX's gRPC server
-    (`SO_REUSEADDR`: a port in TIME_WAIT is free).
-    """
+    """The error that listening on `address` gives now, as JAX's gRPC server."""
     try:
         host, port = _split_bind(address)
     except ValueError:
@@ -161,10 +152,7 @@ def _check_coordinator_port(requested: dict, where: str) -> str | None:
 
 
 def _wait_for_coordinator(address: str, deadline: float, names: dict) -> bool:
-    """Tries TCP connections to `address` until one succeeds or `deadline` passes.
-
-    Warns (`_WAITING_MSG`, with `names`) every few seconds while it waits.
-    """
+    """Tries TCP connections to `address` until `deadline`, warning as it waits."""
     host, port = _split_address(address)
     start = time.monotonic()
     every_s = min(_WAITING_EVERY_S, names["timeout"] / 4)
@@ -190,11 +178,7 @@ def _start_watchdog(
     timeout_s: int,
     where: str,
 ) -> threading.Timer | None:
-    """Waits for the coordinator, then starts the timer that ends this process.
-
-    None (no watchdog) unless the whole configuration is given. Processes
-    other than 0 warn while they wait, and raise `TimeoutError` in the end.
-    """
+    """Waits for the coordinator, then starts the timer that ends this process."""
     if coordinator_address is None or num_processes is None or process_id is None:
         return None
     deadline = time.monotonic() + timeout_s

@@ -1,9 +1,7 @@
 """Private: joining and leaving the job: the one caller of `jax.distributed`.
 
-`initialize` wraps `jax.distributed.initialize` with what a data-parallel job
-needs around it; its configuration and checks are in `_config`, the
-coordinator's address and port in `_coordinator`, how a process exits in
-`_exit`, and what it set up in `_state`.
+The configuration and its checks are in `_config`, the coordinator's address in
+`_coordinator`, how a process exits in `_exit`, what it set up in `_state`.
 """
 
 from __future__ import annotations
@@ -62,79 +60,41 @@ def initialize(
 ) -> None:
     """Connects this process to the others of a multi-process job.
 
-    Call it once, first thing, in every process (before any other JAX call). It
-    wraps `jax.distributed.initialize`: afterwards `jax.devices()` lists the
-    devices of every process and `jdp.parallelize` spans them all (Caffe2's
-    `rendezvous`, `torch.distributed.init_process_group`, Horovod's `hvd.init`).
-    Calling it again with the same (or no) arguments does nothing.
-
-    The configuration comes from, in order: the arguments; the variables
-    `JDP_COORDINATOR_ADDRESS`, `JDP_NUM_PROCESSES` and `JDP_PROCESS_ID` (set by
-    `python -m jdp.launch`); JAX's detection of SLURM, Open MPI, Kubernetes or
-    Cloud TPU. With none, the program runs as one process (so one script runs
-    alone or under a launcher), unless the environment says that the job has
-    several (`$SLURM_NTASKS=4`, `$OMPI_COMM_WORLD_SIZE=4`, an indexed Kubernetes
-    Job's `$JOB_COMPLETION_INDEX` above 0, a JobSet's `$REPLICATED_JOB_REPLICAS`):
-    then it raises rather than train a model of its own (it only warns for an
-    indexed Job at index 0 without the `kubernetes` package: it may have one pod).
-
-    A process that SLURM or Open MPI started gets the GPUs that are its own
-    (JAX would give it the one numbered like its local rank): all of them for
-    the only task on its node; an equal share by local rank for tasks sharing
-    the node (`$SLURM_NTASKS_PER_NODE`, `$OMPI_COMM_WORLD_LOCAL_SIZE`); all it
-    sees where `$CUDA_VISIBLE_DEVICES` is a subset of the node's GPUs
-    (`--gpus-per-task`). The choice is logged at INFO (logger `jdp.distributed`).
-    On CPU, processes use gloo collectives over TCP.
-
-    Process 0 hosts the job's coordinator (JAX's coordination service), after
-    checking that it can listen on the port (JAX's process would crash). It
-    listens on loopback only for a loopback `coordinator_address` (`127.x.y.z`,
-    `::1`, `localhost`: a job on one machine), else on every address;
-    `$JAX_COORDINATOR_BIND_ADDRESS` (`"host:port"`) chooses it. It accepts any
-    process that connects: on a shared network, firewall its port.
-
-    Without `fail_fast`, `initialize` changes nothing process-wide beyond JAX's
-    own set-up (no `sys.excepthook`, signal or `atexit` handler), and JAX's
-    preemption service takes SIGTERM over: it only records a preemption notice
-    (see `jax.experimental.multihost_utils`) and the process runs on.
+    Call it once, first thing, in every process (before any other JAX call); it
+    wraps `jax.distributed.initialize`, after which `jdp.parallelize` spans the
+    devices of every process. The job comes from, in order: the arguments; the
+    `JDP_COORDINATOR_ADDRESS`, `JDP_NUM_PROCESSES` and `JDP_PROCESS_ID` variables
+    (set by `python -m jdp.launch`); JAX's detection of SLURM, Open MPI,
+    Kubernetes or Cloud TPU. With none, the program runs as one process, unless
+    the environment says that the job has several. Under SLURM or Open MPI, each
+    process gets the GPUs that are its own. Calling it again with the same (or
+    no) arguments does nothing. See the Many hosts guide (docs/guides/multihost.md)
+    and the Clusters guide (docs/guides/clusters.md).
 
     Args:
       coordinator_address: `"host:port"` of process 0, which hosts JAX's
-        coordination service on that port; every process passes the same value.
+        coordination service on that port; the same in every process.
       num_processes: Number of processes in the job.
       process_id: This process's index, in `[0, num_processes)`.
-      local_device_ids: Restricts this process to these local accelerator ids;
-        passed to `jax.distributed.initialize`. None (default): under SLURM or
-        Open MPI, this process's GPUs as above; otherwise every device it sees.
+      local_device_ids: This process's local accelerator ids. None (default):
+        under SLURM or Open MPI, its own GPUs; otherwise every device it sees.
       cpu_collectives: CPU collectives between processes: `"gloo"` (default),
         `"mpi"` (needs an MPI installation), or None to leave JAX's setting.
-      timeout_s: Seconds to wait for all processes to connect (300 by
-        default), and for the others when leaving the job (`shutdown`, a
-        barrier), after which a process prints which did not arrive and exits
-        with status 1 (at the interpreter's exit too with `fail_fast`; without
-        it, JAX's exit handler waits `timeout_s` + 10 s, then aborts).
+      timeout_s: Seconds to wait for all processes to connect (300 by default),
+        and for the others when leaving the job; past it, a process says which
+        did not arrive and exits with status 1.
       heartbeat_timeout_s: Seconds without a heartbeat after which the runtime
         declares a process dead and stops the others (100 by default).
-      fail_fast: Whether a failing process ends at once instead of holding up
-        the job. None (default): `$JDP_FAIL_FAST` decides, which
-        `python -m jdp.launch` sets to "1" (unset: False). If True, once the job
-        is joined, `initialize` installs three process-wide hooks: a
-        `sys.excepthook` that prints an uncaught exception's traceback and exits
-        at once (status 1; 130 for Ctrl-C) rather than hang at JAX's shutdown
-        barrier; an `atexit` handler that leaves the job through `shutdown`;
-        and SIGTERM's handler from before the call, taken back from JAX.
-      stall_timeout_s: Seconds after which a job whose processes furthest
-        behind made no progress (no jdp step started) is stopped, or None.
-        None (default): `$JDP_STALL_TIMEOUT_S` decides (unset, empty or "0":
-        no check), since what is a stall depends on the job (a long evaluation
-        or checkpoint between two steps is not one). When on, the processes
-        share their step counts through JAX's coordination service; on a stall
-        (or when processes wait in a step that a finished process never
-        started), every process prints which process stopped first, at which
-        step call, with its Python stack, and exits with status 124. Nothing
-        is judged before the first step. An `atexit` handler tells the others
-        that this process finished. `python -m jdp.launch --stall-timeout`
-        does this already.
+      fail_fast: If True, an uncaught exception exits the process at once
+        (status 1; 130 for Ctrl-C) instead of waiting at JAX's shutdown barrier,
+        SIGTERM stops the process again, and the exit leaves the job through
+        `shutdown`. None (default): `$JDP_FAIL_FAST` decides ("1" under
+        `python -m jdp.launch`; unset: False).
+      stall_timeout_s: Seconds after which a job whose processes furthest behind
+        made no progress (no jdp step started) is stopped: every process prints
+        which process stopped first, with its Python stack, and exits with
+        status 124. None (default): `$JDP_STALL_TIMEOUT_S` decides (unset, empty
+        or "0": no check).
 
     Raises:
       TypeError: If an argument has the wrong type (counts, ids and seconds are
@@ -144,30 +104,19 @@ def initialize(
         scheduler's count such as `$SLURM_NTASKS`) is malformed or out of
         range, the configuration is incomplete, or the SLURM / Open MPI
         variables contradict each other or a node's GPUs cannot be shared
-        evenly between its tasks (pass `local_device_ids` to choose yourself).
+        evenly between its tasks.
       RuntimeError: If JAX's backends already started, this process already
         joined another job, `$JAX_PLATFORMS` asks for CUDA alone without JAX's
         CUDA plugin, or the environment says that the job has several
-        processes but this one would run alone (the message names the fix).
-      OSError: On process 0, if the coordinator cannot listen on its port
-        (`errno.EADDRINUSE` if the port is in use).
+        processes but this one would run alone.
+      OSError: On process 0, if the coordinator cannot listen on its port.
       TimeoutError: If process 0's coordinator accepts no connection within
-        `timeout_s` (on the other processes, which warn while they wait).
-
-    If the coordinator is reachable but not all processes connect within
-    `timeout_s` (e.g. a wrong process count), jdp prints which process gave up,
-    why, and how to fix it, and exits with status 1 before JAX aborts.
+        `timeout_s` (on the other processes).
 
     Example:
       >>> import jdp
-      >>> jdp.distributed.initialize("10.0.0.1:1234", 2, 0)  # doctest: +SKIP
       >>> jdp.distributed.initialize()  # under `python -m jdp.launch` # doctest: +SKIP
-
-      A job started otherwise (SLURM, by hand) that should fail fast too, and
-      stop within a minute when a process gets stuck:
-
-      >>> jdp.distributed.initialize(fail_fast=True)  # doctest: +SKIP
-      >>> jdp.distributed.initialize(stall_timeout_s=60)  # doctest: +SKIP
+      >>> jdp.distributed.initialize("10.0.0.1:1234", 2, 0)  # doctest: +SKIP
     """
     _config._check_options(cpu_collectives, timeout_s, heartbeat_timeout_s)
     fail_fast = _config._fail_fast(fail_fast)
@@ -202,7 +151,7 @@ def initialize(
         heartbeat_timeout_s=heartbeat_timeout_s,
         bind=bind,
     )
-    sigterm = _exit._python_sigterm_handler()
+    sigterm = _exit.sigterm_handler()
     if not _join(detected, args, timeout_s=timeout_s, where=where):
         return
     _this.config = _config._joined_config(detected)
@@ -211,8 +160,7 @@ def initialize(
         _leave_alone_job()
     if fail_fast:
         _run_at_exit(_shutdown_at_exit)
-        _exit._restore_sigterm(sigterm)
-        _exit._install_fail_fast()
+        _exit.install_fail_fast(sigterm)
     if stall_timeout_s is not None:
         _start_stall_watch(stall_timeout_s)
 
@@ -271,11 +219,7 @@ def _check_same_job(requested: dict) -> None:
 
 
 def _join(requested: dict, args: dict, *, timeout_s: int, where: str) -> bool:
-    """`jax.distributed.initialize(**args)`; False if there is no job to join.
-
-    With the whole configuration given, a watchdog ends the process with a clear
-    message before JAX's own connection deadline aborts it.
-    """
+    """`jax.distributed.initialize(**args)`; False if there is no job to join."""
     watchdog = _coordinator._start_watchdog(
         **requested, timeout_s=timeout_s, where=where
     )
@@ -309,8 +253,8 @@ def jax_initialize_args(
 ) -> dict:
     """The keyword arguments of jdp's call of `jax.distributed.initialize`.
 
-    An empty `local_device_ids` is passed as such: JAX then restricts nothing,
-    where None would let its cluster detection restrict it to one device.
+    An empty `local_device_ids` restricts nothing, where None would let JAX's
+    cluster detection restrict it to one device.
     """
     return dict(
         coordinator_address=requested["coordinator_address"],
@@ -340,9 +284,8 @@ def _shutdown_at_exit() -> None:
 def shutdown() -> None:
     """Leaves the multi-process job (a barrier: waits for the other processes).
 
-    Called automatically when the interpreter exits (by jdp's exit hook with
-    `initialize`'s `fail_fast`, else by JAX's own); call it yourself to leave
-    earlier. Does nothing if this process is not initialized.
+    Also done at the interpreter's exit; does nothing if this process is not
+    initialized.
 
     Example:
       >>> import jdp
@@ -366,9 +309,7 @@ def shutdown() -> None:
 def _leave(process_id: int, num_processes: int, timeout_s: int) -> None:
     """`jax.distributed.shutdown()`, ended after `timeout_s` s with a clear message.
 
-    JAX's shutdown barrier aborts the process past its deadline; jdp's watchdog
-    stops the wait first and names the processes that did not note their
-    arrival in the coordination service.
+    Before JAX's barrier aborts; each process notes its arrival in the store.
     """
     client = _coordination.store()
     args = (client, process_id, num_processes, timeout_s)
@@ -383,27 +324,20 @@ def _leave(process_id: int, num_processes: int, timeout_s: int) -> None:
         watchdog.cancel()
 
 
-def _not_arrived(client, num_processes: int) -> list[int] | None:
-    """The processes that did not note their arrival at shutdown (None: unknown)."""
+def _shutdown_timed_out(client, process_id: int, num: int, timeout_s: int) -> None:
+    """Exits naming the processes that did not note their arrival, where known."""
     found: list = []
 
     def read():
         with contextlib.suppress(Exception):  # the service is gone: unknown
             found.append(client.entries(_ARRIVED_KEY))
 
-    if client is None:
-        return None
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    reader.join(2.0)  # the service may not answer: do not wait for it
-    if not found:
-        return None
-    arrived = _coordination.by_number(found[0], _ARRIVED_KEY)
-    return [p for p in range(num_processes) if p not in arrived]
-
-
-def _shutdown_timed_out(client, process_id: int, num: int, timeout_s: int) -> None:
-    missing = _not_arrived(client, num)
+    if client is not None:
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        reader.join(2.0)  # the service may not answer: do not wait for it
+    arrived = _coordination.by_number(found[0], _ARRIVED_KEY) if found else None
+    missing = [p for p in range(num) if arrived is not None and p not in arrived]
     who = _watchdog.process_list(missing) if missing else "the other processes"
     _exit.print_and_exit(
         _SHUTDOWN_TIMEOUT_MSG.format(

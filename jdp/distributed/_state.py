@@ -9,14 +9,7 @@ from jdp.distributed import _watchdog
 
 @dataclasses.dataclass
 class _ThisProcess:
-    """jdp.distributed's one mutable state.
-
-    Attributes:
-      config: The arguments of the successful `initialize` (or None).
-      shutdown_timeout_s: Its `timeout_s`: how long `shutdown` waits.
-      stall_watch: The stall check (`stall_timeout_s`), while in a job.
-      exit_hooks: The functions registered to run at exit.
-    """
+    """jdp.distributed's one mutable state: `initialize`'s config and set-up."""
 
     config: dict | None = None
     shutdown_timeout_s: int = 300

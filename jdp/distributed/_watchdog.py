@@ -1,14 +1,9 @@
 """Private: the stall check of a job started without `python -m jdp.launch`.
 
-A process that is alive but stuck (a deadlocked loader, a collective another
-never joins) keeps its heartbeats, so JAX never notices. Each process therefore
-publishes its progress count (`jdp._progress`) under `jdp/stall/p/<process>`,
-and a daemon thread judges every count as the launcher does
-(`jdp/launch/_stall.py`). The first process to find a stall writes the verdict
-once (`jdp/stall/verdict`); the processes it names publish their Python stacks,
-every process prints the verdict, and all exit with `EXIT_CODE`. A finished
-process (`"done"`) is not stuck, but processes waiting in a step it never
-started are stopped after `min(FINISHED_GRACE_S, timeout_s)`.
+A stuck process keeps its heartbeats, so JAX never notices. Each process
+publishes its progress count (`jdp._progress`) under `jdp/stall/p/<process>` and
+a daemon thread judges the counts as the launcher does (`jdp/launch/_stall.py`);
+the first verdict written stops every process with `EXIT_CODE`.
 """
 
 from __future__ import annotations
@@ -61,10 +56,7 @@ _log = logging.getLogger("jdp.distributed")
 def timeout_from(
     stall_timeout_s: float | None, environ: Mapping[str, str]
 ) -> float | None:
-    """`initialize`'s `stall_timeout_s`, checked, else `$JDP_STALL_TIMEOUT_S`'s.
-
-    None (no stall check) for None with the variable unset, empty or "0".
-    """
+    """`initialize`'s `stall_timeout_s`, checked, else `$JDP_STALL_TIMEOUT_S`'s."""
     if stall_timeout_s is None:
         value = environ.get(ENV_STALL_TIMEOUT, "").strip()
         if value in ("", "0"):
@@ -118,11 +110,7 @@ class Verdict(NamedTuple):
 
 
 class Tracker:
-    """Judges the processes' progress counts, as the launcher's `StallMonitor`.
-
-    `finished_grace_s`: seconds without progress of processes in a step that a
-    finished process never started (at most `timeout_s`).
-    """
+    """Judges the processes' progress counts, as the launcher's `StallMonitor`."""
 
     def __init__(
         self,
@@ -233,10 +221,7 @@ def _dump_stack() -> str:
 
 
 class Watchdog:
-    """The stall check of one process: a daemon thread (see the module's text).
-
-    `exit_fn` ends the process with a status (flushed, `os._exit`).
-    """
+    """The stall check of one process: a daemon thread; `exit_fn(status)` exits."""
 
     def __init__(
         self,
