@@ -40,56 +40,30 @@ def bmuf(
     average: BlockAverage | None = None,
     axis_name: _collectives.AxisName | None = None,
 ) -> optax.GradientTransformation:
-    r"""Blockwise model-update filtering: local training, periodic filtered merge.
+    """Blockwise model-update filtering (BMUF, DiLoCo): local steps, periodic merge.
 
-    Every step, each replica applies `inner` to its OWN gradients (no all-reduce:
-    use `jdp.make_train_step(loss_fn, tx, sync=jdp.local())`). Every
-    `sync_period`-th step, after that local update, the block update runs (in
-    Chen & Huo's notation, `start` the model every replica began the block from):
-
-    - `avg`, W̄(t): the replicas' mean of their params, one all-reduce of the
-      parameters, the only communication (how: `average`);
-    - `outer` updates the global model `g` with the pseudo-gradient
-      `start - avg`; by default `jdp.block_momentum()`, the classical block
-      filter `v = η * v + ζ * (avg - start)`, Δ(t), then `g = g + v`, W(t);
-    - every replica's params, and the next `start`, become `g` (classical block
-      momentum, CBM, as Caffe2), or `g + η * v` with
-      `jdp.block_momentum(nesterov=True)` (the paper's Nesterov-like block
-      momentum, NBM; not Caffe2's `nesterov=True` nor fairseq's `use_nbm`).
-
-    `outer=jdp.block_momentum(momentum=0.0)` is plain model averaging; DiLoCo is
-    `outer=optax.sgd(0.7, momentum=0.9, nesterov=True)`; `streaming=` gives
-    Streaming DiLoCo. The sync sits in a `lax.cond`, so its all-reduce runs on
-    sync steps only (`step.collectives`, field `in_conditional`).
-    `jdp.make_train_step` runs it after the parameter update and leaves every
-    replica's params exactly at the block start; a hand-written step
-    (`tx.update` then `optax.apply_updates`) runs it inside the optimizer, with
-    more temporary memory, and reaches the block start up to float rounding,
-    which the next sync erases. `g` is identical on every replica.
-
-    Must be the LAST transform of a chain, e.g. `optax.chain(
-    optax.clip_by_global_norm(1.0), jdp.bmuf(optax.sgd(0.1), sync_period=8))`.
+    Every step, each replica applies `inner` to its own gradients (build the
+    step with `jdp.make_train_step(loss_fn, tx, sync=jdp.local())`). Every
+    `sync_period`-th step the replicas' params are averaged (one all-reduce, run
+    on sync steps only) and `outer` merges the mean into the global model `g`,
+    the same on every replica, from which every replica starts the next block.
+    Must be the last transform of an `optax.chain`. The BMUF guide
+    (docs/guides/bmuf.md) gives the block update, DiLoCo, Streaming DiLoCo and
+    the references.
 
     Args:
-      inner: The local optimizer, any optax transform, applied every step to
-        the replica's own gradients.
-      sync_period: Steps per block, τ (an int >= 1).
-      outer: The outer optimizer, an optax transform applied at a sync to the
-        block start with the pseudo-gradient `start - avg`. None (default):
-        `jdp.block_momentum()`, block learning rate 1 and block momentum
-        `1 - 1 / num_replicas`.
-      warmup_steps: For the first `warmup_steps` updates (0 by default) the
-        gradients are averaged across replicas before `inner` (synchronous SGD,
-        like PyTorch's post-local-SGD warmup); blocks count from there.
-      inner_state_at_sync: What happens to `inner`'s state at a sync: `"keep"`
-        it (default); `"reset"` its floating leaves (momenta) to their initial
-        values, keeping step counts (Caffe2's `reset_momentum_sgd`); or
-        `"average"` its floating leaves across replicas (fairseq's
-        `average_sync`; one more all-reduce).
+      inner: The local optimizer, any optax transform.
+      sync_period: Steps per block (an int >= 1).
+      outer: The outer optimizer, applied at a sync to the pseudo-gradient
+        `start - avg`. None (default): `jdp.block_momentum()`.
+      warmup_steps: Updates at the start whose gradients are averaged across
+        replicas before `inner` (synchronous SGD); blocks count from there.
+      inner_state_at_sync: What a sync does to `inner`'s state: `"keep"` it
+        (default), `"reset"` its floating leaves (momenta; step counts kept),
+        or `"average"` them across replicas (one more all-reduce).
       streaming: Streaming DiLoCo's schedule, a `jdp.Streaming`. None
         (default): the whole model at every sync.
-      average: How the replicas' params are averaged at a sync, a
-        `jdp.BlockAverage` (a compressed exchange, dropping bad replicas).
+      average: How the params are averaged at a sync, a `jdp.BlockAverage`.
         None (default): the plain mean, in the params' own type.
       axis_name: Replica axis; None (default) uses the one bound by the
         enclosing `jdp.parallelize`.
@@ -99,17 +73,13 @@ def bmuf(
       `update(updates, state, params)` requires `params`.
 
     Raises:
-      TypeError: If `sync_period` or `warmup_steps` is not an int, `inner` or
-        `outer` not an optax transform, `streaming` not a `jdp.Streaming` or
-        `average` not a `jdp.BlockAverage`.
-      ValueError: At construction, for a `sync_period` < 1 or not divisible by
-        the `streaming` fragments, a streaming `delay` above `sync_period /
-        fragments`, an `inner_state_at_sync` other than "keep" with fragments
-        > 1, a negative `warmup_steps`, an unknown `inner_state_at_sync`, or
-        `on_bad_replica="drop"` with a streaming schedule; at update time, for
+      TypeError: If an argument has the wrong type.
+      ValueError: At construction, for an invalid value or combination (a
+        `sync_period` not divisible by the streaming fragments, a `delay` above
+        `sync_period / fragments`, `inner_state_at_sync` other than "keep" with
+        fragments, `on_bad_replica="drop"` with streaming); at update time, for
         `params=None`.
-      RuntimeError: At update time, if `axis_name` is not bound (called outside
-        `jdp.parallelize`).
+      RuntimeError: At update time, outside `jdp.parallelize`.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, jdp
@@ -125,16 +95,6 @@ def bmuf(
       >>> g = step.unreplicate(jdp.bmuf_global_params(state))  # the global model
       >>> round(float(g["w"]), 2)
       2.0
-
-    References:
-      Chen & Huo, "Scalable training of deep learning machines by incremental
-      block training with intra-block parallel optimization and blockwise
-      model-update filtering", ICASSP 2016,
-      https://doi.org/10.1109/ICASSP.2016.7472805. Douillard et al., "DiLoCo:
-      Distributed Low-Communication Training of Language Models", 2023,
-      https://arxiv.org/abs/2311.08105, and "Streaming DiLoCo with overlapping
-      communication", 2025, https://arxiv.org/abs/2501.18512 (torchft's
-      `DiLoCo`).
     """
     options = record(
         sync_period, outer, warmup_steps, inner_state_at_sync, streaming, average
@@ -214,18 +174,17 @@ def bmuf(
 def bmuf_global_params(state: PyTree) -> PyTree:
     """Returns the global model `g` of `jdp.bmuf`: the model to evaluate and export.
 
-    Between syncs the replicas' params differ; `g` (the paper's W(t)) is the
-    merged model, equal on every replica.
+    Between syncs the replicas' params differ; `g` is the same on every replica.
 
     Args:
-      state: A `jdp.BMUFState`, or any pytree holding exactly one (an optimizer
-        state from `optax.chain`, a `jdp.TrainState`, a replicated state, or
-        flax NNX's `nnx.state` of a model and an `nnx.Optimizer`).
+      state: A `jdp.BMUFState`, or any pytree holding exactly one (an optax
+        chain's state, a `jdp.TrainState`, a replicated state, or flax NNX's
+        `nnx.state` of a model and an `nnx.Optimizer`).
 
     Returns:
-      `global_params` as stored: replicated (leading replica axis) if `state` is;
-      take one copy with `step.unreplicate`. From an NNX state, an NNX state of
-      the parameters: `nnx.update(model, g)` loads it into the model.
+      `global_params` as stored: replicated if `state` is (take one copy with
+      `step.unreplicate`); from an NNX state, an NNX state of the parameters
+      (`nnx.update(model, g)` loads it).
 
     Raises:
       ValueError: If `state` holds no `jdp.BMUFState`, or more than one.

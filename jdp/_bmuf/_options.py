@@ -18,24 +18,19 @@ OnBadReplica = Literal["drop"]
 class Streaming:
     """Streaming DiLoCo's schedule, for `jdp.bmuf(streaming=jdp.Streaming(...))`.
 
-    The parameters are split into `fragments` parts of nearly equal bytes
-    (leaves in tree order, cut along their first axis where needed), each with
-    its own slices of `g`, `start` and `v` (or its own `outer` state); one
-    fragment syncs every `sync_period / fragments` updates, round-robin (see
-    the BMUF guide). `jdp.Streaming()` is the block sync, as `streaming=None`.
+    The params are split into `fragments` parts of nearly equal bytes, and one
+    fragment syncs every `sync_period / fragments` updates, round-robin.
+    `jdp.Streaming()` is the block sync, as `streaming=None`. The BMUF guide
+    (docs/guides/bmuf.md) gives the schedule.
 
     Attributes:
-      fragments: F, an int >= 1 dividing `sync_period` (torchft's
-        `len(model_fragments)`). 1 (default): the whole model at once.
-      delay: τ, the number of updates over which a fragment's all-reduce is
-        spread (0 <= τ <= `sync_period / fragments`; torchft's
-        `fragment_sync_delay`): its local params are taken τ updates before its
-        sync and all-reduced one chunk per update; the local progress of those
-        τ updates is kept by `mix` only. 0 (default): all at the sync.
-      mix: α in [0, 1), how much of the local fragment to keep at its sync
-        (torchft's `fragment_update_alpha`, the paper's α): the local slices
-        become `(1 - α) * new + α * local`, `new` being what they become
-        without it (`g`, or `start` with `nesterov=True`). 0.0 (default).
+      fragments: The number of fragments, an int >= 1 dividing `sync_period`.
+        1 (default): the whole model at once.
+      delay: The updates over which a fragment's all-reduce is spread, from a
+        snapshot of its local params taken that many updates before its sync
+        (0 <= delay <= `sync_period / fragments`). 0 (default): at the sync.
+      mix: The weight in [0, 1) of each replica's local fragment at its sync:
+        it becomes `(1 - mix) * new + mix * local`. 0.0 (default).
 
     Raises:
       TypeError: If `fragments` or `delay` is not an int, or `mix` not a number.
@@ -84,25 +79,17 @@ class BlockAverage:
     `jdp.BlockAverage()` is the plain mean, as `average=None`.
 
     Attributes:
-      wire: A compressed exchange for the syncs: `jdp.wire.bf16()`,
-        `jdp.wire.int8()` or `jdp.wire.fp8()`. Each replica's pseudo-gradient
-        `start - params` (of the whole model, a fragment or a chunk) is
-        quantised and averaged by an all-to-all and an all-gather of the narrow
-        type, and the sync uses `start` minus that mean (torchft's
-        `should_quantize`). None (default): the params in their own type.
-      on_bad_replica: `"drop"`: at a block sync, a replica whose params are
-        not finite (a NaN or inf gradient during the block), or moved farther
-        than `bad_replica_max_norm` from the block start, is left out of the
-        average (in the same all-reduce). Every replica starts the next block
-        from the new model, a dropped one with its floating `inner` state reset
-        (with `inner_state_at_sync="average"`, the valid replicas' mean); if
-        none is valid, the model stays and every replica restarts from the
-        previous block start. The state's `dropped` counts the replicas left
-        out. Block sync only, without `wire`. None (default): every replica.
-      bad_replica_max_norm: With `on_bad_replica="drop"`, also drop a replica
-        whose params' L2 distance (over all floating leaves) from the block
-        start exceeds this (a finite number > 0). None (default): finiteness
-        alone.
+      wire: A compressed exchange for the syncs, `jdp.wire.bf16()`, `int8()`
+        or `fp8()`: the replicas' pseudo-gradients `start - params` are
+        averaged in the narrow type. None (default): the params in their type.
+      on_bad_replica: `"drop"`: at a block sync, leave out of the average a
+        replica whose params are not finite (or farther than
+        `bad_replica_max_norm` from the block start); it restarts from the new
+        model with its floating `inner` state reset, and the state's `dropped`
+        counts it. Block sync only, without `wire`. None (default): keep all.
+      bad_replica_max_norm: With `on_bad_replica="drop"`, the largest L2
+        distance of a replica's params from the block start (a finite number
+        > 0). None (default): finiteness alone.
 
     Raises:
       TypeError: If `wire` is not a wire format.

@@ -49,31 +49,25 @@ class BlockMomentum(optax.GradientTransformation):
 def block_momentum(
     learning_rate: float = 1.0, momentum: float | None = None, nesterov: bool = False
 ) -> BlockMomentum:
-    r"""The classical BMUF block filter, as an optax transform for `jdp.bmuf(outer=)`.
+    """The classical BMUF block filter, as an optax transform for `jdp.bmuf(outer=)`.
 
-    At a sync, with `start` the block start, `avg` the replicas' mean and `g`
-    the global model: `v = momentum * v + learning_rate * (avg - start)` (the
-    paper's Δ(t)), then `g = g + v` (W(t)). The next block starts from `g`
-    (classical block momentum, CBM) or, with `nesterov=True`, from the
-    look-ahead `g + momentum * v` (Nesterov-like block momentum, NBM). The
-    default `outer` of `jdp.bmuf`. Alone, `update(start - avg, v, params)`
-    returns the new `v` (with `nesterov=True`, `v + momentum * v`) and `v` as
-    the state; `optax.sgd(learning_rate, momentum=momentum)` reaches the same
-    models up to float rounding.
+    At a sync, with `start` the block start and `avg` the replicas' mean:
+    `v = momentum * v + learning_rate * (avg - start)`, then `g = g + v`. The
+    next block starts from `g` or, with `nesterov=True`, from the look-ahead
+    `g + momentum * v`. The default `outer` of `jdp.bmuf`.
 
     Args:
-      learning_rate: ζ, the block learning rate (a finite number > 0; 1.0 by
-        default).
-      momentum: η, the block momentum in [0, 1); None (default) means
-        `1 - 1 / num_replicas` over every replica of every host (Caffe2's
-        default). Over only tens of blocks with Adam, a smaller value can train
-        better (see the BMUF guide). `momentum=0.0` is plain model averaging.
-      nesterov: Start the next block from the look-ahead `g + η v` (NBM)
+      learning_rate: The block learning rate (a finite number > 0).
+      momentum: The block momentum in [0, 1); None (default) means
+        `1 - 1 / num_replicas`, over every replica of every host. 0.0 is plain
+        model averaging.
+      nesterov: Start the next block from the look-ahead (the paper's NBM)
         instead of `g` (CBM, default).
 
     Returns:
       An `optax.GradientTransformation` whose state is `v`, shaped like the
-      params.
+      params; its update of `start - avg` is the new `v` (with `nesterov`,
+      `v + momentum * v`).
 
     Raises:
       TypeError: If `learning_rate` or `momentum` is not a number, or

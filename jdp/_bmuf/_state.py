@@ -25,25 +25,22 @@ class BMUFState(NamedTuple):
 
     Attributes:
       count: Number of updates applied so far, warmup included (int32, shape ()).
-      global_params: The global model `g`, the paper's W(t): what to evaluate and
-        export (`jdp.bmuf_global_params`); during warmup, the replicas' params.
-      start: With `outer=jdp.block_momentum(nesterov=True)`, the model every
-        replica began the current block from, `g + η v` (the initial params
-        for the first block). None otherwise: the block start is `g` itself.
-      velocity: The block velocity `v`, the paper's Δ(t), shaped like the params
-        and zero until the first sync; with another `outer`, its state (with a
-        `jdp.Streaming` schedule, a tuple of one per fragment, each over the
-        list of that fragment's slices).
+      global_params: The global model `g`: what to evaluate and export
+        (`jdp.bmuf_global_params`); during warmup, the replicas' params.
+      start: With `jdp.block_momentum(nesterov=True)`, the model every replica
+        began the current block from, `g + η v`; None otherwise (the block
+        start is `g`).
+      velocity: The block velocity `v`, shaped like the params; with another
+        `outer`, its state (with a `jdp.Streaming` schedule, a tuple of one per
+        fragment, over the list of that fragment's slices).
       inner_state: The state of the `inner` optimizer.
-      synced: Whether the last update ended a block, or with more than one
-        fragment (`jdp.Streaming(fragments=...)`) a fragment's sync (bool,
+      synced: Whether the last update ended a block, or a fragment's sync (bool,
         shape ()).
       pending: With a streaming `delay` >= 1, the fragment sync in flight,
-        shaped like the params (this replica's snapshot of the fragment, the
-        replicas' mean in each chunk already all-reduced). None otherwise.
+        shaped like the params; None otherwise.
       dropped: With `jdp.BlockAverage(on_bad_replica="drop")`, how many
-        replicas' blocks were left out of the average so far, summed over syncs
-        (int32, shape (), equal on every replica). None otherwise.
+        replicas were left out of the averages so far (int32, shape ()); None
+        otherwise.
     """
 
     count: jax.Array  # int32, shape ()
