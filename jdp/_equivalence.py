@@ -52,27 +52,23 @@ def check_equivalence(
 
     Compares, leaf by leaf, the replicas' averaged gradient (what
     `jdp.all_reduce()` applies) with one device's gradient of the same loss on
-    the whole global batch, both from replica 0's params and batch statistics.
-    A loss right on one device can be silently wrong across replicas: a mean
-    over a count that differs between replicas (`jnp.sum(l * w) / jnp.sum(w)`
-    over the real tokens of a padded batch, as in flax's lm1b example; use
-    `jdp.weighted`), BatchNorm without `axis_name`, a sum over the batch
-    instead of a mean. Call it once, on the first batch, with dropout off (the
-    loss gets the state's `rng`, but draws still differ); it changes nothing.
-
-    A leaf's gap is the norm of `parallel - one device` over its one-device
-    gradient's norm, at least `1e-2` of the whole gradient's norm. Float32
-    reorderings differ by about `1e-6`, the mistakes above by percents or more;
-    parameters in a narrower float type are held to `8 * eps` at least.
+    the whole global batch, both from replica 0's state. It catches a loss that
+    is right on one device but wrong across replicas: a mean over a count that
+    differs between replicas (use `jdp.weighted`), BatchNorm without
+    `axis_name`, a sum over the batch. Call it once, on the first batch, with
+    dropout off; it changes nothing. See the Padding guide
+    (docs/guides/padding.md).
 
     Args:
       step: A `jdp.parallelize`d step made by `jdp.make_train_step`.
-      state: The replicated state, as passed to `step` (`step.replicate(...)`),
-        whose replicas agree (before training; after a sync with `jdp.bmuf`).
+      state: The replicated state, as passed to `step`, whose replicas agree
+        (before training, or right after a `jdp.bmuf` sync).
       batch: A batch placed by `step.shard`.
       on_mismatch: `"warn"` (default): a `RuntimeWarning`; `"raise"`: a
         `ValueError`. Either names the leaves, their gaps and the likely causes.
-      rtol: The largest relative gap allowed (`1e-3`).
+      rtol: The largest relative gap allowed (`1e-3`). A leaf's gap is the norm
+        of `parallel - one device` over its one-device gradient's norm, or over
+        `1e-2` of the whole gradient's norm if that is larger.
 
     Returns:
       The largest relative gap over the leaves (`inf` where the parallel

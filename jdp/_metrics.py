@@ -45,17 +45,12 @@ class Weighted(NamedTuple):
 def weighted(total: Any, weight: Any) -> Weighted:
     """A loss or metric normalised by a count that differs between replicas.
 
-    For a loss summed over a varying number of items (the padded tokens of a
-    language model's batch, any masked loss), return
-    `jdp.weighted(jnp.sum(loss * mask), jnp.sum(mask))` instead of dividing by
-    the replica's own count. `jdp.make_train_step` then sums the totals, the
-    weights and the gradients over replicas (and microbatches) and divides once
-    by the global weight: one device's per-item mean, for any split of the
-    items (fairseq's `sample_size`). An all-padding replica contributes nothing
-    (no 0 / 0); a global weight of 0 gives a zero gradient and a loss of 0.
-    Among a step's metrics, a weighted value comes back as `sum(total) /
-    sum(weight)`. Under `jdp.local()` each replica applies its own summed
-    gradient scaled by `num_replicas / global weight`.
+    Return `jdp.weighted(jnp.sum(loss * mask), jnp.sum(mask))` instead of the
+    replica's own mean: `jdp.make_train_step` sums the totals, the weights and
+    the gradients over replicas (and microbatches) and divides once by the
+    global weight, for one device's per-item mean. Among a step's metrics, a
+    weighted value comes back as `sum(total) / sum(weight)`. See the Padding
+    guide (docs/guides/padding.md).
 
     Args:
       total: The replica's sum (a scalar), e.g. of per-token losses times the mask.
