@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from jdp import _layout
 from jdp._tree import format_problems
@@ -33,20 +29,9 @@ def _replica_differences(leaves):
     return out
 
 
-@functools.cache
-def _differences_fn(mesh: Mesh | None):
-    """`_replica_differences` compiled once per mesh, its result replicated there."""
-    if mesh is None:
-        return jax.jit(_replica_differences)
-    return jax.jit(_replica_differences, out_shardings=NamedSharding(mesh, P()))
-
-
 def _differences(state: PyTree, atol: float):
     """`(path, replica, difference)` of each leaf whose replicas differ by > `atol`."""
-    paths, arrays, mesh = _layout.replica_leaves(state)
-    if not arrays:
-        return []
-    diffs = jax.device_get(_differences_fn(mesh)(arrays))
+    paths, diffs = _layout.compare_replicas(_replica_differences, state)
     problems = []
     for path, d in zip(paths, diffs, strict=True):
         d = np.asarray(d)

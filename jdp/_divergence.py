@@ -8,7 +8,6 @@ every process passed the same `check_sync`.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import sys
 from collections.abc import Callable
@@ -18,11 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh
 
 from jdp import _coordination, _replica_parts
-from jdp._layout import mesh_axis, replica_leaves
+from jdp._layout import compare_replicas, mesh_axis
 from jdp._tree import keystr
 
 PyTree = Any
@@ -166,21 +164,15 @@ def _fingerprints(leaves: list[jax.Array]) -> jax.Array:
     return jnp.stack(rows)
 
 
-@functools.cache
-def _fingerprints_fn(mesh: Mesh):
-    """`_fingerprints`, compiled once per mesh, its result replicated over it."""
-    return jax.jit(_fingerprints, out_shardings=NamedSharding(mesh, P()))
-
-
-def divergences(tree: PyTree, mesh: Mesh) -> tuple[list[str], int, int] | None:
+def divergences(tree: PyTree) -> tuple[list[str], int, int] | None:
     """`(diverging leaf paths, a replica of the first that differs, checked leaves)`.
 
     None if the replicas are in sync.
     """
-    paths, arrays, _ = replica_leaves(tree)
-    if not arrays:
+    paths, prints = compare_replicas(_fingerprints, tree)
+    if not paths:
         return None
-    prints = np.asarray(_fingerprints_fn(mesh)(arrays))
+    prints = np.asarray(prints)
     differ = prints != prints[:, :1]
     bad = np.flatnonzero(differ.any(axis=1))
     if not bad.size:
@@ -205,7 +197,7 @@ def _all_of_kind(tree: PyTree, leaves: list[str], kind: str) -> bool:
 
 def check(tree: PyTree, mesh: Mesh, *, state: PyTree, call: int) -> None:
     """Raises `ReplicaDivergenceError`, naming a likely cause, if replicas differ."""
-    found = divergences(tree, mesh)
+    found = divergences(tree)
     if found is None:
         return
     leaves, replica, total = found

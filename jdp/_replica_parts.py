@@ -53,11 +53,10 @@ def declare(
 def declare_per_replica(*fields: str) -> Callable[[type], type]:
     """Class decorator: these fields of a state differ between replicas.
 
-    For the NamedTuple state of a sync piece (or an optimizer) of one's own: the
-    named fields (error-feedback buffers, a replica's own copy) may differ
-    between replicas, every other field must agree. The divergence guard
-    (`check_sync`) compares only the agreed fields; checkpoints save the named
-    ones per replica (into another replica count, replica 0's copy is used).
+    For the NamedTuple state of one's own sync piece or optimizer: the named
+    fields (error-feedback buffers) may differ between replicas, the others must
+    agree. The divergence guard (`check_sync`) compares only the others, and
+    checkpoints save the named ones with every replica.
 
     Args:
       *fields: Names of the NamedTuple's fields that differ between replicas.

@@ -2,12 +2,11 @@
 
 A *logical* pytree (one copy) becomes a *replicated* one whose every array leaf
 has a leading replica axis sharded over the whole mesh; a `CustomLayout` node
-(ZeRO's state) converts itself. Modules, each importing only those before it:
-`_mesh`, `_keys` (typed PRNG keys), `_custom`, `_agreed` (what replicas must
-agree on), `_place` (replicate, take one copy back), `_state_checks`.
+(ZeRO's state) converts itself. Its modules (jdp/ARCHITECTURE.md, layer 1) each
+import only those listed before them.
 """
 
-from jdp._layout._agreed import map_agreed, replica_leaves
+from jdp._layout._agreed import compare_replicas, map_agreed, replica_leaves
 from jdp._layout._custom import CustomLayout, is_custom
 from jdp._layout._keys import abstract, host_value, is_key, key_impl
 from jdp._layout._mesh import AxisName, make_mesh, mesh_axis, mesh_for, replica_sharding
@@ -31,6 +30,7 @@ __all__ = [
     "abstract",
     "check_replicated",
     "check_same_structure",
+    "compare_replicas",
     "check_unchanged",
     "host_value",
     "is_custom",

@@ -5,11 +5,13 @@ Every leaf but the parts a `CustomLayout` holds out by design (`agreed`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jdp._layout._custom import is_custom
 from jdp._layout._keys import is_key
@@ -41,6 +43,25 @@ def replica_leaves(tree: PyTree) -> tuple[list[str], list[jax.Array], Mesh | Non
     if not all(x.is_fully_addressable for x in arrays):
         mesh = arrays[0].sharding.mesh
     return paths, arrays, mesh
+
+
+def compare_replicas(fn: Callable[[list[jax.Array]], Any], tree: PyTree):
+    """`(paths, fn(arrays))` of `replica_leaves(tree)`, the result on the host.
+
+    `fn` is compiled once per mesh and its result replicated over the mesh, so
+    that every process reads the same; `([], [])` if there are no such leaves.
+    """
+    paths, arrays, mesh = replica_leaves(tree)
+    if not arrays:
+        return [], []
+    return paths, jax.device_get(_compiled(fn, mesh)(arrays))
+
+
+@functools.cache
+def _compiled(fn: Callable, mesh: Mesh | None) -> Callable:
+    if mesh is None:
+        return jax.jit(fn)
+    return jax.jit(fn, out_shardings=NamedSharding(mesh, P()))
 
 
 def map_agreed(fn: Callable[[PyTree], PyTree], tree: PyTree) -> PyTree:
