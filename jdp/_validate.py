@@ -25,7 +25,7 @@ def describe(value: Any) -> str:
     return f"{value!r} ({article} {kind})"
 
 
-def _checked(
+def checked(
     name: str, value: Any, requirement: str, right_type: bool, fits: Callable
 ) -> Any:
     """`value`, unless not `right_type` (`TypeError`) or not `fits(value)`."""
@@ -42,7 +42,7 @@ def _at_least(
     if value is None and allow_none:
         return None
     requirement = f"an int >= {minimum}" + (f" ({note})" if note else "")
-    return _checked(name, value, requirement, is_int(value), lambda v: v >= minimum)
+    return checked(name, value, requirement, is_int(value), lambda v: v >= minimum)
 
 
 def boolean(name: str, value: Any) -> bool:
@@ -72,7 +72,7 @@ def non_negative_int(
 def index(name: str, value: Any, size: int, *, size_name: str) -> int:
     """Returns `value` if it is an int in `[0, size)`, `size` called `size_name`."""
     requirement = f"an int in [0, {size_name}={size})"
-    return _checked(name, value, requirement, is_int(value), lambda v: 0 <= v < size)
+    return checked(name, value, requirement, is_int(value), lambda v: 0 <= v < size)
 
 
 def finite_number(
@@ -110,4 +110,4 @@ def finite_number(
             and (below is None or x < below)
         )
 
-    return float(_checked(name, value, requirement, real, fits))
+    return float(checked(name, value, requirement, real, fits))

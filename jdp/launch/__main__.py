@@ -10,16 +10,11 @@ from jdp.launch._stall import DEFAULT_STALL_TIMEOUT_S
 
 _DESCRIPTION = """\
 Run a training script as N processes of one job on this machine (127.0.0.1).
-`jdp.distributed.initialize()` in the script reads the job from the
-JDP_COORDINATOR_ADDRESS, JDP_NUM_PROCESSES and JDP_PROCESS_ID variables set
-here, and fails fast (JDP_FAIL_FAST=1: an uncaught exception exits at once).
-Output lines are prefixed with "[process_id]". If one process fails, the others
-are stopped and the launcher exits non-zero. A job whose processes furthest
-behind stall (--stall-timeout), or wait in a step for a process that has
-finished (it made fewer step calls, e.g. its data ran out first: after 15 s
-without progress, or --stall-timeout if shorter), is stopped with exit status
-124, naming them and where they were last seen. --max-restarts and
---min-processes start a failed or stalled job again, with a line per restart.
+`jdp.distributed.initialize()` in the script reads the job from the JDP_*
+variables set here. Output lines are prefixed with "[process_id]". If one
+process fails, the others are stopped and the launcher exits non-zero; a job
+that stalls is stopped with exit status 124. --max-restarts starts it again.
+See docs/guides/multihost.md and docs/guides/restarts.md.
 """
 
 

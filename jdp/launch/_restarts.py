@@ -28,12 +28,6 @@ class Restarts:
       max_restarts: How many times the job may be started again (0: never).
       min_processes: The fewest processes an attempt may run with; None means
         `num_processes` (no shrinking).
-
-    Raises:
-      TypeError: If an argument is not an integer.
-      ValueError: If `max_restarts` is negative, if `min_processes` is not
-        between 1 and `num_processes`, or if it is below `num_processes` with
-        fewer than 2 restarts (it could never apply).
     """
 
     def __init__(
@@ -85,16 +79,12 @@ class Restarts:
             self.num_processes -= 1
             self._last_first = None
             return line + (
-                f" with {_processes(self.num_processes)}, one fewer: process "
+                f" with {plural(self.num_processes, 'process')}, one fewer: process "
                 f"{first_failed} failed first in two attempts in a row "
                 f"(--min-processes {self.min_processes})."
             )
         self._last_first = first_failed
-        return line + f" with {_processes(self.num_processes)}."
-
-
-def _processes(n: int) -> str:
-    return f"{n} process" if n == 1 else f"{n} processes"
+        return line + f" with {plural(self.num_processes, 'process')}."
 
 
 def run_attempts(

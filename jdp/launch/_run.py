@@ -50,60 +50,45 @@ def run(
 ) -> list[Any]:
     """Runs `fn(*args, **kwargs)` in `num_processes` new processes; returns the results.
 
-    The Python form of `python -m jdp.launch` (like `torch.multiprocessing.spawn`
-    plus torchrun's rendezvous). Each process starts a new interpreter, joins the
-    job with `jdp.distributed.initialize()` (unless `initialize=False`) and calls
-    `fn`. If one process fails, the others are stopped at once and a
-    `RuntimeError` shows the failing process's last output.
-
-    `fn` is pickled by reference, so it must be a module-level function: of an
-    importable module (this process's `sys.path` is passed on), or of the script
-    that calls `run`, which each process then imports as `__mp_main__`, as
-    `multiprocessing` does (keep the script's own work under
-    `if __name__ == "__main__":`). Its arguments and return value are pickled:
-    use NumPy arrays and Python values (`jax.device_get` results), not arrays
-    spread over processes.
+    The Python form of `python -m jdp.launch`. Each process starts a new
+    interpreter, joins the job with `jdp.distributed.initialize()` (unless
+    `initialize=False`) and calls `fn`; if one fails, the others are stopped at
+    once. `fn` is pickled by reference, so it must be a module-level function of
+    an importable module or of the calling script; its arguments and results
+    are pickled too (see the Many hosts guide, docs/guides/multihost.md).
 
     Args:
       fn: The function every process runs.
       num_processes: Number of processes.
       args: Positional arguments of `fn`.
       kwargs: Keyword arguments of `fn`.
-      devices_per_process: CPU devices each process simulates
-        (`--xla_force_host_platform_device_count`); None keeps the environment's.
+      devices_per_process: CPU devices each process simulates; None keeps the
+        environment's.
       initialize: Call `jdp.distributed.initialize()` before `fn` (default).
       timeout_s: Stop every process and raise `TimeoutError` after this many
-        seconds (600 by default; None waits forever).
+        seconds, restarts included (600 by default; None waits forever).
       stall_timeout_s: Stop every process and raise `TimeoutError` when the
-        processes furthest behind have reported no progress for this many
-        seconds (300 by default; 0 or None turns the check off). A process
-        reports progress as each jdp step starts; one that never reports is
-        never stopped by this check.
+        processes furthest behind report no progress (as each jdp step starts)
+        for this many seconds (300 by default; 0 or None: no check).
       env: Extra environment variables for the processes.
-      quiet: Do not print the processes' output (it still appears in errors).
-        By default each line is printed with its process index, `[0] ...`.
-      max_restarts: When a process fails (or the job stalls), stop the others
-        and run the job again, up to this many times (0 by default), on a fresh
-        port, printing a line per restart to stderr. Each process sees the
-        number of restarts so far in `JDP_RESTART_COUNT`: `fn` resumes from
-        its latest checkpoint. `timeout_s` bounds all attempts together.
+      quiet: Do not print the processes' output, by default printed line by
+        line as `[process_id] ...` (it still appears in errors).
+      max_restarts: Run the job again, on a fresh port, when a process fails or
+        the job stalls, up to this many times (0 by default); each process
+        sees the restarts so far in `JDP_RESTART_COUNT`.
 
     Returns:
       The list of return values, indexed by process id.
 
     Raises:
-      RuntimeError: If a process fails (exits non-zero or is killed) and no
-        restart is left.
-      TimeoutError: If the job runs longer than `timeout_s`, stalls for
-        `stall_timeout_s`, or waits in a step for a process that has finished
-        (it made fewer step calls) for 15 s or `stall_timeout_s` if shorter;
-        the message names the processes.
-      TypeError: If `num_processes`, `devices_per_process`, `timeout_s`,
-        `stall_timeout_s` or `max_restarts` has the wrong type, or `fn` or its
-        arguments cannot be pickled.
-      ValueError: If `num_processes` or `devices_per_process` is below 1,
-        `timeout_s` is not positive, `stall_timeout_s` or `max_restarts` is
-        negative, or `fn` was defined interactively.
+      RuntimeError: If a process fails and no restart is left (with its last
+        output).
+      TimeoutError: If the job runs past `timeout_s` or stalls, or processes
+        wait in a step for one that has finished; the message names them.
+      TypeError: If an argument has the wrong type, or `fn` or its arguments
+        cannot be pickled.
+      ValueError: If an argument is out of range, or `fn` was defined
+        interactively.
 
     Example:
       >>> import jdp.launch

@@ -149,11 +149,7 @@ def _check_seconds(
     name: str, value: Any, requirement: str, *, allow_zero: bool = False
 ) -> None:
     """Checks a number of seconds (None passes): TypeError or ValueError."""
-    if value is None:
-        return
-    if not isinstance(value, int | float) or isinstance(value, bool):
-        raise TypeError(
-            f"`{name}` must be {requirement}, got {_validate.describe(value)}."
-        )
-    if not (value >= 0 if allow_zero else value > 0):
-        raise ValueError(f"`{name}` must be {requirement}, got {value!r}.")
+    if value is not None:
+        real = isinstance(value, int | float) and not isinstance(value, bool)
+        fits = (lambda v: v >= 0) if allow_zero else (lambda v: v > 0)
+        _validate.checked(name, value, requirement, real, fits)

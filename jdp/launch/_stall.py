@@ -39,7 +39,8 @@ class StallError(TimeoutError):
 
 
 def plural(n: int, word: str) -> str:
-    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+    """`1 process`, `2 processes`, `3 step calls`."""
+    return f"{n} {word}" + ("" if n == 1 else "es" if word.endswith("s") else "s")
 
 
 def process_list(
