@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import os
 import sys
 import time
@@ -24,7 +23,6 @@ MOMENTUM = 0.9
 LOG_EVERY = 10  # steps between reads of the loss (each waits for the device)
 METRICS_FILE = "metrics.json"
 PLOT_FILE = "loss_accuracy.png"
-HISTORY_FILE = "history.json"  # in --checkpoint-dir, beside the checkpoints
 STATE_SUBDIR = "state"
 #: Options a resumed run must share with the run that saved the checkpoint.
 RESUME_KEYS = ("algo", "batch_size", "seed", "sync_period")
@@ -131,7 +129,7 @@ def sync_reference_bytes(devices, backend, variables, batch_host) -> float:
 
 
 class _Checkpoints:
-    """`--checkpoint-dir`: orbax checkpoints in DIR/state, the loss history beside."""
+    """`--checkpoint-dir`: orbax checkpoints in DIR/state, with config and history."""
 
     def __init__(self, directory: str):
         from jdp.checkpoint import CheckpointManager
@@ -143,9 +141,8 @@ class _Checkpoints:
         self.last_saved = self.manager.latest_step()
 
     def save(self, step: int, state, parallel: jdp.Parallel, record: dict) -> None:
-        self.manager.save(step, state, parallel=parallel)
+        self.manager.save(step, state, parallel=parallel, extra=record)
         self.last_saved = step
-        _report.write_json(os.path.join(self.directory, HISTORY_FILE), record)
 
     def restore(self, like, config: dict) -> tuple[int, Any, dict]:
         if self.last_saved is None:
@@ -153,11 +150,7 @@ class _Checkpoints:
                 f"--resume: no checkpoint in {self.directory!r}; run once with "
                 "--checkpoint-dir to create one."
             )
-        record = {}
-        path = os.path.join(self.directory, HISTORY_FILE)
-        if os.path.exists(path):
-            with open(path) as f:
-                record = json.load(f)
+        record = self.manager.metadata(self.last_saved).get("extra", {})
         saved = record.get("config", {})
         for key in RESUME_KEYS:
             if key in saved and saved[key] != config[key]:
@@ -168,14 +161,6 @@ class _Checkpoints:
                 )
         state = self.manager.restore(like, step=self.last_saved)
         return self.last_saved, state, record
-
-
-def _upto(part: dict[str, list] | None, step: int) -> dict[str, list] | None:
-    """The entries of a `{"step": [...], ...}` history at or before `step`."""
-    if not part:
-        return None
-    keep = [i for i, s in enumerate(part["step"]) if s <= step]
-    return {k: [v[i] for i in keep] for k, v in part.items()}
 
 
 class _Run:
@@ -217,8 +202,8 @@ class _Run:
             )
         if args.resume:
             self.start, self.state, record = self.ckpt.restore(self.state, self.config)
-            self.history = _upto(record.get("history"), self.start) or self.history
-            self.evals = _upto(record.get("eval"), self.start) or self.evals
+            self.history = record.get("history") or self.history
+            self.evals = record.get("eval") or self.evals
         self.i = self.start
         self.comm: dict | None = None
         self.train_seconds = 0.0
