@@ -1,8 +1,7 @@
 """Dropping bad replicas (`on_bad_replica="drop"`): the mean of the valid ones.
 
 Each replica's validity bit masks its contribution and rides in the same
-all-reduce; the contributions' mean over the bits' mean is the valid replicas'
-mean (exactly the plain mean when all are valid).
+all-reduce; the contributions' mean over the bits' mean is the valid replicas'.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Private: `python -m jdp.launch`'s job: a script run in N processes.
 
-`launch_command` checks the arguments and the port, runs the attempts
-(`run_attempts`), forwards Ctrl-C and SIGTERM to the processes, prints what
-happened on stderr, and returns the job's exit status.
+`launch_command` runs the attempts (`run_attempts`), forwards Ctrl-C and
+SIGTERM to the processes and returns the job's exit status.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Private: `jdp.launch.run`, a function called in N new processes.
 
-`run` pickles the function and its arguments, runs the attempts
-(`run_attempts`), whose processes call it through `_worker.py`, and returns
-their results, or raises with the failing process's last output.
+`run` pickles the function and its arguments for `_worker.py` and runs the
+attempts (`run_attempts`).
 """
 
 from __future__ import annotations

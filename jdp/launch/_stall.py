@@ -1,11 +1,8 @@
 """Private: the launcher's side of progress reports: finding a stuck process.
 
 Each process counts its progress (`jdp._progress.beat`, as a step starts) and a
-thread of `_worker.py` writes the count, with where the process is, to a file.
-`StallMonitor` reads those files: it finds the processes furthest behind that
-made no progress for `timeout_s` seconds (they hold up the others), and, after a
-shorter grace period, processes that wait in a step that a finished process
-(one that made fewer step calls) never started.
+thread of `_worker.py` writes the count, with where the process is, to a file,
+which `StallMonitor` reads.
 """
 
 from __future__ import annotations
