@@ -1,8 +1,4 @@
-"""How a train step calls its loss and differentiates it.
-
-The loss's parameters, microbatches, sparse row gradients, `jdp.weighted` losses
-and loss scaling with flax's `DynamicScale`.
-"""
+"""How a train step calls its loss (parameters, microbatches, weights, scaling)."""
 
 from __future__ import annotations
 
@@ -150,8 +146,7 @@ def gradients(
     """`loss_and_grads` over the batch, or accumulated over microbatches (a scan).
 
     Mean losses and gradients are averaged over the parts, `jdp.weighted` ones
-    summed, sparse rows concatenated. Floating batch statistics start from the
-    step's in every part and end as their mean; the rest carries over.
+    summed, sparse rows concatenated; floating batch statistics end as their mean.
     """
 
     def run(current, part, index):
@@ -289,9 +284,8 @@ def _ratio(total: jax.Array, weight: jax.Array) -> jax.Array:
 def normalise(out: Gradients, axis_name) -> tuple[jax.Array, PyTree]:
     """The loss metric and the gradients the sync piece averages.
 
-    A `jdp.weighted` loss's gradients are scaled by `kept / kept_weight` (over
-    the replicas with finite gradients), so that their mean over those replicas
-    is one device's per-token mean; the loss is the global total over weight.
+    A `jdp.weighted` loss's gradients are scaled by `kept / kept_weight`, so that
+    their mean over the replicas with finite gradients is the per-token mean.
     """
     if out.weight is None:
         return out.loss, out.grads
@@ -309,11 +303,7 @@ def normalise(out: Gradients, axis_name) -> tuple[jax.Array, PyTree]:
 
 
 def kept_loss(out: Gradients, loss: jax.Array, extra: dict, axis_name):
-    """`(loss, extra)`: the loss over the replicas a sync piece kept, if it says.
-
-    `extra[_sync.KEPT]` is `num_replicas / kept` on a kept replica, 0 on a
-    dropped one, so that the mean over replicas is the kept replicas' mean.
-    """
+    """`(loss, extra)`: the loss over the replicas a piece kept (`_sync.KEPT`)."""
     if _sync.KEPT not in extra:
         return loss, extra
     extra = dict(extra)
@@ -400,11 +390,7 @@ def next_scale(scale, finite: jax.Array):
 def loss_and_grads(
     value_and_grad, loss_fn, state, batch, *, has_aux, kwargs
 ) -> Gradients:
-    """One replica's `loss_fn`, differentiated.
-
-    With `batch_stats`, `loss_fn(params, batch_stats, batch, **kwargs) -> (loss,
-    new_batch_stats)`, or `(loss, (new_batch_stats, aux))` with `has_aux`.
-    """
+    """One replica's `loss_fn`, differentiated, as `Gradients`."""
     loss_fn = _fresh_arguments(loss_fn)
     with_stats = getattr(state, "batch_stats", None) is not None
 
@@ -428,10 +414,9 @@ def loss_and_grads(
 
 
 def _fresh_arguments(loss_fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`loss_fn` with its non-differentiated arguments rebuilt (new nodes) inside.
+    """`loss_fn` with its non-differentiated arguments rebuilt inside.
 
-    A flax NNX `Variable` refuses updates from another trace ("Cannot mutate
-    BatchStat from a different trace level").
+    A flax NNX `Variable` refuses updates from another trace level.
     """
 
     @functools.wraps(loss_fn)

@@ -1,8 +1,4 @@
-"""What a train step checks before it runs: the piece, the axes, the state.
-
-A sync piece against the train state and the optimizer (which mesh axes each
-syncs, for hierarchical local SGD), and the state's fields and params.
-"""
+"""What a train step checks before it runs: the piece, the axes, the state."""
 
 from __future__ import annotations
 
@@ -18,8 +14,18 @@ from jdp._tree import format_problems, is_float, keystr
 PyTree = Any
 
 
+AVERAGED_TWICE_MSG = (
+    "`{api}`: the optimizer averages the gradients across replicas itself "
+    "(`jdp.zero` reduce-scatters them), and so does the sync piece. Give the "
+    "optimizer each replica's own gradients: `jdp.make_train_step(loss_fn, "
+    "jdp.zero(tx), sync=jdp.local())`."
+)
+
+
 def check_piece(sync, tx, state, axis, api) -> None:
     """A `jdp.Sync`'s checks against the state and the optimizer (traced)."""
+    if sync.averages and _sync.syncs_gradients(state.opt_state):
+        raise ValueError(AVERAGED_TWICE_MSG.format(api=api))
     check_sync_state(state, sync, api)
     if sync.averages:
         _check_axes(sync, tx, state, axis, api)
@@ -42,7 +48,7 @@ def _warn_if_never_synced(tx, state, axis) -> None:
             "syncs (`jdp.bmuf(tx, sync_period=...)`), or, in a `jdp.partition`, "
             "the label `'per_replica'` where different models are meant.",
             UserWarning,
-            stacklevel=4,
+            stacklevel=3,
         )
 
 
@@ -61,10 +67,8 @@ AVERAGES_WITH_BMUF_MSG = (
 def _check_axes(sync, tx, state, axis, api) -> None:
     """An averaging piece's axes, against the step's and the optimizer's.
 
-    Every axis of the step the piece does not average over must be synced by
-    the optimizer (`jdp.bmuf(..., axis_name=...)`, or a `jdp.sync_gradients` of
-    its own). Beside `jdp.bmuf`, which expects each replica's own gradients,
-    the piece must also leave it at least one axis: hierarchical local SGD.
+    Every step axis the piece does not average over must be synced by the
+    optimizer; beside `jdp.bmuf` the piece must leave it one (hierarchical SGD).
     """
     local = _replica_parts.trains_locally(state.opt_state)
     step_axes = _axes(axis)
@@ -76,7 +80,11 @@ def _check_axes(sync, tx, state, axis, api) -> None:
                 )
             )
         return
-    piece = _piece_axes(sync, state, axis)
+    held = getattr(state, "sync_state", None)
+    piece_state = sync.initial_state(state.params) if held is None else held
+    piece = _moving_axes(
+        lambda g: sync.update(g, piece_state, state.params, axis)[:2], state.params
+    )
     rest = step_axes - piece
     if local:
         optimizer = _optimizer_axes(tx, state)
@@ -102,15 +110,6 @@ def _check_axes(sync, tx, state, axis, api) -> None:
     )
 
 
-def _piece_axes(sync, state, axis) -> set[str]:
-    """The mesh axes over which `sync.update` moves gradients (traced only)."""
-    held = getattr(state, "sync_state", None)
-    piece_state = sync.initial_state(state.params) if held is None else held
-    return _moving_axes(
-        lambda g: sync.update(g, piece_state, state.params, axis)[:2], state.params
-    )
-
-
 def _optimizer_axes(tx, state) -> set[str]:
     """The mesh axes over which optimizer `tx` moves values (traced only)."""
     return _moving_axes(
@@ -130,10 +129,9 @@ def _axes(axis) -> set[str]:
 
 
 def _moving_axes(fn, params) -> set[str]:
-    """The mesh axes over which `fn(gradients like params)` moves values.
+    """The mesh axes over which `fn(gradients like params)` moves values (traced).
 
-    Traced, nothing runs. Scalar integers and booleans (an agreed finiteness
-    verdict) do not count; integer arrays (a wire format's codes) do.
+    Scalar integers and booleans (an agreed verdict) do not count.
     """
     grads = jax.tree.map(lambda p: p if is_float(p) else None, params)
     found: set[str] = set()
@@ -165,11 +163,7 @@ KNOWN_FIELDS = (
 
 
 def check_known_fields(state: PyTree, api: str) -> None:
-    """Refuses a dataclass state's field that the step would never update.
-
-    Static fields and fields without arrays (None) are fine; an `ema_params`
-    the step never touched would otherwise train silently wrong.
-    """
+    """Refuses a dataclass state's field (with arrays) that the step never updates."""
     if not dataclasses.is_dataclass(state):
         return
     unknown = [

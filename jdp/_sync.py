@@ -1,16 +1,4 @@
-"""The gradient sync pieces, and `jdp.sync_gradients` to put one in an optimizer.
-
-`jdp.Sync`, `jdp.all_reduce`, `jdp.local` and `jdp.sync_gradients`, any piece
-as an optax transform.
-
-A sync piece transforms one replica's gradients into the gradients the
-optimizer sees, as an optax transform transforms updates: `init(params)` makes
-its state, `update(grads, state, params, axis_name)` returns the synced
-gradients, its new state and metrics. The train step differentiates, asks the
-piece, then applies the optimizer once. A piece whose state differs between
-replicas (error-feedback buffers) says so on the state's class with
-`jdp.declare_per_replica`, which the divergence guard and checkpoints read.
-"""
+"""`jdp.Sync` pieces (`all_reduce`, `local`) and `jdp.sync_gradients`."""
 
 from __future__ import annotations
 
@@ -23,14 +11,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jdp import (
-    _bmuf,
-    _collectives,
-    _layout,
-    _replica_parts,
-    _transforms,
-    _wire,
-)
+from jdp import _bmuf, _collectives, _layout, _replica_parts, _transforms, _wire
 from jdp._tree import is_float
 
 PyTree = Any
@@ -41,42 +22,26 @@ OnBadReplica = Literal["drop"]
 class Sync(NamedTuple):
     """A gradient sync piece, for `jdp.make_train_step(..., sync=piece)`.
 
-    Like optax's `GradientTransformation`: a pair of pure functions, plus what
-    the rest of the library needs to know about the gradients they return.
-    `jdp.all_reduce`, `jdp.local`, `jdp.powersgd` and `jdp.partition` make
-    them; `jdp.sync_gradients` turns one into an optax transform for a step of
-    one's own.
+    Like optax's `GradientTransformation`: two pure functions, plus what the step
+    needs to know about their gradients. See the Sync guide (docs/guides/sync.md).
 
     Attributes:
-      init: `init(params) -> state`: the piece's state (error-feedback
-        buffers, low-rank factors), kept in the train state's `sync_state`
-        (`jdp.TrainState.create(..., sync=piece)` fills it); None for a piece
-        that keeps none. A state whose fields differ between replicas declares
-        them with `jdp.declare_per_replica` on its class.
+      init: `init(params) -> state`, the train state's `sync_state`; None for a
+        piece without state (per-replica fields: `jdp.declare_per_replica`).
       update: `update(grads, state, params, axis_name) -> (grads, state,
-        metrics)`, run inside the step on one replica's gradients (`axis_name`
-        is the step's replica axis, resolved): the gradients the optimizer
-        sees, the piece's new state and a dict of scalar metrics.
+        metrics)`, run on one replica's gradients inside the step.
       averages: Whether the returned gradients are synced (True), or left for
-        the optimizer to sync (False: `jdp.local()`, for optimizers that sync
-        the replicas themselves such as `jdp.bmuf`; the step then warns if the
-        optimizer never communicates, and the divergence guard compares only
-        what such an optimizer keeps in agreement).
+        the optimizer to sync (False, as `jdp.local()`).
       must_agree: None, or `must_agree(train_state)`: the train state with the
-        parts that may differ between replicas set to None (a piece that
-        leaves some leaves' gradients unsynced, as `jdp.partition` with a
-        `"per_replica"` label).
+        parts that may differ between replicas set to None.
 
     Example:
-      A piece of one's own: sum the gradients instead of averaging them.
-
       >>> import jax, jax.numpy as jnp, optax, jdp
-      >>> def summed(grads, state, params, axis_name):
+      >>> def summed(grads, state, params, axis_name):  # sum instead of average
       ...     return jax.lax.psum(grads, axis_name), state, {}
       >>> def loss_fn(params, batch):
       ...     return jnp.mean((batch * params["w"] - 1.0) ** 2)
-      >>> tx = optax.sgd(0.1)
-      >>> sync = jdp.Sync(None, summed)
+      >>> tx, sync = optax.sgd(0.1), jdp.Sync(None, summed)
       >>> step = jdp.parallelize(jdp.make_train_step(loss_fn, tx, sync=sync),
       ...                        devices=jax.devices()[:2])
       >>> state = step.replicate(jdp.TrainState.create(params={"w": 0.0}, tx=tx))
@@ -96,13 +61,10 @@ class Sync(NamedTuple):
 
 
 class OwnUpdate(NamedTuple):
-    """A sync piece that applies the optimizer itself: `jdp.sparse.rows`.
+    """A piece that differentiates and applies the optimizer itself (`jdp.sparse.rows`).
 
-    Not a `jdp.Sync`: it differentiates its own way (with respect to the rows
-    a batch looks up) and applies row optimizers.
     `apply(grads, state, tx, axis_name) -> (params, opt_state, metrics)`;
-    `value_and_grad`, None or `value_and_grad(tx)`, how it differentiates the
-    loss.
+    `value_and_grad`: None or `value_and_grad(tx)`, how it differentiates.
     """
 
     apply: Callable[..., tuple[PyTree, PyTree, dict[str, jax.Array]]]
@@ -119,13 +81,7 @@ def check_batch_stats(batch_stats: Any) -> None:
 
 
 def apply_tx(grads, state, tx) -> tuple[PyTree, PyTree, dict[str, jax.Array]]:
-    """`tx` applied to `grads`: `(params, opt_state, {})`.
-
-    A `jdp.bmuf` inside `tx` merges after the update, on the updated params
-    (the optimizer is called with the extra argument that asks for it), so
-    every replica lands on exactly the same bits after a sync and a step that
-    does not sync costs what the local step costs.
-    """
+    """`tx` applied to `grads`: `(params, opt_state, {})`; a `jdp.bmuf` merges after."""
     merges: list = []
     updates, opt_state = _transforms.update(
         tx, grads, state.opt_state, state.params, **{_bmuf.MERGES_ARG: merges}
@@ -136,12 +92,7 @@ def apply_tx(grads, state, tx) -> tuple[PyTree, PyTree, dict[str, jax.Array]]:
 
 
 def _merged(params, old_opt_state, opt_state, merges):
-    """`jdp.bmuf`'s block sync on the updated params it holds.
-
-    Under `optax.multi_transform` a `jdp.bmuf` holds one label's params, the
-    others masked (as in its block start): the sync runs
-    on those and the rest of the params are left as they are.
-    """
+    """`jdp.bmuf`'s block sync on the updated params it holds (its label's, masked)."""
     if not merges:
         return params, opt_state
     for start in _replica_parts.restart_params(old_opt_state):
@@ -181,69 +132,42 @@ def all_reduce(
 ) -> Sync:
     """Averages gradients over replicas (PyTorch DDP's all-reduce).
 
-    The default piece of `jdp.make_train_step`: one bucketed all-reduce of the
-    gradients in reverse leaf order (`jdp.all_reduce_gradients`); the optimizer
-    then sees the average, the same on every replica.
+    The default piece of `jdp.make_train_step`: a bucketed all-reduce of the
+    gradients, or a compressed exchange with `wire`. See the Sync and
+    Compression guides (docs/guides/).
 
     Args:
-      bucket_bytes: Largest bucket of the gradient all-reduce (25 MiB); None for
-        one bucket per dtype.
-      reduce_dtype: Wire dtype of the all-reduce (e.g. `jnp.bfloat16`); the
-        gradients are divided by the replica count first, so a narrow type
-        cannot overflow. XLA may compute it wider (on CPU a bfloat16
-        all-reduce runs in float32); `wire` is sure to send fewer bytes.
-      wire: A compressed exchange instead of the all-reduce: `jdp.wire.bf16()`,
-        `jdp.wire.int8()` or `jdp.wire.fp8()`. The gradients are quantised,
-        exchanged by an all-to-all (each replica owns a chunk), averaged in
-        float32 by each chunk's owner, quantised again and all-gathered, so
-        both exchanges move the narrow type (see `jdp.wire`). On a host mesh
-        (`axis_name=("host", "device")`) the devices of a host average in
-        float32 first and only the exchange between hosts is compressed.
-      error_feedback: With `wire`: add what quantisation dropped at one step
-        to the next step's gradients, per replica (the worker error) and per
-        chunk owner (the server error). The buffers are the piece's state
-        (`jdp.TrainState.create(..., sync=sync)`), two float32 vectors the
-        size of the gradients, different on every replica; checkpoints save
-        them per replica.
-      axis_name: The mesh axis (or axes) to average over; None (default): the
-        step's replica axis. On a host mesh `("host", "device")`,
-        `axis_name="device"` averages within each host only: hierarchical
-        local SGD, with an optimizer that syncs the hosts itself
-        (`jdp.bmuf(inner, sync_period=..., axis_name="host")`).
-      on_bad_replica: `"drop"`: average only the replicas whose own gradients
-        are finite. Each replica multiplies its gradients by its validity bit
-        and the bit rides as one more float32 value in the same all-reduce, so
-        the sum is divided by the count of valid replicas; metric
-        `"dropped_replicas"` says how many were left out. If every replica is
-        bad the average is not finite: give the step `skip_nonfinite=True`
-        (`jdp.make_train_step`) to skip such a step. Not with `wire` (the
-        compressed exchange carries no count). None (default): every replica
-        is averaged, as is.
+      bucket_bytes: Largest bucket of the all-reduce (25 MiB); None for one
+        bucket per dtype.
+      reduce_dtype: Wire dtype of the all-reduce (e.g. `jnp.bfloat16`).
+      wire: A compressed exchange instead: `jdp.wire.bf16()`, `int8()`, `fp8()`.
+      error_feedback: With `wire`: feed what quantisation dropped into the next
+        step (per-replica buffers, the piece's state).
+      axis_name: The mesh axis (or axes) to average over; None: the step's.
+      on_bad_replica: `"drop"`: average only the replicas whose gradients are
+        finite (metric `"dropped_replicas"`); None (default): every replica.
 
     Returns:
       A `jdp.Sync`.
 
     Raises:
-      ValueError: If `bucket_bytes` is not a positive int or None,
-        `error_feedback` is asked for without a `wire`, both `wire` and
-        `reduce_dtype` are given, `on_bad_replica` is neither None nor
-        "drop", or `on_bad_replica` is combined with `wire`.
+      ValueError: If `bucket_bytes` or `on_bad_replica` is invalid,
+        `error_feedback` lacks a `wire`, or `wire` is combined with
+        `reduce_dtype` or `on_bad_replica`.
       TypeError: If `wire` is not a wire format.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, jdp
       >>> def loss_fn(params, batch):
       ...     return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
-      >>> sync = jdp.all_reduce(wire=jdp.wire.int8(), error_feedback=True)
-      >>> train_step = jdp.make_train_step(loss_fn, optax.sgd(0.1), sync=sync)
-      >>> step = jdp.parallelize(train_step, devices=jax.devices()[:4])
+      >>> tx, sync = optax.sgd(0.1), jdp.all_reduce(wire=jdp.wire.int8())
+      >>> step = jdp.parallelize(jdp.make_train_step(loss_fn, tx, sync=sync),
+      ...                        devices=jax.devices()[:4])
       >>> params = {"w": jnp.zeros((512, 1))}
-      >>> state = jdp.TrainState.create(params=params, tx=optax.sgd(0.1), sync=sync)
-      >>> state = step.replicate(state)
+      >>> state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
       >>> batch = step.shard({"x": jnp.ones((8, 512)), "y": jnp.ones((8, 1))})
-      >>> ops = step.collectives(state, batch)
-      >>> sorted((c.kind, c.dtype) for c in ops if c.dtype == "u8")  # 1 byte a value
-      [('all-gather', 'u8'), ('all-to-all', 'u8')]
+      >>> sorted(c.kind for c in step.collectives(state, batch) if c.dtype == "u8")
+      ['all-gather', 'all-to-all']
     """
     _collectives.check_bucket_bytes(bucket_bytes)
     _wire.check_options(wire, error_feedback, reduce_dtype, "jdp.all_reduce")
@@ -260,9 +184,8 @@ def all_reduce(
             and reduce_dtype is None
             and _collectives.axis_size(step_axis, "jdp.all_reduce") == 1
         ):
-            # A step of one replica: the mean is the gradient itself, bit for
-            # bit, and XLA:CPU would still copy every gradient through a
-            # collective (an 8.9M MLP: 28.6 ms a step, 63.5 ms with it).
+            # One replica: the mean is the gradient itself, bit for bit, and
+            # XLA:CPU would still copy every gradient through a collective.
             return grads, state, {}
         grads = _collectives.all_reduce(
             grads,
@@ -295,10 +218,8 @@ def _check_on_bad_replica(on_bad_replica, wire) -> None:
         )
 
 
-#: The metric under which `jdp.all_reduce(on_bad_replica="drop")` tells the train
-#: step this replica's share of the loss: `num_replicas / kept` if it was kept, 0
-#: if it was dropped (1 everywhere when none was kept). The step reports the loss
-#: averaged over the kept replicas, and returns no such metric.
+#: The metric under which `on_bad_replica="drop"` tells the step this replica's
+#: share of the loss (`num_replicas / kept`, 0 if dropped); never returned.
 KEPT = "_jdp_kept_share"
 
 
@@ -357,21 +278,9 @@ def _compressed(wire, error_feedback, axis_name) -> Sync:
 def local() -> Sync:
     """Each replica keeps its OWN gradients: no all-reduce.
 
-    For optimizers that communicate themselves: `jdp.bmuf` (BMUF, DiLoCo, local
-    SGD), or `jdp.sync_gradients` inside `optax.MultiSteps` (whose all-reduce
-    then runs only on the micro-steps that update). With an optimizer that never
+    For optimizers that communicate themselves: `jdp.bmuf`, `jdp.zero`, or
+    `jdp.sync_gradients` inside `optax.MultiSteps`. With an optimizer that never
     communicates the replicas train different models, and the step warns.
-
-    `jdp.bmuf`'s block sync runs after the parameter update, on the updated
-    params, so every replica lands on exactly the same bits after a sync and a
-    step that does not sync costs what the local step costs.
-
-    Replicas agree on the step counter, the batch statistics and the global
-    parts of `jdp.bmuf`'s state; params and other optimizer state may differ
-    (the divergence guard compares only what agrees).
-
-    Returns:
-      A `jdp.Sync` whose `update` returns the gradients as they are.
 
     Example:
       >>> import optax, jdp
@@ -392,35 +301,24 @@ def sync_gradients(
 ) -> optax.GradientTransformationExtraArgs:
     """Any sync piece as an optax transform; put it first in an `optax.chain`.
 
-    For a step that does not sync its gradients itself (a hand-written step
-    under `jdp.parallelize`, or `jdp.make_train_step(..., sync=jdp.local())`),
-    in the spirit of `optax.contrib.sam(batch_axis_name=...)`: synchronous data
-    parallelism from the optimizer alone. The piece's state (error-feedback
-    buffers, PowerSGD's factors) is this transform's state, in the optimizer
-    state; its metrics are dropped (optax has no place for them). Inside
-    `optax.MultiSteps` it communicates only on the micro-steps that update.
+    For a step that does not sync its gradients itself (a hand-written step, or
+    `sync=jdp.local()`); inside `optax.MultiSteps` it communicates only on the
+    micro-steps that update. The piece's metrics are dropped.
 
     Args:
-      sync: A `jdp.Sync` (`jdp.all_reduce(...)`, `jdp.powersgd(...)`,
-        `jdp.partition(...)`, one of your own); None for `jdp.all_reduce()`.
-      axis_name: Replica axis; None (default) uses the one bound by the
-        enclosing `jdp.parallelize`.
+      sync: A `jdp.Sync`; None for `jdp.all_reduce()`.
+      axis_name: Replica axis; None (default) uses `jdp.parallelize`'s.
 
     Returns:
       An `optax.GradientTransformationExtraArgs`.
 
     Raises:
-      TypeError: If `sync` is not a `jdp.Sync` (e.g. `jdp.sparse.rows()`,
-        which applies the optimizer itself).
+      TypeError: If `sync` is not a `jdp.Sync` (e.g. `jdp.sparse.rows()`).
 
     Example:
       >>> import optax, jdp
-      >>> tx = optax.chain(jdp.sync_gradients(), optax.clip_by_global_norm(1.0),
-      ...                  optax.adam(1e-3))
       >>> tx = optax.chain(jdp.sync_gradients(jdp.powersgd(rank=4)),
-      ...                  optax.adam(1e-3))
-      >>> # a hand-written step, or `jdp.make_train_step(loss_fn, tx,
-      >>> # sync=jdp.local())`
+      ...                  optax.adam(1e-3))  # with `sync=jdp.local()`
     """
     if sync is None:
         sync = all_reduce()
@@ -458,11 +356,7 @@ def finite(grads: PyTree) -> jax.Array:
 
 
 def unless_nonfinite(ok, run, state, *, counted: bool = True):
-    """`run()`'s `(params, opt_state, metrics)` if `ok`, else the state's own.
-
-    `ok` must be the same on every replica; metric `"skipped"` is 1 for a
-    skipped step. `counted`: the state must have a `skipped_steps` counter.
-    """
+    """`run()`'s `(params, opt_state, metrics)` if `ok` (agreed), else the state's."""
     if counted and getattr(state, "skipped_steps", None) is None:
         raise ValueError(
             "`skip_nonfinite=True` counts skipped steps in the state's "
@@ -488,12 +382,7 @@ def unless_nonfinite(ok, run, state, *, counted: bool = True):
 
 
 def agreed_locally(state: PyTree) -> PyTree:
-    """What replicas that train on their own gradients still agree on.
-
-    The step counter and batch statistics (synced every step), and the parts of
-    the optimizer state declared to agree (`_replica_parts`: the global parts
-    of `jdp.bmuf`'s state); not the params or other optimizer state.
-    """
+    """What replicas on their own gradients agree on: all but params and local state."""
     if not hasattr(state, "replace"):
         return None
     if syncs_gradients(state.opt_state):  # `jdp.zero`: replicas hold equal params

@@ -16,24 +16,20 @@ PyTree = Any
 class TrainState(struct.PyTreeNode):
     """An immutable training state: step counter, params, optimizer state, stats.
 
-    A flax `struct` dataclass (a pytree) whose optimizer is a static field.
-    `jdp.make_train_step` also accepts flax's `flax.training.train_state.
-    TrainState` or any pytree with `step`, `params`, `opt_state` and `replace`.
+    A flax `struct` dataclass whose optimizer is a static field.
+    `jdp.make_train_step` also takes a flax `TrainState`, or any pytree with
+    `step`, `params`, `opt_state` and `replace`.
 
     Attributes:
       step: Number of updates applied (an int32 array).
       params: The trained parameters.
       opt_state: The optimizer's state.
       batch_stats: Non-trained state such as BatchNorm statistics, or None.
-      skipped_steps: Steps skipped for non-finite gradients (`skip_nonfinite`,
-        or a loss scaler's overflow; an int32 array).
+      skipped_steps: Steps skipped for non-finite gradients (an int32 array).
       dynamic_scale: A flax `DynamicScale` (float16 loss scaling), or None.
-      rng: A PRNG key (typed or raw), or None. For a `loss_fn` with an `rng`
-        parameter (dropout), the step's key on each replica is
-        `fold_in(fold_in(rng, step), replica)`; `rng` itself never changes, so
-        a restored checkpoint draws the same numbers again.
-      sync_state: The state of a sync piece that keeps one (error buffers,
-        PowerSGD's factors), made by `create(..., sync=piece)`; or None.
+      rng: A PRNG key, or None; a `loss_fn` with an `rng` parameter receives
+        `fold_in(fold_in(rng, step), replica)`.
+      sync_state: The state of a sync piece that keeps one, or None.
       tx: The optax optimizer (static: not a pytree leaf).
 
     Example:
@@ -66,18 +62,17 @@ class TrainState(struct.PyTreeNode):
     ) -> TrainState:
         """Makes a state at step 0 with `tx.init(params)` as optimizer state.
 
-        Pass the train step's `sync` piece when it keeps state of its own (e.g.
-        `jdp.all_reduce(wire=..., error_feedback=True)`): the state then holds
-        `sync_state=sync.init(params)`.
+        Pass the step's `sync` piece when it keeps state of its own: the state then
+        holds `sync_state=sync.init(params)`.
         """
         if sync is not None and not isinstance(sync, (_sync.Sync, _sync.OwnUpdate)):
             raise TypeError(
                 "`jdp.TrainState.create`: `sync` must be a `jdp.Sync` (the piece "
                 f"given to `jdp.make_train_step`), or None; got {type(sync).__name__}."
             )
-        sync_state = None
-        if isinstance(sync, _sync.Sync) and sync.init is not None:
-            sync_state = sync.init(params)
+        sync_state = (
+            sync.initial_state(params) if isinstance(sync, _sync.Sync) else None
+        )
         if not jax.tree.leaves(sync_state):
             sync_state = None
         return cls(

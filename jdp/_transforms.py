@@ -1,8 +1,4 @@
-"""How a train step applies an optimizer, and what jdp knows of optax's states.
-
-The one module that recognises optax's own state types (`MultiStepsState`,
-`PartitionState`, `MaskedNode`); the rest of jdp asks it.
-"""
+"""How a step applies an optimizer; the one module that knows optax's states."""
 
 from __future__ import annotations
 
@@ -22,14 +18,11 @@ def update(
     params: Any,
     **extra_args: Any,
 ) -> tuple[Any, Any]:
-    """`tx.update` with optax's extra arguments, run as a train step runs it.
+    """`tx.update` with optax's extra arguments, as a train step runs it.
 
-    `optax.MultiSteps` runs its inner optimizer on every micro-step, so a
-    `jdp.sync_gradients()` inside it would all-reduce on each. Here a
-    `lax.cond` runs the micro-steps that only accumulate with jdp's collectives
-    off (`COLLECTIVES_ARG=False`; their inner result is discarded anyway).
-    Whether a micro-step updates is read from a first evaluation whose only
-    kept output is the `gradient_step` counter (XLA removes the rest).
+    Under `optax.MultiSteps`, the micro-steps that only accumulate run with jdp's
+    collectives off (`COLLECTIVES_ARG=False`), in a `lax.cond` on whether a first
+    evaluation advanced `gradient_step` (XLA removes the rest of it).
     """
     if not isinstance(tx, optax.MultiSteps):  # whose `update` takes extra args
         tx = optax.with_extra_args_support(tx)
@@ -53,10 +46,7 @@ def is_masked(x: Any) -> bool:
 
 
 def map_label_states(opt_state: Any, fn) -> Any:
-    """Each `optax.multi_transform` inner state mapped by `fn(label, state)`.
-
-    None if `opt_state` holds no `optax.multi_transform` state.
-    """
+    """`fn(label, state)` on each `optax.multi_transform` inner state; or None."""
 
     def is_partition(x):
         return isinstance(x, optax.transforms.PartitionState)
