@@ -1,19 +1,4 @@
-"""`jdp.partition`: a sync piece per label of the params, like `optax.partition`.
-
-Each leaf of the params carries a label; each label has its own way to
-synchronise its gradients: a `jdp.Sync` piece (`jdp.all_reduce()`,
-`jdp.local()`), `"broadcast"` (replica 0's gradients on every replica) or
-`"per_replica"` (never synced: the leaves differ between replicas by design).
-The optimizer, an `optax.multi_transform` over the same labels, is applied once
-to the whole tree, so its state is exactly what `multi_transform` makes
-(`jdp.TrainState.create(params, tx)` works as it is).
-
-Each label group's piece runs on its part of the gradients (the other leaves
-None), with its own state, kept under the group in the partition's state.
-`jdp.bmuf`'s block sync, under one label of `optax.multi_transform`, runs after
-the update on the updated params of its label (as in `jdp.local()`), so the
-replicas land on exactly the same bits after a sync.
-"""
+"""`jdp.partition`: a sync piece per label of the params, like `optax.partition`."""
 
 from __future__ import annotations
 
@@ -52,84 +37,45 @@ def partition(
     labels: PyTree | Callable[[PyTree], PyTree],
     pieces: Mapping[str, _sync.Sync | str],
 ) -> _sync.Sync:
-    """A sync piece per label of the params: some leaves all-reduced, others local.
+    """A sync piece per label of the params, as `optax.multi_transform` for optimizers.
 
-    Like `optax.multi_transform` (`optax.partition`) for the optimizer:
-    gradients are split by label, each label's piece synchronises its part,
-    and the optimizer (an `optax.multi_transform` over the same labels, or any
-    optimizer) is applied once to the whole tree. E.g. an embedding trained
-    locally and averaged by `jdp.bmuf` every 16 steps while the dense layers
-    are all-reduced every step:
-
-        sync = jdp.partition(labels, {"dense": jdp.all_reduce(),
-                                      "embed": jdp.local()})
-        tx = optax.multi_transform(
-            {"dense": adam, "embed": jdp.bmuf(adam, sync_period=16)}, labels)
-
-    A label's value is any `jdp.Sync` (`jdp.all_reduce(...)`, `jdp.local()`,
-    `jdp.powersgd(...)`, one of your own; a piece with state keeps it under the
-    label, in the partition's state), or one of two names:
-
-    - `"per_replica"`: never synced. Each replica trains its own copy (adapters,
-      per-replica heads): the divergence guard does not compare these params
-      (nor their optimizer state, under `optax.multi_transform`), and
-      checkpoints save them with every replica.
-    - `"broadcast"`: every replica applies replica 0's gradients
-      (`jdp.broadcast`), so the leaves stay equal without an all-reduce.
-
-    A `jdp.local()` label expects its part of the optimizer to sync itself (a
-    `jdp.bmuf`); if the optimizer never communicates, the step warns, as for
-    `jdp.local()` (`"per_replica"` says it is meant). Its params may differ
-    between syncs: the divergence guard compares only what `jdp.bmuf` keeps in
-    agreement.
-
-    The labels are compared across processes when the step is first traced
-    (through the coordination service): a leaf labelled differently on two
-    processes fails there, naming the leaf, instead of hanging the step.
+    Each label's piece syncs its part of the gradients, then the optimizer is
+    applied once to the whole tree. Besides a `jdp.Sync`, a label's piece may be
+    `"per_replica"` (never synced; left out of the divergence guard, saved per
+    replica) or `"broadcast"` (replica 0's gradients everywhere). See the Sync
+    guide (docs/guides/sync.md).
 
     Args:
       labels: A pytree of label strings with the params' structure (or a
-        prefix of it), or a function `params -> labels`: the same as given to
+        prefix of it), or a function `params -> labels`, as for
         `optax.multi_transform`.
-      pieces: `{label: piece}`: a `jdp.Sync`, `"per_replica"` or `"broadcast"`
-        for every label that occurs. Labels that share one piece object are
-        synchronised together (one bucketed all-reduce).
+      pieces: `{label: piece}` for every label that occurs. Labels sharing one
+        piece object are one group (named by its labels joined with "+").
 
     Returns:
-      A `jdp.Sync`, for `jdp.make_train_step(..., sync=...)`. Its state maps
-      each group of labels whose piece keeps state to that state (labels that
-      share a piece object are one group, named by its labels joined with
-      "+"); None if no piece keeps any. A piece's metrics come back under
-      `"<group>/<name>"`.
+      A `jdp.Sync` whose state maps each group whose piece keeps state to that
+      state; a piece's metrics come back as `"<group>/<name>"`.
 
     Raises:
-      TypeError: If `pieces` is not a mapping of str labels to pieces, or a
-        piece is neither a `jdp.Sync` nor a known name.
-      ValueError: If `pieces` is empty; at trace time, if a leaf's label has
-        no piece, the labels are not a prefix of the params, or the processes
-        label a leaf differently.
+      TypeError: If `pieces` is not a mapping of str labels to pieces.
+      ValueError: If `pieces` is empty; at trace time, if a leaf's label has no
+        piece, the labels do not fit the params, or the processes label a leaf
+        differently.
 
     Example:
-      >>> import jax, jax.numpy as jnp, optax, jdp
-      >>> params = {"embed": jnp.zeros((10, 2)), "head": jnp.zeros((2, 1))}
-      >>> labels = {"embed": "embed", "head": "dense"}
+      >>> import jax.numpy as jnp, optax, jdp
+      >>> params = {"adapter": jnp.zeros(2), "w": jnp.zeros(2)}
+      >>> labels = {"adapter": "local", "w": "dense"}
+      >>> pieces = {"local": "per_replica", "dense": jdp.all_reduce()}
+      >>> sync = jdp.partition(labels, pieces)
       >>> def loss_fn(params, batch):
-      ...     h = params["embed"][batch["ids"]].mean(axis=1)
-      ...     return jnp.mean((h @ params["head"] - batch["y"]) ** 2)
-      >>> adam = optax.adam(0.1)
-      >>> tx = optax.multi_transform(
-      ...     {"dense": adam, "embed": jdp.bmuf(adam, sync_period=4)}, labels)
-      >>> sync = jdp.partition(labels, {"dense": jdp.all_reduce(),
-      ...                               "embed": jdp.local()})
-      >>> step = jdp.parallelize(jdp.make_train_step(loss_fn, tx, sync=sync),
-      ...                        devices=jax.devices()[:4])
+      ...     return jnp.mean((batch * (params["w"] + params["adapter"]) - 1.0) ** 2)
+      >>> tx = optax.sgd(0.1)
+      >>> step = jdp.parallelize(jdp.make_train_step(loss_fn, tx, sync=sync))
       >>> state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
-      >>> ids = jnp.arange(16).reshape(8, 2) % 10
-      >>> batch = step.shard({"ids": ids, "y": jnp.ones((8, 1))})
-      >>> for _ in range(4):
-      ...     state, metrics = step(state, batch)
-      >>> jdp.replicas_in_sync(state.params)  # the 4th step synced the embedding
-      True
+      >>> state, metrics = step(state, step.shard(jnp.arange(16.0).reshape(8, 2)))
+      >>> [jdp.replicas_in_sync(state.params[k]) for k in ("w", "adapter")]
+      [True, False]
     """
     pieces = _check_pieces(pieces)
 
@@ -179,31 +125,20 @@ def partition(
                     new_state[key] = new
                 extra.pop(_sync.KEPT, None)  # the loss is every replica's here
                 metrics.update({f"{key}/{name}": v for name, v in extra.items()})
-            done_flat = treedef.flatten_up_to(done)
-            for i, m in enumerate(mine):
-                if m:
-                    synced[i] = done_flat[i]
+            done = treedef.flatten_up_to(done)
+            synced = [d if m else s for s, d, m in zip(synced, done, mine, strict=True)]
         return treedef.unflatten(synced), (new_state or state), metrics
 
     # "per_replica" leaves are meant to differ; `jdp.local()` ones are left
     # for the optimizer to sync.
-    averages = all(
-        p in _MODES or (isinstance(p, _sync.Sync) and p.averages)
-        for p in pieces.values()
-    )
-    differ = any(
-        p == PER_REPLICA or (isinstance(p, _sync.Sync) and not p.averages)
-        for p in pieces.values()
-    )
+    averages = all(isinstance(p, str) or p.averages for p in pieces.values())
+    differ = any(map(_differs, pieces.values()))
     return _sync.Sync(
         init,
         update,
         averages=averages,
         must_agree=_agreed(labels, pieces) if differ else None,
     )
-
-
-# -- construction --------------------------------------------------------------------
 
 
 def _check_pieces(pieces: Any) -> dict[str, _sync.Sync | str]:
@@ -221,15 +156,13 @@ def _check_pieces(pieces: Any) -> dict[str, _sync.Sync | str]:
                 f"`jdp.partition`: labels must be str; got {label!r} "
                 f"({type(label).__name__})."
             )
-        if isinstance(piece, str):
-            if piece not in _MODES:
-                raise TypeError(
-                    f"`jdp.partition`: the piece of label {label!r} is {piece!r}; "
-                    f"a name must be one of {_MODES}, or give a `jdp.Sync` such "
-                    "as `jdp.all_reduce()` or `jdp.local()`."
-                )
-            continue
-        if not isinstance(piece, _sync.Sync):
+        if isinstance(piece, str) and piece not in _MODES:
+            raise TypeError(
+                f"`jdp.partition`: the piece of label {label!r} is {piece!r}; "
+                f"a name must be one of {_MODES}, or give a `jdp.Sync` such "
+                "as `jdp.all_reduce()` or `jdp.local()`."
+            )
+        if not isinstance(piece, (str, _sync.Sync)):
             raise TypeError(
                 f"`jdp.partition`: the piece of label {label!r} must be a "
                 f"`jdp.Sync` (e.g. `jdp.all_reduce()`, `jdp.local()`) or one of "
@@ -244,9 +177,6 @@ def _groups(pieces, used) -> list[tuple[str, ...]]:
     for label in sorted(used):
         groups.setdefault(id(pieces[label]), []).append(label)
     return [tuple(g) for g in groups.values()]
-
-
-# -- labels --------------------------------------------------------------------------
 
 
 def _labels_of(labels, params) -> PyTree:
@@ -277,15 +207,9 @@ def _leaf_labels(tree, grads, pieces) -> list[tuple[str, str]]:
 
 
 def differing_labels(values: Mapping[int, str]) -> str | None:
-    """The error for processes' label lists that differ, or None if all agree.
+    """The error naming the first leaf the processes label differently, or None.
 
-    Args:
-      values: `{process: labels}`, each a JSON list of `[path, label]` pairs
-        (what every process publishes).
-
-    Returns:
-      A message naming the first leaf whose label differs (and each process's
-      label of it), or None.
+    `values` is `{process: JSON list of [path, label] pairs}`.
     """
     lists = {p: [tuple(x) for x in json.loads(v)] for p, v in sorted(values.items())}
     if len({json.dumps(v) for v in lists.values()}) <= 1:
@@ -313,22 +237,11 @@ def agree_across_processes(
     process: int | None = None,
     processes: list[int] | None = None,
 ) -> None:
-    """Compares the labels with every other process's (at trace time).
+    """Compares this process's `(path, label)` pairs with every other's.
 
-    Each process publishes its `(path, label)` pairs in the coordination
-    service and reads the others' (nothing to do in one process, or without
-    `jax.distributed`).
-
-    Args:
-      leaf_labels: This process's `(path, label)` of every leaf.
-      client: A key-value store to use instead of the coordination service's
-        client (for tests).
-      process: This process's index (default: `jax.process_index()`).
-      processes: The processes that compare (default: every process).
-
-    Raises:
-      ValueError: If another process labels a leaf differently (naming it).
-      TimeoutError: If a process did not publish in time.
+    Through the coordination service (or `client`, for tests); nothing to do in
+    one process. Raises ValueError naming a leaf labelled differently, or
+    TimeoutError if a process did not publish in time.
     """
     process = jax.process_index() if process is None else process
     processes = list(range(jax.process_count())) if processes is None else processes
@@ -357,20 +270,16 @@ def agree_across_processes(
         raise ValueError(message)
 
 
-# -- the step ------------------------------------------------------------------------
-
-
-# -- what replicas agree on ---------------------------------------------------------
+def _differs(piece) -> bool:
+    """Whether a label's leaves may differ between replicas (left unsynced)."""
+    return piece == PER_REPLICA or (
+        isinstance(piece, _sync.Sync) and not piece.averages
+    )
 
 
 def _agreed(labels, pieces) -> Callable[[PyTree], PyTree]:
     """`must_agree`: the state less the labels that may differ between replicas."""
-    differ = {
-        label
-        for label, piece in pieces.items()
-        if piece == PER_REPLICA
-        or (isinstance(piece, _sync.Sync) and not piece.averages)
-    }
+    differ = {label for label, piece in pieces.items() if _differs(piece)}
 
     def must_agree(state):
         if not hasattr(state, "replace"):

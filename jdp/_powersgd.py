@@ -1,8 +1,4 @@
-"""`jdp.powersgd`: PowerSGD low-rank gradient compression, a sync piece.
-
-Gradient matrices travel as rank-r factors P and Q (two bucketed all-reduces),
-everything else through one plain bucketed all-reduce.
-"""
+"""`jdp.powersgd`: PowerSGD low-rank gradient compression, a sync piece."""
 
 from __future__ import annotations
 
@@ -24,17 +20,10 @@ PyTree = Any
 class PowerSGDState(NamedTuple):
     """State of `jdp.powersgd`: the train state's `sync_state`.
 
-    (Under `jdp.sync_gradients(jdp.powersgd(...))`, part of the optimizer state.)
-    One entry of `q` and `error` per compressed matrix, in the order of the
-    gradient's leaves. `count` and `q` are the same on every replica; `error`
-    differs, and `jdp.checkpoint.CheckpointManager` saves every replica's.
-
     Attributes:
       count: Steps taken, the plain ones before `start_step` included (int32).
-      q: The right factors Q, one `(m, r)` array per compressed matrix: the
-        last step's averaged Q, or the initial draw.
-      error: Each replica's error feedback (what its gradient held beyond the
-        applied approximation), shaped like each compressed leaf; None without
+      q: One `(m, r)` factor Q per compressed matrix, the same on every replica.
+      error: Each replica's error feedback per compressed leaf; None without
         `error_feedback`.
     """
 
@@ -97,27 +86,12 @@ def _draw(seed: int, matrix: _Matrix, dtype: Any, count: Any = None) -> jax.Arra
     return jax.random.normal(key, (matrix.m, matrix.rank), jnp.float32).astype(dtype)
 
 
-def _init(params: PyTree, options: _Options) -> PowerSGDState:
-    leaves = jax.tree.leaves(params)
-    plan = _plan(leaves, options)
-    q = tuple(
-        _draw(options.seed, mat, jnp.result_type(leaves[mat.index])) for mat in plan
-    )
-    error = None
-    if options.error_feedback:
-        error = tuple(jnp.zeros_like(leaves[mat.index]) for mat in plan)
-    return PowerSGDState(count=jnp.zeros((), jnp.int32), q=q, error=error)
-
-
 def _matmul(a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.matmul(a, b, precision=lax.Precision.HIGHEST)
 
 
 def _orthogonalize(p: jax.Array, epsilon: float) -> jax.Array:
-    """The columns of `p` made orthonormal by modified Gram-Schmidt, as PyTorch.
-
-    With `epsilon=0` a zero column stays zero rather than becoming NaN.
-    """
+    """The columns of `p` made orthonormal by modified Gram-Schmidt, as PyTorch."""
     r = p.shape[1]
     for i in range(r):
         col = p[:, i]
@@ -138,11 +112,7 @@ _CPU_COLUMNS_UP_TO = 8
 
 
 def _transposed_matmul(m: jax.Array, p: jax.Array) -> jax.Array:
-    """M^T P, `(m, r)`: on XLA:CPU one product per column of P.
-
-    XLA:CPU contracts over a matrix's first axis slowly (20-50 ms for a 2048 x
-    2048 M, against about 0.5 ms per column).
-    """
+    """M^T P, `(m, r)`: on XLA:CPU, which contracts a first axis slowly, by column."""
     r = p.shape[1]
     if jax.default_backend() == "cpu" and r <= _CPU_COLUMNS_UP_TO:
         return jnp.stack([_matmul(p[:, j], m) for j in range(r)], axis=1)
@@ -189,11 +159,7 @@ def _psum_all(arrays: list[jax.Array], axis_name, bucket_bytes) -> list[jax.Arra
 def _average(
     grads: PyTree, state: PowerSGDState, options: _Options, axis_name, api: str
 ) -> tuple[PyTree, PowerSGDState]:
-    """The replicas' gradients averaged by PowerSGD, and the new state.
-
-    Vogels et al.'s Algorithm 1 in PyTorch's order of operations (`powersgd`);
-    before `start_step` a `lax.cond` takes the plain all-reduce instead.
-    """
+    """The replicas' gradients averaged by PowerSGD (Algorithm 1, PyTorch's order)."""
     num = _collectives.axis_size(axis_name, api)
     leaves, treedef = jax.tree.flatten(grads)
     leaves = [jnp.asarray(x) for x in leaves]
@@ -273,78 +239,47 @@ def powersgd(
 ) -> _sync.Sync:
     """PowerSGD: gradients averaged as rank-`rank` factors (PyTorch's `powerSGD_hook`).
 
-    Vogels et al.'s low-rank gradient compression. Each floating leaf of two or
-    more axes, viewed as an `(n, m)` matrix (`(d0 * ... * dk-1, dk)`, the
-    transpose of PyTorch's view of the same flax layer), travels as thin
-    factors P (`n x r`) and Q (`m x r`) instead of its `n * m` numbers; every
-    replica applies the same approximation `P Q^T` of the averaged gradient.
-    Per step and matrix, with M the replica's gradient plus its error feedback:
-
-    1. Q is the last step's (warm start), orthogonalised, or a fresh draw;
-    2. P = M Q, summed over replicas, orthogonalised (Gram-Schmidt);
-    3. Q = M^T P, averaged over replicas;
-    4. the averaged gradient is P Q^T, and M - P Q^T the replica's new error.
-
-    All P travel in one bucketed all-reduce, then all Q in another; the other
-    leaves in one plain bucketed all-reduce. Compression is lossy and error
-    feedback makes up for it over steps: tune the rank (try 1, 2, 4, then more)
-    and warm up with `start_step` plain steps. The state (Q, errors, a counter)
-    lives in the train state's `sync_state`: create it with
-    `jdp.TrainState.create(params=..., tx=..., sync=piece)`.
+    Each floating leaf of two or more axes, viewed as an `(n, m)` matrix,
+    travels as factors P (`n x r`) and Q (`m x r`); every replica applies the
+    same approximation `P Q^T` of the averaged gradient, with error feedback.
+    Other leaves are all-reduced. Vogels et al., NeurIPS 2019
+    (https://arxiv.org/abs/1905.13758); see the PowerSGD guide
+    (docs/guides/powersgd.md).
 
     Args:
-      rank: The rank r of the factors, PyTorch's `matrix_approximation_rank`
-        (an int >= 1; at most `min(n, m)` for each matrix).
-      start_step: Plain all-reduce steps before compression starts, PyTorch's
-        `start_powerSGD_iter` (0: compress from the first step); a `lax.cond`
-        on the state's counter, so one compiled program.
+      rank: The rank r of the factors (an int >= 1).
+      start_step: Plain all-reduce steps before compression starts.
       min_compression_rate: Compress a matrix only if `(n + m) * r *
-        min_compression_rate < n * m`, PyTorch's `min_compression_rate`; 0
-        compresses every matrix.
-      error_feedback: Keep each replica's compression error and add it to the
-        next step's gradient, PyTorch's `use_error_feedback`.
-      warm_start: Start each step's power iteration from the last step's Q,
-        PyTorch's `warm_start`; otherwise Q is drawn afresh every step (from
-        `seed`, the leaf's index and the counter).
-      orthogonalization_epsilon: Added to each column's norm in Gram-Schmidt,
-        PyTorch's `orthogonalization_epsilon` (0.0: a zero column stays zero).
-      seed: Seed of the initial Q: leaf `i`'s is a standard normal draw from
-        `fold_in(key(seed), i)`, the same on every replica without a broadcast.
+        min_compression_rate < n * m`; 0 compresses every matrix.
+      error_feedback: Add each replica's compression error to its next gradient.
+      warm_start: Start from the last step's Q, else draw Q every step.
+      orthogonalization_epsilon: Added to each column's norm in Gram-Schmidt.
+      seed: Seed of the Q draws.
       bucket_bytes: Largest bucket of the all-reduces (25 MiB); None for one
         bucket per dtype.
 
     Returns:
-      A `jdp.Sync` whose `init(params)` makes a `jdp.PowerSGDState`.
+      A `jdp.Sync` whose state is a `jdp.PowerSGDState`: pass the piece to
+      `jdp.TrainState.create(..., sync=piece)` too.
 
     Raises:
-      TypeError: If an argument has the wrong type (`rank` not an int,
-        `warm_start` not a bool, ...).
-      ValueError: If an argument is out of range; at trace time, if the state's
-        `sync_state` was made for other params or options.
+      TypeError: If an argument has the wrong type.
+      ValueError: If an argument is out of range; at trace time, if the state
+        was made for other params or options.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, jdp
       >>> def loss_fn(params, batch):
       ...     return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
-      >>> sync = jdp.powersgd(rank=2)
-      >>> tx = optax.sgd(0.1)
+      >>> tx, sync = optax.sgd(0.1), jdp.powersgd(rank=2)
       >>> step = jdp.parallelize(jdp.make_train_step(loss_fn, tx, sync=sync),
       ...                        devices=jax.devices()[:4])
       >>> params = {"w": jnp.zeros((64, 32))}
-      >>> state = jdp.TrainState.create(params=params, tx=tx, sync=sync)
-      >>> [q.shape for q in state.sync_state.q]  # one Q per compressed matrix
-      [(32, 2)]
-      >>> state = step.replicate(state)
-      >>> batch = {"x": jnp.ones((8, 64)), "y": jnp.ones((8, 32))}
-      >>> state, metrics = step(state, step.shard(batch))
-      >>> ops = step.collectives(state, step.shard(batch), stage="lowered")
+      >>> state = step.replicate(jdp.TrainState.create(params=params, tx=tx, sync=sync))
+      >>> batch = step.shard({"x": jnp.ones((8, 64)), "y": jnp.ones((8, 32))})
+      >>> ops = step.collectives(state, batch, stage="lowered")
       >>> sorted(op.bytes for op in ops if op.bytes > 4)  # Q: 32 x 2, P: 64 x 2
       [256, 512]
-
-    References:
-      Vogels, Karimireddy and Jaggi, "PowerSGD: Practical Low-Rank Gradient
-      Compression for Distributed Optimization", NeurIPS 2019,
-      https://arxiv.org/abs/1905.13758.
     """
     options = _Options(
         rank=_validate.positive_int("rank", rank, note="the rank r of P and Q"),
@@ -371,7 +306,13 @@ def powersgd(
     api = "jdp.powersgd"
 
     def init(params):
-        return _init(params, options)
+        leaves = jax.tree.leaves(params)
+        plan = _plan(leaves, options)
+        q = tuple(_draw(seed, mat, jnp.result_type(leaves[mat.index])) for mat in plan)
+        error = None
+        if options.error_feedback:
+            error = tuple(jnp.zeros_like(leaves[mat.index]) for mat in plan)
+        return PowerSGDState(count=jnp.zeros((), jnp.int32), q=q, error=error)
 
     def update(grads, state, params, axis_name):
         del params

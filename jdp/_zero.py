@@ -1,22 +1,4 @@
-"""Private: `jdp.zero`, ZeRO stages 1 and 2 as an optimizer wrapper.
-
-`jdp.zero(tx)` is an optax transform that communicates, as `jdp.bmuf(tx)` is:
-
-1. every parameter leaf is flattened and zero-padded to a multiple of N; replica
-   `r` owns elements `[r * c, (r + 1) * c)` of it, with `c = ceil(size / N)`;
-2. the replica's own gradients are reduce-scattered (bucketed `lax.psum_scatter`),
-   so each replica receives the averaged gradient of its slices only;
-3. `tx` updates the slices (a pytree like `params` of 1-D slices) and the updates
-   are all-gathered into full updates, which the step adds to the parameters.
-
-Its state, a `ZeroState`, is a `CustomLayout`: `tx.init(params)`'s state whole
-(what `step.unreplicate` returns and checkpoints hold, restorable into any
-replica count) or, once placed by `step.replicate`, one slice per replica.
-
-References:
-  Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion
-  Parameter Models", SC 2020, https://arxiv.org/abs/1910.02054.
-"""
+"""`jdp.zero`, ZeRO stages 1 and 2 (Rajbhandari et al., SC 2020) as an optimizer."""
 
 from __future__ import annotations
 
@@ -63,15 +45,10 @@ NOT_LAID_OUT_MSG = (
 class ZeroState(struct.PyTreeNode, CustomLayout):
     """`jdp.zero`'s state: the wrapped optimizer's, whole or one slice per replica.
 
-    Attributes:
-      chunks: The wrapped optimizer's state (the structure of `tx.init(params)`).
-        Whole, or, placed, each per-parameter leaf holds the replica's 1-D slice
-        of the flattened, zero-padded leaf (other leaves, counts, stay whole).
-      grad_norm: With `clip_grad_norm`, the global norm of the last step's
-        averaged gradients before clipping; None without.
-      shapes: Static, one entry per leaf of `chunks`: the full shape of a
-        per-parameter leaf, or None for a leaf every replica holds whole.
-      num_shards: Static: the replica count it is sliced for; None while whole.
+    `chunks` has the structure of `tx.init(params)`; `grad_norm` is the last
+    global norm before clipping (None without `clip_grad_norm`); static
+    `shapes` gives each chunk leaf's full shape (None: held whole) and
+    `num_shards` the replica count it is sliced for (None while whole).
     """
 
     chunks: PyTree
@@ -82,29 +59,27 @@ class ZeroState(struct.PyTreeNode, CustomLayout):
     #: It averages the gradients itself: the step's piece must not.
     syncs_gradients = True
 
+    def _map(self, fn, is_leaf=None) -> PyTree:
+        """`chunks` with each leaf `x` replaced by `fn(x, its full shape or None)`."""
+        leaves, treedef = jax.tree.flatten(self.chunks, is_leaf=is_leaf)
+        new = [fn(x, shape) for x, shape in zip(leaves, self.shapes, strict=True)]
+        return jax.tree.unflatten(treedef, new)
+
     def layout(self, num_replicas: int) -> ZeroState:
         """The abstract per-replica layout of this (whole, abstract) state."""
-        leaves, treedef = jax.tree.flatten(self.chunks)
-        sliced = [
-            x
-            if shape is None
-            else jax.ShapeDtypeStruct(
-                (chunk_size(math.prod(shape), num_replicas),), x.dtype
-            )
-            for x, shape in zip(leaves, self.shapes, strict=True)
-        ]
-        return self.replace(
-            chunks=jax.tree.unflatten(treedef, sliced), num_shards=num_replicas
-        )
+
+        def sliced(x, shape):
+            if shape is None:
+                return x
+            size = chunk_size(math.prod(shape), num_replicas)
+            return jax.ShapeDtypeStruct((size,), x.dtype)
+
+        return self.replace(chunks=self._map(sliced), num_shards=num_replicas)
 
     def logical(self) -> ZeroState:
         """One whole copy of the replicated state; abstract leaves give abstract."""
-        leaves, treedef = jax.tree.flatten(self.chunks)
-        out = [_whole(x, shape) for x, shape in zip(leaves, self.shapes, strict=True)]
         norm = None if self.grad_norm is None else _whole(self.grad_norm, None)
-        return self.replace(
-            chunks=jax.tree.unflatten(treedef, out), grad_norm=norm, num_shards=None
-        )
+        return self.replace(chunks=self._map(_whole), grad_norm=norm, num_shards=None)
 
     def place(self, host_value: PyTree, place_leaf) -> ZeroState:
         """Splits one whole state (`host_value`) into this layout."""
@@ -112,27 +87,14 @@ class ZeroState(struct.PyTreeNode, CustomLayout):
 
     def agreed(self) -> ZeroState:
         """This node with its slices (which differ between replicas) set to None."""
-        leaves, treedef = jax.tree.flatten(self.chunks, is_leaf=_is_none)
-        kept = [
-            v if s is None else None for v, s in zip(leaves, self.shapes, strict=True)
-        ]
-        return self.replace(chunks=jax.tree.unflatten(treedef, kept))
+        kept = self._map(lambda v, s: v if s is None else None, lambda x: x is None)
+        return self.replace(chunks=kept)
 
     def with_agreed(self, agreed: ZeroState) -> ZeroState:
         """This node with its whole leaves taken from `agreed`."""
         new = iter(jax.tree.leaves(agreed.chunks))
-        leaves, treedef = jax.tree.flatten(self.chunks)
-        merged = [
-            old if s is not None else next(new)
-            for old, s in zip(leaves, self.shapes, strict=True)
-        ]
-        return self.replace(
-            chunks=jax.tree.unflatten(treedef, merged), grad_norm=agreed.grad_norm
-        )
-
-
-def _is_none(x: Any) -> bool:
-    return x is None
+        merged = self._map(lambda old, s: old if s is not None else next(new))
+        return self.replace(chunks=merged, grad_norm=agreed.grad_norm)
 
 
 def chunk_size(size: int, num_shards: int) -> int:
@@ -163,11 +125,7 @@ def _whole(x: Any, shape: tuple[int, ...] | None) -> Any:
 def place(
     host: PyTree, like: ZeroState, place_whole: Callable[[Any, Any], jax.Array]
 ) -> ZeroState:
-    """Splits a whole `ZeroState` into the layout of `like` (replica `r`: slice `r`).
-
-    `like` holds replicated arrays or `jax.ShapeDtypeStruct`s with the replica
-    axis and a sharding; `place_whole` places a leaf every replica holds whole.
-    """
+    """Splits a whole `ZeroState` into the layout of `like` (replica `r`: slice `r`)."""
     if not isinstance(host, ZeroState) or host.num_shards is not None:
         got = "a sharded one" if isinstance(host, ZeroState) else type(host).__name__
         raise ValueError(
@@ -192,10 +150,8 @@ def place(
             raise ValueError(
                 f"{PLACING}a leaf has shape {x.shape}, expected {tuple(shape)}."
             )
-        num, size = ref.shape
-        rows = np.zeros(num * size, ref.dtype)
-        rows[: x.size] = x.reshape(-1)
-        rows = rows.reshape(num, size)
+        rows = np.pad(x.reshape(-1), (0, math.prod(ref.shape) - x.size))
+        rows = rows.reshape(ref.shape)
         out.append(
             jax.make_array_from_callback(ref.shape, ref.sharding, rows.__getitem__)
         )
@@ -203,9 +159,6 @@ def place(
     if norm is not None:
         norm = place_whole(host.grad_norm, norm)
     return like.replace(chunks=jax.tree.unflatten(treedef, out), grad_norm=norm)
-
-
-# -- what the optimizer may be ------------------------------------------------------
 
 
 def _refuse(what: str, fix: str) -> ValueError:
@@ -234,10 +187,7 @@ def _check_params(params: PyTree) -> list[tuple[Any, jax.ShapeDtypeStruct]]:
 
 
 def _leaf_shapes(tx, opt_state: PyTree, params: PyTree) -> tuple:
-    """Per leaf of `opt_state`: its parameter's shape, or None if not per element.
-
-    Found by initialising `tx` on probe shapes no real parameter has.
-    """
+    """Per leaf of `opt_state`: its parameter's shape, or None (from probe shapes)."""
     flat_params = _check_params(params)
     probe_params = jax.tree.unflatten(
         jax.tree.structure(params),
@@ -280,12 +230,10 @@ def _update_eqns(tx, grads, opt_state, params) -> list:
 
 
 def check_elementwise(tx, slices, opt_slices, params, opt_state) -> None:
-    """Refuses an optimizer whose update is not element-wise (traces, runs nothing).
+    """Refuses an optimizer whose update is not element-wise (traced only).
 
-    Looks in `tx.update` on the slices for collectives and for reductions over
-    non-scalar values (global norms, factored moments), then compares it with
-    the update on the whole parameters, which must issue the same operations (a
-    mask chosen by shape would not).
+    No collectives, no reductions of non-scalars, and the same operations on
+    slices as on whole parameters (a mask chosen by shape would differ).
     """
     slices, opt_slices, params, opt_state = jax.tree.map(
         abstract, (slices, opt_slices, params, opt_state)
@@ -328,9 +276,6 @@ def check_elementwise(tx, slices, opt_slices, params, opt_state) -> None:
         )
 
 
-# -- the update ---------------------------------------------------------------------
-
-
 def _padded_rows(x: jax.Array, num: int, size: int) -> jax.Array:
     """`x` flattened, zero-padded to `num * size` elements, as `(num, size)` rows."""
     flat = jnp.ravel(x)
@@ -340,7 +285,7 @@ def _padded_rows(x: jax.Array, num: int, size: int) -> jax.Array:
     return flat.reshape(num, size)
 
 
-def _reduce_scatter(grads, sizes, *, num, axis_name, bucket_bytes, dtype):
+def _reduce_scatter(grads, sizes, num, axis_name, bucket_bytes, dtype):
     """This replica's slices of the mean of `grads` (bucketed reduce-scatters)."""
     if dtype is None:
         rows = [_padded_rows(g, num, s) for g, s in zip(grads, sizes, strict=True)]
@@ -358,11 +303,6 @@ def _reduce_scatter(grads, sizes, *, num, axis_name, bucket_bytes, dtype):
     ]
 
 
-def clip_to_norm(g: jax.Array, norm: jax.Array, max_norm: float) -> jax.Array:
-    """`optax.clip_by_global_norm`'s rule for one leaf, given the global norm."""
-    return lax.select(norm < max_norm, g, (g / norm.astype(g.dtype)) * max_norm)
-
-
 def zero(
     tx: optax.GradientTransformation | None = None,
     *,
@@ -373,51 +313,38 @@ def zero(
 ) -> optax.GradientTransformationExtraArgs:
     """ZeRO stages 1 and 2: `tx` with its state sharded over the replicas.
 
-    PyTorch's `ZeroRedundancyOptimizer`, DeepSpeed ZeRO-1/2, as an optimizer
-    that communicates (like `jdp.bmuf`): it takes each replica's own gradients
-    (`jdp.make_train_step(..., sync=jdp.local())`, or a hand-written step),
-    reduce-scatters them, updates only this replica's 1/N slice of every
-    (flattened, padded) parameter with `tx`, whose state it keeps for that slice
-    only, and all-gathers the updates. The same numbers as `jdp.all_reduce()`
-    with `tx`, for element-wise optimizers (SGD, momentum, Adam, AdamW, RMSProp,
-    Lion, Adagrad, with schedules); others are refused with a message.
-    `step.replicate` lays its state out sharded; `step.unreplicate` and
-    checkpoints see the whole state, which restores into any replica count.
+    An optimizer that communicates (use `sync=jdp.local()`): it reduce-scatters
+    each replica's gradients, updates this replica's 1/N slice of every
+    parameter with `tx` and all-gathers the updates, as `jdp.all_reduce()` with
+    `tx` would for an element-wise optimizer. See the Memory guide
+    (docs/guides/memory.md).
 
     Args:
       tx: The element-wise optimizer to shard.
       bucket_bytes: Largest bucket of the reduce-scatters and all-gathers.
       reduce_dtype: Wire dtype of the reduce-scatter.
       clip_grad_norm: If set, clip the averaged gradients to this global L2
-        norm, computed across the replicas' slices (an
-        `optax.clip_by_global_norm` inside `tx` would see one slice only); the
-        norm before clipping is kept as the state's `grad_norm`.
+        norm across the slices; the norm is kept as the state's `grad_norm`.
       axis_name: The replica axis; None uses the step's.
 
     Returns:
       An optax transform whose `update` needs `params`.
 
     Raises:
-      ValueError: If `tx` is missing, `clip_grad_norm` is not a positive finite
-        number, or `bucket_bytes` is out of range as for `jdp.all_reduce`; at
-        `init`, if the parameters are not floating point; at trace time, if the
-        optimizer is not element-wise or the state was not placed by
-        `step.replicate`.
+      ValueError: If `tx` is missing or an option is out of range; at `init`,
+        if the parameters are not floating point; at trace time, if `tx` is not
+        element-wise or the state was not placed by `step.replicate`.
 
     Example:
       >>> import jax.numpy as jnp, optax, jdp
       >>> def loss_fn(params, batch):
       ...     return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
+      >>> tx = jdp.zero(optax.adam(1e-3))
+      >>> step = jdp.parallelize(jdp.make_train_step(loss_fn, tx, sync=jdp.local()))
       >>> params = {"w": jnp.zeros((800, 1))}
-      >>> batch = {"x": jnp.zeros((8, 800)), "y": jnp.zeros((8, 1))}
-      >>> def bytes_per_device(tx, sync):
-      ...     step = jdp.parallelize(jdp.make_train_step(loss_fn, tx, sync=sync))
-      ...     state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
-      ...     return step.memory_analysis(state, step.shard(batch)).argument_bytes
-      >>> adam = optax.adam(1e-3)
-      >>> sharded = bytes_per_device(jdp.zero(adam), jdp.local())
-      >>> bytes_per_device(adam, jdp.all_reduce()) - sharded
-      5600
+      >>> state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
+      >>> state.opt_state.chunks[0].mu["w"].shape  # 8 replicas, 100 values each
+      (8, 100)
     """
     if tx is None or not callable(getattr(tx, "update", None)):
         raise ValueError(
@@ -452,12 +379,7 @@ def zero(
         g_leaves = [jnp.asarray(g) for g in p_def.flatten_up_to(grads)]
         sizes = [chunk_size(x.size, num) for x in p_leaves]
         grad_slices = _reduce_scatter(
-            g_leaves,
-            sizes,
-            num=num,
-            axis_name=axis,
-            bucket_bytes=bucket_bytes,
-            dtype=reduce_dtype,
+            g_leaves, sizes, num, axis, bucket_bytes, reduce_dtype
         )
         index = lax.axis_index(axis)
         param_slices = [
@@ -471,14 +393,17 @@ def zero(
                 start=jnp.zeros((), jnp.float32),
             )
             norm = jnp.sqrt(lax.psum(local, axis))
-            grad_slices = [clip_to_norm(g, norm, clip_grad_norm) for g in grad_slices]
+            grad_slices = [  # `optax.clip_by_global_norm`'s rule
+                lax.select(
+                    norm < clip_grad_norm, g, g / norm.astype(g.dtype) * clip_grad_norm
+                )
+                for g in grad_slices
+            ]
         g_tree = jax.tree.unflatten(p_def, grad_slices)
         p_tree = jax.tree.unflatten(p_def, param_slices)
-        whole = [
-            jax.ShapeDtypeStruct(s if s is not None else x.shape, x.dtype)
-            for x, s in zip(jax.tree.leaves(state.chunks), state.shapes, strict=True)
-        ]
-        whole = jax.tree.unflatten(jax.tree.structure(state.chunks), whole)
+        whole = state._map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape if s is None else s, x.dtype)
+        )
         check_elementwise(tx, g_tree, state.chunks, params, whole)
         updates, chunks = tx.update(g_tree, state.chunks, p_tree)
         rows = _collectives.bucketed(
