@@ -61,27 +61,19 @@ def all_gather_rows(
 ) -> IndexedRows:
     """Concatenates every replica's `(ids, rows)` slices, inside a parallel step.
 
-    Caffe2's sparse-gradient exchange: instead of all-reducing a dense table
-    gradient, each replica all-gathers the ids it touched and their rows, into
-    `num_replicas * ids.size` slots (static shapes), replica 0's first. The
-    rows are concatenated, not averaged: for the mean over replicas, divide
-    them by the number of replicas first (`jdp.sparse.rows()` does).
+    Replica 0's first; the rows are concatenated, not averaged.
 
     Args:
       ids: This replica's integer ids, any shape.
       rows: One row per id, shape `ids.shape + row_shape`.
-      axis_name: Replica axis; None (default) uses the one bound by the
-        enclosing `jdp.parallelize`.
-      combine: Sum the rows of ids that occur more than once (within a replica
-        or across replicas) with `jdp.sparse.combine_rows`: each id then appears
-        once, followed by `-1` padding slots with zero rows.
+      axis_name: Replica axis; None (default) uses `jdp.parallelize`'s.
+      combine: Sum the rows of repeated ids with `jdp.sparse.combine_rows`.
 
     Returns:
-      `IndexedRows(ids, rows)` with shapes `(num_replicas * n,)` and
-      `(num_replicas * n,) + row_shape`, the same on every replica.
+      `IndexedRows` of `num_replicas * ids.size` ids and rows, on every replica.
 
     Raises:
-      RuntimeError: If `axis_name` is not bound (called outside a parallel step).
+      RuntimeError: If `axis_name` is not bound (outside a parallel step).
       ValueError: If `rows` does not have one row per id.
 
     Example:

@@ -19,9 +19,8 @@ TablePath = str | tuple[Any, ...]
 class IndexedRows(NamedTuple):
     """Rows of a table at given ids: a sparse gradient (Caffe2's `GradientSlice`).
 
-    Row `rows[i]` belongs to table row `ids[i]`. Repeated ids add up (as in a
-    dense scatter-add); `jdp.sparse`'s optimizers skip ids outside `[0,
-    num_rows)`, such as the `-1` padding of combined slices.
+    Repeated ids add up; ids outside `[0, num_rows)` (the `-1` padding) are
+    skipped by the row optimizers.
 
     Attributes:
       ids: Integer row ids, shape `(n,)`.
@@ -108,16 +107,12 @@ def _gather(table: jax.Array, ids: Any) -> jax.Array:
 def lookup(table: Any, ids: Any) -> jax.Array:
     """Looks up rows of an embedding table: `table[ids]`, with a sparse gradient.
 
-    On an array this is a gather with the usual dense gradient (so the same
-    model trains with `jdp.make_train_step`). Inside `jdp.sparse.value_and_grad`
-    and `jdp.sparse.rows()` the table is a handle and its gradient is kept as
-    `jdp.sparse.IndexedRows`, never as a dense table. Ids outside `[0,
-    num_rows)` (negative ones too: no wrap-around) read zeros and receive no
-    update; `jdp.sparse.rows(check_ids=True)` raises instead.
+    Inside `jdp.sparse.value_and_grad` and `jdp.sparse.rows()` the table's
+    gradient is kept as `jdp.sparse.IndexedRows`; elsewhere it is dense. Ids
+    outside `[0, num_rows)` read zeros and receive no update.
 
     Args:
-      table: The table, shape `(num_rows, ...)`: a parameter leaf (array or the
-        handle `jdp.sparse` puts in its place).
+      table: The table, shape `(num_rows, ...)`: a parameter leaf.
       ids: Integer ids, any shape.
 
     Returns:
@@ -129,9 +124,8 @@ def lookup(table: Any, ids: Any) -> jax.Array:
     Example:
       >>> import jax.numpy as jnp, jdp
       >>> table = jnp.arange(6.0).reshape(3, 2)
-      >>> jdp.sparse.lookup(table, jnp.array([2, 5, -1]))  # 5, -1: out of range
+      >>> jdp.sparse.lookup(table, jnp.array([2, -1]))  # -1: out of range
       Array([[4., 5.],
-             [0., 0.],
              [0., 0.]], dtype=float32)
     """
     if isinstance(table, _TableHandle):
@@ -213,16 +207,9 @@ def value_and_grad(
 ) -> Callable[..., tuple[Any, PyTree]]:
     """Like `jax.value_and_grad`, but the gradient of each table is sparse rows.
 
-    `fun(params, *args)` reads each table in `tables` only through
-    `jdp.sparse.lookup(params[...], ids)`. In the gradient, every table leaf
-    holds a `jdp.sparse.IndexedRows`: the ids of all its lookups (flattened, in
-    call order) and the gradient with respect to each looked-up row; a dense
-    table gradient is never formed (Caffe2's `GradientSlice`).
-
-    `fun` is traced twice, abstractly to learn the lookups' shapes, then for
-    the gradient with respect to the looked-up rows. So lookups must happen at
-    the top level of `fun`, not inside `jax.vmap`/`lax.scan` bodies, and their
-    number and shapes must not depend on values.
+    `fun` reads each table only through `jdp.sparse.lookup`, at its top level
+    (not inside `jax.vmap`/`lax.scan`); each table's gradient is a
+    `jdp.sparse.IndexedRows` of all its lookups' ids, in call order.
 
     Args:
       fun: `fun(params, *args) -> loss` (or `(loss, aux)` with `has_aux`).
@@ -242,8 +229,8 @@ def value_and_grad(
       >>> def loss_fn(params, ids):
       ...     return jnp.sum(jdp.sparse.lookup(params["embed"], ids) * params["w"])
       >>> params = {"embed": jnp.zeros((1000, 2)), "w": jnp.array([1.0, 2.0])}
-      >>> loss, grads = jdp.sparse.value_and_grad(loss_fn, ["embed"])(
-      ...     params, jnp.array([7, 3, 7]))
+      >>> grad_fn = jdp.sparse.value_and_grad(loss_fn, ["embed"])
+      >>> loss, grads = grad_fn(params, jnp.array([7, 3, 7]))
       >>> grads["embed"].ids, grads["embed"].rows.shape
       (Array([7, 3, 7], dtype=int32), (3, 2))
     """

@@ -28,22 +28,12 @@ class RowOptimizer(NamedTuple):
 
     Attributes:
       init: `init(table) -> state`.
-      update: `update(grads, state, table) -> (new_table, new_state)`, where
-        `grads` is either `jdp.sparse.IndexedRows` (only those rows change: a
-        scatter, O(rows touched)) or a dense gradient shaped like the table.
+      update: `update(grads, state, table) -> (new_table, new_state)`, `grads`
+        being `jdp.sparse.IndexedRows` (only those rows change) or dense.
     """
 
     init: Callable[[jax.Array], Any]
     update: Callable[[Any, Any, jax.Array], tuple[jax.Array, Any]]
-
-
-def _check_rows(grads: IndexedRows, table: jax.Array, api: str) -> None:
-    if grads.rows.shape[1:] != table.shape[1:] or grads.ids.ndim != 1:
-        raise ValueError(
-            f"`{api}`: got ids of shape {grads.ids.shape} and rows of shape "
-            f"{grads.rows.shape} for a table of shape {table.shape}; expected ids "
-            f"(n,) and rows (n,) + {table.shape[1:]}."
-        )
 
 
 def _update(
@@ -55,15 +45,18 @@ def _update(
 ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
     """`step(g, *state_rows) -> (delta, *new_state_rows)` on the rows touched.
 
-    A dense gradient touches every row. Row gradients with per-row state have
-    their repeated ids summed first, so that each row is updated once, with its
-    dense gradient; invalid ids read zero state and their writes are dropped.
+    With per-row state, repeated ids are summed first; invalid ids are dropped.
     """
     if not isinstance(grads, IndexedRows):
         delta, *new = step(grads, *states)
         states = tuple(n.astype(s.dtype) for s, n in zip(states, new, strict=True))
         return table + delta.astype(table.dtype), states
-    _check_rows(grads, table, api)
+    if grads.rows.shape[1:] != table.shape[1:] or grads.ids.ndim != 1:
+        raise ValueError(
+            f"`{api}`: got ids of shape {grads.ids.shape} and rows of shape "
+            f"{grads.rows.shape} for a table of shape {table.shape}; expected ids "
+            f"(n,) and rows (n,) + {table.shape[1:]}."
+        )
     ids, rows = combine_rows(*grads) if states else grads
     index = row_index(ids, table.shape[0])
     delta, *new = step(
@@ -80,8 +73,7 @@ def _update(
 def sgd(learning_rate: float) -> RowOptimizer:
     """Plain SGD on the rows touched: `table[ids] -= learning_rate * rows`.
 
-    Caffe2's `ScatterWeightedSum`; the same table as `optax.sgd(learning_rate)`
-    on the dense gradient. Repeated ids add up.
+    The same table as `optax.sgd(learning_rate)` on the dense gradient.
 
     Args:
       learning_rate: Step size (a constant).
@@ -91,13 +83,10 @@ def sgd(learning_rate: float) -> RowOptimizer:
 
     Example:
       >>> import jax.numpy as jnp, jdp
-      >>> opt = jdp.sparse.sgd(0.5)
+      >>> opt, table = jdp.sparse.sgd(0.5), jnp.zeros((3, 2))
       >>> grads = jdp.sparse.IndexedRows(jnp.array([1, 1]), jnp.ones((2, 2)))
-      >>> table, _ = opt.update(grads, opt.init(jnp.zeros((3, 2))), jnp.zeros((3, 2)))
-      >>> table
-      Array([[ 0.,  0.],
-             [-1., -1.],
-             [ 0.,  0.]], dtype=float32)
+      >>> opt.update(grads, opt.init(table), table)[0][:, 0]
+      Array([ 0., -1.,  0.], dtype=float32)
     """
 
     def init_fn(table):
@@ -126,10 +115,8 @@ def adagrad(
 ) -> RowOptimizer:
     """Adagrad on the rows touched (Caffe2's `SparseAdagrad`).
 
-    For each distinct id (repeated ids are summed first, as PyTorch's sparse
-    Adagrad coalesces), `s[id] += g ** 2` and `table[id] -= learning_rate * g /
-    sqrt(s[id] + eps)`: `optax.adagrad`'s rule, so the dense gradient gives the
-    same table (a row with zero gradient keeps its value and accumulator).
+    `optax.adagrad`'s rule on each distinct id (repeated ids summed first), so
+    the dense gradient gives the same table. Duchi, Hazan and Singer, JMLR 2011.
 
     Args:
       learning_rate: Step size (a constant).
@@ -147,10 +134,6 @@ def adagrad(
       >>> table, state = opt.update(grads, opt.init(table), table)
       >>> table[:, 0], state.sum_of_squares[:, 0]
       (Array([ 0. ,  0. , -0.1], dtype=float32), Array([ 0.,  0., 16.], dtype=float32))
-
-    References:
-      Duchi, Hazan and Singer, "Adaptive Subgradient Methods for Online Learning
-      and Stochastic Optimization", JMLR 2011.
     """
 
     def init_fn(table):
@@ -179,38 +162,31 @@ def momentum(
 ) -> RowOptimizer:
     """SGD with momentum on the rows touched (Caffe2's `SparseMomentumSGDUpdate`).
 
-    `optax.sgd(learning_rate, momentum=momentum, nesterov=nesterov)`'s rule on
-    the touched rows only, repeated ids summed first: `m[id] = g + momentum *
-    m[id]`, `table[id] -= learning_rate * m[id]`. A row not in the batch keeps
-    its value and its momentum, where dense momentum keeps moving it, so the
-    two agree only while every row is touched at every step. A dense gradient
-    (`jdp.make_train_step`) touches every row: dense momentum.
+    `optax.sgd(learning_rate, momentum, nesterov=nesterov)`'s rule on the
+    touched rows only (repeated ids summed first); a row not in the batch keeps
+    its value and momentum, where dense momentum moves it.
 
     Args:
       learning_rate: Step size (a constant, >= 0).
       momentum: Decay of the momentum buffers, in `[0, 1)`.
-      nesterov: Use Nesterov momentum, as `optax.sgd(..., nesterov=True)`.
+      nesterov: Use Nesterov momentum.
 
     Returns:
       A `jdp.sparse.RowOptimizer` whose state is a `MomentumRowState`.
 
     Raises:
-      TypeError: If `learning_rate` or `momentum` is not a real number, or
-        `nesterov` is not a bool.
-      ValueError: If `learning_rate` or `momentum` is not finite or out of range.
+      TypeError: If an argument has the wrong type.
+      ValueError: If `learning_rate` or `momentum` is not finite or in range.
 
     Example:
       >>> import jax.numpy as jnp, jdp
-      >>> opt = jdp.sparse.momentum(0.1, momentum=0.5)
-      >>> table = jnp.zeros((3, 1))
+      >>> opt, table = jdp.sparse.momentum(0.1, momentum=0.5), jnp.zeros((3, 1))
       >>> state = opt.init(table)
-      >>> for ids in ([0, 2], [2]):  # row 2 is in both batches, row 0 in one
+      >>> for ids in ([0, 2], [2]):  # row 0 only in the first batch
       ...     grads = jdp.sparse.IndexedRows(jnp.array(ids), jnp.ones((len(ids), 1)))
       ...     table, state = opt.update(grads, state, table)
       >>> table[:, 0]  # row 0 stopped (dense momentum would move it on to -0.15)
       Array([-0.1 ,  0.  , -0.25], dtype=float32)
-      >>> state.momentum[:, 0]  # and kept its momentum (dense: decayed to 0.5)
-      Array([1. , 0. , 1.5], dtype=float32)
     """
     lr = _validate.finite_number("learning_rate", learning_rate, at_least=0)
     decay = _validate.finite_number("momentum", momentum, at_least=0, below=1)
@@ -250,17 +226,10 @@ def adam(
 ) -> RowOptimizer:
     """Lazy Adam on the rows touched (PyTorch's `SparseAdam`, TF's `LazyAdam`).
 
-    `optax.adam(learning_rate, b1, b2, eps)`'s rule (`eps` after the bias
-    correction; PyTorch adds it before) on the touched rows only, repeated ids
-    summed first. Each row has its own moments `mu`, `nu`; a row not in the
-    batch keeps them and its value, where dense Adam keeps moving it, so the
-    two agree only while every row is touched at every step. A dense gradient
-    (`jdp.make_train_step`) touches every row: dense Adam.
-
-    The bias correction uses the table's step count `t`, as PyTorch's
-    `SparseAdam` and TF's `LazyAdam` do, so a row first touched late takes a
-    larger first step: `learning_rate` at `t = 1`, about `(1 - b1) / sqrt(1 -
-    b2)` times it for large `t` (2.5 times at step 1000 with the defaults).
+    `optax.adam(learning_rate, b1, b2, eps)`'s rule on the touched rows only
+    (repeated ids summed first); a row not in the batch keeps its value and
+    moments, where dense Adam moves it. The bias correction uses the table's
+    step count. Kingma and Ba, ICLR 2015.
 
     Args:
       learning_rate: Step size (a constant, >= 0).
@@ -277,19 +246,13 @@ def adam(
 
     Example:
       >>> import jax.numpy as jnp, jdp
-      >>> opt = jdp.sparse.adam(0.1)
-      >>> table = jnp.zeros((3, 1))
+      >>> opt, table = jdp.sparse.adam(0.1), jnp.zeros((3, 1))
       >>> state = opt.init(table)
-      >>> for ids in ([0, 2], [2]):  # row 2 is in both batches, row 0 in one
+      >>> for ids in ([0, 2], [2]):  # row 0 only in the first batch
       ...     grads = jdp.sparse.IndexedRows(jnp.array(ids), jnp.ones((len(ids), 1)))
       ...     table, state = opt.update(grads, state, table)
-      >>> [round(x, 4) for x in table[:, 0].tolist()]  # row 0 stopped after step 1
-      [-0.1, 0.0, -0.2]
       >>> state.mu[:, 0], state.count  # row 0 kept its moments (dense: decayed)
       (Array([0.1 , 0.  , 0.19], dtype=float32), Array(2, dtype=int32))
-
-    References:
-      Kingma and Ba, "Adam: A Method for Stochastic Optimization", ICLR 2015.
     """
     lr = _validate.finite_number("learning_rate", learning_rate, at_least=0)
     b1 = _validate.finite_number("b1", b1, at_least=0, below=1)
@@ -327,9 +290,7 @@ class OptimizerState(NamedTuple):
 class SparseTransformation(optax.GradientTransformation):
     """An `optax.GradientTransformation` that also trains some tables sparsely.
 
-    Made by `jdp.sparse.optimizer`. Its `update` takes dense gradients (for
-    `jdp.make_train_step`); `jdp.sparse.rows()` applies the tables' row
-    optimizers to sparse gradients directly.
+    Made by `jdp.sparse.optimizer`; its `update` takes dense gradients.
 
     Attributes:
       dense: The optimizer of every parameter that is not a table.
@@ -346,11 +307,8 @@ def optimizer(
 ) -> SparseTransformation:
     """Combines an optax optimizer for the dense parameters with row optimizers.
 
-    Its state holds `dense_tx`'s state for every parameter but the tables (none
-    is allocated for a table) and each table's row-optimizer state. Use it with
-    `sync=jdp.sparse.rows()` for sparse table gradients; with
-    `jdp.make_train_step` (dense table gradients) `sgd` and `adagrad` give the
-    same updates, `momentum` and `adam` dense momentum / dense Adam.
+    For `sync=jdp.sparse.rows()`, or the dense path (`jdp.all_reduce()`). No
+    dense optimizer state is allocated for the tables.
 
     Args:
       dense_tx: optax optimizer for all non-table parameters.
@@ -368,9 +326,8 @@ def optimizer(
       >>> tables = {"embed": jdp.sparse.adagrad(0.1)}
       >>> tx = jdp.sparse.optimizer(optax.adam(1e-3), tables)
       >>> params = {"embed": jnp.zeros((10_000, 8)), "w": jnp.zeros(8)}
-      >>> state = jdp.TrainState.create(params=params, tx=tx)
-      >>> state.opt_state.dense[0].mu  # Adam moments only for the dense part
-      {'embed': None, 'w': Array([0., 0., 0., 0., 0., 0., 0., 0.], dtype=float32)}
+      >>> tx.init(params).dense[0].mu["embed"] is None  # no Adam moments for the table
+      True
     """
     api = "jdp.sparse.optimizer"
     named = tuple((normalize_path(p), opt) for p, opt in tables.items())
@@ -429,10 +386,7 @@ def apply_sparse(
     api: str = "jdp.sparse.rows",
     as_updates: bool = False,
 ) -> tuple[PyTree, OptimizerState]:
-    """Dense grads through `tx.dense`, each table's (rows or dense) through its own.
-
-    Returns the new params, or with `as_updates` optax's updates (new - old).
-    """
+    """New params (or with `as_updates`, optax's updates) from `tx` on `grads`."""
     leaves, treedef, index = locate_tables(params, [t for t, _ in tx.tables], api=api)
     dense_params = _without_tables(params, index)
     updates, dense_state = tx.dense.update(

@@ -22,8 +22,7 @@ PyTree = Any
 class IdsOutOfRangeError(ValueError):
     """An id out of its table's range, seen by a `check_ids=True` step.
 
-    It reaches the caller inside the `jax.errors.JaxRuntimeError` that reading
-    the failed step's outputs raises.
+    It reaches the caller inside a `jax.errors.JaxRuntimeError`.
     """
 
 
@@ -35,20 +34,13 @@ class _QuietIdErrors(logging.Filter):
         return not isinstance(exc, IdsOutOfRangeError)
 
 
-_FILTER = _QuietIdErrors()
-_exit_hook_installed = False
-
-
+@functools.cache
 def _install_filter() -> None:
-    global _exit_hook_installed
+    """Quiets JAX's logs of the id check's error and its replay at exit (once)."""
     for name in _jax_compat.CALLBACK_LOGGERS:
-        logger = logging.getLogger(name)
-        if _FILTER not in logger.filters:
-            logger.addFilter(_FILTER)
-    if not _exit_hook_installed:
-        # Runs before JAX's own exit handlers (registered when JAX was imported).
-        atexit.register(_forget_failed_checks)
-        _exit_hook_installed = True
+        logging.getLogger(name).addFilter(_QuietIdErrors())
+    # Runs before JAX's own exit handlers (registered when JAX was imported).
+    atexit.register(_forget_failed_checks)
 
 
 def _forget_failed_checks() -> None:
@@ -70,10 +62,7 @@ def _raise_if_out_of_range(count, first, *, table: str, num_rows: int) -> np.nda
 
 
 def _check_ids(ids: jax.Array, num_rows: int, table: str) -> jax.Array:
-    """`ids`, made to depend on a host check (a `pure_callback`) of their range.
-
-    Every replica checks the same gathered ids, so all fail at the same point.
-    """
+    """`ids`, made to depend on a host check of their range (same on every replica)."""
     bad = (ids < 0) | (ids >= num_rows)
     count = jnp.sum(bad)
     first = ids[jnp.argmax(bad)] if ids.size else jnp.zeros((), ids.dtype)
@@ -95,54 +84,40 @@ def rows(
 ) -> _sync.OwnUpdate:
     """A sync piece that trains embedding tables with sparse gradients.
 
-    For `jdp.make_train_step(loss_fn, tx, sync=jdp.sparse.rows())`, with `tx`
-    made by `jdp.sparse.optimizer`, and a loss that reads each table only
-    through `jdp.sparse.lookup(params[...], ids)`. The dense gradients are
-    averaged with `jdp.all_reduce_gradients` and applied with `tx.dense`; each
-    table's gradient is kept as rows (`jdp.sparse.value_and_grad`), divided by
-    the number of replicas, exchanged with `jdp.sparse.all_gather_rows` and
-    applied by the table's row optimizer to the touched rows only. A table
-    costs `num_replicas * ids_per_replica * (row bytes + id bytes)` instead of
-    the whole table; every replica applies the same rows, and the result equals
-    `jdp.all_reduce()` with the same `tx` (up to float rounding).
+    With `tx` made by `jdp.sparse.optimizer` and a loss that reads each table
+    through `jdp.sparse.lookup`: dense gradients are all-reduced; each table's
+    row gradients are all-gathered and applied to the touched rows only, with
+    the results of `jdp.all_reduce()` and the same `tx`. See the Sparse
+    embeddings guide (docs/guides/sparse.md).
 
     Args:
-      combine: Sum the rows of repeated ids after gathering (a sort). It
-        changes no result: `sgd`'s scatter-add sums them anyway, and the other
-        row optimizers combine by themselves.
-      check_ids: Check every gathered id against its table's size (a debugging
-        mode: one host callback per replica and step). An id out of range fails
-        the step on every replica at the same point: reading the step's outputs
-        (`float(metrics["loss"])`, `jax.block_until_ready`) raises a
-        `jax.errors.JaxRuntimeError` carrying the `IdsOutOfRangeError` message
-        (table, count, first bad id). A failed call consumes a donated state;
-        `jdp.parallelize(..., donate_state=False)` keeps it. Without the check,
-        invalid ids read zero rows and never update the table.
+      combine: Sum the rows of repeated ids after gathering (changes no result).
+      check_ids: Fail the step on every replica if a gathered id is out of its
+        table's range (a debugging mode): reading the step's outputs raises a
+        `jax.errors.JaxRuntimeError` carrying the `IdsOutOfRangeError`.
       bucket_bytes: Largest bucket of the dense parameters' all-reduce.
       reduce_dtype: Wire dtype of the dense parameters' all-reduce.
 
     Returns:
-      The piece, for `jdp.make_train_step(..., sync=...)` as a whole (not inside
-      `jdp.partition` or `jdp.sync_gradients`): it applies the optimizer itself.
+      The piece, for `jdp.make_train_step(..., sync=...)` only.
 
     Raises:
       ValueError: If `bucket_bytes` is out of range.
       TypeError: At trace time, if the optimizer is not a `jdp.sparse.optimizer`.
 
     Example:
-      >>> import jax, jax.numpy as jnp, optax, jdp
-      >>> def loss_fn(params, batch):
-      ...     x = jdp.sparse.lookup(params["embed"], batch["ids"]).sum(axis=1)
-      ...     return jnp.mean((x @ params["w"] - batch["y"]) ** 2)
-      >>> tx = jdp.sparse.optimizer(optax.sgd(0.1), {"embed": jdp.sparse.sgd(0.1)})
-      >>> params = {"embed": jnp.ones((100_000, 4)) / 4, "w": jnp.ones(4)}
-      >>> train_step = jdp.make_train_step(loss_fn, tx, sync=jdp.sparse.rows())
-      >>> step = jdp.parallelize(train_step)
+      >>> import jax.numpy as jnp, optax, jdp
+      >>> def loss_fn(params, ids):
+      ...     return jnp.sum(jdp.sparse.lookup(params["embed"], ids) * params["w"])
+      >>> tx = jdp.sparse.optimizer(optax.sgd(0.1), {"embed": jdp.sparse.sgd(0.8)})
+      >>> step = jdp.parallelize(
+      ...     jdp.make_train_step(loss_fn, tx, sync=jdp.sparse.rows()))
+      >>> params = {"embed": jnp.zeros((100_000, 2)), "w": jnp.ones(2)}
       >>> state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
-      >>> batch = {"ids": jnp.arange(64).reshape(16, 4), "y": jnp.zeros(16)}
-      >>> state, metrics = step(state, step.shard(batch))
-      >>> float(metrics["loss"])
-      16.0
+      >>> ids = jnp.array([0, 2, 2, 4, 4, 4, 6, 6])  # one id on each of 8 replicas
+      >>> state, metrics = step(state, step.shard(ids))
+      >>> step.unreplicate(state).params["embed"][:7, 0]  # -0.8 * count / 8
+      Array([-0.1,  0. , -0.2,  0. , -0.3,  0. , -0.2], dtype=float32)
     """
     _collectives.check_bucket_bytes(bucket_bytes)
     if check_ids:
