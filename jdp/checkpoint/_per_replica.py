@@ -16,11 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from jdp import _replica_parts
-from jdp._layout import is_custom, place_like, replica_leaves
+from jdp._layout import compare_replicas, is_custom, place_like
 from jdp._tree import keystr
 from jdp.checkpoint._common import short_list
 from jdp.checkpoint._damage import corrupt, reading
@@ -58,20 +56,9 @@ def _differ(leaves: Sequence[jax.Array]) -> list[jax.Array]:
     return out
 
 
-@functools.cache
-def _differ_fn(mesh: Mesh | None):
-    """`_differ` compiled for `mesh`; its flags replicated, so processes agree."""
-    if mesh is None:
-        return jax.jit(_differ)
-    return jax.jit(_differ, out_shardings=NamedSharding(mesh, P()))
-
-
 def differing_paths(state: PyTree) -> list[str]:
     """The paths of a replicated state's leaves whose replicas' bits differ."""
-    paths, arrays, mesh = replica_leaves(state)
-    if not arrays:
-        return []
-    flags = jax.device_get(_differ_fn(mesh)(arrays))
+    paths, flags = compare_replicas(_differ, state)
     return [path for path, flag in zip(paths, flags, strict=True) if bool(flag)]
 
 
