@@ -54,7 +54,7 @@ import sys
 import time
 
 from _common import mlp_loss, pin_to_core
-from multihost import LR, MOMENTUM, WIDTHS, _data, num_params, torch_mlp
+from multihost import LR, MOMENTUM, WIDTHS, _data, num_params, torch_mlp, torch_sgd_step
 
 #: Row pairs: (label, torch row, jdp row).
 PAIRS = [
@@ -130,15 +130,7 @@ def _torch_rows(width: int, rank: int, world: int):
     }
     rows = {}
     for name, net in nets.items():
-        opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=MOMENTUM)
-        box = {}
-
-        def one(net=net, opt=opt, box=box):
-            opt.zero_grad(set_to_none=True)
-            loss = torch.mean((net(xb) - yb) ** 2)
-            loss.backward()
-            opt.step()
-            box["loss"] = loss.item()
+        one, box = torch_sgd_step(net, xb, yb)
 
         def final(net=net, box=box, name=name):
             """(mean loss over ranks, params identical on every rank, buckets)."""

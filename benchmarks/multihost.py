@@ -95,6 +95,24 @@ def torch_mlp(weights):
     return torch.nn.Sequential(*layers)
 
 
+def torch_sgd_step(net, xb, yb):
+    """`(one, box)`: `one()` takes an SGD-with-momentum step of `net` on the MSE of
+    `(xb, yb)`, as jdp's step does, and leaves the loss in `box["loss"]`."""
+    import torch
+
+    opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=MOMENTUM)
+    box = {}
+
+    def one():
+        opt.zero_grad(set_to_none=True)
+        loss = torch.mean((net(xb) - yb) ** 2)
+        loss.backward()
+        opt.step()
+        box["loss"] = loss.item()
+
+    return one, box
+
+
 def _data(width: int, rank: int):
     """Initial weights (the same everywhere) and this process's batch."""
     import numpy as np
@@ -232,16 +250,7 @@ def torch_job(width: int, steps: int, warmup: int, pin: bool):
             net = model()
             if kind == "ddp":
                 net = DistributedDataParallel(net)
-            opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=MOMENTUM)
-            box = {}
-
-            def one(net=net, opt=opt, box=box):
-                opt.zero_grad(set_to_none=True)
-                loss = torch.mean((net(xb) - yb) ** 2)
-                loss.backward()
-                opt.step()
-                box["loss"] = loss.item()
-
+            one, box = torch_sgd_step(net, xb, yb)
             out[kind] = {"ms": median_ms(one, steps, warmup)}
             if kind == "ddp":  # the global-batch loss, as jdp's averaged metric
                 total = torch.tensor([box["loss"]])
