@@ -51,6 +51,7 @@ class LiveStep:
         self._max_retries = max_retries
         self._store = _coordination.store()
         self._parallel: Parallel | None = None
+        self._marked: str | None = None  # the last order recorded as used
         #: Steps completed through this object.
         self.position = 0
         #: How many times the set of replicas changed after the first mesh.
@@ -155,9 +156,15 @@ class LiveStep:
         _log.info("%s: %d replicas, devices %s", API, len(order), _ids(order))
 
     def _mark_used(self) -> None:
-        if self._parallel is not None:
-            ids = _ids(self.devices)
+        """Records the current device order as used, once per order.
+
+        Called after a round, so that every process has chosen its order (read
+        the store) before any records it.
+        """
+        ids = _ids(self.devices)
+        if self._parallel is not None and ids != self._marked:
             self._store.put(f"{_KEYS}used/{ids}", ids)
+            self._marked = ids
 
     def _reform(self, live: Sequence[jax.Device], state: PyTree) -> PyTree:
         """`state` rewrapped for a mesh over `live`: each device keeps its replica."""
@@ -231,7 +238,6 @@ class _Attempt:
         step._mark_used()
         if error is None:
             self.ok = True
-            step._store.put(f"{_KEYS}mesh", _ids(step.devices))
             return False
         if (
             not isinstance(error, Exception)
