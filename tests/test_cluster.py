@@ -389,14 +389,14 @@ def test_stall_timeout_defaults_to_the_environment(value, environ, expected):
             None,
             {"JDP_STALL_TIMEOUT_S": "ten"},
             ValueError,
-            r"\$JDP_STALL_TIMEOUT_S must be a number of seconds > 0 \(or 0 / unset: "
-            r"no stall check\), got 'ten'",
+            r"\$JDP_STALL_TIMEOUT_S='ten': the environment variable must be a "
+            r"number of seconds above 0 \(.*0 or unset: no stall check\)",
         ),
         (
             None,
             {"JDP_STALL_TIMEOUT_S": "-3"},
             ValueError,
-            r"\$JDP_STALL_TIMEOUT_S must be .*got '-3'",
+            r"\$JDP_STALL_TIMEOUT_S='-3': the environment variable must be ",
         ),
         (0, {}, ValueError, r"`stall_timeout_s` must be a number of seconds > 0, "),
         (

@@ -7,7 +7,6 @@ raises instead of training on misaligned data (`_PROCESS_CHECK`).
 
 from __future__ import annotations
 
-import math
 import os
 import time
 import zlib
@@ -18,6 +17,7 @@ import jax
 from jdp import _coordination
 from jdp._batching import padded_size
 from jdp._tree import keystr
+from jdp.distributed import _cluster
 
 #: Store keys: per process, its record; per call, the rows of a disagreement.
 _RECORD_KEY = "jdp/step.shard/record/"
@@ -162,20 +162,12 @@ class _ProcessCheck:
         """How long a process whose batch changed waits for the others to match."""
         if self._given_timeout_s is not None:
             return self._given_timeout_s
-        text = os.environ.get(TIMEOUT_ENV, "").strip()
-        if not text:
-            return DEFAULT_TIMEOUT_S
-        try:
-            value = float(text)
-        except ValueError:
-            value = math.nan
-        if not 0 < value < math.inf:
-            raise ValueError(
-                f"`step.shard`: ${TIMEOUT_ENV}={text!r} must be a number of "
-                "seconds above 0 (how long a process whose batch changed waits "
-                "for the other processes to pass a matching one)."
-            )
-        return value
+        meaning = (
+            "how long `step.shard` waits, after a process's batch changed, for "
+            "the other processes to pass a matching one"
+        )
+        value = _cluster.env_seconds(os.environ, TIMEOUT_ENV, meaning)
+        return DEFAULT_TIMEOUT_S if value is None else value
 
     def check(self, row: tuple, *, need_sizes: bool) -> Found | None:
         """Counts this call; what it found when it compared, or a `late` report."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import glob
 import importlib.util
+import math
 import re
 from collections.abc import Mapping
 from typing import NamedTuple
@@ -73,6 +74,29 @@ def env_int(environ: Mapping[str, str], name: str) -> int | None:
             "to a number: fix the job script or the environment that sets it, or "
             "unset it."
         ) from None
+
+
+def env_seconds(
+    environ: Mapping[str, str], name: str, meaning: str, *, zero_is_unset: bool = False
+) -> float | None:
+    """`environ[name]` as seconds > 0; None if unset or empty (or "0" if allowed).
+
+    A malformed value raises a `ValueError` that says what the variable does
+    (`meaning`).
+    """
+    text = environ.get(name, "").strip()
+    if not text or (zero_is_unset and text == "0"):
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise ValueError(
+            f"${name}={text!r}: the environment variable must be a number of "
+            f"seconds above 0 ({meaning}). Set such a number, or unset it."
+        )
+    return value
 
 
 #: The variables read as integers here or by JAX's cluster detection.

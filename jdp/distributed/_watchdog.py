@@ -23,12 +23,13 @@ from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 from jdp import _coordination, _progress, _validate
+from jdp._progress import UNEVEN_STEPS_HINT, plural, process_list
+from jdp.distributed import _cluster
 
 #: The default of `initialize`'s `stall_timeout_s` (seconds; unset or "0": off).
 ENV_STALL_TIMEOUT = "JDP_STALL_TIMEOUT_S"
 #: The exit status of a stalled job's processes (as `timeout(1)`'s).
 EXIT_CODE = 124
-FINISHED_GRACE_S = 15.0
 #: How long a process waits for the stuck processes' stacks, and for the others
 #: to print, before it exits.
 STACK_WAIT_S = 5.0
@@ -43,13 +44,6 @@ _VERDICT = _PREFIX + "verdict"
 _STACK = _PREFIX + "stack/"
 _ACK = _PREFIX + "ack/"
 
-_UNEVEN_HINT = (
-    "Every process must make the same number of step calls; a data set that "
-    "ends at different steps on different processes is the usual cause: give "
-    "every process the same number of batches (drop or pad the remainder; "
-    "`step.shard(..., pad=True)` pads a short last batch)."
-)
-
 _log = logging.getLogger("jdp.distributed")
 
 
@@ -58,19 +52,10 @@ def timeout_from(
 ) -> float | None:
     """`initialize`'s `stall_timeout_s`, checked, else `$JDP_STALL_TIMEOUT_S`'s."""
     if stall_timeout_s is None:
-        value = environ.get(ENV_STALL_TIMEOUT, "").strip()
-        if value in ("", "0"):
-            return None
-        try:
-            seconds = float(value)
-        except ValueError:
-            seconds = -1.0
-        if not seconds > 0 or seconds == float("inf"):
-            raise ValueError(
-                f"Environment variable ${ENV_STALL_TIMEOUT} must be a number of "
-                f"seconds > 0 (or 0 / unset: no stall check), got {value!r}."
-            )
-        return seconds
+        meaning = "the stall check's limit; 0 or unset: no stall check"
+        return _cluster.env_seconds(
+            environ, ENV_STALL_TIMEOUT, meaning, zero_is_unset=True
+        )
     if isinstance(stall_timeout_s, bool) or not isinstance(
         stall_timeout_s, (int, float)
     ):
@@ -109,63 +94,17 @@ class Verdict(NamedTuple):
         return cls(**d)
 
 
-class Tracker:
-    """Judges the processes' progress counts, as the launcher's `StallMonitor`."""
-
-    def __init__(
-        self,
-        num_processes: int,
-        timeout_s: float,
-        finished_grace_s: float = FINISHED_GRACE_S,
-    ):
-        self.n = num_processes
-        self.timeout_s = timeout_s
-        self.grace_s = min(finished_grace_s, timeout_s)
-        self.counts = [0] * num_processes
-        self.changed_at: list[float | None] = [None] * num_processes
-        self.finished_at: list[float | None] = [None] * num_processes
-
-    def update(self, reports: Mapping[int, tuple[int, bool]], now: float) -> None:
-        """Takes `{process: (count, finished)}`; a changed count restarts its clock."""
-        for rank, (count, finished) in reports.items():
-            if not 0 <= rank < self.n:
-                continue
-            if count != self.counts[rank]:
-                self.counts[rank] = count
-                self.changed_at[rank] = now
-            if finished and self.finished_at[rank] is None:
-                self.finished_at[rank] = now
-        if any(self.counts) and None in self.changed_at:
-            # The first progress of the job: every process's clock starts now.
-            self.changed_at = [now if t is None else t for t in self.changed_at]
+class Tracker(_progress.Tracker):
+    """`_progress.Tracker`, with the job's `Verdict`."""
 
     def verdict(self, now: float) -> Verdict | None:
-        """The stall (or the wait for a finished process) found now, if any."""
-        running = [r for r in range(self.n) if self.finished_at[r] is None]
-        if not any(self.counts) or not running:
-            return None
+        """The wait for a finished process, or the stall, found now (or None)."""
         counts = dict(enumerate(self.counts))
-        low = min(self.counts[r] for r in running)
-        done = [r for r in range(self.n) if self.finished_at[r] is not None]
-        early = [r for r in done if self.counts[r] < low]
-        if early:
-            first = min(early, key=lambda r: (self.counts[r], r))
-            quiet = max(
-                [self.finished_at[first]] + [self.changed_at[r] for r in running]
-            )
-            if now - quiet > self.grace_s:
-                return Verdict("finished", running, counts, first)
-            return None
-        behind = [r for r in running if self.counts[r] == low]
-        if all(now - self.changed_at[r] > self.timeout_s for r in behind):
+        if found := self.finished_early(now):
+            return Verdict("finished", found[1], counts, found[0])
+        if behind := self.stalled(now):
             return Verdict("stall", behind, counts)
         return None
-
-
-def process_list(ranks: list[int]) -> str:
-    """`process 1` or `processes 0, 2`."""
-    one = len(ranks) == 1
-    return ("process " if one else "processes ") + ", ".join(map(str, ranks))
 
 
 def describe(verdict: Verdict, timeout_s: float, grace_s: float, who: Mapping) -> str:
@@ -180,13 +119,13 @@ def describe(verdict: Verdict, timeout_s: float, grace_s: float, who: Mapping) -
         first, waiting = verdict.finished, verdict.behind
         at = sorted({counts[r] for r in waiting})
         one = len(waiting) == 1
-        calls = f"{counts[first]} step call" + ("" if counts[first] == 1 else "s")
         return (
-            f"{named(first)} finished its program after {calls} while "
+            f"{named(first)} finished its program after "
+            f"{plural(counts[first], 'step call')} while "
             f"{process_list(waiting)} {'is' if one else 'are'} still running (at "
             f"step call {', '.join(map(str, at))}) and made no progress for "
             f"{grace_s:g} s: {'it waits' if one else 'they wait'} in a step that "
-            f"process {first} will never join. {_UNEVEN_HINT}"
+            f"process {first} will never join. {UNEVEN_STEPS_HINT}"
         )
     behind = verdict.behind
     low, high = counts[behind[0]], max(counts.values())
@@ -339,7 +278,7 @@ class Watchdog:
         self, verdict: Verdict, stacks: dict[int, str], shown: list[int]
     ) -> None:
         text = "jdp.distributed: " + describe(
-            verdict, self.timeout_s, self.tracker.grace_s, self.who
+            verdict, self.timeout_s, self.tracker.finished_grace_s, self.who
         )
         for r in verdict.behind:
             if r in stacks and stacks[r]:

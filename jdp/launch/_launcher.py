@@ -366,11 +366,11 @@ class Job:
         ]
         stall = self.stall
         exact = stall is not None and stall.finished_at[first] is not None
-        if exact and all(stall.beats[r] <= stall.beats[first] for r, _ in failures):
+        if exact and all(stall.counts[r] <= stall.counts[first] for r, _ in failures):
             return None
         msg = f"{process_list([first], self.pids, len(self.procs))} finished (exit 0)"
-        if exact or (stall is not None and stall.beats[first]):
-            count = plural(stall.beats[first], "step call")
+        if exact or (stall is not None and stall.counts[first]):
+            count = plural(stall.counts[first], "step call")
             msg += f" after {count}" if exact else f" after at least {count}"
         # (Not the others' counts: their last reports may lag behind.)
         one = len(others) == 1
