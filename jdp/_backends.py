@@ -222,12 +222,8 @@ class _Pmap(Backend):
     name = "pmap"
 
     def _pmap(self, fn, **kwargs):
-        return jax.pmap(
-            fn,
-            axis_name=self.axis_name,
-            devices=list(self.mesh.devices.flat),
-            **kwargs,
-        )
+        devices = list(self.mesh.devices.flat)
+        return jax.pmap(fn, axis_name=self.axis_name, devices=devices, **kwargs)
 
     def _global(self, tree):
         """`jax.pmap`'s host-local outputs as global arrays over the mesh (no copy)."""
@@ -324,13 +320,10 @@ class _ShardMap(Backend):
         def block_fn(tree):
             return jax.tree.map(_expand, fn(jax.tree.map(_squeeze, tree)))
 
+        spec = P(self.axis_name)
         return jax.jit(
             jax.shard_map(
-                block_fn,
-                mesh=self.mesh,
-                in_specs=P(self.axis_name),
-                out_specs=P(self.axis_name),
-                check_vma=False,
+                block_fn, mesh=self.mesh, in_specs=spec, out_specs=spec, check_vma=False
             )
         )
 
@@ -419,16 +412,13 @@ class _ShardMapStep:
         self._picked: tuple[list[int], list[int], list[int]] | None = None
         self._n = n = mesh.size
         self._sharding = sharding = replica_sharding(mesh)
-        self._view = jax.jit(
-            lambda xs: [x.reshape(_view_shape(x.shape)) for x in xs],
-            donate_argnums=0,
-            out_shardings=sharding,
-        )
-        self._unview = jax.jit(
-            lambda xs: [x.reshape(_unview_shape(x.shape, n)) for x in xs],
-            donate_argnums=0,
-            out_shardings=sharding,
-        )
+
+        def reshaped(shape_of):  # a donated jit of bitcasts
+            fn = lambda xs: [x.reshape(shape_of(x.shape)) for x in xs]  # noqa: E731
+            return jax.jit(fn, donate_argnums=0, out_shardings=sharding)
+
+        self._view = reshaped(_view_shape)
+        self._unview = reshaped(lambda shape: _unview_shape(shape, n))
 
     def _viewed(self, x) -> bool:
         return self._viewing and _viewable(x.shape[1:], x.dtype.itemsize)
@@ -438,16 +428,13 @@ class _ShardMapStep:
 
         def spec(x):
             shape = _view_shape(x.shape) if self._viewed(x) else x.shape
+            weak = getattr(x, "weak_type", False)
             return jax.ShapeDtypeStruct(
-                shape,
-                x.dtype,
-                sharding=self._sharding,
-                weak_type=getattr(x, "weak_type", False),
+                shape, x.dtype, sharding=self._sharding, weak_type=weak
             )
 
         leaves, treedef = jax.tree.flatten(state)
-        specs = [spec(x) for x in leaves]
-        return self._core.trace(specs, batch, treedef), treedef
+        return self._core.trace([spec(x) for x in leaves], batch, treedef), treedef
 
     def out_state(self, state, batch):
         """The abstract state the step returns, `(N, ...)`, or None; from the trace."""

@@ -34,22 +34,13 @@ _KNOWN_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 _BATCH = "batch"
 #: Keys every predictor's JSON header has, and the types of their values.
 _METADATA_KEYS = {
-    "jdp_format": int,
-    "jdp": str,
-    "jax": str,
-    "platforms": list,
-    "inputs": list,
+    "jdp_format": int, "jdp": str, "jax": str, "platforms": list, "inputs": list,
     "outputs": list,
-}
+}  # fmt: skip
 _JSON_NAMES = {
-    bool: "boolean",
-    int: "number",
-    float: "number",
-    str: "string",
-    list: "array",
-    dict: "object",
-    type(None): "null",
-}
+    bool: "boolean", int: "number", float: "number", str: "string", list: "array",
+    dict: "object", type(None): "null",
+}  # fmt: skip
 _HEX = frozenset("0123456789abcdef")
 
 
@@ -225,10 +216,8 @@ def export_predictor(
       (5, 2)
     """
     platforms = _platforms(platforms)
-    if isinstance(example_inputs, list | tuple):
-        inputs = tuple(example_inputs)
-    else:
-        inputs = (example_inputs,)
+    single = not isinstance(example_inputs, list | tuple)
+    inputs = (example_inputs,) if single else tuple(example_inputs)
     specs = _input_specs(inputs, batch_polymorphic)
     consts = _one_copy(params, replicated)
 
@@ -363,10 +352,7 @@ def _parse_metadata(raw: bytes, prefix: str) -> dict:
 
 
 def _fits(dtype: np.dtype, shape: tuple, aval: Any, bound: dict) -> bool:
-    """Whether an input of `dtype` and `shape` fits the exported `aval`.
-
-    A symbolic dimension takes the size of its first input (kept in `bound`).
-    """
+    """Whether `dtype` and `shape` fit `aval`; a symbolic size binds at first use."""
     if dtype != aval.dtype or len(shape) != len(aval.shape):
         return False
     ok = True
@@ -394,13 +380,7 @@ class Predictor:
         publish for `jdp.load_predictor(..., expected_sha256=...)`; or None.
     """
 
-    def __init__(
-        self,
-        exported: jax_export.Exported,
-        metadata: dict,
-        *,
-        sha256: str | None = None,
-    ):
+    def __init__(self, exported: jax_export.Exported, metadata: dict, *, sha256=None):
         self.exported = exported
         self.metadata = metadata
         self.sha256 = sha256
@@ -412,18 +392,13 @@ class Predictor:
     def _expected(self) -> str:
         """The sentence listing the expected inputs, for error messages."""
         numbered = self._args_tree.unflatten(range(self._args_tree.num_leaves))
-        paths = [
-            keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(numbered)[0]
-        ]
-        listed = ", ".join(
-            f"args{p}: {s}" for p, s in zip(paths, self.input_specs, strict=True)
+        flat = jax.tree_util.tree_flatten_with_path(numbered)[0]
+        listed = ", ".join(f"args{keystr(p)}: {self.input_specs[i]}" for p, i in flat)
+        note = (
+            f" ({_BATCH!r} is the batch size: any size >= 1, the same for every input)"
         )
-        note = ""
-        if any(not isinstance(d, int) for a in self.exported.in_avals for d in a.shape):
-            note = (
-                f" ({_BATCH!r} is the batch size: any size >= 1, the same for every "
-                "input)"
-            )
+        if all(isinstance(d, int) for a in self.exported.in_avals for d in a.shape):
+            note = ""
         return f"Expected inputs: {listed}{note}."
 
     def _check(self, inputs: tuple) -> list:
@@ -431,13 +406,11 @@ class Predictor:
         flat, treedef = jax.tree_util.tree_flatten_with_path(inputs)
         if treedef != self._args_tree:
             num = len(self._args_tree.children())
+            what = (
+                f"inputs structured as {treedef}; it was exported for {self._args_tree}"
+            )
             if len(inputs) != num:
                 what = f"{len(inputs)} input(s); it was exported for {num}"
-            else:
-                what = (
-                    f"inputs structured as {treedef}; it was exported for "
-                    f"{self._args_tree}"
-                )
             raise ValueError(f"Predictor called with {what}. {self._expected()}")
         arrays = [x if isinstance(x, jax.Array) else np.asarray(x) for _, x in flat]
         avals = self.exported.in_avals

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jdp import _collectives, _replica_parts, _sync, _validate
+from jdp import _collectives, _replica_parts, _sync, _validate, _wire
 from jdp._tree import is_float
 
 PyTree = Any
@@ -32,10 +32,7 @@ class PowerSGDState(NamedTuple):
     error: tuple[jax.Array, ...] | None
 
     #: The checkpoint's warning when `restart_local` zeroed the buffers.
-    RESTART_NOTE = (
-        "Error-feedback buffers (of `jdp.all_reduce(wire=...)`, `jdp.powersgd`) "
-        "start again from zero on every replica."
-    )
+    RESTART_NOTE = _wire.WireState.RESTART_NOTE
 
     def restart_local(self) -> PowerSGDState:
         """Zero errors, for another replica count; the agreed Q carries over."""
@@ -161,6 +158,7 @@ def _average(
 ) -> tuple[PyTree, PowerSGDState]:
     """The replicas' gradients averaged by PowerSGD (Algorithm 1, PyTorch's order)."""
     num = _collectives.axis_size(axis_name, api)
+    seed = options.seed
     leaves, treedef = jax.tree.flatten(grads)
     leaves = [jnp.asarray(x) for x in leaves]
     plan = _plan(leaves, options)
@@ -187,21 +185,18 @@ def _average(
             if state.error is not None:
                 g = g + state.error[k].astype(g.dtype)
             ms.append(g.reshape(mat.n, mat.m))
-        if options.warm_start:
-            qs = [q.astype(m.dtype) for q, m in zip(state.q, ms, strict=True)]
-        else:
-            qs = [
-                _draw(options.seed, mat, m.dtype, count)
-                for mat, m in zip(plan, ms, strict=True)
-            ]
+        qs = [
+            q.astype(m.dtype)
+            if options.warm_start
+            else _draw(seed, mat, m.dtype, count)
+            for q, m, mat in zip(state.q, ms, plan, strict=True)
+        ]
         eps = options.orthogonalization_epsilon
         qs = [_orthogonalize(q, eps) for q in qs]
         ps = [_matmul(m, q) for m, q in zip(ms, qs, strict=True)]
         # No division: P is orthogonalised next (PyTorch sums it too).
-        ps = [
-            _orthogonalize(p, eps)
-            for p in _psum_all(ps, axis_name, options.bucket_bytes)
-        ]
+        ps = _psum_all(ps, axis_name, options.bucket_bytes)
+        ps = [_orthogonalize(p, eps) for p in ps]
         qs = [_transposed_matmul(m, p) for m, p in zip(ms, ps, strict=True)]
         qs = [q / num for q in _psum_all(qs, axis_name, options.bucket_bytes)]
         approx = [_matmul(p, q.T) for p, q in zip(ps, qs, strict=True)]

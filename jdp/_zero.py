@@ -287,13 +287,11 @@ def _padded_rows(x: jax.Array, num: int, size: int) -> jax.Array:
 
 def _reduce_scatter(grads, sizes, num, axis_name, bucket_bytes, dtype):
     """This replica's slices of the mean of `grads` (bucketed reduce-scatters)."""
-    if dtype is None:
-        rows = [_padded_rows(g, num, s) for g, s in zip(grads, sizes, strict=True)]
-    else:  # divide first, so that a narrow wire type cannot overflow
-        rows = [
-            _padded_rows(g / num, num, s).astype(dtype)
-            for g, s in zip(grads, sizes, strict=True)
-        ]
+    rows = [  # a wire dtype divides first, so that a narrow type cannot overflow
+        _padded_rows(g, num, s) if dtype is None else _padded_rows(g / num, num, s)
+        for g, s in zip(grads, sizes, strict=True)
+    ]
+    rows = rows if dtype is None else [r.astype(dtype) for r in rows]
     mine = _collectives.bucketed(
         "psum_scatter", rows, axis_name=axis_name, bucket_bytes=bucket_bytes
     )
@@ -416,8 +414,7 @@ def zero(
             r.reshape(-1)[: p.size].reshape(p.shape)
             for r, p in zip(rows, p_leaves, strict=True)
         ]
-        return jax.tree.unflatten(p_def, full), state.replace(
-            chunks=chunks, grad_norm=norm
-        )
+        new_state = state.replace(chunks=chunks, grad_norm=norm)
+        return jax.tree.unflatten(p_def, full), new_state
 
     return optax.GradientTransformationExtraArgs(init, update)
