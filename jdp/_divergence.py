@@ -165,10 +165,7 @@ def _fingerprints(leaves: list[jax.Array]) -> jax.Array:
 
 
 def divergences(tree: PyTree) -> tuple[list[str], int, int] | None:
-    """`(diverging leaf paths, a replica of the first that differs, checked leaves)`.
-
-    None if the replicas are in sync.
-    """
+    """`(differing leaf paths, a replica where the first differs, leaves checked)`."""
     paths, prints = compare_replicas(_fingerprints, tree)
     if not paths:
         return None
@@ -227,9 +224,7 @@ class Guard:
     After the first call, then every `every` calls; never with one replica.
     """
 
-    def __init__(
-        self, every: int | None, agreed: Callable[[PyTree], PyTree], mesh: Mesh
-    ):
+    def __init__(self, every: int | None, agreed: Callable, mesh: Mesh):
         self.every = every if mesh.size > 1 else None
         self.agreed = agreed
         self.mesh = mesh
@@ -267,14 +262,12 @@ class Guard:
         )
         missing = [p for p in processes if p not in values]
         if missing:
-            who = ("process " if len(missing) == 1 else "processes ") + ", ".join(
-                map(str, missing)
+            who = "process" + ("es " if len(missing) > 1 else " ")
+            who += ", ".join(map(str, missing))
+            message = MISSING_CHECK_SYNC_MSG.format(
+                me=me, timeout=AGREE_TIMEOUT_S, who=who, nth=nth
             )
-            raise TimeoutError(
-                MISSING_CHECK_SYNC_MSG.format(
-                    me=me, timeout=AGREE_TIMEOUT_S, who=who, nth=nth
-                )
-            )
+            raise TimeoutError(message)
         if len(set(values.values())) > 1:
             listed = ", ".join(f"process {p}: {values[p]}" for p in processes)
             self._error = DIFFERENT_CHECK_SYNC_MSG.format(values=listed, nth=nth)

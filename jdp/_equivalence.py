@@ -114,12 +114,9 @@ def check_equivalence(
     step._check_state(state)
     step._check_batch(batch)
     # Only what the loss reads: no optimizer state (ZeRO lays it out its own way).
+    fields = ("opt_state", "sync_state", "dynamic_scale")
     bare = state.replace(
-        **{
-            f: None
-            for f in ("opt_state", "sync_state", "dynamic_scale")
-            if getattr(state, f, None) is not None
-        }
+        **{f: None for f in fields if getattr(state, f, None) is not None}
     )
     replicas = _parallel.Parallel(
         # A forward-only step: its metrics, averaged over replicas, are the result.
