@@ -351,12 +351,13 @@ def warn_if_collapsed(scale, axis_name) -> None:
     )
 
 
-def check_loss_scaling(sync, microbatches: int) -> None:
-    if isinstance(sync, _sync.OwnUpdate):
+def check_loss_scaling(rows: bool, microbatches: int) -> None:
+    if rows:
         raise ValueError(
-            "A state with a `dynamic_scale` (loss scaling) needs a `jdp.Sync` "
-            "(e.g. `jdp.all_reduce()`): `jdp.sparse.rows()` applies the "
-            "optimizer itself and does not support loss scaling."
+            "A state with a `dynamic_scale` (loss scaling) needs dense gradients, "
+            "but this step's sync piece takes tables' gradients as sparse rows "
+            "(`jdp.sparse.rows()`): train the tables without loss scaling, or "
+            "use `jdp.all_reduce()` for dense table gradients."
         )
     if microbatches != 1:
         raise ValueError(

@@ -11,6 +11,7 @@ import jax
 
 from jdp import _collectives, _coordination, _replica_parts, _sync, _transforms
 from jdp._tree import keystr
+from jdp.sparse._lookup import densify, is_rows
 
 PyTree = Any
 
@@ -82,9 +83,9 @@ def partition(
     def groups(grads, params):
         """`(key, piece, part of grads, part of params)` of every label group."""
         tree = _labels_of(labels, params)
-        leaf_labels = _leaf_labels(tree, grads, pieces)
-        flat, treedef = jax.tree_util.tree_flatten(grads)
-        params_flat = treedef.flatten_up_to(params)
+        leaf_labels = _leaf_labels(tree, params, pieces)
+        params_flat, treedef = jax.tree_util.tree_flatten(params)
+        flat = treedef.flatten_up_to(grads)  # a table's sparse rows: one leaf
         out = []
         for group in _groups(pieces, {label for _, label in leaf_labels}):
             mine = [label in group for _, label in leaf_labels]
@@ -118,6 +119,13 @@ def partition(
             elif piece == BROADCAST:
                 done = _collectives.broadcast(part, root=0, axis_name=axis_name)
             else:
+                if not _sync.takes_rows(piece):  # tables' rows as dense gradients
+                    part = jax.tree.map(
+                        lambda g, p: densify(g, p) if is_rows(g) else g,
+                        part,
+                        part_params,
+                        is_leaf=is_rows,
+                    )
                 done, new, extra = piece.update(
                     part, new_state.get(key), part_params, axis_name
                 )
@@ -133,7 +141,10 @@ def partition(
     # for the optimizer to sync.
     averages = all(isinstance(p, str) or p.averages for p in pieces.values())
     differ = any(map(_differs, pieces.values()))
-    return _sync.Sync(
+    kind = (
+        _sync.TakesRows if any(map(_sync.takes_rows, pieces.values())) else _sync.Sync
+    )
+    return kind(
         init,
         update,
         averages=averages,

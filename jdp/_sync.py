@@ -60,15 +60,20 @@ class Sync(NamedTuple):
         return None if self.init is None else self.init(params)
 
 
-class OwnUpdate(NamedTuple):
-    """A piece that differentiates and applies the optimizer itself (`jdp.sparse.rows`).
+class TakesRows(Sync):
+    """A `Sync` whose `update` takes tables' gradients as `jdp.sparse.IndexedRows`.
 
-    `apply(grads, state, tx, axis_name) -> (params, opt_state, metrics)`;
-    `value_and_grad`: None or `value_and_grad(tx)`, how it differentiates.
+    With such a piece (`jdp.sparse.rows()`, or a `jdp.partition` holding one) and
+    a `jdp.sparse.optimizer`, the step differentiates the optimizer's tables as
+    rows and applies the rows it gets back to the touched rows only.
     """
 
-    apply: Callable[..., tuple[PyTree, PyTree, dict[str, jax.Array]]]
-    value_and_grad: Callable[[Any], Callable[..., Any]] | None = None
+    __slots__ = ()
+
+
+def takes_rows(sync: Any) -> bool:
+    """Whether `sync` takes tables' gradients as sparse rows."""
+    return isinstance(sync, TakesRows)
 
 
 def check_batch_stats(batch_stats: Any) -> None:
@@ -313,7 +318,7 @@ def sync_gradients(
       An `optax.GradientTransformationExtraArgs`.
 
     Raises:
-      TypeError: If `sync` is not a `jdp.Sync` (e.g. `jdp.sparse.rows()`).
+      TypeError: If `sync` is not a `jdp.Sync`.
 
     Example:
       >>> import optax, jdp
@@ -326,8 +331,7 @@ def sync_gradients(
         raise TypeError(
             "`jdp.sync_gradients` turns a `jdp.Sync` (e.g. `jdp.all_reduce()`, "
             f"`jdp.powersgd(rank=4)`) into an optax transform; got "
-            f"{type(sync).__name__}. `jdp.sparse.rows()` applies the optimizer "
-            "itself: give it to `jdp.make_train_step(..., sync=...)` instead."
+            f"{type(sync).__name__}."
         )
 
     def init_fn(params):

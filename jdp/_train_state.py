@@ -65,14 +65,12 @@ class TrainState(struct.PyTreeNode):
         Pass the step's `sync` piece when it keeps state of its own: the state then
         holds `sync_state=sync.init(params)`.
         """
-        if sync is not None and not isinstance(sync, (_sync.Sync, _sync.OwnUpdate)):
+        if sync is not None and not isinstance(sync, _sync.Sync):
             raise TypeError(
                 "`jdp.TrainState.create`: `sync` must be a `jdp.Sync` (the piece "
                 f"given to `jdp.make_train_step`), or None; got {type(sync).__name__}."
             )
-        sync_state = (
-            sync.initial_state(params) if isinstance(sync, _sync.Sync) else None
-        )
+        sync_state = None if sync is None else sync.initial_state(params)
         if not jax.tree.leaves(sync_state):
             sync_state = None
         return cls(

@@ -13,6 +13,7 @@ import optax
 from jax import lax
 
 from jdp import _collectives, _loss, _replica_parts, _step_checks, _sync, _validate
+from jdp.sparse import _train_step as _sparse
 
 PyTree = Any
 
@@ -54,7 +55,7 @@ def make_train_step(
     loss_fn: Callable[..., Any],
     tx: optax.GradientTransformation | None = None,
     *,
-    sync: _sync.Sync | _sync.OwnUpdate = _DEFAULT_SYNC,
+    sync: _sync.Sync = _DEFAULT_SYNC,
     has_aux: bool = False,
     microbatches: int = 1,
     axis_name: _collectives.AxisName | None = None,
@@ -75,7 +76,7 @@ def make_train_step(
         The loss may be `jdp.weighted(...)`; a parameter named `rng` receives a
         per-replica key from the state's `rng`, one named `step` the step counter.
       tx: The optax optimizer; None uses the state's own `tx`.
-      sync: A `jdp.Sync` (default `jdp.all_reduce()`), or `jdp.sparse.rows()`.
+      sync: A `jdp.Sync` (default `jdp.all_reduce()`).
       has_aux: Whether `loss_fn` returns auxiliary data; a dict of scalars becomes
         extra metrics, anything else is returned under `"aux"`.
       microbatches: Split each replica's batch into this many microbatches, run
@@ -108,10 +109,10 @@ def make_train_step(
       >>> float(metrics["loss"]), int(step.unreplicate(state).step)
       (1.0, 1)
     """
-    if not isinstance(sync, (_sync.Sync, _sync.OwnUpdate)):
+    if not isinstance(sync, _sync.Sync):
         raise TypeError(
             "`sync` must be a `jdp.Sync`, e.g. `jdp.all_reduce()`, `jdp.local()`, "
-            "`jdp.powersgd()` or `jdp.partition(...)` (or `jdp.sparse.rows()`); "
+            "`jdp.powersgd()`, `jdp.partition(...)` or `jdp.sparse.rows()`; "
             f"got {type(sync).__name__}."
         )
     _validate.positive_int("microbatches", microbatches)
@@ -120,7 +121,7 @@ def make_train_step(
     takes_stats = _loss.takes_batch_stats(loss_fn)
     keywords = _loss.loss_keywords(loss_fn)
     api = "jdp.make_train_step"
-    own = isinstance(sync, _sync.OwnUpdate)
+    rows = _sync.takes_rows(sync)
 
     def train_step(state, batch):
         optimizer = state.tx if tx is None else tx
@@ -132,19 +133,16 @@ def make_train_step(
         axis = _collectives.resolve_axis(axis_name)
         _step_checks.check_trainable(state.params, api)
         _step_checks.check_known_fields(state, api)
-        if not own:
-            _step_checks.check_piece(sync, optimizer, state, axis, api)
+        _step_checks.check_piece(sync, optimizer, state, axis, api)
         _loss.check_batch_stats(state, takes_stats, api, loss_fn)
         loss_kwargs = _loss.loss_kwargs(state, keywords, axis, api)
         value_and_grad = (
-            sync.value_and_grad(optimizer)
-            if own and sync.value_and_grad is not None
-            else jax.value_and_grad
+            _sparse.differentiate(optimizer) if rows else jax.value_and_grad
         )
         changes = {}
         scale = getattr(state, "dynamic_scale", None)
         if scale is not None:
-            _loss.check_loss_scaling(sync, microbatches)
+            _loss.check_loss_scaling(rows, microbatches)
             value_and_grad = _loss.scaled(scale)
         out = _loss.gradients(
             value_and_grad,
@@ -158,7 +156,7 @@ def make_train_step(
         loss, grads = _loss.normalise(out, axis)
         skip = skip_nonfinite or scale is not None
         params, opt_state, extra, sync_state = _update(
-            sync, grads, state, optimizer, axis, skip, counted=scale is None
+            sync, grads, state, optimizer, axis, skip, counted=scale is None, rows=rows
         )
         if sync_state is not None:
             changes["sync_state"] = sync_state
@@ -189,8 +187,6 @@ def make_train_step(
 
 def _must_agree(sync) -> Callable | None:
     """What replicas of a step with piece `sync` must agree on."""
-    if isinstance(sync, _sync.OwnUpdate):
-        return None
     if sync.must_agree is not None:
         return sync.must_agree
     if sync.averages:
@@ -198,16 +194,16 @@ def _must_agree(sync) -> Callable | None:
     return _sync.agreed_locally
 
 
-def _update(sync, grads, state, tx, axis, skip, *, counted):
-    """The piece's gradients, then `tx`: `(params, opt_state, metrics, sync_state)`."""
+def _update(sync, grads, state, tx, axis, skip, *, counted, rows):
+    """The piece's gradients, then `tx`: `(params, opt_state, metrics, sync_state)`.
+
+    With `rows`, tables' gradients are sparse rows, applied to those rows only.
+    """
     held = getattr(state, "sync_state", None)
-    if isinstance(sync, _sync.OwnUpdate):  # it applies the optimizer itself
-        checked, new_state, extra = grads, None, {}
-        run = lambda: sync.apply(grads, state, tx, axis)  # noqa: E731
-    else:
-        piece_state = sync.initial_state(state.params) if held is None else held
-        checked, new_state, extra = sync.update(grads, piece_state, state.params, axis)
-        run = lambda: _sync.apply_tx(checked, state, tx)  # noqa: E731
+    piece_state = sync.initial_state(state.params) if held is None else held
+    checked, new_state, extra = sync.update(grads, piece_state, state.params, axis)
+    apply = _sparse.apply if rows else _sync.apply_tx
+    run = lambda: apply(checked, state, tx)  # noqa: E731
     if not skip:
         params, opt_state, more = run()
     else:  # a step skipped keeps the piece's state too

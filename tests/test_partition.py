@@ -335,7 +335,6 @@ def test_differing_labels_compares_paths_and_lengths():
         ({"a": optax.sgd(0.1)}, TypeError, r"label 'a' must be a `jdp.Sync`"),
         # It applies the optimizer itself: not a gradient piece.
         ({"a": jdp.zero(optax.sgd(0.1))}, TypeError, r"label 'a' must be a `jdp.Sync`"),
-        ({"a": jdp.sparse.rows()}, TypeError, r"label 'a' must be a `jdp.Sync`"),
     ],
 )
 def test_bad_pieces_are_refused(pieces, error, match):

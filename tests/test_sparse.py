@@ -104,6 +104,63 @@ def test_sparse_sgd_matches_dense_sgd_on_a_100k_table(big_problem, combine):
 SMALL_ROWS, SMALL_DIM = 1000, 8
 
 
+def _small_run(sync, tx, **kwargs):
+    """Params after 3 steps of `loss_fn` on a small table, on 4 devices."""
+    params = init_params(3, SMALL_ROWS, SMALL_DIM)
+    batches = make_batches(3, 16, SMALL_ROWS, seed=3)
+    step, state = train(
+        jdp.make_train_step(loss_fn, tx, sync=sync, **kwargs),
+        params,
+        tx,
+        batches,
+        devices=jax.devices()[:4],
+    )
+    jdp.assert_replicas_in_sync(state)
+    return params, batches, step.unreplicate(state).params
+
+
+def _row_tx(lr=LR):
+    return jdp.sparse.optimizer(optax.sgd(lr), {"embed": jdp.sparse.sgd(lr)})
+
+
+def test_rows_is_one_label_of_a_partition():
+    """Beside `jdp.all_reduce()`: the same params as `jdp.sparse.rows()` alone."""
+    _, _, alone = _small_run(jdp.sparse.rows(), _row_tx())
+    labels = {"embed": "tables", "mlp": "dense"}
+    pieces = {"tables": jdp.sparse.rows(), "dense": jdp.all_reduce()}
+    _, _, mixed = _small_run(jdp.partition(labels, pieces), _row_tx())
+    assert_trees_close(mixed, alone, rtol=1e-6, atol=1e-7)
+
+
+def test_a_table_under_another_piece_of_a_partition_gets_its_dense_gradient():
+    """The table's rows, densified for `jdp.all_reduce()`, equal the dense path."""
+    params, _, dense = _small_run(jdp.all_reduce(), optax.sgd(LR))
+    labels = {"embed": "dense", "mlp": "rows"}
+    pieces = {"dense": jdp.all_reduce(), "rows": jdp.sparse.rows()}
+    _, _, mixed = _small_run(jdp.partition(labels, pieces), _row_tx())
+    assert_trees_close(mixed, dense, rtol=1e-5, atol=1e-7)
+    assert not np.allclose(mixed["embed"], params["embed"])
+
+
+def test_rows_through_sync_gradients_in_a_hand_written_step():
+    """`jdp.sparse.value_and_grad` + the adapter: the step `make_train_step` runs."""
+    tx = _row_tx()
+    params, batches, expected = _small_run(jdp.sparse.rows(), tx)
+    grad_fn = jdp.sparse.value_and_grad(loss_fn, ["embed"])
+
+    def hand_written(state, batch):
+        loss, grads = grad_fn(state.params, batch)
+        return state.apply_gradients(grads=grads), {"loss": loss}
+
+    chained = optax.chain(jdp.sync_gradients(jdp.sparse.rows()), tx)
+    step, state = train(
+        hand_written, params, chained, batches, devices=jax.devices()[:4]
+    )
+    got = step.unreplicate(state).params
+    assert_trees_close(got, expected, rtol=1e-6, atol=1e-7)
+    assert not np.allclose(got["embed"], params["embed"])
+
+
 def test_sparse_adagrad_matches_optax_adagrad():
     params = init_params(1, SMALL_ROWS, SMALL_DIM)
     batches = make_batches(6, 32, SMALL_ROWS, seed=1, hot=4)
@@ -436,13 +493,6 @@ def test_optimizer_errors():
         jdp.sparse.optimizer(optax.sgd(0.1), {"table": jdp.sparse.sgd(0.1)}).init(
             params
         )
-    tx = jdp.sparse.optimizer(optax.sgd(0.1), {"embed": jdp.sparse.sgd(0.1)})
-    sparse_grads = {
-        "embed": jdp.sparse.IndexedRows(jnp.arange(2), jnp.ones((2, 2))),
-        "w": jnp.ones(2),
-    }
-    with pytest.raises(TypeError, match="got sparse `IndexedRows` gradients"):
-        tx.update(sparse_grads, tx.init(params), params)
     with pytest.raises(
         ValueError, match=r"rows of shape \(2, 3\) for a table of shape \(10, 2\)"
     ):

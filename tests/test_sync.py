@@ -209,8 +209,8 @@ def test_a_piece_of_ones_own_in_a_hand_written_step_through_sync_gradients():
 
 
 def test_sync_gradients_refuses_what_is_not_a_piece():
-    with pytest.raises(TypeError, match=r"turns a `jdp.Sync`.*got OwnUpdate"):
-        jdp.sync_gradients(jdp.sparse.rows())
+    with pytest.raises(TypeError, match=r"turns a `jdp.Sync`.*got GradientTransf"):
+        jdp.sync_gradients(optax.sgd(0.1))
 
 
 def test_bmuf_in_a_hand_written_step_runs_the_same_block_sync():

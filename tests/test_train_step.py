@@ -427,7 +427,7 @@ def test_dynamic_scale_is_honoured_and_skips_overflowing_steps(backend):
     jdp.assert_replicas_in_sync(state)
 
 
-def test_dynamic_scale_with_a_piece_that_applies_the_optimizer_is_refused():
+def test_dynamic_scale_with_a_piece_that_takes_sparse_rows_is_refused():
     from flax.training.dynamic_scale import DynamicScale
 
     tx = jdp.sparse.optimizer(optax.sgd(0.1), {"layer0/w": jdp.sparse.sgd(0.1)})
@@ -440,7 +440,7 @@ def test_dynamic_scale_with_a_piece_that_applies_the_optimizer_is_refused():
             params=init_mlp(jax.random.key(0)), tx=tx, dynamic_scale=DynamicScale()
         )
     )
-    with pytest.raises(ValueError, match=r"`dynamic_scale`.*needs a `jdp.Sync`"):
+    with pytest.raises(ValueError, match=r"`dynamic_scale`.*needs dense gradients"):
         step(state, step.shard(make_batches(1, 4)[0]))
 
 

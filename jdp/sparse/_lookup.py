@@ -89,6 +89,13 @@ def row_index(ids: jax.Array, num_rows: int) -> jax.Array:
     return jnp.where(ids < 0, num_rows, ids)
 
 
+def densify(grads: IndexedRows, table: jax.Array) -> jax.Array:
+    """A table's sparse gradient as the dense one (repeated ids added)."""
+    index = row_index(grads.ids, table.shape[0])
+    zeros = jnp.zeros(table.shape, grads.rows.dtype)
+    return zeros.at[index].add(grads.rows, mode="drop")
+
+
 def integer_ids(ids: Any, api: str) -> jax.Array:
     ids = jnp.asarray(ids)
     if not jnp.issubdtype(ids.dtype, jnp.integer):

@@ -290,7 +290,8 @@ class OptimizerState(NamedTuple):
 class SparseTransformation(optax.GradientTransformation):
     """An `optax.GradientTransformation` that also trains some tables sparsely.
 
-    Made by `jdp.sparse.optimizer`; its `update` takes dense gradients.
+    Made by `jdp.sparse.optimizer`. Its `update` takes a table's gradient dense
+    or as `jdp.sparse.IndexedRows`, and returns the table's update dense.
 
     Attributes:
       dense: The optimizer of every parameter that is not a table.
@@ -307,8 +308,9 @@ def optimizer(
 ) -> SparseTransformation:
     """Combines an optax optimizer for the dense parameters with row optimizers.
 
-    For `sync=jdp.sparse.rows()`, or the dense path (`jdp.all_reduce()`). No
-    dense optimizer state is allocated for the tables.
+    For `sync=jdp.sparse.rows()` (the tables' rows only are updated), or the
+    dense path (`jdp.all_reduce()`). No dense optimizer state is allocated for
+    the tables.
 
     Args:
       dense_tx: optax optimizer for all non-table parameters.
@@ -353,12 +355,6 @@ def optimizer(
             raise ValueError(
                 "`jdp.sparse.optimizer(...).update` needs `params` (the tables' row "
                 "optimizers update the tables themselves)."
-            )
-        if any(map(is_rows, jax.tree.leaves(updates, is_leaf=is_rows))):
-            raise TypeError(
-                "`jdp.sparse.optimizer(...).update` got sparse `IndexedRows` "
-                "gradients; apply those with `sync=jdp.sparse.rows()`, or pass "
-                "dense gradients."
             )
         return apply_sparse(tx, updates, state, params, api=api, as_updates=True)
 

@@ -81,14 +81,15 @@ def rows(
     check_ids: bool = False,
     bucket_bytes: int | None = _collectives.DEFAULT_BUCKET_BYTES,
     reduce_dtype: Any = None,
-) -> _sync.OwnUpdate:
+) -> _sync.Sync:
     """A sync piece that trains embedding tables with sparse gradients.
 
     With `tx` made by `jdp.sparse.optimizer` and a loss that reads each table
     through `jdp.sparse.lookup`: dense gradients are all-reduced; each table's
     row gradients are all-gathered and applied to the touched rows only, with
-    the results of `jdp.all_reduce()` and the same `tx`. See the Sparse
-    embeddings guide (docs/guides/sparse.md).
+    the results of `jdp.all_reduce()` and the same `tx`. It may be one label's
+    piece in a `jdp.partition`. See the Sparse embeddings guide
+    (docs/guides/sparse.md).
 
     Args:
       combine: Sum the rows of repeated ids after gathering (changes no result).
@@ -99,7 +100,7 @@ def rows(
       reduce_dtype: Wire dtype of the dense parameters' all-reduce.
 
     Returns:
-      The piece, for `jdp.make_train_step(..., sync=...)` only.
+      A `jdp.Sync` that takes tables' gradients as `jdp.sparse.IndexedRows`.
 
     Raises:
       ValueError: If `bucket_bytes` is out of range.
@@ -124,19 +125,7 @@ def rows(
         _install_filter()
     api = "jdp.sparse.rows"
 
-    def grads_fn(optimizer):
-        if not isinstance(optimizer, SparseTransformation):
-            raise TypeError(
-                f"`{api}` needs an optimizer made by "
-                "`jdp.sparse.optimizer(dense_tx, {table_path: jdp.sparse.sgd(lr)})`"
-                f"; got {type(optimizer).__name__}. For dense table gradients use "
-                "`jdp.all_reduce()`."
-            )
-        return functools.partial(
-            value_and_grad, tables=[t for t, _ in optimizer.tables]
-        )
-
-    def apply(grads, state, optimizer, axis_name):
+    def update(grads, state, params, axis_name):
         num = _collectives.axis_size(axis_name, api)
         dense = _collectives.all_reduce(
             split_rows(grads)[0],
@@ -156,11 +145,31 @@ def rows(
             return combine_rows(*gathered) if combine else gathered
 
         grads = jax.tree_util.tree_map_with_path(
-            exchange, grads, dense, state.params, is_leaf=is_rows
+            exchange, grads, dense, params, is_leaf=is_rows
         )
-        params, opt_state = apply_sparse(
-            optimizer, grads, state.opt_state, state.params
-        )
-        return params, opt_state, {}
+        return grads, state, {}
 
-    return _sync.OwnUpdate(apply, value_and_grad=grads_fn)
+    return _sync.TakesRows(None, update)
+
+
+def tables_of(optimizer: Any) -> list[str]:
+    """The table paths of a `jdp.sparse.optimizer`, for a piece that takes rows."""
+    if not isinstance(optimizer, SparseTransformation):
+        raise TypeError(
+            "`jdp.sparse.rows` needs an optimizer made by "
+            "`jdp.sparse.optimizer(dense_tx, {table_path: jdp.sparse.sgd(lr)})`"
+            f"; got {type(optimizer).__name__}. For dense table gradients use "
+            "`jdp.all_reduce()`."
+        )
+    return [t for t, _ in optimizer.tables]
+
+
+def differentiate(optimizer: Any):
+    """`value_and_grad` that keeps the optimizer's tables' gradients as rows."""
+    return functools.partial(value_and_grad, tables=tables_of(optimizer))
+
+
+def apply(grads, state, optimizer) -> tuple[PyTree, PyTree, dict[str, jax.Array]]:
+    """`(params, opt_state, {})`: `optimizer` applied, tables on their rows only."""
+    params, opt_state = apply_sparse(optimizer, grads, state.opt_state, state.params)
+    return params, opt_state, {}
