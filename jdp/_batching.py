@@ -89,12 +89,10 @@ def check_layout(batch: PyTree, backend: str) -> None:
         if entry is not None and entry[0]() is x and entry[1] != backend:
             other.append((keystr(path), entry[1]))
     if other:
+        kind, probs = other[0][1], format_problems([p for p, _ in other])
         raise ValueError(
             OTHER_LAYOUT_MSG.format(
-                other=other[0][1],
-                mine=backend,
-                why=_WHY[other[0][1]],
-                probs=format_problems([p for p, _ in other]),
+                other=kind, mine=backend, why=_WHY[kind], probs=probs
             )
         )
 

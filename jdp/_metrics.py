@@ -219,9 +219,7 @@ def check_no_markers(state: PyTree) -> None:
 
 
 def _marker_name(m: Any) -> str:
-    if isinstance(m, Weighted):
-        return "`jdp.weighted`"
-    return f"`jdp.metrics.{m.how}`"
+    return "`jdp.weighted`" if isinstance(m, Weighted) else f"`jdp.metrics.{m.how}`"
 
 
 def _as_array(path, m, marker) -> jax.Array:

@@ -89,13 +89,8 @@ def finite_number(
     `above` and `below` are exclusive bounds, `at_least` an inclusive one;
     `note` is shown in parentheses after the requirement.
     """
-    parts = []
-    if above is not None:
-        parts.append(f"> {above}")
-    if at_least is not None:
-        parts.append(f">= {at_least}")
-    if below is not None:
-        parts.append(f"< {below}")
+    bounds = (("> ", above), (">= ", at_least), ("< ", below))
+    parts = [f"{op}{bound}" for op, bound in bounds if bound is not None]
     requirement = "a finite number" + (" " + " and ".join(parts) if parts else "")
     if note:
         requirement += f" ({note})"

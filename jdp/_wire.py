@@ -87,8 +87,7 @@ def bf16() -> Wire:
 def int8(block_size: int = 256) -> Wire:
     """int8 on the wire, one float32 scale per block: about a quarter of the bytes.
 
-    Each block's largest magnitude maps to 127; values are rounded to the nearest
-    integer (ties to even).
+    Each block's largest magnitude maps to 127 (the compression guide's step 1).
 
     Args:
       block_size: Values per scale (256: scales add 1.6% to the bytes). Smaller
@@ -112,8 +111,7 @@ def int8(block_size: int = 256) -> Wire:
 def fp8(block_size: int = 256) -> Wire:
     """8-bit floats (e4m3) on the wire, one float32 scale per block.
 
-    As `int8`, with each block's largest magnitude mapped to 448: a relative
-    error per value rather than an absolute one per block.
+    As `int8`, with each block's largest magnitude mapped to 448.
 
     Args:
       block_size: Values per scale (256 by default), as for `int8`.
@@ -161,9 +159,6 @@ def check_options(wire: Any, error_feedback: Any, reduce_dtype: Any, api: str) -
         )
 
 
-# -- error-feedback state -------------------------------------------------------------
-
-
 @_replica_parts.declare(local=("worker", "server"), required=("worker", "server"))
 class WireState(NamedTuple):
     """The error-feedback buffers of a compressed all-reduce; differ per replica.
@@ -204,15 +199,6 @@ def init_state(params: PyTree, wire: Wire) -> WireState:
     )
 
 
-# -- the exchange ---------------------------------------------------------------------
-
-
-def _split_outer(axis_name):
-    """`(compressed axis, inner axes)`: on a host mesh only the outer one compresses."""
-    axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
-    return axes[0], axes[1:]
-
-
 def mean(
     grads: PyTree,
     *,
@@ -223,12 +209,10 @@ def mean(
 ) -> tuple[PyTree, WireState | None]:
     """Averages `grads` over replicas sending `wire`'s format: `(grads, new error)`.
 
-    Float leaves are averaged, others pass through; each is quantised alone and
-    decoded straight from the gathered result (read and written once). `axis_name`
-    is resolved; on `(host, device)` axes only the hosts' exchange is compressed.
-    `error`: the buffers of `init_state`, or None.
+    The exchange of the compression guide, for a resolved `axis_name`; `error`:
+    the buffers of `init_state`, or None.
     """
-    outer, inner = _split_outer(axis_name)
+    outer, *inner = (axis_name,) if isinstance(axis_name, str) else axis_name
     leaves, treedef = jax.tree_util.tree_flatten(grads)
     idx = [i for i, x in enumerate(leaves) if is_float(x)]
     if not idx:
@@ -240,7 +224,7 @@ def mean(
         _check_error(error, padded, api)
     values = [leaves[i].astype(jnp.float32).reshape(-1) for i in idx]
     if inner:
-        values = lax.pmean(values, inner)
+        values = lax.pmean(values, tuple(inner))
     num = lax.axis_size(outer)
     if num == 1:
         return grads if not inner else _unflatten(leaves, treedef, idx, values), error
@@ -272,8 +256,7 @@ def mean(
     gathered = gathered.reshape(-1)
     if own_scale is not None:
         own_scale = own_scale.reshape(-1)
-    values = []
-    offset = 0
+    values, offset = [], 0
     for n, p in zip(sizes, padded, strict=True):
         sc = None
         if own_scale is not None:
@@ -284,10 +267,7 @@ def mean(
 
 
 def _quantise(values, sizes, padded, wire: Wire, error, num: int):
-    """Each leaf plus its worker error quantised: `(worker errors, payload, scales)`.
-
-    Joined and padded to `num` chunks of whole blocks.
-    """
+    """`(worker errors, payload, scales)`: the leaves plus errors in `num` chunks."""
     payloads, scales, workers = [], [], []
     for k, (v, n, p) in enumerate(zip(values, sizes, padded, strict=True)):
         x = jnp.pad(v, (0, p - n))

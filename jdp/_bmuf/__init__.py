@@ -25,12 +25,6 @@ _plan = _fragments.plan
 _Options = _options.Options
 
 __all__ = [
-    "MERGES_ARG",
-    "BMUFState",
-    "BlockAverage",
-    "Streaming",
-    "block_momentum",
-    "bmuf",
-    "bmuf_global_params",
-    "merge_updated",
-]
+    "MERGES_ARG", "BMUFState", "BlockAverage", "Streaming", "block_momentum", "bmuf",
+    "bmuf_global_params", "merge_updated",
+]  # fmt: skip

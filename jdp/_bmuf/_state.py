@@ -69,14 +69,12 @@ class BMUFState(NamedTuple):
         """
         if self.pending is None:
             return self
+
+        def like(s, p):
+            return np.asarray(s, dtype=np.result_type(p)).reshape(np.shape(p))
+
         return self._replace(
-            pending=jax.tree.map(
-                lambda s, p: np.asarray(s, dtype=np.result_type(p)).reshape(
-                    np.shape(p)
-                ),
-                self.restart_params(),
-                self.pending,
-            )
+            pending=jax.tree.map(like, self.restart_params(), self.pending)
         )
 
 
@@ -103,9 +101,7 @@ def float_map(fn, tree, *rest):
 
 def float_where(pred, tree, other):
     """`tree`'s floating leaves where `pred` holds, else `other`'s; others `tree`'s."""
-    return jax.tree.map(
-        lambda x, o: jnp.where(pred, x, o) if is_float(x) else x, tree, other
-    )
+    return float_map(lambda x, o: jnp.where(pred, x, o), tree, other)
 
 
 def lookahead(g, v, eta):
@@ -122,8 +118,6 @@ def cast_like(tree, like):
 
 def reset(state, initial):
     """Floating leaves from `initial` (accumulators), integer leaves kept (counters)."""
-    return jax.tree.map(
-        lambda cur, init: jnp.asarray(init).astype(cur.dtype) if is_float(cur) else cur,
-        state,
-        initial,
+    return float_map(
+        lambda cur, init: jnp.asarray(init).astype(cur.dtype), state, initial
     )
