@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import signal
 import sys
 import tempfile
 
 from jdp import _allocator
+from jdp.launch._setup import cpu_device_flags
 
 #: Simulated CPU devices when there is no accelerator and no `--devices`.
 DEFAULT_CPU_DEVICES = 8
@@ -22,7 +22,6 @@ ALGOS = ("sync", "bmuf", "zero")
 BACKENDS = ("shard_map", "pmap")
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
-_DEVICE_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
 
 
 class UsageError(Exception):
@@ -187,10 +186,7 @@ def simulate_cpu_devices(num: int) -> None:
 
     Must run before JAX's backend starts; accelerators are unaffected.
     """
-    flags = _DEVICE_FLAG.sub("", os.environ.get("XLA_FLAGS", ""))
-    os.environ["XLA_FLAGS"] = (
-        f"{flags} --xla_force_host_platform_device_count={num}".strip()
-    )
+    os.environ["XLA_FLAGS"] = cpu_device_flags(os.environ.get("XLA_FLAGS", ""), num)
     if "JAX_NUM_CPU_DEVICES" in os.environ:  # read by jax at import: overrides it
         import jax
 

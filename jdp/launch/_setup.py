@@ -37,6 +37,12 @@ ENV_MAX_RESTARTS = "JDP_MAX_RESTARTS"
 _DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
 
 
+def cpu_device_flags(xla_flags: str, count: int) -> str:
+    """`xla_flags` asking for `count` CPU devices (replacing any count it has)."""
+    flags = _DEVICE_COUNT_FLAG.sub("", xla_flags).split()
+    return " ".join([*flags, f"--xla_force_host_platform_device_count={count}"])
+
+
 def free_port() -> int:
     """A TCP port of 127.0.0.1 that nothing listens on right now (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -71,9 +77,9 @@ def process_env(
     env[ENV_FAIL_FAST] = "1"
     env["PYTHONUNBUFFERED"] = "1"
     if devices_per_process is not None:
-        flags = _DEVICE_COUNT_FLAG.sub("", env.get("XLA_FLAGS", "")).split()
-        flags.append(f"--xla_force_host_platform_device_count={devices_per_process}")
-        env["XLA_FLAGS"] = " ".join(flags)
+        env["XLA_FLAGS"] = cpu_device_flags(
+            env.get("XLA_FLAGS", ""), devices_per_process
+        )
         env["JAX_NUM_CPU_DEVICES"] = str(devices_per_process)
     return env
 
