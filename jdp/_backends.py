@@ -193,9 +193,6 @@ def make_backend(name: BackendName, mesh: Mesh) -> Backend:
     return {"pmap": _Pmap, "shard_map": _ShardMap}[name](mesh)
 
 
-# -- pmap --------------------------------------------------------------------------
-
-
 def _with_leading(tree: PyTree, n: int) -> PyTree:
     """The abstract `tree` with a leading axis of size `n`."""
     return jax.tree.map(
@@ -284,9 +281,6 @@ class _Pmap(Backend):
             for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]
             if x.shape[0] != n
         ]
-
-
-# -- shard_map ---------------------------------------------------------------------
 
 
 class _ShardMap(Backend):

@@ -195,8 +195,6 @@ def all_reduce(
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-# -- the bucketed-collective engine -------------------------------------------------
-
 BucketedOp = Literal["psum", "psum_scatter", "all_gather"]
 
 

@@ -151,15 +151,9 @@ def _moving_axes(fn, params) -> set[str]:
 
 #: The state fields a train step reads and writes.
 KNOWN_FIELDS = (
-    "step",
-    "params",
-    "opt_state",
-    "batch_stats",
-    "skipped_steps",
-    "dynamic_scale",
-    "rng",
-    "sync_state",
-)
+    "step", "params", "opt_state", "batch_stats", "skipped_steps", "dynamic_scale",
+    "rng", "sync_state",
+)  # fmt: skip
 
 
 def check_known_fields(state: PyTree, api: str) -> None:

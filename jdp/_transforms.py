@@ -11,13 +11,7 @@ from jax import lax
 from jdp import _collectives
 
 
-def update(
-    tx: optax.GradientTransformation,
-    grads: Any,
-    opt_state: Any,
-    params: Any,
-    **extra_args: Any,
-) -> tuple[Any, Any]:
+def update(tx: optax.GradientTransformation, grads, opt_state, params, **extra_args):
     """`tx.update` with optax's extra arguments, as a train step runs it.
 
     Under `optax.MultiSteps`, the micro-steps that only accumulate run with jdp's

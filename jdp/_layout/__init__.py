@@ -25,27 +25,9 @@ from jdp._layout._state_checks import (
 )
 
 __all__ = [
-    "AxisName",
-    "CustomLayout",
-    "abstract",
-    "check_replicated",
-    "check_same_structure",
-    "compare_replicas",
-    "check_unchanged",
-    "host_value",
-    "is_custom",
-    "is_key",
-    "is_replicated",
-    "key_impl",
-    "logical_copy",
-    "logical_like",
-    "make_mesh",
-    "map_agreed",
-    "mesh_axis",
-    "mesh_for",
-    "misplaced",
-    "place_like",
-    "replica_leaves",
-    "replica_sharding",
-    "replicate",
-]
+    "AxisName", "CustomLayout", "abstract", "check_replicated", "check_same_structure",
+    "compare_replicas", "check_unchanged", "host_value", "is_custom", "is_key",
+    "is_replicated", "key_impl", "logical_copy", "logical_like", "make_mesh",
+    "map_agreed", "mesh_axis", "mesh_for", "misplaced", "place_like", "replica_leaves",
+    "replica_sharding", "replicate",
+]  # fmt: skip

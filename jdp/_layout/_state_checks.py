@@ -99,12 +99,8 @@ def check_unchanged(before: PyTree, after: PyTree) -> None:
 
 def _low_precision_hint(probs: list[str]) -> str:
     """Why an optimizer state of float16 (bfloat16) params comes back float32."""
-    widened = [
-        p
-        for p in probs
-        if "opt_state" in p
-        and ("float16[" in p or "bfloat16[" in p)
-        and "-> float32" in p
+    widened = [  # float16 or bfloat16
+        p for p in probs if "opt_state" in p and "float16[" in p and "-> float32" in p
     ]
     if not widened:
         return ""
