@@ -58,9 +58,7 @@ class CheckpointCorruptedError(ValueError):
 
     Args:
       message: The whole error message.
-      directory: The checkpoint directory.
-      step: The damaged step.
-      detail: What is wrong with the step, one sentence.
+      directory, step, detail: As the attributes.
 
     Attributes:
       directory: The checkpoint directory (a string), or None.

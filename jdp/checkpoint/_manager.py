@@ -1,8 +1,4 @@
-"""`jdp.checkpoint.CheckpointManager`: which step to save or restore.
-
-The modules next to it do the work: `_store` (orbax's manager), `_format`,
-`_save`, `_restore`, `_per_replica`, `_integrity`, `_damage`, `_extra`, `_lock`.
-"""
+"""`jdp.checkpoint.CheckpointManager`; the modules next to it do the work."""
 
 from __future__ import annotations
 
@@ -66,9 +62,9 @@ def _finish_saves_at_exit() -> None:
 
 
 def _register_exit_hook() -> None:
-    """Registers `_finish_saves_at_exit` once, before orbax's pools shut down.
+    """Registers `_finish_saves_at_exit` once, as a `threading` exit hook.
 
-    As a `threading` exit hook: those run before `concurrent.futures`'s.
+    Those run before `concurrent.futures`'s, which shut orbax's pools down.
     """
     global _exit_hook_registered
     # Imported first, it registers its pools' shutdown first: ours runs before.
@@ -126,15 +122,10 @@ def _newest_intact(store, directory, candidates: list[int], read) -> Any:
 class CheckpointManager:
     """Saves one copy of a replicated state; restores it into every replica.
 
-    Built on `orbax.checkpoint.CheckpointManager`. `save(step, state)` writes
-    replica 0's copy of `state` and a JSON record of it; `restore(like)` gives
-    every replica of `like`'s layout the saved copy, on any number of devices
-    or hosts, or returns one copy for a `like` without replica axis. Static
-    pytree fields (such as `jdp.TrainState.tx`) come from `like`. A step is
-    committed only when complete and never overwritten, a damaged newest step
-    is reported and skipped, and one manager at a time saves into a directory
-    (a lock file, from its first `save` to `close`). See the Checkpoints guide
-    (docs/guides/checkpoints.md).
+    Built on `orbax.checkpoint.CheckpointManager`; the number of devices, hosts
+    and the backend may change between `save` and `restore`. A step is committed
+    only when complete and never overwritten, and one manager at a time saves
+    into a directory. See the Checkpoints guide (docs/guides/checkpoints.md).
 
     Args:
       directory: Directory holding one subdirectory per saved step (created at

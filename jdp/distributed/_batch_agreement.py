@@ -1,8 +1,7 @@
-"""Private: the cross-process agreement of `step.shard`'s batches.
+"""Private: `step.shard`'s batches compared across processes (`_PROCESS_CHECK`).
 
-Each process passes its share of the global batch; sizes, structures, dtypes and
-padding are compared through JAX's coordination service, so that a mismatch
-raises instead of training on misaligned data (`_PROCESS_CHECK`).
+Sizes, structures, dtypes and padding go through JAX's coordination service,
+so that a mismatch raises instead of training on misaligned data.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
-"""Private: what a cluster's environment says about this process.
+"""Private: what a cluster's environment variables say about this process.
 
-Pure functions of the environment variables: which of the node's GPUs are this
-process's (`plan_local_devices`), and whether the job has several processes
-(`expected_processes`), so that one alone can say so.
+Which of the node's GPUs are its own (`plan_local_devices`), and whether the job
+has several processes (`expected_processes`).
 """
 
 from __future__ import annotations

@@ -1,8 +1,4 @@
-"""Private: `initialize`'s configuration: where it comes from, and its checks.
-
-In order: the arguments; the `JDP_*` variables; JAX's detection of a SLURM job
-step. Also each process's devices, and the refusal of a process alone in a job.
-"""
+"""Private: `initialize`'s configuration: where it comes from, and its checks."""
 
 from __future__ import annotations
 
@@ -118,7 +114,7 @@ def _requested_config(
 
 
 def _detected_config(requested: dict) -> tuple[dict, str]:
-    """The configuration with what JAX detects in a SLURM job step, and its source.
+    """The configuration and its source, with what JAX detects in a SLURM job step.
 
     Known here, the values get jdp's wait for the coordinator (JAX's aborts).
     """

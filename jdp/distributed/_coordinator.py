@@ -1,8 +1,4 @@
-"""Private: reaching process 0's coordinator (JAX's coordination service).
-
-Where it listens, whether process 0 can (JAX's process crashes instead), and the
-others' wait for it, with a clear error where JAX would abort.
-"""
+"""Private: reaching process 0's coordinator, with a clear error where JAX aborts."""
 
 from __future__ import annotations
 

@@ -1,8 +1,4 @@
-"""Private: joining and leaving the job: the one caller of `jax.distributed`.
-
-The configuration and its checks are in `_config`, the coordinator's address in
-`_coordinator`, how a process exits in `_exit`, what it set up in `_state`.
-"""
+"""Private: joining and leaving the job: the one caller of `jax.distributed`."""
 
 from __future__ import annotations
 
@@ -251,11 +247,7 @@ def jax_initialize_args(
     bind: str | None,
     environ: dict | None = None,
 ) -> dict:
-    """The keyword arguments of jdp's call of `jax.distributed.initialize`.
-
-    An empty `local_device_ids` restricts nothing, where None would let JAX's
-    cluster detection restrict it to one device.
-    """
+    """The keyword arguments of jdp's call of `jax.distributed.initialize`."""
     return dict(
         coordinator_address=requested["coordinator_address"],
         num_processes=requested["num_processes"],
@@ -307,10 +299,7 @@ def shutdown() -> None:
 
 
 def _leave(process_id: int, num_processes: int, timeout_s: int) -> None:
-    """`jax.distributed.shutdown()`, ended after `timeout_s` s with a clear message.
-
-    Before JAX's barrier aborts; each process notes its arrival in the store.
-    """
+    """`jax.distributed.shutdown()`, ended after `timeout_s` with a clear message."""
     client = _coordination.store()
     args = (client, process_id, num_processes, timeout_s)
     watchdog = _exit.exit_timer(timeout_s, _shutdown_timed_out, *args)

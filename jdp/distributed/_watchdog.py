@@ -1,9 +1,8 @@
 """Private: the stall check of a job started without `python -m jdp.launch`.
 
-A stuck process keeps its heartbeats, so JAX never notices. Each process
-publishes its progress count (`jdp._progress`) under `jdp/stall/p/<process>` and
-a daemon thread judges the counts as the launcher does (`jdp/launch/_stall.py`);
-the first verdict written stops every process with `EXIT_CODE`.
+Each process publishes its progress count under `jdp/stall/p/<process>`, and a
+daemon thread judges the counts (`_progress.Tracker`); the first verdict
+written stops every process with `EXIT_CODE`.
 """
 
 from __future__ import annotations
@@ -223,7 +222,7 @@ class Watchdog:
                 return
 
     def _check(self) -> Verdict | None:
-        """One round: publish, read everything, judge; the job's verdict, if any."""
+        """One round: publish, read, judge; the job's verdict, if any."""
         self._publish()
         entries = self.client.entries(_PREFIX)
         reports = {}

@@ -1,9 +1,7 @@
 """Private: which process of a failed job caused the failure, from what was seen.
 
-When one process dies, its peers fail within milliseconds (a collective whose
-peer left fails), closer together than the launcher's threads can tell apart.
-These pure functions decide from when and how each process ended, and from its
-last output, which failure to name first (`tests/test_cause.py`).
+A process's peers fail within milliseconds of it, closer together than the
+launcher can tell apart: these pure functions name the likely cause first.
 """
 
 from __future__ import annotations
@@ -14,13 +12,12 @@ from signal import SIGBUS, SIGFPE, SIGILL, SIGKILL, SIGSEGV
 
 from jdp import _jax_compat
 
-#: Failures within this many seconds of the first one are ordered by their kind,
-#: not by when the launcher saw them end; the launcher also waits this long for
-#: processes whose output has closed (they are ending) before deciding.
+#: Failures within this many seconds of the first are ordered by their kind; the
+#: launcher also waits this long for processes whose output has closed.
 ENDING_WAIT_S = 2.0
 
-#: A failure this many seconds (or less) after a process finished (exit 0) is
-#: most likely caused by that finish (a step it never joined fails on the others).
+#: A failure this soon after a process finished (exit 0) is most likely caused by
+#: it (a step it never joined fails on the others).
 FINISHED_THEN_FAILED_S = 5.0
 
 #: Signals that end a process by themselves (SIGKILL, a crash), never because a
@@ -60,10 +57,8 @@ def finished_before(
 ) -> list[tuple[int, float]]:
     """`(process_id, seconds before the failure)` of the processes that finished.
 
-    Of `exits` (`(ended at, process_id, returncode)`), those with exit 0 up to
-    `FINISHED_THEN_FAILED_S` before the failure at `failed_at`, or seen to end
-    up to `ENDING_WAIT_S` after it (a program does not complete because a peer
-    failed).
+    Of `exits` (`(ended at, process_id, returncode)`), those with exit 0 from
+    `FINISHED_THEN_FAILED_S` before the failure to `ENDING_WAIT_S` after it.
     """
     return [
         (r, failed_at - t)

@@ -1,8 +1,4 @@
-"""Private: `python -m jdp.launch`'s job: a script run in N processes.
-
-`launch_command` runs the attempts (`run_attempts`), forwards Ctrl-C and
-SIGTERM to the processes and returns the job's exit status.
-"""
+"""Private: `python -m jdp.launch`'s job: a script run in N processes."""
 
 from __future__ import annotations
 
@@ -38,13 +34,9 @@ def launch_command(
 ) -> int:
     """Runs `target` in `num_processes` processes; returns the job's exit status.
 
-    Forwards SIGINT/SIGTERM to every process; processes still running
-    `_launcher.FORWARD_GRACE_S` later, or after a second signal, are killed.
-    Returns 2 without starting anything if `port` cannot be listened on, and 124
-    if the job runs past `timeout_s` (restarts included) or stalls for
-    `stall_timeout_s` (0 or None: no stall check) with no restart left. Restarts
-    follow `Restarts(num_processes, max_restarts, min_processes)`, each on a
-    fresh port.
+    Forwards SIGINT/SIGTERM to every process (a second signal kills them).
+    Returns 2 without starting anything if `port` cannot be listened on, and
+    124 if the job runs past `timeout_s` or stalls with no restart left.
     """
     _check_arguments(num_processes, devices_per_process, timeout_s, stall_timeout_s)
     policy = Restarts(num_processes, max_restarts, min_processes)

@@ -1,12 +1,8 @@
 """Private: start N processes of one job on this machine, watch them, stop them.
 
 A `Job` is one attempt. JAX notices a dead peer only at its heartbeat timeout,
-and a process blocked in a collective with a dead peer may never return, so the
-launcher kills the others itself; a process that is alive but stuck is found
-from the progress reports (`_stall`). A process ended when its output closed
-(with its connections) or, if sooner, when it was reaped: its peers may fail
-before it is reaped, so the launcher waits a moment for the processes that are
-ending before it names the cause (`_cause`).
+so the launcher kills the others itself; a stuck process is found from the
+progress reports (`_stall`), and the cause of a failure named by `_cause`.
 """
 
 from __future__ import annotations
@@ -48,10 +44,7 @@ SETTLE_S = 0.5
 
 
 def _exit_status(pid: int) -> tuple[bool, int | None]:
-    """Whether child `pid` has exited, and its returncode (None once reaped).
-
-    Leaves the process to be reaped.
-    """
+    """Whether child `pid` has exited, and its returncode (None once reaped)."""
     try:
         info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
     except ChildProcessError:  # reaped already: its reaping thread records it
@@ -99,15 +92,13 @@ class Job:
         self.failure: tuple[int, int] | None = None  # (process_id, returncode)
         self.also_failed: list[tuple[int, int]] = []  # failed before being stopped
         self.stopped = 0  # processes still running when a failure stopped the job
-        # (time.monotonic(), process_id, returncode) of each exit, and when each
-        # process's output pipes closed.
+        # (time.monotonic(), process_id, returncode) of each exit.
         self.exits: list[tuple[float, int, int]] = []
         self._closed: list[list[float]] = [[] for _ in self.commands]
         self._exits_lock = threading.Lock()
         self._failed_at: float | None = None  # when a failure was first seen
         self._seen_exits = 0  # exits the stall check has taken into account
-        # (process_id, seconds before the failure) of a process that finished
-        # shortly before it (`_cause.finished_before`).
+        # `(process_id, seconds before the failure)`, from `finished_before`.
         self.finished_first: tuple[int, float] | None = None
         self._stop_requested_at: float | None = None
 
@@ -148,10 +139,7 @@ class Job:
                 self.exits.append((now, rank, code))
 
     def _notice_exits(self) -> set[int]:
-        """Records the exits that the (late) reaping threads have not recorded yet.
-
-        Returns the processes whose returncode a thread reaped but not recorded.
-        """
+        """Records exits not recorded yet; the processes reaped but not recorded."""
         with self._exits_lock:
             seen = {r for _, r, _ in self.exits}
         now = time.monotonic()
@@ -215,10 +203,9 @@ class Job:
     ) -> bool:
         """Waits until all processes succeed (True) or one fails (False).
 
-        On a failure the others are stopped and `self.failure` says which
-        process failed first and how. Stops every process and raises
-        `TimeoutError` after `timeout_s` seconds (naming `limit_s`, the limit of
-        the whole run, if given), or `StallError` if `stall` finds stalled ones.
+        On a failure the others are stopped and `self.failure` set. Raises
+        `TimeoutError` after `timeout_s` (naming `limit_s`, the whole run's
+        limit, if given), or `StallError`; either stops every process first.
         """
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         try:
@@ -245,11 +232,10 @@ class Job:
             raise
 
     def _ends(self) -> tuple[list[tuple[float, int, int]], list[int]]:
-        """The exits in the order they ended, and the processes that are ending.
+        """The exits `(ended at, process_id, returncode)` in order, and those ending.
 
-        Exits are `(ended at, process_id, returncode)`: a process ended when its
-        output pipes closed, or when it was reaped if that was sooner (a process
-        it started may keep its pipes open). Ending: output closed, not reaped.
+        A process ended when its output pipes closed (with its connections), or
+        when it was reaped if sooner; ending: output closed, not reaped yet.
         """
         with self._exits_lock:
             exits = list(self.exits)
@@ -349,9 +335,8 @@ class Job:
     def _finished_first_message(self) -> str | None:
         """The failure, told from the process that finished just before it.
 
-        None if there is no such process (`finished_first`), or if its count is
-        final and no failing process went past it (they did not fail in a step
-        it left).
+        None without one, or if its count is final and no failing process went
+        past it.
         """
         if self.finished_first is None or self.failure is None:
             return None

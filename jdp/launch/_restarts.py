@@ -1,8 +1,6 @@
 """Private: when the launcher starts a failed job again, and with how many processes.
 
-`Restarts` is the policy of `--max-restarts` and `--min-processes` (and of
-`jdp.launch.run`'s `max_restarts`); `run_attempts` runs the attempts of either
-front end (`_command`, `_run`) under it.
+`Restarts` is the policy; `run_attempts` runs the attempts of either front end.
 """
 
 from __future__ import annotations
@@ -65,9 +63,8 @@ class Restarts:
     def next_attempt(self, first_failed: int | None, how: str) -> str | None:
         """Records a failed attempt; returns the restart line, or None to stop.
 
-        `first_failed`: the process index that failed first (None for a
-        stall); `how`: what happened, a sentence that starts the line. A restart
-        updates `num_processes`.
+        `first_failed`: who failed first (None for a stall); `how`: a sentence
+        that starts the line.
         """
         if self.restarts >= self.max_restarts:
             return None
@@ -97,12 +94,10 @@ def run_attempts(
 ) -> tuple[Job, TimeoutError | None]:
     """Runs attempts until one needs no restart; returns it, and its timeout.
 
-    `make_job(processes, folder)` builds each attempt (a folder of `directory`
-    each), `policy` decides the restarts, and `say` prints their lines.
-    `timeout_s` bounds all attempts together. Returns the last attempt
-    (`job.failure` is set if it failed) and the `TimeoutError` (a `StallError`
-    for a stall) that ended it, or None. Once `interrupted()` (a forwarded
-    signal), the attempt is returned as it is.
+    `make_job(processes, folder)` builds each attempt, `say` prints the restart
+    lines, `timeout_s` bounds all attempts together. Returns the last attempt
+    and the `TimeoutError` (or `StallError`) that ended it, or None; once
+    `interrupted()`, the attempt as it is.
     """
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:

@@ -1,8 +1,4 @@
-"""Private: `jdp.launch.run`, a function called in N new processes.
-
-`run` pickles the function and its arguments for `_worker.py` and runs the
-attempts (`run_attempts`).
-"""
+"""Private: `jdp.launch.run`, a function called in N new processes."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
-"""Private: what each process of a launched job is started with.
+"""Private: what each process of a launched job is started with (nothing starts).
 
-A free port, each process's environment (the `JDP_*` variables, the CPU device
-count, glibc's allocator thresholds), its command line (`_worker.py`) and
-progress file, an attempt's `Job` built from them, and the checks of the
-arguments both front ends share. Nothing here starts a process.
+A free port, each process's environment and progress file, an attempt's `Job`,
+and the checks of the arguments both front ends share.
 """
 
 from __future__ import annotations
@@ -60,14 +58,12 @@ def process_env(
     restart_count: int = 0,
     max_restarts: int = 0,
 ) -> dict[str, str]:
-    """The environment of process `process_id`: `JDP_*` variables and device count.
+    """The environment of process `process_id`: `JDP_*` variables, device count.
 
-    With glibc's allocator thresholds raised (`jdp._allocator`), unless the base
-    environment sets them or `JDP_DEFAULT_MALLOC=1`.
+    And glibc's allocator thresholds (`_allocator.child_env`); the coordinator
+    listens on loopback only (JAX's default is every address).
     """
     env = _allocator.child_env(base)
-    # `initialize()` fails fast (`JDP_FAIL_FAST`); its coordinator listens on
-    # loopback only (JAX's default is every address).
     env[ENV_RESTART_COUNT] = str(restart_count)
     env[ENV_MAX_RESTARTS] = str(max_restarts)
     env[ENV_COORDINATOR_ADDRESS] = f"127.0.0.1:{port}"
@@ -108,10 +104,7 @@ def new_job(
     port: int | None = None,
     echo: bool = True,
 ) -> Job:
-    """The `Job` of `policy`'s next attempt: a process per command.
-
-    On `port` (None: a free one), with its progress files in `folder`.
-    """
+    """The `Job` of `policy`'s next attempt: a process per command, on `port`."""
     port = port or free_port()
     envs = [
         process_env(

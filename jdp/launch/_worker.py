@@ -31,8 +31,7 @@ import types
 
 #: Where the launcher wants this process's progress reports (a JSON file).
 ENV_PROGRESS_FILE = "JDP_PROGRESS_FILE"
-#: The module whose `count()` is this process's progress (read, never imported
-#: here: that would import JAX before the target chose its settings).
+#: The module whose `count()` is this process's progress (never imported here).
 PROGRESS_MODULE = "jdp._progress"
 #: Seconds between two progress reports.
 REPORT_S = 0.5
@@ -87,10 +86,7 @@ def _run_call(payload_path: str, result_path: str) -> None:
 
 
 def _import_main(path: str) -> None:
-    """Imports the parent's main script as `__mp_main__`, as multiprocessing does.
-
-    It then stands in for `__main__`, where `fn` was pickled from.
-    """
+    """Imports the parent's main script as `__mp_main__`, then `__main__` (for `fn`)."""
     module = types.ModuleType("__mp_main__")
     module.__file__ = path
     sys.modules["__mp_main__"] = module
@@ -136,8 +132,7 @@ def where(thread_id: int, library_dirs: tuple[str, ...]) -> str | None:
     """Where thread `thread_id` is: its innermost frame in the program's own code.
 
     E.g. ``train.py:40 in main: `float(loss)`, inside jax/_src/array.py:623 in
-    _value`` (the innermost frame is named if it is in a library). None if the
-    thread has no Python frame.
+    _value``; None if the thread has no Python frame.
     """
     innermost = own = sys._current_frames().get(thread_id)
     if innermost is None:
@@ -183,9 +178,8 @@ def _write_record(path: str, record: dict) -> bool:
 def report_progress(path: str) -> None:
     """Writes this process's progress to `path` every `REPORT_S` seconds (a thread).
 
-    The record, `{"pid", "beats", "where"}` (plus `"finished": true` once
-    `report_finished` ran), is replaced atomically, and only when it changed;
-    `where` is where the main thread is (see `where`).
+    The record, `{"pid", "beats", "where"}` (and `"finished": true` after
+    `report_finished`), is replaced atomically when it changed.
     """
     main_id = threading.main_thread().ident
     library_dirs = _library_dirs()
@@ -207,11 +201,7 @@ def report_progress(path: str) -> None:
 
 
 def report_finished(path: str) -> None:
-    """Writes the last progress record at once: finished, with the exact count.
-
-    Before the interpreter's exit, which waits at JAX's shutdown barrier for the
-    other processes; from then on, every record says `"finished": true`.
-    """
+    """Writes the last record now (before JAX's shutdown barrier): finished."""
     with _write_lock:
         _finished.set()
         _write_record(path, {**_progress_record(), "where": None})
