@@ -164,20 +164,6 @@ def _fingerprints(leaves: list[jax.Array]) -> jax.Array:
     return jnp.stack(rows)
 
 
-def divergences(tree: PyTree) -> tuple[list[str], int, int] | None:
-    """`(differing leaf paths, a replica where the first differs, leaves checked)`."""
-    paths, prints = compare_replicas(_fingerprints, tree)
-    if not paths:
-        return None
-    prints = np.asarray(prints)
-    differ = prints != prints[:, :1]
-    bad = np.flatnonzero(differ.any(axis=1))
-    if not bad.size:
-        return None
-    replica = int(np.flatnonzero(differ[int(bad[0])])[0])
-    return [paths[i] for i in bad], replica, len(paths)
-
-
 def _all_of_kind(tree: PyTree, leaves: list[str], kind: str) -> bool:
     """Whether every diverging leaf is a "metric" accumulator or a "batch_stat"."""
     prefixes = []
@@ -194,10 +180,16 @@ def _all_of_kind(tree: PyTree, leaves: list[str], kind: str) -> bool:
 
 def check(tree: PyTree, mesh: Mesh, *, state: PyTree, call: int) -> None:
     """Raises `ReplicaDivergenceError`, naming a likely cause, if replicas differ."""
-    found = divergences(tree)
-    if found is None:
+    paths, prints = compare_replicas(_fingerprints, tree)
+    if not paths:
         return
-    leaves, replica, total = found
+    prints = np.asarray(prints)
+    differ = prints != prints[:, :1]
+    bad = np.flatnonzero(differ.any(axis=1))
+    if not bad.size:
+        return
+    leaves = [paths[i] for i in bad]
+    replica = int(np.flatnonzero(differ[int(bad[0])])[0])
     if _all_of_kind(tree, leaves, "metric"):
         template = METRICS_MSG
     elif _all_of_kind(tree, leaves, "batch_stat"):
@@ -211,7 +203,7 @@ def check(tree: PyTree, mesh: Mesh, *, state: PyTree, call: int) -> None:
         leaf=leaves[0],
         replica=replica,
         count=len(leaves),
-        total=total,
+        total=len(paths),
         axis=repr(mesh_axis(mesh)),
         more="" if len(leaves) == 1 else "; the first is named",
     )

@@ -78,12 +78,10 @@ def _one_copy(params: PyTree, replicated: bool | None) -> PyTree:
             ]
             raise ValueError(
                 "`jdp.export_predictor`: some parameter leaves are replicated by "
-                "`step.replicate` (a leading replica axis sharded over the mesh) "
-                "and others are not:"
-                f"{format_problems(probs)}\nPass one logical copy "
-                "(`step.unreplicate(state.params)`) or the replicated state as it "
-                "came out of the step; or pass `replicated=False` if the sharded "
-                "leaves are not replicas (their leading axis is then kept)."
+                f"`step.replicate` and others are not:{format_problems(probs)}\nPass "
+                "one copy (`step.unreplicate(state.params)`) or the state as the step "
+                "returned it; or `replicated=False` if the sharded leaves are not "
+                "replicas (their leading axis is then kept)."
             )
         replicated = bool(marks) and all(marks)
     if replicated:
@@ -93,11 +91,9 @@ def _one_copy(params: PyTree, replicated: bool | None) -> PyTree:
         if probs:
             raise ValueError(
                 "`jdp.export_predictor(replicated=True)`: every leaf must be laid out "
-                "by `step.replicate` (a jax.Array whose leading replica axis is "
-                "sharded over the whole mesh, as a step returns it); these are not:"
-                f"{format_problems(probs)}\nPass `replicated=False` for one plain "
-                "copy of the parameters (e.g. `step.unreplicate(state.params)`), or "
-                "pass the replicated state as the step returned it."
+                f"by `step.replicate`; these are not:{format_problems(probs)}\nPass "
+                "`replicated=False` for one plain copy (e.g. `step.unreplicate(state."
+                "params)`), or the replicated state as the step returned it."
             )
         params = logical_copy(params)
     return jax.tree.map(lambda x: np.asarray(jax.device_get(x)), params)
@@ -118,10 +114,9 @@ def _input_specs(inputs: tuple, batch_polymorphic: bool) -> tuple:
     scalars = [f"args{keystr(p)}" for p, s, _ in shapes if len(s) == 0]
     if scalars:
         raise ValueError(
-            "`jdp.export_predictor(batch_polymorphic=True)` makes the leading axis of "
-            f"every input the batch axis, but these inputs are scalars: "
-            f"{', '.join(scalars)}. Give them a batch axis or pass "
-            "`batch_polymorphic=False`."
+            "`jdp.export_predictor(batch_polymorphic=True)` makes every input's "
+            f"leading axis the batch axis; these are scalars: {', '.join(scalars)}. "
+            "Give them a batch axis or pass `batch_polymorphic=False`."
         )
     sizes = {s[0] for _, s, _ in shapes}
     if len(sizes) != 1:
@@ -425,9 +420,8 @@ class Predictor:
         if probs:
             raise TypeError(
                 "Predictor inputs must be numeric (or boolean) arrays; these are "
-                f"not:{format_problems(probs)}\n{self._expected()} Turn text or "
-                "other data into numbers (e.g. token ids) before calling the "
-                "predictor."
+                f"not:{format_problems(probs)}\n{self._expected()} Turn text into "
+                "numbers (e.g. token ids) first."
             )
         leaves, bound = [], {}
         for (path, _), x, aval in zip(flat, arrays, avals, strict=True):
@@ -540,9 +534,8 @@ def load_predictor(
     if expected is not None and not hmac.compare_digest(sha256, expected):
         raise ValueError(
             f"`jdp.load_predictor`: {source} has SHA-256 {sha256}, expected "
-            f"{expected}: it is not the file that digest was published for (changed "
-            "or damaged). Nothing in it was read; get the file again from a source "
-            "you trust."
+            f"{expected}: it was changed or damaged. Nothing in it was read; get the "
+            "file again from a source you trust."
         )
     meta, payload = _unpack(data, source)
     try:

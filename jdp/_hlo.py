@@ -187,12 +187,9 @@ def parse_collectives(hlo_text: str) -> list[Collective]:
                 )
                 found.append(c)
                 continue
+            branches = _BRANCHES.search(rest)
             callees = _CALLED.findall(rest)
-            b = _BRANCHES.search(rest)
-            if b:
-                callees += [
-                    c.strip().lstrip("%") for c in b.group(1).split(",") if c.strip()
-                ]
+            callees += re.findall(r"[\w.\-]+", branches.group(1)) if branches else []
             for callee in callees:
                 visit(callee, in_cond or opcode == "conditional", stack + (name,))
 

@@ -137,15 +137,11 @@ class Parallel(_hlo.Introspection):
             return metrics
         if not checked:
             _layout.check_unchanged(state, new_state)
-        self._returned.remember(
-            jax.tree.leaves(new_state) if leaves is None else leaves
-        )
+        self._returned.remember(leaves or jax.tree.leaves(new_state))
         self._calls += 1
         if self._sync_check.due(self._calls):
             self._sync_check(new_state, call=self._calls)
         return new_state, metrics
-
-    # -- placement helpers ------------------------------------------------------
 
     @property
     def sharding(self) -> jax.sharding.NamedSharding:

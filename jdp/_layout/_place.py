@@ -97,7 +97,9 @@ def place_like(host_tree: PyTree, like: PyTree) -> PyTree:
 
 def replicate(tree: PyTree, mesh: Mesh) -> PyTree:
     """Gives every replica of `mesh` a copy of `tree` (process 0's, over processes)."""
-    shared = shared_variables(tree)
+    nnx = sys.modules.get("flax.nnx")  # no NNX objects unless it was imported
+    variable = () if nnx is None else nnx.Variable
+    shared = repeated_paths(tree, is_leaf=lambda x: isinstance(x, variable))
     if shared:
         raise ValueError(
             SHARED_VARIABLE_MSG.format(first=shared[0][0], second=shared[0][1])
@@ -123,14 +125,6 @@ def replicate(tree: PyTree, mesh: Mesh) -> PyTree:
         shapes,
     )
     return place_like(host, like)
-
-
-def shared_variables(tree: PyTree) -> list[tuple[str, str]]:
-    """Pairs of paths at which `tree` holds one flax NNX `Variable` (a tied weight)."""
-    nnx = sys.modules.get("flax.nnx")  # no NNX objects unless it was imported
-    if nnx is None:
-        return []
-    return repeated_paths(tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def is_replicated(x: Any) -> bool:
