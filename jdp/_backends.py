@@ -257,12 +257,9 @@ class _Pmap(Backend):
             return _with_leading(out, self.mesh.size)
 
         return Step(
-            _TreeStep(train, self._global),
-            _TreeStep(forward, self._global),
-            donate=donate,
-            out_state=out_state,
-            mesh=self.mesh,
-        )
+            _TreeStep(train, self._global), _TreeStep(forward, self._global),
+            donate=donate, out_state=out_state, mesh=self.mesh,
+        )  # fmt: skip
 
     def build_map(self, fn):
         mapped = self._pmap(fn)

@@ -18,14 +18,9 @@ class Bucket:
     sizes: tuple[int, ...]
 
 
-def plan_buckets(
-    shapes: Sequence[tuple[int, ...]],
-    dtypes: Sequence[np.dtype],
-    *,
-    bucket_bytes: int | None,
-    reverse: bool = True,
-    alone_bytes: int | None = None,
-) -> list[Bucket]:
+def plan_buckets(shapes: Sequence[tuple[int, ...]], dtypes: Sequence[np.dtype], *,
+                 bucket_bytes: int | None, reverse: bool = True,
+                 alone_bytes: int | None = None) -> list[Bucket]:  # fmt: skip
     """Groups leaves into buckets, in issue order (a bucket is issued when full).
 
     Args:

@@ -141,26 +141,13 @@ def all_reduce_gradients(
       3.0
     """
     return all_reduce(
-        grads,
-        axis_name=axis_name,
-        bucket_bytes=bucket_bytes,
-        reverse=reverse,
-        reduce_dtype=reduce_dtype,
-        flatten=flatten,
-        api="jdp.all_reduce_gradients",
-    )
+        grads, axis_name=axis_name, bucket_bytes=bucket_bytes, reverse=reverse,
+        reduce_dtype=reduce_dtype, flatten=flatten, api="jdp.all_reduce_gradients",
+    )  # fmt: skip
 
 
-def all_reduce(
-    grads,
-    *,
-    axis_name,
-    api,
-    bucket_bytes=DEFAULT_BUCKET_BYTES,
-    reduce_dtype=None,
-    reverse=True,
-    flatten=None,
-):
+def all_reduce(grads, *, axis_name, api, bucket_bytes=DEFAULT_BUCKET_BYTES,
+               reduce_dtype=None, reverse=True, flatten=None):  # fmt: skip
     """`jdp.all_reduce_gradients` under the public name `api` (for its errors)."""
     check_bucket_bytes(bucket_bytes)
     axis_name = resolve_axis(axis_name)
@@ -180,13 +167,9 @@ def all_reduce(
         for i, d in zip(float_idx, first, strict=True)
     ]
     summed = bucketed(
-        "psum",
-        wire,
-        axis_name=axis_name,
-        bucket_bytes=bucket_bytes,
-        reverse=reverse,
+        "psum", wire, axis_name=axis_name, bucket_bytes=bucket_bytes, reverse=reverse,
         flatten=flatten,
-    )
+    )  # fmt: skip
     out = list(leaves)
     for i, total, divided in zip(float_idx, summed, first, strict=True):
         ref = leaves[i]
@@ -198,16 +181,9 @@ def all_reduce(
 BucketedOp = Literal["psum", "psum_scatter", "all_gather"]
 
 
-def bucketed(
-    op: BucketedOp,
-    arrays: list[jax.Array],
-    *,
-    axis_name: AxisName,
-    bucket_bytes: int | None,
-    reverse: bool = True,
-    flatten: bool = True,
-    alone_bytes: int | None = ALONE_BYTES,
-) -> list[jax.Array]:
+def bucketed(op: BucketedOp, arrays: list[jax.Array], *, axis_name: AxisName,
+             bucket_bytes: int | None, reverse: bool = True, flatten: bool = True,
+             alone_bytes: int | None = ALONE_BYTES) -> list[jax.Array]:  # fmt: skip
     """Runs one collective per bucket of `arrays`: every bucketed collective of jdp.
 
     - `"psum"`: sums each array over replicas; returns `(1, size)` rows.
@@ -330,7 +306,8 @@ def broadcast(
 
     Args:
       tree: Per-replica pytree of arrays.
-      root: Index of the replica whose value wins (0 by default).
+      root: Index of the replica whose value wins (0 by default); may be a
+        traced integer.
       axis_name: Replica axis; None (default) uses the one bound by the
         enclosing `jdp.parallelize`.
 
@@ -353,7 +330,8 @@ def broadcast(
     """
     axis_name = resolve_axis(axis_name)
     num = axis_size(axis_name, "jdp.broadcast")
-    _validate.index("root", root, num, size_name="num_replicas")
+    if not isinstance(root, jax.Array):  # a traced root is the caller's to check
+        _validate.index("root", root, num, size_name="num_replicas")
     is_root = lax.axis_index(axis_name) == root
 
     def one(x):

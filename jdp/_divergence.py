@@ -199,14 +199,10 @@ def check(tree: PyTree, mesh: Mesh, *, state: PyTree, call: int) -> None:
     else:
         template = DIVERGED_MSG
     message = template.format(
-        call=call,
-        leaf=leaves[0],
-        replica=replica,
-        count=len(leaves),
-        total=len(paths),
+        call=call, leaf=leaves[0], replica=replica, count=len(leaves), total=len(paths),
         axis=repr(mesh_axis(mesh)),
         more="" if len(leaves) == 1 else "; the first is named",
-    )
+    )  # fmt: skip
     raise ReplicaDivergenceError(message, state=state, leaf=leaves[0], replica=replica)
 
 

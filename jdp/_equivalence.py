@@ -121,11 +121,8 @@ def check_equivalence(
     replicas = _parallel.Parallel(
         # A forward-only step: its metrics, averaged over replicas, are the result.
         functools.partial(_loss_and_grads, spec, microbatches=spec.microbatches),
-        mesh=step.mesh,
-        backend=step.backend,
-        donate_state=False,
-        check_sync=None,
-    )
+        mesh=step.mesh, backend=step.backend, donate_state=False, check_sync=None,
+    )  # fmt: skip
     got = replicas(bare, batch)
     with _collectives.bound_axis(step.axis_name):
         want = jax.jit(

@@ -148,16 +148,10 @@ def _collective(name, typ, rest, opcode, *, order, in_conditional) -> Collective
     if kind == "reduce-scatter" and groups and groups[0]:
         full = result * len(groups[0])
     return Collective(
-        kind=kind,
-        dtype=",".join(dict.fromkeys(dt for dt, _ in found)),
-        bytes=full,
-        result_bytes=result,
-        shapes=tuple(shapes),
-        replica_groups=groups,
-        order=order,
-        in_conditional=in_conditional,
-        name=name,
-    )
+        kind=kind, dtype=",".join(dict.fromkeys(dt for dt, _ in found)), bytes=full,
+        result_bytes=result, shapes=tuple(shapes), replica_groups=groups, order=order,
+        in_conditional=in_conditional, name=name,
+    )  # fmt: skip
 
 
 def parse_collectives(hlo_text: str) -> list[Collective]:
@@ -242,14 +236,11 @@ class MemoryAnalysis:
         temp = int(stats.temp_size_in_bytes)
         peak = getattr(stats, "peak_memory_in_bytes", None)
         return cls(
-            argument_bytes=arg,
-            output_bytes=out,
-            alias_bytes=alias,
-            temp_bytes=temp,
+            argument_bytes=arg, output_bytes=out, alias_bytes=alias, temp_bytes=temp,
             generated_code_bytes=int(stats.generated_code_size_in_bytes),
             peak_bytes=arg + out - alias + temp,
             xla_peak_bytes=int(peak) if peak else None,
-        )
+        )  # fmt: skip
 
 
 class Introspection:

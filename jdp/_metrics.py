@@ -141,11 +141,7 @@ def gather(x: Any) -> Reduced:
     return Reduced(x, "gather")
 
 
-def reduce_metrics(
-    metrics: PyTree,
-    axis_name: AxisName,
-    totals: dict[int, tuple[Any, Any]] | None = None,
-) -> PyTree:
+def reduce_metrics(metrics: PyTree, axis_name: AxisName, totals: dict | None = None):
     """A step's metrics combined over replicas: averaged unless marked otherwise.
 
     `totals` maps a microbatch mean to its total, which a `jdp.metrics.sum` of

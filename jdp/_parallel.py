@@ -56,15 +56,9 @@ class Parallel(_hlo.Introspection):
       donate_state: Whether a training step donates the state passed in.
     """
 
-    def __init__(
-        self,
-        train_step: Callable[[PyTree, PyTree], Any],
-        *,
-        mesh: jax.sharding.Mesh,
-        backend: _backends.BackendName,
-        donate_state: bool,
-        check_sync: int | None = None,
-    ):
+    def __init__(self, train_step: Callable[[PyTree, PyTree], Any], *,
+                 mesh: jax.sharding.Mesh, backend: _backends.BackendName,
+                 donate_state: bool, check_sync: int | None = None):  # fmt: skip
         self.train_step = train_step
         self.mesh = mesh
         self._backend = _backends.make_backend(backend, self.mesh)
@@ -365,9 +359,6 @@ def parallelize(
             f"backend={backend!r}."
         )
     return Parallel(
-        train_step,
-        mesh=mesh,
-        backend=backend,
-        donate_state=donate_state,
+        train_step, mesh=mesh, backend=backend, donate_state=donate_state,
         check_sync=check_sync,
-    )
+    )  # fmt: skip

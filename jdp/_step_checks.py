@@ -56,11 +56,9 @@ AVERAGES_WITH_BMUF_MSG = (
     "`{api}` averages gradients across replicas, but the optimizer contains "
     "`jdp.bmuf`, which trains each replica on its own gradients and syncs the "
     "models itself (the sync piece averages over {piece}; the optimizer syncs "
-    "over {bmuf}). Use `jdp.make_train_step(loss_fn, tx, sync=jdp.local())`; or, "
-    "on a host mesh (`jdp.parallelize(..., axis_name=('host', 'device'))`), "
-    "hierarchical local SGD: average over some axes every step and let "
-    "`jdp.bmuf` sync over the others, e.g. `sync=jdp.all_reduce(axis_name="
-    "'device')` with `jdp.bmuf(inner, sync_period=..., axis_name='host')`."
+    "over {bmuf}). Use `sync=jdp.local()`; or, on a host mesh, hierarchical local "
+    "SGD: `sync=jdp.all_reduce(axis_name='device')` with `jdp.bmuf(inner, "
+    "sync_period=..., axis_name='host')`."
 )
 
 

@@ -75,15 +75,9 @@ def index(name: str, value: Any, size: int, *, size_name: str) -> int:
     return checked(name, value, requirement, is_int(value), lambda v: 0 <= v < size)
 
 
-def finite_number(
-    name: str,
-    value: Any,
-    *,
-    above: float | None = None,
-    at_least: float | None = None,
-    below: float | None = None,
-    note: str = "",
-) -> float:
+def finite_number(name: str, value: Any, *, above: float | None = None,
+                  at_least: float | None = None, below: float | None = None,
+                  note: str = "") -> float:  # fmt: skip
     """Returns `value` as a float if it is a finite real number within bounds.
 
     `above` and `below` are exclusive bounds, `at_least` an inclusive one;

@@ -199,14 +199,8 @@ def init_state(params: PyTree, wire: Wire) -> WireState:
     )
 
 
-def mean(
-    grads: PyTree,
-    *,
-    wire: Wire,
-    axis_name: Any,
-    error: WireState | None = None,
-    api: str = "jdp.all_reduce",
-) -> tuple[PyTree, WireState | None]:
+def mean(grads: PyTree, *, wire: Wire, axis_name: Any, error: WireState | None = None,
+         api: str = "jdp.all_reduce") -> tuple[PyTree, WireState | None]:  # fmt: skip
     """Averages `grads` over replicas sending `wire`'s format: `(grads, new error)`.
 
     The exchange of the compression guide, for a resolved `axis_name`; `error`:

@@ -404,11 +404,9 @@ def zero(
         )
         check_elementwise(tx, g_tree, state.chunks, params, whole)
         updates, chunks = tx.update(g_tree, state.chunks, p_tree)
+        updates = jax.tree.leaves(updates)
         rows = _collectives.bucketed(
-            "all_gather",
-            jax.tree.leaves(updates),
-            axis_name=axis,
-            bucket_bytes=bucket_bytes,
+            "all_gather", updates, axis_name=axis, bucket_bytes=bucket_bytes
         )
         full = [
             r.reshape(-1)[: p.size].reshape(p.shape)

@@ -124,12 +124,8 @@ def bmuf(
             dropped=jnp.zeros((), jnp.int32) if options.on_bad_replica else None,
         )
 
-    merge = functools.partial(
-        _streaming.merge if options.streaming else _block.merge,
-        inner=inner,
-        axis=axis_name,
-        options=options,
-    )
+    sync = _streaming.merge if options.streaming else _block.merge
+    merge = functools.partial(sync, inner=inner, axis=axis_name, options=options)
 
     def update_fn(updates, state, params=None, **extra_args):
         if params is None:
