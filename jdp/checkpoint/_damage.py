@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 from etils import epath
+from jax.experimental import multihost_utils
 
 from jdp.checkpoint._common import error_text, same_kind_of_error
 
@@ -157,6 +158,4 @@ def set_aside(directory: epath.Path, damaged: dict[int, str]) -> None:
                 stacklevel=3,
             )
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
         multihost_utils.sync_global_devices("jdp_checkpoint_set_aside")

@@ -202,6 +202,8 @@ def read_arrays(
     th = ocp.type_handlers
     parent = directory / str(step) / item
     tree = _item_tree(directory, step, item)
+    if not names:
+        return []
     use_ocdbt = tree.get("use_ocdbt")
     if use_ocdbt is None:
         use_ocdbt = th.is_ocdbt_checkpoint(parent)
@@ -216,15 +218,8 @@ def read_arrays(
         )
         for name in names
     ]
-    args = [
-        th.RestoreArgs(
-            restore_type=np.ndarray,
-            dtype=None if dtypes is None else np.dtype(dtypes[i]),
-        )
-        for i in range(len(names))
-    ]
-    if not infos:
-        return []
+    dtypes = [None] * len(names) if dtypes is None else map(np.dtype, dtypes)
+    args = [th.RestoreArgs(restore_type=np.ndarray, dtype=d) for d in dtypes]
     return list(_run(th.NumpyHandler().deserialize(infos, args)))
 
 

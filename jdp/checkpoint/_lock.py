@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 from etils import epath
+from jax.experimental import multihost_utils
 
 from jdp._version import __version__
 from jdp.checkpoint._common import error_text, same_kind_of_error
@@ -270,8 +271,6 @@ def check_same_directory(directory: epath.Path) -> None:
     """Raises a `ValueError` on every process if the processes' directories differ."""
     if jax.process_count() < 2:
         return
-    from jax.experimental import multihost_utils
-
     path = np.frombuffer(os.fspath(directory).encode(), np.uint8)
     sizes = np.asarray(multihost_utils.process_allgather(np.int32(len(path))))
     padded = np.zeros(int(sizes.max()), np.uint8)
@@ -295,8 +294,6 @@ def acquire_for_job(lock: DirectoryLock) -> None:
         except (RuntimeError, OSError) as e:
             error = e
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
         ok = multihost_utils.broadcast_one_to_all(np.int32(error is None))
         if not int(ok) and error is None:
             raise RuntimeError(

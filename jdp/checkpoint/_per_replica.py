@@ -63,21 +63,15 @@ def differing_paths(state: PyTree) -> list[str]:
 
 
 def block_start_params(host: PyTree) -> tuple[PyTree, str]:
-    """`(host, note)`: one copy with its params set to where replicas restart.
-
-    That is `_replica_parts.restart_params` (for `jdp.bmuf` the block start);
-    `note` says what was done, for the warning.
-    """
+    """`(host, note)`: one copy with its params set to where the replicas restart."""
     tree_def = jax.tree.structure
     starts = _replica_parts.restart_params(host)
     if len(starts) != 1:
         return host, ""
     (start,) = starts
-    params = getattr(host, "params", None)
-    if isinstance(host, dict):
-        params = host.get("params")
-    settable = hasattr(host, "replace") or hasattr(host, "_replace")
-    settable = settable or isinstance(host, dict)
+    is_dict = isinstance(host, dict)
+    params = host.get("params") if is_dict else getattr(host, "params", None)
+    settable = is_dict or hasattr(host, "replace") or hasattr(host, "_replace")
     if params is None or not settable or tree_def(params) != tree_def(start):
         return host, (
             " The state holds a `jdp.bmuf` state, but no `params` of the same "
@@ -88,7 +82,7 @@ def block_start_params(host: PyTree) -> tuple[PyTree, str]:
     new = jax.tree.map(
         lambda p, s: np.asarray(s).astype(np.asarray(p).dtype), params, start
     )
-    if isinstance(host, dict):
+    if is_dict:
         host = {**host, "params": new}
     elif hasattr(host, "replace"):  # flax structs, e.g. `jdp.TrainState`
         host = host.replace(params=new)

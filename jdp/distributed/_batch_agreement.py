@@ -126,10 +126,10 @@ class _ProcessCheck:
         self._reset(None)
 
     def _index(self) -> int:
-        return jax.process_index() if self._process is None else self._process[0]
+        return self._process[0] if self._process else jax.process_index()
 
     def _count(self) -> int:
-        return jax.process_count() if self._process is None else self._process[1]
+        return self._process[1] if self._process else jax.process_count()
 
     def _reset(self, client) -> None:
         self._raw_client = client
@@ -210,7 +210,7 @@ class _ProcessCheck:
         late = found.call < self.calls - 1  # reported by another process
         try:
             padded = _compare_processes(
-                found, host, num_local=num_local, late=late, timeout_s=self.timeout_s
+                found, host, num_local=num_local, late=late, timeout_s=self.timeout_s()
             )
         except ValueError:
             self.forget_last()  # the next call compares again, at once
@@ -337,8 +337,13 @@ _PROCESS_CHECK = _ProcessCheck()
 
 
 def _compare_processes(
-    found: Found, host, *, num_local: int, late: bool = False, timeout_s=None
-):
+    found: Found,
+    host,
+    *,
+    num_local: int,
+    late: bool = False,
+    timeout_s: float | None = None,
+) -> int | None:
     """Raises unless every process's row agrees; the padded size when padding.
 
     `late`: `found` is another process's, from an earlier call.
@@ -351,7 +356,14 @@ def _compare_processes(
         )
     elif found.unconfirmed:
         when = _unconfirmed(found, me)
-    hint = _hint(found, timeout_s)
+    hint = ""
+    if found.unconfirmed:
+        limit = "the time limit" if timeout_s is None else f"{timeout_s:g} s"
+        hint = (
+            f" (Should a process only run more than {limit} behind the "
+            "others, e.g. while it loads data, give it more time with the "
+            f"environment variable {TIMEOUT_ENV}.)"
+        )
     what = mismatch(every.values())
     if what is None and found.unconfirmed:  # a process published nothing yet
         raise ValueError(
@@ -363,9 +375,8 @@ def _compare_processes(
         odd = [p for p in sorted(every) if every[p][2] != every[first][2]]
         raise ValueError(
             f"`step.shard`: {when}the processes passed batches of different "
-            "structure, "
-            f"trailing shapes or dtypes (process {odd[0]} differs from process "
-            f"{first}; this is process {me}, whose leaves are: "
+            f"structure, trailing shapes or dtypes (process {odd[0]} differs from "
+            f"process {first}; this is process {me}, whose leaves are: "
             + ", ".join(f"{keystr(p)} {x.shape} {x.dtype}" for p, x in host[:5])
             + "). Every process must pass the same leaves with the same shapes "
             "(except the leading size) and dtypes." + hint
@@ -377,24 +388,19 @@ def _compare_processes(
         else:
             values = {p: row[5] or None for p, row in every.items()}
             rule = "pass the same `pad_to` (the global batch size to pad to), or none"
-        listed = ", ".join(
-            f"process {p}: {what}={v}" for p, v in sorted(values.items())
-        )
+        listed = ", ".join(f"process {p}: {what}={values[p]}" for p in sorted(values))
         raise ValueError(
             f"`step.shard`: {when}the processes called `step.shard` with different "
             f"`{what}` ({listed}); every process must {rule}." + hint
         )
     if what == "sizes":
-        listed = ", ".join(
-            f"process {p}: {_size(row)}" for p, row in sorted(every.items())
-        )
+        listed = ", ".join(f"process {p}: {_size(every[p])}" for p in sorted(every))
         raise ValueError(
-            f"`step.shard`: {when}the processes passed local batches of "
-            "different sizes; with several "
-            "processes every process must pass a local batch of the same size "
-            f"(its share of the global batch); got {listed} examples. Give every "
-            "process the same number of examples (e.g. drop the smaller last "
-            "batch of an epoch), or call `step.shard(batch, pad=True)`, which "
+            f"`step.shard`: {when}the processes passed local batches of different "
+            "sizes; with several processes every process must pass a local batch of "
+            f"the same size (its share of the global batch); got {listed} examples. "
+            "Give every process the same number of examples (e.g. drop the smaller "
+            "last batch of an epoch), or call `step.shard(batch, pad=True)`, which "
             "pads every process to the largest local batch and returns a mask." + hint
         )
     rows = list(every.values())
@@ -419,16 +425,4 @@ def _unconfirmed(found: Found, me: int) -> str:
         + "; ".join(others)
         + f", and passed no other batch in the {found.waited_s:.0f} s this "
         "process waited: "
-    )
-
-
-def _hint(found: Found, timeout_s) -> str:
-    if not found.unconfirmed:
-        return ""
-    limit = timeout_s() if callable(timeout_s) else timeout_s
-    limit = f"{limit:g} s" if limit is not None else "the time limit"
-    return (
-        " (Should a process only run more than "
-        f"{limit} behind the others, e.g. while it loads data, give it more time "
-        f"with the environment variable {TIMEOUT_ENV}.)"
     )
