@@ -19,9 +19,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jdp._layout import mesh_axis, replica_sharding
-from jdp._tree import format_problems, keystr, repeated_paths
+from jdp._tree import PyTree, format_problems, keystr, repeated_paths
 
-PyTree = Any
 BackendName = Literal["pmap", "shard_map"]
 BACKENDS = ("pmap", "shard_map")
 Body = Callable[[Any, Any], tuple[Any, Any]]

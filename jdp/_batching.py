@@ -18,9 +18,7 @@ import numpy as np
 
 from jdp import _validate
 from jdp._layout import host_value, misplaced
-from jdp._tree import format_problems, keystr
-
-PyTree = Any
+from jdp._tree import PyTree, format_problems, keystr
 
 NOT_SHARDED_MSG = (
     "`step`: the batch passed in was not placed by this step's `step.shard`. "

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax.numpy as jnp
 import numpy as np
 
 from jdp import _layout
-from jdp._tree import format_problems
-
-PyTree = Any
+from jdp._tree import PyTree, format_problems
 
 
 def _replica_differences(leaves):

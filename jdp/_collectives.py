@@ -13,9 +13,8 @@ import numpy as np
 from jax import lax
 
 from jdp import _buckets, _validate
-from jdp._tree import is_float
+from jdp._tree import PyTree, is_float
 
-PyTree = Any
 AxisName = str | tuple[str, ...]
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Any, Literal
+from typing import Literal
 
 import jax
 import numpy as np
 
 from jdp import _collectives, _loss, _parallel, _train_step
-from jdp._tree import format_problems, is_float, keystr
+from jdp._tree import PyTree, format_problems, is_float, keystr
 
-PyTree = Any
 OnMismatch = Literal["warn", "raise"]
 
 #: The default largest relative gap: float32 reorderings differ by about 1e-6,

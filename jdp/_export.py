@@ -22,10 +22,8 @@ from jax.sharding import NamedSharding
 
 from jdp import _jax_compat
 from jdp._layout import is_replicated, logical_copy
-from jdp._tree import format_problems, keystr
+from jdp._tree import PyTree, format_problems, keystr
 from jdp._version import __version__
-
-PyTree = Any
 
 MAGIC = b"JDPPRED\x00"
 FORMAT_VERSION = 1
@@ -67,34 +65,31 @@ def _placement(x: Any) -> str:
 def _one_copy(params: PyTree, replicated: bool | None) -> PyTree:
     """Host (NumPy) copy of `params`, replica 0's when they are replicated."""
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
+
+    def others(leaves) -> str:
+        bad = [(p, x) for p, x in leaves if not is_replicated(x)]
+        return format_problems([f"{keystr(p)}: {_placement(x)}" for p, x in bad])
+
     if replicated is None:
         arrays = [(p, x) for p, x in flat if isinstance(x, (jax.Array, np.ndarray))]
         marks = [is_replicated(x) for _, x in arrays]
         if any(marks) and not all(marks):
-            probs = [
-                f"{keystr(p)}: {_placement(x)}"
-                for (p, x), m in zip(arrays, marks, strict=True)
-                if not m
-            ]
             raise ValueError(
                 "`jdp.export_predictor`: some parameter leaves are replicated by "
-                f"`step.replicate` and others are not:{format_problems(probs)}\nPass "
-                "one copy (`step.unreplicate(state.params)`) or the state as the step "
+                f"`step.replicate` and others are not:{others(arrays)}\nPass one "
+                "copy (`step.unreplicate(state.params)`) or the state as the step "
                 "returned it; or `replicated=False` if the sharded leaves are not "
                 "replicas (their leading axis is then kept)."
             )
         replicated = bool(marks) and all(marks)
+    if replicated and not all(is_replicated(x) for _, x in flat):
+        raise ValueError(
+            "`jdp.export_predictor(replicated=True)`: every leaf must be laid out by "
+            f"`step.replicate`; these are not:{others(flat)}\nPass `replicated=False` "
+            "for one plain copy (e.g. `step.unreplicate(state.params)`), or the "
+            "replicated state as the step returned it."
+        )
     if replicated:
-        probs = [
-            f"{keystr(p)}: {_placement(x)}" for p, x in flat if not is_replicated(x)
-        ]
-        if probs:
-            raise ValueError(
-                "`jdp.export_predictor(replicated=True)`: every leaf must be laid out "
-                f"by `step.replicate`; these are not:{format_problems(probs)}\nPass "
-                "`replicated=False` for one plain copy (e.g. `step.unreplicate(state."
-                "params)`), or the replicated state as the step returned it."
-            )
         params = logical_copy(params)
     return jax.tree.map(lambda x: np.asarray(jax.device_get(x)), params)
 
@@ -171,11 +166,9 @@ def export_predictor(
 ) -> bytes:
     """Serialises `apply_fn(params, *inputs)` as a standalone inference function.
 
-    One logical copy of `params` is baked in as constants and the function is
-    lowered to StableHLO with `jax.export`; the result runs on one device, without
-    the training code or the model's Python classes (`jdp.load_predictor`).
-    Params replicated by a `jdp.parallelize` step are recognised by their layout
-    and replica 0's copy is exported. See the Export guide (docs/guides/export.md).
+    One logical copy of `params` (replica 0's, if a step replicated them) is baked
+    in and lowered with `jax.export`, to run on one device without the model's
+    code (`jdp.load_predictor`). See the Export guide (docs/guides/export.md).
 
     Args:
       apply_fn: Inference function `apply_fn(params, *inputs) -> outputs` (any

@@ -11,9 +11,7 @@ import numpy as np
 from jax import lax
 
 from jdp._layout import AxisName
-from jdp._tree import keystr
-
-PyTree = Any
+from jdp._tree import PyTree, keystr
 
 
 @dataclasses.dataclass(frozen=True)

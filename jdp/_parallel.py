@@ -21,8 +21,7 @@ from jdp import (
     _replica_parts,
     _validate,
 )
-
-PyTree = Any
+from jdp._tree import PyTree
 
 UNBOUND_AXIS_MSG = (
     "The step uses a collective over an axis that is not bound ({error}); "

@@ -11,9 +11,7 @@ import numpy as np
 from jax import lax
 
 from jdp import _collectives, _replica_parts, _sync, _validate, _wire
-from jdp._tree import is_float
-
-PyTree = Any
+from jdp._tree import PyTree, is_float
 
 
 @_replica_parts.declare(local=("error",), required=("count", "q"))
@@ -276,24 +274,21 @@ def powersgd(
       >>> sorted(op.bytes for op in ops if op.bytes > 4)  # Q: 32 x 2, P: 64 x 2
       [256, 512]
     """
+    _validate.positive_int("rank", rank, note="the rank r of P and Q")
+    _validate.non_negative_int(
+        "start_step", start_step, note="plain all-reduce steps first"
+    )
+    note = "compress a matrix only if (n + m) * r * rate < n * m"
+    rate = _validate.finite_number(
+        "min_compression_rate", min_compression_rate, at_least=0, note=note
+    )
+    _validate.boolean("error_feedback", error_feedback)
+    _validate.boolean("warm_start", warm_start)
+    eps = _validate.finite_number(
+        "orthogonalization_epsilon", orthogonalization_epsilon, at_least=0
+    )
     options = _Options(
-        rank=_validate.positive_int("rank", rank, note="the rank r of P and Q"),
-        start_step=_validate.non_negative_int(
-            "start_step", start_step, note="plain all-reduce steps first"
-        ),
-        min_compression_rate=_validate.finite_number(
-            "min_compression_rate",
-            min_compression_rate,
-            at_least=0,
-            note="compress a matrix only if (n + m) * r * rate < n * m",
-        ),
-        error_feedback=_validate.boolean("error_feedback", error_feedback),
-        warm_start=_validate.boolean("warm_start", warm_start),
-        orthogonalization_epsilon=_validate.finite_number(
-            "orthogonalization_epsilon", orthogonalization_epsilon, at_least=0
-        ),
-        seed=seed,
-        bucket_bytes=bucket_bytes,
+        rank, start_step, rate, error_feedback, warm_start, eps, seed, bucket_bytes
     )
     if not _validate.is_int(seed):
         raise TypeError(f"`seed` must be an int, got {_validate.describe(seed)}.")

@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Any
 
 import jax
 
 from jdp import _collectives, _jax_compat, _replica_parts, _sync, _transforms
-from jdp._tree import format_problems, is_float, keystr
-
-PyTree = Any
-
+from jdp._tree import PyTree, format_problems, is_float, keystr
 
 AVERAGED_TWICE_MSG = (
     "`{api}`: the optimizer averages the gradients across replicas itself "

@@ -13,9 +13,7 @@ import numpy as np
 from jax import lax
 
 from jdp import _replica_parts, _validate
-from jdp._tree import is_float
-
-PyTree = Any
+from jdp._tree import PyTree, is_float
 
 
 class Wire(NamedTuple):

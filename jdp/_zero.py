@@ -15,9 +15,7 @@ from jax import lax
 
 from jdp import _collectives, _jax_compat, _validate
 from jdp._layout import CustomLayout, abstract
-from jdp._tree import format_problems, keystr
-
-PyTree = Any
+from jdp._tree import PyTree, format_problems, keystr
 
 API = "jdp.zero"
 PLACING = "Placing a ZeRO optimizer state (`step.replicate`, a checkpoint restore): "

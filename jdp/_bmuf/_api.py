@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -17,9 +16,7 @@ from jdp._bmuf._deferred import MERGES_ARG
 from jdp._bmuf._fragments import plan, take
 from jdp._bmuf._options import BlockAverage, InnerStateAtSync, Streaming, check, record
 from jdp._bmuf._state import BMUFState, find_states
-from jdp._tree import is_float
-
-PyTree = Any
+from jdp._tree import PyTree, is_float
 
 NO_PARAMS_MSG = (
     "`jdp.bmuf` needs the current parameters: call `tx.update(grads, opt_state, "
@@ -74,11 +71,8 @@ def bmuf(
 
     Raises:
       TypeError: If an argument has the wrong type.
-      ValueError: At construction, for an invalid value or combination (a
-        `sync_period` not divisible by the streaming fragments, a `delay` above
-        `sync_period / fragments`, `inner_state_at_sync` other than "keep" with
-        fragments, `on_bad_replica="drop"` with streaming); at update time, for
-        `params=None`.
+      ValueError: At construction, for an invalid value or combination (the
+        BMUF guide lists them); at update time, for `params=None`.
       RuntimeError: At update time, outside `jdp.parallelize`.
 
     Example:

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from jdp import _collectives, _wire
 from jdp._bmuf._state import float_map
-
-PyTree = Any
+from jdp._tree import PyTree
 
 
 class Mean(NamedTuple):

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from jax import lax
 
 from jdp import _collectives
 from jdp._bmuf import _average, _drop, _update
 from jdp._bmuf._state import block_start, cast_like
-
-PyTree = Any
 
 
 def merge(params, old_state, state, *, inner, axis, options):

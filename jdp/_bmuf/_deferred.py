@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from jdp._bmuf._state import find_states, replace_states
-
-PyTree = Any
+from jdp._tree import PyTree
 
 #: The optimizer's extra argument (optax's `**extra_args`, which `optax.chain`
 #: and `optax.MultiSteps` forward): a list into which `jdp.bmuf`'s update puts

@@ -6,15 +6,11 @@ all-reduce; the contributions' mean over the bits' mean is the valid replicas'.
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 
 from jdp._bmuf._average import Mean, divided, masked, mean
-from jdp._tree import is_float
-
-PyTree = Any
+from jdp._tree import PyTree, is_float
 
 
 def valid_mean(local: PyTree, ref: PyTree, axis_name, max_norm) -> Mean:

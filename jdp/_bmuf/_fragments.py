@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-PyTree = Any
+from jdp._tree import PyTree
 
 
 class Piece(NamedTuple):

@@ -93,9 +93,7 @@ class BlockAverage:
 
     Raises:
       TypeError: If `wire` is not a wire format.
-      ValueError: If `on_bad_replica` is not None or "drop", if
-        `bad_replica_max_norm` is not a finite number > 0 or is given without
-        `on_bad_replica="drop"`, or if `on_bad_replica` is combined with `wire`.
+      ValueError: If a value or a combination is not one the attributes allow.
 
     Example:
       >>> import optax, jdp

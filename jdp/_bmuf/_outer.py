@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,8 +9,6 @@ import optax
 
 from jdp import _collectives, _validate
 from jdp._bmuf._state import float_map, lookahead
-
-PyTree = Any
 
 
 def eta(axis_name, block_momentum, api="jdp.bmuf"):
@@ -70,10 +66,8 @@ def block_momentum(
       `v + momentum * v`).
 
     Raises:
-      TypeError: If `learning_rate` or `momentum` is not a number, or
-        `nesterov` not a bool.
-      ValueError: If `learning_rate` is not a finite number > 0, or `momentum`
-        not in [0, 1).
+      TypeError: If an argument has the wrong type.
+      ValueError: If `learning_rate` or `momentum` is outside its range above.
 
     Example:
       >>> import optax, jdp

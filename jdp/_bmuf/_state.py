@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -10,9 +10,7 @@ import numpy as np
 import optax
 
 from jdp import _replica_parts
-from jdp._tree import is_float
-
-PyTree = Any
+from jdp._tree import PyTree, is_float
 
 
 @_replica_parts.declare(
@@ -63,10 +61,7 @@ class BMUFState(NamedTuple):
         return block_start(self.global_params, self.start)
 
     def restart_local(self) -> BMUFState:
-        """`pending` set to the block start, for a restore into another replica count.
-
-        The coming fragment sync then applies no local progress, not one replica's.
-        """
+        """`pending` set to the block start (`RESTART_NOTE`), for a re-layout."""
         if self.pending is None:
             return self
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import jax
 from jax import lax
@@ -14,8 +13,6 @@ from jdp._bmuf._average import params_mean
 from jdp._bmuf._fragments import plan as make_plan
 from jdp._bmuf._fragments import put, take
 from jdp._bmuf._state import block_start, cast_like, float_map
-
-PyTree = Any
 
 
 def merge(params, old_state, state, *, inner, axis, options):

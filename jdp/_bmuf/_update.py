@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import optax
 from jax import lax
 
@@ -18,8 +16,6 @@ from jdp._bmuf._state import (
     lookahead,
     reset,
 )
-
-PyTree = Any
 
 
 def advance(g, start, v, eta):

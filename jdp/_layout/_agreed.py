@@ -15,9 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from jdp._layout._custom import is_custom
 from jdp._layout._keys import is_key
-from jdp._tree import keystr
-
-PyTree = Any
+from jdp._tree import PyTree, keystr
 
 
 def agreed(tree: PyTree) -> PyTree:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-PyTree = Any
+from jdp._tree import PyTree
 
 
 class CustomLayout:

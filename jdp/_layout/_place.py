@@ -12,9 +12,7 @@ from jax.sharding import Mesh, NamedSharding
 from jdp._layout._custom import is_custom
 from jdp._layout._keys import abstract, host_value, is_key, key_impl
 from jdp._layout._mesh import replica_sharding
-from jdp._tree import repeated_paths
-
-PyTree = Any
+from jdp._tree import PyTree, repeated_paths
 
 SHARED_VARIABLE_MSG = (
     "`step.replicate`: the state holds one flax NNX `Variable` at two paths, "

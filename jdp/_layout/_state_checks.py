@@ -10,9 +10,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from jdp._layout._mesh import AxisName
-from jdp._tree import format_problems, keystr
-
-PyTree = Any
+from jdp._tree import PyTree, format_problems, keystr
 
 NOT_REPLICATED_MSG = (
     "`step`: the state passed in was not replicated by this step's `step.replicate` "
@@ -105,18 +103,15 @@ def _low_precision_hint(probs: list[str]) -> str:
     if not widened:
         return ""
     hint = (
-        "\nThe optimizer state of low-precision params came back in float32: the "
-        "optimizer computed its moments from float32 values (a float32 loss, or a "
-        "loss scaler's float32 arithmetic), and optax keeps them in that dtype. "
-        "Keep the params (and so the optimizer state) in float32 and cast them to "
-        "float16 inside the loss: mixed precision with float32 master weights, as "
-        "flax's examples do, which a loss scaler expects."
+        "\nThe optimizer state of low-precision params came back in float32: optax "
+        "keeps moments computed from float32 values (a float32 loss, a loss scaler) "
+        "in float32. Keep the params in float32 and cast them to float16 inside the "
+        "loss (float32 master weights, as flax's examples and loss scalers expect)."
     )
     if all(".mu" in p for p in widened):
         hint += (
-            " Or keep Adam's first moment (`mu`) in the params' dtype: "
-            "`optax.adam(learning_rate, mu_dtype=jnp.float16)` (`optax.adamw` "
-            "too)."
+            " Or keep Adam's first moment (`mu`) in the params' dtype: `optax.adam("
+            "learning_rate, mu_dtype=jnp.float16)` (`optax.adamw` too)."
         )
     return hint
 
