@@ -21,9 +21,7 @@ from jax.sharding import Mesh
 
 from jdp import _coordination, _replica_parts
 from jdp._layout import compare_replicas, mesh_axis
-from jdp._tree import keystr
-
-PyTree = Any
+from jdp._tree import PyTree, keystr
 
 # The start and end every divergence message shares.
 _DIVERGED = (
@@ -207,10 +205,7 @@ def check(tree: PyTree, mesh: Mesh, *, state: PyTree, call: int) -> None:
 
 
 class Guard:
-    """`check_sync`: compares the agreed part of a step's state across replicas.
-
-    After the first call, then every `every` calls; never with one replica.
-    """
+    """`check_sync`: compares the replicas' agreed state at call 1 and every `every`."""
 
     def __init__(self, every: int | None, agreed: Callable, mesh: Mesh):
         self.every = every if mesh.size > 1 else None
