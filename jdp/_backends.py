@@ -170,13 +170,10 @@ class Returned:
 class Backend:
     """How a step runs on a mesh.
 
-    Each backend defines:
-    - `build_step(body, *, donate) -> Step`: `body(state, batch) -> (state or
-      None, metrics)` per replica;
-    - `build_map(fn)`: `fn(tree) -> tree` per replica on a replicated tree (no
-      donation);
-    - `place_batch_leaf(x)`: one process-local batch leaf (leading axis: examples);
-    - `batch_problems(batch)`: leaves of a placed batch whose shapes do not fit.
+    `build_step(body, *, donate) -> Step`, `body(state, batch) -> (state or None,
+    metrics)` per replica; `build_map(fn)`, `fn(tree) -> tree` per replica (no
+    donation); `place_batch_leaf(x)`, a process-local leaf (leading axis:
+    examples); `batch_problems(batch)`, placed leaves whose shapes do not fit.
     """
 
     name: BackendName

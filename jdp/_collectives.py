@@ -185,13 +185,10 @@ def bucketed(op: BucketedOp, arrays: list[jax.Array], *, axis_name: AxisName,
              alone_bytes: int | None = ALONE_BYTES) -> list[jax.Array]:  # fmt: skip
     """Runs one collective per bucket of `arrays`: every bucketed collective of jdp.
 
-    - `"psum"`: sums each array over replicas; returns `(1, size)` rows.
-    - `"psum_scatter"`: each array holds one row per replica, `(num, n)`;
-      returns this replica's row of the sum, `(1, n)`.
-    - `"all_gather"`: each array is this replica's `(n,)` or `(1, n)` row;
-      returns every replica's row in replica order, `(num, n)`.
-
-    With `flatten`, a bucket is packed into ONE collective (an array of at least
+    `"psum"` sums each array into a `(1, size)` row; `"psum_scatter"` takes `(num,
+    n)` rows and returns this replica's row of the sum, `(1, n)`; `"all_gather"`
+    takes this replica's `(n,)` or `(1, n)` row and returns all, `(num, n)`. With
+    `flatten`, a bucket is packed into ONE collective (an array of at least
     `alone_bytes` alone). On a 2-D host mesh each runs within hosts first.
     """
     axis_name = resolve_axis(axis_name)

@@ -224,14 +224,11 @@ def export_predictor(
             )
         raise
     meta = {
-        "jdp_format": FORMAT_VERSION,
-        "jdp": __version__,
-        "jax": jax.__version__,
-        "fun_name": exported.fun_name,
-        "platforms": list(exported.platforms),
+        "jdp_format": FORMAT_VERSION, "jdp": __version__, "jax": jax.__version__,
+        "fun_name": exported.fun_name, "platforms": list(exported.platforms),
         "inputs": [_format_aval(a) for a in exported.in_avals],
         "outputs": [_format_aval(a) for a in exported.out_avals],
-    }
+    }  # fmt: skip
     return _pack(json.dumps(meta).encode(), bytes(exported.serialize()))
 
 

@@ -15,8 +15,6 @@ from typing import Any
 
 import jax
 
-# -- private JAX ------------------------------------------------------------------
-
 
 def backends_started() -> bool:
     """Whether JAX's backends started (e.g. after `jax.devices()` or an array).

@@ -210,13 +210,7 @@ def must_agree(tree: PyTree) -> PyTree:
         return tree
     nnx = sys.modules.get("flax.nnx")  # no NNX state unless it was imported
     variables = (nnx.Variable,) if nnx is not None else ()
-
-    def is_variable(x):
-        return isinstance(x, variables)
-
-    def is_leaf(x):
-        return _is_declared(x) or is_variable(x)
-
+    is_variable = lambda x: isinstance(x, variables)  # noqa: E731
     templates: list[dict[tuple, tuple]] = []
     for x in found:
         if _declaration(x).trains_locally and hasattr(x, "restart_params"):
@@ -224,7 +218,7 @@ def must_agree(tree: PyTree) -> PyTree:
             template = {names: shape for _, names, shape in params}
             if template and template not in templates:
                 templates.append(template)
-    leaves = _shaped_leaves(tree, is_leaf)
+    leaves = _shaped_leaves(tree, lambda x: _is_declared(x) or is_variable(x))
     differ: set[tuple] = set()
     for template in templates:
         # Per subtree, the leaves where the template has one of the same shape;

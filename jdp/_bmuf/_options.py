@@ -180,14 +180,11 @@ def record(sync_period, outer, warmup_steps, inner_state_at_sync, streaming,
     return Options(
         block_learning_rate=outer.learning_rate if classical else 1.0,
         block_momentum=outer.momentum if classical else None,
-        nesterov=classical and outer.nesterov,
-        inner_state_at_sync=inner_state_at_sync,
-        warmup_steps=warmup_steps,
-        outer=None if classical else outer,
+        nesterov=classical and outer.nesterov, inner_state_at_sync=inner_state_at_sync,
+        warmup_steps=warmup_steps, outer=None if classical else outer,
         sync_period=sync_period,
-        **vars(streaming or Streaming()),
-        **vars(average or BlockAverage()),
-    )
+        **vars(streaming or Streaming()), **vars(average or BlockAverage()),
+    )  # fmt: skip
 
 
 def check(inner, options: Options) -> None:

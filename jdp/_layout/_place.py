@@ -16,7 +16,7 @@ from jdp._tree import PyTree, repeated_paths
 
 SHARED_VARIABLE_MSG = (
     "`step.replicate`: the state holds one flax NNX `Variable` at two paths, "
-    "{first} and {second} (a weight shared between modules, e.g. tied "
+    "{0} and {1} (a weight shared between modules, e.g. tied "
     "embeddings). Passed as a pytree, each path would become its own array and "
     "the first update would silently untie them. Split the modules instead: "
     "`graphdef, state = nnx.split((model, optimizer))`, replicate `state` and "
@@ -26,7 +26,7 @@ SHARED_VARIABLE_MSG = (
 
 ALREADY_REPLICATED_MSG = (
     "`step.replicate`: every array leaf of the tree is already replicated (a "
-    "leading replica axis sharded over a mesh of {num} devices); replicating it "
+    "leading replica axis sharded over a mesh of {0} devices); replicating it "
     "again would give every replica the whole stack. Pass it to the step as it "
     "is, or re-place one copy with `step.replicate(other_step.unreplicate(tree))`."
 )
@@ -99,14 +99,10 @@ def replicate(tree: PyTree, mesh: Mesh) -> PyTree:
     variable = () if nnx is None else nnx.Variable
     shared = repeated_paths(tree, is_leaf=lambda x: isinstance(x, variable))
     if shared:
-        raise ValueError(
-            SHARED_VARIABLE_MSG.format(first=shared[0][0], second=shared[0][1])
-        )
+        raise ValueError(SHARED_VARIABLE_MSG.format(*shared[0]))
     arrays = [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)]
     if arrays and all(x.ndim >= 1 and is_replicated(x) for x in arrays):
-        raise ValueError(
-            ALREADY_REPLICATED_MSG.format(num=arrays[0].sharding.mesh.size)
-        )
+        raise ValueError(ALREADY_REPLICATED_MSG.format(arrays[0].sharding.mesh.size))
     host = jax.tree.map(host_value, tree)  # PRNG keys as their key data
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
