@@ -14,7 +14,7 @@ from flax import struct
 from jax import lax
 
 from jdp import _collectives, _jax_compat, _validate
-from jdp._layout import CustomLayout, abstract
+from jdp._layout import CustomLayout, abstract, logical_copy
 from jdp._tree import PyTree, format_problems, keystr
 
 API = "jdp.zero"
@@ -108,8 +108,7 @@ def _whole(x: Any, shape: tuple[int, ...] | None) -> Any:
     if not isinstance(x, jax.Array):
         return x
     if shape is None:
-        data = x.addressable_shards[0].data
-        return data.reshape(data.shape[1:])
+        return logical_copy(x)
     if x.is_fully_addressable:
         rows = np.asarray(jax.device_get(x))
     else:
@@ -309,11 +308,9 @@ def zero(
 ) -> optax.GradientTransformationExtraArgs:
     """ZeRO stages 1 and 2: `tx` with its state sharded over the replicas.
 
-    An optimizer that communicates (use `sync=jdp.local()`): it reduce-scatters
-    each replica's gradients, updates this replica's 1/N slice of every
-    parameter with `tx` and all-gathers the updates, as `jdp.all_reduce()` with
-    `tx` would for an element-wise optimizer. See the Memory guide
-    (docs/guides/memory.md).
+    An optimizer that communicates itself (use `sync=jdp.local()`), to the numbers
+    of `jdp.all_reduce()` with `tx`; the Memory guide (docs/guides/memory.md) says
+    how.
 
     Args:
       tx: The element-wise optimizer to shard.
