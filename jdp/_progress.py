@@ -95,15 +95,13 @@ class Tracker:
             # The first progress of the job: every process's clock starts now.
             self.changed_at = [now if t is None else t for t in self.changed_at]
 
-    def _running(self, running: Sequence[int] | None) -> Sequence[int]:
-        return range(len(self.counts)) if running is None else running
-
     def stalled(self, now: float, running: Sequence[int] | None = None) -> list[int]:
         """The running processes furthest behind, if none progressed for too long.
 
         `running`: the processes still running (all if None).
         """
-        running = [r for r in self._running(running) if self.finished_at[r] is None]
+        running = range(len(self.counts)) if running is None else running
+        running = [r for r in running if self.finished_at[r] is None]
         if not any(self.counts) or not running:
             return []
         low = min(self.counts[r] for r in running)
@@ -133,7 +131,8 @@ class Tracker:
         for r, t in (exited or {}).items():
             if r in done:
                 done[r] = min(done[r], t)
-        waiting = [r for r in self._running(running) if r not in done]
+        running = range(len(self.counts)) if running is None else running
+        waiting = [r for r in running if r not in done]
         if not done or not waiting:
             return None
         first = min(done, key=lambda r: (self.counts[r], r))

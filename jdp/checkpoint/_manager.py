@@ -13,6 +13,7 @@ from typing import Any
 import jax
 from etils import epath
 
+from jdp import _validate
 from jdp.checkpoint import _restore
 from jdp.checkpoint._common import check_step_number, error_text
 from jdp.checkpoint._damage import DAMAGED_SUFFIX, CheckpointCorruptedError, set_aside
@@ -82,18 +83,14 @@ def _register_exit_hook() -> None:
 
 
 def _check_positive(name: str, value: Any, *, optional: bool) -> None:
-    """Raises unless `value` is an int >= 1 (or, if `optional`, None)."""
-    if (value is None and optional) or (
-        isinstance(value, int) and not isinstance(value, bool) and value >= 1
-    ):
+    """Raises unless `value` is an int >= 1, or None if `optional`."""
+    if value is None and optional:
         return
-    message = (
-        f"`{name}` must be a positive integer"
-        + (" or None" if optional else "")
-        + f"; got {value!r}."
+    requirement = "a positive integer" + (" or None" if optional else "")
+    is_int = isinstance(value, int)  # `True` too: a bad value, not a bad type
+    _validate.checked(
+        name, value, requirement, is_int, lambda v: v is not True and v >= 1
     )
-    # `True` is an int to Python: a bad value, not a bad type.
-    raise (ValueError if isinstance(value, int) else TypeError)(message)
 
 
 def _newest_intact(store, directory, candidates: list[int], read) -> Any:
