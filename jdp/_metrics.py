@@ -163,9 +163,8 @@ def reduce_metrics(metrics: PyTree, axis_name: AxisName, totals: dict | None = N
         if how == "sum":
             # Booleans and narrow integers (a uint8 mask's sum) count in int32,
             # so that a total over replicas cannot wrap around.
-            if m.dtype == jnp.bool_ or (
-                jnp.issubdtype(m.dtype, jnp.integer) and m.dtype.itemsize < 4
-            ):
+            narrow = jnp.issubdtype(m.dtype, jnp.integer) and m.dtype.itemsize < 4
+            if narrow or m.dtype == jnp.bool_:
                 m = m.astype(jnp.int32)
             return lax.psum(m, axis_name)
         if how == "gather":

@@ -15,8 +15,8 @@ from jdp._bmuf._average import mean
 from jdp._bmuf._deferred import MERGES_ARG
 from jdp._bmuf._fragments import plan, take
 from jdp._bmuf._options import BlockAverage, InnerStateAtSync, Streaming, check, record
-from jdp._bmuf._state import BMUFState, find_states
-from jdp._tree import PyTree, is_float
+from jdp._bmuf._state import BMUFState, find_states, float_map
+from jdp._tree import PyTree
 
 NO_PARAMS_MSG = (
     "`jdp.bmuf` needs the current parameters: call `tx.update(grads, opt_state, "
@@ -150,12 +150,10 @@ def bmuf(
         local = optax.apply_updates(params, inner_updates)
         merged, new_state = merge(local, state, new_state)
 
-        def sync_updates(m, p, u):
-            if not is_float(u):
-                return u
+        def sync_updates(u, m, p):
             return jnp.where(is_sync, (m - p).astype(u.dtype), u)
 
-        out_updates = jax.tree.map(sync_updates, merged, params, inner_updates)
+        out_updates = float_map(sync_updates, inner_updates, merged, params)
         return out_updates, new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
