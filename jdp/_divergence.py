@@ -83,14 +83,14 @@ DIFFERENT_CHECK_SYNC_MSG = (
     "every `check_sync`-th), so with different values the processes would run "
     "different programs at those calls and wait for each other forever. Pass "
     "the same `check_sync` on every process. (Steps are matched across processes "
-    "by the order in which each process builds them: this is the {nth} step over "
-    "several processes built in each process.)"
+    "by the order in which each process builds them over the same devices: this "
+    "is the {nth} step over these devices built in each process.)"
 )
 
 MISSING_CHECK_SYNC_MSG = (
     "`jdp.parallelize(..., check_sync=...)`: at its first call of this step, "
     "process {me} waited {timeout:g} s for {who} to make its first call of the "
-    "same step (the {nth} step over several processes built in each process) "
+    "same step (the {nth} step over these devices built in each process) "
     "and compare `check_sync`, in vain. Every process must build the same steps, "
     "in the same order, and call each of them."
 )
@@ -99,9 +99,10 @@ MISSING_CHECK_SYNC_MSG = (
 #: for the other processes' `check_sync` (see `Guard`).
 AGREE_TIMEOUT_S = 300.0
 
-# Steps over several processes built so far in this process: numbers them, the
-# same on every process when they build their steps in the same order.
-_multi_process_guards = itertools.count()
+# Steps over several processes built so far in this process, per ordered device
+# list: numbers them, the same on every process that builds its steps over those
+# devices in the same order (a process that joins later builds fewer before).
+_multi_process_guards: dict[str, itertools.count] = {}
 
 
 def _ordinal(n: int) -> str:
@@ -214,7 +215,9 @@ class Guard:
         processes = sorted({d.process_index for d in mesh.devices.flat})
         # The processes to compare `check_sync` with (None: done, or just one).
         self._processes = processes if len(processes) > 1 else None
-        self._number = next(_multi_process_guards) if self._processes else None
+        self._devices = ",".join(str(d.id) for d in mesh.devices.flat)
+        counter = _multi_process_guards.setdefault(self._devices, itertools.count())
+        self._number = next(counter) if self._processes else None
         self._requested = every
         self._error: str | None = None  # the message of differing values
 
@@ -236,7 +239,7 @@ class Guard:
         me = jax.process_index()
         nth = _ordinal(self._number + 1)
         values = _coordination.exchange(
-            f"jdp/check_sync/{self._number}",
+            f"jdp/check_sync/{self._devices}/{self._number}",
             repr(self._requested),
             process=me,
             processes=processes,

@@ -249,7 +249,7 @@ def _guard_over_two_processes(check_sync, number):
 
 def test_check_sync_that_differs_between_processes_is_refused():
     guard = _guard_over_two_processes(5, 3)
-    store = _Store({"jdp/check_sync/3/1": "None"})
+    store = _Store({"jdp/check_sync/0,1/3/1": "None"})
     with pytest.raises(
         ValueError,
         match=r"^`jdp\.parallelize\(\.\.\., check_sync=\.\.\.\)`: the processes "
@@ -257,19 +257,19 @@ def test_check_sync_that_differs_between_processes_is_refused():
         r"process 1: None\. The check is a collective across the processes that "
         r"runs on some step calls only .* wait for each other forever\. Pass the "
         r"same `check_sync` on every process\. .*this is the 4th step over "
-        r"several processes built in each process\.\)$",
+        r"these devices built in each process\.\)$",
     ):
         guard._agree(client=store)
-    assert store["jdp/check_sync/3/0"] == "5"  # published for process 1
+    assert store["jdp/check_sync/0,1/3/0"] == "5"  # published for process 1
     with pytest.raises(ValueError, match=r"process 0: 5, process 1: None"):
         guard.due(2)  # and refused at every later call
 
 
 def test_check_sync_that_agrees_between_processes_is_compared_once():
     guard = _guard_over_two_processes(5, 0)
-    store = _Store({"jdp/check_sync/0/1": "5"})
+    store = _Store({"jdp/check_sync/0,1/0/1": "5"})
     guard._agree(client=store)
-    assert store["jdp/check_sync/0/0"] == "5"
+    assert store["jdp/check_sync/0,1/0/0"] == "5"
     assert guard._processes is None  # compared: not again
     assert guard.due(1) and not guard.due(2) and guard.due(5)
 
@@ -283,12 +283,12 @@ def test_a_process_that_never_compares_check_sync_is_named(monkeypatch):
         TimeoutError,
         match=r"at its first call of this step, process 0 waited 0\.2 s for "
         r"process 1 to make its first call of the same step \(the 2nd step over "
-        r"several processes built in each process\)",
+        r"these devices built in each process\)",
     ):
         guard._agree(client=_Store())
 
 
-def test_steps_over_several_processes_are_numbered_in_build_order():
+def test_steps_over_several_processes_are_numbered_in_build_order_per_device_list():
     import numpy as np
     from jax.sharding import Mesh
 
@@ -297,11 +297,17 @@ def test_steps_over_several_processes_are_numbered_in_build_order():
     mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
     guard = _divergence.Guard(5, lambda state: state, mesh)
     assert guard._processes is None and guard._number is None  # one process
-    before = next(_divergence._multi_process_guards)
-    # A mesh over two processes' devices (as seen from process 0).
-    devices = [type("Device", (), {"process_index": p, "id": p})() for p in range(2)]
-    fake = type("FakeMesh", (), {"size": 2, "devices": np.array(devices)})()
+
+    def mesh_of(ids):  # a mesh over two processes' devices (seen from process 0)
+        devices = [type("Device", (), {"process_index": p, "id": i})() for p, i in ids]
+        return type("FakeMesh", (), {"size": 2, "devices": np.array(devices)})()
+
+    fake = mesh_of([(0, 900), (1, 901)])
     first = _divergence.Guard(5, lambda state: state, fake)
+    # Another device order counts its own steps: a process that builds its
+    # steps over it later (a replacement) numbers them as the others do.
+    other = _divergence.Guard(5, lambda state: state, mesh_of([(1, 901), (0, 900)]))
     second = _divergence.Guard(None, lambda state: state, fake)
-    assert (first._processes, first._number) == ([0, 1], before + 1)
-    assert (second._processes, second._number) == ([0, 1], before + 2)
+    assert (first._processes, first._number) == ([0, 1], 0)
+    assert (other._processes, other._number) == ([0, 1], 0)
+    assert (second._processes, second._number) == ([0, 1], 1)

@@ -7,14 +7,18 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.experimental import multihost_utils
 
-from jdp import _coordination, _layout
+from jdp import _collectives, _coordination, _layout
 from jdp._parallel import Parallel, parallelize
 
 PyTree = Any
@@ -46,6 +50,9 @@ class LiveStep:
         self._store = _coordination.store()
         self._parallel: Parallel | None = None
         self._marked: str | None = None  # the last order recorded as used
+        self._healer: Parallel | None = None  # `_heal_replicas` on the mesh
+        #: `{process: join key value}` of the replacements already healed.
+        self._joins: dict[int, str] = {}
         #: Steps completed through this object.
         self.position = 0
         #: How many times the set of replicas changed after the first mesh.
@@ -64,25 +71,26 @@ class LiveStep:
     def replicate(self, state: PyTree) -> PyTree:
         """Places one logical copy of `state` on every live device.
 
-        Every process must pass the same `state` (e.g. built from the same seed,
-        or restored from the same checkpoint): nothing is broadcast, so that no
-        collective spans a process that may already be gone.
-
-        Raises:
-          RuntimeError: In a process that starts while the others already train
-            (a replacement): it cannot join them yet.
+        At the start every process must pass the same `state` (e.g. built from
+        the same seed, or restored from the same checkpoint): nothing is
+        broadcast, so that no collective spans a process that may already be
+        gone. In a replacement, a process started while the others train,
+        `state` only gives the structure: it joins them at their next step and
+        receives their whole state from a live replica, and `position` becomes
+        theirs.
         """
-        if self._value("running") == "1":
-            raise RuntimeError(
-                f"`{API}`: the other processes of this job are already training; a "
-                "replacement process cannot join them yet. Restart the whole job "
-                "from its latest checkpoint (`python -m jdp.launch --max-restarts`)."
-            )
+        joining = self._value("running") == "1"
+        if joining:  # the others see this key inside the round it joins them in
+            key = f"{jax.process_index()}"
+            self._store.put(f"{_KEYS}join/{key}", f"{time.time_ns()}-{os.getpid()}")
         for attempt in self._attempts():
             with attempt:
                 with multihost_utils.live_devices(self._devices) as live:
                     self._form(live)
                     placed = self._place_state(state)
+                    if joining:
+                        self._new_joins(live)
+                        placed = self._heal(placed)
             if attempt.ok:
                 return placed
         raise AssertionError("unreachable")  # `_attempts` raises when tries run out
@@ -97,13 +105,19 @@ class LiveStep:
           RuntimeError: After `max_retries` failed attempts at one step.
         """
         for attempt in self._attempts():
+            healed = False
             with attempt:
                 with multihost_utils.live_devices(self._devices) as live:
-                    if _ids(live) != _ids(sorted(self.devices, key=_id)):
+                    joined = self._new_joins(live)
+                    if joined or _ids(live) != _ids(sorted(self.devices, key=_id)):
                         state = self._reform(live, state)
-                    out = self._parallel(state, self._place(batch))
-                    jax.block_until_ready(out)
-            if attempt.ok:
+                    if joined:  # a round of its own: every process heals
+                        state = jax.block_until_ready(self._heal(state))
+                        healed = True
+                    else:
+                        out = self._parallel(state, self._place(batch))
+                        jax.block_until_ready(out)
+            if attempt.ok and not healed:
                 self.position += 1
                 if self.position == 1:
                     self._store.put(f"{_KEYS}running", "1")
@@ -127,6 +141,39 @@ class LiveStep:
             return self._store.get(_KEYS + key)
         except Exception:  # noqa: BLE001 - the store raises for a missing key
             return None
+
+    def _new_joins(self, live: Sequence[jax.Device]) -> bool:
+        """Whether a live process joined (as a replacement) since the last round.
+
+        Only processes in `live` count: the barrier released every process of
+        the round after they had written their keys, so all read the same.
+        """
+        prefix = f"{_KEYS}join/"
+        joins = _coordination.by_number(self._store.entries(prefix), prefix)
+        processes = {d.process_index for d in live}
+        found = {
+            p: v for p, v in joins.items() if p in processes and self._joins.get(p) != v
+        }
+        self._joins.update(found)
+        return bool(found)
+
+    def _heal(self, state: PyTree) -> PyTree:
+        """Every replica behind the most advanced one gets its whole state.
+
+        The replicas exchange how many steps they completed (a replacement:
+        -1); the first of the most advanced sends its state to the others.
+        """
+        n, sharding = self.num_replicas, self._parallel.sharding
+        if self._healer is None or self._healer.devices != self._parallel.devices:
+            self._healer = parallelize(
+                _heal_replicas, devices=self.devices, donate_state=False
+            )
+        position = jax.make_array_from_callback(
+            (n,), sharding, lambda index: np.full((1,), self.position, np.int32)
+        )
+        state, metrics = self._healer(state, position)
+        self.position = int(metrics["position"])
+        return state
 
     def _form(self, live: Sequence[jax.Device]) -> None:
         """A mesh over `live`, in a device order no earlier mesh of the job used.
@@ -217,6 +264,22 @@ class LiveStep:
         return jax.tree_util.tree_map_with_path(place, batch)
 
 
+def _heal_replicas(state: PyTree, position: jax.Array) -> tuple[PyTree, dict]:
+    """Per replica: the state of the first most advanced replica, if behind it."""
+    everyone = lax.all_gather(position[0], _collectives.resolve_axis(None))
+    source = jnp.argmax(everyone)
+    behind = position[0] < everyone[source]
+    sent = _collectives.broadcast(state, root=source)
+
+    def pick(new, old):
+        if jnp.issubdtype(old.dtype, jax.dtypes.prng_key):
+            data = pick(jax.random.key_data(new), jax.random.key_data(old))
+            return jax.random.wrap_key_data(data, impl=jax.random.key_impl(old))
+        return jnp.where(behind, new, old)
+
+    return jax.tree.map(pick, sent, state), {"position": everyone[source]}
+
+
 class _Attempt:
     """One try of a `LiveStep` round: a failure is logged and recorded, not raised."""
 
@@ -266,7 +329,9 @@ def live(
     step in flight fails on every survivor alike; they form a new mesh over the
     live devices and run the same step again, on the same global batch split
     over fewer replicas. Each device keeps its own replica of the state, so
-    nothing is read from a checkpoint; the step does not donate its state.
+    nothing is read from a checkpoint; the step does not donate its state. A
+    replacement process (same process id, same script) started while they train
+    joins them at a step boundary: its `step.replicate` receives their state.
 
     It needs JAX's fault tolerance, set up before `jdp.distributed.initialize`:
     `jax.config.update("jax_enable_recoverability", True)`, `fail_fast=False`,

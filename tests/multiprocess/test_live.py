@@ -137,11 +137,29 @@ def test_per_replica_state_survives_a_kill(tmp_path, config):
     assert_trees_close(results[0]["params"], reference(config), **tolerance)
 
 
-def test_a_replacement_is_refused_with_a_message_and_the_others_train_on(tmp_path):
-    """Rejoining a live job is not supported yet: the replacement says so and
-    exits, and the survivors are not disturbed."""
+def test_a_replacement_rejoins_and_every_replica_ends_identical(tmp_path):
+    """Process 2 is started again after its kill: it joins the survivors at a
+    step boundary, receives their whole state and trains on with them."""
+    steps = 40
     results, outputs = run_job(tmp_path, "all_reduce", replace=True)
-    assert "cannot join them yet" in outputs[-1], outputs[-1][-3000:]
-    assert set(results) == {0, 1}, "\n".join(o[-3000:] for o in outputs)
-    for r in results.values():
-        assert r["replicas"] == [3] * DIE_AT + [2] * (40 - DIE_AT)
+    assert set(results) == {0, 1, 2}, "\n".join(o[-3000:] for o in outputs)
+    joined = results[2]["first"]  # the step the replacement started at
+    assert DIE_AT <= joined < steps
+    for p in (0, 1):  # 3 replicas, 2 until the replacement joined, 3 again
+        gap = joined - DIE_AT
+        assert results[p]["replicas"] == [3] * DIE_AT + [2] * gap + [3] * (
+            steps - joined
+        )
+    assert results[2]["replicas"] == [3] * (steps - joined)
+    # Every replica holds the same bits, and the optimizer saw every global
+    # batch once, as on one device.
+    for p in (1, 2):
+        assert_trees_close(results[0]["params"], results[p]["params"], rtol=0, atol=0)
+    tx = optax.sgd(0.1, momentum=0.9)
+    params = init_mlp(jax.random.key(0))
+    opt_state = tx.init(params)
+    for batch in make_batches(steps, GLOBAL_BATCH):
+        grads = jax.grad(mlp_loss)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+    assert_trees_close(results[0]["params"], params, rtol=1e-5, atol=1e-6)
