@@ -11,6 +11,7 @@ import contextlib
 import faulthandler
 import json
 import logging
+import math
 import os
 import socket
 import sys
@@ -55,20 +56,19 @@ def timeout_from(
         return _cluster.env_seconds(
             environ, ENV_STALL_TIMEOUT, meaning, zero_is_unset=True
         )
-    if isinstance(stall_timeout_s, bool) or not isinstance(
-        stall_timeout_s, (int, float)
-    ):
-        raise TypeError(
-            "`stall_timeout_s` must be a number of seconds > 0, or None (read "
-            f"${ENV_STALL_TIMEOUT}; unset: no stall check); got "
-            f"{_validate.describe(stall_timeout_s)}."
-        )
-    if not stall_timeout_s > 0 or stall_timeout_s == float("inf"):
-        raise ValueError(
-            "`stall_timeout_s` must be a number of seconds > 0, or None for no "
-            f"stall check; got {stall_timeout_s!r}."
-        )
-    return float(stall_timeout_s)
+    real = _validate.is_int(stall_timeout_s) or isinstance(stall_timeout_s, float)
+    requirement = (
+        "a number of seconds > 0, or None (read "
+        f"${ENV_STALL_TIMEOUT}; unset: no stall check)"
+    )
+    seconds = _validate.checked(
+        "stall_timeout_s",
+        stall_timeout_s,
+        requirement,
+        real,
+        lambda v: 0 < v < math.inf,
+    )
+    return float(seconds)
 
 
 class Verdict(NamedTuple):
