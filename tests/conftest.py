@@ -47,3 +47,10 @@ def backend(request):
 def devices(request):
     """The first 1, 2, 4 or 8 simulated devices."""
     return jax.devices()[: request.param]
+
+
+@pytest.fixture(scope="session")
+def shared_dir(tmp_path_factory):
+    """A directory shared by this session's xdist workers (the session's own)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base

@@ -1,23 +1,27 @@
 """One process of a live job: trains through `jdp.distributed.live`.
 
-argv: PROCESS_ID NUM_PROCESSES PORT OUT_DIR DIE_PROCESS DIE_AT CONFIG [STEPS
-PAUSE_S REPLACEMENT]. Process DIE_PROCESS SIGKILLs itself at step DIE_AT (-1:
-nobody dies) unless it is a REPLACEMENT (1), which joins the others where they
-are. Each process that finishes writes its final params, loss history and
-replica count per step to OUT_DIR.
+argv: PROCESS_ID NUM_PROCESSES PORT OUT_DIR DIE_PROCESS DIE_AT CONFIGS [STEPS
+PAUSE_S REPLACEMENT]. CONFIGS names the models, comma-separated (`all_reduce`,
+`int8_ef`, `bmuf`): one live step trains them side by side, on the same batches
+and meshes. Process DIE_PROCESS SIGKILLs itself at step DIE_AT (-1: nobody dies)
+unless it is a REPLACEMENT (1), which joins the others where they are. While
+fewer replicas than processes train, each step waits PAUSE_S seconds first (time
+for a replacement to join). Each process that finishes writes its final params
+and loss history per model, and its replica count per step, to OUT_DIR.
 """
 
 import os
 import pickle
 import signal
 import sys
+import time
 from pathlib import Path
 
 os.environ["XLA_FLAGS"] = (
-    "--xla_force_host_platform_device_count=1 --xla_cpu_collective_timeout_seconds=20"
+    "--xla_force_host_platform_device_count=1 --xla_cpu_collective_timeout_seconds=10"
 )
 pid, num, port, out_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
-die_process, die_at, config = int(sys.argv[5]), int(sys.argv[6]), sys.argv[7]
+die_process, die_at, configs = int(sys.argv[5]), int(sys.argv[6]), sys.argv[7]
 steps, pause_s, replacement = 12, 0.0, False
 if len(sys.argv) > 8:
     steps, pause_s, replacement = (
@@ -36,11 +40,9 @@ jdp.distributed.initialize(
     f"127.0.0.1:{port}",
     num,
     pid,
-    heartbeat_timeout_s=10,
+    heartbeat_timeout_s=5,
     fail_fast=False,
 )
-
-import time  # noqa: E402
 
 import optax  # noqa: E402
 
@@ -49,29 +51,51 @@ from helpers import init_mlp, make_batches, mlp_loss  # noqa: E402
 
 GLOBAL_BATCH = 12  # divisible by 3, 2 and 1 replicas
 
-if config == "all_reduce":
-    tx, sync = optax.sgd(0.1, momentum=0.9), jdp.all_reduce()
-elif config == "int8_ef":
-    tx = optax.sgd(0.1)
-    sync = jdp.all_reduce(wire=jdp.wire.int8(), error_feedback=True)
-elif config == "bmuf":
-    tx, sync = jdp.bmuf(optax.sgd(0.1), 3), jdp.local()
-else:
+
+def model(config):
+    """`(tx, sync)` of one configuration."""
+    if config == "all_reduce":
+        return optax.sgd(0.1, momentum=0.9), jdp.all_reduce()
+    if config == "int8_ef":
+        return optax.sgd(0.1), jdp.all_reduce(wire=jdp.wire.int8(), error_feedback=True)
+    if config == "bmuf":
+        return jdp.bmuf(optax.sgd(0.1), 3), jdp.local()
     raise SystemExit(f"unknown config {config}")
 
-step = jdp.distributed.live(jdp.make_train_step(mlp_loss, tx, sync=sync))
+
+models = {c: model(c) for c in configs.split(",")}
+train_steps = {
+    c: jdp.make_train_step(mlp_loss, tx, sync=sync) for c, (tx, sync) in models.items()
+}
+
+
+def train_step(states, batch):
+    """Each model's own step on `batch`; the metrics are their losses."""
+    out = {c: train_steps[c](states[c], batch) for c in models}
+    return {c: s for c, (s, _) in out.items()}, {
+        c: m["loss"] for c, (_, m) in out.items()
+    }
+
+
+step = jdp.distributed.live(train_step)
+params = init_mlp(jax.random.key(0))
 state = step.replicate(
-    jdp.TrainState.create(params=init_mlp(jax.random.key(0)), tx=tx, sync=sync)
+    {
+        c: jdp.TrainState.create(params=params, tx=tx, sync=sync)
+        for c, (tx, sync) in models.items()
+    }
 )
-losses, replicas = [], []
+losses, replicas = {c: [] for c in models}, []
 batches = make_batches(steps, GLOBAL_BATCH)
 while step.position < steps:  # a replacement starts where the others are
     i = step.position
     if pid == die_process and i == die_at and not replacement:
         os.kill(os.getpid(), signal.SIGKILL)
-    time.sleep(pause_s)
+    if step.num_replicas < num:
+        time.sleep(pause_s)
     state, metrics = step(state, batches[i])
-    losses.append(float(metrics["loss"]))
+    for c in models:
+        losses[c].append(float(metrics[c]))
     replicas.append(step.num_replicas)
 one = jax.tree.map(
     lambda x: x.addressable_shards[0].data[0] if isinstance(x, jax.Array) else x,
@@ -80,11 +104,11 @@ one = jax.tree.map(
 with open(Path(out_dir) / f"{pid}.pkl", "wb") as f:
     pickle.dump(
         {
-            "params": jax.device_get(one.params),
+            "params": {c: jax.device_get(s.params) for c, s in one.items()},
             "losses": losses,
             "replicas": replicas,
             "changes": step.membership_changes,
-            "first": steps - len(losses),
+            "first": steps - len(replicas),
         },
         f,
     )

@@ -8,7 +8,6 @@ same global batches.
 """
 
 import fcntl
-import os
 import pickle
 
 import jax
@@ -42,13 +41,6 @@ def oracle_devices():
 
 def global_batches():
     return make_batches(mw.NUM_STEPS, mw.GLOBAL_BATCH)
-
-
-@pytest.fixture(scope="session")
-def shared_dir(tmp_path_factory):
-    """A directory shared by this session's xdist workers (the session's own)."""
-    base = tmp_path_factory.getbasetemp()
-    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
 
 @pytest.fixture(scope="session")
