@@ -23,22 +23,8 @@ from jdp.sparse._optim import (
 from jdp.sparse._train_step import IdsOutOfRangeError, rows
 
 __all__ = [
-    "AdagradRowState",
-    "AdamRowState",
-    "IdsOutOfRangeError",
-    "IndexedRows",
-    "MomentumRowState",
-    "OptimizerState",
-    "RowOptimizer",
-    "SparseTransformation",
-    "adagrad",
-    "adam",
-    "all_gather_rows",
-    "combine_rows",
-    "lookup",
-    "momentum",
-    "optimizer",
-    "rows",
-    "sgd",
-    "value_and_grad",
-]
+    "AdagradRowState", "AdamRowState", "IdsOutOfRangeError", "IndexedRows",
+    "MomentumRowState", "OptimizerState", "RowOptimizer", "SparseTransformation",
+    "adagrad", "adam", "all_gather_rows", "combine_rows", "lookup", "momentum",
+    "optimizer", "rows", "sgd", "value_and_grad",
+]  # fmt: skip
