@@ -807,7 +807,7 @@ HYPERPARAMETER_ERRORS = [
         "momentum",
         {"learning_rate": 0.1, "momentum": 0.9, "nesterov": 1},
         TypeError,
-        r"`nesterov` must be a bool, got 1 \(an int\)",
+        r"`nesterov` must be True or False, got 1 \(an int\)",
     ),
     ("adam", {"learning_rate": float("nan")}, ValueError, "`learning_rate`.*got nan"),
     ("adam", {"learning_rate": float("inf")}, ValueError, "`learning_rate`.*got inf"),

@@ -70,6 +70,16 @@ def _update(
     return table, states
 
 
+def _row_optimizer(init_fn, step, api: str) -> RowOptimizer:
+    """`step` on the rows touched; the state is a NamedTuple of per-row arrays."""
+
+    def update_fn(grads, state, table):
+        table, states = _update(grads, table, tuple(state), step, api)
+        return table, type(state)(*states)
+
+    return RowOptimizer(init_fn, update_fn)
+
+
 def sgd(learning_rate: float) -> RowOptimizer:
     """Plain SGD on the rows touched: `table[ids] -= learning_rate * rows`.
 
@@ -89,17 +99,11 @@ def sgd(learning_rate: float) -> RowOptimizer:
       Array([ 0., -1.,  0.], dtype=float32)
     """
 
-    def init_fn(table):
-        del table
-        return optax.EmptyState()
-
-    def step(g):
-        return (-learning_rate * g,)
-
-    def update_fn(grads, state, table):
+    def update_fn(grads, state, table):  # any state: it has none
+        step = lambda g: (-learning_rate * g,)  # noqa: E731
         return _update(grads, table, (), step, "jdp.sparse.sgd")[0], state
 
-    return RowOptimizer(init_fn, update_fn)
+    return RowOptimizer(lambda table: optax.EmptyState(), update_fn)
 
 
 class AdagradRowState(NamedTuple):
@@ -144,11 +148,7 @@ def adagrad(
         inv = jnp.where(s > 0, jax.lax.rsqrt(s + eps), 0.0)
         return -learning_rate * (inv * g), s
 
-    def update_fn(grads, state, table):
-        table, states = _update(grads, table, tuple(state), step, "jdp.sparse.adagrad")
-        return table, AdagradRowState(*states)
-
-    return RowOptimizer(init_fn, update_fn)
+    return _row_optimizer(init_fn, step, "jdp.sparse.adagrad")
 
 
 class MomentumRowState(NamedTuple):
@@ -190,24 +190,15 @@ def momentum(
     """
     lr = _validate.finite_number("learning_rate", learning_rate, at_least=0)
     decay = _validate.finite_number("momentum", momentum, at_least=0, below=1)
-    if not isinstance(nesterov, bool):
-        raise TypeError(
-            f"`nesterov` must be a bool, got {_validate.describe(nesterov)}."
-        )
-
-    def init_fn(table):
-        return MomentumRowState(jnp.zeros_like(table))
+    _validate.boolean("nesterov", nesterov)
 
     def step(g, m):
         m = g + decay * m
         direction = g + decay * m if nesterov else m
         return -lr * direction, m
 
-    def update_fn(grads, state, table):
-        table, states = _update(grads, table, tuple(state), step, "jdp.sparse.momentum")
-        return table, MomentumRowState(*states)
-
-    return RowOptimizer(init_fn, update_fn)
+    zeros = lambda table: MomentumRowState(jnp.zeros_like(table))  # noqa: E731
+    return _row_optimizer(zeros, step, "jdp.sparse.momentum")
 
 
 class AdamRowState(NamedTuple):
