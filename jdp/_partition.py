@@ -25,14 +25,6 @@ AGREE_TIMEOUT_S = 120.0
 
 _traces = itertools.count()
 
-LABELS_DIFFER_MSG = (
-    "`jdp.partition`: the processes label the params differently: leaf {leaf} "
-    "is labelled {labels}. Every process must give every leaf the same label "
-    "(the label decides which collectives the step runs; different labels would "
-    "hang the step). Build the labels from the params' structure (e.g. a "
-    "function of the path), not from anything that differs between processes."
-)
-
 
 def partition(
     labels: PyTree | Callable[[PyTree], PyTree],
@@ -119,7 +111,9 @@ def partition(
             elif piece == BROADCAST:
                 done = _collectives.broadcast(part, root=0, axis_name=axis_name)
             else:
-                if not _sync.takes_rows(piece):  # tables' rows as dense gradients
+                if not isinstance(
+                    piece, _sync.TakesRows
+                ):  # tables' rows as dense gradients
                     part = jax.tree.map(
                         lambda g, p: densify(g, p) if is_rows(g) else g,
                         part,
@@ -141,9 +135,8 @@ def partition(
     # for the optimizer to sync.
     averages = all(isinstance(p, str) or p.averages for p in pieces.values())
     differ = any(map(_differs, pieces.values()))
-    kind = (
-        _sync.TakesRows if any(map(_sync.takes_rows, pieces.values())) else _sync.Sync
-    )
+    rows = any(isinstance(p, _sync.TakesRows) for p in pieces.values())
+    kind = _sync.TakesRows if rows else _sync.Sync
     return kind(
         init,
         update,
@@ -167,17 +160,12 @@ def _check_pieces(pieces: Any) -> dict[str, _sync.Sync | str]:
                 f"`jdp.partition`: labels must be str; got {label!r} "
                 f"({type(label).__name__})."
             )
-        if isinstance(piece, str) and piece not in _MODES:
-            raise TypeError(
-                f"`jdp.partition`: the piece of label {label!r} is {piece!r}; "
-                f"a name must be one of {_MODES}, or give a `jdp.Sync` such "
-                "as `jdp.all_reduce()` or `jdp.local()`."
-            )
-        if not isinstance(piece, (str, _sync.Sync)):
+        if not isinstance(piece, _sync.Sync) and piece not in _MODES:
+            got = repr(piece) if isinstance(piece, str) else type(piece).__name__
             raise TypeError(
                 f"`jdp.partition`: the piece of label {label!r} must be a "
                 f"`jdp.Sync` (e.g. `jdp.all_reduce()`, `jdp.local()`) or one of "
-                f"{_MODES}; got {type(piece).__name__}."
+                f"{_MODES}; got {got}."
             )
     return dict(pieces)
 
@@ -237,7 +225,14 @@ def differing_labels(values: Mapping[int, str]) -> str | None:
                 + ("" if path == leaf else f" (whose leaf is {path})")
                 for p, (path, lbl) in seen.items()
             )
-            return LABELS_DIFFER_MSG.format(leaf=leaf, labels=named)
+            return (
+                f"`jdp.partition`: the processes label the params differently: leaf "
+                f"{leaf} is labelled {named}. Every process must give every leaf the "
+                "same label (the label decides which collectives the step runs; "
+                "different labels would hang the step). Build the labels from the "
+                "params' structure (e.g. a function of the path), not from anything "
+                "that differs between processes."
+            )
     return None  # pragma: no cover (lists that differ differ at some index)
 
 

@@ -61,19 +61,9 @@ class Sync(NamedTuple):
 
 
 class TakesRows(Sync):
-    """A `Sync` whose `update` takes tables' gradients as `jdp.sparse.IndexedRows`.
-
-    With such a piece (`jdp.sparse.rows()`, or a `jdp.partition` holding one) and
-    a `jdp.sparse.optimizer`, the step differentiates the optimizer's tables as
-    rows and applies the rows it gets back to the touched rows only.
-    """
+    """A `Sync` whose `update` takes tables' gradients as `jdp.sparse.IndexedRows`."""
 
     __slots__ = ()
-
-
-def takes_rows(sync: Any) -> bool:
-    """Whether `sync` takes tables' gradients as sparse rows."""
-    return isinstance(sync, TakesRows)
 
 
 def check_batch_stats(batch_stats: Any) -> None:
@@ -292,13 +282,8 @@ def local() -> Sync:
       >>> tx = jdp.bmuf(optax.sgd(0.1), sync_period=8)
       >>> sync = jdp.local()  # jdp.make_train_step(loss_fn, tx, sync=sync)
     """
-    return Sync(None, _own, averages=False)
-
-
-def _own(grads, state, params, axis_name):
-    """`jdp.local()`'s update: the replica's own gradients."""
-    del params, axis_name
-    return grads, state, {}
+    own = lambda grads, state, params, axis_name: (grads, state, {})  # noqa: E731
+    return Sync(None, own, averages=False)
 
 
 def sync_gradients(

@@ -121,7 +121,7 @@ def make_train_step(
     takes_stats = _loss.takes_batch_stats(loss_fn)
     keywords = _loss.loss_keywords(loss_fn)
     api = "jdp.make_train_step"
-    rows = _sync.takes_rows(sync)
+    rows = isinstance(sync, _sync.TakesRows)
 
     def train_step(state, batch):
         optimizer = state.tx if tx is None else tx
@@ -182,16 +182,8 @@ def make_train_step(
         return state.replace(**changes), metrics
 
     spec = LossSpec(loss_fn, has_aux, microbatches, keywords, axis_name)
-    return TrainStep(train_step, _must_agree(sync), spec)
-
-
-def _must_agree(sync) -> Callable | None:
-    """What replicas of a step with piece `sync` must agree on."""
-    if sync.must_agree is not None:
-        return sync.must_agree
-    if sync.averages:
-        return _replica_parts.must_agree
-    return _sync.agreed_locally
+    agreed = _replica_parts.must_agree if sync.averages else _sync.agreed_locally
+    return TrainStep(train_step, sync.must_agree or agreed, spec)
 
 
 def _update(sync, grads, state, tx, axis, skip, *, counted, rows):
