@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import inspect
 import warnings
 from collections.abc import Callable
@@ -371,11 +370,7 @@ def scaled(scale):
 
     def value_and_grad(fun, *, has_aux):
         grad_fn = scale.value_and_grad(fun, has_aux=has_aux)
-
-        def value_and_grads(*args):
-            return grad_fn(*args)[2:]  # after the new scale and its verdict
-
-        return value_and_grads
+        return lambda *args: grad_fn(*args)[2:]  # after the new scale and its verdict
 
     return value_and_grad
 
@@ -392,11 +387,12 @@ def loss_and_grads(
     value_and_grad, loss_fn, state, batch, *, has_aux, kwargs
 ) -> Gradients:
     """One replica's `loss_fn`, differentiated, as `Gradients`."""
-    loss_fn = _fresh_arguments(loss_fn)
     with_stats = getattr(state, "batch_stats", None) is not None
 
-    def split(*args):
-        out = loss_fn(*args, **kwargs)
+    def split(params, *rest):
+        # The other arguments rebuilt inside: a flax NNX `Variable` refuses
+        # updates from another trace level.
+        out = loss_fn(params, *jax.tree.map(lambda x: x, rest), **kwargs)
         if with_stats:
             loss, rest = out
             new_stats, aux = rest if has_aux else (rest, None)
@@ -412,16 +408,3 @@ def loss_and_grads(
         state.params, *args
     )
     return Gradients(loss, weight, aux, new_stats, grads)
-
-
-def _fresh_arguments(loss_fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`loss_fn` with its non-differentiated arguments rebuilt inside.
-
-    A flax NNX `Variable` refuses updates from another trace level.
-    """
-
-    @functools.wraps(loss_fn)
-    def with_fresh_arguments(params, *rest, **kwargs):
-        return loss_fn(params, *jax.tree.map(lambda x: x, rest), **kwargs)
-
-    return with_fresh_arguments
