@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Literal
 
 import jax
+from jax.experimental import multihost_utils
 
 from jdp import _coordination, _jax_compat
 from jdp.distributed import _config, _coordinator, _exit, _watchdog
@@ -308,9 +309,28 @@ def _leave(process_id: int, num_processes: int, timeout_s: int) -> None:
             # The service may be gone; the barrier then says so.
             with contextlib.suppress(Exception):
                 client.put(f"{_ARRIVED_KEY}{process_id}", "1")
+        if process_id == 0 and jax.config.jax_enable_recoverability:
+            _after_the_others()
         jax.distributed.shutdown()
     finally:
         watchdog.cancel()
+
+
+def _after_the_others() -> None:
+    """Process 0 waits until every other live process has left the job.
+
+    With JAX's fault tolerance on, its shutdown does not wait for the others, and
+    process 0 hosts the coordination service, whose end kills the processes
+    still connected. JAX's barrier of live processes returns once every other
+    process has called it or disconnected.
+    """
+    while True:
+        with contextlib.suppress(multihost_utils.ProcessFailureError):
+            with multihost_utils.live_devices(jax.devices()):
+                pass
+        left = multihost_utils.live_devices.devices or {}
+        if all(d.process_index == 0 for d in left):
+            return
 
 
 def _shutdown_timed_out(client, process_id: int, num: int, timeout_s: int) -> None:

@@ -99,6 +99,14 @@ def _parser() -> argparse.ArgumentParser:
         "many run",
     )
     p.add_argument(
+        "--live",
+        action="store_true",
+        help="with --max-restarts K: start a failed process other than 0 again "
+        "alone while the others train on, for a script that trains with "
+        "`jdp.distributed.live` (each counts as a restart); a failed process 0 "
+        "restarts the whole job",
+    )
+    p.add_argument(
         "-m",
         "--module",
         action="store_true",
@@ -125,6 +133,11 @@ def main(argv: list[str] | None = None) -> int:
             f"2 or more (now {ns.max_restarts}): a job shrinks only when the "
             "same process fails first in two attempts in a row, which takes two "
             "restarts; add `--max-restarts K`, or drop --min-processes"
+        )
+    if ns.live and ns.max_restarts < 1:
+        parser.error(
+            "argument --live: it starts failed processes again, which needs "
+            "--max-restarts 1 or more (now 0); add `--max-restarts K`"
         )
     return launch_command(**vars(ns))  # the options' names are its arguments
 

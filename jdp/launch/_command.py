@@ -31,6 +31,7 @@ def launch_command(
     stall_timeout_s: float | None = DEFAULT_STALL_TIMEOUT_S,
     max_restarts: int = 0,
     min_processes: int | None = None,
+    live: bool = False,
 ) -> int:
     """Runs `target` in `num_processes` processes; returns the job's exit status.
 
@@ -39,7 +40,7 @@ def launch_command(
     124 if the job runs past `timeout_s` or stalls with no restart left.
     """
     _check_arguments(num_processes, devices_per_process, timeout_s, stall_timeout_s)
-    policy = Restarts(num_processes, max_restarts, min_processes)
+    policy = Restarts(num_processes, max_restarts, min_processes, live=live)
     if port is not None and (error := listen_error(f"127.0.0.1:{port}")):
         _say(
             f"{listen_reason(error, f'127.0.0.1:{port}')}, so process 0 cannot host "
@@ -52,6 +53,12 @@ def launch_command(
     received: list[int] = []
     current: list[Job] = []
 
+    def restart_one(rank: int, code: int) -> bool:
+        line = policy.restart_one(rank, code)
+        if line is not None:
+            _say(line)
+        return line is not None
+
     def make_job(n: int, folder: str) -> Job:
         job = new_job(
             [command] * n,
@@ -63,6 +70,7 @@ def launch_command(
             stall_hint="raise the limit with `--stall-timeout SECONDS` (0 turns the "
             "check off)",
             port=port if policy.restarts == 0 else None,  # the last may linger
+            restart_one=restart_one if live else None,
         )
         current[:] = [job]
         return job

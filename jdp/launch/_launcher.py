@@ -15,7 +15,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from jdp.launch._cause import ENDING_WAIT_S, cause_first, describe_exit, finished_before
 from jdp.launch._stall import (
@@ -71,6 +71,9 @@ class Job:
         (else only keep its tail for errors).
       stall: Follows the processes' progress reports; `wait` stops the job with a
         `StallError` when it finds stalled processes. None: no such check.
+      restart_one: `restart_one(process_id, returncode)`: whether to start a
+        failed process again alone while the others run on (live recovery; it
+        announces it). Only while process 0 runs. None: one fails, all stop.
     """
 
     def __init__(
@@ -80,14 +83,16 @@ class Job:
         *,
         echo: bool = True,
         stall: StallMonitor | None = None,
+        restart_one: Callable[[int, int], bool] | None = None,
     ):
         self.commands = [list(c) for c in commands]
         self.envs = [dict(e) for e in envs]
         self.echo = echo
         self.stall = stall
+        self.restart_one = restart_one
         self.procs: list[subprocess.Popen] = []
         self.tails = [collections.deque(maxlen=TAIL_LINES) for _ in self.commands]
-        self._pumps: list[threading.Thread] = []
+        self._pumps: dict[int, list[threading.Thread]] = {}
         self._write_lock = threading.Lock()
         self.failure: tuple[int, int] | None = None  # (process_id, returncode)
         self.also_failed: list[tuple[int, int]] = []  # failed before being stopped
@@ -110,23 +115,42 @@ class Job:
     def start(self) -> None:
         """Starts every process, each in its own session (to stop it whole)."""
         try:
-            for rank, command in enumerate(self.commands):
-                proc = subprocess.Popen(
-                    command,
-                    env=self.envs[rank],
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    start_new_session=True,
-                )
-                self.procs.append(proc)
-                _start_thread(self._reap, rank, proc)
-                for name in ("stdout", "stderr"):
-                    pipe = getattr(proc, name)
-                    self._pumps.append(_start_thread(self._pump, rank, pipe, name))
+            for rank in range(len(self.commands)):
+                self._spawn(rank)
         except BaseException:
             self.kill()
             raise
+
+    def _spawn(self, rank: int) -> None:
+        proc = subprocess.Popen(
+            self.commands[rank],
+            env=self.envs[rank],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+        if rank < len(self.procs):
+            self.procs[rank] = proc
+        else:
+            self.procs.append(proc)
+        _start_thread(self._reap, rank, proc)
+        self._pumps[rank] = [
+            _start_thread(self._pump, rank, getattr(proc, name), name)
+            for name in ("stdout", "stderr")
+        ]
+
+    def _restarted(self, rank: int, code: int) -> bool:
+        """Whether failed process `rank` was started again alone (`restart_one`)."""
+        if self.procs[0].poll() is not None or not self.restart_one(rank, code):
+            return False
+        for t in self._pumps[rank]:  # the dead process's output, to its end
+            t.join(timeout=2)
+        with self._exits_lock:
+            self.exits = [e for e in self.exits if e[1] != rank]
+            self._closed[rank] = []
+        self._spawn(rank)
+        return True
 
     def _reap(self, rank: int, proc: subprocess.Popen) -> None:
         code = proc.wait()
@@ -195,8 +219,9 @@ class Job:
         self._join_pumps()
 
     def _join_pumps(self) -> None:
-        for t in self._pumps:
-            t.join(timeout=2)
+        for pumps in self._pumps.values():
+            for t in pumps:
+                t.join(timeout=2)
 
     def wait(
         self, timeout_s: float | None = None, *, limit_s: float | None = None
@@ -253,6 +278,9 @@ class Job:
         pending = self._notice_exits()
         exits, ending = self._ends()
         failed = [(t, r, c) for t, r, c in exits if c != 0]
+        if failed and self.restart_one is not None:
+            if [r for _, r, c in failed if self._restarted(r, c)]:
+                return None
         if failed:
             # Wait for the processes that are ending, then name the cause.
             now = time.monotonic()

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 
 from jdp import _validate
+from jdp.launch._cause import describe_exit
 from jdp.launch._launcher import Job
 from jdp.launch._stall import StallError, plural
 
@@ -26,10 +27,17 @@ class Restarts:
       max_restarts: How many times the job may be started again (0: never).
       min_processes: The fewest processes an attempt may run with; None means
         `num_processes` (no shrinking).
+      live: A failed process other than 0 is started again alone while the
+        others train on (`jdp.distributed.live`), counted as a restart.
     """
 
     def __init__(
-        self, num_processes: int, max_restarts: int, min_processes: int | None
+        self,
+        num_processes: int,
+        max_restarts: int,
+        min_processes: int | None,
+        *,
+        live: bool = False,
     ):
         _validate.positive_int("num_processes", num_processes)
         _validate.non_negative_int("max_restarts", max_restarts, note="0: never")
@@ -56,9 +64,25 @@ class Restarts:
             )
         self.max_restarts = max_restarts
         self.min_processes = min_processes
+        self.live = live
         self.num_processes = num_processes  # of the current attempt
         self.restarts = 0  # done so far
         self._last_first: int | None = None  # who failed first, last attempt
+
+    def restart_one(self, rank: int, code: int) -> str | None:
+        """With `live`: the line for starting failed process `rank` again alone.
+
+        None for process 0 (it hosts JAX's coordination service: the whole job
+        restarts) or when no restart is left.
+        """
+        if not self.live or rank == 0 or self.restarts >= self.max_restarts:
+            return None
+        self.restarts += 1
+        return (
+            f"process {rank} {describe_exit(code)}; started it again alone (restart "
+            f"{self.restarts}/{self.max_restarts}): the other processes train on, "
+            "and it rejoins them at a step boundary (`jdp.distributed.live`)."
+        )
 
     def next_attempt(self, first_failed: int | None, how: str) -> str | None:
         """Records a failed attempt; returns the restart line, or None to stop.
@@ -69,6 +93,11 @@ class Restarts:
         if self.restarts >= self.max_restarts:
             return None
         self.restarts += 1
+        if self.live and first_failed == 0:
+            how += (
+                " Process 0 hosts JAX's coordination service, so live recovery "
+                "cannot go on without it."
+            )
         line = f"{how} Restarting the job (restart {self.restarts}/"
         line += f"{self.max_restarts})"
         repeat = first_failed is not None and first_failed == self._last_first

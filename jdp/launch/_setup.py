@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import re
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from jdp import _allocator, _validate
@@ -103,6 +103,7 @@ def new_job(
     stall_hint: str,
     port: int | None = None,
     echo: bool = True,
+    restart_one: Callable[[int, int], bool] | None = None,
 ) -> Job:
     """The `Job` of `policy`'s next attempt: a process per command, on `port`."""
     port = port or free_port()
@@ -119,7 +120,7 @@ def new_job(
         for r in range(len(commands))
     ]
     stall = _progress_setup(envs, folder, stall_timeout_s, stall_hint)
-    return Job(commands, envs, echo=echo, stall=stall)
+    return Job(commands, envs, echo=echo, stall=stall, restart_one=restart_one)
 
 
 def _check_arguments(

@@ -1,0 +1,48 @@
+"""A script for `python -m jdp.launch --live`: process 2 SIGKILLs itself once.
+
+argv: OUT_DIR STEPS. The first run of process 2 kills itself at step 5 (leaving
+a marker file); the launcher starts it again and it rejoins the others. Each
+process writes its final params and the step it started at to OUT_DIR.
+"""
+
+import os
+import pickle
+import signal
+import sys
+import time
+from pathlib import Path
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_cpu_collective_timeout_seconds=20"
+)
+import jax  # noqa: E402
+
+jax.config.update("jax_enable_recoverability", True)
+
+import jdp  # noqa: E402
+
+jdp.distributed.initialize(heartbeat_timeout_s=10, fail_fast=False)
+
+import optax  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from helpers import init_mlp, make_batches, mlp_loss  # noqa: E402
+
+out, steps = Path(sys.argv[1]), int(sys.argv[2])
+tx = optax.sgd(0.1, momentum=0.9)
+step = jdp.distributed.live(jdp.make_train_step(mlp_loss, tx))
+state = step.replicate(jdp.TrainState.create(params=init_mlp(jax.random.key(0)), tx=tx))
+first = step.position  # 0, or where the others were when this one joined
+batches = make_batches(steps, 12)
+while step.position < steps:
+    i = step.position
+    if jax.process_index() == 2 and i == 5 and not (out / "killed").exists():
+        (out / "killed").touch()
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0.3)
+    state, _ = step(state, batches[i])
+one = jax.tree.map(lambda x: x.addressable_shards[0].data[0], state.params)
+with open(out / f"{jax.process_index()}.pkl", "wb") as f:
+    pickle.dump({"params": jax.device_get(one), "first": first}, f)
+jdp.distributed.shutdown()  # process 0 leaves last
+os._exit(0)

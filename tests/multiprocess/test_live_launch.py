@@ -1,0 +1,51 @@
+"""`python -m jdp.launch --live`: a dead process is started again alone.
+
+Three real processes train with `jdp.distributed.live`; process 2 kills itself
+once. The launcher starts it again with the same process id while the others
+train on; it rejoins them, and every process ends with the same parameters.
+"""
+
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import assert_trees_close
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
+
+WORKER = Path(__file__).with_name("live_launch_worker.py")
+
+
+def test_the_launcher_starts_a_dead_process_again_and_it_rejoins(tmp_path):
+    steps = 30
+    proc = subprocess.run(
+        [sys.executable, "-m", "jdp.launch", "--num-processes", "3",
+         "--devices-per-process", "1", "--live", "--max-restarts", "1",
+         "--timeout", "180", str(WORKER), str(tmp_path), str(steps)],
+        capture_output=True,
+        text=True,
+        timeout=220,
+    )  # fmt: skip
+    output = proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, output
+    assert "process 2 was killed by SIGKILL" in proc.stderr, output
+    assert "started it again alone (restart 1/1)" in proc.stderr, output
+    results = {p: pickle.loads((tmp_path / f"{p}.pkl").read_bytes()) for p in range(3)}
+    assert results[0]["first"] == results[1]["first"] == 0
+    assert 5 <= results[2]["first"] < steps  # it joined where the others were
+    for p in (1, 2):
+        assert_trees_close(results[0]["params"], results[p]["params"], rtol=0, atol=0)
+
+
+def test_live_needs_restarts():
+    proc = subprocess.run(
+        [sys.executable, "-m", "jdp.launch", "--num-processes", "2", "--live",
+         "script.py"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert "argument --live: it starts failed processes again" in proc.stderr
