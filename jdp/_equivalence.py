@@ -123,12 +123,10 @@ def check_equivalence(
         mesh=step.mesh, backend=step.backend, donate_state=False, check_sync=None,
     )  # fmt: skip
     got = replicas(bare, batch)
+    stacked = step.backend == "pmap"
+    one = functools.partial(_one_device, spec, step.axis_name, stacked=stacked)
     with _collectives.bound_axis(step.axis_name):
-        want = jax.jit(
-            functools.partial(
-                _one_device, spec, step.axis_name, stacked=step.backend == "pmap"
-            )
-        )(bare, batch)
+        want = jax.jit(one)(bare, batch)
     gap, problems = _compare(got["grads"], want["grads"], rtol)
     if not np.isfinite(got["loss"]) and np.isfinite(want["loss"]):
         problems.insert(0, "the loss: not finite on the replicas (a 0 / 0?)")
@@ -154,17 +152,10 @@ def _loss_and_grads(spec: _train_step.LossSpec, state, batch, microbatches: int)
 
     The loss's `rng` and `step` are the state's own, the same everywhere.
     """
-    kwargs = {}
-    if "step" in spec.keywords:
-        kwargs["step"] = state.step
-    if "rng" in spec.keywords:
-        if getattr(state, "rng", None) is None:
-            raise ValueError(
-                "`jdp.check_equivalence`: `loss_fn` takes `rng`, but the state has "
-                "no `rng` (None). Create it with a key, e.g. "
-                "`jdp.TrainState.create(..., rng=jax.random.key(0))`."
-            )
-        kwargs["rng"] = state.rng
+    axis = _collectives.resolve_axis(spec.axis_name)
+    # The step's check that a loss taking `rng` has a state with one.
+    _loss.loss_kwargs(state, spec.keywords, axis, "jdp.check_equivalence")
+    kwargs = {k: getattr(state, k) for k in spec.keywords}  # "rng", "step"
     out = _loss.gradients(
         jax.value_and_grad,
         spec.loss_fn,
@@ -174,7 +165,7 @@ def _loss_and_grads(spec: _train_step.LossSpec, state, batch, microbatches: int)
         microbatches=microbatches,
         loss_kwargs=lambda part: kwargs,
     )
-    loss, grads = _loss.normalise(out, _collectives.resolve_axis(spec.axis_name))
+    loss, grads = _loss.normalise(out, axis)
     return {"loss": loss, "grads": grads}
 
 

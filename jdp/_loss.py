@@ -311,13 +311,8 @@ def kept_loss(out: Gradients, loss: jax.Array, extra: dict, axis_name):
     if out.weight is None:
         kept_loss = jnp.where(kept, loss * share.astype(loss.dtype), 0)
         return kept_loss.astype(loss.dtype), extra
-    total, weight = lax.psum(
-        (
-            jnp.where(kept, out.loss, 0),
-            jnp.where(kept, out.weight.astype(out.loss.dtype), 0),
-        ),
-        axis_name,
-    )
+    both = (out.loss, out.weight.astype(out.loss.dtype))
+    total, weight = lax.psum([jnp.where(kept, x, 0) for x in both], axis_name)
     return _ratio(total, weight), extra
 
 

@@ -251,9 +251,7 @@ def agree_across_processes(
     """
     process = jax.process_index() if process is None else process
     processes = list(range(jax.process_count())) if processes is None else processes
-    if len(processes) == 1:
-        return
-    if client is None and _coordination.client() is None:
+    if len(processes) == 1 or (client is None and _coordination.client() is None):
         return
     number = next(_traces)
     values = _coordination.exchange(

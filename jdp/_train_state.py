@@ -71,8 +71,6 @@ class TrainState(struct.PyTreeNode):
                 f"given to `jdp.make_train_step`), or None; got {type(sync).__name__}."
             )
         sync_state = None if sync is None else sync.initial_state(params)
-        if not jax.tree.leaves(sync_state):
-            sync_state = None
         return cls(
             step=jax.numpy.zeros((), jax.numpy.int32),
             params=params,
@@ -81,7 +79,7 @@ class TrainState(struct.PyTreeNode):
             skipped_steps=jax.numpy.zeros((), jax.numpy.int32),
             dynamic_scale=dynamic_scale,
             rng=rng,
-            sync_state=sync_state,
+            sync_state=sync_state if jax.tree.leaves(sync_state) else None,
             tx=tx,
         )
 

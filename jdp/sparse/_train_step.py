@@ -39,14 +39,11 @@ def _install_filter() -> None:
     """Quiets JAX's logs of the id check's error and its replay at exit (once)."""
     for name in _jax_compat.CALLBACK_LOGGERS:
         logging.getLogger(name).addFilter(_QuietIdErrors())
-    # Runs before JAX's own exit handlers (registered when JAX was imported).
-    atexit.register(_forget_failed_checks)
-
-
-def _forget_failed_checks() -> None:
-    """At exit: JAX would raise a handled id check error again from its tokens."""
-    _jax_compat.drop_failed_runtime_tokens(
-        lambda e: _jax_compat.error_names_type(e, IdsOutOfRangeError)
+    # Runs before JAX's own exit handlers (registered when JAX was imported),
+    # which would raise a handled id check error again from its tokens.
+    atexit.register(
+        _jax_compat.drop_failed_runtime_tokens,
+        lambda e: _jax_compat.error_names_type(e, IdsOutOfRangeError),
     )
 
 
