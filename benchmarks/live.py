@@ -15,8 +15,13 @@ service); the survivors go on. Reported, from process 0's step times:
   fewer is shown beside it: on an oversubscribed CPU it falls, on GPUs the
   survivors' larger share of the global batch makes it rise).
 
+With `--rejoin` the driver starts the killed process again at once (as
+`python -m jdp.launch --live` does): also reported is the time from its start to
+its first step with the others, and the throughput kept then counts all the time
+from the kill to that step that was not spent on steps at the old rate.
+
     python benchmarks/live.py [--processes 4] [--kill-after 20] [--steps 5000]
-        [--collective-timeout 10] [--heartbeat 5] [--cache]
+        [--collective-timeout 10] [--heartbeat 5] [--cache] [--rejoin]
 
 Processes are pinned one per core when the machine has enough cores.
 """
@@ -31,6 +36,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -72,13 +78,16 @@ def worker(args) -> None:
     state = step.replicate(
         jdp.TrainState.create(params=square_mlp(WIDTH, DEPTH, jax.random.key(0)), tx=tx)
     )
-    emit(ev="ready", t=time.time(), rank=args.rank, pid=os.getpid())
-    for i in range(args.steps):
+    emit(ev="ready", t=time.time(), rank=args.rank, position=step.position)
+    joined = step.position > 0  # a replacement: it reports its first step
+    while step.position < args.steps:
+        i = step.position
         x = np.random.default_rng(i).normal(size=(BATCH, WIDTH)).astype(np.float32)
         state, metrics = step(state, {"x": x, "y": np.tanh(x)})
         loss = float(metrics["loss"])
-        if args.rank == 0:
+        if args.rank == 0 or joined:
             emit(ev="step", i=i, t=time.time(), n=step.num_replicas, loss=loss)
+            joined = False
     emit(ev="done", t=time.time(), rank=args.rank)
     sys.stdout.flush()
     os._exit(0)
@@ -97,7 +106,8 @@ def run(args) -> dict:
     cores = os.sched_getaffinity(0)
     procs = []
     log = tempfile.TemporaryFile("w+")  # the workers' stderr, shown on a failure
-    for rank in range(args.processes):
+
+    def start(rank):
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", str(rank)]
         cmd += ["--port", str(port), "--processes", str(args.processes)]
         cmd += ["--steps", str(args.steps), "--heartbeat", str(args.heartbeat)]
@@ -109,8 +119,12 @@ def run(args) -> dict:
         procs.append(
             subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
         )
+
+    for rank in range(args.processes):
+        start(rank)
     events, victim = [], procs[-1]
-    killed_at = None
+    killed_at = started_at = None
+    replacement: list[dict] = []
     try:
         first_step = None
         for line in procs[0].stdout:
@@ -127,6 +141,16 @@ def run(args) -> dict:
             ):
                 victim.send_signal(signal.SIGKILL)
                 killed_at = time.time()
+                if args.rejoin:
+                    victim.wait()
+                    started_at = time.time()
+                    start(args.processes - 1)
+                    threading.Thread(
+                        target=lambda: replacement.extend(
+                            json.loads(x) for x in procs[-1].stdout if x[0] == "{"
+                        ),
+                        daemon=True,
+                    ).start()
             if ev["ev"] == "done":
                 break
     finally:
@@ -137,7 +161,12 @@ def run(args) -> dict:
     if not any(e["ev"] == "done" for e in events):
         log.seek(0)
         raise SystemExit("process 0 did not finish:\n" + log.read()[-4000:])
-    return {"events": events, "killed_at": killed_at}
+    return {
+        "events": events,
+        "killed_at": killed_at,
+        "started_at": started_at,
+        "replacement": replacement,
+    }
 
 
 def summarize(args, out: dict) -> dict:
@@ -155,8 +184,24 @@ def summarize(args, out: dict) -> dict:
     recovery = after_steps[0]["t"] - kill
     # One recovery per interval, the step rate otherwise unchanged (how the step
     # time changes with one replica fewer is reported on its own).
-    kept = {interval: max(0.0, 1 - recovery / interval) for interval in (60, 30)}
+    lost = recovery
+    rejoin = {}
+    if out["started_at"] is not None:
+        first = [e for e in out["replacement"] if e["ev"] == "step"]
+        if not first:
+            raise SystemExit("the replacement never stepped: raise --steps")
+        back = first[0]["t"]  # the replacement's first step with the others
+        # From the kill to then, the time not spent on steps at the old rate.
+        done = sum(1 for s in steps if kill < s["t"] <= back)
+        lost = (back - kill) - done * step_n
+        rejoin = {
+            "rejoin_s": back - out["started_at"],
+            "joined_at_step": first[0]["i"],
+            "replicas_at_end": steps[-1]["n"],
+        }
+    kept = {interval: max(0.0, 1 - lost / interval) for interval in (60, 30)}
     return {
+        **rejoin,
         "processes": args.processes,
         "step_ms_before": 1e3 * step_n,
         "step_ms_after": 1e3 * step_n1,
@@ -178,6 +223,7 @@ def main() -> None:
     parser.add_argument("--collective-timeout", type=int, default=10)
     parser.add_argument("--heartbeat", type=int, default=5)
     parser.add_argument("--cache", nargs="?", const="", default=None)
+    parser.add_argument("--rejoin", action="store_true")
     args = parser.parse_args()
     if args.rank is not None:
         worker(args)
@@ -185,15 +231,22 @@ def main() -> None:
     if args.cache == "":
         args.cache = tempfile.mkdtemp(prefix="jdp-live-cache-")
     result = summarize(args, run(args))
+    rejoin = "rejoin_s" in result
     print(
-        "| processes | step ms (N / N-1) | recovery s | kept at 1 kill/60 s |"
-        " kept at 1 kill/30 s |"
+        "| processes | step ms (N / N-1) | recovery s |"
+        + (" rejoin s (at step) |" if rejoin else "")
+        + " kept at 1 kill/60 s | kept at 1 kill/30 s |"
     )
-    print("|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|" + ("---:|" if rejoin else "") + "---:|---:|")
     print(
         f"| {result['processes']} | {result['step_ms_before']:.1f} / "
         f"{result['step_ms_after']:.1f} | {result['recovery_s']:.1f} | "
-        f"{100 * result['kept_60s']:.0f}% | {100 * result['kept_30s']:.0f}% |"
+        + (
+            f"{result['rejoin_s']:.1f} ({result['joined_at_step']}) | "
+            if rejoin
+            else ""
+        )
+        + f"{100 * result['kept_60s']:.0f}% | {100 * result['kept_30s']:.0f}% |"
     )
     print(json.dumps(result))
 
