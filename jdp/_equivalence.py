@@ -157,14 +157,9 @@ def _loss_and_grads(spec: _train_step.LossSpec, state, batch, microbatches: int)
     _loss.loss_kwargs(state, spec.keywords, axis, "jdp.check_equivalence")
     kwargs = {k: getattr(state, k) for k in spec.keywords}  # "rng", "step"
     out = _loss.gradients(
-        jax.value_and_grad,
-        spec.loss_fn,
-        state,
-        batch,
-        has_aux=spec.has_aux,
-        microbatches=microbatches,
-        loss_kwargs=lambda part: kwargs,
-    )
+        jax.value_and_grad, spec.loss_fn, state, batch, has_aux=spec.has_aux,
+        microbatches=microbatches, loss_kwargs=lambda part: kwargs,
+    )  # fmt: skip
     loss, grads = _loss.normalise(out, axis)
     return {"loss": loss, "grads": grads}
 
@@ -210,15 +205,13 @@ def _compare(got: PyTree, want: PyTree, rtol: float) -> tuple[float, list[str]]:
     bad = sorted(
         (x for x in gaps if not x[1] <= x[2]), key=lambda x: -np.nan_to_num(x[1])
     )
-    problems = [
-        f"{keystr(path)}: "
-        + (
-            f"relative gap {gap:.2g}"
-            if np.isfinite(gap)
-            else "not finite on the replicas"
-            + ("" if gap == np.inf else ", nor on one device")
-        )
-        for path, gap, _ in bad
-    ]
+
+    def problem(path, gap):
+        if np.isfinite(gap):
+            return f"{keystr(path)}: relative gap {gap:.2g}"
+        nor = "" if gap == np.inf else ", nor on one device"
+        return f"{keystr(path)}: not finite on the replicas{nor}"
+
+    problems = [problem(path, gap) for path, gap, _ in bad]
     finite = [gap for _, gap, _ in gaps if not np.isnan(gap)]
     return (max(finite) if finite else 0.0), problems

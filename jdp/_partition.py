@@ -111,9 +111,7 @@ def partition(
             elif piece == BROADCAST:
                 done = _collectives.broadcast(part, root=0, axis_name=axis_name)
             else:
-                if not isinstance(
-                    piece, _sync.TakesRows
-                ):  # tables' rows as dense gradients
+                if not isinstance(piece, _sync.TakesRows):  # tables' rows densified
                     part = jax.tree.map(
                         lambda g, p: densify(g, p) if is_rows(g) else g,
                         part,
@@ -135,14 +133,10 @@ def partition(
     # for the optimizer to sync.
     averages = all(isinstance(p, str) or p.averages for p in pieces.values())
     differ = any(map(_differs, pieces.values()))
+    must_agree = _agreed(labels, pieces) if differ else None
     rows = any(isinstance(p, _sync.TakesRows) for p in pieces.values())
     kind = _sync.TakesRows if rows else _sync.Sync
-    return kind(
-        init,
-        update,
-        averages=averages,
-        must_agree=_agreed(labels, pieces) if differ else None,
-    )
+    return kind(init, update, averages=averages, must_agree=must_agree)
 
 
 def _check_pieces(pieces: Any) -> dict[str, _sync.Sync | str]:
@@ -236,13 +230,9 @@ def differing_labels(values: Mapping[int, str]) -> str | None:
     return None  # pragma: no cover (lists that differ differ at some index)
 
 
-def agree_across_processes(
-    leaf_labels: list[tuple[str, str]],
-    *,
-    client: Any = None,
-    process: int | None = None,
-    processes: list[int] | None = None,
-) -> None:
+def agree_across_processes(leaf_labels: list[tuple[str, str]], *, client: Any = None,
+                           process: int | None = None,
+                           processes: list[int] | None = None) -> None:  # fmt: skip
     """Compares this process's `(path, label)` pairs with every other's.
 
     Through the coordination service (or `client`, for tests); nothing to do in
@@ -255,13 +245,9 @@ def agree_across_processes(
         return
     number = next(_traces)
     values = _coordination.exchange(
-        f"jdp/partition/{number}",
-        json.dumps(leaf_labels),
-        process=process,
-        processes=processes,
-        timeout_s=AGREE_TIMEOUT_S,
-        client=client,
-    )
+        f"jdp/partition/{number}", json.dumps(leaf_labels), process=process,
+        processes=processes, timeout_s=AGREE_TIMEOUT_S, client=client,
+    )  # fmt: skip
     missing = sorted(set(processes) - values.keys())
     if missing:
         raise TimeoutError(

@@ -95,23 +95,18 @@ def _merged(params, old_opt_state, opt_state, merges):
             break
         try:
             masked = jax.tree.map(
-                lambda s, p: s if _transforms.is_masked(s) else p,
-                start,
-                params,
+                lambda s, p: s if _transforms.is_masked(s) else p, start, params,
                 is_leaf=_transforms.is_masked,
-            )
+            )  # fmt: skip
         except ValueError:
             continue
         merged, opt_state = _bmuf.merge_updated(
             masked, old_opt_state, opt_state, merges
         )
         params = jax.tree.map(
-            lambda s, p, m: p if _transforms.is_masked(s) else m,
-            start,
-            params,
-            merged,
-            is_leaf=_transforms.is_masked,
-        )
+            lambda s, p, m: p if _transforms.is_masked(s) else m, start, params,
+            merged, is_leaf=_transforms.is_masked,
+        )  # fmt: skip
         return params, opt_state
     return _bmuf.merge_updated(params, old_opt_state, opt_state, merges)
 
@@ -183,12 +178,9 @@ def all_reduce(
             # XLA:CPU would still copy every gradient through a collective.
             return grads, state, {}
         grads = _collectives.all_reduce(
-            grads,
-            axis_name=step_axis if axis_name is None else axis_name,
-            bucket_bytes=bucket_bytes,
-            reduce_dtype=reduce_dtype,
-            api="jdp.all_reduce",
-        )
+            grads, axis_name=step_axis if axis_name is None else axis_name,
+            bucket_bytes=bucket_bytes, reduce_dtype=reduce_dtype, api="jdp.all_reduce",
+        )  # fmt: skip
         return grads, state, {}
 
     return Sync(None, update)
@@ -232,12 +224,9 @@ def _dropping(bucket_bytes, reduce_dtype, axis_name) -> Sync:
         )
         # The bit is the last leaf: one more value in the same all-reduce.
         total, share = _collectives.all_reduce(
-            (masked, valid.astype(jnp.float32)),
-            axis_name=axis,
-            bucket_bytes=bucket_bytes,
-            reduce_dtype=reduce_dtype,
-            api="jdp.all_reduce",
-        )
+            (masked, valid.astype(jnp.float32)), axis_name=axis,
+            bucket_bytes=bucket_bytes, reduce_dtype=reduce_dtype, api="jdp.all_reduce",
+        )  # fmt: skip
         count = jnp.round(share * num).astype(jnp.int32)
         # No valid replica: a NaN average, which the step skips with
         # `skip_nonfinite=True` (a zero would still move momentum and decay).

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax import struct
 
@@ -72,16 +73,11 @@ class TrainState(struct.PyTreeNode):
             )
         sync_state = None if sync is None else sync.initial_state(params)
         return cls(
-            step=jax.numpy.zeros((), jax.numpy.int32),
-            params=params,
-            opt_state=tx.init(params),
-            batch_stats=batch_stats,
-            skipped_steps=jax.numpy.zeros((), jax.numpy.int32),
-            dynamic_scale=dynamic_scale,
-            rng=rng,
+            step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
+            batch_stats=batch_stats, skipped_steps=jnp.zeros((), jnp.int32),
+            dynamic_scale=dynamic_scale, rng=rng, tx=tx,
             sync_state=sync_state if jax.tree.leaves(sync_state) else None,
-            tx=tx,
-        )
+        )  # fmt: skip
 
     def apply_gradients(self, *, grads: PyTree) -> TrainState:
         """Applies one optimizer update; returns the new state."""

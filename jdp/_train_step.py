@@ -145,14 +145,9 @@ def make_train_step(
             _loss.check_loss_scaling(rows, microbatches)
             value_and_grad = _loss.scaled(scale)
         out = _loss.gradients(
-            value_and_grad,
-            loss_fn,
-            state,
-            batch,
-            has_aux=has_aux,
-            microbatches=microbatches,
-            loss_kwargs=loss_kwargs,
-        )
+            value_and_grad, loss_fn, state, batch, has_aux=has_aux,
+            microbatches=microbatches, loss_kwargs=loss_kwargs,
+        )  # fmt: skip
         loss, grads = _loss.normalise(out, axis)
         skip = skip_nonfinite or scale is not None
         params, opt_state, extra, sync_state = _update(

@@ -165,12 +165,8 @@ class _TableHandle:
     """Stands in for a table inside `jdp.sparse.value_and_grad`."""
 
     def __init__(self, name: str, table: jax.Array, recorder: _Recorder):
-        self.name = name
-        self._table = table
-        self._recorder = recorder
-        self.shape = table.shape
-        self.dtype = table.dtype
-        self.ndim = table.ndim
+        self.name, self._table, self._recorder = name, table, recorder
+        self.shape, self.dtype, self.ndim = table.shape, table.dtype, table.ndim
 
     def _lookup(self, ids: Any) -> jax.Array:
         rec = self._recorder

@@ -36,13 +36,9 @@ class RowOptimizer(NamedTuple):
     update: Callable[[Any, Any, jax.Array], tuple[jax.Array, Any]]
 
 
-def _update(
-    grads: IndexedRows | jax.Array,
-    table: jax.Array,
-    states: tuple[jax.Array, ...],
-    step: Callable[..., tuple[jax.Array, ...]],
-    api: str,
-) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+def _update(grads: IndexedRows | jax.Array, table: jax.Array,
+            states: tuple[jax.Array, ...], step: Callable[..., tuple[jax.Array, ...]],
+            api: str) -> tuple[jax.Array, tuple[jax.Array, ...]]:  # fmt: skip
     """`step(g, *state_rows) -> (delta, *new_state_rows)` on the rows touched.
 
     With per-row state, repeated ids are summed first; invalid ids are dropped.
@@ -359,20 +355,14 @@ def _without_tables(tree: PyTree, index: dict[str, int]) -> PyTree:
     """`tree` with None at the table leaves (`index`'s leaf positions)."""
     leaves, treedef = jax.tree.flatten(tree, is_leaf=is_rows)
     at_table = set(index.values())
-    return treedef.unflatten(
-        [None if i in at_table else x for i, x in enumerate(leaves)]
-    )
+    leaves = [None if i in at_table else x for i, x in enumerate(leaves)]
+    return treedef.unflatten(leaves)
 
 
 def apply_sparse(
-    tx: SparseTransformation,
-    grads: PyTree,
-    opt_state: OptimizerState,
-    params: PyTree,
-    *,
-    api: str = "jdp.sparse.rows",
-    as_updates: bool = False,
-) -> tuple[PyTree, OptimizerState]:
+    tx: SparseTransformation, grads: PyTree, opt_state: OptimizerState, params: PyTree,
+    *, api: str = "jdp.sparse.rows", as_updates: bool = False,
+) -> tuple[PyTree, OptimizerState]:  # fmt: skip
     """New params (or with `as_updates`, optax's updates) from `tx` on `grads`."""
     leaves, treedef, index = locate_tables(params, [t for t, _ in tx.tables], api=api)
     dense_params = _without_tables(params, index)

@@ -125,12 +125,9 @@ def rows(
     def update(grads, state, params, axis_name):
         num = _collectives.axis_size(axis_name, api)
         dense = _collectives.all_reduce(
-            split_rows(grads)[0],
-            axis_name=axis_name,
-            bucket_bytes=bucket_bytes,
-            reduce_dtype=reduce_dtype,
-            api=api,
-        )
+            split_rows(grads)[0], axis_name=axis_name, bucket_bytes=bucket_bytes,
+            reduce_dtype=reduce_dtype, api=api,
+        )  # fmt: skip
 
         def exchange(path, g, reduced, param):
             if not is_rows(g):
