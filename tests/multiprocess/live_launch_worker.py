@@ -1,8 +1,10 @@
-"""A script for `python -m jdp.launch --live`: process 2 SIGKILLs itself once.
+"""A script for `python -m jdp.launch --live`: process 2, then 0, SIGKILL themselves.
 
-argv: OUT_DIR STEPS. The first run of process 2 kills itself at step 5 (leaving
-a marker file); the launcher starts it again and it rejoins the others. Each
-process writes its final params and the step it started at to OUT_DIR.
+argv: OUT_DIR STEPS. Process 2 kills itself at step 5, once (a marker file says
+it did): the launcher starts it again alone and it rejoins the others. Process 0
+kills itself at step 15, once: the launcher restarts the whole job (which starts
+from the beginning here, having no checkpoint). Each process writes its final
+params and the step it started at to OUT_DIR.
 """
 
 import os
@@ -33,11 +35,15 @@ tx = optax.sgd(0.1, momentum=0.9)
 step = jdp.distributed.live(jdp.make_train_step(mlp_loss, tx))
 state = step.replicate(jdp.TrainState.create(params=init_mlp(jax.random.key(0)), tx=tx))
 first = step.position  # 0, or where the others were when this one joined
+if first:
+    (out / f"joined-{jax.process_index()}").write_text(str(first))
 batches = make_batches(steps, 12)
 while step.position < steps:
     i = step.position
-    if jax.process_index() == 2 and i == 5 and not (out / "killed").exists():
-        (out / "killed").touch()
+    me = jax.process_index()
+    marker = out / f"killed-{me}"
+    if (me, i) in ((2, 5), (0, 15)) and not marker.exists():
+        marker.touch()
         os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(0.3)
     state, _ = step(state, batches[i])
