@@ -176,12 +176,8 @@ def gradients(
     if value_and_grad is jax.value_and_grad:
         zeros = jax.tree.map(jnp.zeros_like, state.params)
     else:  # a sync piece's own: its gradients may hold sparse rows
-
-        def part_grads(index, part):
-            return run(state, part, index).grads
-
         first = jax.tree.map(lambda x: x[0], parts)
-        shapes = jax.eval_shape(part_grads, jnp.uint32(0), first)
+        shapes = jax.eval_shape(lambda p: run(state, p, jnp.uint32(0)).grads, first)
         zeros = jax.tree.map(
             lambda s: jnp.zeros(s.shape, s.dtype), split_rows(shapes)[0]
         )
@@ -205,21 +201,16 @@ def gradients(
     indices = jnp.arange(k, dtype=jnp.uint32)
     (total, carried), outs = lax.scan(body, (zeros, stats), (indices, parts))
     new_stats = None
-    if stats is not None:
-        new_stats = jax.tree.map(
-            lambda per_part, c: per_part.mean(0) if is_float(per_part) else c,
-            outs.new_stats,
-            carried,
-        )
+    if stats is not None:  # floats: the parts' mean; the rest: carried
+        mean = lambda x, c: x.mean(0) if is_float(x) else c  # noqa: E731
+        new_stats = jax.tree.map(mean, outs.new_stats, carried)
     aux = _combine_parts(outs.aux, k)
     # Sparse rows of the parts are concatenated: their scatter-add is the sum.
     rows = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), outs.grads)
     grads = jax.tree.map(
-        lambda r, d: d if r is None else r,
-        rows,
-        total,
+        lambda r, d: d if r is None else r, rows, total,
         is_leaf=lambda x: x is None or is_rows(x),
-    )
+    )  # fmt: skip
     if outs.weight is not None:
         return Gradients(outs.loss.sum(0), outs.weight.sum(0), aux, new_stats, grads)
     grads = jax.tree.map(lambda g: g / k if is_float(g) else g, grads)

@@ -205,13 +205,9 @@ def differing_labels(values: Mapping[int, str]) -> str | None:
     `values` is `{process: JSON list of [path, label] pairs}`.
     """
     lists = {p: [tuple(x) for x in json.loads(v)] for p, v in sorted(values.items())}
-    if len({json.dumps(v) for v in lists.values()}) <= 1:
-        return None
-    longest = max(len(v) for v in lists.values())
-    for i in range(longest):
-        seen = {
-            p: (v[i] if i < len(v) else ("<none>", "<none>")) for p, v in lists.items()
-        }
+    none = ("<none>", "<none>")
+    for row in itertools.zip_longest(*lists.values(), fillvalue=none):
+        seen = dict(zip(lists, row, strict=True))
         if len(set(seen.values())) > 1:
             leaf = next(path for path, _ in seen.values() if path != "<none>")
             named = ", ".join(
@@ -227,7 +223,7 @@ def differing_labels(values: Mapping[int, str]) -> str | None:
                 "params' structure (e.g. a function of the path), not from anything "
                 "that differs between processes."
             )
-    return None  # pragma: no cover (lists that differ differ at some index)
+    return None
 
 
 def agree_across_processes(leaf_labels: list[tuple[str, str]], *, client: Any = None,

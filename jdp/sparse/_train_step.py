@@ -26,19 +26,16 @@ class IdsOutOfRangeError(ValueError):
     """
 
 
-class _QuietIdErrors(logging.Filter):
+def _not_an_id_error(record: logging.LogRecord) -> bool:
     """Drops JAX's per-replica log of the id check's error (raised anyway)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        exc = record.exc_info[1] if record.exc_info else None
-        return not isinstance(exc, IdsOutOfRangeError)
+    return not (record.exc_info and isinstance(record.exc_info[1], IdsOutOfRangeError))
 
 
 @functools.cache
 def _install_filter() -> None:
     """Quiets JAX's logs of the id check's error and its replay at exit (once)."""
     for name in _jax_compat.CALLBACK_LOGGERS:
-        logging.getLogger(name).addFilter(_QuietIdErrors())
+        logging.getLogger(name).addFilter(_not_an_id_error)
     # Runs before JAX's own exit handlers (registered when JAX was imported),
     # which would raise a handled id check error again from its tokens.
     atexit.register(
@@ -146,8 +143,8 @@ def rows(
     return _sync.TakesRows(None, update)
 
 
-def tables_of(optimizer: Any) -> list[str]:
-    """The table paths of a `jdp.sparse.optimizer`, for a piece that takes rows."""
+def differentiate(optimizer: Any):
+    """`value_and_grad` that keeps the optimizer's tables' gradients as rows."""
     if not isinstance(optimizer, SparseTransformation):
         raise TypeError(
             "`jdp.sparse.rows` needs an optimizer made by "
@@ -155,15 +152,9 @@ def tables_of(optimizer: Any) -> list[str]:
             f"; got {type(optimizer).__name__}. For dense table gradients use "
             "`jdp.all_reduce()`."
         )
-    return [t for t, _ in optimizer.tables]
-
-
-def differentiate(optimizer: Any):
-    """`value_and_grad` that keeps the optimizer's tables' gradients as rows."""
-    return functools.partial(value_and_grad, tables=tables_of(optimizer))
+    return functools.partial(value_and_grad, tables=[t for t, _ in optimizer.tables])
 
 
 def apply(grads, state, optimizer) -> tuple[PyTree, PyTree, dict[str, jax.Array]]:
     """`(params, opt_state, {})`: `optimizer` applied, tables on their rows only."""
-    params, opt_state = apply_sparse(optimizer, grads, state.opt_state, state.params)
-    return params, opt_state, {}
+    return (*apply_sparse(optimizer, grads, state.opt_state, state.params), {})
