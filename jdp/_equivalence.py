@@ -51,12 +51,9 @@ def check_equivalence(
 
     Compares, leaf by leaf, the replicas' averaged gradient (what
     `jdp.all_reduce()` applies) with one device's gradient of the same loss on
-    the whole global batch, both from replica 0's state. It catches a loss that
-    is right on one device but wrong across replicas: a mean over a count that
-    differs between replicas (use `jdp.weighted`), BatchNorm without
-    `axis_name`, a sum over the batch. Call it once, on the first batch, with
-    dropout off; it changes nothing. See the Padding guide
-    (docs/guides/padding.md).
+    the whole global batch, both from replica 0's state. Call it once, on the
+    first batch, with dropout off; it changes nothing. See the Padding guide
+    (docs/guides/padding.md) for the mistakes it catches.
 
     Args:
       step: A `jdp.parallelize`d step made by `jdp.make_train_step`.

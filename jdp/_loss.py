@@ -43,11 +43,8 @@ def takes_batch_stats(loss_fn: Callable[..., Any]) -> bool:
         ) from e
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     params = signature.parameters.values()
-    required = [
-        p
-        for p in params
-        if p.kind in kinds and p.default is p.empty and p.name not in LOSS_KEYWORDS
-    ]
+    required = [p for p in params if p.kind in kinds and p.default is p.empty]
+    required = [p for p in required if p.name not in LOSS_KEYWORDS]
     var = any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params)
     if len(required) in (2, 3) and not (var and len(required) < 3):
         return len(required) == 3
@@ -62,12 +59,9 @@ def takes_batch_stats(loss_fn: Callable[..., Any]) -> bool:
 
 def _rng_hint(signature: inspect.Signature, always: bool = False) -> str:
     """A sentence for a loss whose PRNG key parameter is not named `rng`."""
-    keys = [
-        name
-        for name in signature.parameters
-        if name not in LOSS_KEYWORDS
-        and any(word in name.lower() for word in ("rng", "key", "seed"))
-    ]
+    words = ("rng", "key", "seed")
+    keys = [n for n in signature.parameters if any(w in n.lower() for w in words)]
+    keys = [n for n in keys if n not in LOSS_KEYWORDS]
     if keys:
         return (
             f" If `{keys[0]}` is a PRNG key (for dropout), name it `rng`: the step "

@@ -239,9 +239,8 @@ def agree_across_processes(leaf_labels: list[tuple[str, str]], *, client: Any = 
     processes = list(range(jax.process_count())) if processes is None else processes
     if len(processes) == 1 or (client is None and _coordination.client() is None):
         return
-    number = next(_traces)
     values = _coordination.exchange(
-        f"jdp/partition/{number}", json.dumps(leaf_labels), process=process,
+        f"jdp/partition/{next(_traces)}", json.dumps(leaf_labels), process=process,
         processes=processes, timeout_s=AGREE_TIMEOUT_S, client=client,
     )  # fmt: skip
     missing = sorted(set(processes) - values.keys())
@@ -275,18 +274,11 @@ def _agreed(labels, pieces) -> Callable[[PyTree], PyTree]:
         params = jax.tree.map(
             lambda lbl, p: None if lbl in differ else p, full, state.params
         )
-        opt_state = _transforms.map_label_states(
-            state.opt_state,
-            lambda label, inner: (
-                _replica_parts.agreed(inner) if label in differ else inner
-            ),
-        )
+        agreed = lambda label, x: _replica_parts.agreed(x) if label in differ else x  # noqa: E731
+        opt_state = _transforms.map_label_states(state.opt_state, agreed)
         if opt_state is None:  # not an `optax.multi_transform`: the whole state
             opt_state = _replica_parts.agreed(state.opt_state)
-        return state.replace(
-            params=params,
-            opt_state=opt_state,
-            sync_state=_replica_parts.less_local(state.sync_state),
-        )
+        sync_state = _replica_parts.less_local(state.sync_state)
+        return state.replace(params=params, opt_state=opt_state, sync_state=sync_state)
 
     return must_agree

@@ -290,8 +290,7 @@ def powersgd(
     options = _Options(
         rank, start_step, rate, error_feedback, warm_start, eps, seed, bucket_bytes
     )
-    if not _validate.is_int(seed):
-        raise TypeError(f"`seed` must be an int, got {_validate.describe(seed)}.")
+    _validate.checked("seed", seed, "an int", _validate.is_int(seed), lambda v: True)
     _collectives.check_bucket_bytes(bucket_bytes)
     api = "jdp.powersgd"
 

@@ -169,13 +169,10 @@ def all_reduce(
 
     def update(grads, state, params, step_axis):
         del params
-        if (
-            axis_name is None
-            and reduce_dtype is None
-            and _collectives.axis_size(step_axis, "jdp.all_reduce") == 1
-        ):
-            # One replica: the mean is the gradient itself, bit for bit, and
-            # XLA:CPU would still copy every gradient through a collective.
+        # One replica: the mean is the gradient itself, bit for bit, and
+        # XLA:CPU would still copy every gradient through a collective.
+        plain = axis_name is None and reduce_dtype is None
+        if plain and _collectives.axis_size(step_axis, "jdp.all_reduce") == 1:
             return grads, state, {}
         grads = _collectives.all_reduce(
             grads, axis_name=step_axis if axis_name is None else axis_name,
@@ -299,8 +296,7 @@ def sync_gradients(
       >>> tx = optax.chain(jdp.sync_gradients(jdp.powersgd(rank=4)),
       ...                  optax.adam(1e-3))  # with `sync=jdp.local()`
     """
-    if sync is None:
-        sync = all_reduce()
+    sync = all_reduce() if sync is None else sync
     if not isinstance(sync, Sync):
         raise TypeError(
             "`jdp.sync_gradients` turns a `jdp.Sync` (e.g. `jdp.all_reduce()`, "
@@ -349,10 +345,9 @@ def unless_nonfinite(ok, run, state, *, counted: bool = True):
         # In the update's dtypes, so that both branches agree; a dtype the
         # update changed is reported by the step's layout check.
         kept = jax.tree.map(
-            lambda s, x: jnp.asarray(x, s.dtype),
-            shapes[:2],
+            lambda s, x: jnp.asarray(x, s.dtype), shapes[:2],
             (state.params, state.opt_state),
-        )
+        )  # fmt: skip
         return (*kept, extra)
 
     params, opt_state, extra = lax.cond(ok, run, skip)

@@ -82,8 +82,5 @@ class TrainState(struct.PyTreeNode):
     def apply_gradients(self, *, grads: PyTree) -> TrainState:
         """Applies one optimizer update; returns the new state."""
         updates, opt_state = self.tx.update(grads, self.opt_state, self.params)
-        return self.replace(
-            step=self.step + 1,
-            params=optax.apply_updates(self.params, updates),
-            opt_state=opt_state,
-        )
+        params = optax.apply_updates(self.params, updates)
+        return self.replace(step=self.step + 1, params=params, opt_state=opt_state)

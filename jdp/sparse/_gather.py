@@ -90,9 +90,5 @@ def all_gather_rows(
     api = "jdp.sparse.all_gather_rows"
     axis_name = resolve_axis(axis_name)
     axis_size(axis_name, api)
-    ids, rows = _flat(ids, rows, api)
-    ids = lax.all_gather(ids, axis_name, tiled=True)
-    rows = lax.all_gather(rows, axis_name, tiled=True)
-    if combine:
-        return combine_rows(ids, rows)
-    return IndexedRows(ids, rows)
+    gathered = lax.all_gather(_flat(ids, rows, api), axis_name, tiled=True)
+    return combine_rows(*gathered) if combine else gathered
