@@ -18,6 +18,8 @@ ENV_NUM_PROCESSES = "JDP_NUM_PROCESSES"
 ENV_PROCESS_ID = "JDP_PROCESS_ID"
 #: The default of `initialize`'s `fail_fast`: "1" or "0" (unset: "0").
 ENV_FAIL_FAST = "JDP_FAIL_FAST"
+#: "1": the job trains with `jdp.distributed.live` (`python -m jdp.launch --live`).
+ENV_LIVE = "JDP_LIVE"
 
 CPU_COLLECTIVES = ("gloo", "mpi", None)
 

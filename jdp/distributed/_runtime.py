@@ -20,6 +20,9 @@ from jdp.distributed._state import _this
 #: Extra seconds of JAX's own deadlines over `timeout_s`: jdp's watchdogs (a
 #: clear message) fire before JAX's native abort.
 _JAX_GRACE_S = 10
+#: `heartbeat_timeout_s`'s default with JAX's fault tolerance on: how soon the
+#: survivors of a dead process may go on without it (`jdp.distributed.live`).
+LIVE_HEARTBEAT_S = 10
 
 _SHUTDOWN_TIMEOUT_MSG = (
     "jdp.distributed: process {pid} of {num} waited {timeout} s at shutdown for "
@@ -51,7 +54,7 @@ def initialize(
     local_device_ids: int | Sequence[int] | None = None,
     cpu_collectives: Literal["gloo", "mpi"] | None = "gloo",
     timeout_s: int = 300,
-    heartbeat_timeout_s: int = 100,
+    heartbeat_timeout_s: int | None = None,
     fail_fast: bool | None = None,
     stall_timeout_s: float | None = None,
 ) -> None:
@@ -81,7 +84,9 @@ def initialize(
         and for the others when leaving the job; past it, a process says which
         did not arrive and exits with status 1.
       heartbeat_timeout_s: Seconds without a heartbeat after which the runtime
-        declares a process dead and stops the others (100 by default).
+        declares a process dead and stops the others. None (default): 100, or
+        10 with JAX's fault tolerance on (`jax_enable_recoverability`, which
+        `$JDP_LIVE=1` turns on, as `python -m jdp.launch --live` sets it).
       fail_fast: If True, an uncaught exception exits the process at once
         (status 1; 130 for Ctrl-C) instead of waiting at JAX's shutdown barrier,
         SIGTERM stops the process again, and the exit leaves the job through
@@ -115,6 +120,11 @@ def initialize(
       >>> jdp.distributed.initialize()  # under `python -m jdp.launch` # doctest: +SKIP
       >>> jdp.distributed.initialize("10.0.0.1:1234", 2, 0)  # doctest: +SKIP
     """
+    if os.environ.get(_config.ENV_LIVE) == "1":  # before JAX joins the job
+        jax.config.update("jax_enable_recoverability", True)
+    live = jax.config.jax_enable_recoverability
+    if heartbeat_timeout_s is None:
+        heartbeat_timeout_s = LIVE_HEARTBEAT_S if live else 100
     _config._check_options(cpu_collectives, timeout_s, heartbeat_timeout_s)
     fail_fast = _config._fail_fast(fail_fast)
     stall_timeout_s = _watchdog.timeout_from(stall_timeout_s, os.environ)
@@ -155,8 +165,9 @@ def initialize(
     _this.shutdown_timeout_s = timeout_s
     if requested["num_processes"] is None and _this.config["num_processes"] == 1:
         _leave_alone_job()
-    if fail_fast:
+    if fail_fast or live:  # live: process 0 must leave last
         _run_at_exit(_shutdown_at_exit)
+    if fail_fast:
         _exit.install_fail_fast(sigterm)
     if stall_timeout_s is not None:
         _start_stall_watch(stall_timeout_s)

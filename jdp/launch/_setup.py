@@ -16,6 +16,7 @@ from jdp import _allocator, _validate
 from jdp.distributed._config import (
     ENV_COORDINATOR_ADDRESS,
     ENV_FAIL_FAST,
+    ENV_LIVE,
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
 )
@@ -57,11 +58,13 @@ def process_env(
     devices_per_process: int | None,
     restart_count: int = 0,
     max_restarts: int = 0,
+    live: bool = False,
 ) -> dict[str, str]:
     """The environment of process `process_id`: `JDP_*` variables, device count.
 
     And glibc's allocator thresholds (`_allocator.child_env`); the coordinator
-    listens on loopback only (JAX's default is every address).
+    listens on loopback only (JAX's default is every address). With `live`, the
+    settings of JAX's fault tolerance (`LIVE_XLA_FLAGS`, `LIVE_ENV`).
     """
     env = _allocator.child_env(base)
     env[ENV_RESTART_COUNT] = str(restart_count)
@@ -77,7 +80,30 @@ def process_env(
             env.get("XLA_FLAGS", ""), devices_per_process
         )
         env["JAX_NUM_CPU_DEVICES"] = str(devices_per_process)
+    if live:
+        env[ENV_LIVE], env[ENV_FAIL_FAST] = "1", "0"
+        flags = env.get("XLA_FLAGS", "")
+        given = {f.split("=")[0] for f in flags.split()}
+        extra = [f for f in LIVE_XLA_FLAGS if f.split("=")[0] not in given]
+        env["XLA_FLAGS"] = " ".join([flags, *extra]).strip()
+        env.update({k: v for k, v in LIVE_ENV.items() if k not in env})
     return env
+
+
+#: XLA flags of a `--live` job, unless set already: on CPU a collective that a
+#: dead peer never joins ends after 10 s; on GPU, the flags of JAX's fault
+#: tolerance guide (a failed NCCL collective does not end the process).
+LIVE_XLA_FLAGS = (
+    "--xla_cpu_collective_timeout_seconds=10",
+    "--xla_gpu_nccl_terminate_on_error=false",
+    "--xla_gpu_nccl_async_execution=true",
+    "--xla_gpu_nccl_blocking_communicators=false",
+)
+#: Environment variables of a `--live` job on GPU, from the same guide.
+LIVE_ENV = {
+    "XLA_PYTHON_CLIENT_ABORT_COLLECTIVES_ON_FAILURE": "1",
+    "XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT": "1",
+}
 
 
 def _progress_setup(
@@ -116,6 +142,7 @@ def new_job(
             devices_per_process=devices_per_process,
             restart_count=policy.restarts,
             max_restarts=policy.max_restarts,
+            live=policy.live,
         )
         for r in range(len(commands))
     ]

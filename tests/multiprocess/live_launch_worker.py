@@ -14,16 +14,13 @@ import sys
 import time
 from pathlib import Path
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_cpu_collective_timeout_seconds=20"
-)
-import jax  # noqa: E402
+import jax
 
-jax.config.update("jax_enable_recoverability", True)
+import jdp
 
-import jdp  # noqa: E402
-
-jdp.distributed.initialize(heartbeat_timeout_s=10, fail_fast=False)
+# `--live` set the rest: JAX's fault tolerance, a 10 s heartbeat, fail_fast off,
+# the collective timeout; and process 0 leaves last at exit.
+jdp.distributed.initialize()
 
 import optax  # noqa: E402
 
@@ -50,5 +47,3 @@ while step.position < steps:
 one = jax.tree.map(lambda x: x.addressable_shards[0].data[0], state.params)
 with open(out / f"{jax.process_index()}.pkl", "wb") as f:
     pickle.dump({"params": jax.device_get(one), "first": first}, f)
-jdp.distributed.shutdown()  # process 0 leaves last
-os._exit(0)
