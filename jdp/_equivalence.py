@@ -145,10 +145,7 @@ def check_equivalence(
 
 
 def _loss_and_grads(spec: _train_step.LossSpec, state, batch, microbatches: int):
-    """`{"loss", "grads"}` of one replica (or one device): normalised as the step.
-
-    The loss's `rng` and `step` are the state's own, the same everywhere.
-    """
+    """`{"loss", "grads"}` as the step normalises them; `rng` and `step` the state's."""
     axis = _collectives.resolve_axis(spec.axis_name)
     # The step's check that a loss taking `rng` has a state with one.
     _loss.loss_kwargs(state, spec.keywords, axis, "jdp.check_equivalence")

@@ -313,21 +313,15 @@ def _report_collapse(scale) -> None:
         f"{COLLAPSED_SCALE} (from 2**15 by default), so every recent step was "
         "skipped. Scaling does not cure a loss or gradient that is NaN or inf "
         "whatever the scale: look for NaN/inf in the data, a log of 0 or a "
-        "division by 0, or train in float32/bfloat16.",
-        RuntimeWarning,
-        stacklevel=2,
-    )
+        "division by 0, or train in float32/bfloat16.", RuntimeWarning, stacklevel=2,
+    )  # fmt: skip
 
 
 def warn_if_collapsed(scale, axis_name) -> None:
     """A host warning (from replica 0, on the steps it happens) for a dead scale."""
-    first = lax.axis_index(axis_name) == 0
-    lax.cond(
-        first & (scale < COLLAPSED_SCALE),
-        lambda s: jax.debug.callback(_report_collapse, s),
-        lambda s: None,
-        scale,
-    )
+    collapsed = (lax.axis_index(axis_name) == 0) & (scale < COLLAPSED_SCALE)
+    report = lambda s: jax.debug.callback(_report_collapse, s)  # noqa: E731
+    lax.cond(collapsed, report, lambda s: None, scale)
 
 
 def check_loss_scaling(rows: bool, microbatches: int) -> None:

@@ -113,11 +113,9 @@ def partition(
             else:
                 if not isinstance(piece, _sync.TakesRows):  # tables' rows densified
                     part = jax.tree.map(
-                        lambda g, p: densify(g, p) if is_rows(g) else g,
-                        part,
-                        part_params,
-                        is_leaf=is_rows,
-                    )
+                        lambda g, p: densify(g, p) if is_rows(g) else g, part,
+                        part_params, is_leaf=is_rows,
+                    )  # fmt: skip
                 done, new, extra = piece.update(
                     part, new_state.get(key), part_params, axis_name
                 )
@@ -232,8 +230,7 @@ def agree_across_processes(leaf_labels: list[tuple[str, str]], *, client: Any = 
     """Compares this process's `(path, label)` pairs with every other's.
 
     Through the coordination service (or `client`, for tests); nothing to do in
-    one process. Raises ValueError naming a leaf labelled differently, or
-    TimeoutError if a process did not publish in time.
+    one process.
     """
     process = jax.process_index() if process is None else process
     processes = list(range(jax.process_count())) if processes is None else processes

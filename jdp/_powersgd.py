@@ -43,7 +43,6 @@ class _Options(NamedTuple):
     rank: int
     start_step: int
     min_compression_rate: float
-    error_feedback: bool
     warm_start: bool
     orthogonalization_epsilon: float
     seed: int
@@ -287,9 +286,7 @@ def powersgd(
     eps = _validate.finite_number(
         "orthogonalization_epsilon", orthogonalization_epsilon, at_least=0
     )
-    options = _Options(
-        rank, start_step, rate, error_feedback, warm_start, eps, seed, bucket_bytes
-    )
+    options = _Options(rank, start_step, rate, warm_start, eps, seed, bucket_bytes)
     _validate.checked("seed", seed, "an int", _validate.is_int(seed), lambda v: True)
     _collectives.check_bucket_bytes(bucket_bytes)
     api = "jdp.powersgd"
@@ -299,7 +296,7 @@ def powersgd(
         plan = _plan(leaves, options)
         q = tuple(_draw(seed, mat, jnp.result_type(leaves[mat.index])) for mat in plan)
         error = None
-        if options.error_feedback:
+        if error_feedback:
             error = tuple(jnp.zeros_like(leaves[mat.index]) for mat in plan)
         return PowerSGDState(count=jnp.zeros((), jnp.int32), q=q, error=error)
 

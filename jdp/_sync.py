@@ -82,8 +82,7 @@ def apply_tx(grads, state, tx) -> tuple[PyTree, PyTree, dict[str, jax.Array]]:
         tx, grads, state.opt_state, state.params, **{_bmuf.MERGES_ARG: merges}
     )
     params = optax.apply_updates(state.params, updates)
-    params, opt_state = _merged(params, state.opt_state, opt_state, merges)
-    return params, opt_state, {}
+    return (*_merged(params, state.opt_state, opt_state, merges), {})
 
 
 def _merged(params, old_opt_state, opt_state, merges):

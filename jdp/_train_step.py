@@ -139,7 +139,6 @@ def make_train_step(
         value_and_grad = (
             _sparse.differentiate(optimizer) if rows else jax.value_and_grad
         )
-        changes = {}
         scale = getattr(state, "dynamic_scale", None)
         if scale is not None:
             _loss.check_loss_scaling(rows, microbatches)
@@ -153,6 +152,7 @@ def make_train_step(
         params, opt_state, extra, sync_state = _update(
             sync, grads, state, optimizer, axis, skip, counted=scale is None, rows=rows
         )
+        changes = {"step": state.step + 1, "params": params, "opt_state": opt_state}
         if sync_state is not None:
             changes["sync_state"] = sync_state
         if scale is not None:
@@ -161,7 +161,6 @@ def make_train_step(
             _loss.warn_if_collapsed(changes["dynamic_scale"].scale, axis)
         loss, extra = _loss.kept_loss(out, loss, extra, axis)
         aux, new_stats = out.aux, out.new_stats
-        changes.update(step=state.step + 1, params=params, opt_state=opt_state)
         if "skipped" in extra and getattr(state, "skipped_steps", None) is not None:
             changes["skipped_steps"] = state.skipped_steps + extra["skipped"]
         if new_stats is not None:
@@ -182,10 +181,7 @@ def make_train_step(
 
 
 def _update(sync, grads, state, tx, axis, skip, *, counted, rows):
-    """The piece's gradients, then `tx`: `(params, opt_state, metrics, sync_state)`.
-
-    With `rows`, tables' gradients are sparse rows, applied to those rows only.
-    """
+    """The piece's gradients, then `tx`: `(params, opt_state, metrics, sync_state)`."""
     held = getattr(state, "sync_state", None)
     piece_state = sync.initial_state(state.params) if held is None else held
     checked, new_state, extra = sync.update(grads, piece_state, state.params, axis)

@@ -237,16 +237,13 @@ def value_and_grad(
       >>> grads["embed"].ids, grads["embed"].rows.shape
       (Array([7, 3, 7], dtype=int32), (3, 2))
     """
+    api = "jdp.sparse.value_and_grad"
     names = [normalize_path(t) for t in tables]
     if len(set(names)) != len(names):
-        raise ValueError(
-            f"`jdp.sparse.value_and_grad`: a table is listed twice: {names}."
-        )
+        raise ValueError(f"`{api}`: a table is listed twice: {names}.")
 
     def wrapped(params, *args):
-        leaves, treedef, index = locate_tables(
-            params, names, api="jdp.sparse.value_and_grad"
-        )
+        leaves, treedef, index = locate_tables(params, names, api=api)
         table_values = {t: jnp.asarray(leaves[i]) for t, i in index.items()}
         dense = [None if i in index.values() else x for i, x in enumerate(leaves)]
 

@@ -346,8 +346,7 @@ def optimizer(
         return apply_sparse(tx, updates, state, params, api=api, as_updates=True)
 
     tx = SparseTransformation(init_fn, update_fn)
-    tx.dense = dense_tx
-    tx.tables = named
+    tx.dense, tx.tables = dense_tx, named
     return tx
 
 

@@ -60,12 +60,8 @@ def _check_ids(ids: jax.Array, num_rows: int, table: str) -> jax.Array:
     bad = (ids < 0) | (ids >= num_rows)
     count = jnp.sum(bad)
     first = ids[jnp.argmax(bad)] if ids.size else jnp.zeros((), ids.dtype)
-    ok = jax.pure_callback(
-        functools.partial(_raise_if_out_of_range, table=table, num_rows=num_rows),
-        jax.ShapeDtypeStruct((), jnp.bool_),
-        count,
-        first,
-    )
+    check = functools.partial(_raise_if_out_of_range, table=table, num_rows=num_rows)
+    ok = jax.pure_callback(check, jax.ShapeDtypeStruct((), jnp.bool_), count, first)
     return jnp.where(ok, ids, -1)
 
 
