@@ -475,9 +475,9 @@ def load_predictor(
 ) -> Predictor:
     """Loads a predictor written by `jdp.save_predictor` / `jdp.export_predictor`.
 
-    Loading runs the code inside: load only files you trust, and pass
-    `expected_sha256` to detect tampering (the Export guide, docs/guides/export.md,
-    says why the header's checksum does not).
+    Loading runs the code inside: load only files you trust. The header's
+    SHA-256 is a checksum against damage, not a signature: to detect tampering,
+    pass `expected_sha256`, got through a channel you trust.
 
     Args:
       path_or_bytes: A file path, or the bytes `jdp.export_predictor` returned.
