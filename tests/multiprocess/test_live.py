@@ -10,6 +10,7 @@ and the others wait for its pickled results.
 """
 
 import fcntl
+import itertools
 import pickle
 import subprocess
 import sys
@@ -120,9 +121,12 @@ def test_synchronous_training_survives_a_kill_with_its_global_batch(killed_job):
     assert_trees_close(results[0]["params"]["all_reduce"], params, rtol=1e-5, atol=1e-6)
 
 
-def reference(config):
+def reference(config, steps=STEPS, joined=None):
     """The same membership schedule in one process, without a kill: 3 replicas,
-    then replicas 0 and 1 (the survivors) go on with their own state."""
+    then replicas 0 and 1 (the survivors) go on with their own state. With
+    `joined`, from that step on a third replica holds what process 0's replica
+    sent it, in the mesh order the job used then (process 0, 2, 1). Returns
+    each replica's params, in that order."""
     import jdp
 
     if config == "bmuf":
@@ -131,7 +135,7 @@ def reference(config):
         tx = optax.sgd(0.1)
         sync = jdp.all_reduce(wire=jdp.wire.int8(), error_feedback=True)
     train_step = jdp.make_train_step(mlp_loss, tx, sync=sync)
-    batches = make_batches(STEPS, GLOBAL_BATCH)
+    batches = make_batches(steps, GLOBAL_BATCH)
     three = jdp.parallelize(train_step, devices=jax.devices()[:3])
     state = three.replicate(
         jdp.TrainState.create(params=init_mlp(jax.random.key(0)), tx=tx, sync=sync)
@@ -142,9 +146,16 @@ def reference(config):
     state = jax.tree.map(
         lambda x: jax.device_put(np.asarray(x)[:2], two.sharding), state
     )
-    for batch in batches[DIE_AT:]:
+    for batch in batches[DIE_AT:joined]:
         state, _ = two(state, two.shard(batch))
-    return jax.tree.map(lambda x: np.asarray(x)[0], state.params)
+    if joined is not None:  # process 0's replica sent to the replacement
+        state = jax.tree.map(
+            lambda x: jax.device_put(np.asarray(x)[[0, 0, 1]], three.sharding), state
+        )
+        for batch in batches[joined:]:
+            state, _ = three(state, three.shard(batch))
+    kept = (0, 1, 2) if joined is not None else (0, 1)
+    return [jax.tree.map(lambda x, r=r: np.asarray(x)[r], state.params) for r in kept]
 
 
 @pytest.mark.parametrize("config", ["bmuf", "int8_ef"])
@@ -158,14 +169,15 @@ def test_per_replica_state_survives_a_kill(killed_job, config):
     # that can move a value by one quantization level, which error feedback
     # carries into the next step.
     tolerance = dict(rtol=1e-5, atol=1e-6) if config == "bmuf" else dict(atol=2e-3)
-    assert_trees_close(results[0]["params"][config], reference(config), **tolerance)
+    assert_trees_close(results[0]["params"][config], reference(config)[0], **tolerance)
 
 
 def test_a_replacement_rejoins_and_every_replica_ends_identical(tmp_path):
     """Process 2 is started again after its kill: it joins the survivors at a
-    step boundary, receives their whole state and trains on with them."""
+    step boundary, receives their whole state and trains on with them; with
+    every configuration (synchronous, BMUF, int8 with error feedback)."""
     steps = 40
-    results, outputs = run_job(tmp_path, "all_reduce", replace=True)
+    results, outputs = run_job(tmp_path, CONFIGS, replace=True)
     assert set(results) == {0, 1, 2}, "\n".join(o[-3000:] for o in outputs)
     joined = results[2]["first"]  # the step the replacement started at
     assert DIE_AT <= joined < steps
@@ -175,10 +187,11 @@ def test_a_replacement_rejoins_and_every_replica_ends_identical(tmp_path):
             steps - joined
         )
     assert results[2]["replicas"] == [3] * (steps - joined)
-    # Every replica holds the same bits, and the optimizer saw every global
-    # batch once, as on one device.
-    for p in (1, 2):
-        assert_trees_close(results[0]["params"], results[p]["params"], rtol=0, atol=0)
+    # Every replica holds the same bits (of the synchronous models), and the
+    # optimizer saw every global batch once, as on one device.
+    for p, config in itertools.product((1, 2), ("all_reduce", "int8_ef")):
+        mine, first = results[p]["params"][config], results[0]["params"][config]
+        assert_trees_close(mine, first, rtol=0, atol=0)
     tx = optax.sgd(0.1, momentum=0.9)
     params = init_mlp(jax.random.key(0))
     opt_state = tx.init(params)
@@ -187,3 +200,10 @@ def test_a_replacement_rejoins_and_every_replica_ends_identical(tmp_path):
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
     assert_trees_close(results[0]["params"]["all_reduce"], params, rtol=1e-5, atol=1e-6)
+    # Per-replica state (BMUF's local models, error-feedback buffers): the
+    # replacement got process 0's; the result is that schedule without a kill.
+    for config, tolerance in (("bmuf", dict(rtol=1e-5, atol=1e-6)), ("int8_ef", {})):
+        expected = reference(config, steps, joined)
+        tolerance = tolerance or dict(atol=2e-3)
+        for p, r in ((0, 0), (2, 1), (1, 2)):  # mesh order then: processes 0, 2, 1
+            assert_trees_close(results[p]["params"][config], expected[r], **tolerance)
