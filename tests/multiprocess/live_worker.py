@@ -60,6 +60,12 @@ def model(config):
         return optax.sgd(0.1), jdp.all_reduce(wire=jdp.wire.int8(), error_feedback=True)
     if config == "bmuf":
         return jdp.bmuf(optax.sgd(0.1), 3), jdp.local()
+    if config == "streaming":  # Streaming DiLoCo: 2 fragments, one step's delay
+        outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
+        streaming = jdp.Streaming(fragments=2, delay=1)
+        return jdp.bmuf(
+            optax.sgd(0.1), 4, outer=outer, streaming=streaming
+        ), jdp.local()
     raise SystemExit(f"unknown config {config}")
 
 
