@@ -169,9 +169,9 @@ def reference(config, steps=STEPS, joined=None):
 @pytest.mark.parametrize("config", ["bmuf", "streaming", "int8_ef"])
 def test_per_replica_state_survives_a_kill(killed_job, config):
     """BMUF's and Streaming DiLoCo's local models and the error-feedback buffers
-    stay each replica's own;
-    the dead replica leaves the block average and the all-reduce. The result is
-    the run given the same membership schedule without a kill."""
+    stay each replica's own; the dead replica leaves the block average and the
+    all-reduce. The result is the run given the same membership schedule
+    without a kill."""
     results, outputs = killed_job
     check_survivors(results, outputs)
     # gloo and the in-process collectives may sum in another order; with int8
