@@ -51,12 +51,8 @@ class Streaming:
             "fragments", self.fragments, note="1: the whole model at once"
         )
         _validate.non_negative_int("delay", self.delay)
-        mix = _validate.finite_number(
-            "mix",
-            self.mix,
-            at_least=0,
-            note="below 1; 0 discards the delayed local steps",
-        )
+        note = "below 1; 0 discards the delayed local steps"
+        mix = _validate.finite_number("mix", self.mix, at_least=0, note=note)
         if mix >= 1:
             why = (
                 "each replica would keep its local fragment entirely, so the "
@@ -120,11 +116,9 @@ class BlockAverage:
                     "which needs `on_bad_replica='drop'`: pass both, `jdp."
                     "BlockAverage(on_bad_replica='drop', bad_replica_max_norm=...)`."
                 )
+            note = "the largest L2 distance from the block start, or None"
             _validate.finite_number(
-                "bad_replica_max_norm",
-                max_norm,
-                above=0,
-                note="the largest L2 distance from the block start, or None",
+                "bad_replica_max_norm", max_norm, above=0, note=note
             )
         if mode is not None and self.wire is not None:
             raise ValueError(
@@ -239,9 +233,7 @@ def _check_value(value: Any, kind: type, name: str, example: str) -> None:
 
 
 def _check_transform(tx: Any, name: str) -> None:
-    if not (
-        callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))
-    ):
+    if not all(callable(getattr(tx, method, None)) for method in ("init", "update")):
         raise TypeError(
             f"`{name}` must be an optax transform (with `init` and `update`), e.g. "
             f"`optax.sgd(0.1, momentum=0.9)`; got {type(tx).__name__}."

@@ -77,13 +77,8 @@ def block_momentum(
         "learning_rate", learning_rate, above=0, note="1.0 is the usual setting"
     )
     if momentum is not None:
-        _validate.finite_number(
-            "momentum",
-            momentum,
-            at_least=0,
-            below=1,
-            note="or None for the default 1 - 1 / num_replicas",
-        )
+        note = "or None for the default 1 - 1 / num_replicas"
+        _validate.finite_number("momentum", momentum, at_least=0, below=1, note=note)
     if not isinstance(nesterov, (bool, np.bool_)):
         raise TypeError(
             f"`nesterov` must be True or False, got {nesterov!r}: "

@@ -18,18 +18,9 @@ from jdp._bmuf._state import block_start, cast_like, float_map
 def merge(params, old_state, state, *, inner, axis, options):
     """The fragment syncs of Streaming DiLoCo (`fragments`, `delay`, `mix`).
 
-    Same arguments and results as `_block.merge`. Counting the updates after
-    warmup from 1, with `P = sync_period // fragments` and `τ = delay`, update `n`:
-
-    1. all-reduces chunk `j` of the state's `pending` snapshot of the fragment
-       in flight, if `n` is one of the `τ` updates that end at its sync;
-    2. syncs fragment `(n // P - 1) mod fragments` if `P` divides `n`: the outer
-       update of its slices, then its local slices become
-       `lerp(target, local, mix)`;
-    3. with `τ >= 1`, snapshots into `pending` the local slices of the fragment
-       whose sync falls `τ` updates later.
-
-    Each is a `lax.cond` per fragment or chunk over the leaves it touches alone.
+    Same arguments and results as `_block.merge`; the schedule is the BMUF
+    guide's: 1. a chunk of `pending` all-reduced, 2. a fragment's sync, 3. a
+    snapshot, each a `lax.cond` per fragment or chunk over the leaves it touches.
     """
     fragments, delay, outer = options.fragments, options.delay, options.outer
     warmup_steps = options.warmup_steps
@@ -93,10 +84,9 @@ def _sync_fragments(dues, plan, leaves, velocity, inner_state, tree, *,
                     inner, eta, axis_name, options):  # fmt: skip
     """The sync of the fragment `f` whose `dues[f]` holds (at most one).
 
-    Returns the flat leaf lists `leaves` (`(params, g, start, v, pending)`)
-    updated, the outer states and the inner state. Without `outer=`, one
-    conditional computes `v` and the next writes the rest, each ordered after
-    the other readers of what it updates, so XLA updates buffers in place.
+    Returns the flat `leaves` (`(params, g, start, v, pending)`), the outer states
+    and the inner state. Without `outer=`, one conditional computes `v` and the
+    next writes the rest, so that XLA updates buffers in place.
     """
     p_leaves, g_leaves, s_leaves, v_leaves, pend = leaves
     delay, alpha, wire, outer = options.delay, options.mix, options.wire, options.outer

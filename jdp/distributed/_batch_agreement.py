@@ -87,13 +87,15 @@ def describe(row: tuple) -> str:
 
 
 class Found(NamedTuple):
-    """What a `_ProcessCheck` found at a call: the processes' rows there."""
+    """What a `_ProcessCheck` found at a call: the processes' rows there.
+
+    `rows`: process -> its row at `call` (an unconfirmed one's last published);
+    `unconfirmed`: process -> the call of its last published change (None: none
+    yet), for those that did not confirm `call` before the wait ran out.
+    """
 
     call: int
-    #: process -> its row at `call` (for an unconfirmed one, its last published).
     rows: dict
-    #: process -> the call of its last published change (None: none yet), for
-    #: the processes that did not confirm `call` before the wait ran out.
     unconfirmed: dict
     waited_s: float = 0.0
 
@@ -113,13 +115,8 @@ class _ProcessCheck:
     did not change goes on into the step and learns of an error from `late`.
     """
 
-    def __init__(
-        self,
-        *,
-        client=None,
-        process: tuple[int, int] | None = None,
-        timeout_s: float | None = None,
-    ):
+    def __init__(self, *, client=None, process=None, timeout_s=None):
+        # `process`: `(index, count)` in place of JAX's (tests).
         self._given_client = client
         self._process = process
         self._given_timeout_s = timeout_s
@@ -195,14 +192,8 @@ class _ProcessCheck:
         """Compares this batch with the others'; the padded size for `pad` alone."""
         rows = [x.shape[0] for _, x in host]
         layout = "|".join(f"{keystr(p)}:{x.shape[1:]}:{x.dtype}" for p, x in host)
-        mine = (
-            min(rows),
-            max(rows),
-            zlib.crc32(layout.encode()) & 0x7FFFFFFF,
-            int(pad),
-            num_local,
-            pad_to or 0,
-        )
+        checksum = zlib.crc32(layout.encode()) & 0x7FFFFFFF
+        mine = (min(rows), max(rows), checksum, int(pad), num_local, pad_to or 0)
         need_sizes = pad and pad_to is None
         found = self.check(mine, need_sizes=need_sizes)
         if found is None:
@@ -337,27 +328,20 @@ _PROCESS_CHECK = _ProcessCheck()
 
 
 def _compare_processes(
-    found: Found,
-    host,
-    *,
-    num_local: int,
-    late: bool = False,
-    timeout_s: float | None = None,
+    found: Found, host, *, num_local: int, late=False, timeout_s=None
 ) -> int | None:
     """Raises unless every process's row agrees; the padded size when padding.
 
     `late`: `found` is another process's, from an earlier call.
     """
     every, me = found.rows, jax.process_index()
-    when = ""
+    when = hint = ""
     if late:
         when = (
             f"at an earlier call (call {found.call} of `step.shard` on this process), "
         )
     elif found.unconfirmed:
         when = _unconfirmed(found, me)
-    hint = ""
-    if found.unconfirmed:
         limit = "the time limit" if timeout_s is None else f"{timeout_s:g} s"
         hint = (
             f" (Should a process only run more than {limit} behind the "
@@ -411,14 +395,12 @@ def _compare_processes(
 
 def _unconfirmed(found: Found, me: int) -> str:
     """How the message starts when some processes did not confirm their rows."""
-    others = []
-    for q, since in sorted(found.unconfirmed.items()):
-        if since is None:
-            others.append(f"process {q} has passed no batch yet")
-        else:
-            others.append(
-                f"process {q} passes {describe(found.rows[q])} (since its call {since})"
-            )
+    others = [
+        f"process {q} has passed no batch yet"
+        if since is None
+        else f"process {q} passes {describe(found.rows[q])} (since its call {since})"
+        for q, since in sorted(found.unconfirmed.items())
+    ]
     return (
         f"at call {found.call} of `step.shard` the batch of this process (process "
         f"{me}) changed to {describe(found.rows[me])}, while "

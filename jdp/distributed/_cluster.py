@@ -16,25 +16,14 @@ from typing import NamedTuple
 #: Open MPI up to version 4 (JAX's detection needs it; Open MPI 5 does not set it).
 OMPI_URI = "OMPI_MCA_orte_hnp_uri"
 #: All needed for JAX to detect SLURM (set inside an `srun` step).
-SLURM_REQUIRED = (
-    "SLURM_JOB_ID",
-    "SLURM_STEP_NODELIST",
-    "SLURM_NTASKS",
-    "SLURM_PROCID",
-    "SLURM_LOCALID",
-)
+SLURM_REQUIRED = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS",
+                  "SLURM_PROCID", "SLURM_LOCALID")  # fmt: skip
 #: SLURM's counts of tasks per node, in order of preference.
-TASKS_PER_NODE = (
-    "SLURM_NTASKS_PER_NODE",
-    "SLURM_STEP_TASKS_PER_NODE",
-    "SLURM_TASKS_PER_NODE",
-)
+TASKS_PER_NODE = ("SLURM_NTASKS_PER_NODE", "SLURM_STEP_TASKS_PER_NODE",
+                  "SLURM_TASKS_PER_NODE")  # fmt: skip
 #: The GPUs a process sees (NVIDIA, then AMD's), which it numbers from 0.
-VISIBLE_DEVICES = (
-    "CUDA_VISIBLE_DEVICES",
-    "ROCR_VISIBLE_DEVICES",
-    "HIP_VISIBLE_DEVICES",
-)
+VISIBLE_DEVICES = ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES",
+                   "HIP_VISIBLE_DEVICES")  # fmt: skip
 K8S_HOST = "KUBERNETES_SERVICE_HOST"
 #: An indexed Kubernetes Job's pod index (JAX's process id on Kubernetes).
 K8S_INDEX = "JOB_COMPLETION_INDEX"
@@ -80,8 +69,7 @@ def env_seconds(
 ) -> float | None:
     """`environ[name]` as seconds > 0; None if unset or empty (or "0" if allowed).
 
-    A malformed value raises a `ValueError` that says what the variable does
-    (`meaning`).
+    A malformed value raises a `ValueError` saying what the variable does.
     """
     text = environ.get(name, "").strip()
     if not text or (zero_is_unset and text == "0"):
@@ -212,8 +200,7 @@ def _visible_gpus(
 
 def node_gpus() -> int | None:
     """How many NVIDIA GPUs this node has (`/dev/nvidia0`, ...); None if none."""
-    count = len(glob.glob("/dev/nvidia[0-9]*"))
-    return count or None
+    return len(glob.glob("/dev/nvidia[0-9]*")) or None
 
 
 def plan_local_devices(
@@ -244,11 +231,8 @@ def plan_local_devices(
         )
     if gpus is None:
         if size == 1:
-            return DevicePlan(
-                [],
-                f"{scheduler}: the only task on its node ({tasks}): every device "
-                "it sees",
-            )
+            only = f"the only task on its node ({tasks}): every device it sees"
+            return DevicePlan([], f"{scheduler}: {only}")
         return DevicePlan(
             [rank],
             f"{scheduler}: task {rank} of {size or 'several'} on its node "

@@ -20,7 +20,7 @@ import textwrap
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from jdp import _coordination, _progress, _validate
 from jdp._progress import UNEVEN_STEPS_HINT, plural, process_list
@@ -57,16 +57,12 @@ def timeout_from(
             environ, ENV_STALL_TIMEOUT, meaning, zero_is_unset=True
         )
     real = _validate.is_int(stall_timeout_s) or isinstance(stall_timeout_s, float)
-    requirement = (
-        "a number of seconds > 0, or None (read "
-        f"${ENV_STALL_TIMEOUT}; unset: no stall check)"
+    need = (
+        f"a number of seconds > 0, or None (read ${ENV_STALL_TIMEOUT}; unset: no "
+        "stall check)"
     )
     seconds = _validate.checked(
-        "stall_timeout_s",
-        stall_timeout_s,
-        requirement,
-        real,
-        lambda v: 0 < v < math.inf,
+        "stall_timeout_s", stall_timeout_s, need, real, lambda v: 0 < v < math.inf
     )
     return float(seconds)
 
@@ -161,15 +157,8 @@ def _dump_stack() -> str:
 class Watchdog:
     """The stall check of one process: a daemon thread; `exit_fn(status)` exits."""
 
-    def __init__(
-        self,
-        client: Any,
-        process_id: int,
-        num_processes: int,
-        timeout_s: float,
-        *,
-        exit_fn: Callable[[int], None],
-    ):
+    def __init__(self, client, process_id: int, num_processes: int, timeout_s: float,
+                 *, exit_fn: Callable[[int], None]):  # fmt: skip
         self.client = _coordination.Store.of(client)
         self.me = process_id
         self.n = num_processes
@@ -273,9 +262,7 @@ class Watchdog:
             time.sleep(COORDINATOR_LAST_S)  # the others leave first
         self.exit_fn(EXIT_CODE)
 
-    def _print(
-        self, verdict: Verdict, stacks: dict[int, str], shown: list[int]
-    ) -> None:
+    def _print(self, verdict: Verdict, stacks: dict, shown: list[int]) -> None:
         text = "jdp.distributed: " + describe(
             verdict, self.timeout_s, self.tracker.finished_grace_s, self.who
         )
