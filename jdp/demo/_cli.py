@@ -42,101 +42,41 @@ def build_parser() -> argparse.ArgumentParser:
         "devices when there is no accelerator). Prints a summary table and writes "
         "metrics.json and loss_accuracy.png to --out.",
     )
-    p.add_argument(
-        "--algo",
-        choices=ALGOS,
-        default="sync",
-        help="sync: synchronous SGD (gradients all-reduced every step); bmuf: "
-        "blockwise model-update filtering (replicas train alone, models merged "
-        "every --sync-period steps); zero: synchronous SGD with the optimizer "
-        "state sharded across devices. Default: %(default)s.",
-    )
-    p.add_argument(
-        "--backend",
-        choices=BACKENDS,
-        default="shard_map",
-        help="How jdp maps the step over devices. Default: %(default)s.",
-    )
-    p.add_argument(
-        "--devices",
-        type=int,
-        metavar="N",
-        help="Use N devices: the first N accelerators, or N simulated CPU devices "
-        f"on a CPU-only machine. Default: all accelerators, or {DEFAULT_CPU_DEVICES} "
-        "simulated CPU devices.",
-    )
-    p.add_argument(
-        "--steps",
-        type=int,
-        default=300,
-        help="Total training steps. Default: %(default)s.",
-    )
-    p.add_argument(
-        "--batch-size",
-        type=int,
-        default=128,
-        help="Global batch size, split across devices. Default: %(default)s.",
-    )
-    p.add_argument(
-        "--lr",
-        type=float,
-        default=0.05,
-        help="Learning rate of SGD (momentum 0.9 for sync and zero; for bmuf the "
-        "block momentum replaces it). Default: %(default)s.",
-    )
-    p.add_argument(
-        "--sync-period",
-        type=int,
-        default=8,
-        metavar="K",
-        help="BMUF: steps per block (models merged every K). Default: %(default)s.",
-    )
-    p.add_argument(
-        "--block-momentum",
-        type=float,
-        help="BMUF: block momentum in [0, 1). Default: 1 - 1/devices.",
-    )
-    p.add_argument(
-        "--eval-every",
-        type=int,
-        default=25,
-        metavar="STEPS",
-        help="Test accuracy is measured every STEPS steps. Default: %(default)s.",
-    )
-    p.add_argument(
-        "--checkpoint-dir",
-        metavar="DIR",
-        help="Save checkpoints to DIR (every --checkpoint-every steps, at the end, and "
-        "on Ctrl-C).",
-    )
-    p.add_argument(
-        "--checkpoint-every",
-        type=int,
-        default=100,
-        metavar="STEPS",
+    add, dflt = p.add_argument, " Default: %(default)s."
+    add("--algo", choices=ALGOS, default="sync", help="sync: synchronous SGD "
+        "(gradients all-reduced every step); bmuf: blockwise model-update filtering "
+        "(replicas train alone, models merged every --sync-period steps); zero: "
+        "synchronous SGD with the optimizer state sharded across devices."
+        + dflt)  # fmt: skip
+    add("--backend", choices=BACKENDS, default="shard_map",
+        help="How jdp maps the step over devices." + dflt)  # fmt: skip
+    add("--devices", type=int, metavar="N", help="Use N devices: the first N "
+        "accelerators, or N simulated CPU devices on a CPU-only machine. Default: all "
+        f"accelerators, or {DEFAULT_CPU_DEVICES} simulated CPU devices.")  # fmt: skip
+    add("--steps", type=int, default=300, help="Total training steps." + dflt)
+    add("--batch-size", type=int, default=128,
+        help="Global batch size, split across devices." + dflt)  # fmt: skip
+    add("--lr", type=float, default=0.05, help="Learning rate of SGD (momentum "
+        "0.9 for sync and zero; for bmuf the block momentum replaces it)."
+        + dflt)  # fmt: skip
+    add("--sync-period", type=int, default=8, metavar="K",
+        help="BMUF: steps per block (models merged every K)." + dflt)  # fmt: skip
+    add("--block-momentum", type=float,
+        help="BMUF: block momentum in [0, 1). Default: 1 - 1/devices.")  # fmt: skip
+    add("--eval-every", type=int, default=25, metavar="STEPS",
+        help="Test accuracy is measured every STEPS steps." + dflt)  # fmt: skip
+    add("--checkpoint-dir", metavar="DIR", help="Save checkpoints to DIR (every "
+        "--checkpoint-every steps, at the end, and on Ctrl-C).")  # fmt: skip
+    add("--checkpoint-every", type=int, default=100, metavar="STEPS",
         help="Steps between checkpoints (BMUF saves at the end of a block, when the "
-        "replicas agree). Default: %(default)s.",
-    )
-    p.add_argument(
-        "--resume",
-        action="store_true",
-        help="Continue from the latest checkpoint in --checkpoint-dir.",
-    )
-    p.add_argument(
-        "--out",
-        default="demo_out",
-        metavar="DIR",
-        help="Where metrics.json and the plot go. Default: %(default)s.",
-    )
-    p.add_argument(
-        "--seed",
-        type=int,
-        default=0,
-        help="Seed of the initial model and of the batch order. Default: %(default)s.",
-    )
-    p.add_argument(
-        "--no-progress", action="store_true", help="Do not show the progress bar."
-    )
+        "replicas agree)." + dflt)  # fmt: skip
+    add("--resume", action="store_true",
+        help="Continue from the latest checkpoint in --checkpoint-dir.")  # fmt: skip
+    add("--out", default="demo_out", metavar="DIR",
+        help="Where metrics.json and the plot go." + dflt)  # fmt: skip
+    add("--seed", type=int, default=0,
+        help="Seed of the initial model and of the batch order." + dflt)  # fmt: skip
+    add("--no-progress", action="store_true", help="Do not show the progress bar.")
     return p
 
 
@@ -203,11 +143,8 @@ class _StopRequest:
         if self.requested:
             raise KeyboardInterrupt
         self.requested = True
-        print(
-            "\nCtrl-C: stopping after this step (press Ctrl-C again to abort now).",
-            file=sys.stderr,
-            flush=True,
-        )
+        print("\nCtrl-C: stopping after this step (press Ctrl-C again to abort now).",
+              file=sys.stderr, flush=True)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,16 +9,9 @@ import os
 from typing import Any
 
 COLUMNS = (
-    "algo",
-    "backend",
-    "devices",
-    "steps",
-    "train loss",
-    "test acc",
-    "examples/s",
-    "comm/step",
-    "vs sync",
-)
+    "algo", "backend", "devices", "steps", "train loss", "test acc", "examples/s",
+    "comm/step", "vs sync",
+)  # fmt: skip
 
 
 def format_bytes(num: float | None) -> str:
@@ -63,9 +56,7 @@ def table_row(metrics: dict[str, Any]) -> list[str]:
 
 def format_table(rows: list[list[str]]) -> str:
     """A Markdown table (readable in a terminal, pastable into a README)."""
-    widths = [
-        max(len(r[i]) for r in [list(COLUMNS), *rows]) for i in range(len(COLUMNS))
-    ]
+    widths = [max(map(len, cells)) for cells in zip(COLUMNS, *rows, strict=True)]
 
     def line(cells):
         padded = [c.ljust(w) for c, w in zip(cells, widths, strict=True)]

@@ -91,15 +91,11 @@ def communication(
     sync) run once every `sync_period` steps.
     """
     collectives = [
-        {
-            "kind": c.kind,
-            "dtype": c.dtype,
-            "bytes": c.bytes,
-            "in_conditional": c.in_conditional,
-            "runs_every": sync_period if c.in_conditional else 1,
-        }
+        {"kind": c.kind, "dtype": c.dtype, "bytes": c.bytes,
+         "in_conditional": c.in_conditional,
+         "runs_every": sync_period if c.in_conditional else 1}
         for c in step.collectives(state, batch, stage=stage)
-    ]
+    ]  # fmt: skip
     sent = sum(
         _sent_fraction(c["kind"], step.num_replicas) * c["bytes"] / c["runs_every"]
         for c in collectives
@@ -109,11 +105,9 @@ def communication(
 
 def _train_state(step: jdp.Parallel, variables: dict, tx) -> jdp.TrainState:
     """The replicated initial state of the CNN."""
-    return step.replicate(
-        jdp.TrainState.create(
-            params=variables["params"], tx=tx, batch_stats=variables["batch_stats"]
-        )
-    )
+    return step.replicate(jdp.TrainState.create(
+        params=variables["params"], tx=tx, batch_stats=variables["batch_stats"]
+    ))  # fmt: skip
 
 
 def sync_reference_bytes(devices, backend, variables, batch_host) -> float:
@@ -254,14 +248,9 @@ class _Run:
 
         args = self.args
         bar = tqdm(
-            total=args.steps,
-            initial=self.start,
-            desc=f"{self.algo.name} x{self.num}",
-            unit="step",
-            dynamic_ncols=True,
-            disable=args.no_progress,
-            file=sys.stderr,
-        )
+            total=args.steps, initial=self.start, desc=f"{self.algo.name} x{self.num}",
+            unit="step", dynamic_ncols=True, disable=args.no_progress, file=sys.stderr,
+        )  # fmt: skip
         postfix: dict[str, str] = {}
         told = False
         with bar:
