@@ -37,7 +37,6 @@ SET_ASIDE_MSG = (
     "again. Nothing was deleted: inspect or delete {target} yourself."
 )
 
-
 NOT_DAMAGE_MSG = (
     "`CheckpointManager.{caller}`: reading step {step} in {directory} failed "
     "({error}). This is not a sign of damaged files (a checksum that differs, or "
@@ -72,14 +71,8 @@ class CheckpointCorruptedError(ValueError):
       True
     """
 
-    def __init__(
-        self,
-        message: str,
-        *,
-        directory: Any = None,
-        step: int | None = None,
-        detail: str | None = None,
-    ):
+    def __init__(self, message: str, *, directory: Any = None,
+                 step: int | None = None, detail: str | None = None):  # fmt: skip
         super().__init__(message)
         self.directory = None if directory is None else str(directory)
         self.step = step
@@ -94,10 +87,8 @@ def corrupt(directory: epath.Path, step: int, detail: str) -> CheckpointCorrupte
     """The error for a damaged checkpoint of `step`, saying what to do."""
     return CheckpointCorruptedError(
         CORRUPT_MSG.format(step=step, directory=directory, detail=detail),
-        directory=directory,
-        step=step,
-        detail=detail,
-    )
+        directory=directory, step=step, detail=detail,
+    )  # fmt: skip
 
 
 def is_damage(error: BaseException) -> bool:
@@ -109,11 +100,9 @@ def not_damage(
     directory: epath.Path, step: int, error: BaseException, *, caller: str = "restore"
 ) -> RuntimeError:
     """The error for a failure to read a step that is not damage (`is_damage`)."""
-    return RuntimeError(
-        NOT_DAMAGE_MSG.format(
-            caller=caller, step=step, directory=directory, error=error_text(error)
-        )
-    )
+    return RuntimeError(NOT_DAMAGE_MSG.format(
+        caller=caller, step=step, directory=directory, error=error_text(error)
+    ))  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -150,12 +139,8 @@ def set_aside(directory: epath.Path, damaged: dict[int, str]) -> None:
                     f"saved.\nFix: move or delete {directory / str(step)} "
                     "yourself, then save again.",
                 ) from e
-            warnings.warn(
-                SET_ASIDE_MSG.format(
-                    step=step, directory=directory, detail=detail, target=target
-                ),
-                RuntimeWarning,
-                stacklevel=3,
-            )
+            warnings.warn(SET_ASIDE_MSG.format(
+                step=step, directory=directory, detail=detail, target=target
+            ), RuntimeWarning, stacklevel=3)  # fmt: skip
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices("jdp_checkpoint_set_aside")

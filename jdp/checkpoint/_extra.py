@@ -56,11 +56,8 @@ def _encode_array(path: Sequence[Any], x: Any, encode: bool) -> Any:
     if not encode:
         return None
     a = np.array(x, order="C", copy=True)
-    record = {
-        "dtype": dtype_name(a.dtype),
-        "shape": list(a.shape),
-        "data": base64.b64encode(a.tobytes()).decode("ascii"),
-    }
+    record = {"dtype": dtype_name(a.dtype), "shape": list(a.shape),
+              "data": base64.b64encode(a.tobytes()).decode("ascii")}  # fmt: skip
     if impl is not None:
         record["key_impl"] = impl
     return {ARRAY_TAG: record}

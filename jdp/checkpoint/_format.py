@@ -73,13 +73,9 @@ def host_copy(x: Any) -> Any:
 
 
 def make_metadata(
-    step: int,
-    state: PyTree,
-    logical: PyTree,
-    host: PyTree,
-    replicas: dict[str, Any],
+    step: int, state: PyTree, logical: PyTree, host: PyTree, replicas: dict[str, Any],
     parallel: Any,
-) -> dict[str, Any]:
+) -> dict[str, Any]:  # fmt: skip
     """The JSON record of a step (`host`: what is written of `logical`)."""
     leaves = []
     for (path, x), one in zip(
@@ -88,23 +84,18 @@ def make_metadata(
         strict=True,
     ):
         record = {
-            "path": keystr(path),
-            "shape": list(x.shape),
-            "dtype": dtype_name(x.dtype),
+            "path": keystr(path), "shape": list(x.shape), "dtype": dtype_name(x.dtype),
             "crc32": crc32(x) if isinstance(x, np.ndarray) else None,
-        }
+        }  # fmt: skip
         if is_key(one):  # saved as its key data
-            record["key_impl"] = key_impl_name(one)
+            record["key_impl"] = key_impl(one)
         every = replicas.get(record["path"])
         if every is not None:
-            record["per_replica"] = {
-                "crc32": crc32(every) if isinstance(every, np.ndarray) else None
-            }
+            crc = crc32(every) if isinstance(every, np.ndarray) else None
+            record["per_replica"] = {"crc32": crc}
         leaves.append(record)
-    flat = jax.tree.leaves(state)
-    num_replicas = (
-        parallel.num_replicas if parallel is not None else int(flat[0].shape[0])
-    )
+    first = jax.tree.leaves(state)[0]
+    num_replicas = int(first.shape[0]) if parallel is None else parallel.num_replicas
     cls = type(state)
     return {
         "format": FORMAT,
@@ -187,13 +178,8 @@ def item_array_names(directory: epath.Path, step: int, item: str) -> list[str]:
     return names
 
 
-def read_arrays(
-    directory: epath.Path,
-    step: int,
-    item: str,
-    names: Sequence[str],
-    dtypes: Sequence[Any] | None = None,
-) -> list[np.ndarray]:
+def read_arrays(directory: epath.Path, step: int, item: str, names: Sequence[str],
+                dtypes: Sequence[Any] | None = None) -> list[np.ndarray]:  # fmt: skip
     """Reads arrays of an orbax PyTree item by name (`param_name`), as NumPy arrays.
 
     Not through orbax's PyTree restore, which fails for nodes mixing integer and
@@ -209,15 +195,10 @@ def read_arrays(
         use_ocdbt = th.is_ocdbt_checkpoint(parent)
     context = th.get_ts_context(use_ocdbt=bool(use_ocdbt))
     infos = [
-        th.ParamInfo(
-            name=name,
-            parent_dir=parent,
-            is_ocdbt_checkpoint=bool(use_ocdbt),
-            use_zarr3=bool(tree.get("use_zarr3")),
-            ts_context=context,
-        )
+        th.ParamInfo(name=name, parent_dir=parent, is_ocdbt_checkpoint=bool(use_ocdbt),
+                     use_zarr3=bool(tree.get("use_zarr3")), ts_context=context)
         for name in names
-    ]
+    ]  # fmt: skip
     dtypes = [None] * len(names) if dtypes is None else map(np.dtype, dtypes)
     args = [th.RestoreArgs(restore_type=np.ndarray, dtype=d) for d in dtypes]
     return list(_run(th.NumpyHandler().deserialize(infos, args)))

@@ -14,31 +14,20 @@ from jdp.checkpoint._common import error_text
 from jdp.checkpoint._damage import corrupt, is_damage, not_damage
 
 
-def check_leaves(
-    directory: epath.Path,
-    step: int,
-    records: Sequence[dict[str, Any]],
-    leaves: Sequence[Any],
-) -> None:
+def check_leaves(directory: epath.Path, step: int, records: Sequence[dict[str, Any]],
+                 leaves: Sequence[Any]) -> None:  # fmt: skip
     """Raises a `CheckpointCorruptedError` for the first leaf unlike its record."""
     for record, x in zip(records, leaves, strict=True):
         x = np.asarray(x)
         shape, dtype = tuple(record["shape"]), record["dtype"]
-        if (x.shape, _format.dtype_name(x.dtype)) != (shape, dtype):
-            raise corrupt(
-                directory,
-                step,
-                f"leaf {record['path']} was read back with shape {x.shape} "
-                f"{_format.dtype_name(x.dtype)}, but was saved with shape {shape} "
-                f"{dtype}.",
-            )
+        got = _format.dtype_name(x.dtype)
+        if (x.shape, got) != (shape, dtype):
+            raise corrupt(directory, step, f"leaf {record['path']} was read back with "
+                          f"shape {x.shape} {got}, but was saved with shape {shape} "
+                          f"{dtype}.")  # fmt: skip
         if record.get("crc32") is not None and _format.crc32(x) != record["crc32"]:
-            raise corrupt(
-                directory,
-                step,
-                f"leaf {record['path']} does not match the CRC-32 recorded when "
-                "it was saved.",
-            )
+            raise corrupt(directory, step, f"leaf {record['path']} does not match the "
+                          "CRC-32 recorded when it was saved.")  # fmt: skip
 
 
 def verify_arrays(directory: epath.Path, step: int, meta: dict[str, Any]) -> str | None:

@@ -107,12 +107,9 @@ def describe_owner(owner: dict[str, Any] | None) -> str:
     """The lock owner for error messages: process id, host and since when."""
     if not owner:
         return "an unknown process (the lock file is unreadable)"
-    since = owner.get("created")
-    when = (
-        time.strftime(" since %Y-%m-%d %H:%M:%S", time.localtime(since))
-        if isinstance(since, int | float)
-        else ""
-    )
+    since, when = owner.get("created"), ""
+    if isinstance(since, int | float):
+        when = time.strftime(" since %Y-%m-%d %H:%M:%S", time.localtime(since))
     here = owner.get("pid") == os.getpid() and owner.get("host") == socket.gethostname()
     mine = " (this process)" if here else ""
     return f"process {owner.get('pid')} on host {owner.get('host')!r}{when}{mine}"
@@ -137,12 +134,9 @@ class DirectoryLock:
 
     def _stale_reason(self, owner: dict[str, Any] | None, guarded: bool) -> str | None:
         """Why the lock held by `owner` is stale, or None if it may be live."""
-        if owner is None:
-            # Under the directory guard a lock is never seen half written by a
-            # live manager: its writer died mid-write. Without it, it may be.
-            if guarded:
-                return "the lock file is unreadable (its writer died writing it)"
-            return None
+        if owner is None:  # without the guard, a live manager may be writing it
+            unreadable = "the lock file is unreadable (its writer died writing it)"
+            return unreadable if guarded else None
         if owner.get("host") != socket.gethostname():
             return None
         pid = owner.get("pid")
@@ -186,13 +180,10 @@ class DirectoryLock:
         """Writes the lock file if none exists; False if one does."""
         pid = os.getpid()
         record = {
-            "pid": pid,
-            "host": socket.gethostname(),
-            "start_time": _process_start_time(pid),
-            "created": time.time(),
-            "token": token,
-            "jdp_version": __version__,
-        }
+            "pid": pid, "host": socket.gethostname(),
+            "start_time": _process_start_time(pid), "created": time.time(),
+            "token": token, "jdp_version": __version__,
+        }  # fmt: skip
         data = json.dumps(record).encode()
         if not self._local:
             if self.path.exists():

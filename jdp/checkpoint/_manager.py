@@ -103,16 +103,10 @@ def _newest_intact(store, directory, candidates: list[int], read) -> Any:
             store.mark_damaged(candidate, e.detail)
             first_error = first_error or e
             if i + 1 < len(candidates):
-                warnings.warn(
-                    FALLBACK_MSG.format(
-                        step=candidate,
-                        directory=directory,
-                        detail=e.detail,
-                        older=candidates[i + 1],
-                    ),
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
+                warnings.warn(FALLBACK_MSG.format(
+                    step=candidate, directory=directory, detail=e.detail,
+                    older=candidates[i + 1],
+                ), RuntimeWarning, stacklevel=3)  # fmt: skip
     raise first_error
 
 
@@ -188,11 +182,9 @@ class CheckpointManager:
         self.save_interval_steps = save_interval_steps
         self.async_save = bool(async_save)
         self._store = StepStore(
-            self.directory,
-            max_to_keep=max_to_keep,
-            save_interval_steps=save_interval_steps,
-            async_save=self.async_save,
-        )
+            self.directory, max_to_keep=max_to_keep,
+            save_interval_steps=save_interval_steps, async_save=self.async_save,
+        )  # fmt: skip
         self._lock = DirectoryLock(self.directory)
         self._lock_settled = False
         self._job_checked = False  # every process of a job names this directory
@@ -379,13 +371,9 @@ class CheckpointManager:
             if default is _NO_DEFAULT:
                 _restore.resolve_step(store, None)  # raises, naming what is there
             if on_disk:
-                warnings.warn(
-                    ONLY_DAMAGED_MSG.format(
-                        directory=self.directory, steps=on_disk, last=on_disk[-1]
-                    ),
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
+                warnings.warn(ONLY_DAMAGED_MSG.format(
+                    directory=self.directory, steps=on_disk, last=on_disk[-1]
+                ), RuntimeWarning, stacklevel=2)  # fmt: skip
             return (default, {}) if with_extra else default
         _restore.warn_newer_incomplete(store, candidates[0])
         return _newest_intact(store, self.directory, candidates, read)
@@ -422,8 +410,7 @@ class CheckpointManager:
 
     def __repr__(self) -> str:
         return (
-            f"CheckpointManager({os.fspath(self.directory)!r}, "
-            f"max_to_keep={self.max_to_keep}, "
-            f"save_interval_steps={self.save_interval_steps}, "
+            f"CheckpointManager({os.fspath(self.directory)!r}, max_to_keep="
+            f"{self.max_to_keep}, save_interval_steps={self.save_interval_steps}, "
             f"async_save={self.async_save})"
         )

@@ -126,13 +126,9 @@ def records_of(records: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
 
 
 def read_replicas(
-    manager: ocp.CheckpointManager,
-    directory: epath.Path,
-    step: int,
-    meta: dict[str, Any],
-    per: dict[int, dict[str, Any]],
-    like_by_path: dict[str, Any],
-) -> dict[str, jax.Array]:
+    manager: ocp.CheckpointManager, directory: epath.Path, step: int,
+    meta: dict[str, Any], per: dict[int, dict[str, Any]], like_by_path: dict[str, Any],
+) -> dict[str, jax.Array]:  # fmt: skip
     """The leaves saved with every replica (records `per`), placed, by path."""
     num = meta["num_replicas"]
     item, restore_args = {}, {}
@@ -140,10 +136,9 @@ def read_replicas(
         shape = (num, *r["shape"])
         item[f"leaf_{i}"] = jax.ShapeDtypeStruct(shape, r["dtype"])
         restore_args[f"leaf_{i}"] = ocp.ArrayRestoreArgs(
-            sharding=like_by_path[r["path"]].sharding,
-            global_shape=shape,
+            sharding=like_by_path[r["path"]].sharding, global_shape=shape,
             dtype=np.dtype(r["dtype"]),
-        )
+        )  # fmt: skip
     failed = "reading the leaves saved with every replica failed"
     with reading(directory, step, failed):
         got = restore_item(manager, step, REPLICAS_ITEM, item, restore_args)
@@ -154,12 +149,9 @@ def read_replicas(
         if crc is not None and x.is_fully_addressable:
             host = np.asarray(x)
             if host.shape != (num, *r["shape"]) or crc32(host) != crc:
-                raise corrupt(
-                    directory,
-                    step,
-                    f"leaf {r['path']} (saved with every replica) does not "
-                    "match the CRC-32 recorded when it was saved.",
-                )
+                raise corrupt(directory, step, f"leaf {r['path']} (saved with every "
+                              "replica) does not match the CRC-32 recorded when it "
+                              "was saved.")  # fmt: skip
         if r.get("key_impl"):
             x = jax.random.wrap_key_data(x, impl=r["key_impl"])
         out[r["path"]] = x
@@ -183,14 +175,9 @@ def place_with(host: PyTree, like: PyTree, own: dict[str, jax.Array]) -> PyTree:
     return jax.tree_util.tree_map_with_path(pick, like, is_leaf=is_custom)
 
 
-def one_copy_of_differing(
-    directory: epath.Path,
-    step: int,
-    meta: dict[str, Any],
-    host: PyTree,
-    per: dict[int, dict[str, Any]],
-    why: str,
-) -> PyTree:
+def one_copy_of_differing(directory: epath.Path, step: int, meta: dict[str, Any],
+                          host: PyTree, per: dict[int, dict[str, Any]],
+                          why: str) -> PyTree:  # fmt: skip
     """`host` (replica 0's values) set to where replicas restart, with a warning.
 
     The warning says `why`, and names `CheckpointManager.restore`'s caller when
@@ -198,20 +185,10 @@ def one_copy_of_differing(
     """
     host, note = block_start_params(host)
     host, notes = _replica_parts.restart_local(host)
-    for line in notes:
-        note += " " + line
+    note += "".join(" " + line for line in notes)
     paths = [r["path"] for r in per.values()]
-    warnings.warn(
-        DIFFERING_MSG.format(
-            step=step,
-            directory=directory,
-            saved=meta["num_replicas"],
-            count=len(paths),
-            paths=short_list(paths),
-            why=why,
-            note=note,
-        ),
-        RuntimeWarning,
-        stacklevel=5,
-    )
+    warnings.warn(DIFFERING_MSG.format(
+        step=step, directory=directory, saved=meta["num_replicas"], count=len(paths),
+        paths=short_list(paths), why=why, note=note,
+    ), RuntimeWarning, stacklevel=5)  # fmt: skip
     return host

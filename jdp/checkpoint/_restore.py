@@ -100,16 +100,10 @@ def warn_newer_incomplete(store: StepStore, newest: int) -> None:
     """Warns about each step on disk after `newest` (called by `restore` itself)."""
     for s in store.steps_on_disk():
         if s > newest:
-            warnings.warn(
-                NEWER_INCOMPLETE_MSG.format(
-                    step=s,
-                    directory=store.directory,
-                    detail=store.incomplete(s),
-                    older=newest,
-                ),
-                RuntimeWarning,
-                stacklevel=3,
-            )
+            warnings.warn(NEWER_INCOMPLETE_MSG.format(
+                step=s, directory=store.directory, detail=store.incomplete(s),
+                older=newest,
+            ), RuntimeWarning, stacklevel=3)  # fmt: skip
 
 
 def restore_step(store: StepStore, step: int, like: PyTree) -> PyTree:
@@ -148,16 +142,12 @@ def _restore_replicated(
     """Every replica of `like`'s layout gets the saved copy (or its own value)."""
     _check_like(flat_like)
     # One logical copy of `like` is what was saved (ZeRO's slices whole).
-    flat_logical, treedef = jax.tree_util.tree_flatten_with_path(logical_like(like))
-    flat_logical = [
-        (path, as_key_data(x), key_impl_name(x)) for path, x in flat_logical
-    ]
+    flat, treedef = jax.tree_util.tree_flatten_with_path(logical_like(like))
+    flat_logical = [(path, as_key_data(x), key_impl_name(x)) for path, x in flat]
     _check_matches(store.directory, step, meta, flat_logical)
     records = meta["leaves"]
     paths = [path for path, _, _ in flat_logical]
-    host = jax.tree_util.tree_unflatten(
-        treedef, _read_state(store, step, records, paths)
-    )
+    host = treedef.unflatten(_read_state(store, step, records, paths))
     per = _per_replica.records_of(records)
     if not per:
         return place_like(host, like)
@@ -250,14 +240,9 @@ def _check_like(flat_like: Sequence[tuple[Any, Any]]) -> None:
             )
 
 
-def _check_matches(
-    directory: epath.Path,
-    step: int,
-    meta: dict[str, Any],
-    flat_logical: Sequence[tuple[Any, Any, Any]],
-    *,
-    hint: str = "",
-) -> None:
+def _check_matches(directory: epath.Path, step: int, meta: dict[str, Any],
+                   flat_logical: Sequence[tuple[Any, Any, Any]], *,
+                   hint: str = "") -> None:  # fmt: skip
     """Raises a `ValueError` listing where the saved leaves and `like`'s differ."""
     saved = {
         r["path"]: (tuple(r["shape"]), _describe_dtype(r["dtype"], r.get("key_impl")))
@@ -267,17 +252,11 @@ def _check_matches(
         keystr(path): (tuple(ref.shape), _describe_dtype(dtype_name(ref.dtype), impl))
         for path, ref, impl in flat_logical
     }
-    probs = _differences(saved, wanted)
-    if probs:
-        raise ValueError(
-            MISMATCH_MSG.format(
-                step=step,
-                directory=directory,
-                count=len(probs),
-                probs=format_problems(probs),
-            )
-            + hint
-        )
+    if probs := _differences(saved, wanted):
+        raise ValueError(MISMATCH_MSG.format(
+            step=step, directory=directory, count=len(probs),
+            probs=format_problems(probs),
+        ) + hint)  # fmt: skip
 
 
 def _describe_dtype(dtype: str, key_impl: str | None) -> str:

@@ -49,11 +49,10 @@ def check_not_overwriting(store: StepStore, step: int) -> dict[int, str]:
     for s in store.steps_on_disk():
         if s < step:
             continue
-        reason = store.incomplete(s) or store.verify_arrays(s)
-        if reason is None:
-            intact.append(s)
-        else:
+        if reason := store.incomplete(s) or store.verify_arrays(s):
             damaged[s] = reason
+        else:
+            intact.append(s)
     if step in intact:
         raise ValueError(
             f"`CheckpointManager.save`: step {step} already has a checkpoint in "
@@ -69,13 +68,8 @@ def check_not_overwriting(store: StepStore, step: int) -> dict[int, str]:
     return damaged
 
 
-def save_items(
-    step: int,
-    state: PyTree,
-    flat: Sequence[tuple[Any, Any]],
-    parallel: Any,
-    extra: Any = None,
-) -> dict[str, Any]:
+def save_items(step: int, state: PyTree, flat: Sequence[tuple[Any, Any]],
+               parallel: Any, extra: Any = None) -> dict[str, Any]:  # fmt: skip
     """Orbax's save arguments of a step by item name, every array in host memory."""
     replicas = host_replicas(state, flat)
     logical = logical_copy(state)

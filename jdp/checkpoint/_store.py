@@ -52,11 +52,10 @@ def check_directory(directory: epath.Path, caller: str) -> None:
     error, where, what, fix = problem
     if where != path:
         what = f"cannot be created: {where}, above it, {what}"
-    raise error(
-        NOT_A_DIRECTORY_MSG.format(
-            caller=caller, directory=directory, what=what, fix=fix
-        )
+    message = NOT_A_DIRECTORY_MSG.format(
+        caller=caller, directory=directory, what=what, fix=fix
     )
+    raise error(message)
 
 
 def _first_problem(path: str) -> tuple[type[OSError], str, str, str] | None:
@@ -114,14 +113,8 @@ def _link_target(link: str) -> str:
 class StepStore:
     """The step directories under one checkpoint directory (absolute, or a URL)."""
 
-    def __init__(
-        self,
-        directory: epath.Path,
-        *,
-        max_to_keep: int | None,
-        save_interval_steps: int,
-        async_save: bool,
-    ):
+    def __init__(self, directory: epath.Path, *, max_to_keep: int | None,
+                 save_interval_steps: int, async_save: bool):  # fmt: skip
         self.directory = directory
         self.max_to_keep = max_to_keep
         self.save_interval_steps = save_interval_steps
@@ -137,26 +130,20 @@ class StepStore:
         if self._manager is None and (create or self.directory.exists()):
             policies = ocp.checkpoint_managers
             options = ocp.CheckpointManagerOptions(
-                create=True,
-                enable_async_checkpointing=self.async_save,
-                # Directories are made before `save` returns: when that fails,
-                # orbax's background threads would otherwise wait for them for
-                # minutes (its coordination timeout) and keep the process from
-                # exiting.
+                create=True, enable_async_checkpointing=self.async_save,
+                # Directories made before `save` returns: else, when that fails,
+                # orbax's threads wait minutes for them and block the exit.
                 async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
-                save_decision_policy=policies.AnySavePolicy(
-                    [
-                        policies.FixedIntervalPolicy(self.save_interval_steps),
-                        policies.PreemptionCheckpointingPolicy(),
-                    ]
-                ),
+                save_decision_policy=policies.AnySavePolicy([
+                    policies.FixedIntervalPolicy(self.save_interval_steps),
+                    policies.PreemptionCheckpointingPolicy(),
+                ]),
                 preservation_policy=policies.LatestN(n=self.max_to_keep),
-            )
+            )  # fmt: skip
             self._manager = ocp.CheckpointManager(
-                self.directory,
-                options=options,
+                self.directory, options=options,
                 item_names=(STATE_ITEM, METADATA_ITEM, REPLICAS_ITEM),
-            )
+            )  # fmt: skip
         return self._manager
 
     def reload_if_changed(self) -> None:
@@ -192,21 +179,17 @@ class StepStore:
             raise self.write_failed(step, e, what="the background write of") from e
         self._pending = None
 
-    def write_failed(
-        self, step: int | None, error: BaseException, *, what: str
-    ) -> OSError:
+    def write_failed(self, step: int | None, error: BaseException, *,
+                     what: str) -> OSError:  # fmt: skip
         """The `OSError` for a save of `step` that failed (`what`: e.g. "writing")."""
         try:
             kept = self.complete_steps()
         except Exception:  # the directory may be unreadable too
             kept = []
         message = WRITE_FAILED_MSG.format(
-            what=what,
-            step=step,
-            directory=self.directory,
-            error=error_text(error),
+            what=what, step=step, directory=self.directory, error=error_text(error),
             kept=f" ({kept})" if kept else "",
-        )
+        )  # fmt: skip
         return same_kind_of_error(error, message)
 
     def close(self) -> None:
