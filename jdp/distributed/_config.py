@@ -88,9 +88,7 @@ def _fail_fast(fail_fast: bool | None) -> bool:
 
 
 def _requested_config(
-    coordinator_address: str | None,
-    num_processes: int | None,
-    process_id: int | None,
+    coordinator_address: str | None, num_processes: int | None, process_id: int | None
 ) -> dict:
     """The job's configuration, checked: the arguments, else the `JDP_*` variables."""
     if coordinator_address is None:
@@ -147,19 +145,15 @@ def _detected_config(requested: dict) -> tuple[dict, str]:
 
 
 def local_devices(
-    local_device_ids: int | Sequence[int] | None,
-    environ: dict | None = None,
+    local_device_ids: int | Sequence[int] | None, environ: dict | None = None
 ) -> int | Sequence[int] | None:
     """The `local_device_ids` to pass to JAX (logged): given, else the cluster's."""
     environ = os.environ if environ is None else environ
     if local_device_ids is not None:
         _log.info("local_device_ids=%s (given).", local_device_ids)
         return local_device_ids
-    if environ.get("JAX_LOCAL_DEVICE_IDS"):
-        _log.info(
-            "local_device_ids from $JAX_LOCAL_DEVICE_IDS=%s (JAX reads it).",
-            environ["JAX_LOCAL_DEVICE_IDS"],
-        )
+    if ids := environ.get("JAX_LOCAL_DEVICE_IDS"):
+        _log.info("local_device_ids from $JAX_LOCAL_DEVICE_IDS=%s (JAX reads it).", ids)
         return None
     plan = _cluster.plan_local_devices(environ, node_gpus=_cluster.node_gpus())
     if plan is None:

@@ -167,27 +167,16 @@ def _wait_for_coordinator(address: str, deadline: float, names: dict) -> bool:
 
 
 def _start_watchdog(
-    coordinator_address: str | None,
-    num_processes: int | None,
-    process_id: int | None,
-    *,
-    timeout_s: int,
-    where: str,
+    requested: dict, *, timeout_s: int, where: str
 ) -> threading.Timer | None:
     """Waits for the coordinator, then starts the timer that ends this process."""
-    if coordinator_address is None or num_processes is None or process_id is None:
+    if None in requested.values():
         return None
     deadline = time.monotonic() + timeout_s
-    names = dict(
-        pid=process_id,
-        num=num_processes,
-        addr=coordinator_address,
-        timeout=timeout_s,
-        where=where,
-    )
-    if process_id != 0 and not _wait_for_coordinator(
-        coordinator_address, deadline, names
-    ):
+    address, pid = requested["coordinator_address"], requested["process_id"]
+    num = requested["num_processes"]
+    names = dict(pid=pid, num=num, addr=address, timeout=timeout_s, where=where)
+    if pid != 0 and not _wait_for_coordinator(address, deadline, names):
         raise TimeoutError(_UNREACHABLE_MSG.format(**names))
     message = _CONNECT_TIMEOUT_MSG.format(**names)
     return exit_timer(max(deadline - time.monotonic(), 0.0), print_and_exit, message)

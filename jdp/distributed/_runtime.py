@@ -188,13 +188,9 @@ def _start_stall_watch(timeout_s: float) -> None:
     client = _coordination.store()
     if client is None:
         return
-    _this.stall_watch = _watchdog.Watchdog(
-        client,
-        _this.config["process_id"],
-        _this.config["num_processes"],
-        timeout_s,
-        exit_fn=_exit.flush_and_exit,
-    ).start()
+    pid, n = _this.config["process_id"], _this.config["num_processes"]
+    watch = _watchdog.Watchdog(client, pid, n, timeout_s, exit_fn=_exit.flush_and_exit)
+    _this.stall_watch = watch.start()
     _log.info(
         "Stall check on: a process with no progress for %g s while others wait "
         "stops the job.",
@@ -228,9 +224,7 @@ def _check_same_job(requested: dict) -> None:
 
 def _join(requested: dict, args: dict, *, timeout_s: int, where: str) -> bool:
     """`jax.distributed.initialize(**args)`; False if there is no job to join."""
-    watchdog = _coordinator._start_watchdog(
-        **requested, timeout_s=timeout_s, where=where
-    )
+    watchdog = _coordinator._start_watchdog(requested, timeout_s=timeout_s, where=where)
     try:
         jax.distributed.initialize(**args)
     except ValueError as e:
@@ -250,20 +244,12 @@ def _join(requested: dict, args: dict, *, timeout_s: int, where: str) -> bool:
     return True
 
 
-def jax_initialize_args(
-    requested: dict,
-    *,
-    local_device_ids: int | Sequence[int] | None,
-    timeout_s: int,
-    heartbeat_timeout_s: int,
-    bind: str | None,
-    environ: dict | None = None,
-) -> dict:
+def jax_initialize_args(requested: dict, *, local_device_ids, timeout_s: int,
+                        heartbeat_timeout_s: int, bind: str | None,
+                        environ: dict | None = None) -> dict:  # fmt: skip
     """The keyword arguments of jdp's call of `jax.distributed.initialize`."""
     return dict(
-        coordinator_address=requested["coordinator_address"],
-        num_processes=requested["num_processes"],
-        process_id=requested["process_id"],
+        **requested,
         local_device_ids=_config.local_devices(local_device_ids, environ),
         initialization_timeout=timeout_s + _JAX_GRACE_S,
         heartbeat_timeout_seconds=heartbeat_timeout_s,
@@ -344,7 +330,7 @@ def _after_the_others() -> None:
             return
 
 
-def _shutdown_timed_out(client, process_id: int, num: int, timeout_s: int) -> None:
+def _shutdown_timed_out(client, pid: int, num: int, timeout_s: int) -> None:
     """Exits naming the processes that did not note their arrival, where known."""
     found: list = []
 
@@ -360,9 +346,7 @@ def _shutdown_timed_out(client, process_id: int, num: int, timeout_s: int) -> No
     missing = [p for p in range(num) if arrived is not None and p not in arrived]
     who = _watchdog.process_list(missing) if missing else "the other processes"
     _exit.print_and_exit(
-        _SHUTDOWN_TIMEOUT_MSG.format(
-            pid=process_id, num=num, timeout=timeout_s, who=who
-        )
+        _SHUTDOWN_TIMEOUT_MSG.format(pid=pid, num=num, timeout=timeout_s, who=who)
     )
 
 
