@@ -153,8 +153,7 @@ def bmuf(
         def sync_updates(u, m, p):
             return jnp.where(is_sync, (m - p).astype(u.dtype), u)
 
-        out_updates = float_map(sync_updates, inner_updates, merged, params)
-        return out_updates, new_state
+        return float_map(sync_updates, inner_updates, merged, params), new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

@@ -85,10 +85,7 @@ def follow_warmup(params, old_state, state, warmup_steps):
         pending = None if pending is None else cast_like(params, pending)
         return g, (None if start is None else g), pending
 
-    g, start, pending = lax.cond(
-        applied & (old_state.count < warmup_steps),
-        follow,
-        lambda operands: operands[1:],
-        (params, g, start, pending),
-    )
+    in_warmup = applied & (old_state.count < warmup_steps)
+    operands = (params, g, start, pending)
+    g, start, pending = lax.cond(in_warmup, follow, lambda ops: ops[1:], operands)
     return applied, g, start, pending

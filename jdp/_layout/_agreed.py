@@ -37,10 +37,8 @@ def replica_leaves(tree: PyTree) -> tuple[list[str], list[jax.Array], Mesh | Non
         if isinstance(x, jax.Array) and x.ndim >= 1 and x.shape[0] > 1 and x.size:
             paths.append(keystr(path))
             arrays.append(jax.random.key_data(x) if is_key(x) else x)
-    mesh = None
-    if not all(x.is_fully_addressable for x in arrays):
-        mesh = arrays[0].sharding.mesh
-    return paths, arrays, mesh
+    local = all(x.is_fully_addressable for x in arrays)
+    return paths, arrays, None if local else arrays[0].sharding.mesh
 
 
 def compare_replicas(fn: Callable[[list[jax.Array]], Any], tree: PyTree):

@@ -60,12 +60,9 @@ def _device_grid(devices: Any) -> np.ndarray:
                 f"each a list of devices; got rows of {lengths}. Pass e.g. "
                 "`np.array(jax.devices()[:4]).reshape(2, 2)`."
             )
-        if any(nested):
-            grid = np.empty((len(rows), len(rows[0])), dtype=object)
-            grid[:] = [list(row) for row in rows]
-        else:
-            grid = np.empty(len(rows), dtype=object)
-            grid[:] = rows
+        shape = (len(rows), len(rows[0])) if any(nested) else (len(rows),)
+        grid = np.empty(shape, dtype=object)
+        grid[:] = [list(row) for row in rows] if any(nested) else rows
     if grid.ndim not in (1, 2):
         raise ValueError(
             "`devices` must be a sequence of devices (1-D) or a 2-D array of "

@@ -212,13 +212,10 @@ def changes(before: PyTree, after: PyTree) -> list[str]:
     def kind(x):
         return f"{jnp.dtype(x.dtype).name}{list(x.shape[1:])}"
 
+    olds = jax.tree_util.tree_flatten_with_path(before)[0]
     return [
         f"{keystr(path)}: {kind(a)} -> {kind(b)}"
-        for (path, a), b in zip(
-            jax.tree_util.tree_flatten_with_path(before)[0],
-            jax.tree.leaves(after),
-            strict=True,
-        )
+        for (path, a), b in zip(olds, jax.tree.leaves(after), strict=True)
         if hasattr(a, "shape")
         and hasattr(b, "shape")
         and (tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype)

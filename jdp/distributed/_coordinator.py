@@ -64,8 +64,7 @@ def _is_loopback(host: str) -> bool:
 
 def bind_address(coordinator_address: str) -> str | None:
     """Where process 0's coordinator listens: the env's, a loopback one, or None."""
-    explicit = os.environ.get(ENV_JAX_BIND_ADDRESS)
-    if explicit:
+    if explicit := os.environ.get(ENV_JAX_BIND_ADDRESS):
         return explicit
     host, port = _split_address(coordinator_address)
     if not _is_loopback(host):
@@ -138,12 +137,9 @@ def _check_coordinator_port(requested: dict, where: str) -> str | None:
         target = bind or f"[::]:{_split_address(address)[1]}"  # JAX's default
         error = listen_error(target)
         if error is not None:
-            raise OSError(
-                error.errno,
-                _CANNOT_LISTEN_MSG.format(
-                    reason=listen_reason(error, target), addr=address, where=where
-                ),
-            )
+            reason = listen_reason(error, target)
+            msg = _CANNOT_LISTEN_MSG.format(reason=reason, addr=address, where=where)
+            raise OSError(error.errno, msg)
     return bind
 
 

@@ -208,13 +208,9 @@ def _finished() -> None:
 def _check_same_job(requested: dict) -> None:
     """Raises if this process already joined a job other than `requested`."""
     current = _this.config or {}
-    clash = {
-        k: (v, current[k])
-        for k, v in requested.items()
-        if v is not None and k in current and current[k] != v
-    }
+    clash = [k for k, v in requested.items() if v not in (None, current.get(k, v))]
     if clash:
-        listed = ", ".join(f"{k}={v!r} (now {c!r})" for k, (v, c) in clash.items())
+        listed = ", ".join(f"{k}={requested[k]!r} (now {current[k]!r})" for k in clash)
         raise RuntimeError(
             "`jdp.distributed.initialize` was already called in this process "
             f"with other arguments: {listed}. A process joins one job; call it "
