@@ -5,6 +5,7 @@ The exchange (`mean`) is described step by step in docs/guides/compression.md.
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -41,7 +42,7 @@ class Wire(NamedTuple):
         if self.qmax is None:
             return x.astype(self.dtype), None
         blocks = x.reshape(-1, self.block_size)
-        amax = jnp.max(jnp.abs(blocks), axis=1)
+        amax = _block_amax(blocks)
         # An all-zero block keeps scale 1; a non-finite block decodes non-finite.
         inverse = np.float32(1.0 / self.qmax)
         scale = jnp.where(amax == 0, 1.0, amax * inverse).astype(jnp.float32)
@@ -65,6 +66,38 @@ class Wire(NamedTuple):
         """Wire bytes per value, scales included."""
         scale = 0.0 if self.qmax is None else 4.0 / self.block_size
         return float(np.dtype(self.dtype).itemsize) + scale
+
+
+def _abs_max(a: jax.Array, b: jax.Array) -> jax.Array:
+    return jnp.maximum(jnp.abs(a), jnp.abs(b))
+
+
+def _max_abs(a: jax.Array, b: jax.Array) -> jax.Array:
+    return jnp.maximum(a, jnp.abs(b))
+
+
+def _block_amax(blocks: jax.Array) -> jax.Array:
+    """`jnp.max(jnp.abs(blocks), axis=1)`, as a loop XLA fuses with its input.
+
+    XLA:CPU hands `max(abs(.))` over rows to a library call (YNNPACK) that reads
+    its input from memory and writes the magnitudes to a buffer of its own (as
+    large as the input, allocated at every call) before reducing them. A reducer
+    XLA does not recognise keeps the reduction in a loop of XLA's own, which reads
+    the values where they are made (the gradient plus its error, the decoded
+    mean). XLA splits a reduction over more than 32 values into a windowed one
+    that reads a written-out input, so a row is reduced over `gcd(block, 32)`
+    values first and then over the rest, with two reducers that XLA does not
+    merge back into one. The values are those of `max(abs(.))`: each row's
+    largest magnitude, NaN if the row holds one.
+    """
+    mags = jnp.abs(blocks)  # the reducers take magnitudes too: no library call
+    block = blocks.shape[1]
+    outer = math.gcd(block, 32)
+    if block <= 32 or outer == 1:
+        return lax.reduce(mags, np.float32(0), _abs_max, (1,))
+    part = mags.reshape(-1, outer, block // outer)
+    part = lax.reduce(part, np.float32(0), _abs_max, (1,))
+    return lax.reduce(part, np.float32(0), _max_abs, (1,))
 
 
 def bf16() -> Wire:
@@ -228,19 +261,9 @@ def mean(grads: PyTree, *, wire: Wire, axis_name: Any, error: WireState | None =
     rows = _pack(payload.reshape(num, chunk), scale, num)
     got = lax.all_to_all(rows, outer, 0, 0, tiled=False).reshape(rows.shape)
     got, got_scale = _unpack(got, wire, chunk)
-    # The owner's float32 average of its chunk, quantised again.
-    own = sum(
-        wire.decode(got[i], None if got_scale is None else got_scale[i])
-        for i in range(num)
-    ) / np.float32(num)
-    if error is not None:
-        own = own + error.server[:chunk]
-    own_q, own_scale = wire.encode(own)
-    new_error = None
-    if error is not None:
-        dropped = own - wire.decode(own_q, own_scale)
-        server = lax.dynamic_update_slice(error.server, dropped, (0,))
-        new_error = WireState(tuple(workers), server)
+    server = None if error is None else error.server
+    own_q, own_scale, server = _average(got, got_scale, wire, server)
+    new_error = None if error is None else WireState(tuple(workers), server)
     # Every owner's average to every replica, decoded leaf by leaf.
     packed = _pack(own_q[None], own_scale, 1)
     gathered = lax.all_gather(packed, outer).reshape(num, -1)
@@ -278,6 +301,27 @@ def _quantise(values, sizes, padded, wire: Wire, error, num: int):
     if wire.qmax is not None:
         scale = jnp.pad(jnp.concatenate(scales), (0, extra // wire.block_size))
     return workers, payload, scale
+
+
+def _average(got, got_scale, wire: Wire, server):
+    """The owner's float32 average of its chunk, quantised again.
+
+    `got`: the chunk from every replica (one payload row each, with its scales);
+    `server`: the owner's error buffer or None. Returns the payload, its scales,
+    and the new error buffer (or None).
+    """
+    num, chunk = got.shape
+    own = sum(
+        wire.decode(got[i], None if got_scale is None else got_scale[i])
+        for i in range(num)
+    ) / np.float32(num)
+    if server is not None:
+        own = own + server[:chunk]
+    own_q, own_scale = wire.encode(own)
+    if server is not None:
+        dropped = own - wire.decode(own_q, own_scale)
+        server = lax.dynamic_update_slice(server, dropped, (0,))
+    return own_q, own_scale, server
 
 
 def _unflatten(leaves, treedef, idx, values):

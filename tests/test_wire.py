@@ -5,6 +5,8 @@ The oracle is a NumPy reference of the exchange written from its description
 with worker and server error feedback.
 """
 
+import math
+import re
 import warnings
 
 import jax
@@ -15,6 +17,7 @@ import optax
 import pytest
 
 import jdp
+from jdp import _hlo, _wire
 
 # -- NumPy reference -------------------------------------------------------------
 
@@ -128,6 +131,78 @@ def test_blocks_of_tiny_values_stay_finite(wire):
     nan[40] = np.nan
     decoded = np.asarray(jax.jit(lambda v: wire.decode(*wire.encode(v)))(nan))
     assert np.all(np.isnan(decoded[32:48])) and np.all(np.isfinite(decoded[:32]))
+
+
+@pytest.mark.parametrize("block", [1, 7, 48, 256, 1000, 4096])
+@pytest.mark.parametrize("name", ["int8", "fp8"])
+def test_block_scales_of_any_block_size_match_numpy(name, block):
+    # Blocks sharing a factor with 32 reduce in two steps, the others in one.
+    wire = {"int8": jdp.wire.int8, "fp8": jdp.wire.fp8}[name](block)
+    x = np.random.default_rng(block).normal(size=3 * block).astype(np.float32)
+    x[:block] *= -1e3  # far larger than the next blocks, signs flipped
+    x[block : 2 * block] = -0.0
+    q, s = jax.jit(wire.encode)(jnp.asarray(x))
+    q_ref, s_ref = np_encode(x, name, block)
+    np.testing.assert_array_equal(np.asarray(s), s_ref)
+    np.testing.assert_array_equal(np.asarray(q).view(np.uint8), q_ref.view(np.uint8))
+
+
+def full_size_passes(fn, *args, size):
+    """The instructions of `fn`'s compiled program that read `size` or more values.
+
+    Each as it runs: `"kLoop"` for a fusion XLA emits as a loop, `"kCustom"` for
+    one it hands to a library, else the opcode (a copy, a concatenate).
+    """
+    hlo = jax.jit(fn).lower(*args).compile().as_text()
+    comps, entry = _hlo._parse_computations(hlo)
+    values, passes = {}, []
+    for line in comps[entry]:
+        m = _hlo._INSTR.match(line)
+        if not m:
+            continue
+        name, rest = m.groups()
+        typ, rest = _hlo._split_type(rest)
+        values[name] = max(
+            (math.prod(_hlo._ints(dims)) for _, dims in _hlo._SHAPE.findall(typ)),
+            default=1,
+        )
+        opcode, _, operands = rest.partition("(")
+        if opcode in ("parameter", "bitcast", "tuple", "get-tuple-element"):
+            continue
+        names = re.findall(r"%([\w.\-]+)", operands.split(")")[0])
+        if any(values.get(n, 0) >= size for n in names):
+            kind = re.search(r"kind=(\w+)", rest)
+            passes.append(kind.group(1) if kind else opcode)
+    return passes
+
+
+@pytest.mark.parametrize("wire", [jdp.wire.int8(), jdp.wire.fp8()], ids=str)
+def test_codec_reads_the_gradient_in_few_loops(wire):
+    # The block scales are one fused loop over the values where they are made
+    # (no library reduction reading a copy): encoding reads the vector twice
+    # (scales, payload); with error feedback four passes touch it (vector +
+    # error, scales, payload, new error); the owner's side of the exchange
+    # likewise. XLA:CPU fuses no reduction with the loop that uses its result and
+    # writes one array per loop: these are as few as it allows.
+    n = 1 << 20
+    x = jnp.zeros(n, jnp.float32)
+
+    def send(v, e):
+        state = _wire.WireState((e,), e)
+        return _wire._quantise([v], [n], [n], wire, state, 1)
+
+    def average(rows, scales, e):
+        return _wire._average(rows, scales, wire, e)
+
+    rows = jnp.zeros((2, n), wire.dtype)
+    scales = jnp.ones((2, n // wire.block_size), jnp.float32)
+    for fn, args, most in [
+        (wire.encode, (x,), 2),
+        (send, (x, x), 4),
+        (average, (rows, scales, x), 4),
+    ]:
+        passes = full_size_passes(fn, *args, size=n)
+        assert "kCustom" not in passes and 1 < len(passes) <= most, (fn, passes)
 
 
 def test_bytes_per_value_counts_the_scales():
