@@ -31,10 +31,7 @@ def check_leaves(directory: epath.Path, step: int, records: Sequence[dict[str, A
 
 
 def verify_arrays(directory: epath.Path, step: int, meta: dict[str, Any]) -> str | None:
-    """What is wrong with a step's arrays, or None (read in full, without `like`).
-
-    Arrays are matched to their records by shape, dtype and CRC-32.
-    """
+    """What is wrong with a step's arrays (shape, dtype, CRC-32 of each), or None."""
     want = collections.Counter()
     for r in meta["leaves"]:
         if r.get("crc32") is not None:

@@ -250,12 +250,9 @@ class DirectoryLock:
             return
         with _LIVE_GUARD:
             _LIVE.discard(token)
-        try:
-            owner = self.read_owner()
-            if owner is not None and owner.get("token") == token:
+        if (self.read_owner() or {}).get("token") == token:
+            with contextlib.suppress(OSError):
                 self.path.unlink()
-        except OSError:
-            pass
 
 
 def check_same_directory(directory: epath.Path) -> None:

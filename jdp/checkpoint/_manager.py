@@ -63,12 +63,9 @@ def _finish_saves_at_exit() -> None:
 
 
 def _register_exit_hook() -> None:
-    """Registers `_finish_saves_at_exit` once, as a `threading` exit hook.
-
-    Those run before `concurrent.futures`'s, which shut orbax's pools down.
-    """
+    """Registers `_finish_saves_at_exit` once, to run before orbax's pools stop."""
     global _exit_hook_registered
-    # Imported first, it registers its pools' shutdown first: ours runs before.
+    # Its pools' shutdown hook registers at import; hooks run last-first: ours first.
     import concurrent.futures.thread  # noqa: F401
 
     with _exit_hook_guard:

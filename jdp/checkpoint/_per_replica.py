@@ -49,11 +49,10 @@ def _bits(x: jax.Array) -> list[jax.Array]:
 
 def _differ(leaves: Sequence[jax.Array]) -> list[jax.Array]:
     """Per leaf, whether any replica's bits differ from replica 0's (a 0-d bool)."""
-    out = []
-    for x in leaves:
-        flags = [jnp.any(b != b[:1]) for b in _bits(x)]
-        out.append(functools.reduce(jnp.logical_or, flags))
-    return out
+    return [
+        functools.reduce(jnp.logical_or, [jnp.any(b != b[:1]) for b in _bits(x)])
+        for x in leaves
+    ]
 
 
 def differing_paths(state: PyTree) -> list[str]:
