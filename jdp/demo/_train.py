@@ -260,10 +260,10 @@ class _Run:
                     if self.at_block_end():
                         break
                     if not told:
-                        bar.write(
-                            f"Finishing the BMUF block first (replicas agree at "
-                            f"its end), at step {self._block_end()}."
-                        )
+                        period = self.algo.sync_period
+                        end = min(args.steps, -(-self.i // period) * period)
+                        bar.write(f"Finishing the BMUF block first (replicas agree "
+                                  f"at its end), at step {end}.")  # fmt: skip
                         told = True
                 self.state, metrics = self.step(self.state, self.batch(self.i))
                 self.i += 1
@@ -291,9 +291,8 @@ class _Run:
                     postfix["ex/s"] = f"{self.examples_per_second():,.0f}"
                 if eval_now:
                     self.evaluate()
-                    postfix["test acc"] = (
-                        f"{100 * self.evals['test_accuracy'][-1]:.1f}%"
-                    )
+                    acc = self.evals["test_accuracy"][-1]
+                    postfix["test acc"] = f"{100 * acc:.1f}%"
                 if save_now:
                     self.ckpt.save(self.i, self.state, self.step, self.record())
                 bar.set_postfix(postfix)
@@ -303,10 +302,6 @@ class _Run:
                 if self.comm is not None and self.timed_steps:
                     self.train_seconds += time.perf_counter() - t_mark
                 self.read_losses()
-
-    def _block_end(self) -> int:
-        period = self.algo.sync_period
-        return min(self.args.steps, -(-self.i // period) * period)
 
     def examples_per_second(self) -> float | None:
         """Training throughput, without the first (compiling) step and evaluations."""
@@ -388,10 +383,8 @@ def run(args: argparse.Namespace, *, stop_requested: Callable[[], bool]) -> bool
             "0's params, so resuming from it is not exact (use a multiple of "
             "--sync-period for --steps)."
         )
-    print(
-        f"Wrote {metrics_path} and {plot_path} "
-        f"({time.perf_counter() - r.t_begin:.1f} s)."
-    )
+    seconds = time.perf_counter() - r.t_begin
+    print(f"Wrote {metrics_path} and {plot_path} ({seconds:.1f} s).")
     if not np.isfinite(metrics["final_train_loss"] or 0.0):
         print("warning: the training loss is not finite; try a smaller --lr.")
     return not metrics["interrupted"]
