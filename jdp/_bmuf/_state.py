@@ -68,9 +68,8 @@ class BMUFState(NamedTuple):
         def like(s, p):
             return np.asarray(s, dtype=np.result_type(p)).reshape(np.shape(p))
 
-        return self._replace(
-            pending=jax.tree.map(like, self.restart_params(), self.pending)
-        )
+        pending = jax.tree.map(like, self.restart_params(), self.pending)
+        return self._replace(pending=pending)
 
 
 def find_states(tree: PyTree) -> list[BMUFState]:

@@ -79,8 +79,7 @@ def check_replicated(
     probs = misplaced(state, sharding, leading=num)
     if not probs:
         return
-    gone = deleted(state)
-    if gone:
+    if gone := deleted(state):
         raise ValueError(DONATED_MSG.format(what="state", probs=format_problems(gone)))
     raise ValueError(
         NOT_REPLICATED_MSG.format(num=num, axis=axis_name, probs=format_problems(probs))
@@ -89,8 +88,7 @@ def check_replicated(
 
 def check_unchanged(before: PyTree, after: PyTree) -> None:
     """The state a step returns must be laid out as the one it received."""
-    probs = changes(before, after)
-    if probs:
+    if probs := changes(before, after):
         message = STATE_CHANGED_MSG.format(probs=format_problems(probs))
         raise TypeError(message + _low_precision_hint(probs))
 
@@ -130,8 +128,7 @@ def check_same_structure(before: PyTree, after: PyTree) -> None:
 
     `before` may be that state's `PyTreeDef`. Checked while tracing the step.
     """
-    probs = _structure_change(before, after)
-    if probs:
+    if probs := _structure_change(before, after):
         raise TypeError(STATE_CHANGED_MSG.format(probs=format_problems(probs)))
 
 

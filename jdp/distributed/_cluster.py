@@ -87,16 +87,12 @@ def env_seconds(
 
 
 #: The variables read as integers here or by JAX's cluster detection.
-INTEGER_VARIABLES = [
-    *(
-        "SLURM_JOB_ID SLURM_NTASKS SLURM_NPROCS SLURM_PROCID SLURM_LOCALID "
-        "SLURM_NODEID SLURM_GPUS_ON_NODE OMPI_COMM_WORLD_SIZE OMPI_COMM_WORLD_RANK "
-        "OMPI_COMM_WORLD_LOCAL_RANK OMPI_COMM_WORLD_LOCAL_SIZE PMI_SIZE PMI_RANK "
-        "JAX_COORDINATOR_PORT JOB_COMPLETION_INDEX"
-    ).split(),
-    *JOBSET_REPLICAS,
-    *JOBSET_INDEX,
-]
+INTEGER_VARIABLES = (
+    "SLURM_JOB_ID SLURM_NTASKS SLURM_NPROCS SLURM_PROCID SLURM_LOCALID "
+    "SLURM_NODEID SLURM_GPUS_ON_NODE OMPI_COMM_WORLD_SIZE OMPI_COMM_WORLD_RANK "
+    "OMPI_COMM_WORLD_LOCAL_RANK OMPI_COMM_WORLD_LOCAL_SIZE PMI_SIZE PMI_RANK "
+    "JAX_COORDINATOR_PORT JOB_COMPLETION_INDEX"
+).split() + [*JOBSET_REPLICAS, *JOBSET_INDEX]
 
 
 def check_integers(environ: Mapping[str, str]) -> None:
@@ -376,13 +372,8 @@ def _expected_on_kubernetes(
         return Expected(max(count, 2), _show(environ, *several), fix + ".", exact=False)
     if index is not None and not kubernetes:
         # An Indexed Job at index 0 may have one pod.
-        return Expected(
-            2,
-            _show(environ, K8S_INDEX),
-            f"{fix}. If this Indexed Job has one pod, ignore this warning.",
-            certain=False,
-            exact=False,
-        )
+        note = f"{fix}. If this Indexed Job has one pod, ignore this warning."
+        return Expected(2, _show(environ, K8S_INDEX), note, certain=False, exact=False)
     return None
 
 

@@ -132,11 +132,9 @@ def _detected_config(requested: dict) -> tuple[dict, str]:
         return filled, _GIVEN_ADDRESS
     source = _cluster.slurm_source(os.environ)
     _log.info(
-        "SLURM job step: coordinator %s (%s), process %d of %d.",
-        filled["coordinator_address"],
-        source,
-        filled["process_id"],
-        filled["num_processes"],
+        "SLURM job step: coordinator %(coordinator_address)s (%(source)s), process "
+        "%(process_id)d of %(num_processes)d.",
+        {**filled, "source": source},
     )
     return (
         filled,

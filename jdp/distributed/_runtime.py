@@ -152,12 +152,9 @@ def initialize(
     if cpu_collectives is not None:
         jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
     args = jax_initialize_args(
-        detected,
-        local_device_ids=local_device_ids,
-        timeout_s=timeout_s,
-        heartbeat_timeout_s=heartbeat_timeout_s,
-        bind=bind,
-    )
+        detected, local_device_ids=local_device_ids, timeout_s=timeout_s,
+        heartbeat_timeout_s=heartbeat_timeout_s, bind=bind,
+    )  # fmt: skip
     sigterm = _exit.sigterm_handler()
     if not _join(detected, args, timeout_s=timeout_s, where=where):
         return
