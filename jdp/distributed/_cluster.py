@@ -189,9 +189,7 @@ def _visible_gpus(
         if own:
             said += f" of {node_count} ({node_said}), renumbered from 0"
         return len(listed), said, own
-    if node_count is not None:
-        return node_count, node_said, False
-    return None, "", False
+    return node_count, (node_said if node_count is not None else ""), False
 
 
 def node_gpus() -> int | None:
