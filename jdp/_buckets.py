@@ -1,12 +1,14 @@
-"""Private, pure planning and (un)packing of communication buckets (no collectives)."""
+"""Private planning, (un)packing and ordering of buckets (no collectives)."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,3 +72,46 @@ def unpack(packed: jnp.ndarray, widths: Sequence[int]) -> list[jnp.ndarray]:
         return [packed]
     offsets = np.cumsum((0,) + tuple(widths))
     return [packed[:, a:b] for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
+
+
+def after(arrays: list[jax.Array], previous: list[jax.Array], *,
+          packed: bool = False) -> list[jax.Array]:  # fmt: skip
+    """`arrays`, bit for bit, but each computed only once every one of `previous` is.
+
+    Adds to the first element of each array a zero that XLA cannot fold, made
+    from the bits of the first element of every array of `previous`: `-0.0` for
+    floats (`x + -0.0` is `x` for every float, NaN, inf and `-0.0` included; to
+    both parts of a complex), `0` for integers. A collective of `arrays` then
+    comes after those that made `previous`: XLA's combiners only merge
+    independent collectives, so they stay apart, and none waits for computation
+    it does not need. (`lax.optimization_barrier` would not do: XLA:CPU removes it
+    before it combines collectives.) The element is read and written at an index
+    made the same way, so XLA updates the buffer in place, as long as the update
+    has the shape the collective takes: with `packed` (the arrays travel as one
+    flat buffer) only the smallest array is held back, as a vector.
+    """
+    zero = jnp.uint32(0)
+    for p in previous:
+        bits = lax.bitcast_convert_type(
+            p.reshape(-1)[0].real.astype(jnp.float32), jnp.uint32
+        )
+        zero = zero | lax.shift_right_logical(lax.clz(bits), jnp.uint32(6))  # clz <= 32
+    index = zero.astype(jnp.int32)
+    minus_zero = lax.bitcast_convert_type(zero | jnp.uint32(0x80000000), jnp.float32)
+
+    def held(x):
+        if jnp.issubdtype(x.dtype, jnp.complexfloating):
+            add = lax.complex(minus_zero, minus_zero)
+        elif jnp.issubdtype(x.dtype, jnp.floating):
+            add = minus_zero
+        else:
+            add = zero
+        view = x.reshape(-1) if packed else x
+        at = (index,) * view.ndim
+        head = lax.dynamic_slice(view, at, (1,) * view.ndim) + add.astype(x.dtype)
+        return lax.dynamic_update_slice(view, head, at).reshape(x.shape)
+
+    if packed:
+        smallest = min(range(len(arrays)), key=lambda i: arrays[i].size)
+        return [held(x) if i == smallest else x for i, x in enumerate(arrays)]
+    return [held(x) for x in arrays]

@@ -167,7 +167,7 @@ def all_reduce(grads, *, axis_name, api, bucket_bytes=DEFAULT_BUCKET_BYTES,
     ]
     summed = bucketed(
         "psum", wire, axis_name=axis_name, bucket_bytes=bucket_bytes, reverse=reverse,
-        flatten=flatten,
+        flatten=flatten, chain=True,
     )  # fmt: skip
     out = list(leaves)
     for i, total, divided in zip(float_idx, summed, first, strict=True):
@@ -182,7 +182,8 @@ BucketedOp = Literal["psum", "psum_scatter", "all_gather"]
 
 def bucketed(op: BucketedOp, arrays: list[jax.Array], *, axis_name: AxisName,
              bucket_bytes: int | None, reverse: bool = True, flatten: bool = True,
-             alone_bytes: int | None = ALONE_BYTES) -> list[jax.Array]:  # fmt: skip
+             alone_bytes: int | None = ALONE_BYTES,
+             chain: bool = False) -> list[jax.Array]:  # fmt: skip
     """Runs one collective per bucket of `arrays`: every bucketed collective of jdp.
 
     `"psum"` sums each array into a `(1, size)` row; `"psum_scatter"` takes `(num,
@@ -190,6 +191,10 @@ def bucketed(op: BucketedOp, arrays: list[jax.Array], *, axis_name: AxisName,
     takes this replica's `(n,)` or `(1, n)` row and returns all, `(num, n)`. With
     `flatten`, a bucket is packed into ONE collective (an array of at least
     `alone_bytes` alone). On a 2-D host mesh each runs within hosts first.
+
+    With `chain`, a bucket's collectives wait (`_buckets.after`) for the previous
+    bucket's: XLA then cannot merge the buckets into one collective that would wait
+    for every array, and each may run while the rest is still being computed.
     """
     axis_name = resolve_axis(axis_name)
     num = lax.axis_size(axis_name)
@@ -206,18 +211,34 @@ def bucketed(op: BucketedOp, arrays: list[jax.Array], *, axis_name: AxisName,
         reverse=reverse,
         alone_bytes=alone_bytes if flatten else None,
     )
+    sent = []  # per bucket: its indices, widths and collectives' results
     for bucket in plan:
-        blocks = [arrays[i].reshape(rows_in, widths[i]) for i in bucket.indices]
+        sizes = [widths[i] for i in bucket.indices]
+        inputs = [arrays[i] for i in bucket.indices]
+        if chain and sent:
+            # Packed: one collective, one array to hold back. Else one collective
+            # per array, which XLA would merge with any independent one.
+            inputs = _buckets.after(inputs, sent[-1][2], packed=flatten)
         if flatten:
-            packed = _COLLECTIVE[op](_buckets.pack(blocks), axis_name)
-            results = _buckets.unpack(packed, [widths[i] for i in bucket.indices])
+            blocks = [x.reshape(rows_in, w) for x, w in zip(inputs, sizes, strict=True)]
+            results = [_COLLECTIVE[op](_buckets.pack(blocks), axis_name)]
         elif op == "psum":
-            summed = _hierarchical_psum([arrays[i] for i in bucket.indices], axis_name)
-            results = [x.reshape(1, -1) for x in summed]
+            results = _hierarchical_psum(inputs, axis_name)
         else:
-            results = [_COLLECTIVE[op](b, axis_name) for b in blocks]
-        for i, result in zip(bucket.indices, results, strict=True):
-            out[i] = result
+            results = [
+                _COLLECTIVE[op](x.reshape(rows_in, w), axis_name)
+                for x, w in zip(inputs, sizes, strict=True)
+            ]
+        sent.append((bucket.indices, sizes, results))
+    for k, (indices, sizes, results) in enumerate(sent):
+        if chain and k < len(sent) - 1:
+            # Used only once the last bucket is sent, after the backward pass: an
+            # update in place of the parameters it reads would need copies.
+            results = _buckets.after(results, sent[-1][2])
+        if flatten:
+            results = _buckets.unpack(results[0], sizes)
+        for i, result in zip(indices, results, strict=True):
+            out[i] = result.reshape(out[i].shape)
     return out
 
 

@@ -287,3 +287,37 @@ def test_sync_gradients_contract():
     )
     updates, _ = second(g, new_state)
     np.testing.assert_allclose(updates["w"], -2.0)
+
+
+@pytest.mark.parametrize("flatten", [False, True], ids=["tuple", "flat"])
+def test_chained_buckets_sum_bit_for_bit(backend, flatten):
+    # Every bucket but the first waits for the one before through a -0.0 added to
+    # its first element: no value may change, signed zeros, inf and NaN included.
+    num = 4
+    rng = np.random.default_rng(2)
+    tree = {}
+    for i, first in enumerate([-0.0, np.inf, np.nan, -0.0]):
+        tree[f"l{i}"] = rng.normal(size=(num, 6)).astype(np.float32)
+        tree[f"l{i}"][:, 0] = first
+    tree["h"] = rng.normal(size=(num, 5)).astype(np.float16)
+    tree["h"][:, 0] = -0.0
+    tree["z"] = (rng.normal(size=(num, 3)) + 1j * rng.normal(size=(num, 3))).astype(
+        np.complex64
+    )
+    tree["z"][:, 0] = complex(np.inf, -0.0)
+
+    def psum_mean(x):  # float16 is divided first (`all_reduce`'s overflow rule)
+        if x.dtype == np.float16:
+            return jax.lax.psum(x / num, "data")
+        return jax.lax.psum(x, "data") / num
+
+    got = run_per_replica(
+        lambda t: jdp.all_reduce_gradients(t, bucket_bytes=16, flatten=flatten),
+        tree,
+        backend,
+        num,
+    )
+    want = run_per_replica(lambda t: jax.tree.map(psum_mean, t), tree, backend, num)
+    for key, x in want.items():
+        bits = {2: np.uint16, 4: np.uint32, 8: np.uint64}[x.dtype.itemsize]
+        np.testing.assert_array_equal(got[key].view(bits), x.view(bits), err_msg=key)
