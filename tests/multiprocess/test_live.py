@@ -218,3 +218,13 @@ def test_a_replacement_rejoins_and_every_replica_ends_identical(tmp_path):
         tolerance = dict(atol=2e-3) if config == "int8_ef" else dict(rtol=1e-5)
         for p, r in ((0, 0), (2, 1), (1, 2)):  # mesh order then: processes 0, 2, 1
             assert_trees_close(results[p]["params"][config], expected[r], **tolerance)
+
+
+@pytest.mark.skip(
+    reason="known bug: with 4 processes (benchmarks/live.py --processes 4 --rejoin) "
+    "the replacement's join round and a survivor's step meet in one collective "
+    "(gloo: 'Received data size doesn't match expected size'), which aborts "
+    "process 0; 3 processes rejoin reliably"
+)
+def test_a_replacement_rejoins_a_job_of_four_processes():
+    raise AssertionError("not run: see the skip reason")
