@@ -109,19 +109,27 @@ def check_survivors(results, outputs):
         assert_trees_close(mine, other, rtol=0, atol=0)
 
 
+def one_device(steps):
+    """The params after `steps` global batches on one device (SGD, momentum)."""
+    tx = optax.sgd(0.1, momentum=0.9)
+    params = init_mlp(jax.random.key(0))
+    opt_state = tx.init(params)
+    for batch in make_batches(steps, GLOBAL_BATCH):
+        grads = jax.grad(mlp_loss)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+    return params
+
+
 def test_synchronous_training_survives_a_kill_with_its_global_batch(killed_job):
     results, outputs = killed_job
     check_survivors(results, outputs)
     # The same global batches, split over 3 then 2 replicas: the optimizer saw
     # the mean over the same examples, as one device does.
-    tx = optax.sgd(0.1, momentum=0.9)
-    params = init_mlp(jax.random.key(0))
-    opt_state = tx.init(params)
-    for batch in make_batches(STEPS, GLOBAL_BATCH):
-        grads = jax.grad(mlp_loss)(params, batch)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-    assert_trees_close(results[0]["params"]["all_reduce"], params, rtol=1e-5, atol=1e-6)
+    expected = one_device(STEPS)
+    assert_trees_close(
+        results[0]["params"]["all_reduce"], expected, rtol=1e-5, atol=1e-6
+    )
 
 
 def reference(config, steps=STEPS, joined=None):
@@ -203,14 +211,10 @@ def test_a_replacement_rejoins_and_every_replica_ends_identical(tmp_path):
     for p, config in itertools.product((1, 2), ("all_reduce", "int8_ef")):
         mine, first = results[p]["params"][config], results[0]["params"][config]
         assert_trees_close(mine, first, rtol=0, atol=0)
-    tx = optax.sgd(0.1, momentum=0.9)
-    params = init_mlp(jax.random.key(0))
-    opt_state = tx.init(params)
-    for batch in make_batches(steps, GLOBAL_BATCH):
-        grads = jax.grad(mlp_loss)(params, batch)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-    assert_trees_close(results[0]["params"]["all_reduce"], params, rtol=1e-5, atol=1e-6)
+    expected = one_device(steps)
+    assert_trees_close(
+        results[0]["params"]["all_reduce"], expected, rtol=1e-5, atol=1e-6
+    )
     # Per-replica state (BMUF's local models, error-feedback buffers): the
     # replacement got process 0's; the result is that schedule without a kill.
     for config in ("bmuf", "streaming", "int8_ef"):
