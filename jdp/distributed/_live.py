@@ -81,8 +81,8 @@ class LiveStep:
         """
         joining = self._value("running") == "1"
         if joining:  # the others see this key inside the round it joins them in
-            key = f"{jax.process_index()}"
-            self._store.put(f"{_KEYS}join/{key}", f"{time.time_ns()}-{os.getpid()}")
+            key = f"{_KEYS}join/{jax.process_index()}"
+            self._store.put(key, f"{time.time_ns()}-{os.getpid()}")
         for attempt in self._attempts():
             with attempt:
                 with multihost_utils.live_devices(self._devices) as live:
@@ -104,12 +104,15 @@ class LiveStep:
         Raises:
           RuntimeError: After `max_retries` failed attempts at one step.
         """
-        for attempt in self._attempts():
+        for tries, attempt in enumerate(self._attempts()):
             healed = False
             with attempt:
                 with multihost_utils.live_devices(self._devices) as live:
-                    joined = self._new_joins(live)
-                    if joined or _ids(live) != _ids(sorted(self.devices, key=_id)):
+                    changed = _ids(live) != _ids(sorted(self.devices, key=_id))
+                    # A replacement shows as a failed round (its incarnation is
+                    # new) or as a new device: only then is the store read.
+                    joined = (tries > 0 or changed) and self._new_joins(live)
+                    if joined or changed:
                         state = self._reform(live, state)
                     if joined:  # a round of its own: every process heals
                         state = jax.block_until_ready(self._heal(state))
