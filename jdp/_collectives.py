@@ -64,6 +64,36 @@ def record_total(mean: Any, total: Any) -> None:
         bound.totals[id(mean)] = (mean, total)
 
 
+def last(metrics: PyTree, state: PyTree) -> PyTree:
+    """`metrics`, bit for bit, each computed once every array of `state` is.
+
+    Their all-reduces then come after every other collective of the step. The
+    CPU collectives give every all-reduce one tag: a process that leaves one
+    early (its peer died) keeps a receive posted there, and a larger message of
+    a later all-reduce from another peer would abort it. The small metrics last,
+    whatever arrives then fits. A total noted for a metric (`record_total`) is
+    its new value's.
+    """
+    done = [x for x in jax.tree.leaves(state) if _orders(x)]
+    bound = _BOUND_AXIS.get()
+
+    def order(m):
+        if not done or not _orders(m):
+            return m
+        new = _buckets.after([m], done)[0]
+        if bound is not None and id(m) in bound.totals:
+            bound.totals[id(new)] = (new, bound.totals[id(m)][1])
+        return new
+
+    return jax.tree.map(order, metrics)
+
+
+def _orders(x) -> bool:
+    return (
+        isinstance(x, jax.Array) and x.size > 0 and jnp.issubdtype(x.dtype, jnp.number)
+    )
+
+
 #: The optax `**extra_args` key that, set to False, tells jdp's transforms to issue
 #: no collective (an update every replica discards: `optax.MultiSteps`' micro-steps).
 COLLECTIVES_ARG = "jdp_collectives"

@@ -159,3 +159,32 @@ def test_buckets_are_issued_last_layer_first(backend):
     reduce_of = gradient_all_reduces(instrs)
     for layer in range(len(SIZES) - 2):
         assert reduce_of[layer + 1] in ancestors(instrs, reduce_of[layer])
+
+
+def test_a_live_step_reduces_its_metrics_after_the_gradients(backend):
+    # The CPU collectives give every all-reduce the same tag. A process that leaves
+    # one early (its peer died) keeps a receive posted there; a larger message of
+    # a later all-reduce from another peer then aborts it. Under
+    # `jdp.distributed.live` the small metrics go last, so whatever arrives fits.
+    from jdp.distributed import _live
+
+    train_step = jdp.make_train_step(
+        loss_fn, optax.sgd(0.1), sync=CASES["train_step"]["sync"]
+    )
+    instrs = entry_instructions(
+        compiled_step(backend, step_fn=_live._metrics_last(train_step))
+    )
+    grads = set(gradient_all_reduces(instrs).values())
+    metrics = [
+        name
+        for name, (opcode, _, _) in instrs.items()
+        if opcode in ALL_REDUCE and name not in grads
+    ]
+    # (Without it XLA merges them into the first bucket's all-reduce, or issues
+    # them first: their inputs are ready first.)
+    assert metrics, "no all-reduce of the metrics alone found"
+    for name in metrics:
+        missing = grads - ancestors(instrs, name)
+        assert not missing, (
+            f"the metrics' all-reduce {name} does not wait for {missing}"
+        )

@@ -5,6 +5,7 @@ See `live`, and the Live recovery guide (docs/guides/live.md).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -20,6 +21,7 @@ from jax.experimental import multihost_utils
 
 from jdp import _collectives, _coordination, _layout
 from jdp._parallel import Parallel, parallelize
+from jdp._train_step import TrainStep
 
 PyTree = Any
 
@@ -195,7 +197,7 @@ class LiveStep:
             self.membership_changes += 1
         devices = list(order)
         self._parallel = parallelize(
-            self._train_step, devices=devices, donate_state=False
+            _metrics_last(self._train_step), devices=devices, donate_state=False
         )
         _log.info("%s: %d replicas, devices %s", API, len(order), _ids(order))
 
@@ -265,6 +267,24 @@ class LiveStep:
             return jax.make_array_from_callback(x.shape, sharding, x.__getitem__)
 
         return jax.tree_util.tree_map_with_path(place, batch)
+
+
+def _metrics_last(train_step):
+    """`train_step` with its metrics reduced after every other collective.
+
+    See `_collectives.last`: without it a process whose peer died mid-step can
+    abort (process 0 with the coordination service, from 4 processes on).
+    """
+
+    def step(state, batch):
+        out = train_step(state, batch)
+        if not (isinstance(out, tuple) and len(out) == 2):
+            return out
+        return out[0], _collectives.last(out[1], out[0])
+
+    if isinstance(train_step, TrainStep):
+        return dataclasses.replace(train_step, step_fn=step)
+    return step
 
 
 def _heal_replicas(state: PyTree, position: jax.Array) -> tuple[PyTree, dict]:

@@ -3,17 +3,19 @@
 argv: PROCESS_ID NUM_PROCESSES PORT OUT_DIR DIE_PROCESS DIE_AT CONFIGS [STEPS
 PAUSE_S REPLACEMENT]. CONFIGS names the models, comma-separated (`all_reduce`,
 `int8_ef`, `bmuf`): one live step trains them side by side, on the same batches
-and meshes. Process DIE_PROCESS SIGKILLs itself at step DIE_AT (-1: nobody dies)
-unless it is a REPLACEMENT (1), which joins the others where they are. While
-fewer replicas than processes train, each step waits PAUSE_S seconds first (time
-for a replacement to join). Each process that finishes writes its final params
-and loss history per model, and its replica count per step, to OUT_DIR.
+and meshes. Process DIE_PROCESS SIGKILLs itself a few milliseconds into step
+DIE_AT (-1: nobody dies) unless it is a REPLACEMENT (1), which joins the others
+where they are. While fewer replicas than processes train, each step waits
+PAUSE_S seconds first (time for a replacement to join). Each process that
+finishes writes its final params and loss history per model, and its replica
+count per step, to OUT_DIR.
 """
 
 import os
 import pickle
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -49,7 +51,7 @@ import optax  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from helpers import init_mlp, make_batches, mlp_loss  # noqa: E402
 
-GLOBAL_BATCH = 12  # divisible by 3, 2 and 1 replicas
+GLOBAL_BATCH = 12  # divisible by 4, 3, 2 and 1 replicas
 
 
 def model(config):
@@ -96,7 +98,9 @@ batches = make_batches(steps, GLOBAL_BATCH)
 while step.position < steps:  # a replacement starts where the others are
     i = step.position
     if pid == die_process and i == die_at and not replacement:
-        os.kill(os.getpid(), signal.SIGKILL)
+        # Killed a few milliseconds into the step, mid-collective as a real
+        # failure is: the others' collectives must fail, not abort them.
+        threading.Timer(0.003, os.kill, (os.getpid(), signal.SIGKILL)).start()
     if step.num_replicas < num:
         time.sleep(pause_s)
     state, metrics = step(state, batches[i])

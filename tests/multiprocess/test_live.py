@@ -33,16 +33,17 @@ NUM, DIE_PROCESS, DIE_AT, STEPS, GLOBAL_BATCH = 3, 2, 5, 12, 12
 CONFIGS = "all_reduce,bmuf,streaming,int8_ef"
 
 
-def run_job(tmp_path, configs, *, timeout=150, replace=False):
+def run_job(tmp_path, configs, *, timeout=150, replace=False, num=NUM,
+            die_process=DIE_PROCESS):  # fmt: skip
     """Starts the processes; returns each survivor's results and the outputs.
 
     `configs`: the models the job trains side by side, comma-separated.
 
-    With `replace`, process DIE_PROCESS is started again once it has died, as a
+    With `replace`, process `die_process` is started again once it has died, as a
     replacement (its output is the last of the outputs).
     """
     port = free_port()
-    args = [str(NUM), str(port), str(tmp_path), str(DIE_PROCESS), str(DIE_AT), configs]
+    args = [str(num), str(port), str(tmp_path), str(die_process), str(DIE_AT), configs]
     slow = ["40", "0.3"] if replace else []
 
     def start(p, replacement="0"):
@@ -54,13 +55,13 @@ def run_job(tmp_path, configs, *, timeout=150, replace=False):
             text=True,
         )
 
-    procs = [start(p) for p in range(NUM)]
+    procs = [start(p) for p in range(num)]
     deadline = time.monotonic() + timeout
     outputs = []
     try:
         if replace:
-            procs[DIE_PROCESS].wait(timeout=timeout)
-            procs.append(start(DIE_PROCESS, "1"))
+            procs[die_process].wait(timeout=timeout)
+            procs.append(start(die_process, "1"))
         for proc in procs:
             left = max(1.0, deadline - time.monotonic())
             outputs.append(proc.communicate(timeout=left)[0])
@@ -72,7 +73,7 @@ def run_job(tmp_path, configs, *, timeout=150, replace=False):
                 proc.kill()
                 proc.wait()
     results = {}
-    for p in range(NUM):
+    for p in range(num):
         path = tmp_path / f"{p}.pkl"
         if path.exists():
             results[p] = pickle.loads(path.read_bytes())
@@ -224,11 +225,28 @@ def test_a_replacement_rejoins_and_every_replica_ends_identical(tmp_path):
             assert_trees_close(results[p]["params"][config], expected[r], **tolerance)
 
 
-@pytest.mark.skip(
-    reason="known bug: with 4 processes (benchmarks/live.py --processes 4 --rejoin) "
-    "the replacement's join round and a survivor's step meet in one collective "
-    "(gloo: 'Received data size doesn't match expected size'), which aborts "
-    "process 0; 3 processes rejoin reliably"
-)
-def test_a_replacement_rejoins_a_job_of_four_processes():
-    raise AssertionError("not run: see the skip reason")
+def test_a_replacement_rejoins_a_job_of_four_processes(tmp_path):
+    """Four processes; the last of the mesh order dies mid-step and is replaced.
+
+    In the CPU collectives' ring process 0 sends to the last process: when that
+    one dies, process 0 leaves its collective at once while process 1 goes on
+    sending, through every all-reduce of the step, all under one tag. The step
+    reduces its metrics after the gradients, so that nothing it then receives
+    is larger than the buffer it left posted (which would abort it, and with it
+    the coordination service)."""
+    steps, num = 40, 4
+    results, outputs = run_job(
+        tmp_path, "all_reduce", replace=True, num=num, die_process=num - 1
+    )
+    assert set(results) == set(range(num)), "\n".join(o[-3000:] for o in outputs)
+    joined = results[num - 1]["first"]
+    assert DIE_AT <= joined < steps
+    for p in range(num - 1):
+        gap = joined - DIE_AT
+        expected = [num] * DIE_AT + [num - 1] * gap + [num] * (steps - joined)
+        assert results[p]["replicas"] == expected
+    assert results[num - 1]["replicas"] == [num] * (steps - joined)
+    first = results[0]["params"]["all_reduce"]
+    for p in range(1, num):
+        assert_trees_close(results[p]["params"]["all_reduce"], first, rtol=0, atol=0)
+    assert_trees_close(first, one_device(steps), rtol=1e-5, atol=1e-6)
