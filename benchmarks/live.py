@@ -20,8 +20,14 @@ With `--rejoin` the driver starts the killed process again at once (as
 its first step with the others, and the throughput kept then counts all the time
 from the kill to that step that was not spent on steps at the old rate.
 
+With `--kill-every 60 30` nothing is modelled: the job runs `--steps` steps
+failure-free, then again with a random non-zero process SIGKILLed every 60 s of
+training (and started again at once), then every 30 s; "kept" is the failure-free
+run's training time over each run's.
+
     python benchmarks/live.py [--processes 4] [--kill-after 20] [--steps 5000]
         [--collective-timeout 10] [--heartbeat 5] [--cache] [--rejoin]
+        [--kill-every 60 30 [--seed 0]]
 
 Processes are pinned one per core when the machine has enough cores.
 """
@@ -31,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import signal
 import statistics
 import subprocess
@@ -169,6 +176,76 @@ def run(args) -> dict:
     }
 
 
+def run_repeated(args, interval: float | None) -> dict:
+    """One job to `--steps`; with `interval`, a random non-zero process is
+    SIGKILLed every `interval` s of training and started again at once (as
+    `python -m jdp.launch --live --max-restarts K` does). Returns process 0's
+    training wall time (first step to last) and the kills."""
+    port = free_port()
+    cores = sorted(os.sched_getaffinity(0))
+    rng = random.Random(args.seed)
+    procs: dict[int, subprocess.Popen] = {}
+    log = tempfile.TemporaryFile("w+")
+
+    def start(rank):
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", str(rank)]
+        cmd += ["--port", str(port), "--processes", str(args.processes)]
+        cmd += ["--steps", str(args.steps), "--heartbeat", str(args.heartbeat)]
+        cmd += ["--collective-timeout", str(args.collective_timeout)]
+        if args.cache:
+            cmd += ["--cache", args.cache]
+        if len(cores) >= args.processes:
+            cmd = ["taskset", "-c", str(cores[rank])] + cmd
+        out = subprocess.PIPE if rank == 0 else subprocess.DEVNULL
+        procs[rank] = subprocess.Popen(cmd, stdout=out, stderr=log, text=True)
+
+    for rank in range(args.processes):
+        start(rank)
+    first = last_kill = done = None
+    kills = 0
+    try:
+        for line in procs[0].stdout:
+            if not line.startswith("{"):
+                continue
+            ev = json.loads(line)
+            if ev["ev"] == "step" and first is None:
+                first = last_kill = ev["t"]
+            if ev["ev"] == "done":
+                done = ev["t"]
+                break
+            if interval and first is not None and time.time() - last_kill >= interval:
+                victim = rng.randrange(1, args.processes)
+                procs[victim].send_signal(signal.SIGKILL)
+                procs[victim].wait()
+                start(victim)
+                last_kill, kills = time.time(), kills + 1
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    if done is None:
+        log.seek(0)
+        raise SystemExit("process 0 did not finish:\n" + log.read()[-4000:])
+    return {"interval_s": interval, "kills": kills, "wall_s": done - first}
+
+
+def goodput(args) -> None:
+    """Failure-free, then one kill every 60 s and every 30 s: the throughput kept."""
+    free = run_repeated(args, None)
+    rows = [free] + [run_repeated(args, i) for i in args.kill_every]
+    print("| kill every | kills | training s | steps/s | kept |")
+    print("|---|---:|---:|---:|---:|")
+    for r in rows:
+        every = f"{r['interval_s']:.0f} s" if r["interval_s"] else "never"
+        kept = free["wall_s"] / r["wall_s"]
+        print(
+            f"| {every} | {r['kills']} | {r['wall_s']:.1f} | "
+            f"{args.steps / r['wall_s']:.1f} | {100 * kept:.0f}% |"
+        )
+    print(json.dumps(rows))
+
+
 def summarize(args, out: dict) -> dict:
     steps = [e for e in out["events"] if e["ev"] == "step"]
     kill = out["killed_at"]
@@ -224,12 +301,17 @@ def main() -> None:
     parser.add_argument("--heartbeat", type=int, default=5)
     parser.add_argument("--cache", nargs="?", const="", default=None)
     parser.add_argument("--rejoin", action="store_true")
+    parser.add_argument("--kill-every", type=float, nargs="+", default=None)
+    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if args.rank is not None:
         worker(args)
         return
     if args.cache == "":
         args.cache = tempfile.mkdtemp(prefix="jdp-live-cache-")
+    if args.kill_every:
+        goodput(args)
+        return
     result = summarize(args, run(args))
     rejoin = "rejoin_s" in result
     print(
