@@ -38,6 +38,7 @@ QUICK_ARGS = {
     "bmuf": ["--quick"],
     "compression": ["bytes"],
     "checkpoint": ["--mb", "20", "--rounds", "1"],
+    "live": ["--processes", "3", "--steps", "1500", "--kill-after", "10"],
     "memory": ["--params", "5e6", "--steps", "2", "--rounds", "2"],
     "multihost": ["--quick"],
     "overhead": ["--quick"],
