@@ -388,6 +388,12 @@ def broadcast(
             return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
         if x.size == 0:
             return x
+        if jnp.issubdtype(x.dtype, jnp.complexfloating):
+            return lax.complex(one(x.real), one(x.imag))
+        if jnp.issubdtype(x.dtype, jnp.floating):  # as bits: -0.0 stays -0.0
+            bits = lax.bitcast_convert_type(x, f"uint{8 * x.dtype.itemsize}")
+            sent = one(bits.astype(jnp.promote_types(bits.dtype, jnp.uint32)))
+            return lax.bitcast_convert_type(sent.astype(bits.dtype), x.dtype)
         wire = jnp.int32 if x.dtype == jnp.bool_ else x.dtype
         masked = jnp.where(is_root, x.astype(wire), jnp.zeros_like(x, dtype=wire))
         return lax.psum(masked, axis_name).astype(x.dtype)

@@ -239,6 +239,23 @@ def test_broadcast_any_root_and_dtype(backend):
         )
 
 
+def test_broadcast_keeps_the_roots_bits(backend):
+    # A sum with +0.0 from the other replicas would turn the root's -0.0 into +0.0.
+    num = 4
+    values = np.array([-0.0, 0.0, -3e-38, np.inf, -np.inf, 1.5], np.float32)
+    c64 = values.astype(np.complex64)
+    c64.imag = -values[::-1]
+    tree = {
+        "f32": np.stack([values * (r + 1) for r in range(num)]),
+        "c64": np.stack([c64 if r == 1 else -c64 for r in range(num)]),
+    }
+    got = run_per_replica(lambda t: jdp.broadcast(t, root=1), tree, backend, num)
+    for key in tree:
+        bits = np.asarray(got[key]).view(np.uint32)
+        root = np.broadcast_to(tree[key][1], tree[key].shape).view(np.uint32)
+        np.testing.assert_array_equal(bits, root)
+
+
 def test_sync_gradients_in_a_chain_equals_make_train_step(backend):
     params = init_mlp(jax.random.key(0))
     batches = make_batches(5, 16)
