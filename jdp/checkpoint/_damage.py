@@ -125,9 +125,8 @@ def set_aside(directory: epath.Path, damaged: dict[int, str]) -> None:
     if jax.process_index() == 0:
         for step, detail in sorted(damaged.items()):
             n = 1
-            while (directory / f"{step}{DAMAGED_SUFFIX}{n}").exists():
+            while (target := directory / f"{step}{DAMAGED_SUFFIX}{n}").exists():
                 n += 1
-            target = directory / f"{step}{DAMAGED_SUFFIX}{n}"
             try:
                 (directory / str(step)).rename(target)
             except OSError as e:

@@ -112,14 +112,6 @@ def make_metadata(
     }
 
 
-def restore_item(
-    manager: ocp.CheckpointManager, step: int, name: str, item: PyTree, restore_args
-) -> PyTree:
-    """Reads the orbax PyTree item `name` of a step into `item`'s structure."""
-    args = ocp.args.PyTreeRestore(item=item, restore_args=restore_args)
-    return manager.restore(step, args=ocp.args.Composite(**{name: args}))[name]
-
-
 def read_metadata(
     manager: ocp.CheckpointManager, directory: epath.Path, step: int
 ) -> dict[str, Any]:

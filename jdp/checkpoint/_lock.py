@@ -151,9 +151,9 @@ class DirectoryLock:
     @contextlib.contextmanager
     def _guard(self):
         """An advisory `flock` on the directory; yields whether it is held."""
-        fd = None
+        fd, held = None, False
         if self._local:
-            try:
+            with contextlib.suppress(ImportError, OSError):  # then not held
                 import fcntl
 
                 fd = os.open(os.fspath(self.directory), os.O_RDONLY)
@@ -166,12 +166,9 @@ class DirectoryLock:
                         if time.monotonic() > deadline:
                             raise
                         time.sleep(0.01)
-            except (ImportError, OSError):
-                if fd is not None:
-                    os.close(fd)
-                fd = None
+                held = True
         try:
-            yield fd is not None
+            yield held
         finally:
             if fd is not None:
                 os.close(fd)  # releases the flock
@@ -267,10 +264,9 @@ def check_same_directory(directory: epath.Path) -> None:
     names = [
         bytes(p[:n]).decode(errors="replace") for p, n in zip(paths, sizes, strict=True)
     ]
-    if len(set(names)) == 1:
-        return
-    listing = "\n".join(f"  process {i}: {name}" for i, name in enumerate(names))
-    raise ValueError(DIFFERENT_DIRECTORIES_MSG.format(listing=listing))
+    if len(set(names)) > 1:
+        listing = "\n".join(f"  process {i}: {name}" for i, name in enumerate(names))
+        raise ValueError(DIFFERENT_DIRECTORIES_MSG.format(listing=listing))
 
 
 def acquire_for_job(lock: DirectoryLock) -> None:

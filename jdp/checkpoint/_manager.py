@@ -91,7 +91,7 @@ def _check_positive(name: str, value: Any, *, optional: bool) -> None:
 
 
 def _newest_intact(store, directory, candidates: list[int], read) -> Any:
-    """`read(step)` of the newest intact step of `candidates` (newest first)."""
+    """`read(step)` of the newest intact step of `candidates`; marks damaged ones."""
     first_error = None
     for i, candidate in enumerate(candidates):
         try:
@@ -219,8 +219,7 @@ class CheckpointManager:
         Raises:
           FileNotFoundError: If there is no such (complete) checkpoint.
         """
-        step = _restore.resolve_step(self._store, step)
-        return dict(self._store.metadata(step))
+        return dict(self._store.metadata(_restore.resolve_step(self._store, step)))
 
     def save(
         self,
@@ -356,14 +355,10 @@ class CheckpointManager:
             return (state, _restore.read_extra(store, s)) if with_extra else state
 
         if step is not None:
-            step = _restore.resolve_step(store, step)
-            try:
-                return read(step)
-            except CheckpointCorruptedError as e:
-                store.mark_damaged(step, e.detail)  # a later save may set it aside
-                raise
-        candidates = self.all_steps()[::-1]
-        if not candidates:
+            candidates = [_restore.resolve_step(store, step)]
+        elif candidates := self.all_steps()[::-1]:  # newest first
+            _restore.warn_newer_incomplete(store, candidates[0])
+        else:
             on_disk = store.steps_on_disk() if self.directory.exists() else []
             if default is _NO_DEFAULT:
                 _restore.resolve_step(store, None)  # raises, naming what is there
@@ -372,7 +367,6 @@ class CheckpointManager:
                     directory=self.directory, steps=on_disk, last=on_disk[-1]
                 ), RuntimeWarning, stacklevel=2)  # fmt: skip
             return (default, {}) if with_extra else default
-        _restore.warn_newer_incomplete(store, candidates[0])
         return _newest_intact(store, self.directory, candidates, read)
 
     def wait_until_finished(self) -> None:

@@ -22,7 +22,7 @@ from jdp._layout import compare_replicas, is_custom, place_like
 from jdp._tree import keystr
 from jdp.checkpoint._common import short_list
 from jdp.checkpoint._damage import corrupt, reading
-from jdp.checkpoint._format import REPLICAS_ITEM, crc32, host_copy, restore_item
+from jdp.checkpoint._format import REPLICAS_ITEM, crc32, host_copy
 
 PyTree = Any
 
@@ -33,7 +33,6 @@ DIFFERING_MSG = (
     "local work since their last sync is not carried over (restore into "
     "{saved} replicas to resume exactly).{note}"
 )
-
 
 _UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
 
@@ -53,12 +52,6 @@ def _differ(leaves: Sequence[jax.Array]) -> list[jax.Array]:
         functools.reduce(jnp.logical_or, [jnp.any(b != b[:1]) for b in _bits(x)])
         for x in leaves
     ]
-
-
-def differing_paths(state: PyTree) -> list[str]:
-    """The paths of a replicated state's leaves whose replicas' bits differ."""
-    paths, flags = compare_replicas(_differ, state)
-    return [path for path, flag in zip(paths, flags, strict=True) if bool(flag)]
 
 
 def block_start_params(host: PyTree) -> tuple[PyTree, str]:
@@ -102,11 +95,10 @@ def leaves_by_path(tree: PyTree) -> dict[str, Any]:
 
 
 def host_replicas(state: PyTree, flat: list[tuple[Any, Any]]) -> dict[str, Any]:
-    """The `host_copy` of each leaf of `state` (`flat`) whose replicas differ."""
-    per_replica = set(differing_paths(state))
-    return {
-        keystr(path): host_copy(x) for path, x in flat if keystr(path) in per_replica
-    }
+    """The `host_copy` of each leaf of `state` (`flat`) whose replicas' bits differ."""
+    paths, flags = compare_replicas(_differ, state)
+    differ = {path for path, flag in zip(paths, flags, strict=True) if bool(flag)}
+    return {keystr(path): host_copy(x) for path, x in flat if keystr(path) in differ}
 
 
 def replicas_save(
@@ -138,12 +130,13 @@ def read_replicas(
             sharding=like_by_path[r["path"]].sharding, global_shape=shape,
             dtype=np.dtype(r["dtype"]),
         )  # fmt: skip
+    args = ocp.args.PyTreeRestore(item=item, restore_args=restore_args)
     failed = "reading the leaves saved with every replica failed"
     with reading(directory, step, failed):
-        got = restore_item(manager, step, REPLICAS_ITEM, item, restore_args)
+        got = manager.restore(step, args=ocp.args.Composite(**{REPLICAS_ITEM: args}))
     out = {}
     for i, r in per.items():
-        x = got[f"leaf_{i}"]
+        x = got[REPLICAS_ITEM][f"leaf_{i}"]
         crc = r["per_replica"].get("crc32")
         if crc is not None and x.is_fully_addressable:
             host = np.asarray(x)
@@ -177,10 +170,10 @@ def place_with(host: PyTree, like: PyTree, own: dict[str, jax.Array]) -> PyTree:
 def one_copy_of_differing(directory: epath.Path, step: int, meta: dict[str, Any],
                           host: PyTree, per: dict[int, dict[str, Any]],
                           why: str) -> PyTree:  # fmt: skip
-    """`host` (replica 0's values) set to where replicas restart, with a warning.
+    """`host` (replica 0's values) set to where replicas restart, warning `why`.
 
-    The warning says `why`, and names `CheckpointManager.restore`'s caller when
-    called from a function that `_restore.restore_step` calls.
+    The warning names `CheckpointManager.restore`'s caller: the frames between
+    are `_newest_intact`, `read`, `restore_step` and `_restore_*`'s.
     """
     host, note = block_start_params(host)
     host, notes = _replica_parts.restart_local(host)
@@ -189,5 +182,5 @@ def one_copy_of_differing(directory: epath.Path, step: int, meta: dict[str, Any]
     warnings.warn(DIFFERING_MSG.format(
         step=step, directory=directory, saved=meta["num_replicas"], count=len(paths),
         paths=short_list(paths), why=why, note=note,
-    ), RuntimeWarning, stacklevel=5)  # fmt: skip
+    ), RuntimeWarning, stacklevel=7)  # fmt: skip
     return host

@@ -80,8 +80,7 @@ def resolve_step(store: StepStore, step: Any) -> int:
     )
     if step is None:
         if not steps:
-            missing = not store.directory.exists()
-            why = " (the directory does not exist)" if missing else ""
+            why = "" if store.directory.exists() else " (the directory does not exist)"
             raise FileNotFoundError(
                 NO_CHECKPOINT_MSG.format(directory=store.directory, why=why) + note
             )
@@ -144,22 +143,16 @@ def _restore_replicated(
     # One logical copy of `like` is what was saved (ZeRO's slices whole).
     flat, treedef = jax.tree_util.tree_flatten_with_path(logical_like(like))
     flat_logical = [(path, as_key_data(x), key_impl_name(x)) for path, x in flat]
-    _check_matches(store.directory, step, meta, flat_logical)
-    records = meta["leaves"]
-    paths = [path for path, _, _ in flat_logical]
-    host = treedef.unflatten(_read_state(store, step, records, paths))
-    per = _per_replica.records_of(records)
+    host = treedef.unflatten(_read_state(store, step, meta, flat_logical))
+    per = _per_replica.records_of(meta["leaves"])
     if not per:
         return place_like(host, like)
     like_by_path = _per_replica.leaves_by_path(like)
-    counts = set()
-    for r in per.values():
-        ref = like_by_path.get(r["path"])
-        counts.add(None if ref is None or is_custom(ref) else ref.shape[0])
+    refs = [like_by_path.get(r["path"]) for r in per.values()]
+    counts = {None if x is None or is_custom(x) else x.shape[0] for x in refs}
     if counts == {meta["num_replicas"]}:
-        manager = store.open(create=False)
         own = _per_replica.read_replicas(
-            manager, store.directory, step, meta, per, like_by_path
+            store.open(create=False), store.directory, step, meta, per, like_by_path
         )
         return _per_replica.place_with(host, like, own)
     count = next(iter(counts)) if len(counts) == 1 else None
@@ -178,12 +171,9 @@ def _restore_one_copy(
     for path, x in flat_like:
         ref = x if isinstance(x, jax.Array | jax.ShapeDtypeStruct) else abstract(x)
         flat_logical.append((path, as_key_data(ref), key_impl_name(ref)))
-    _check_matches(store.directory, step, meta, flat_logical, hint=ONE_COPY_HINT)
-    records = meta["leaves"]
+    host_leaves = _read_state(store, step, meta, flat_logical, ONE_COPY_HINT)
     treedef = jax.tree.structure(like)
-    host_leaves = _read_state(store, step, records, [path for path, _ in flat_like])
-    per = _per_replica.records_of(records)
-    if per:
+    if per := _per_replica.records_of(meta["leaves"]):
         host = jax.tree_util.tree_unflatten(treedef, host_leaves)
         host = _per_replica.one_copy_of_differing(
             store.directory, step, meta, host, per, "`like` is one copy"
@@ -191,17 +181,19 @@ def _restore_one_copy(
         host_leaves = jax.tree.leaves(host)
     out = [
         _place_one(x, ref, r.get("key_impl"))
-        for x, (_, ref), r in zip(host_leaves, flat_like, records, strict=True)
+        for x, (_, ref), r in zip(host_leaves, flat_like, meta["leaves"], strict=True)
     ]
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
 def _read_state(
-    store: StepStore, step: int, records: Sequence[dict[str, Any]], paths: Sequence[Any]
+    store: StepStore, step: int, meta: dict[str, Any], flat_logical, hint: str = ""
 ) -> list[np.ndarray]:
-    """The saved copy's leaves (at `like`'s `paths`) as NumPy arrays, checked."""
+    """`_check_matches`, then the saved copy's leaves as NumPy arrays (checked)."""
+    _check_matches(store.directory, step, meta, flat_logical, hint=hint)
+    records = meta["leaves"]
     with reading(store.directory, step, "reading its arrays failed"):
-        names = [param_name(path) for path in paths]
+        names = [param_name(path) for path, _, _ in flat_logical]
         leaves = read_arrays(
             store.directory, step, STATE_ITEM, names, [r["dtype"] for r in records]
         )
@@ -279,11 +271,8 @@ def _differences(
             found.append((i, 1, f"{path}: {text}"))
         elif saved[path] != (shape, dtype):
             s_shape, s_dtype = saved[path]
-            text = (
-                f"the checkpoint has shape {s_shape} {s_dtype}, "
-                f"`like` has shape {shape} {dtype}"
-            )
-            found.append((i, 1, f"{path}: {text}"))
+            text = f"the checkpoint has shape {s_shape} {s_dtype}, `like` has shape"
+            found.append((i, 1, f"{path}: {text} {shape} {dtype}"))
     probs = [text for _, _, text in sorted(found)]
     if not probs and list(saved) != list(wanted):
         probs.append("the leaves are the same but in a different pytree order")

@@ -33,7 +33,6 @@ WRITE_FAILED_MSG = (
     "(or pass another directory), then save again."
 )
 
-
 NOT_A_DIRECTORY_MSG = (
     "`CheckpointManager.{caller}`: the checkpoint directory {directory} {what}. "
     "Expected a directory holding one subdirectory per saved step, or a path "
@@ -44,9 +43,7 @@ NOT_A_DIRECTORY_MSG = (
 def check_directory(directory: epath.Path, caller: str) -> None:
     """Raises if `directory` is (or is under) a file or a dangling or looping link."""
     path = os.fspath(directory)
-    if "://" in path:
-        return  # object stores have no files in the way
-    problem = _first_problem(path)
+    problem = None if "://" in path else _first_problem(path)  # none on object stores
     if problem is None:
         return
     error, where, what, fix = problem

@@ -97,8 +97,7 @@ class Job:
         self.failure: tuple[int, int] | None = None  # (process_id, returncode)
         self.also_failed: list[tuple[int, int]] = []  # failed before being stopped
         self.stopped = 0  # processes still running when a failure stopped the job
-        # (time.monotonic(), process_id, returncode) of each exit.
-        self.exits: list[tuple[float, int, int]] = []
+        self.exits: list[tuple[float, int, int]] = []  # (monotonic, id, returncode)
         self._closed: list[list[float]] = [[] for _ in self.commands]
         self._exits_lock = threading.Lock()
         self._failed_at: float | None = None  # when a failure was first seen
@@ -153,8 +152,7 @@ class Job:
         return True
 
     def _reap(self, rank: int, proc: subprocess.Popen) -> None:
-        code = proc.wait()
-        self._record_exit(rank, code, time.monotonic())
+        self._record_exit(rank, proc.wait(), time.monotonic())
 
     def _record_exit(self, rank: int, code: int, now: float) -> None:
         """Records the exit of process `rank` once (the earliest observation)."""
@@ -187,9 +185,8 @@ class Job:
             with self._write_lock, contextlib.suppress(ValueError, OSError):
                 stream.write(f"[{rank}] {line}\n")  # the stream may be closed
                 stream.flush()
-        now = time.monotonic()
         with self._exits_lock:
-            self._closed[rank].append(now)
+            self._closed[rank].append(time.monotonic())
         pipe.close()
 
     def send(self, sig: int, *, live_only: bool = True) -> None:
@@ -234,10 +231,7 @@ class Job:
         """
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         try:
-            while True:
-                outcome = self._outcome()
-                if outcome is not None:
-                    return outcome
+            while (outcome := self._outcome()) is None:
                 self._check_stall()
                 if deadline is not None and time.monotonic() > deadline:
                     running = [
@@ -252,6 +246,7 @@ class Job:
                         f"(processes still running: {', '.join(running)})."
                     )
                 time.sleep(POLL_S)
+            return outcome
         except BaseException:
             self.kill()
             raise
@@ -283,10 +278,9 @@ class Job:
                 return None
         if failed:
             # Wait for the processes that are ending, then name the cause.
-            now = time.monotonic()
             if self._failed_at is None:
-                self._failed_at = now
-            waited = now - self._failed_at
+                self._failed_at = time.monotonic()
+            waited = time.monotonic() - self._failed_at
             if (
                 waited < SETTLE_S
                 or (ending and waited < ENDING_WAIT_S)
@@ -295,8 +289,7 @@ class Job:
                 return None
             (self.failure, *self.also_failed) = cause_first(failed, self.tails)
             self.stopped = len(self.procs) - len(exits)
-            finished = finished_before(exits, failed[0][0])
-            if finished:
+            if finished := finished_before(exits, failed[0][0]):
                 self.finished_first = finished[0]
                 if self.stall is not None:
                     self.stall.read(time.monotonic())  # the counts at the end
@@ -315,9 +308,8 @@ class Job:
 
     def _check_stall(self) -> None:
         """Stops the job and raises `StallError` if `stall` finds stalled processes."""
-        if self.stall is None or self._stop_requested_at is not None:
-            return
-        if self._failed_at is not None:  # the job is failing: `_outcome` decides
+        stopping = self._stop_requested_at is not None or self._failed_at is not None
+        if self.stall is None or stopping:  # a failing job: `_outcome` decides
             return
         with self._exits_lock:
             exited = {r: (t, code) for t, r, code in self.exits}

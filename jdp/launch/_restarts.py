@@ -47,8 +47,7 @@ class Restarts:
             allow_none=True,
             note="or None for `num_processes`",
         )
-        if min_processes is None:
-            min_processes = num_processes
+        min_processes = num_processes if min_processes is None else min_processes
         if min_processes > num_processes:
             raise ValueError(
                 f"`min_processes` ({min_processes}) must be at most "
@@ -98,8 +97,7 @@ class Restarts:
                 " Process 0 hosts JAX's coordination service, so live recovery "
                 "cannot go on without it."
             )
-        line = f"{how} Restarting the job (restart {self.restarts}/"
-        line += f"{self.max_restarts})"
+        line = f"{how} Restarting the job (restart {self.restarts}/{self.max_restarts})"
         repeat = first_failed is not None and first_failed == self._last_first
         if repeat and self.num_processes > self.min_processes:
             self.num_processes -= 1

@@ -7,6 +7,7 @@ import pickle
 import sys
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from jdp.launch._launcher import Job
@@ -133,11 +134,7 @@ def run(
             raise TimeoutError(f"`jdp.launch.run`: {error}{job.last_output()}")
         if job.failure is not None:
             raise RuntimeError(f"`jdp.launch.run`: {job.failure_message()}")
-        results = []
-        for command in job.commands:
-            with open(command[-1], "rb") as f:
-                results.append(pickle.load(f))
-        return results
+        return [pickle.loads(Path(c[-1]).read_bytes()) for c in job.commands]
 
 
 def _say(line: str) -> None:

@@ -35,6 +35,21 @@ ENV_MAX_RESTARTS = "JDP_MAX_RESTARTS"
 
 _DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
 
+#: XLA flags of a `--live` job, unless set already: on CPU a collective that a
+#: dead peer never joins ends after 10 s; on GPU, the flags of JAX's fault
+#: tolerance guide (a failed NCCL collective does not end the process).
+LIVE_XLA_FLAGS = (
+    "--xla_cpu_collective_timeout_seconds=10",
+    "--xla_gpu_nccl_terminate_on_error=false",
+    "--xla_gpu_nccl_async_execution=true",
+    "--xla_gpu_nccl_blocking_communicators=false",
+)
+#: Environment variables of a `--live` job on GPU, from the same guide.
+LIVE_ENV = {
+    "XLA_PYTHON_CLIENT_ABORT_COLLECTIVES_ON_FAILURE": "1",
+    "XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT": "1",
+}
+
 
 def cpu_device_flags(xla_flags: str, count: int) -> str:
     """`xla_flags` asking for `count` CPU devices (replacing any count it has)."""
@@ -88,22 +103,6 @@ def process_env(
         env["XLA_FLAGS"] = " ".join([flags, *extra]).strip()
         env.update({k: v for k, v in LIVE_ENV.items() if k not in env})
     return env
-
-
-#: XLA flags of a `--live` job, unless set already: on CPU a collective that a
-#: dead peer never joins ends after 10 s; on GPU, the flags of JAX's fault
-#: tolerance guide (a failed NCCL collective does not end the process).
-LIVE_XLA_FLAGS = (
-    "--xla_cpu_collective_timeout_seconds=10",
-    "--xla_gpu_nccl_terminate_on_error=false",
-    "--xla_gpu_nccl_async_execution=true",
-    "--xla_gpu_nccl_blocking_communicators=false",
-)
-#: Environment variables of a `--live` job on GPU, from the same guide.
-LIVE_ENV = {
-    "XLA_PYTHON_CLIENT_ABORT_COLLECTIVES_ON_FAILURE": "1",
-    "XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT": "1",
-}
 
 
 def _progress_setup(

@@ -99,17 +99,13 @@ class StallMonitor(Tracker):
     ) -> str:
         """The message for `finished_early`'s finding: who finished, who waits."""
         first, waiting = found
-        how = (
-            "finished (exit 0)"
-            if first in (exited or {})
-            else "finished its program (it waits at shutdown for the others)"
-        )
+        how = "finished its program (it waits at shutdown for the others)"
+        if first in (exited or {}):
+            how = "finished (exit 0)"
         counts = [self.counts[r] for r in waiting]
-        at = (
-            f"at step call {counts[0]}"
-            if len(set(counts)) == 1
-            else "at step calls " + ", ".join(map(str, counts))
-        )
+        at = "at step calls " + ", ".join(map(str, counts))
+        if len(set(counts)) == 1:
+            at = f"at step call {counts[0]}"
         one = len(waiting) == 1
         return (
             f"{process_list([first], pids, len(self.paths))} {how} after "
@@ -150,11 +146,9 @@ class StallMonitor(Tracker):
                 "deadlock), or a step takes longer than that."
             )
         else:
-            done = (
-                "has reported no progress since it started"
-                if low == 0
-                else f"reported progress {plural(low, 'time')}"
-            )
+            done = f"reported progress {plural(low, 'time')}"
+            if low == 0:
+                done = "has reported no progress since it started"
             msg = (
                 f"{process_list(behind, pids, n)} made no progress for more than "
                 f"{limit} while the others went on or waited for "
@@ -162,8 +156,7 @@ class StallMonitor(Tracker):
                 f"others up to {plural(max(self.counts), 'time')}."
             )
         msg += self._last_seen(behind)
-        early = sorted(r for r in exited or {} if self.counts[r] < low)
-        if early:
+        if early := sorted(r for r in exited or {} if self.counts[r] < low):
             counts = ", ".join(str(self.counts[r]) for r in early)
             msg += (
                 f" {process_list(early).capitalize()} finished (exit 0) earlier, "

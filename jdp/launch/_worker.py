@@ -157,8 +157,7 @@ def where(thread_id: int, library_dirs: tuple[str, ...]) -> str | None:
 def _progress_record() -> dict:
     # The module may be caught while it is being imported, without `count` yet.
     count = getattr(sys.modules.get(PROGRESS_MODULE), "count", None)
-    beats = count() if count is not None else 0
-    record = {"pid": os.getpid(), "beats": beats}
+    record = {"pid": os.getpid(), "beats": count() if count is not None else 0}
     if _finished.is_set():
         record["finished"] = True
     return record
@@ -213,8 +212,7 @@ def main(argv: list[str]) -> None:
         print(__doc__, file=sys.stderr)
         raise SystemExit(2)  # nothing ran yet: a normal exit is as quick
     _exit_when_orphaned()
-    progress = os.environ.get(ENV_PROGRESS_FILE)
-    if progress:
+    if progress := os.environ.get(ENV_PROGRESS_FILE):
         report_progress(progress)
     mode, target, rest = argv[0], argv[1], argv[2:]
     try:
