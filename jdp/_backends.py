@@ -56,10 +56,8 @@ def check_distinct(state: PyTree) -> None:
     leaves = jax.tree.leaves(state)
     if len({id(x) for x in leaves}) == len(leaves):
         return
-    probs = [
-        f"{later} is the same array as {first}"
-        for first, later in repeated_paths(state)
-    ]
+    pairs = repeated_paths(state)
+    probs = [f"{later} is the same array as {first}" for first, later in pairs]
     raise ValueError(SHARED_LEAVES_MSG.format(probs=format_problems(probs)))
 
 
@@ -75,10 +73,8 @@ class Step:
     """
 
     def __init__(self, train, forward, *, donate: bool, out_state, mesh: Mesh):
-        self._train = train
-        self._forward = forward
-        self._donate = donate
-        self._trace_out_state = out_state
+        self._train, self._forward = train, forward
+        self._donate, self._trace_out_state = donate, out_state
         self.returns_state: bool | None = None
         self.out_state: Any = None  # a donating step's, from the trace
         devices = list(mesh.devices.flat)
@@ -159,12 +155,10 @@ class Returned:
     def holds(self, leaves: list[Any]) -> bool:
         """Whether `leaves` (of a state) are those remembered, none deleted."""
         refs = self._refs
-        return (
-            refs is not None
-            and len(leaves) == len(refs)
-            and all(r() is x for r, x in zip(refs, leaves, strict=True))
-            and not any(x.is_deleted() for x in leaves)
-        )
+        if refs is None or len(leaves) != len(refs):
+            return False
+        same = all(r() is x for r, x in zip(refs, leaves, strict=True))
+        return same and not any(x.is_deleted() for x in leaves)
 
 
 class Backend:
@@ -200,9 +194,7 @@ class _TreeStep:
     """A step called on the state as a tree (`jax.pmap` flattens it itself)."""
 
     def __init__(self, fn, to_global):
-        self._fn = fn
-        self._to_global = to_global
-        self.lower = fn.lower
+        self._fn, self._to_global, self.lower = fn, to_global, fn.lower
 
     def run(self, state, batch, *, returned: bool = False, flat=None):
         """`(new_state or None, metrics, None)`: the new leaves are not at hand."""
@@ -230,18 +222,14 @@ class _Pmap(Backend):
 
     def build_step(self, body: Body, *, donate: bool) -> Step:
         def build(donate_argnums):
+            # Both arguments on axis 0, said as `0`: pmap's fast path (a tuple
+            # costs a per-leaf broadcast of the axes on every call).
             return self._pmap(
-                body,
-                # Both arguments on axis 0, said as `0`: pmap's fast path (a
-                # tuple costs a per-leaf broadcast of the axes on every call).
-                in_axes=0,
-                out_axes=(0, None),
-                donate_argnums=donate_argnums,
+                body, in_axes=0, out_axes=(0, None), donate_argnums=donate_argnums
             )
 
         forward = build(())
         train = build((0,)) if donate else forward
-
         num_local = len(self.mesh.local_devices)
 
         def out_state(state, batch):
@@ -308,11 +296,10 @@ class _ShardMap(Backend):
             return jax.tree.map(_expand, fn(jax.tree.map(_squeeze, tree)))
 
         spec = P(self.axis_name)
-        return jax.jit(
-            jax.shard_map(
-                block_fn, mesh=self.mesh, in_specs=spec, out_specs=spec, check_vma=False
-            )
+        mapped = jax.shard_map(
+            block_fn, mesh=self.mesh, in_specs=spec, out_specs=spec, check_vma=False
         )
+        return jax.jit(mapped)
 
     def place_batch_leaf(self, x: np.ndarray) -> jax.Array:
         return jax.make_array_from_process_local_data(self.sharding, x)
@@ -347,11 +334,8 @@ VIEW_MIN_BYTES = 1 << 16
 
 def _viewable(shape: tuple[int, ...], itemsize: int) -> bool:
     """Whether a leaf of per-replica `shape` runs on the concatenated view."""
-    return (
-        len(shape) >= 1
-        and shape[0] > 1
-        and math.prod(shape) * itemsize >= VIEW_MIN_BYTES
-    )
+    large = math.prod(shape) * itemsize >= VIEW_MIN_BYTES
+    return len(shape) >= 1 and shape[0] > 1 and large
 
 
 def _view_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -394,8 +378,7 @@ class _ShardMapStep:
     """
 
     def __init__(self, core, *, mesh: Mesh, view: bool):
-        self._core = core
-        self._viewing = view
+        self._core, self._viewing = core, view
         self._picked: tuple[list[int], list[int], list[int]] | None = None
         self._n = n = mesh.size
         self._sharding = sharding = replica_sharding(mesh)

@@ -19,16 +19,15 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh
 
-from jdp import _coordination, _replica_parts
+from jdp import _coordination, _progress, _replica_parts
 from jdp._layout import compare_replicas, mesh_axis
 from jdp._tree import PyTree, keystr
 
 # The start and end every divergence message shares.
 _DIVERGED = (
-    "`jdp.parallelize(..., check_sync=...)`: the replicas' states diverged "
-    "during step call {call}: {leaf} differs "
-    "between replica 0 and replica {replica} ({count} of {total} checked leaves "
-    "differ"
+    "`jdp.parallelize(..., check_sync=...)`: the replicas' states diverged during "
+    "step call {call}: {leaf} differs between replica 0 and replica {replica} "
+    "({count} of {total} checked leaves differ"
 )
 _RESET = (
     " The state the step returned is `error.state`; `step.broadcast(error.state)` "
@@ -126,9 +125,7 @@ class ReplicaDivergenceError(RuntimeError):
 
     def __init__(self, message: str, *, state: PyTree, leaf: str, replica: int):
         super().__init__(message)
-        self.state = state
-        self.leaf = leaf
-        self.replica = replica
+        self.state, self.leaf, self.replica = state, leaf, replica
 
 
 def _bits(x: jax.Array) -> jax.Array:
@@ -138,10 +135,8 @@ def _bits(x: jax.Array) -> jax.Array:
     if x.dtype == jnp.bool_:
         return x.astype(jnp.uint32)
     # 64-bit and complex leaves become pairs of 32-bit words (a trailing axis).
-    width = min(jnp.dtype(x.dtype).itemsize, 4)
-    return lax.bitcast_convert_type(
-        x, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[width]
-    )
+    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
+    return lax.bitcast_convert_type(x, unsigned[min(jnp.dtype(x.dtype).itemsize, 4)])
 
 
 def _fingerprints(leaves: list[jax.Array]) -> jax.Array:
@@ -210,8 +205,7 @@ class Guard:
 
     def __init__(self, every: int | None, agreed: Callable, mesh: Mesh):
         self.every = every if mesh.size > 1 else None
-        self.agreed = agreed
-        self.mesh = mesh
+        self.agreed, self.mesh = agreed, mesh
         processes = sorted({d.process_index for d in mesh.devices.flat})
         # The processes to compare `check_sync` with (None: done, or just one).
         self._processes = processes if len(processes) > 1 else None
@@ -248,8 +242,7 @@ class Guard:
         )
         missing = [p for p in processes if p not in values]
         if missing:
-            who = "process" + ("es " if len(missing) > 1 else " ")
-            who += ", ".join(map(str, missing))
+            who = _progress.process_list(missing)
             message = MISSING_CHECK_SYNC_MSG.format(
                 me=me, timeout=AGREE_TIMEOUT_S, who=who, nth=nth
             )

@@ -111,9 +111,8 @@ def check_equivalence(
     step._check_batch(batch)
     # Only what the loss reads: no optimizer state (ZeRO lays it out its own way).
     fields = ("opt_state", "sync_state", "dynamic_scale")
-    bare = state.replace(
-        **{f: None for f in fields if getattr(state, f, None) is not None}
-    )
+    unset = {f: None for f in fields if getattr(state, f, None) is not None}
+    bare = state.replace(**unset)
     replicas = _parallel.Parallel(
         # A forward-only step: its metrics, averaged over replicas, are the result.
         functools.partial(_loss_and_grads, spec, microbatches=spec.microbatches),
@@ -179,10 +178,9 @@ def _one_device(spec: _train_step.LossSpec, axis_name, state, batch, *, stacked)
 def _compare(got: PyTree, want: PyTree, rtol: float) -> tuple[float, list[str]]:
     """The largest relative gap, and a line per leaf beyond its tolerance."""
     flat_got = jax.tree_util.tree_flatten_with_path(got)[0]
-    flat_want = jax.tree.leaves(want)
     pairs = [
         (path, np.asarray(g, np.float64), np.asarray(w, np.float64), g.dtype)
-        for (path, g), w in zip(flat_got, flat_want, strict=True)
+        for (path, g), w in zip(flat_got, jax.tree.leaves(want), strict=True)
         if is_float(g)
     ]
     whole = np.sqrt(sum(float(np.sum(np.square(w))) for _, _, w, _ in pairs))
@@ -206,6 +204,5 @@ def _compare(got: PyTree, want: PyTree, rtol: float) -> tuple[float, list[str]]:
         nor = "" if gap == np.inf else ", nor on one device"
         return f"{keystr(path)}: not finite on the replicas{nor}"
 
-    problems = [problem(path, gap) for path, gap, _ in bad]
     finite = [gap for _, gap, _ in gaps if not np.isnan(gap)]
-    return (max(finite) if finite else 0.0), problems
+    return max(finite, default=0.0), [problem(path, gap) for path, gap, _ in bad]

@@ -46,8 +46,7 @@ def _kind(x: Any) -> str:
     """What a value is, for error messages: "a str", "a numpy.ndarray"."""
     if isinstance(x, jax.Array):
         return "a jax.Array"
-    module = type(x).__module__.split(".")[0]
-    name = type(x).__qualname__
+    module, name = type(x).__module__.split(".")[0], type(x).__qualname__
     return f"a {name}" if module == "builtins" else f"a {module}.{name}"
 
 
@@ -151,8 +150,7 @@ def _platforms(platforms: Sequence[str]) -> tuple[str, ...]:
 
 def _format_aval(aval: Any) -> str:
     """E.g. `float32[batch, 3]`."""
-    dims = ", ".join(str(d) for d in aval.shape)
-    return f"{aval.dtype}[{dims}]"
+    return f"{aval.dtype}[{', '.join(map(str, aval.shape))}]"
 
 
 def export_predictor(
@@ -366,9 +364,7 @@ class Predictor:
     """
 
     def __init__(self, exported: jax_export.Exported, metadata: dict, *, sha256=None):
-        self.exported = exported
-        self.metadata = metadata
-        self.sha256 = sha256
+        self.exported, self.metadata, self.sha256 = exported, metadata, sha256
         self.platforms = tuple(exported.platforms)
         self.input_specs = tuple(_format_aval(a) for a in exported.in_avals)
         self._args_tree = exported.in_tree.children()[0]
@@ -379,21 +375,19 @@ class Predictor:
         numbered = self._args_tree.unflatten(range(self._args_tree.num_leaves))
         flat = jax.tree_util.tree_flatten_with_path(numbered)[0]
         listed = ", ".join(f"args{keystr(p)}: {self.input_specs[i]}" for p, i in flat)
+        fixed = all(isinstance(d, int) for a in self.exported.in_avals for d in a.shape)
         note = (
             f" ({_BATCH!r} is the batch size: any size >= 1, the same for every input)"
         )
-        if all(isinstance(d, int) for a in self.exported.in_avals for d in a.shape):
-            note = ""
-        return f"Expected inputs: {listed}{note}."
+        return f"Expected inputs: {listed}{'' if fixed else note}."
 
     def _check(self, inputs: tuple) -> list:
         """`inputs` checked against the exported ones and cast to their dtypes."""
         flat, treedef = jax.tree_util.tree_flatten_with_path(inputs)
-        if treedef != self._args_tree:
-            num = len(self._args_tree.children())
-            what = (
-                f"inputs structured as {treedef}; it was exported for {self._args_tree}"
-            )
+        tree = self._args_tree
+        if treedef != tree:
+            num = len(tree.children())
+            what = f"inputs structured as {treedef}; it was exported for {tree}"
             if len(inputs) != num:
                 what = f"{len(inputs)} input(s); it was exported for {num}"
             raise ValueError(f"Predictor called with {what}. {self._expected()}")
@@ -415,8 +409,7 @@ class Predictor:
             )
         leaves, bound = [], {}
         for (path, _), x, aval in zip(flat, arrays, avals, strict=True):
-            dtype = jax.dtypes.canonicalize_dtype(x.dtype)
-            shape = tuple(x.shape)
+            dtype, shape = jax.dtypes.canonicalize_dtype(x.dtype), tuple(x.shape)
             if not _fits(dtype, shape, aval, bound):
                 probs.append(
                     f"args{keystr(path)}: got {dtype}{list(shape)}, expected "

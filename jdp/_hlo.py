@@ -13,11 +13,9 @@ PyTree = Any
 #: The kinds of collective reported; their opcodes may end in "-start" (async) or
 #: begin with "ragged-".
 _KINDS = frozenset(
-    {
-        "all-reduce", "all-gather", "reduce-scatter", "all-to-all",
-        "collective-permute", "collective-broadcast",
-    }
-)  # fmt: skip
+    "all-reduce all-gather reduce-scatter all-to-all collective-permute "
+    "collective-broadcast".split()
+)
 
 
 def _kind(opcode: str) -> str | None:
@@ -86,8 +84,7 @@ def _split_type(rest: str) -> tuple[str, str]:
     if rest.startswith("("):
         depth = 0
         for i, ch in enumerate(rest):
-            depth += ch == "("
-            depth -= ch == ")"
+            depth += (ch == "(") - (ch == ")")
             if depth == 0:
                 return rest[: i + 1], rest[i + 1 :].lstrip()
     head, _, tail = rest.partition(" ")
@@ -115,8 +112,7 @@ def _groups(text: str) -> tuple[tuple[int, ...], ...]:
 def _parse_computations(hlo_text: str):
     """`({computation: its lines}, name of the entry computation or None)`."""
     comps: dict[str, list[str]] = {}
-    entry = None
-    current = None
+    entry = current = None
     for line in hlo_text.splitlines():
         if current is None:
             m = _HEADER.match(line)
@@ -132,7 +128,7 @@ def _parse_computations(hlo_text: str):
     return comps, entry
 
 
-def _collective(name, typ, rest, opcode, *, order, in_conditional) -> Collective:
+def _collective(name, typ, rest, opcode, order, in_conditional) -> Collective:
     """The `Collective` of one instruction: `name = typ opcode(...)rest`."""
     kind = _kind(opcode)
     found = _SHAPE.findall(typ)
@@ -144,9 +140,8 @@ def _collective(name, typ, rest, opcode, *, order, in_conditional) -> Collective
         for shape, (dt, _) in zip(shapes, found, strict=True)
     )
     groups = _groups(rest)
-    full = result
-    if kind == "reduce-scatter" and groups and groups[0]:
-        full = result * len(groups[0])
+    scattered = kind == "reduce-scatter" and groups and groups[0]
+    full = result * len(groups[0]) if scattered else result
     return Collective(
         kind=kind, dtype=",".join(dict.fromkeys(dt for dt, _ in found)), bytes=full,
         result_bytes=result, shapes=tuple(shapes), replica_groups=groups, order=order,
@@ -176,10 +171,7 @@ def parse_collectives(hlo_text: str) -> list[Collective]:
             typ, rest = _split_type(rest)
             opcode = rest.split("(", 1)[0].strip()
             if _kind(opcode):
-                c = _collective(
-                    inst, typ, rest, opcode, order=len(found), in_conditional=in_cond
-                )
-                found.append(c)
+                found.append(_collective(inst, typ, rest, opcode, len(found), in_cond))
                 continue
             branches = _BRANCHES.search(rest)
             callees = _CALLED.findall(rest)

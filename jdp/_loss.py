@@ -13,11 +13,8 @@ import numpy as np
 from jax import lax
 
 from jdp import _collectives, _metrics, _sync
-from jdp._tree import format_problems, is_float, keystr
+from jdp._tree import PyTree, format_problems, is_float, keystr
 from jdp.sparse._lookup import is_rows, split_rows
-
-PyTree = Any
-
 
 #: Parameters a `loss_fn` may declare by name to receive them from the step.
 LOSS_KEYWORDS = ("rng", "step")
@@ -166,7 +163,6 @@ def gradients(
         )
     parts = jax.tree.map(lambda x: x.reshape((k, x.shape[0] // k) + x.shape[1:]), batch)
     stats = getattr(state, "batch_stats", None)
-
     if value_and_grad is jax.value_and_grad:
         zeros = jax.tree.map(jnp.zeros_like, state.params)
     else:  # a sync piece's own: its gradients may hold sparse rows
@@ -181,11 +177,8 @@ def gradients(
         total, carried = carry
         current = state
         if stats is not None:  # floats from the step's start, the rest carried
-            current = state.replace(
-                batch_stats=jax.tree.map(
-                    lambda s, c: s if is_float(s) else c, stats, carried
-                )
-            )
+            floats = jax.tree.map(lambda s, c: s if is_float(s) else c, stats, carried)
+            current = state.replace(batch_stats=floats)
         out = run(current, part, index)
         dense, rows = split_rows(out.grads)
         total = jax.tree.map(jnp.add, total, dense)
@@ -259,12 +252,6 @@ def keep_finite_stats(new: PyTree, old: PyTree, extra: dict) -> PyTree:
     return jax.tree.map(one, new, old)
 
 
-def _ratio(total: jax.Array, weight: jax.Array) -> jax.Array:
-    """`total / weight`, 0 where `weight` is not positive."""
-    some = weight > 0
-    return jnp.where(some, total / jnp.where(some, weight, 1), 0)
-
-
 def normalise(out: Gradients, axis_name) -> tuple[jax.Array, PyTree]:
     """The loss metric and the gradients the sync piece averages.
 
@@ -279,11 +266,11 @@ def normalise(out: Gradients, axis_name) -> tuple[jax.Array, PyTree]:
     total, weight, kept_weight, kept = lax.psum(
         (out.loss, weight, valid * weight, valid), axis_name
     )
-    scale = _ratio(kept, kept_weight)
+    scale = _metrics.ratio(kept, kept_weight)
     grads = jax.tree.map(
         lambda g: g * scale.astype(g.dtype) if is_float(g) else g, out.grads
     )
-    return _ratio(total, jnp.where(kept_weight > 0, weight, 0)), grads
+    return _metrics.ratio(total, jnp.where(kept_weight > 0, weight, 0)), grads
 
 
 def kept_loss(out: Gradients, loss: jax.Array, extra: dict, axis_name):
@@ -298,7 +285,7 @@ def kept_loss(out: Gradients, loss: jax.Array, extra: dict, axis_name):
         return kept_loss.astype(loss.dtype), extra
     both = (out.loss, out.weight.astype(out.loss.dtype))
     total, weight = lax.psum([jnp.where(kept, x, 0) for x in both], axis_name)
-    return _ratio(total, weight), extra
+    return _metrics.ratio(total, weight), extra
 
 
 #: A loss scale below this no longer scales anything up: flax's `DynamicScale`
@@ -353,8 +340,7 @@ def next_scale(scale, finite: jax.Array):
     """The `DynamicScale` after a step, by flax's rule and the agreed `finite`."""
     # The gradient of `x * c` is `c`: finite exactly when `finite`.
     c = jnp.where(finite, 0.0, jnp.nan).astype(jnp.float32)
-    new, _, _, _ = scale.value_and_grad(lambda x: x * c)(jnp.float32(0.0))
-    return new
+    return scale.value_and_grad(lambda x: x * c)(jnp.float32(0.0))[0]
 
 
 def loss_and_grads(
@@ -378,7 +364,6 @@ def loss_and_grads(
         return loss, (weight, aux, new_stats)
 
     args = (state.batch_stats, batch) if with_stats else (batch,)
-    (loss, (weight, aux, new_stats)), grads = value_and_grad(split, has_aux=True)(
-        state.params, *args
-    )
+    grad_fn = value_and_grad(split, has_aux=True)
+    (loss, (weight, aux, new_stats)), grads = grad_fn(state.params, *args)
     return Gradients(loss, weight, aux, new_stats, grads)

@@ -33,10 +33,9 @@ class Weighted(NamedTuple):
 
     def __repr__(self) -> str:
         return (
-            f"Weighted(total={self.total!r}, weight={self.weight!r}) (a "
-            "`jdp.weighted` pair, which a `jdp.make_train_step` step divides over "
-            "all replicas; outside one, differentiate `w.total / w.weight`, this "
-            "replica's mean)"
+            f"Weighted(total={self.total!r}, weight={self.weight!r}) (a `jdp.weighted` "
+            "pair, which a `jdp.make_train_step` step divides over all replicas; "
+            "outside one, differentiate `w.total / w.weight`, this replica's mean)"
         )
 
 
@@ -150,9 +149,7 @@ def reduce_metrics(metrics: PyTree, axis_name: AxisName, totals: dict | None = N
     def combine(path, m):
         if isinstance(m, Weighted):
             total, weight = (_as_array(path, x, m) for x in m)
-            total, weight = lax.psum((total, weight.astype(total.dtype)), axis_name)
-            some = weight > 0
-            return jnp.where(some, total / jnp.where(some, weight, 1), 0)
+            return ratio(*lax.psum((total, weight.astype(total.dtype)), axis_name))
         how, marker = "mean", None
         if isinstance(m, Reduced):
             marker, m, how = m, m.value, m.how
@@ -178,6 +175,12 @@ def reduce_metrics(metrics: PyTree, axis_name: AxisName, totals: dict | None = N
     return jax.tree_util.tree_map_with_path(combine, metrics, is_leaf=is_marker)
 
 
+def ratio(total: jax.Array, weight: jax.Array) -> jax.Array:
+    """`total / weight`, 0 where `weight` is not positive."""
+    some = weight > 0
+    return jnp.where(some, total / jnp.where(some, weight, 1), 0)
+
+
 def _mean(m: jax.Array, axis_name: AxisName) -> jax.Array:
     """The mean over replicas; for a scalar all replicas hold alike, that value.
 
@@ -199,16 +202,14 @@ def _mean(m: jax.Array, axis_name: AxisName) -> jax.Array:
 
 def check_no_markers(state: PyTree) -> None:
     """A step's new state must hold no metric marker (they belong in metrics)."""
-    flat = jax.tree_util.tree_flatten_with_path(state, is_leaf=is_marker)[0]
-    marked = [(path, x) for path, x in flat if is_marker(x)]
-    if marked:
-        path, x = marked[0]
-        raise TypeError(
-            f"The step returned a {_marker_name(x)} in its state, at "
-            f"{keystr(path)}; markers say how to combine a metric over replicas, "
-            "so return it among the metrics (the step's second result), and keep "
-            "the plain value in the state."
-        )
+    for path, x in jax.tree_util.tree_flatten_with_path(state, is_leaf=is_marker)[0]:
+        if is_marker(x):
+            raise TypeError(
+                f"The step returned a {_marker_name(x)} in its state, at "
+                f"{keystr(path)}; markers say how to combine a metric over replicas, "
+                "so return it among the metrics (the step's second result), and keep "
+                "the plain value in the state."
+            )
 
 
 def _marker_name(m: Any) -> str:
@@ -229,9 +230,8 @@ def _as_array(path, m, marker) -> jax.Array:
             "numbers or numeric arrays. Return `jax.random.key_data(key)` if you "
             "need its bits, or keep the key in the state."
         )
-    if (dtype is None and not isinstance(m, (bool, int, float, complex))) or (
-        getattr(dtype, "kind", "") in ("U", "S", "O", "V")
-    ):
+    bad_kind = getattr(dtype, "kind", "") in ("U", "S", "O", "V")
+    if bad_kind or (dtype is None and not isinstance(m, (bool, int, float, complex))):
         raise TypeError(
             f"The step's metric {keystr(path)} is a {type(m).__name__} "
             f"({m!r:.60}); metrics must be numbers or numeric arrays, which "

@@ -224,10 +224,8 @@ def init_state(params: PyTree, wire: Wire) -> WireState:
     """Zero error buffers for gradients shaped like `params`."""
     floats = [x for x in jax.tree.leaves(params) if is_float(x)]
     sizes = [_padded(int(np.prod(np.shape(x))), wire.block_size) for x in floats]
-    return WireState(
-        worker=tuple(jnp.zeros((n,), jnp.float32) for n in sizes),
-        server=jnp.zeros((sum(sizes),), jnp.float32),
-    )
+    worker = tuple(jnp.zeros((n,), jnp.float32) for n in sizes)
+    return WireState(worker, server=jnp.zeros((sum(sizes),), jnp.float32))
 
 
 def mean(grads: PyTree, *, wire: Wire, axis_name: Any, error: WireState | None = None,
@@ -350,8 +348,7 @@ _UINT = {1: jnp.uint8, 2: jnp.uint16}
 
 def _pack(payload: jax.Array, scale: jax.Array | None, rows: int) -> jax.Array:
     """`rows` rows of unsigned ints: each row's payload bits, then its scales' bytes."""
-    bits = _UINT[payload.dtype.itemsize]
-    raw = lax.bitcast_convert_type(payload, bits)
+    raw = lax.bitcast_convert_type(payload, _UINT[payload.dtype.itemsize])
     if scale is None:
         return raw
     scale_bytes = lax.bitcast_convert_type(scale, jnp.uint8).reshape(rows, -1)

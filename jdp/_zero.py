@@ -46,13 +46,16 @@ class ZeroState(struct.PyTreeNode, CustomLayout):
     `chunks` has the structure of `tx.init(params)`; `grad_norm` is the last
     global norm before clipping (None without `clip_grad_norm`); static
     `shapes` gives each chunk leaf's full shape (None: held whole) and
-    `num_shards` the replica count it is sliced for (None while whole).
+    `num_shards` the replica count it is sliced for (None while whole); static
+    `fills` gives each sliced leaf's initial value (None: it depends on the
+    parameters), with which a slice that died with its process restarts.
     """
 
     chunks: PyTree
     grad_norm: jax.Array | None
     shapes: tuple[tuple[int, ...] | None, ...] = struct.field(pytree_node=False)
     num_shards: int | None = struct.field(pytree_node=False, default=None)
+    fills: tuple[Any, ...] = struct.field(pytree_node=False, default=())
 
     #: It averages the gradients itself: the step's piece must not.
     syncs_gradients = True
@@ -93,6 +96,84 @@ class ZeroState(struct.PyTreeNode, CustomLayout):
         new = iter(jax.tree.leaves(agreed.chunks))
         merged = self._map(lambda old, s: old if s is not None else next(new))
         return self.replace(chunks=merged, grad_norm=agreed.grad_norm)
+
+    def relayout(self, rewrap, sharding, holds: bool, total) -> ZeroState:
+        """Sliced anew for `sharding`'s replicas from the slices the live ones hold.
+
+        `total` (a sum over the new replicas) gathers every leaf whole, each
+        element from the replica that holds it, bit for bit; the elements of a
+        slice no live replica holds restart from the optimizer's initial value.
+        """
+        mesh, me = sharding.mesh, jax.process_index()
+        mine = [d for d in mesh.devices.flat if d.process_index == me]
+        leaves, treedef = jax.tree.flatten(self.chunks)
+        sliced = [i for i, shape in enumerate(self.shapes) if shape is not None]
+        parts = [
+            _held(leaves[i], self.shapes[i], mine, sharding, holds) for i in sliced
+        ]
+        gathered = total(parts) if parts else []
+        out = [rewrap(x) for x in leaves]
+        for i, (bits, owned) in zip(sliced, gathered, strict=True):
+            fill = self.fills[i] if self.fills else None
+            out[i] = _new_slices(bits, owned, leaves[i].dtype, self.shapes[i], fill,
+                                 mine, sharding)  # fmt: skip
+        norm = None if self.grad_norm is None else rewrap(self.grad_norm)
+        chunks = jax.tree.unflatten(treedef, out)
+        return self.replace(chunks=chunks, grad_norm=norm, num_shards=mesh.size)
+
+
+def _words(dtype) -> np.dtype:
+    """The unsigned type a leaf's bits are summed as (at most 32 bits wide)."""
+    return np.dtype(f"uint{8 * min(np.dtype(dtype).itemsize, 4)}")
+
+
+def _held(x, shape, mine, sharding, holds) -> tuple[jax.Array, jax.Array]:
+    """Per replica: the whole leaf's bits where it holds a slice, and which those are.
+
+    Zero elsewhere; as arrays with a leading replica axis over `sharding`.
+    """
+    size, words = math.prod(shape), _words(x.dtype)
+    per = np.dtype(x.dtype).itemsize // words.itemsize
+    order = list(x.sharding.mesh.devices.flat)
+    held = {s.device: s.data for s in x.addressable_shards} if holds else {}
+    bits, owned = [], []
+    for d in mine:
+        b, o = np.zeros(size * per, words), np.zeros(size, np.int32)
+        if d in held:
+            row = np.asarray(held[d]).reshape(-1)
+            lo = order.index(d) * row.size
+            hi = min(lo + row.size, size)
+            b[lo * per : hi * per] = row[: hi - lo].view(words)
+            o[lo:hi] = 1
+        bits.append(jax.device_put(b[None], d))
+        owned.append(jax.device_put(o[None], d))
+    n = sharding.mesh.size
+    return tuple(
+        jax.make_array_from_single_device_arrays((n, *a[0].shape[1:]), sharding, a)
+        for a in (bits, owned)
+    )
+
+
+def _new_slices(bits, owned, dtype, shape, fill, mine, sharding) -> jax.Array:
+    """This process's slices, for `sharding`'s replicas, of a leaf gathered whole."""
+    n = sharding.mesh.size
+    size, rows = math.prod(shape), chunk_size(math.prod(shape), n)
+    whole = np.asarray(bits.addressable_shards[0].data)[0].view(dtype)
+    lost = np.asarray(owned.addressable_shards[0].data)[0] == 0
+    if lost.any():
+        if fill is None:
+            raise ValueError(
+                f"`{API}` under `jdp.distributed.live`: {int(lost.sum())} "
+                f"elements of an optimizer state leaf of shape {shape} died with "
+                "their process, and they cannot restart: the optimizer's initial "
+                "value of that leaf depends on the parameters. Use an optimizer "
+                "whose state starts from a constant (SGD, momentum, Adam, ...)."
+            )
+        whole = np.where(lost, np.asarray(fill, dtype), whole)
+    padded = np.pad(whole, (0, rows * n - size)).reshape(n, rows)
+    index = {d: i for i, d in enumerate(sharding.mesh.devices.flat)}
+    shards = [jax.device_put(padded[index[d]][None], d) for d in mine]
+    return jax.make_array_from_single_device_arrays((n, rows), sharding, shards)
 
 
 def chunk_size(size: int, num_shards: int) -> int:
@@ -217,6 +298,21 @@ def _leaf_shapes(tx, opt_state: PyTree, params: PyTree) -> tuple:
         else:
             shapes.append(None)
     return tuple(shapes)
+
+
+def _fills(tx, params: PyTree, shapes: tuple) -> tuple:
+    """Per state leaf: the initial value of a sliced one if it is a constant."""
+    probes = []
+    with jax.ensure_compile_time_eval():  # concrete even where `init` is traced
+        for value in (0, 1):
+            one = jax.tree.map(
+                lambda p, v=value: jnp.full(1, v, abstract(p).dtype), params
+            )
+            probes.append([np.asarray(x) for x in jax.tree.leaves(tx.init(one))])
+    return tuple(
+        a.reshape(-1)[0].item() if shape is not None and np.array_equal(a, b) else None
+        for a, b, shape in zip(*probes, shapes, strict=True)
+    )
 
 
 def _update_eqns(tx, grads, opt_state, params) -> list:
@@ -355,7 +451,8 @@ def zero(
     def init(params):
         inner = tx.init(params)
         norm = None if clip_grad_norm is None else jnp.zeros((), jnp.float32)
-        return ZeroState(inner, norm, _leaf_shapes(tx, inner, params))
+        shapes = _leaf_shapes(tx, inner, params)
+        return ZeroState(inner, norm, shapes, fills=_fills(tx, params, shapes))
 
     def update(grads, state, params=None, **extra):
         del extra

@@ -470,3 +470,94 @@ def test_place_like_rejects_a_sharded_host_copy():
     state = step.replicate(zero_init(tx))
     with pytest.raises(ValueError, match=r"got a sharded one"):
         _layout.place_like(state, state)
+
+
+def relaid(state, old, new, holds=True):
+    """A replicated `jdp.zero` TrainState of `old` moved onto `new`'s replicas, as
+    `jdp.distributed.live` does when the replica set changes: whole leaves keep
+    each device's copy, the optimizer-state slices are re-laid out."""
+    devices = list(new.mesh.devices.flat)
+
+    def rewrap(x):  # a new device gets a copy (as a replacement is sent one)
+        held = {s.device: s.data for s in x.addressable_shards}
+        copies = [
+            held.get(d, jax.device_put(x.addressable_data(0), d)) for d in devices
+        ]
+        return jax.make_array_from_single_device_arrays(
+            (len(devices),) + x.shape[1:], new.sharding, copies
+        )
+
+    summer = jdp.parallelize(
+        lambda tree, _: (jax.lax.psum(tree, new.axis_name), {}),
+        devices=devices,
+        donate_state=False,
+    )
+
+    def total(tree):
+        return summer(tree, summer.shard(jnp.zeros(len(devices))))[0]
+
+    opt_state = state.opt_state.relayout(rewrap, new.sharding, holds, total)
+    return jax.tree.map(rewrap, state.replace(opt_state=None)).replace(
+        opt_state=opt_state
+    )
+
+
+@pytest.mark.parametrize(
+    "tx, fill",
+    [(optax.adam(1e-2), 0.0), (optax.adagrad(0.1, initial_accumulator_value=0.5), 0.5)],
+)
+def test_a_lost_replica_slices_restart_and_the_others_move(tx, fill):
+    """Four replicas, then three (the last device gone, the others reordered):
+    every element a live replica held keeps its bits; the lost slice restarts
+    from the optimizer's initial value (`fills`), and training goes on."""
+    devices = jax.devices()
+    four = zero_step(tx, devices[:4])
+    three = zero_step(tx, [devices[2], devices[0], devices[1]])
+    batches = make_batches(4, 12)
+    state, _ = run_steps(four, four.replicate(zero_init(tx)), batches[:2])
+    before = four.unreplicate(state)
+    state = relaid(state, four, three)
+    assert state.opt_state.num_shards == 3
+    after = three.unreplicate(state)
+    pairs = zip(
+        jax.tree.leaves(before.opt_state.chunks),
+        jax.tree.leaves(after.opt_state.chunks),
+        before.opt_state.shapes,
+        before.opt_state.fills,
+        strict=True,
+    )
+    for x, y, shape, f in pairs:
+        want = np.array(x).reshape(-1)
+        if shape is not None:
+            assert f == fill
+            rows = -(-want.size // 4)
+            want[3 * rows :] = fill
+        np.testing.assert_array_equal(np.asarray(y).reshape(-1), want)
+    assert_trees_close(after.params, before.params, rtol=0, atol=0)
+    state, losses = run_steps(three, state, batches[2:])
+    assert np.isfinite(losses).all()
+    # Nothing is lost when the replica set grows: a device that holds nothing
+    # (a replacement) gets its slices from the others.
+    grown = relaid(state, three, four)
+    np.testing.assert_array_equal(
+        jax.tree.leaves(four.unreplicate(grown).opt_state.chunks)[1],
+        jax.tree.leaves(three.unreplicate(state).opt_state.chunks)[1],
+    )
+
+
+def test_an_initial_value_that_depends_on_the_params_cannot_restart():
+    def keep_params():  # state: one value per parameter element, from the params
+        return optax.GradientTransformation(
+            lambda params: jax.tree.map(jnp.copy, params), lambda g, s, p=None: (g, s)
+        )
+
+    tx = optax.chain(optax.sgd(0.1), keep_params())
+    devices = jax.devices()
+    four, three = zero_step(tx, devices[:4]), zero_step(tx, devices[:3])
+    state = four.replicate(zero_init(tx))
+    assert state.opt_state.fills[-1] is None  # its `w` of layer 0, from params
+    with pytest.raises(ValueError, match="died with their process.*depends on the"):
+        relaid(state, four, three)
+    # Growing loses nothing, so any optimizer moves.
+    grown = relaid(three.replicate(zero_init(tx)), three, four)
+    assert grown.opt_state.num_shards == 4

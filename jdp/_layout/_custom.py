@@ -39,6 +39,17 @@ class CustomLayout:
         """The inverse of `agreed`: this node with its agreed leaves from `agreed`."""
         raise NotImplementedError
 
+    def relayout(self, rewrap: Callable[[Any], Any], sharding, holds: bool, total):
+        """This node over the replicas of `sharding`, after the replica set changed.
+
+        Every process of the new replica set calls it at once. `rewrap(x)` moves
+        a leaf every replica holds whole; the parts that differ between replicas
+        come from the devices that hold them (none where `holds` is False: a
+        replacement's placed state), through `total(tree)`, which sums a
+        pytree of per-replica arrays over the new replicas.
+        """
+        raise NotImplementedError
+
 
 def is_custom(x: Any) -> bool:
     """Whether `x` is a `CustomLayout` node (an `is_leaf` for tree maps)."""

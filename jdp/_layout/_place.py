@@ -108,12 +108,17 @@ def replicate(tree: PyTree, mesh: Mesh) -> PyTree:
         from jax.experimental import multihost_utils
 
         host = multihost_utils.broadcast_one_to_all(host)
-    shapes = jax.tree.map(abstract, tree)
-    num = mesh.size
+    return place_copies(tree, host, replica_sharding(mesh))
+
+
+def place_copies(tree: PyTree, host: PyTree, sharding: NamedSharding) -> PyTree:
+    """`host` (one logical copy of `tree`) on every replica of `sharding`, locally."""
+    num = sharding.mesh.size
     shapes = jax.tree.map(  # custom layouts: their per-replica parts
-        lambda x: x.layout(num) if is_custom(x) else x, shapes, is_leaf=is_custom
+        lambda x: x.layout(num) if is_custom(x) else x,
+        jax.tree.map(abstract, tree),
+        is_leaf=is_custom,
     )
-    sharding = replica_sharding(mesh)
     like = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct((num,) + x.shape, x.dtype, sharding=sharding),
         shapes,

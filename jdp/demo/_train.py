@@ -63,11 +63,8 @@ def build_algo(args: argparse.Namespace) -> Algo:
         return Algo("zero", zero, step)
     # The block momentum (1 - 1/devices by default) plays the part of momentum:
     # inner momentum on top of it overshoots, so the local optimizer is plain SGD.
-    tx = jdp.bmuf(
-        optax.sgd(args.lr),
-        sync_period=args.sync_period,
-        outer=jdp.block_momentum(momentum=args.block_momentum),
-    )
+    outer = jdp.block_momentum(momentum=args.block_momentum)
+    tx = jdp.bmuf(optax.sgd(args.lr), sync_period=args.sync_period, outer=outer)
     step = jdp.make_train_step(_model.loss_fn, tx, sync=jdp.local())
     return Algo("bmuf", tx, step, args.sync_period, jdp.bmuf_global_params)
 
@@ -110,14 +107,15 @@ def _train_state(step: jdp.Parallel, variables: dict, tx) -> jdp.TrainState:
     ))  # fmt: skip
 
 
-def sync_reference_bytes(devices, backend, variables, batch_host) -> float:
+def sync_reference_bytes(devices, backend, variables, data, batch_size) -> float:
     """Bytes per step of synchronous SGD for the same model, to compare against."""
     tx = optax.sgd(0.1)
     step = jdp.parallelize(
         jdp.make_train_step(_model.loss_fn, tx), devices=devices, backend=backend
     )
+    host = _data.train_batch(data, step=0, batch_size=batch_size, seed=0)
     # The lowered module lists the same bytes as the compiled one, uncompiled.
-    state, batch = _train_state(step, variables, tx), step.shard(batch_host)
+    state, batch = _train_state(step, variables, tx), step.shard(host)
     comm = communication(step, state, batch, sync_period=1, stage="lowered")
     return comm["bytes_per_step"]
 
@@ -162,8 +160,7 @@ class _Run:
 
     def __init__(self, args: argparse.Namespace, stop_requested: Callable[[], bool]):
         self.t_begin = time.perf_counter()
-        self.args = args
-        self.stop_requested = stop_requested
+        self.args, self.stop_requested = args, stop_requested
         self.devices = pick_devices(args.devices)
         num = self.num = len(self.devices)
         if args.batch_size % num:
@@ -200,8 +197,7 @@ class _Run:
             self.evals = record.get("eval") or self.evals
         self.i = self.start
         self.comm: dict | None = None
-        self.train_seconds = 0.0
-        self.timed_steps = 0
+        self.train_seconds, self.timed_steps = 0.0, 0
         self._pending: list[tuple[int, Any]] = []
 
     def batch(self, i: int):
@@ -322,11 +318,8 @@ class _Run:
         if self.algo.name == "sync":
             comm["sync_bytes_per_step"] = comm["bytes_per_step"]
         else:
-            host = _data.train_batch(
-                self.data, step=0, batch_size=args.batch_size, seed=0
-            )
             comm["sync_bytes_per_step"] = sync_reference_bytes(
-                self.devices, args.backend, self.variables, host
+                self.devices, args.backend, self.variables, self.data, args.batch_size
             )
         sent = comm["bytes_per_step"]
         comm["reduction_vs_sync"] = comm["sync_bytes_per_step"] / sent if sent else None
@@ -371,11 +364,9 @@ def run(args: argparse.Namespace, *, stop_requested: Callable[[], bool]) -> bool
     print(_report.format_table([_report.table_row(metrics)]))
     print(_report.describe_communication(metrics))
     if metrics["interrupted"]:
-        where = (
-            f"checkpoint saved in {r.ckpt.directory}; continue with --resume"
-            if r.ckpt
-            else "no --checkpoint-dir, so no checkpoint was saved"
-        )
+        where = "no --checkpoint-dir, so no checkpoint was saved"
+        if r.ckpt:
+            where = f"checkpoint saved in {r.ckpt.directory}; continue with --resume"
         print(f"Stopped at step {r.i} of {args.steps} ({where}).")
     elif r.ckpt and not r.at_block_end():
         print(

@@ -34,21 +34,13 @@ def _encode(entries) -> str:
 
 
 def _decode(value: str) -> list:
-    entries = []
-    for item in value.split():
-        call, _, row = item.partition(":")
-        entries.append((int(call), tuple(int(v) for v in row.split(","))))
-    return entries
+    pairs = (item.partition(":") for item in value.split())
+    return [(int(c), tuple(int(v) for v in row.split(","))) for c, _, row in pairs]
 
 
 def row_at(entries, call: int):
-    """The row in force at `call`, from a process's `(call, row)` changes."""
-    found = None
-    for c, row in entries:
-        if c > call:
-            break
-        found = row
-    return found
+    """The row in force at `call`, from a process's `(call, row)` changes (in order)."""
+    return next((row for c, row in reversed(entries) if c <= call), None)
 
 
 def signature(row: tuple) -> tuple:
@@ -79,11 +71,9 @@ def _size(row: tuple) -> str:
 
 def describe(row: tuple) -> str:
     """A row in words, for error messages."""
-    return (
-        ("" if row[3] else f"{_size(row)} examples, ")
-        + f"pad={bool(row[3])}, pad_to={row[5] or None}, "
-        + f"layout checksum {row[2]:08x}"
-    )
+    size = "" if row[3] else f"{_size(row)} examples, "
+    pad = f"pad={bool(row[3])}, pad_to={row[5] or None}"
+    return f"{size}{pad}, layout checksum {row[2]:08x}"
 
 
 class Found(NamedTuple):
@@ -116,10 +106,8 @@ class _ProcessCheck:
     """
 
     def __init__(self, *, client=None, process=None, timeout_s=None):
-        # `process`: `(index, count)` in place of JAX's (tests).
-        self._given_client = client
-        self._process = process
-        self._given_timeout_s = timeout_s
+        self._given_client, self._given_timeout_s = client, timeout_s
+        self._process = process  # `(index, count)` in place of JAX's (tests)
         self._reset(None)
 
     def _index(self) -> int:
@@ -244,18 +232,14 @@ class _ProcessCheck:
                 keep = i
         self.entries = self.entries[keep:]
         self.reached = reached
-        client.put(
-            f"{_RECORD_KEY}{self._index()}",
-            f"{reached};{self.raised};{_encode(self.entries)}",
-        )
+        value = f"{reached};{self.raised};{_encode(self.entries)}"
+        client.put(f"{_RECORD_KEY}{self._index()}", value)
 
     def _read(self, client) -> dict:
         """`{process: (reached, raised, changes)}` of every process that published."""
-        records = {}
-        published = client.entries(_RECORD_KEY)
-        for p, value in _coordination.by_number(published, _RECORD_KEY).items():
-            reached, raised, entries = value.split(";")
-            records[p] = (int(reached), int(raised), _decode(entries))
+        published = _coordination.by_number(client.entries(_RECORD_KEY), _RECORD_KEY)
+        fields = {p: value.split(";") for p, value in published.items()}
+        records = {p: (int(a), int(b), _decode(c)) for p, (a, b, c) in fields.items()}
         others = [p for p in range(self._count()) if p != self._index()]
         self.floor = min((records.get(p, (-1,))[0] for p in others), default=-1)
         return records
@@ -270,8 +254,7 @@ class _ProcessCheck:
         self.entries.append((call, row))
         self._publish(client, call)
         me = self._index()
-        start = time.monotonic()
-        pause = 0.0005
+        start, pause = time.monotonic(), 0.0005
         while True:
             records = self._read(client)
             records.setdefault(me, (call, -1, [(call, row)]))
@@ -282,8 +265,7 @@ class _ProcessCheck:
                     # Before its first row, its calls failed their own checks.
                     rows[q] = row_at(entries, call) or entries[0][1]
                 elif entries:
-                    rows[q] = entries[-1][1]
-                    unconfirmed[q] = entries[-1][0]
+                    unconfirmed[q], rows[q] = entries[-1]
                     # A row with which `q` then raised may be the wrong one.
                     doubtful = doubtful or raised >= entries[-1][0]
                 else:
@@ -292,20 +274,14 @@ class _ProcessCheck:
             waited = time.monotonic() - start
             if not unconfirmed or mismatch(confirmed.values()) is not None:
                 return Found(call, dict(sorted(confirmed.items())), {}, waited)
-            stand_ins_agree = (
-                same
-                and not doubtful
-                and None not in unconfirmed.values()
-                and mismatch(rows.values()) is None
-            )
-            if stand_ins_agree and not need_sizes:
+            may_stand_in = same and not doubtful and None not in unconfirmed.values()
+            if may_stand_in and not need_sizes and mismatch(rows.values()) is None:
                 return Found(call, dict(sorted(rows.items())), {}, waited)
             if waited >= timeout_s:
                 absent = [q for q, c in unconfirmed.items() if c is None]
-                if not need_sizes and (
-                    (not absent and mismatch(rows.values()) is None)
-                    or (first and len(absent) == len(unconfirmed))
-                ):  # nothing to say against them (see the class)
+                agree = not absent and mismatch(rows.values()) is None
+                none_yet = first and len(absent) == len(unconfirmed)
+                if not need_sizes and (agree or none_yet):  # nothing against them
                     return Found(call, dict(sorted(rows.items())), {}, waited)
                 return Found(call, dict(sorted(rows.items())), unconfirmed, waited)
             time.sleep(min(pause, max(timeout_s - waited, 0)))
@@ -388,9 +364,7 @@ def _compare_processes(
             "pads every process to the largest local batch and returns a mask." + hint
         )
     rows = list(every.values())
-    if rows[0][3]:
-        return max(padded_size(row[1], num_local) for row in rows)
-    return None
+    return max(padded_size(row[1], num_local) for row in rows) if rows[0][3] else None
 
 
 def _unconfirmed(found: Found, me: int) -> str:

@@ -41,10 +41,9 @@ _K8S_JOB_FIX = (
 )
 
 _K8S_NO_PACKAGE_FIX = (
-    "JAX's Kubernetes detection needs the `kubernetes` package, which is "
-    "not installed: install `jdp[k8s]` (or `jax[k8s]`) in the image, and "
-    "give the pods' service account permission to read pods and jobs "
-    "(see the clusters guide)"
+    "JAX's Kubernetes detection needs the `kubernetes` package, which is not "
+    "installed: install `jdp[k8s]` (or `jax[k8s]`) in the image, and give the pods' "
+    "service account permission to read pods and jobs (see the clusters guide)"
 )
 
 
@@ -57,10 +56,9 @@ def env_int(environ: Mapping[str, str], name: str) -> int | None:
         return int(value)
     except ValueError:
         raise ValueError(
-            f"jdp.distributed: the environment variable ${name} must be an "
-            f"integer, got {environ[name]!r}. The scheduler (or launcher) sets it "
-            "to a number: fix the job script or the environment that sets it, or "
-            "unset it."
+            f"jdp.distributed: the environment variable ${name} must be an integer, "
+            f"got {environ[name]!r}. The scheduler (or launcher) sets it to a number: "
+            "fix the job script or the environment that sets it, or unset it."
         ) from None
 
 
@@ -105,11 +103,9 @@ def slurm_source(environ: Mapping[str, str]) -> str:
     """Where JAX takes a SLURM job's coordinator address from, for messages."""
     if environ.get("JAX_COORDINATOR_ADDRESS"):
         return _show(environ, "JAX_COORDINATOR_ADDRESS")
-    port = (
-        _show(environ, "JAX_COORDINATOR_PORT")
-        if environ.get("JAX_COORDINATOR_PORT")
-        else f"a port derived from {_show(environ, 'SLURM_JOB_ID')}"
-    )
+    port = f"a port derived from {_show(environ, 'SLURM_JOB_ID')}"
+    if environ.get("JAX_COORDINATOR_PORT"):
+        port = _show(environ, "JAX_COORDINATOR_PORT")
     return (
         f"JAX's SLURM detection: the first host of "
         f"{_show(environ, 'SLURM_STEP_NODELIST')}, {port}"
@@ -153,9 +149,8 @@ def _local_rank_and_size(
 ) -> tuple[str, int, int | None, str] | None:
     """(scheduler, local rank, tasks on this node, the variables read), or None."""
     if "OMPI_COMM_WORLD_LOCAL_RANK" in environ:  # JAX checks Open MPI first too
-        rank = env_int(environ, "OMPI_COMM_WORLD_LOCAL_RANK")
-        size = env_int(environ, "OMPI_COMM_WORLD_LOCAL_SIZE")
         names = ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE")
+        rank, size = (env_int(environ, n) for n in names)
         if rank is not None:
             return "Open MPI", rank, size, _show(environ, *names)
     if "SLURM_LOCALID" in environ:
@@ -251,11 +246,9 @@ def plan_local_devices(
             "`--ntasks-per-node`). " + fix
         )
     if gpus % size:
-        which = (
-            f"only {gpus} GPUs ({visible}) for {size} tasks"
-            if gpus < size
-            else f"{gpus} GPUs ({visible}) do not split evenly between {size} tasks"
-        )
+        which = f"{gpus} GPUs ({visible}) do not split evenly between {size} tasks"
+        if gpus < size:
+            which = f"only {gpus} GPUs ({visible}) for {size} tasks"
         raise ValueError(
             f"jdp.distributed: {scheduler} put {size} tasks on this node "
             f"({tasks}), but {which}: the processes' device counts would "
@@ -379,7 +372,6 @@ def one_process_message(expected: Expected, *, found: str) -> str:
     """The message for a process that is alone in a job of several."""
     size = f"{expected.count} processes" if expected.exact else "several processes"
     return (
-        f"jdp.distributed.initialize: {expected.said} says that this job has "
-        f"{size}, but {found}: each process would train a model of its own. "
-        f"{expected.fix}"
+        f"jdp.distributed.initialize: {expected.said} says that this job has {size}, "
+        f"but {found}: each process would train a model of its own. {expected.fix}"
     )

@@ -53,6 +53,7 @@ class LiveStep:
         self._parallel: Parallel | None = None
         self._marked: str | None = None  # the last order recorded as used
         self._healer: Parallel | None = None  # `_heal_replicas` on the mesh
+        self._summer: Parallel | None = None  # `_sum_replicas` on the mesh
         #: `{process: join key value}` of the replacements already healed.
         self._joins: dict[int, str] = {}
         #: Steps completed through this object.
@@ -92,6 +93,7 @@ class LiveStep:
                     placed = self._place_state(state)
                     if joining:
                         self._new_joins(live)
+                        placed = self._relayout(placed, lambda x: x, holds=False)
                         placed = self._heal(placed)
             if attempt.ok:
                 return placed
@@ -110,7 +112,11 @@ class LiveStep:
             healed = False
             with attempt:
                 with multihost_utils.live_devices(self._devices) as live:
-                    changed = _ids(live) != _ids(sorted(self.devices, key=_id))
+                    # (A failure while re-forming leaves `state` on the old mesh.)
+                    on = _mesh_ids(state)
+                    changed = _ids(live) != _ids(sorted(self.devices, key=_id)) or (
+                        on not in ("", _ids(self.devices))
+                    )
                     # A replacement shows as a failed round (its incarnation is
                     # new) or as a new device: only then is the store read.
                     joined = (tries > 0 or changed) and self._new_joins(live)
@@ -180,6 +186,17 @@ class LiveStep:
         self.position = int(metrics["position"])
         return state
 
+    def _total(self, tree: PyTree) -> PyTree:
+        """Per-replica arrays summed over the current mesh (every replica: the sum)."""
+        if self._summer is None or self._summer.devices != self._parallel.devices:
+            self._summer = parallelize(
+                _sum_replicas, devices=self.devices, donate_state=False
+            )
+        unused = jax.make_array_from_callback(
+            (self.num_replicas,), self._parallel.sharding, lambda i: np.zeros(1)
+        )
+        return self._summer(tree, unused)[0]
+
     def _form(self, live: Sequence[jax.Device]) -> None:
         """A mesh over `live`, in a device order no earlier mesh of the job used.
 
@@ -227,27 +244,22 @@ class LiveStep:
                 shape, sharding, [held[d] for d in mine]
             )
 
-        return jax.tree.map(rewrap, state)
+        return self._relayout(state, rewrap, holds=True)
+
+    def _relayout(self, state: PyTree, rewrap, holds: bool) -> PyTree:
+        """`state` on the current mesh, each custom layout (ZeRO's) re-laid out."""
+
+        def one(x):
+            if _layout.is_custom(x):
+                return x.relayout(rewrap, self._parallel.sharding, holds, self._total)
+            return rewrap(x)
+
+        return jax.tree.map(one, state, is_leaf=_layout.is_custom)
 
     def _place_state(self, state: PyTree) -> PyTree:
         """This process's logical `state` on its devices of the current mesh."""
-        if any(
-            map(_layout.is_custom, jax.tree.leaves(state, is_leaf=_layout.is_custom))
-        ):
-            raise ValueError(
-                f"`{API}`: the state holds a node laid out per replica in its own "
-                "way (`jdp.zero`'s optimizer-state slices), which dies with its "
-                "process. Train without `jdp.zero` under `jdp.distributed.live`."
-            )
-        like = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(
-                (self.num_replicas,) + np.shape(x),
-                _layout.abstract(x).dtype,
-                sharding=self._parallel.sharding,
-            ),
-            state,
-        )
-        return _layout.place_like(jax.tree.map(_layout.host_value, state), like)
+        host = jax.tree.map(_layout.host_value, state)
+        return _layout.place_copies(state, host, self._parallel.sharding)
 
     def _place(self, batch: PyTree) -> PyTree:
         """This process's replicas' rows of the global `batch`, placed."""
@@ -292,7 +304,6 @@ def _heal_replicas(state: PyTree, position: jax.Array) -> tuple[PyTree, dict]:
     everyone = lax.all_gather(position[0], _collectives.resolve_axis(None))
     source = jnp.argmax(everyone)
     behind = position[0] < everyone[source]
-    sent = _collectives.broadcast(state, root=source)
 
     def pick(new, old):
         if jnp.issubdtype(old.dtype, jax.dtypes.prng_key):
@@ -300,7 +311,15 @@ def _heal_replicas(state: PyTree, position: jax.Array) -> tuple[PyTree, dict]:
             return jax.random.wrap_key_data(data, impl=jax.random.key_impl(old))
         return jnp.where(behind, new, old)
 
-    return jax.tree.map(pick, sent, state), {"position": everyone[source]}
+    def heal(tree):  # ZeRO's slices: `_relayout` gave every replica its own
+        return jax.tree.map(pick, _collectives.broadcast(tree, root=source), tree)
+
+    return _layout.map_agreed(heal, state), {"position": everyone[source]}
+
+
+def _sum_replicas(tree: PyTree, unused: jax.Array) -> tuple[PyTree, dict]:
+    del unused
+    return lax.psum(tree, _collectives.resolve_axis(None)), {}
 
 
 class _Attempt:
@@ -339,6 +358,13 @@ def _id(device: jax.Device) -> int:
     return device.id
 
 
+def _mesh_ids(state: PyTree) -> str:
+    """The device order of the mesh `state`'s arrays are on ("": no arrays)."""
+    arrays = (x for x in jax.tree.leaves(state) if isinstance(x, jax.Array))
+    mesh = getattr(getattr(next(arrays, None), "sharding", None), "mesh", None)
+    return "" if mesh is None else _ids(mesh.devices.flat)
+
+
 def live(
     train_step: Callable[[PyTree, PyTree], tuple[PyTree, dict]],
     *,
@@ -363,9 +389,9 @@ def live(
     (docs/guides/live.md) gives what each setting costs and what is tested.
 
     Args:
-      train_step: A per-replica step, e.g. from `jdp.make_train_step`. Its
-        state must not be laid out per replica in its own way (`jdp.zero`'s
-        slices die with their process).
+      train_step: A per-replica step, e.g. from `jdp.make_train_step`. Under
+        `jdp.zero` the slices of a process that died restart from the
+        optimizer's initial value; the others are sliced anew.
       devices: The devices to train on (default: all of every process).
       max_retries: How many membership changes one step may meet before it
         gives up.

@@ -138,9 +138,8 @@ def initialize(
     if _jax_compat.backends_started():
         if not given:  # nothing configured: a single process, already running
             _config._check_alone(
-                "JAX's backends started before `jdp.distributed.initialize` "
-                "(call it first, before any other JAX call), so this process "
-                "runs alone"
+                "JAX's backends started before `jdp.distributed.initialize` (call it "
+                "first, before any other JAX call), so this process runs alone"
             )
             return
         raise RuntimeError(_TOO_LATE_MSG)

@@ -104,8 +104,7 @@ class Tracker(_progress.Tracker):
 
 def describe(verdict: Verdict, timeout_s: float, grace_s: float, who: Mapping) -> str:
     """The message of `verdict`; `who`: `{process: "host, pid N"}` where known."""
-    n = len(verdict.counts)
-    counts = verdict.counts
+    counts, n = verdict.counts, len(verdict.counts)
 
     def named(r: int) -> str:
         return f"process {r} of {n}" + (f" ({who[r]})" if who.get(r) else "")
@@ -160,10 +159,8 @@ class Watchdog:
     def __init__(self, client, process_id: int, num_processes: int, timeout_s: float,
                  *, exit_fn: Callable[[int], None]):  # fmt: skip
         self.client = _coordination.Store.of(client)
-        self.me = process_id
-        self.n = num_processes
-        self.timeout_s = timeout_s
-        self.exit_fn = exit_fn
+        self.me, self.n = process_id, num_processes
+        self.timeout_s, self.exit_fn = timeout_s, exit_fn
         self.period_s = min(max(timeout_s / 10, 0.1), 2.0)
         self.tracker = Tracker(num_processes, timeout_s)
         self._stop = threading.Event()

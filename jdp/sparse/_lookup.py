@@ -10,9 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jdp import _jax_compat
-from jdp._tree import format_problems, keystr
+from jdp._tree import PyTree, format_problems, keystr
 
-PyTree = Any
 TablePath = str | tuple[Any, ...]
 
 
@@ -151,8 +150,7 @@ class _Recorder:
     def __init__(self, perturbations: Sequence[jax.Array] | None = None, expected=None):
         self.records: list[_Record] = []
         self.ids: list[jax.Array] = []
-        self.perturbations = perturbations
-        self.expected = expected
+        self.perturbations, self.expected = perturbations, expected
 
 
 _DENSE_USE_NOTE = (
@@ -189,9 +187,8 @@ class _TableHandle:
     def _dense_use(self, *args, **kwargs):
         raise TypeError(
             f"Table {self.name!r} is trained sparsely here, so it can only be read "
-            "with `jdp.sparse.lookup(table, ids)` (it is a handle, not an array). "
-            "Use lookup for every read of the table, or leave it out of the sparse "
-            "tables."
+            "with `jdp.sparse.lookup(table, ids)` (it is a handle, not an array). Use "
+            "lookup for every read of the table, or leave it out of the sparse tables."
         )
 
     __array__ = __getitem__ = _dense_use
@@ -203,10 +200,7 @@ class _TableHandle:
 
 
 def value_and_grad(
-    fun: Callable[..., Any],
-    tables: Sequence[TablePath],
-    *,
-    has_aux: bool = False,
+    fun: Callable[..., Any], tables: Sequence[TablePath], *, has_aux: bool = False
 ) -> Callable[..., tuple[Any, PyTree]]:
     """Like `jax.value_and_grad`, but the gradient of each table is sparse rows.
 
@@ -261,12 +255,10 @@ def value_and_grad(
                 e.add_note(_DENSE_USE_NOTE.format(names=names))
             raise
         records = shapes.records
-        zeros = [
-            jnp.zeros(
-                r.shape + table_values[r.table].shape[1:], table_values[r.table].dtype
-            )
-            for r in records
-        ]
+        zeros = []
+        for r in records:
+            table = table_values[r.table]
+            zeros.append(jnp.zeros(r.shape + table.shape[1:], table.dtype))
 
         def differentiable(dense_leaves, perturbations):
             recorder = _Recorder(perturbations, records)

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from jdp import _validate
+from jdp._tree import PyTree
 from jdp.sparse._gather import combine_rows
 from jdp.sparse._lookup import (
     IndexedRows,
@@ -19,8 +20,6 @@ from jdp.sparse._lookup import (
     normalize_path,
     row_index,
 )
-
-PyTree = Any
 
 
 class RowOptimizer(NamedTuple):
@@ -55,9 +54,8 @@ def _update(grads: IndexedRows | jax.Array, table: jax.Array,
         )
     ids, rows = combine_rows(*grads) if states else grads
     index = row_index(ids, table.shape[0])
-    delta, *new = step(
-        rows, *(s.at[index].get(mode="fill", fill_value=0) for s in states)
-    )
+    gathered = (s.at[index].get(mode="fill", fill_value=0) for s in states)
+    delta, *new = step(rows, *gathered)
     table = table.at[index].add(delta.astype(table.dtype), mode="drop")
     states = tuple(
         s.at[index].set(n.astype(s.dtype), mode="drop")
@@ -109,9 +107,7 @@ class AdagradRowState(NamedTuple):
 
 
 def adagrad(
-    learning_rate: float,
-    initial_accumulator_value: float = 0.1,
-    eps: float = 1e-7,
+    learning_rate: float, initial_accumulator_value: float = 0.1, eps: float = 1e-7
 ) -> RowOptimizer:
     """Adagrad on the rows touched (Caffe2's `SparseAdagrad`).
 
@@ -206,10 +202,7 @@ class AdamRowState(NamedTuple):
 
 
 def adam(
-    learning_rate: float,
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-8,
+    learning_rate: float, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8
 ) -> RowOptimizer:
     """Lazy Adam on the rows touched (PyTorch's `SparseAdam`, TF's `LazyAdam`).
 
@@ -290,8 +283,7 @@ class SparseTransformation(optax.GradientTransformation):
 
 
 def optimizer(
-    dense_tx: optax.GradientTransformation,
-    tables: Mapping[TablePath, RowOptimizer],
+    dense_tx: optax.GradientTransformation, tables: Mapping[TablePath, RowOptimizer]
 ) -> SparseTransformation:
     """Combines an optax optimizer for the dense parameters with row optimizers.
 
@@ -375,9 +367,8 @@ def apply_sparse(
     table_states = {}
     for p, opt in tx.tables:
         i = index[p]
-        out[i], table_states[p] = opt.update(
+        new, table_states[p] = opt.update(
             grad_leaves[i], opt_state.tables[p], leaves[i]
         )
-        if as_updates:
-            out[i] = out[i] - leaves[i]
+        out[i] = new - leaves[i] if as_updates else new
     return treedef.unflatten(out), OptimizerState(dense_state, table_states)

@@ -2,13 +2,14 @@
 
 argv: PROCESS_ID NUM_PROCESSES PORT OUT_DIR DIE_PROCESS DIE_AT CONFIGS [STEPS
 PAUSE_S REPLACEMENT]. CONFIGS names the models, comma-separated (`all_reduce`,
-`int8_ef`, `bmuf`): one live step trains them side by side, on the same batches
-and meshes. Process DIE_PROCESS SIGKILLs itself a few milliseconds into step
-DIE_AT (-1: nobody dies) unless it is a REPLACEMENT (1), which joins the others
-where they are. While fewer replicas than processes train, each step waits
-PAUSE_S seconds first (time for a replacement to join). Each process that
-finishes writes its final params and loss history per model, and its replica
-count per step, to OUT_DIR.
+`int8_ef`, `zero`, `bmuf`, `streaming`): one live step trains them side by
+side, on the same batches and meshes. Process DIE_PROCESS SIGKILLs itself a
+few milliseconds into step DIE_AT (-1: nobody dies) unless it is a REPLACEMENT
+(1), which joins the others where they are. While fewer replicas than processes
+train, each step waits PAUSE_S seconds first (time for a replacement to join),
+and the step halfway waits until the replacement has started.
+Each process that finishes writes its final params and loss history per model,
+and its replica count per step, to OUT_DIR.
 """
 
 import os
@@ -60,6 +61,8 @@ def model(config):
         return optax.sgd(0.1, momentum=0.9), jdp.all_reduce()
     if config == "int8_ef":
         return optax.sgd(0.1), jdp.all_reduce(wire=jdp.wire.int8(), error_feedback=True)
+    if config == "zero":  # the momentum sliced over the replicas
+        return jdp.zero(optax.sgd(0.1, momentum=0.9)), jdp.local()
     if config == "bmuf":
         return jdp.bmuf(optax.sgd(0.1), 3), jdp.local()
     if config == "streaming":  # Streaming DiLoCo: 2 fragments, one step's delay
@@ -86,6 +89,8 @@ def train_step(states, batch):
 
 
 step = jdp.distributed.live(train_step)
+if replacement:
+    (Path(out_dir) / f"replacement-{pid}-started").touch()
 params = init_mlp(jax.random.key(0))
 state = step.replicate(
     {
@@ -95,6 +100,7 @@ state = step.replicate(
 )
 losses, replicas = {c: [] for c in models}, []
 batches = make_batches(steps, GLOBAL_BATCH)
+started = Path(out_dir) / f"replacement-{die_process}-started"
 while step.position < steps:  # a replacement starts where the others are
     i = step.position
     if pid == die_process and i == die_at and not replacement:
@@ -102,6 +108,13 @@ while step.position < steps:  # a replacement starts where the others are
         # failure is: the others' collectives must fail, not abort them.
         threading.Timer(0.003, os.kill, (os.getpid(), signal.SIGKILL)).start()
     if step.num_replicas < num:
+        # Halfway, wait for the replacement to start (however slow the machine),
+        # so that it joins before the others finish.
+        deadline = time.monotonic() + 120
+        while pause_s and i == steps // 2 and not started.exists():
+            if time.monotonic() > deadline:
+                raise SystemExit(f"[{pid}] the replacement did not start in 120 s")
+            time.sleep(0.1)
         time.sleep(pause_s)
     state, metrics = step(state, batches[i])
     for c in models:

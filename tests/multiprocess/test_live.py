@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
 WORKER = Path(__file__).with_name("live_worker.py")
 NUM, DIE_PROCESS, DIE_AT, STEPS, GLOBAL_BATCH = 3, 2, 5, 12, 12
-CONFIGS = "all_reduce,bmuf,streaming,int8_ef"
+CONFIGS = "all_reduce,bmuf,streaming,int8_ef,zero"
 
 
 def run_job(tmp_path, configs, *, timeout=150, replace=False, num=NUM,
@@ -66,7 +66,10 @@ def run_job(tmp_path, configs, *, timeout=150, replace=False, num=NUM,
             left = max(1.0, deadline - time.monotonic())
             outputs.append(proc.communicate(timeout=left)[0])
     except subprocess.TimeoutExpired:
-        pytest.fail(f"the live job did not finish in {timeout} s")
+        for proc in procs:
+            proc.kill()
+        tails = [proc.communicate()[0][-2000:] for proc in procs]
+        pytest.fail(f"the live job did not finish in {timeout} s:\n" + "\n".join(tails))
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -105,7 +108,7 @@ def check_survivors(results, outputs):
             assert np.isfinite(losses).all()
     # The survivors hold the same bits (Streaming DiLoCo's fragments are
     # synced at different steps: its replicas are compared with a reference).
-    for config in ("all_reduce", "bmuf", "int8_ef"):
+    for config in ("all_reduce", "bmuf", "int8_ef", "zero"):
         mine, other = (results[p]["params"][config] for p in (0, 1))
         assert_trees_close(mine, other, rtol=0, atol=0)
 
@@ -148,6 +151,10 @@ def reference(config, steps=STEPS, joined=None):
         streaming = jdp.Streaming(fragments=2, delay=1)
         tx = jdp.bmuf(optax.sgd(0.1), 4, outer=outer, streaming=streaming)
         sync = jdp.local()
+    elif config == "zero":
+        # Momentum, not Adam: Adam's update of an element whose gradient is
+        # about zero takes its sign, which the order of a sum can flip.
+        tx, sync = jdp.zero(optax.sgd(0.1, momentum=0.9)), jdp.local()
     else:
         tx = optax.sgd(0.1)
         sync = jdp.all_reduce(wire=jdp.wire.int8(), error_feedback=True)
@@ -160,27 +167,47 @@ def reference(config, steps=STEPS, joined=None):
     for batch in batches[:DIE_AT]:
         state, _ = three(state, three.shard(batch))
     two = jdp.parallelize(train_step, devices=jax.devices()[:2])
-    state = jax.tree.map(
-        lambda x: jax.device_put(np.asarray(x)[:2], two.sharding), state
-    )
+    if config == "zero":  # the dead replica's slices restart at zero momentum
+        state = two.replicate(zero_without(three.unreplicate(state), replica=2))
+    else:
+        state = jax.tree.map(
+            lambda x: jax.device_put(np.asarray(x)[:2], two.sharding), state
+        )
     for batch in batches[DIE_AT:joined]:
         state, _ = two(state, two.shard(batch))
-    if joined is not None:  # process 0's replica sent to the replacement
+    if joined is not None and config == "zero":  # sliced anew over 3, none lost
+        state = three.replicate(two.unreplicate(state))
+    elif joined is not None:  # process 0's replica sent to the replacement
         state = jax.tree.map(
             lambda x: jax.device_put(np.asarray(x)[[0, 0, 1]], three.sharding), state
         )
-        for batch in batches[joined:]:
-            state, _ = three(state, three.shard(batch))
+    for batch in batches[joined:] if joined is not None else []:
+        state, _ = three(state, three.shard(batch))
     kept = (0, 1, 2) if joined is not None else (0, 1)
     return [jax.tree.map(lambda x, r=r: np.asarray(x)[r], state.params) for r in kept]
 
 
-@pytest.mark.parametrize("config", ["bmuf", "streaming", "int8_ef"])
+def zero_without(state, replica):
+    """A whole `jdp.zero` TrainState of 3 replicas with `replica`'s slices reset."""
+    zs = state.opt_state
+    leaves, treedef = jax.tree.flatten(zs.chunks)
+    out = []
+    for x, shape, fill in zip(leaves, zs.shapes, zs.fills, strict=True):
+        x = np.array(x)
+        if shape is not None:
+            flat, rows = x.reshape(-1), -(-x.size // 3)
+            flat[replica * rows : (replica + 1) * rows] = fill
+        out.append(x)
+    return state.replace(opt_state=zs.replace(chunks=treedef.unflatten(out)))
+
+
+@pytest.mark.parametrize("config", ["bmuf", "streaming", "int8_ef", "zero"])
 def test_per_replica_state_survives_a_kill(killed_job, config):
-    """BMUF's and Streaming DiLoCo's local models and the error-feedback buffers
-    stay each replica's own; the dead replica leaves the block average and the
-    all-reduce. The result is the run given the same membership schedule
-    without a kill."""
+    """BMUF's and Streaming DiLoCo's local models, the error-feedback buffers and
+    ZeRO's optimizer-state slices stay each replica's own; the dead replica
+    leaves the block average and the all-reduce, and its ZeRO slices restart
+    from the optimizer's initial value. The result is the run given the same
+    membership schedule without a kill."""
     results, outputs = killed_job
     check_survivors(results, outputs)
     # gloo and the in-process collectives may sum in another order; with int8
@@ -209,7 +236,7 @@ def test_a_replacement_rejoins_and_every_replica_ends_identical(tmp_path):
     assert results[2]["replicas"] == [3] * (steps - joined)
     # Every replica holds the same bits (of the synchronous models), and the
     # optimizer saw every global batch once, as on one device.
-    for p, config in itertools.product((1, 2), ("all_reduce", "int8_ef")):
+    for p, config in itertools.product((1, 2), ("all_reduce", "int8_ef", "zero")):
         mine, first = results[p]["params"][config], results[0]["params"][config]
         assert_trees_close(mine, first, rtol=0, atol=0)
     expected = one_device(steps)
@@ -218,7 +245,7 @@ def test_a_replacement_rejoins_and_every_replica_ends_identical(tmp_path):
     )
     # Per-replica state (BMUF's local models, error-feedback buffers): the
     # replacement got process 0's; the result is that schedule without a kill.
-    for config in ("bmuf", "streaming", "int8_ef"):
+    for config in ("bmuf", "streaming", "int8_ef", "zero"):
         expected = reference(config, steps, joined)
         tolerance = dict(atol=2e-3) if config == "int8_ef" else dict(rtol=1e-5)
         for p, r in ((0, 0), (2, 1), (1, 2)):  # mesh order then: processes 0, 2, 1
