@@ -6,8 +6,8 @@ PAUSE_S REPLACEMENT]. CONFIGS names the models, comma-separated (`all_reduce`,
 side, on the same batches and meshes. Process DIE_PROCESS SIGKILLs itself a
 few milliseconds into step DIE_AT (-1: nobody dies) unless it is a REPLACEMENT
 (1), which joins the others where they are. While fewer replicas than processes
-train, each step waits PAUSE_S seconds first (time for a replacement to join),
-and the step halfway waits until the replacement has started.
+train, the step halfway waits until the replacement has started, and from then
+on each step waits PAUSE_S seconds first (time for the replacement to join).
 Each process that finishes writes its final params and loss history per model,
 and its replica count per step, to OUT_DIR.
 """
@@ -89,15 +89,14 @@ def train_step(states, batch):
 
 
 step = jdp.distributed.live(train_step)
+params = init_mlp(jax.random.key(0))
+state = {
+    c: jdp.TrainState.create(params=params, tx=tx, sync=sync)
+    for c, (tx, sync) in models.items()
+}
 if replacement:
     (Path(out_dir) / f"replacement-{pid}-started").touch()
-params = init_mlp(jax.random.key(0))
-state = step.replicate(
-    {
-        c: jdp.TrainState.create(params=params, tx=tx, sync=sync)
-        for c, (tx, sync) in models.items()
-    }
-)
+state = step.replicate(state)
 losses, replicas = {c: [] for c in models}, []
 batches = make_batches(steps, GLOBAL_BATCH)
 started = Path(out_dir) / f"replacement-{die_process}-started"
@@ -107,11 +106,11 @@ while step.position < steps:  # a replacement starts where the others are
         # Killed a few milliseconds into the step, mid-collective as a real
         # failure is: the others' collectives must fail, not abort them.
         threading.Timer(0.003, os.kill, (os.getpid(), signal.SIGKILL)).start()
-    if step.num_replicas < num:
-        # Halfway, wait for the replacement to start (however slow the machine),
-        # so that it joins before the others finish.
+    if pause_s and step.num_replicas < num and i >= steps // 2:
+        # Halfway, wait for the replacement to reach `step.replicate` (however
+        # slow the machine), so that it joins before the others finish.
         deadline = time.monotonic() + 120
-        while pause_s and i == steps // 2 and not started.exists():
+        while i == steps // 2 and not started.exists():
             if time.monotonic() > deadline:
                 raise SystemExit(f"[{pid}] the replacement did not start in 120 s")
             time.sleep(0.1)

@@ -44,7 +44,7 @@ def run_job(tmp_path, configs, *, timeout=150, replace=False, num=NUM,
     """
     port = free_port()
     args = [str(num), str(port), str(tmp_path), str(die_process), str(DIE_AT), configs]
-    slow = ["40", "0.3"] if replace else []
+    slow = ["40", "0.2"] if replace else []
 
     def start(p, replacement="0"):
         return subprocess.Popen(
