@@ -58,8 +58,7 @@ def remember_layout(arrays: list[jax.Array], backend: str) -> None:
 
 def check_placed(batch: PyTree, backend) -> None:
     """Refuses a batch not placed for `backend` (a `_backends.Backend`)."""
-    probs = misplaced(batch, backend.sharding, leading=None)
-    if probs:
+    if probs := misplaced(batch, backend.sharding, leading=None):
         n = len(backend.mesh.local_devices)
         shapes = [
             np.shape(x)
@@ -72,8 +71,7 @@ def check_placed(batch: PyTree, backend) -> None:
             NOT_SHARDED_MSG.format(probs=format_problems(probs), hint=hint)
         )
     check_layout(batch, backend.name)
-    probs = backend.batch_problems(batch)
-    if probs:
+    if probs := backend.batch_problems(batch):
         raise ValueError(NOT_SHARDED_MSG.format(probs=format_problems(probs), hint=""))
 
 
@@ -88,10 +86,9 @@ def check_layout(batch: PyTree, backend: str) -> None:
             other.append((keystr(path), entry[1]))
     if other:
         kind, probs = other[0][1], format_problems([p for p, _ in other])
+        why = _WHY[kind]
         raise ValueError(
-            OTHER_LAYOUT_MSG.format(
-                other=kind, mine=backend, why=_WHY[kind], probs=probs
-            )
+            OTHER_LAYOUT_MSG.format(other=kind, mine=backend, why=why, probs=probs)
         )
 
 
@@ -142,7 +139,7 @@ def shard(batch: PyTree, *, pad: bool, pad_to: int | None, backend):
         if several and _agreement is not None:
             _agreement.count_only()
         raise
-    padded_everywhere = None
+    padded = None
     if several:
         if _agreement is None:
             raise RuntimeError(
@@ -150,16 +147,13 @@ def shard(batch: PyTree, *, pad: bool, pad_to: int | None, backend):
                 "through `jdp.distributed`, which was not imported: import "
                 "`jdp.distributed` and call `jdp.distributed.initialize()` first."
             )
-        padded_everywhere = _agreement.agree(
-            host, pad=pad, pad_to=pad_to, num_local=num_local
-        )
+        padded = _agreement.agree(host, pad=pad, pad_to=pad_to, num_local=num_local)
     if pad_to is not None:
-        padded_everywhere = per_process
+        padded = per_process
     if pad:
-        host, mask = _pad(host, padded_everywhere, num_local)
+        host, mask = _pad(host, padded, num_local)
         host.append(("mask", mask))
     else:
-        _batch_size(host)
         _check_divisible(host, num_local, num_replicas)
     leaves = [backend.place_batch_leaf(x) for _, x in host]
     remember_layout(leaves, backend.name)
@@ -259,21 +253,20 @@ def _padding(x: np.ndarray, extra: int) -> np.ndarray:
 
 
 def _check_divisible(host, num_local: int, num_replicas: int) -> None:
-    for path, x in host:
-        if x.shape[0] % num_local:
+    size = _batch_size(host)
+    if size % num_local:
+        where = f"num_replicas={num_local}"
+        if num_local != num_replicas:
             where = (
-                f"num_replicas={num_local}"
-                if num_local == num_replicas
-                else f"this process's {num_local} replicas "
-                f"(num_replicas={num_replicas} over "
-                f"{jax.process_count()} processes)"
+                f"this process's {num_local} replicas (num_replicas={num_replicas} "
+                f"over {jax.process_count()} processes)"
             )
-            raise ValueError(
-                f"`step.shard`: leaf {keystr(path)} has leading size "
-                f"{x.shape[0]}, which is not divisible by {where}. Use a batch "
-                f"that is a multiple of {num_local}, or call "
-                "`step.shard(batch, pad=True)` to pad it and get a mask."
-            )
+        raise ValueError(
+            f"`step.shard`: leaf {keystr(host[0][0])} has leading size "
+            f"{size}, which is not divisible by {where}. Use a batch "
+            f"that is a multiple of {num_local}, or call "
+            "`step.shard(batch, pad=True)` to pad it and get a mask."
+        )
 
 
 _DONE = object()

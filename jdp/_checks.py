@@ -77,8 +77,7 @@ def assert_replicas_in_sync(state: PyTree, *, atol: float = 0.0) -> None:
       >>> step = jdp.parallelize(lambda s, b: (s, {}), devices=jax.devices()[:2])
       >>> jdp.assert_replicas_in_sync(step.replicate({"w": jnp.ones(3)}))
     """
-    problems = _differences(state, atol)
-    if problems:
+    if problems := _differences(state, atol):
         lines = [
             f"{path}: replica {r} differs from replica 0 by up to {d:.6g}"
             for path, r, d in problems

@@ -59,8 +59,7 @@ def record_total(mean: Any, total: Any) -> None:
 
     A `jdp.metrics.sum` put on `mean` then sums `total` (`_metrics.reduce_metrics`).
     """
-    bound = _BOUND_AXIS.get()
-    if bound is not None:
+    if (bound := _BOUND_AXIS.get()) is not None:
         bound.totals[id(mean)] = (mean, total)
 
 
@@ -183,26 +182,23 @@ def all_reduce(grads, *, axis_name, api, bucket_bytes=DEFAULT_BUCKET_BYTES,
     num = axis_size(axis_name, api)
     leaves, treedef = jax.tree_util.tree_flatten(grads)
     leaves = [jnp.asarray(x) for x in leaves]
-    float_idx = [i for i, x in enumerate(leaves) if is_float(x)]
+    floats = [i for i, x in enumerate(leaves) if is_float(x)]
     if flatten is None:  # flat buffers where each array costs a latency: gloo
         flatten = jax.process_count() > 1 and jax.default_backend() == "cpu"
     # Divide first where the sum could overflow: a narrow wire type, or float16
     # leaves (8 replicas of 12000 sum past float16's 65504).
-    first = [
-        reduce_dtype is not None or leaves[i].dtype == jnp.float16 for i in float_idx
-    ]
+    first = [reduce_dtype is not None or leaves[i].dtype == jnp.float16 for i in floats]
     wire = [
         (leaves[i] / num).astype(reduce_dtype or leaves[i].dtype) if d else leaves[i]
-        for i, d in zip(float_idx, first, strict=True)
+        for i, d in zip(floats, first, strict=True)
     ]
     summed = bucketed(
         "psum", wire, axis_name=axis_name, bucket_bytes=bucket_bytes, reverse=reverse,
         flatten=flatten, chain=True,
     )  # fmt: skip
     out = list(leaves)
-    for i, total, divided in zip(float_idx, summed, first, strict=True):
-        ref = leaves[i]
-        value = total.reshape(ref.shape).astype(ref.dtype)
+    for i, total, divided in zip(floats, summed, first, strict=True):
+        value = total.reshape(leaves[i].shape).astype(leaves[i].dtype)
         out[i] = value if divided else value / num
     return jax.tree_util.tree_unflatten(treedef, out)
 
@@ -212,7 +208,6 @@ BucketedOp = Literal["psum", "psum_scatter", "all_gather"]
 
 def bucketed(op: BucketedOp, arrays: list[jax.Array], *, axis_name: AxisName,
              bucket_bytes: int | None, reverse: bool = True, flatten: bool = True,
-             alone_bytes: int | None = ALONE_BYTES,
              chain: bool = False) -> list[jax.Array]:  # fmt: skip
     """Runs one collective per bucket of `arrays`: every bucketed collective of jdp.
 
@@ -220,7 +215,7 @@ def bucketed(op: BucketedOp, arrays: list[jax.Array], *, axis_name: AxisName,
     n)` rows and returns this replica's row of the sum, `(1, n)`; `"all_gather"`
     takes this replica's `(n,)` or `(1, n)` row and returns all, `(num, n)`. With
     `flatten`, a bucket is packed into ONE collective (an array of at least
-    `alone_bytes` alone). On a 2-D host mesh each runs within hosts first.
+    `ALONE_BYTES` alone). On a 2-D host mesh each runs within hosts first.
 
     With `chain`, a bucket's collectives wait (`_buckets.after`) for the previous
     bucket's: XLA then cannot merge the buckets into one collective that would wait
@@ -239,7 +234,7 @@ def bucketed(op: BucketedOp, arrays: list[jax.Array], *, axis_name: AxisName,
         [np.dtype(x.dtype) for x in arrays],
         bucket_bytes=bucket_bytes,
         reverse=reverse,
-        alone_bytes=alone_bytes if flatten else None,
+        alone_bytes=ALONE_BYTES if flatten else None,
     )
     sent = []  # per bucket: its indices, widths and collectives' results
     for bucket in plan:
@@ -249,16 +244,13 @@ def bucketed(op: BucketedOp, arrays: list[jax.Array], *, axis_name: AxisName,
             # Packed: one collective, one array to hold back. Else one collective
             # per array, which XLA would merge with any independent one.
             inputs = _buckets.after(inputs, sent[-1][2], packed=flatten)
+        blocks = [x.reshape(rows_in, w) for x, w in zip(inputs, sizes, strict=True)]
         if flatten:
-            blocks = [x.reshape(rows_in, w) for x, w in zip(inputs, sizes, strict=True)]
             results = [_COLLECTIVE[op](_buckets.pack(blocks), axis_name)]
         elif op == "psum":
             results = _hierarchical_psum(inputs, axis_name)
         else:
-            results = [
-                _COLLECTIVE[op](x.reshape(rows_in, w), axis_name)
-                for x, w in zip(inputs, sizes, strict=True)
-            ]
+            results = [_COLLECTIVE[op](block, axis_name) for block in blocks]
         sent.append((bucket.indices, sizes, results))
     for k, (indices, sizes, results) in enumerate(sent):
         if chain and k < len(sent) - 1:
@@ -286,8 +278,7 @@ def _hierarchical_psum(x, axis_name: AxisName):
     On `(outer..., inner)` a buffer is reduce-scattered within `inner`, summed
     across, then all-gathered; a list is summed within, then across.
     """
-    axes = _split_axes(axis_name)
-    if axes is None:
+    if (axes := _split_axes(axis_name)) is None:
         return lax.psum(x, axis_name)
     outer, inner = axes
     size = lax.axis_size(inner)
@@ -300,44 +291,33 @@ def _hierarchical_psum(x, axis_name: AxisName):
     return lax.all_gather(x, inner, axis=0, tiled=True)[:n]
 
 
-def _psum_rows(m, axis_name: AxisName):
-    return _hierarchical_psum(m.reshape(-1), axis_name).reshape(m.shape)
-
-
 def _scatter_rows(m, axis_name: AxisName):
     """Row r of the sum of `(num, n)` rows, on replica r (within hosts first)."""
-    axes = _split_axes(axis_name)
-    if axes is not None:
+    if (axes := _split_axes(axis_name)) is not None:
         outer, inner = axes
-        per_host = lax.axis_size(inner)
-        num, n = m.shape
         # Rows (host, device) -> (device, host): the scatter within a host hands
         # device d every host's row d; the one across hosts hands host h its own.
-        m = m.reshape(num // per_host, per_host, n).transpose(1, 0, 2)
-        x = lax.psum_scatter(m.reshape(-1), inner, scatter_dimension=0, tiled=True)
+        m = m.reshape(-1, lax.axis_size(inner), m.shape[1]).transpose(1, 0, 2)
+        m = lax.psum_scatter(m.reshape(-1), inner, scatter_dimension=0, tiled=True)
         axis_name = outer
-    else:
-        x = m.reshape(-1)
-    return lax.psum_scatter(x, axis_name, scatter_dimension=0, tiled=True)[None]
+    x = lax.psum_scatter(m.reshape(-1), axis_name, scatter_dimension=0, tiled=True)
+    return x[None]
 
 
 def _gather_rows(m, axis_name: AxisName):
     """Every replica's row, `(num, n)`, from each replica's `(1, n)` row."""
     n = m.shape[-1]
-    axes = _split_axes(axis_name)
-    if axes is None:
+    if (axes := _split_axes(axis_name)) is None:
         x = lax.all_gather(m.reshape(-1), axis_name, axis=0, tiled=True)
         return x.reshape(-1, n)
     outer, inner = axes
     x = lax.all_gather(m.reshape(-1), outer, axis=0, tiled=True)  # rows by host
     x = lax.all_gather(x, inner, axis=0, tiled=True)  # then by device
-    per_host = lax.axis_size(inner)
-    x = x.reshape(per_host, -1, n).transpose(1, 0, 2)
-    return x.reshape(-1, n)
+    return x.reshape(lax.axis_size(inner), -1, n).transpose(1, 0, 2).reshape(-1, n)
 
 
 _COLLECTIVE = {
-    "psum": _psum_rows,
+    "psum": lambda m, axis: _hierarchical_psum(m.reshape(-1), axis).reshape(m.shape),
     "psum_scatter": _scatter_rows,
     "all_gather": _gather_rows,
 }

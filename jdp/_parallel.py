@@ -238,11 +238,8 @@ class Parallel(_hlo.Introspection):
           >>> [float(step(state, b)["n"]) for b in step.prefetch(data)]
           [0.0, 4.0, 8.0]
         """
-        return _batching.prefetch(
-            batches,
-            size=size,
-            place=functools.partial(self.shard, pad=pad, pad_to=pad_to),
-        )
+        place = functools.partial(self.shard, pad=pad, pad_to=pad_to)
+        return _batching.prefetch(batches, size=size, place=place)
 
     def broadcast(self, tree: PyTree, *, root: int = 0) -> PyTree:
         """Gives every replica replica `root`'s value of a replicated pytree.

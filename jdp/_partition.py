@@ -27,8 +27,7 @@ _traces = itertools.count()
 
 
 def partition(
-    labels: PyTree | Callable[[PyTree], PyTree],
-    pieces: Mapping[str, _sync.Sync | str],
+    labels: PyTree | Callable[[PyTree], PyTree], pieces: Mapping[str, _sync.Sync | str]
 ) -> _sync.Sync:
     """A sync piece per label of the params, as `optax.multi_transform` for optimizers.
 
@@ -240,23 +239,19 @@ def agree_across_processes(leaf_labels: list[tuple[str, str]], *, client: Any = 
         f"jdp/partition/{next(_traces)}", json.dumps(leaf_labels), process=process,
         processes=processes, timeout_s=AGREE_TIMEOUT_S, client=client,
     )  # fmt: skip
-    missing = sorted(set(processes) - values.keys())
-    if missing:
+    if missing := sorted(set(processes) - values.keys()):
         raise TimeoutError(
             f"`jdp.partition`: processes {missing} did not publish their labels "
             f"within {AGREE_TIMEOUT_S:.0f} s of process {process} tracing the "
             "step; every process must run the same step."
         )
-    message = differing_labels(values)
-    if message is not None:
+    if (message := differing_labels(values)) is not None:
         raise ValueError(message)
 
 
 def _differs(piece) -> bool:
     """Whether a label's leaves may differ between replicas (left unsynced)."""
-    return piece == PER_REPLICA or (
-        isinstance(piece, _sync.Sync) and not piece.averages
-    )
+    return piece == PER_REPLICA or not getattr(piece, "averages", True)
 
 
 def _agreed(labels, pieces) -> Callable[[PyTree], PyTree]:
@@ -275,7 +270,7 @@ def _agreed(labels, pieces) -> Callable[[PyTree], PyTree]:
         opt_state = _transforms.map_label_states(state.opt_state, agreed)
         if opt_state is None:  # not an `optax.multi_transform`: the whole state
             opt_state = _replica_parts.agreed(state.opt_state)
-        sync_state = _replica_parts.less_local(state.sync_state)
+        sync_state = _replica_parts.map_declared(state.sync_state, lambda path, x: x)
         return state.replace(params=params, opt_state=opt_state, sync_state=sync_state)
 
     return must_agree

@@ -41,8 +41,7 @@ def declare(
 
     def register(cls: type) -> type:
         fields = tuple(cls._fields)
-        unknown = (set(local) | set(required)) - set(fields)
-        if unknown:
+        if unknown := (set(local) | set(required)) - set(fields):
             raise ValueError(f"{cls.__name__} has no field(s) {sorted(unknown)}.")
         _DECLARED.append(_Declaration(cls, fields, local, required, trains_locally))
         return cls
@@ -89,8 +88,7 @@ def declare_per_replica(*fields: str) -> Callable[[type], type]:
                 "`jdp.declare_per_replica` decorates a NamedTuple class (a "
                 f"piece's state); got {cls!r}."
             )
-        unknown = sorted(set(fields) - set(cls._fields))
-        if unknown:
+        if unknown := sorted(set(fields) - set(cls._fields)):
             raise ValueError(
                 f"`jdp.declare_per_replica`: {cls.__name__} has no field(s) "
                 f"{unknown}; its fields are {list(cls._fields)}."
@@ -164,14 +162,7 @@ def agreed(tree: PyTree) -> PyTree | None:
 
     None if `tree` holds no declared node.
     """
-    if not find(tree):
-        return None
-    return map_declared(tree, lambda path, x: None)
-
-
-def less_local(tree: PyTree) -> PyTree:
-    """`tree` less the local fields of its declared nodes; the rest as it is."""
-    return map_declared(tree, lambda path, x: x)
+    return map_declared(tree, lambda path, x: None) if find(tree) else None
 
 
 def _name(key: Any) -> Any:
@@ -205,8 +196,7 @@ def must_agree(tree: PyTree) -> PyTree:
     state shaped like them, outside declared nodes. `tree` itself if it holds no
     declared node.
     """
-    found = find(tree)
-    if not found:
+    if not (found := find(tree)):
         return tree
     nnx = sys.modules.get("flax.nnx")  # no NNX state unless it was imported
     variables = (nnx.Variable,) if nnx is not None else ()
@@ -232,9 +222,7 @@ def must_agree(tree: PyTree) -> PyTree:
             if len(paths) == len(template):
                 differ.update(paths)
     return map_declared(
-        tree,
-        lambda path, x: None if tuple(path) in differ else x,
-        stop_at=variables,
+        tree, lambda path, x: None if tuple(path) in differ else x, stop_at=variables
     )
 
 

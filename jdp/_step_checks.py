@@ -68,11 +68,7 @@ def _check_axes(sync, tx, state, axis, api) -> None:
     step_axes = _axes(axis)
     if len(step_axes) < 2:
         if local:  # a flat mesh: no axis left for `jdp.bmuf`
-            raise ValueError(
-                AVERAGES_WITH_BMUF_MSG.format(
-                    api=api, piece=_names(step_axes), bmuf="the same axis"
-                )
-            )
+            raise _beside_bmuf(api, step_axes, "the same axis")
         return
     held = getattr(state, "sync_state", None)
     piece_state = sync.initial_state(state.params) if held is None else held
@@ -84,11 +80,7 @@ def _check_axes(sync, tx, state, axis, api) -> None:
         optimizer = _optimizer_axes(tx, state)
         if piece and rest and rest <= optimizer:
             return
-        raise ValueError(
-            AVERAGES_WITH_BMUF_MSG.format(
-                api=api, piece=_names(piece), bmuf=_names(optimizer)
-            )
-        )
+        raise _beside_bmuf(api, piece, _names(optimizer))
     # A piece that moves nothing at all is left to the divergence guard.
     if not piece or not rest or rest <= _optimizer_axes(tx, state):
         return
@@ -104,11 +96,15 @@ def _check_axes(sync, tx, state, axis, api) -> None:
     )
 
 
+def _beside_bmuf(api, piece, bmuf: str) -> ValueError:
+    message = AVERAGES_WITH_BMUF_MSG.format(api=api, piece=_names(piece), bmuf=bmuf)
+    return ValueError(message)
+
+
 def _optimizer_axes(tx, state) -> set[str]:
     """The mesh axes over which optimizer `tx` moves values (traced only)."""
     return _moving_axes(
-        lambda g: _transforms.update(tx, g, state.opt_state, state.params),
-        state.params,
+        lambda g: _transforms.update(tx, g, state.opt_state, state.params), state.params
     )
 
 

@@ -12,7 +12,7 @@ import optax
 from jax import lax
 
 from jdp import _bmuf, _collectives, _layout, _replica_parts, _transforms, _wire
-from jdp._tree import is_float
+from jdp._tree import finite, float_map
 
 PyTree = Any
 BatchStatsMode = Literal["mean", "broadcast"]
@@ -85,11 +85,11 @@ def apply_tx(grads, state, tx) -> tuple[PyTree, PyTree, dict[str, jax.Array]]:
     return (*_merged(params, state.opt_state, opt_state, merges), {})
 
 
-def _merged(params, old_opt_state, opt_state, merges):
+def _merged(params, old_state, opt_state, merges):
     """`jdp.bmuf`'s block sync on the updated params it holds (its label's, masked)."""
     if not merges:
         return params, opt_state
-    for start in _replica_parts.restart_params(old_opt_state):
+    for start in _replica_parts.restart_params(old_state):
         if jax.tree.structure(start) == jax.tree.structure(params):
             break
         try:
@@ -99,15 +99,13 @@ def _merged(params, old_opt_state, opt_state, merges):
             )  # fmt: skip
         except ValueError:
             continue
-        merged, opt_state = _bmuf.merge_updated(
-            masked, old_opt_state, opt_state, merges
-        )
+        merged, opt_state = _bmuf.merge_updated(masked, old_state, opt_state, merges)
         params = jax.tree.map(
             lambda s, p, m: p if _transforms.is_masked(s) else m, start, params,
             merged, is_leaf=_transforms.is_masked,
         )  # fmt: skip
         return params, opt_state
-    return _bmuf.merge_updated(params, old_opt_state, opt_state, merges)
+    return _bmuf.merge_updated(params, old_state, opt_state, merges)
 
 
 def all_reduce(
@@ -214,10 +212,7 @@ def _dropping(bucket_bytes, reduce_dtype, axis_name) -> Sync:
         axis = step_axis if axis_name is None else axis_name
         num = _collectives.axis_size(axis, "jdp.all_reduce")
         valid = finite(grads)
-        masked = jax.tree.map(
-            lambda g: jnp.where(valid, g, jnp.zeros_like(g)) if is_float(g) else g,
-            grads,
-        )
+        masked = float_map(lambda g: jnp.where(valid, g, jnp.zeros_like(g)), grads)
         # The bit is the last leaf: one more value in the same all-reduce.
         total, share = _collectives.all_reduce(
             (masked, valid.astype(jnp.float32)), axis_name=axis,
@@ -227,12 +222,8 @@ def _dropping(bucket_bytes, reduce_dtype, axis_name) -> Sync:
         # No valid replica: a NaN average, which the step skips with
         # `skip_nonfinite=True` (a zero would still move momentum and decay).
         scale = jnp.where(count > 0, num / jnp.maximum(count, 1), jnp.nan)
-        grads = jax.tree.map(
-            lambda g: (
-                (g * scale.astype(jnp.float32)).astype(g.dtype) if is_float(g) else g
-            ),
-            total,
-        )
+        scale32 = scale.astype(jnp.float32)
+        grads = float_map(lambda g: (g * scale32).astype(g.dtype), total)
         share = jnp.where(count > 0, jnp.where(valid, scale, 0.0), 1.0)
         return grads, state, {"dropped_replicas": num - count, KEPT: share}
 
@@ -317,15 +308,6 @@ def sync_gradients(
         return synced, (state if held is None else new)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-def finite(grads: PyTree) -> jax.Array:
-    """Whether every floating-point leaf of `grads` is finite (a bool scalar)."""
-    ok = jnp.array(True)
-    for g in jax.tree.leaves(grads):
-        if is_float(g):
-            ok &= jnp.all(jnp.isfinite(g))
-    return ok
 
 
 def unless_nonfinite(ok, run, state, *, counted: bool = True):

@@ -27,8 +27,7 @@ def update(tx: optax.GradientTransformation, grads, opt_state, params, **extra_a
         quiet = {**extra_args, _collectives.COLLECTIVES_ARG: False}
         return tx.update(grads, opt_state, params, **quiet)
 
-    probe = accumulate()[1]
-    updates = probe.gradient_step != opt_state.gradient_step
+    updates = accumulate()[1].gradient_step != opt_state.gradient_step
     return lax.cond(
         updates, lambda: tx.update(grads, opt_state, params, **extra_args), accumulate
     )

@@ -43,6 +43,20 @@ def is_float(x: Any) -> bool:
     return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
 
 
+def float_map(fn, tree, *rest):
+    """Applies `fn` to floating leaves; other leaves keep `tree`'s value."""
+    return jax.tree.map(lambda x, *r: fn(x, *r) if is_float(x) else x, tree, *rest)
+
+
+def finite(tree: PyTree) -> jax.Array:
+    """Whether every floating-point leaf of `tree` is finite (a bool scalar)."""
+    ok = jnp.array(True)
+    for x in jax.tree.leaves(tree):
+        if is_float(x):
+            ok &= jnp.all(jnp.isfinite(x))
+    return ok
+
+
 def format_problems(problems: Sequence[str]) -> str:
     """Joins per-leaf problems, listing at most `MAX_LISTED` of them."""
     shown = list(problems[:MAX_LISTED])

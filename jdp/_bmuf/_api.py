@@ -134,9 +134,7 @@ def bmuf(
         is_sync = (count >= warmup_steps) & ((count - warmup_steps + 1) % period == 0)
         inner_updates, inner_state = inner.update(updates, state.inner_state, params)
         new_state = state._replace(
-            count=count + jnp.ones((), jnp.int32),
-            inner_state=inner_state,
-            synced=is_sync,
+            count=count + jnp.int32(1), inner_state=inner_state, synced=is_sync
         )
         merges = extra_args.get(MERGES_ARG)
         if merges is not None or not communicate:

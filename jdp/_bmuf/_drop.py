@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from jdp._bmuf._average import Mean, divided, masked, mean
-from jdp._tree import PyTree, is_float
+from jdp._tree import PyTree, finite, is_float
 
 
 def valid_mean(local: PyTree, ref: PyTree, axis_name, max_norm) -> Mean:
@@ -22,14 +22,11 @@ def valid_mean(local: PyTree, ref: PyTree, axis_name, max_norm) -> Mean:
 
 def _replica_valid(params, ref, max_norm) -> jax.Array:
     """This replica's validity bit: finite params, within `max_norm` of `ref`."""
-    valid = jnp.array(True)
+    if max_norm is None:
+        return finite(params)
     squares = jnp.zeros((), jnp.float32)
     for x, r in zip(jax.tree.leaves(params), jax.tree.leaves(ref), strict=True):
         if is_float(x):
-            valid &= jnp.all(jnp.isfinite(x))
-            if max_norm is not None:
-                d = x.astype(jnp.float32) - jnp.asarray(r).astype(jnp.float32)
-                squares += jnp.sum(d * d)
-    if max_norm is not None:
-        valid &= jnp.sqrt(squares) <= max_norm
-    return valid
+            d = x.astype(jnp.float32) - jnp.asarray(r).astype(jnp.float32)
+            squares += jnp.sum(d * d)
+    return finite(params) & (jnp.sqrt(squares) <= max_norm)

@@ -46,8 +46,7 @@ def _plan_of_shapes(shapes, fragments: int, delay: int) -> Plan:
         Piece(i, 0, r, True) for i, r in enumerate(rows) if r and row_bytes[i]
     )
     frags = _split(pieces, rows, row_bytes, fragments)
-    empty = [f for f, pieces in enumerate(frags) if not pieces]
-    if empty:
+    if empty := [f for f, pieces in enumerate(frags) if not pieces]:
         total = sum(rows[p.leaf] for p in pieces)
         raise ValueError(
             f"`jdp.bmuf`: cannot split the parameters into `fragments={fragments}` "
@@ -83,11 +82,9 @@ def _split(pieces, rows, row_bytes, parts: int) -> tuple[tuple[Piece, ...], ...]
     return tuple(tuple(g) for g in groups)
 
 
-def take(leaves, pieces) -> list:
-    """The pieces' slices of `leaves`, in order."""
-    return [
-        leaves[p.leaf] if p.whole else leaves[p.leaf][p.start : p.stop] for p in pieces
-    ]
+def take(xs, pieces) -> list:
+    """The pieces' slices of the leaves `xs`, in order."""
+    return [xs[p.leaf] if p.whole else xs[p.leaf][p.start : p.stop] for p in pieces]
 
 
 def put(leaves, pieces, values) -> list:

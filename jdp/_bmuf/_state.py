@@ -10,7 +10,7 @@ import numpy as np
 import optax
 
 from jdp import _replica_parts
-from jdp._tree import PyTree, is_float
+from jdp._tree import PyTree, float_map
 
 
 @_replica_parts.declare(
@@ -88,11 +88,6 @@ def block_start(g: PyTree, start: PyTree) -> PyTree:
     return g if start is None else start
 
 
-def float_map(fn, tree, *rest):
-    """Applies `fn` to floating leaves; other leaves keep `tree`'s value."""
-    return jax.tree.map(lambda x, *r: fn(x, *r) if is_float(x) else x, tree, *rest)
-
-
 def float_where(pred, tree, other):
     """`tree`'s floating leaves where `pred` holds, else `other`'s; others `tree`'s."""
     return float_map(lambda x, o: jnp.where(pred, x, o), tree, other)
@@ -112,6 +107,4 @@ def cast_like(tree, like):
 
 def reset(state, initial):
     """Floating leaves from `initial` (accumulators), integer leaves kept (counters)."""
-    return float_map(
-        lambda cur, init: jnp.asarray(init).astype(cur.dtype), state, initial
-    )
+    return float_map(lambda cur, x: jnp.asarray(x).astype(cur.dtype), state, initial)

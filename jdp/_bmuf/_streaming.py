@@ -51,10 +51,7 @@ def merge(params, old_state, state, *, inner, axis, options):
             in_flight, chunk, plan, pend, block_start(g_leaves, s_leaves),
             axis_name, options.wire,
         )  # fmt: skip
-        if s_leaves is None:
-            g_leaves = ref
-        else:
-            s_leaves = ref
+        g_leaves, s_leaves = (ref, None) if s_leaves is None else (g_leaves, ref)
 
     # 2. The sync of one fragment.
     is_sync = active & (phase == period)
@@ -91,7 +88,6 @@ def _sync_fragments(dues, plan, leaves, velocity, inner_state, tree, *,
     p_leaves, g_leaves, s_leaves, v_leaves, pend = leaves
     delay, alpha, wire, outer = options.delay, options.mix, options.wire, options.outer
     at_sync = options.inner_state_at_sync
-    keeps = at_sync == "keep"
 
     def adopt(pieces, local, target, inner_state):
         local_f, new = take(local, pieces), take(target, pieces)
@@ -99,11 +95,10 @@ def _sync_fragments(dues, plan, leaves, velocity, inner_state, tree, *,
             new = float_map(
                 lambda t, x: t + alpha * (x.astype(t.dtype) - t), new, local_f
             )
-        if not keeps:  # one fragment: every leaf with elements is in it
+        if at_sync != "keep":  # one fragment: every leaf with elements is in it
             inner_state = _update.inner_state_at_sync(
-                inner_state, tree(put(target, pieces, new)), inner, at_sync,
-                axis_name,
-            )  # fmt: skip
+                inner_state, tree(put(target, pieces, new)), inner, at_sync, axis_name
+            )
         return put(local, pieces, cast_like(new, local_f)), inner_state
 
     def fragment_mean(source, pieces, ref_f):
@@ -118,9 +113,7 @@ def _sync_fragments(dues, plan, leaves, velocity, inner_state, tree, *,
         if outer is not None:
 
             def outer_update(pieces, written, read, extra):
-                local, g = written
-                (source,) = read
-                state_f, inner_state = extra
+                (local, g), (source,), (state_f, inner_state) = written, read, extra
                 g_f = take(g, pieces)
                 avg = fragment_mean(source, pieces, g_f)
                 g_f, _, state_f = _update.block_update(
@@ -147,8 +140,7 @@ def _sync_fragments(dues, plan, leaves, velocity, inner_state, tree, *,
             return [put(v, pieces, v_f)], extra
 
         def global_update(pieces, written, read, inner_state):
-            local, g, start = written
-            (v,) = read
+            (local, g, start), (v,) = written, read
             s_f = None if start is None else take(start, pieces)
             g_f, s_f = _update.advance(take(g, pieces), s_f, take(v, pieces), eta)
             g = put(g, pieces, g_f)
@@ -227,11 +219,9 @@ def _when(pred, pieces, fn, written, read, extra=None):
             lambda ops: (ops[0], ops[2]),
             (sub(written), sub(read), extra),
         )
-    out = []
-    for t, leaves in zip(written, new, strict=True):
+    out = [None if t is None else list(t) for t in written]
+    for t, leaves in zip(out, new, strict=True):
         if t is not None:
-            t = list(t)
             for i, x in zip(ids, leaves, strict=True):
                 t[i] = x
-        out.append(t)
     return out, extra

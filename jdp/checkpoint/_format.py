@@ -77,20 +77,15 @@ def make_metadata(
     parallel: Any,
 ) -> dict[str, Any]:  # fmt: skip
     """The JSON record of a step (`host`: what is written of `logical`)."""
-    leaves = []
-    for (path, x), one in zip(
-        jax.tree_util.tree_flatten_with_path(host)[0],
-        jax.tree.leaves(logical),
-        strict=True,
-    ):
+    leaves, paths = [], jax.tree_util.tree_flatten_with_path(host)[0]
+    for (path, x), one in zip(paths, jax.tree.leaves(logical), strict=True):
         record = {
             "path": keystr(path), "shape": list(x.shape), "dtype": dtype_name(x.dtype),
             "crc32": crc32(x) if isinstance(x, np.ndarray) else None,
         }  # fmt: skip
         if is_key(one):  # saved as its key data
             record["key_impl"] = key_impl(one)
-        every = replicas.get(record["path"])
-        if every is not None:
+        if (every := replicas.get(record["path"])) is not None:
             crc = crc32(every) if isinstance(every, np.ndarray) else None
             record["per_replica"] = {"crc32": crc}
         leaves.append(record)

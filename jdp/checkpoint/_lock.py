@@ -218,17 +218,15 @@ class DirectoryLock:
                     self.token = token
                     return
                 owner = self.read_owner()
-                reason = self._stale_reason(owner, guarded)
-                if reason is None:
+                if (reason := self._stale_reason(owner, guarded)) is None:
                     raise RuntimeError(self._locked_message(owner))
                 with contextlib.suppress(FileNotFoundError):
                     self.path.unlink()
-                warnings.warn(
+                message = (
                     f"`CheckpointManager.save`: reclaimed the stale lock {self.path} "
-                    f"left by {describe_owner(owner)}: {reason}.",
-                    RuntimeWarning,
-                    stacklevel=4,
+                    f"left by {describe_owner(owner)}: {reason}."
                 )
+                warnings.warn(message, RuntimeWarning, stacklevel=4)
         raise RuntimeError(self._locked_message(self.read_owner()))
 
     def _locked_message(self, owner: dict[str, Any] | None) -> str:
@@ -258,8 +256,7 @@ def check_same_directory(directory: epath.Path) -> None:
         return
     path = np.frombuffer(os.fspath(directory).encode(), np.uint8)
     sizes = np.asarray(multihost_utils.process_allgather(np.int32(len(path))))
-    padded = np.zeros(int(sizes.max()), np.uint8)
-    padded[: len(path)] = path
+    padded = np.pad(path, (0, int(sizes.max()) - len(path)))
     paths = np.asarray(multihost_utils.process_allgather(padded))
     names = [
         bytes(p[:n]).decode(errors="replace") for p, n in zip(paths, sizes, strict=True)

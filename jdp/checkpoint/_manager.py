@@ -83,11 +83,9 @@ def _check_positive(name: str, value: Any, *, optional: bool) -> None:
     """Raises unless `value` is an int >= 1, or None if `optional`."""
     if value is None and optional:
         return
-    requirement = "a positive integer" + (" or None" if optional else "")
+    need = "a positive integer" + (" or None" if optional else "")
     is_int = isinstance(value, int)  # `True` too: a bad value, not a bad type
-    _validate.checked(
-        name, value, requirement, is_int, lambda v: v is not True and v >= 1
-    )
+    _validate.checked(name, value, need, is_int, lambda v: v is not True and v >= 1)
 
 
 def _newest_intact(store, directory, candidates: list[int], read) -> Any:

@@ -47,8 +47,7 @@ def check_directory(directory: epath.Path, caller: str) -> None:
     if problem is None:
         return
     error, where, what, fix = problem
-    if where != path:
-        what = f"cannot be created: {where}, above it, {what}"
+    what = what if where == path else f"cannot be created: {where}, above it, {what}"
     message = NOT_A_DIRECTORY_MSG.format(
         caller=caller, directory=directory, what=what, fix=fix
     )

@@ -17,14 +17,9 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 
+from jdp.launch import _stall
 from jdp.launch._cause import ENDING_WAIT_S, cause_first, describe_exit, finished_before
-from jdp.launch._stall import (
-    UNEVEN_STEPS_HINT,
-    StallError,
-    StallMonitor,
-    plural,
-    process_list,
-)
+from jdp.launch._stall import UNEVEN_STEPS_HINT, StallError, plural, process_list
 
 #: Seconds between SIGTERM and SIGKILL when stopping processes after a failure.
 KILL_GRACE_S = 3.0
@@ -82,7 +77,7 @@ class Job:
         envs: Sequence[Mapping[str, str]],
         *,
         echo: bool = True,
-        stall: StallMonitor | None = None,
+        stall: _stall.StallMonitor | None = None,
         restart_one: Callable[[int, int], bool] | None = None,
     ):
         self.commands = [list(c) for c in commands]
@@ -281,11 +276,8 @@ class Job:
             if self._failed_at is None:
                 self._failed_at = time.monotonic()
             waited = time.monotonic() - self._failed_at
-            if (
-                waited < SETTLE_S
-                or (ending and waited < ENDING_WAIT_S)
-                or (pending and waited < PENDING_WAIT_S)
-            ):
+            settling = waited < SETTLE_S or (ending and waited < ENDING_WAIT_S)
+            if settling or (pending and waited < PENDING_WAIT_S):
                 return None
             (self.failure, *self.also_failed) = cause_first(failed, self.tails)
             self.stopped = len(self.procs) - len(exits)
@@ -298,10 +290,8 @@ class Job:
         if len(exits) == len(self.procs):
             self._join_pumps()
             return True
-        if (
-            self._stop_requested_at is not None
-            and time.monotonic() - self._stop_requested_at > FORWARD_GRACE_S
-        ):
+        asked = self._stop_requested_at
+        if asked is not None and time.monotonic() - asked > FORWARD_GRACE_S:
             self.kill(grace_s=0)
             return False
         return None
