@@ -12,7 +12,7 @@ in a fresh order; ratios are taken within a round, then the median over rounds.
 Part 2: test accuracy on scikit-learn's digits after the same number of training
 examples, synchronous SGD against BMUF variants, with a small MLP.
 
-    python benchmarks/bmuf.py [--devices 8] [--rounds 5] [--quick]
+    python benchmarks/bmuf.py [--devices 8] [--rounds 5] [--quick] [--steps N]
 
 The simulated devices share the host's CPU cores (and, on a shared machine,
 other people's jobs): step times are noisy and say little about real
@@ -38,6 +38,9 @@ def main(argv=None) -> None:
     parser.add_argument("--devices", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="~1M params, fewer steps")
+    parser.add_argument(
+        "--steps", type=int, default=None, help="convergence steps (240; 120 quick)"
+    )
     args = parser.parse_args(argv)
     if "jax" not in sys.modules:
         set_devices(args.devices)
@@ -219,7 +222,7 @@ def main(argv=None) -> None:
     small = jax.tree.map(np.asarray, init((64, 128, 10), jax.random.key(1)))
     accuracy = jax.jit(lambda p: jnp.mean(jnp.argmax(apply(p, x_test), -1) == y_test))
     batch_size = 64
-    num_steps = 120 if args.quick else 240
+    num_steps = args.steps or (120 if args.quick else 240)
     checkpoints = (num_steps // 3, 2 * num_steps // 3, num_steps)
     lr = 0.05
 

@@ -116,7 +116,7 @@ if [ $dry_run = 1 ]; then
     run overhead 150 "$PYTHON" benchmarks/overhead.py --devices 2 --quick
     run memory 150 "$PYTHON" benchmarks/memory.py --params 2e6 --steps 1 --rounds 1 \
         --only plain ZeRO
-    run bmuf 150 "$PYTHON" benchmarks/bmuf.py --devices 2 --quick --rounds 1
+    run bmuf 150 "$PYTHON" benchmarks/bmuf.py --devices 2 --quick --rounds 1 --steps 12
     demo_args=(--devices 2 --steps 20)
 else
     run overhead 120 "$PYTHON" benchmarks/overhead.py --devices "$num"
