@@ -108,6 +108,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def worker_command(args, port: int, cores: list[int], rank: int) -> list[str]:
+    """The command line of process `rank`, pinned to a core of its own if any."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", str(rank)]
+    cmd += ["--port", str(port), "--processes", str(args.processes)]
+    cmd += ["--steps", str(args.steps), "--heartbeat", str(args.heartbeat)]
+    cmd += ["--collective-timeout", str(args.collective_timeout)]
+    if args.cache:
+        cmd += ["--cache", args.cache]
+    if len(cores) >= args.processes:
+        cmd = ["taskset", "-c", str(cores[rank])] + cmd
+    return cmd
+
+
 def run(args) -> dict:
     port = free_port()
     cores = os.sched_getaffinity(0)
@@ -115,14 +128,7 @@ def run(args) -> dict:
     log = tempfile.TemporaryFile("w+")  # the workers' stderr, shown on a failure
 
     def start(rank):
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker", str(rank)]
-        cmd += ["--port", str(port), "--processes", str(args.processes)]
-        cmd += ["--steps", str(args.steps), "--heartbeat", str(args.heartbeat)]
-        cmd += ["--collective-timeout", str(args.collective_timeout)]
-        if args.cache:
-            cmd += ["--cache", args.cache]
-        if len(cores) >= args.processes:
-            cmd = ["taskset", "-c", str(sorted(cores)[rank])] + cmd
+        cmd = worker_command(args, port, sorted(cores), rank)
         procs.append(
             subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
         )
@@ -188,14 +194,7 @@ def run_repeated(args, interval: float | None) -> dict:
     log = tempfile.TemporaryFile("w+")
 
     def start(rank):
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker", str(rank)]
-        cmd += ["--port", str(port), "--processes", str(args.processes)]
-        cmd += ["--steps", str(args.steps), "--heartbeat", str(args.heartbeat)]
-        cmd += ["--collective-timeout", str(args.collective_timeout)]
-        if args.cache:
-            cmd += ["--cache", args.cache]
-        if len(cores) >= args.processes:
-            cmd = ["taskset", "-c", str(cores[rank])] + cmd
+        cmd = worker_command(args, port, cores, rank)
         out = subprocess.PIPE if rank == 0 else subprocess.DEVNULL
         procs[rank] = subprocess.Popen(cmd, stdout=out, stderr=log, text=True)
 
