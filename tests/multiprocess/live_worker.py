@@ -135,4 +135,7 @@ with open(Path(out_dir) / f"{pid}.pkl", "wb") as f:
         f,
     )
 print(f"[{pid}] done", flush=True)
+# Process 0 hosts the coordination service: it leaves after the others, which
+# would otherwise be stopped by its exit before they write their results.
+jdp.distributed.shutdown()
 os._exit(0)
