@@ -6,7 +6,7 @@ has a leading replica axis sharded over the whole mesh; a `CustomLayout` node
 import only those listed before them.
 """
 
-from jdp._layout._agreed import agreed, compare_replicas, map_agreed
+from jdp._layout._agreed import compare_replicas, map_agreed
 from jdp._layout._custom import CustomLayout, is_custom
 from jdp._layout._keys import abstract, host_value, is_key, key_impl
 from jdp._layout._mesh import AxisName, make_mesh, mesh_axis, mesh_for, replica_sharding
@@ -26,7 +26,7 @@ from jdp._layout._state_checks import (
 )
 
 __all__ = [
-    "AxisName", "CustomLayout", "abstract", "agreed", "check_replicated",
+    "AxisName", "CustomLayout", "abstract", "check_replicated",
     "check_same_structure", "compare_replicas", "check_unchanged", "host_value",
     "is_custom", "is_key", "is_replicated", "key_impl", "logical_copy", "logical_like",
     "make_mesh", "map_agreed", "mesh_axis", "mesh_for", "misplaced", "place_copies",

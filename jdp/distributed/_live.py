@@ -52,8 +52,8 @@ class LiveStep:
         self._store = _coordination.store()
         self._parallel: Parallel | None = None
         self._marked: str | None = None  # the last order recorded as used
-        self._healer: Parallel | None = None  # `_heal_replicas` on the mesh
-        self._summer: Parallel | None = None  # `_sum_replicas` on the mesh
+        #: `_on_mesh`'s programs (`_heal_replicas`, `_sum_replicas`), by function.
+        self._helpers: dict[Callable, Parallel] = {}
         #: `{process: join key value}` of the replacements already healed.
         self._joins: dict[int, str] = {}
         #: Steps completed through this object.
@@ -174,28 +174,26 @@ class LiveStep:
         The replicas exchange how many steps they completed (a replacement:
         -1); the first of the most advanced sends its state to the others.
         """
-        n, sharding = self.num_replicas, self._parallel.sharding
-        if self._healer is None or self._healer.devices != self._parallel.devices:
-            self._healer = parallelize(
-                _heal_replicas, devices=self.devices, donate_state=False
-            )
-        position = jax.make_array_from_callback(
-            (n,), sharding, lambda index: np.full((1,), self.position, np.int32)
-        )
-        state, metrics = self._healer(state, position)
+        state, metrics = self._on_mesh(_heal_replicas, state, self.position)
         self.position = int(metrics["position"])
         return state
 
     def _total(self, tree: PyTree) -> PyTree:
         """Per-replica arrays summed over the current mesh (every replica: the sum)."""
-        if self._summer is None or self._summer.devices != self._parallel.devices:
-            self._summer = parallelize(
-                _sum_replicas, devices=self.devices, donate_state=False
-            )
-        unused = jax.make_array_from_callback(
-            (self.num_replicas,), self._parallel.sharding, lambda i: np.zeros(1)
+        return self._on_mesh(_sum_replicas, tree, 0)[0]
+
+    def _on_mesh(self, fn, tree: PyTree, value: int) -> tuple[PyTree, dict]:
+        """`fn(tree, value)` per replica on the current mesh (compiled once a mesh)."""
+        step = self._helpers.get(fn)
+        if step is None or step.devices != self._parallel.devices:
+            step = parallelize(fn, devices=self.devices, donate_state=False)
+            self._helpers[fn] = step
+        values = jax.make_array_from_callback(
+            (self.num_replicas,),
+            self._parallel.sharding,
+            lambda index: np.full((1,), value, np.int32),
         )
-        return self._summer(tree, unused)[0]
+        return step(tree, values)
 
     def _form(self, live: Sequence[jax.Device]) -> None:
         """A mesh over `live`, in a device order no earlier mesh of the job used.
