@@ -13,9 +13,11 @@ three steps, timed in the same process:
   communicates nothing: the same program as `jdp local`).
 
 Each (size, allocator) runs in a fresh process pinned to one core (XLA sizes its
-thread pool from the affinity mask), `default` with `JDP_DEFAULT_MALLOC=1` and
-`tuned` calling `jdp._allocator.tune()` first; rounds alternate the two in a
-shuffled order. The table gives the median over rounds of each run's median step.
+thread pool from the affinity mask): `default` with `JDP_DEFAULT_MALLOC=1`;
+`thresholds` with glibc's `MALLOC_MMAP_THRESHOLD_` and `MALLOC_TRIM_THRESHOLD_` at
+1 GiB but its arenas as they are (jdp's setting before it also set one arena);
+`tuned` calling `jdp._allocator.tune()` first. Rounds run the three in a shuffled
+order. The table gives the median over rounds of each run's median step.
 
     python benchmarks/allocator.py [--rounds 3] [--steps 20] [--sizes 1M 8.9M 39M]
 """
@@ -34,6 +36,7 @@ from _common import set_devices
 
 WIDTHS = {"1M": 640, "8.9M": 2048, "39M": 4352}
 ROWS = ("hand", "jdp local", "jdp all_reduce")
+ARMS = ("default", "thresholds", "tuned")
 
 
 def child(width: int, steps: int) -> dict:
@@ -91,6 +94,9 @@ def run_child(size: str, arm: str, steps: int, core: int) -> dict:
     env.pop("JDP_DEFAULT_MALLOC", None)
     if arm == "default":
         env["JDP_DEFAULT_MALLOC"] = "1"
+    if arm == "thresholds":
+        for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"):
+            env[name] = str(1 << 30)
     here = os.path.dirname(os.path.abspath(__file__))
     code = (
         f"import os, sys, json; os.sched_setaffinity(0, {{{core}}}); "
@@ -124,19 +130,24 @@ def main(argv=None) -> None:
     results: dict = {}
     rng = random.Random(0)
     for _ in range(args.rounds):
-        runs = [(s, a) for s in args.sizes for a in ("default", "tuned")]
+        runs = [(s, a) for s in args.sizes for a in ARMS]
         rng.shuffle(runs)
         for size, arm in runs:
             for row, ms in run_child(size, arm, args.steps, core).items():
                 results.setdefault((size, row, arm), []).append(ms)
     print(f"one core (core {core}), {args.rounds} rounds x {args.steps} steps")
-    print("| size | step | glibc default ms | jdp's thresholds ms | ratio |")
-    print("|---|---|---:|---:|---:|")
+    print(
+        "| size | step | glibc default ms | thresholds only ms | jdp's setting ms "
+        "| thresholds / default | jdp's / default |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|")
     for size in args.sizes:
         for row in ROWS:
-            d = statistics.median(results[(size, row, "default")])
-            t = statistics.median(results[(size, row, "tuned")])
-            print(f"| {size} | {row} | {d:.1f} | {t:.1f} | {t / d:.2f} |")
+            d, h, t = (statistics.median(results[(size, row, a)]) for a in ARMS)
+            print(
+                f"| {size} | {row} | {d:.1f} | {h:.1f} | {t:.1f} | {h / d:.2f} "
+                f"| {t / d:.2f} |"
+            )
 
 
 if __name__ == "__main__":

@@ -29,6 +29,11 @@ Two of DDP's hooks need help on gloo, and both helps are used here:
   size"). One bucket, or waiting for the hook's future, avoids the race.
   (`batched_powerSGD_hook` is left out: it fails on any backend here.)
 
+Every row, of either framework, ends its step with the loss averaged over the
+processes, as jdp's step does for its metrics (under `jdp.local()` too, where that
+scalar is the step's only collective): so the local rows of both frameworks meet the
+other process once a step, and "local" means no gradient communication.
+
 The rows are set up once (compiled, `--warmup` steps each), then timed in
 `--rounds` rounds, the row order shuffled each round (the same order in both
 processes), `--steps` timed steps per row per round; a row's figure is the median of
@@ -130,14 +135,21 @@ def _torch_rows(width: int, rank: int, world: int):
     }
     rows = {}
     for name, net in nets.items():
-        one, box = torch_sgd_step(net, xb, yb)
+        step, box = torch_sgd_step(net, xb, yb)
+
+        def one(step=step, box=box):
+            # The loss averaged over the processes, as jdp's metrics are: without
+            # it the local row alone would run unsynchronised, each process at its
+            # own pace, while jdp's local step meets the other process once a step.
+            step()
+            loss = torch.tensor([box["loss"]])
+            dist.all_reduce(loss)
+            box["mean loss"] = loss.item() / world
 
         def final(net=net, box=box, name=name):
             """(mean loss over ranks, params identical on every rank, buckets)."""
             import hashlib
 
-            loss = torch.tensor([box["loss"]])
-            dist.all_reduce(loss)
             digest = hashlib.sha256()
             for p in net.parameters():
                 digest.update(p.detach().numpy().tobytes())
@@ -150,7 +162,7 @@ def _torch_rows(width: int, rank: int, world: int):
                 sizes = data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes")
                 buckets = len(str(sizes).split(",")) if sizes else None
             same = None if name == TORCH_LOCAL else len(set(digests)) == 1
-            return loss.item() / world, same, buckets
+            return box["mean loss"], same, buckets
 
         rows[name] = (one, final)
     return rows
@@ -189,8 +201,8 @@ def _jdp_rows(width: int):
             box["loss"] = float(metrics["loss"])  # waits for the step
 
         def final(box=box, name=name):
-            # jdp's loss metric is already the mean over replicas; under
-            # `jdp.local()` it is this replica's own.
+            # jdp's loss metric is the mean over replicas (under `jdp.local()`
+            # too: the step's one collective then).
             return box["loss"], None, None
 
         rows[name] = (one, final)

@@ -1,4 +1,10 @@
-"""Private: glibc's mmap and trim thresholds raised for XLA:CPU's step temporaries.
+"""Private: glibc's allocator set for XLA:CPU's step temporaries.
+
+The mmap and trim thresholds are raised so that freed blocks up to 1 GiB stay in the
+heap for the next step, and one arena serves every thread: a thread other than the
+main one allocates from an arena of its own, whose heaps are at most 64 MiB, so a
+larger block from an XLA worker thread would be freshly mapped (and faulted in) on
+every step whatever the thresholds.
 
 Why, and who sets them: "Temporaries over 32 MiB on CPU" in the performance guide.
 """
@@ -14,11 +20,14 @@ from collections.abc import Mapping
 ENV_OPT_OUT = "JDP_DEFAULT_MALLOC"
 #: The mmap and trim thresholds jdp sets, in bytes.
 THRESHOLD_BYTES = 1 << 30
-#: glibc's variables for them (the trailing underscore is glibc's spelling).
-GLIBC_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
-# `mallopt` parameters, from glibc's <malloc.h>.
-_M_TRIM_THRESHOLD = -1
-_M_MMAP_THRESHOLD = -3
+#: glibc's variables jdp sets (the trailing underscores are glibc's spelling), and
+#: their `mallopt` parameters from glibc's <malloc.h>.
+SETTINGS = {
+    "MALLOC_MMAP_THRESHOLD_": (-3, THRESHOLD_BYTES),
+    "MALLOC_TRIM_THRESHOLD_": (-1, THRESHOLD_BYTES),
+    "MALLOC_ARENA_MAX": (-8, 1),
+}
+GLIBC_VARIABLES = tuple(SETTINGS)
 
 
 def _left_alone(env: Mapping[str, str]) -> bool:
@@ -30,14 +39,15 @@ def child_env(env: Mapping[str, str]) -> dict[str, str]:
     """`env` with glibc's thresholds for a process to start, unless left alone."""
     out = dict(env)
     if not _left_alone(env) and sys.platform.startswith("linux"):
-        out.update(dict.fromkeys(GLIBC_VARIABLES, str(THRESHOLD_BYTES)))
+        out.update({name: str(value) for name, (_, value) in SETTINGS.items()})
     return out
 
 
 def tune() -> bool:
-    """Sets glibc's thresholds in this process; whether it did.
+    """Sets glibc's thresholds and arena count in this process; whether it did.
 
-    Call it before the model exists: blocks allocated before keep their kind.
+    Call it before the model exists and before JAX starts its threads: blocks
+    allocated before keep their kind, and a thread keeps the arena it has.
     """
     if _left_alone(os.environ) or not sys.platform.startswith("linux"):
         return False
@@ -45,5 +55,4 @@ def tune() -> bool:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):  # not glibc (musl has no `mallopt`)
         return False
-    done = mallopt(_M_MMAP_THRESHOLD, THRESHOLD_BYTES) == 1
-    return mallopt(_M_TRIM_THRESHOLD, THRESHOLD_BYTES) == 1 and done
+    return all([mallopt(param, value) == 1 for param, value in SETTINGS.values()])

@@ -17,8 +17,9 @@ def test_the_launchers_processes_get_the_thresholds():
         {"PATH": "/bin"}, process_id=0, num_processes=2, port=1, devices_per_process=1
     )
     if sys.platform.startswith("linux"):
-        for name in _allocator.GLIBC_VARIABLES:
-            assert env[name] == str(2**30)
+        assert env["MALLOC_MMAP_THRESHOLD_"] == str(2**30)
+        assert env["MALLOC_TRIM_THRESHOLD_"] == str(2**30)
+        assert env["MALLOC_ARENA_MAX"] == "1"
     assert env["PATH"] == "/bin"
 
 
@@ -28,8 +29,9 @@ def test_the_launchers_processes_get_the_thresholds():
         {"JDP_DEFAULT_MALLOC": "1"},
         {"MALLOC_MMAP_THRESHOLD_": "65536"},
         {"MALLOC_TRIM_THRESHOLD_": "0"},
+        {"MALLOC_ARENA_MAX": "4"},
     ],
-    ids=["opt-out", "own-mmap", "own-trim"],
+    ids=["opt-out", "own-mmap", "own-trim", "own-arenas"],
 )
 def test_a_users_own_setting_is_kept(base):
     env = _setup.process_env(
@@ -57,6 +59,59 @@ def test_tune_sets_the_thresholds_unless_told_not_to(extra, expected):
     env.pop("JDP_DEFAULT_MALLOC", None)
     proc = subprocess.run(
         [sys.executable, "-c", TUNE],
+        env={**env, **extra},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == expected
+
+
+MAPPED = """
+import ctypes, threading
+from jdp import _allocator
+tuned = _allocator.tune()
+
+class Info(ctypes.Structure):  # glibc's `struct mallinfo` (int fields)
+    _fields_ = [(n, ctypes.c_int) for n in
+                "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks "
+                "keepcost".split()]
+
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+libc.mallinfo.restype = Info
+seen = []
+
+def worker():  # as an XLA thread allocates a step's temporaries
+    for _ in range(2):
+        block = libc.malloc(96 << 20)
+        ctypes.memset(block, 1, 96 << 20)
+        seen.append(libc.mallinfo().hblkhd)
+        libc.free(block)
+
+thread = threading.Thread(target=worker)
+thread.start()
+thread.join()
+print(tuned, seen[-1] >= 96 << 20)
+"""
+
+
+@pytest.mark.skipif(not GLIBC, reason="glibc only")
+@pytest.mark.parametrize(
+    "extra, expected",
+    [({}, "True False"), ({"JDP_DEFAULT_MALLOC": "1"}, "False True")],
+    ids=["tuned", "glibc-default"],
+)
+def test_a_threads_large_block_comes_from_the_heap_once_tuned(extra, expected):
+    # glibc maps a block over its mmap threshold, and any block over 64 MiB from a
+    # thread's own arena, afresh on every allocation; tuned, the second 96 MiB block
+    # of a non-main thread reuses the heap (no mapped bytes while it is held).
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    env.pop("JDP_DEFAULT_MALLOC", None)
+    proc = subprocess.run(
+        [sys.executable, "-c", MAPPED],
         env={**env, **extra},
         capture_output=True,
         text=True,
