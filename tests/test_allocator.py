@@ -55,17 +55,22 @@ TUNE = "from jdp import _allocator; print(_allocator.tune())"
     ids=["default", "opt-out", "zero"],
 )
 def test_tune_sets_the_thresholds_unless_told_not_to(extra, expected):
+    assert _run_without_glibc_settings(TUNE, extra) == expected
+
+
+def _run_without_glibc_settings(code: str, extra: dict) -> str:
+    """What `code` prints, run in a fresh process with `extra` but no MALLOC_*."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     env.pop("JDP_DEFAULT_MALLOC", None)
     proc = subprocess.run(
-        [sys.executable, "-c", TUNE],
+        [sys.executable, "-c", code],
         env={**env, **extra},
         capture_output=True,
         text=True,
         timeout=60,
     )
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == expected
+    return proc.stdout.strip()
 
 
 MAPPED = """
@@ -108,14 +113,4 @@ def test_a_threads_large_block_comes_from_the_heap_once_tuned(extra, expected):
     # glibc maps a block over its mmap threshold, and any block over 64 MiB from a
     # thread's own arena, afresh on every allocation; tuned, the second 96 MiB block
     # of a non-main thread reuses the heap (no mapped bytes while it is held).
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
-    env.pop("JDP_DEFAULT_MALLOC", None)
-    proc = subprocess.run(
-        [sys.executable, "-c", MAPPED],
-        env={**env, **extra},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == expected
+    assert _run_without_glibc_settings(MAPPED, extra) == expected
