@@ -37,6 +37,7 @@ class _Traced(NamedTuple):
     axis_name: AxisName
     # `id(mean) -> (mean, total)` of `record_total` (holding them keeps ids unique).
     totals: dict[int, tuple[Any, Any]]
+    devices: tuple[Any, ...] | None  # the step's devices, in the mesh's order
 
 
 _BOUND_AXIS: contextvars.ContextVar[_Traced | None] = contextvars.ContextVar(
@@ -45,13 +46,22 @@ _BOUND_AXIS: contextvars.ContextVar[_Traced | None] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def bound_axis(axis_name: AxisName) -> Iterator[dict[int, tuple[Any, Any]]]:
-    """While tracing a step, `axis_name=None` means this axis; yields the totals."""
-    token = _BOUND_AXIS.set(_Traced(axis_name, {}))
+def bound_axis(axis_name: AxisName, devices: tuple | None = None) -> Iterator[dict]:
+    """While tracing a step, `axis_name=None` means this axis; yields the totals.
+
+    `devices`: the step's, for `traced_devices`.
+    """
+    token = _BOUND_AXIS.set(_Traced(axis_name, {}, devices))
     try:
         yield _BOUND_AXIS.get().totals
     finally:
         _BOUND_AXIS.reset(token)
+
+
+def traced_devices() -> tuple[Any, ...] | None:
+    """The devices of the step `jdp.parallelize` is tracing, or None outside one."""
+    bound = _BOUND_AXIS.get()
+    return None if bound is None else bound.devices
 
 
 def record_total(mean: Any, total: Any) -> None:

@@ -80,7 +80,7 @@ class Parallel(_hlo.Introspection):
         # Before a step that changes its state in place (NNX modules) has run.
         received = jax.tree.structure(state)
         try:
-            with _collectives.bound_axis(self.axis_name) as totals:
+            with _collectives.bound_axis(self.axis_name, self.devices) as totals:
                 out = self.train_step(state, batch)
         except NameError as e:
             if not _jax_compat.is_unbound_axis_error(e):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 from collections.abc import Callable, Mapping
@@ -23,7 +24,8 @@ _MODES = (BROADCAST, PER_REPLICA)
 #: Seconds every process waits for the others' labels at the first trace.
 AGREE_TIMEOUT_S = 120.0
 
-_traces = itertools.count()
+#: Traces of a partition's update per set of devices, in each process.
+_traces: dict[tuple[int, ...], itertools.count] = {}
 
 
 def partition(
@@ -229,15 +231,21 @@ def agree_across_processes(leaf_labels: list[tuple[str, str]], *, client: Any = 
     """Compares this process's `(path, label)` pairs with every other's.
 
     Through the coordination service (or `client`, for tests); nothing to do in
-    one process.
+    one process. The processes are those of the step's devices (under
+    `jdp.distributed.live`, the live ones), and the n-th trace on those devices
+    in one process meets the n-th in the others: a replacement that joins a new
+    set of devices traces its step there for the first time, as the others do.
     """
     process = jax.process_index() if process is None else process
-    processes = list(range(jax.process_count())) if processes is None else processes
+    if processes is None:  # the processes of the step's devices
+        devices = _collectives.traced_devices() or jax.devices()
+        processes = sorted({d.process_index for d in devices})
     if len(processes) == 1 or (client is None and _coordination.client() is None):
         return
+    key = _next_key(_collectives.traced_devices())
     values = _coordination.exchange(
-        f"jdp/partition/{next(_traces)}", json.dumps(leaf_labels), process=process,
-        processes=processes, timeout_s=AGREE_TIMEOUT_S, client=client,
+        key, json.dumps(leaf_labels), process=process, processes=processes,
+        timeout_s=AGREE_TIMEOUT_S, client=client,
     )  # fmt: skip
     if missing := sorted(set(processes) - values.keys()):
         raise TimeoutError(
@@ -247,6 +255,14 @@ def agree_across_processes(leaf_labels: list[tuple[str, str]], *, client: Any = 
         )
     if (message := differing_labels(values)) is not None:
         raise ValueError(message)
+
+
+def _next_key(devices: tuple | None) -> str:
+    """The store key of this process's next trace on `devices` (None: any)."""
+    ids = tuple(d.id for d in devices) if devices else ()
+    count = next(_traces.setdefault(ids, itertools.count()))
+    where = hashlib.sha256(repr(ids).encode()).hexdigest()[:16] if ids else "all"
+    return f"jdp/partition/{where}/{count}"
 
 
 def _differs(piece) -> bool:

@@ -301,8 +301,7 @@ def test_labels_that_differ_between_processes_name_the_leaf():
     theirs = [("['b']", "bias"), ("['w']", "embed")]
     store = Store()
     # The other process published first, under the key this trace will use.
-    number = next(_partition._traces) + 1
-    store[f"jdp/partition/{number}/1"] = json.dumps(theirs)
+    store[f"{_following_key()}/1"] = json.dumps(theirs)
     with pytest.raises(
         ValueError,
         match=r"leaf \['w'\] is labelled 'dense' on process 0, 'embed' on process 1",
@@ -310,9 +309,27 @@ def test_labels_that_differ_between_processes_name_the_leaf():
         _partition.agree_across_processes(
             mine, client=store, process=0, processes=[0, 1]
         )
-    number = next(_partition._traces) + 1
-    store[f"jdp/partition/{number}/1"] = json.dumps(mine)
+    store[f"{_following_key()}/1"] = json.dumps(mine)
     _partition.agree_across_processes(mine, client=store, process=0, processes=[0, 1])
+
+
+def _following_key() -> str:
+    """The key the next trace outside a step will use (this call takes one)."""
+    used = _partition._next_key(None)
+    prefix, count = used.rsplit("/", 1)
+    return f"{prefix}/{int(count) + 1}"
+
+
+def test_each_set_of_devices_counts_its_own_traces():
+    # A replacement joins on devices never used before, where its first trace meets
+    # the others' first trace there, whatever each traced before.
+    first, second = jax.devices()[:2], jax.devices()[2:4]
+    a0, a1 = _partition._next_key(first), _partition._next_key(first)
+    b0 = _partition._next_key(second)
+    assert a0.rsplit("/", 1)[0] == a1.rsplit("/", 1)[0] != b0.rsplit("/", 1)[0]
+    assert int(a1.rsplit("/", 1)[1]) == int(a0.rsplit("/", 1)[1]) + 1
+    assert b0.endswith("/0")
+    assert _partition._next_key(tuple(reversed(first))).endswith("/0")
 
 
 def test_differing_labels_compares_paths_and_lengths():

@@ -2,7 +2,7 @@
 
 argv: PROCESS_ID NUM_PROCESSES PORT OUT_DIR DIE_PROCESS DIE_AT CONFIGS [STEPS
 PAUSE_S REPLACEMENT]. CONFIGS names the models, comma-separated (`all_reduce`,
-`int8_ef`, `zero`, `bmuf`, `streaming`): one live step trains them side by
+`partition`, `int8_ef`, `zero`, `bmuf`, `streaming`): one live step trains them side by
 side, on the same batches and meshes. Process DIE_PROCESS SIGKILLs itself a
 few milliseconds into step DIE_AT (-1: nobody dies) unless it is a REPLACEMENT
 (1), which joins the others where they are. While fewer replicas than processes
@@ -63,6 +63,10 @@ def model(config):
         return optax.sgd(0.1), jdp.all_reduce(wire=jdp.wire.int8(), error_feedback=True)
     if config == "zero":  # the momentum sliced over the replicas
         return jdp.zero(optax.sgd(0.1, momentum=0.9)), jdp.local()
+    if config == "partition":  # the weights and the biases synced by two pieces
+        pieces = {"w": jdp.all_reduce(), "b": jdp.all_reduce(bucket_bytes=None)}
+        labels = lambda p: {k: {"w": "w", "b": "b"} for k in p}  # noqa: E731
+        return optax.sgd(0.1, momentum=0.9), jdp.partition(labels, pieces)
     if config == "bmuf":
         return jdp.bmuf(optax.sgd(0.1), 3), jdp.local()
     if config == "streaming":  # Streaming DiLoCo: 2 fragments, one step's delay

@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
 WORKER = Path(__file__).with_name("live_worker.py")
 NUM, DIE_PROCESS, DIE_AT, STEPS, GLOBAL_BATCH = 3, 2, 5, 12, 12
-CONFIGS = "all_reduce,bmuf,streaming,int8_ef,zero"
+CONFIGS = "all_reduce,partition,bmuf,streaming,int8_ef,zero"
 
 
 def run_job(tmp_path, configs, *, timeout=150, replace=False, num=NUM,
@@ -131,9 +131,10 @@ def test_synchronous_training_survives_a_kill_with_its_global_batch(killed_job):
     # The same global batches, split over 3 then 2 replicas: the optimizer saw
     # the mean over the same examples, as one device does.
     expected = one_device(STEPS)
-    assert_trees_close(
-        results[0]["params"]["all_reduce"], expected, rtol=1e-5, atol=1e-6
-    )
+    # `jdp.partition` too: its survivors trace the step on the new devices and
+    # compare their labels among themselves, not with the dead process.
+    for config in ("all_reduce", "partition"):
+        assert_trees_close(results[0]["params"][config], expected, rtol=1e-5, atol=1e-6)
 
 
 def reference(config, steps=STEPS, joined=None):
@@ -222,7 +223,7 @@ def test_a_replacement_rejoins_and_every_replica_ends_identical(tmp_path):
     """Process 2 is started again after its kill: it joins the survivors at a
     step boundary, receives their whole state and trains on with them; with
     every configuration (synchronous, BMUF, Streaming DiLoCo, int8 with error
-    feedback)."""
+    feedback, ZeRO, a `jdp.partition` step)."""
     steps = 40
     results, outputs = run_job(tmp_path, CONFIGS, replace=True)
     assert set(results) == {0, 1, 2}, "\n".join(o[-3000:] for o in outputs)
@@ -236,13 +237,13 @@ def test_a_replacement_rejoins_and_every_replica_ends_identical(tmp_path):
     assert results[2]["replicas"] == [3] * (steps - joined)
     # Every replica holds the same bits (of the synchronous models), and the
     # optimizer saw every global batch once, as on one device.
-    for p, config in itertools.product((1, 2), ("all_reduce", "int8_ef", "zero")):
+    synchronous = ("all_reduce", "partition", "int8_ef", "zero")
+    for p, config in itertools.product((1, 2), synchronous):
         mine, first = results[p]["params"][config], results[0]["params"][config]
         assert_trees_close(mine, first, rtol=0, atol=0)
     expected = one_device(steps)
-    assert_trees_close(
-        results[0]["params"]["all_reduce"], expected, rtol=1e-5, atol=1e-6
-    )
+    for config in ("all_reduce", "partition"):
+        assert_trees_close(results[0]["params"][config], expected, rtol=1e-5, atol=1e-6)
     # Per-replica state (BMUF's local models, error-feedback buffers): the
     # replacement got process 0's; the result is that schedule without a kill.
     for config in ("bmuf", "streaming", "int8_ef", "zero"):
