@@ -1,12 +1,6 @@
 """Private: glibc's allocator set for XLA:CPU's step temporaries.
 
-The mmap and trim thresholds are raised so that freed blocks up to 1 GiB stay in the
-heap for the next step, and one arena serves every thread: a thread other than the
-main one allocates from an arena of its own, whose heaps are at most 64 MiB, so a
-larger block from an XLA worker thread would be freshly mapped (and faulted in) on
-every step whatever the thresholds.
-
-Why, and who sets them: "Temporaries over 32 MiB on CPU" in the performance guide.
+Why, and who sets it: "Temporaries over 32 MiB on CPU" in the performance guide.
 """
 
 from __future__ import annotations
@@ -20,14 +14,26 @@ from collections.abc import Mapping
 ENV_OPT_OUT = "JDP_DEFAULT_MALLOC"
 #: The mmap and trim thresholds jdp sets, in bytes.
 THRESHOLD_BYTES = 1 << 30
-#: glibc's variables jdp sets (the trailing underscores are glibc's spelling), and
-#: their `mallopt` parameters from glibc's <malloc.h>.
+#: glibc's variables jdp sets, and their `mallopt` parameters (glibc's <malloc.h>).
+#: Freed blocks up to 1 GiB stay in the heap; one arena, since a thread other than
+#: the main one (XLA's) has an arena of its own, of heaps of at most 64 MiB.
 SETTINGS = {
     "MALLOC_MMAP_THRESHOLD_": (-3, THRESHOLD_BYTES),
     "MALLOC_TRIM_THRESHOLD_": (-1, THRESHOLD_BYTES),
     "MALLOC_ARENA_MAX": (-8, 1),
 }
 GLIBC_VARIABLES = tuple(SETTINGS)
+#: Device nodes of an accelerator's host (NVIDIA, AMD, TPU), where the temporaries
+#: are the device's: no one arena there (the input pipelines' threads would wait).
+ACCELERATOR_NODES = ("/dev/nvidiactl", "/dev/kfd", "/dev/accel0")
+
+
+def _settings(env: Mapping[str, str]) -> dict[str, tuple[int, int]]:
+    """What to set: `SETTINGS`, less the one arena on an accelerator's host."""
+    on_cpu = env.get("JAX_PLATFORMS", "").strip().lower() == "cpu"
+    if on_cpu or not any(os.path.exists(node) for node in ACCELERATOR_NODES):
+        return SETTINGS
+    return {k: v for k, v in SETTINGS.items() if k != "MALLOC_ARENA_MAX"}
 
 
 def _left_alone(env: Mapping[str, str]) -> bool:
@@ -39,7 +45,7 @@ def child_env(env: Mapping[str, str]) -> dict[str, str]:
     """`env` with glibc's thresholds for a process to start, unless left alone."""
     out = dict(env)
     if not _left_alone(env) and sys.platform.startswith("linux"):
-        out.update({name: str(value) for name, (_, value) in SETTINGS.items()})
+        out.update({name: str(v) for name, (_, v) in _settings(env).items()})
     return out
 
 
@@ -55,4 +61,4 @@ def tune() -> bool:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):  # not glibc (musl has no `mallopt`)
         return False
-    return all([mallopt(param, value) == 1 for param, value in SETTINGS.values()])
+    return all([mallopt(*setting) == 1 for setting in _settings(os.environ).values()])

@@ -47,10 +47,7 @@ _BOUND_AXIS: contextvars.ContextVar[_Traced | None] = contextvars.ContextVar(
 
 @contextlib.contextmanager
 def bound_axis(axis_name: AxisName, devices: tuple | None = None) -> Iterator[dict]:
-    """While tracing a step, `axis_name=None` means this axis; yields the totals.
-
-    `devices`: the step's, for `traced_devices`.
-    """
+    """While tracing a step on `devices`, `axis_name=None` means this axis."""
     token = _BOUND_AXIS.set(_Traced(axis_name, {}, devices))
     try:
         yield _BOUND_AXIS.get().totals

@@ -231,10 +231,8 @@ def agree_across_processes(leaf_labels: list[tuple[str, str]], *, client: Any = 
     """Compares this process's `(path, label)` pairs with every other's.
 
     Through the coordination service (or `client`, for tests); nothing to do in
-    one process. The processes are those of the step's devices (under
-    `jdp.distributed.live`, the live ones), and the n-th trace on those devices
-    in one process meets the n-th in the others: a replacement that joins a new
-    set of devices traces its step there for the first time, as the others do.
+    one process. Among the processes of the step's devices (the live ones under
+    `jdp.distributed.live`), the n-th trace on those devices meets the others' n-th.
     """
     process = jax.process_index() if process is None else process
     if processes is None:  # the processes of the step's devices

@@ -114,3 +114,18 @@ def test_a_threads_large_block_comes_from_the_heap_once_tuned(extra, expected):
     # thread's own arena, afresh on every allocation; tuned, the second 96 MiB block
     # of a non-main thread reuses the heap (no mapped bytes while it is held).
     assert _run_without_glibc_settings(MAPPED, extra) == expected
+
+
+@pytest.mark.parametrize(
+    "extra, arena", [({}, None), ({"JAX_PLATFORMS": "cpu"}, "1")], ids=["gpu", "cpu"]
+)
+def test_an_accelerators_host_keeps_its_arenas(monkeypatch, tmp_path, extra, arena):
+    # A host with a GPU device node: the thresholds, but not the one arena (the
+    # step's temporaries are on the device), unless JAX is told to run on CPU.
+    node = tmp_path / "nvidiactl"
+    node.touch()
+    monkeypatch.setattr(_allocator, "ACCELERATOR_NODES", (str(node),))
+    env = _allocator.child_env({"PATH": "/bin", **extra})
+    if sys.platform.startswith("linux"):
+        assert env["MALLOC_MMAP_THRESHOLD_"] == str(2**30)
+        assert env.get("MALLOC_ARENA_MAX") == arena
