@@ -42,7 +42,7 @@ def _left_alone(env: Mapping[str, str]) -> bool:
 
 
 def child_env(env: Mapping[str, str]) -> dict[str, str]:
-    """`env` with glibc's thresholds for a process to start, unless left alone."""
+    """`env` with jdp's glibc settings for a process to start, unless left alone."""
     out = dict(env)
     if not _left_alone(env) and sys.platform.startswith("linux"):
         out.update({name: str(v) for name, (_, v) in _settings(env).items()})

@@ -235,15 +235,14 @@ def agree_across_processes(leaf_labels: list[tuple[str, str]], *, client: Any = 
     `jdp.distributed.live`), the n-th trace on those devices meets the others' n-th.
     """
     process = jax.process_index() if process is None else process
+    devices = _collectives.traced_devices()
     if processes is None:  # the processes of the step's devices
-        devices = _collectives.traced_devices() or jax.devices()
-        processes = sorted({d.process_index for d in devices})
+        processes = sorted({d.process_index for d in devices or jax.devices()})
     if len(processes) == 1 or (client is None and _coordination.client() is None):
         return
-    key = _next_key(_collectives.traced_devices())
     values = _coordination.exchange(
-        key, json.dumps(leaf_labels), process=process, processes=processes,
-        timeout_s=AGREE_TIMEOUT_S, client=client,
+        _next_key(devices), json.dumps(leaf_labels), process=process,
+        processes=processes, timeout_s=AGREE_TIMEOUT_S, client=client,
     )  # fmt: skip
     if missing := sorted(set(processes) - values.keys()):
         raise TimeoutError(
