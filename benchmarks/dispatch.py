@@ -20,7 +20,7 @@ Each round times every variant `--calls` times, in a fresh order; ratios are tak
 within a round, then the median over rounds.
 
     python benchmarks/dispatch.py [--devices 8] [--rounds 7] [--calls 30] [--quick]
-                                  [--gc-freeze]
+                                  [--gc-freeze] [--dict-leaves 10 100 600]
 
 `--gc-freeze` calls `gc.freeze()` once everything is built, as a training script
 can after setting up its model: Python's cyclic garbage collector then no longer
@@ -56,6 +56,13 @@ def main(argv=None) -> None:
         "--gc-freeze",
         action="store_true",
         help="gc.freeze() once set up (see the module docstring)",
+    )
+    parser.add_argument(
+        "--dict-leaves",
+        type=int,
+        nargs="+",
+        default=[10, 100, 600],
+        help="the dict states' leaf counts (the largest also runs on pmap)",
     )
     args = parser.parse_args(argv)
     if args.quick:
@@ -165,10 +172,11 @@ def main(argv=None) -> None:
 
     # name: (logical state, backend)
     configs = {
-        "dict, 10 leaves": (dict_state(10), "shard_map"),
-        "dict, 100 leaves": (dict_state(100), "shard_map"),
-        "dict, 600 leaves": (dict_state(600), "shard_map"),
-        "dict, 600 leaves, pmap": (dict_state(600), "pmap"),
+        f"dict, {n} leaves": (dict_state(n), "shard_map") for n in args.dict_leaves
+    }
+    most = max(args.dict_leaves)
+    configs |= {
+        f"dict, {most} leaves, pmap": (dict_state(most), "pmap"),
         "NNX modules, 300 leaves": (modules, "shard_map"),
         "NNX split state, 300": (split, "shard_map"),
         "NNX modules vs nnx.jit": (modules, "nnx.jit"),

@@ -117,22 +117,26 @@ if [ $dry_run = 1 ]; then
     run memory 150 "$PYTHON" benchmarks/memory.py --params 2e6 --steps 1 --rounds 1 \
         --only plain ZeRO
     run bmuf 150 "$PYTHON" benchmarks/bmuf.py --devices 2 --quick --rounds 1 --steps 12
+    # The demo's algorithms have their own tests (tests/test_demo.py): one here.
     demo_args=(--devices 2 --steps 20)
+    algos=(sync)
 else
     run overhead 120 "$PYTHON" benchmarks/overhead.py --devices "$num"
     run memory 150 "$PYTHON" benchmarks/memory.py
     run bmuf 120 "$PYTHON" benchmarks/bmuf.py --devices "$num" --rounds 3
     demo_args=()
+    algos=(sync bmuf zero)
 fi
 demo_out=$(mktemp -d)
-for algo in sync bmuf zero; do
+for algo in "${algos[@]}"; do
     run demo 60 "$PYTHON" -m jdp.demo --algo "$algo" --no-progress \
         --out "$demo_out/$algo" ${demo_args[@]+"${demo_args[@]}"}
 done
 rm -rf "$demo_out"
 # Last, so that it cannot take the demo's time: the host's cost per call.
 if [ $dry_run = 1 ]; then
-    run dispatch 60 "$PYTHON" benchmarks/dispatch.py --devices 2 --rounds 1 --calls 3
+    run dispatch 60 "$PYTHON" benchmarks/dispatch.py --devices 2 --rounds 1 --calls 3 \
+        --dict-leaves 10
 else
     run dispatch 60 "$PYTHON" benchmarks/dispatch.py --devices "$num" --quick
 fi

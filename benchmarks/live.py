@@ -27,7 +27,7 @@ run's training time over each run's.
 
     python benchmarks/live.py [--processes 4] [--kill-after 20] [--steps 5000]
         [--collective-timeout 10] [--heartbeat 5] [--cache] [--rejoin]
-        [--kill-every 60 30 [--seed 0]]
+        [--kill-every 60 30 [--seed 0]] [--batch 48]
 
 Processes are pinned one per core when the machine has enough cores.
 """
@@ -47,7 +47,7 @@ import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-WIDTH, DEPTH, BATCH = 384, 4, 48  # 48 examples: shared equally by 4, 3, 2 or 1
+WIDTH, DEPTH = 384, 4
 
 
 def emit(**event) -> None:
@@ -89,7 +89,8 @@ def worker(args) -> None:
     joined = step.position > 0  # a replacement: it reports its first step
     while step.position < args.steps:
         i = step.position
-        x = np.random.default_rng(i).normal(size=(BATCH, WIDTH)).astype(np.float32)
+        x = np.random.default_rng(i).normal(size=(args.batch, WIDTH))
+        x = x.astype(np.float32)
         state, metrics = step(state, {"x": x, "y": np.tanh(x)})
         loss = float(metrics["loss"])
         if args.rank == 0 or joined:
@@ -114,6 +115,7 @@ def worker_command(args, port: int, cores: list[int], rank: int) -> list[str]:
     cmd += ["--port", str(port), "--processes", str(args.processes)]
     cmd += ["--steps", str(args.steps), "--heartbeat", str(args.heartbeat)]
     cmd += ["--collective-timeout", str(args.collective_timeout)]
+    cmd += ["--batch", str(args.batch)]
     if args.cache:
         cmd += ["--cache", args.cache]
     if len(cores) >= args.processes:
@@ -302,6 +304,13 @@ def main() -> None:
     parser.add_argument("--rejoin", action="store_true")
     parser.add_argument("--kill-every", type=float, nargs="+", default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--batch",
+        type=int,
+        default=48,
+        help="the global batch: every replica count that may remain must divide it "
+        "(48: 4, 3, 2 or 1 processes; 168: 8, 7 or 6)",
+    )
     args = parser.parse_args()
     if args.rank is not None:
         worker(args)

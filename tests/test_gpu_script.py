@@ -42,8 +42,7 @@ def test_gpu_script_dry_run_writes_every_table(tmp_path):
     assert "gspmd (jit, P() params)" in tables["overhead.txt"]
     assert "BMUF k=16" in tables["bmuf.txt"]
     assert "NNX modules, 300 leaves" in tables["dispatch.txt"]
-    for algo in ("sync", "bmuf", "zero"):
-        assert f"| {algo} " in tables["demo.txt"]
+    assert "| sync " in tables["demo.txt"]
     assert "FAILED" not in tables["gpu.log"]
 
 

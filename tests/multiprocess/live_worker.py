@@ -6,8 +6,9 @@ PAUSE_S REPLACEMENT]. CONFIGS names the models, comma-separated (`all_reduce`,
 side, on the same batches and meshes. Process DIE_PROCESS SIGKILLs itself a
 few milliseconds into step DIE_AT (-1: nobody dies) unless it is a REPLACEMENT
 (1), which joins the others where they are. While fewer replicas than processes
-train, the step halfway waits until the replacement has started, and from then
-on each step waits PAUSE_S seconds first (time for the replacement to join).
+train, each step completed writes OUT_DIR/shrunk (the driver starts the
+replacement then), the step halfway waits until the replacement has started, and
+from then on each step waits PAUSE_S seconds first (time for it to join).
 Each process that finishes writes its final params and loss history per model,
 and its replica count per step, to OUT_DIR.
 """
@@ -120,6 +121,8 @@ while step.position < steps:  # a replacement starts where the others are
             time.sleep(0.1)
         time.sleep(pause_s)
     state, metrics = step(state, batches[i])
+    if pause_s and step.num_replicas < num:
+        (Path(out_dir) / "shrunk").touch()
     for c in models:
         losses[c].append(float(metrics[c]))
     replicas.append(step.num_replicas)

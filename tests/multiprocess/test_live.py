@@ -1,12 +1,14 @@
 """`jdp.distributed.live`: a process SIGKILLed mid-run, the others train on.
 
 Three real processes (one CPU device each, gloo on 127.0.0.1); process 2 kills
-itself at step 5 of 12. The survivors re-form over two replicas without a
-restart or a checkpoint and finish with the same state. One job trains every
-configuration side by side (starting the processes and waiting for the dead
-one's collectives to time out cost seconds); the tests of a kill read its parts.
-It runs once per test session: under xdist, the first worker to need it runs it
-and the others wait for its pickled results.
+itself at step 5. Two jobs, each run once per test session (under xdist the
+first worker to need one runs it and the others wait for its pickled results):
+in the first the survivors re-form over two replicas without a restart or a
+checkpoint and finish with the same state; in the second process 2 is started
+again, rejoins, and every configuration (synchronous, `jdp.partition`, BMUF,
+Streaming DiLoCo, int8 with error feedback, ZeRO) trains side by side through
+the kill and the rejoin (starting processes and waiting for the dead one's
+collectives to time out cost seconds); the tests read its parts.
 """
 
 import fcntl
@@ -30,6 +32,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
 WORKER = Path(__file__).with_name("live_worker.py")
 NUM, DIE_PROCESS, DIE_AT, STEPS, GLOBAL_BATCH = 3, 2, 5, 12, 12
+REJOIN_STEPS = 40
 CONFIGS = "all_reduce,partition,bmuf,streaming,int8_ef,zero"
 
 
@@ -39,12 +42,13 @@ def run_job(tmp_path, configs, *, timeout=150, replace=False, num=NUM,
 
     `configs`: the models the job trains side by side, comma-separated.
 
-    With `replace`, process `die_process` is started again once it has died, as a
-    replacement (its output is the last of the outputs).
+    With `replace`, process `die_process` is started again once it has died and
+    the others completed a step without it, as a replacement (its output is the
+    last of the outputs).
     """
     port = free_port()
     args = [str(num), str(port), str(tmp_path), str(die_process), str(DIE_AT), configs]
-    slow = ["40", "0.2"] if replace else []
+    slow = [str(REJOIN_STEPS), "0.2"] if replace else []
 
     def start(p, replacement="0"):
         return subprocess.Popen(
@@ -61,6 +65,13 @@ def run_job(tmp_path, configs, *, timeout=150, replace=False, num=NUM,
     try:
         if replace:
             procs[die_process].wait(timeout=timeout)
+            # Started once the survivors completed a step without it, so that
+            # the job trains on fewer replicas for a while however fast it is.
+            shrunk = tmp_path / "shrunk"
+            while not shrunk.exists() and time.monotonic() < deadline:
+                if procs[0].poll() is not None:
+                    break
+                time.sleep(0.05)
             procs.append(start(die_process, "1"))
         for proc in procs:
             left = max(1.0, deadline - time.monotonic())
@@ -83,18 +94,29 @@ def run_job(tmp_path, configs, *, timeout=150, replace=False, num=NUM,
     return results, outputs
 
 
-@pytest.fixture(scope="session")
-def killed_job(shared_dir):
-    """Every configuration, one job: the survivors' results and the outputs."""
-    with open(shared_dir / "live.lock", "w") as lock:
+def run_once(shared_dir, name, *args, **kwargs):
+    """`run_job(*args, **kwargs)`, run by the first worker to ask; pickled."""
+    with open(shared_dir / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        done = shared_dir / "live_results.pkl"
+        done = shared_dir / f"{name}_results.pkl"
         if not done.exists():
-            job = run_job(Path(tempfile.mkdtemp(dir=shared_dir)), CONFIGS)
+            job = run_job(Path(tempfile.mkdtemp(dir=shared_dir)), *args, **kwargs)
             tmp = done.with_suffix(".tmp")
             tmp.write_bytes(pickle.dumps(job))
             tmp.rename(done)
         return pickle.loads(done.read_bytes())
+
+
+@pytest.fixture(scope="session")
+def killed_job(shared_dir):
+    """A kill and no replacement: the survivors' results and the outputs."""
+    return run_once(shared_dir, "live_killed", "all_reduce,partition")
+
+
+@pytest.fixture(scope="session")
+def rejoined_job(shared_dir):
+    """Every configuration through a kill and a rejoin; results and outputs."""
+    return run_once(shared_dir, "live_rejoined", CONFIGS, replace=True)
 
 
 def check_survivors(results, outputs):
@@ -106,11 +128,28 @@ def check_survivors(results, outputs):
         assert r["changes"] == 1
         for losses in r["losses"].values():
             assert np.isfinite(losses).all()
-    # The survivors hold the same bits (Streaming DiLoCo's fragments are
-    # synced at different steps: its replicas are compared with a reference).
-    for config in ("all_reduce", "bmuf", "int8_ef", "zero"):
+    # The survivors hold the same bits.
+    for config in results[0]["params"]:
         mine, other = (results[p]["params"][config] for p in (0, 1))
         assert_trees_close(mine, other, rtol=0, atol=0)
+
+
+def check_rejoined(results, outputs):
+    """Returns the step the replacement joined at."""
+    assert set(results) == {0, 1, 2}, "\n".join(o[-3000:] for o in outputs)
+    assert "Devices failed" in outputs[0], outputs[0][-3000:]
+    joined = results[2]["first"]  # the step the replacement started at
+    assert DIE_AT < joined < REJOIN_STEPS
+    for p in (0, 1):  # 3 replicas, 2 until the replacement joined, 3 again
+        gap = joined - DIE_AT
+        assert results[p]["replicas"] == [3] * DIE_AT + [2] * gap + [3] * (
+            REJOIN_STEPS - joined
+        )
+    assert results[2]["replicas"] == [3] * (REJOIN_STEPS - joined)
+    for r in results.values():
+        for losses in r["losses"].values():
+            assert np.isfinite(losses).all()
+    return joined
 
 
 def one_device(steps):
@@ -202,55 +241,38 @@ def zero_without(state, replica):
     return state.replace(opt_state=zs.replace(chunks=treedef.unflatten(out)))
 
 
-@pytest.mark.parametrize("config", ["bmuf", "streaming", "int8_ef", "zero"])
-def test_per_replica_state_survives_a_kill(killed_job, config):
-    """BMUF's and Streaming DiLoCo's local models, the error-feedback buffers and
-    ZeRO's optimizer-state slices stay each replica's own; the dead replica
-    leaves the block average and the all-reduce, and its ZeRO slices restart
-    from the optimizer's initial value. The result is the run given the same
-    membership schedule without a kill."""
-    results, outputs = killed_job
-    check_survivors(results, outputs)
-    # gloo and the in-process collectives may sum in another order; with int8
-    # that can move a value by one quantization level, which error feedback
-    # carries into the next step.
-    tolerance = dict(atol=2e-3) if config == "int8_ef" else dict(rtol=1e-5, atol=1e-6)
-    for p, expected in enumerate(reference(config)):
-        assert_trees_close(results[p]["params"][config], expected, **tolerance)
-
-
-def test_a_replacement_rejoins_and_every_replica_ends_identical(tmp_path):
+def test_a_replacement_rejoins_and_every_replica_ends_identical(rejoined_job):
     """Process 2 is started again after its kill: it joins the survivors at a
-    step boundary, receives their whole state and trains on with them; with
-    every configuration (synchronous, BMUF, Streaming DiLoCo, int8 with error
-    feedback, ZeRO, a `jdp.partition` step)."""
-    steps = 40
-    results, outputs = run_job(tmp_path, CONFIGS, replace=True)
-    assert set(results) == {0, 1, 2}, "\n".join(o[-3000:] for o in outputs)
-    joined = results[2]["first"]  # the step the replacement started at
-    assert DIE_AT <= joined < steps
-    for p in (0, 1):  # 3 replicas, 2 until the replacement joined, 3 again
-        gap = joined - DIE_AT
-        assert results[p]["replicas"] == [3] * DIE_AT + [2] * gap + [3] * (
-            steps - joined
-        )
-    assert results[2]["replicas"] == [3] * (steps - joined)
+    step boundary, receives their whole state and trains on with them."""
+    results, outputs = rejoined_job
+    check_rejoined(results, outputs)
     # Every replica holds the same bits (of the synchronous models), and the
     # optimizer saw every global batch once, as on one device.
     synchronous = ("all_reduce", "partition", "int8_ef", "zero")
     for p, config in itertools.product((1, 2), synchronous):
         mine, first = results[p]["params"][config], results[0]["params"][config]
         assert_trees_close(mine, first, rtol=0, atol=0)
-    expected = one_device(steps)
+    expected = one_device(REJOIN_STEPS)
     for config in ("all_reduce", "partition"):
         assert_trees_close(results[0]["params"][config], expected, rtol=1e-5, atol=1e-6)
-    # Per-replica state (BMUF's local models, error-feedback buffers): the
-    # replacement got process 0's; the result is that schedule without a kill.
-    for config in ("bmuf", "streaming", "int8_ef", "zero"):
-        expected = reference(config, steps, joined)
-        tolerance = dict(atol=2e-3) if config == "int8_ef" else dict(rtol=1e-5)
-        for p, r in ((0, 0), (2, 1), (1, 2)):  # mesh order then: processes 0, 2, 1
-            assert_trees_close(results[p]["params"][config], expected[r], **tolerance)
+
+
+@pytest.mark.parametrize("config", ["bmuf", "streaming", "int8_ef", "zero"])
+def test_per_replica_state_survives_a_kill_and_a_rejoin(rejoined_job, config):
+    """BMUF's and Streaming DiLoCo's local models, the error-feedback buffers and
+    ZeRO's optimizer-state slices stay each replica's own; the dead replica
+    leaves the block average and the all-reduce, and its ZeRO slices restart
+    from the optimizer's initial value; the replacement gets process 0's. The
+    result is the run given the same membership schedule without a kill."""
+    results, outputs = rejoined_job
+    joined = check_rejoined(results, outputs)
+    expected = reference(config, REJOIN_STEPS, joined)
+    # gloo and the in-process collectives may sum in another order; with int8
+    # that can move a value by one quantization level, which error feedback
+    # carries into the next step.
+    tolerance = dict(atol=2e-3) if config == "int8_ef" else dict(rtol=1e-5, atol=1e-6)
+    for p, r in ((0, 0), (2, 1), (1, 2)):  # mesh order then: processes 0, 2, 1
+        assert_trees_close(results[p]["params"][config], expected[r], **tolerance)
 
 
 def test_a_replacement_rejoins_a_job_of_four_processes(tmp_path):
@@ -268,7 +290,7 @@ def test_a_replacement_rejoins_a_job_of_four_processes(tmp_path):
     )
     assert set(results) == set(range(num)), "\n".join(o[-3000:] for o in outputs)
     joined = results[num - 1]["first"]
-    assert DIE_AT <= joined < steps
+    assert DIE_AT < joined < steps
     for p in range(num - 1):
         gap = joined - DIE_AT
         expected = [num] * DIE_AT + [num - 1] * gap + [num] * (steps - joined)
