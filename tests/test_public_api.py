@@ -3,6 +3,10 @@ import inspect
 import json
 import pathlib
 import re
+import subprocess
+import sys
+
+import pytest
 
 import jdp
 
@@ -50,6 +54,23 @@ def test_public_names_are_pinned():
             "zero",
         ]
     )
+
+
+def test_import_jdp_leaves_orbax_to_jdp_checkpoint():
+    """orbax is imported when `jdp.checkpoint` is first used, not by `import jdp`."""
+    code = (
+        "import sys, jdp; before = any(m.startswith('orbax') for m in sys.modules); "
+        "manager = jdp.checkpoint.CheckpointManager; "
+        "print(before, any(m.startswith('orbax') for m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert out.stdout.split() == ["False", "True"], out.stderr
+    with pytest.raises(
+        AttributeError, match="module 'jdp' has no attribute 'chekpoint'"
+    ):
+        jdp.chekpoint  # noqa: B018
 
 
 def test_public_subpackages_are_pinned():
