@@ -53,6 +53,7 @@ def __getattr__(name: str):
         return jdp.checkpoint
     raise AttributeError(f"module 'jdp' has no attribute {name!r}")
 
+
 __all__ = [
     "BMUFState", "BlockAverage", "Collective", "MemoryAnalysis", "Parallel",
     "PowerSGDState", "ReplicaDivergenceError", "Streaming", "Sync", "TrainState",

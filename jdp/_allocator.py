@@ -12,17 +12,14 @@ from collections.abc import Mapping
 
 #: Set to 1 to keep glibc's own settings in jdp's entry points.
 ENV_OPT_OUT = "JDP_DEFAULT_MALLOC"
-#: The mmap and trim thresholds jdp sets, in bytes.
-THRESHOLD_BYTES = 1 << 30
 #: glibc's variables jdp sets, and their `mallopt` parameters (glibc's <malloc.h>).
 #: Freed blocks up to 1 GiB stay in the heap; one arena, since a thread other than
 #: the main one (XLA's) has an arena of its own, of heaps of at most 64 MiB.
 SETTINGS = {
-    "MALLOC_MMAP_THRESHOLD_": (-3, THRESHOLD_BYTES),
-    "MALLOC_TRIM_THRESHOLD_": (-1, THRESHOLD_BYTES),
+    "MALLOC_MMAP_THRESHOLD_": (-3, 1 << 30),
+    "MALLOC_TRIM_THRESHOLD_": (-1, 1 << 30),
     "MALLOC_ARENA_MAX": (-8, 1),
 }
-GLIBC_VARIABLES = tuple(SETTINGS)
 #: Device nodes of an accelerator's host (NVIDIA, AMD, TPU), where the temporaries
 #: are the device's: no one arena there (the input pipelines' threads would wait).
 ACCELERATOR_NODES = ("/dev/nvidiactl", "/dev/kfd", "/dev/accel0")
@@ -38,7 +35,7 @@ def _settings(env: Mapping[str, str]) -> dict[str, tuple[int, int]]:
 
 def _left_alone(env: Mapping[str, str]) -> bool:
     opted_out = env.get(ENV_OPT_OUT, "") not in ("", "0")
-    return opted_out or any(name in env for name in GLIBC_VARIABLES)
+    return opted_out or any(name in env for name in SETTINGS)
 
 
 def child_env(env: Mapping[str, str]) -> dict[str, str]:

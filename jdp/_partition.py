@@ -11,10 +11,8 @@ from typing import Any
 import jax
 
 from jdp import _collectives, _coordination, _replica_parts, _sync, _transforms
-from jdp._tree import keystr
+from jdp._tree import PyTree, keystr
 from jdp.sparse._lookup import densify, is_rows
-
-PyTree = Any
 
 #: Labels whose leaves are synchronised without a `jdp.Sync` piece.
 BROADCAST = "broadcast"

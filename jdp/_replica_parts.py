@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 import jax
 
-PyTree = Any
+from jdp._tree import PyTree
 
 
 class _Declaration(NamedTuple):

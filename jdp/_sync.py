@@ -12,9 +12,8 @@ import optax
 from jax import lax
 
 from jdp import _bmuf, _collectives, _layout, _replica_parts, _transforms, _wire
-from jdp._tree import finite, float_map
+from jdp._tree import PyTree, finite, float_map
 
-PyTree = Any
 BatchStatsMode = Literal["mean", "broadcast"]
 OnBadReplica = Literal["drop"]
 

@@ -10,8 +10,7 @@ import optax
 from flax import struct
 
 from jdp import _sync
-
-PyTree = Any
+from jdp._tree import PyTree
 
 
 class TrainState(struct.PyTreeNode):

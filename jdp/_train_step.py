@@ -13,9 +13,8 @@ import optax
 from jax import lax
 
 from jdp import _collectives, _loss, _replica_parts, _step_checks, _sync, _validate
+from jdp._tree import PyTree
 from jdp.sparse import _train_step as _sparse
-
-PyTree = Any
 
 #: `jdp.all_reduce()`, the default piece (made once: a `Sync` is immutable).
 _DEFAULT_SYNC = _sync.all_reduce()

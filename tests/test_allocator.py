@@ -37,7 +37,7 @@ def test_a_users_own_setting_is_kept(base):
     env = _setup.process_env(
         base, process_id=0, num_processes=2, port=1, devices_per_process=1
     )
-    for name in _allocator.GLIBC_VARIABLES:
+    for name in _allocator.SETTINGS:
         assert env.get(name) == base.get(name)
 
 

@@ -167,8 +167,7 @@ def record(sync_period, outer, warmup_steps, inner_state_at_sync, streaming,
     """The record of `jdp.bmuf`'s arguments (`outer` None for `block_momentum`)."""
     _check_value(streaming, Streaming, "streaming", "jdp.Streaming(fragments=2)")
     _check_value(average, BlockAverage, "average", "jdp.BlockAverage(wire=...)")
-    if outer is None:
-        outer = block_momentum()
+    outer = block_momentum() if outer is None else outer
     _check_transform(outer, "outer")
     classical = isinstance(outer, BlockMomentum)
     return Options(

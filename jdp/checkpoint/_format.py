@@ -21,11 +21,9 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from jdp._layout import is_key, key_impl
-from jdp._tree import keystr
+from jdp._tree import PyTree, keystr
 from jdp._version import __version__
 from jdp.checkpoint._damage import corrupt, reading
-
-PyTree = Any
 
 #: Orbax item names inside one step directory.
 STATE_ITEM = "state"
@@ -178,8 +176,7 @@ def read_arrays(directory: epath.Path, step: int, item: str, names: Sequence[str
     if not names:
         return []
     use_ocdbt = tree.get("use_ocdbt")
-    if use_ocdbt is None:
-        use_ocdbt = th.is_ocdbt_checkpoint(parent)
+    use_ocdbt = th.is_ocdbt_checkpoint(parent) if use_ocdbt is None else use_ocdbt
     context = th.get_ts_context(use_ocdbt=bool(use_ocdbt))
     infos = [
         th.ParamInfo(name=name, parent_dir=parent, is_ocdbt_checkpoint=bool(use_ocdbt),

@@ -14,6 +14,7 @@ import jax
 from etils import epath
 
 from jdp import _validate
+from jdp._tree import PyTree
 from jdp.checkpoint import _restore
 from jdp.checkpoint._common import check_step_number, error_text
 from jdp.checkpoint._damage import DAMAGED_SUFFIX, CheckpointCorruptedError, set_aside
@@ -21,8 +22,6 @@ from jdp.checkpoint._extra import encode_extra
 from jdp.checkpoint._lock import DirectoryLock, acquire_for_job, check_same_directory
 from jdp.checkpoint._save import check_not_overwriting, check_replicated, save_items
 from jdp.checkpoint._store import StepStore, check_directory
-
-PyTree = Any
 
 FALLBACK_MSG = (
     "`CheckpointManager.restore`: step {step} in {directory} is damaged ({detail}); "

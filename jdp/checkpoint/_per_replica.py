@@ -19,12 +19,10 @@ from etils import epath
 
 from jdp import _replica_parts
 from jdp._layout import compare_replicas, is_custom, place_like
-from jdp._tree import keystr
+from jdp._tree import PyTree, keystr
 from jdp.checkpoint._common import short_list
 from jdp.checkpoint._damage import corrupt, reading
 from jdp.checkpoint._format import REPLICAS_ITEM, crc32, host_copy
-
-PyTree = Any
 
 DIFFERING_MSG = (
     "`CheckpointManager.restore`: step {step} in {directory} was saved between "

@@ -15,7 +15,7 @@ import numpy as np
 from etils import epath
 
 from jdp._layout import abstract, is_custom, is_key, logical_like, place_like
-from jdp._tree import format_problems, keystr
+from jdp._tree import PyTree, format_problems, keystr
 from jdp.checkpoint import _per_replica
 from jdp.checkpoint._common import check_step_number, error_text, short_list
 from jdp.checkpoint._damage import DAMAGED_SUFFIX, corrupt, reading
@@ -30,8 +30,6 @@ from jdp.checkpoint._format import (
 )
 from jdp.checkpoint._integrity import check_leaves
 from jdp.checkpoint._store import NO_CHECKPOINT_MSG, StepStore
-
-PyTree = Any
 
 MISMATCH_MSG = (
     "`CheckpointManager.restore`: the checkpoint of step {step} in {directory} does "

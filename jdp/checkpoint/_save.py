@@ -10,13 +10,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jdp._layout import logical_copy
-from jdp._tree import format_problems, keystr
+from jdp._tree import PyTree, format_problems, keystr
 from jdp.checkpoint import _format
 from jdp.checkpoint._extra import encode_extra
 from jdp.checkpoint._per_replica import host_replicas, replicas_save
 from jdp.checkpoint._store import StepStore
-
-PyTree = Any
 
 NOT_REPLICATED_MSG = (
     "`CheckpointManager.save`: `state` is not a replicated state. Expected every "

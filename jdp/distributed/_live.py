@@ -11,7 +11,6 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -22,8 +21,7 @@ from jax.experimental import multihost_utils
 from jdp import _collectives, _coordination, _layout
 from jdp._parallel import Parallel, parallelize
 from jdp._train_step import TrainStep
-
-PyTree = Any
+from jdp._tree import PyTree
 
 _log = logging.getLogger("jdp.distributed")
 
@@ -56,6 +54,9 @@ class LiveStep:
         self._helpers: dict[Callable, Parallel] = {}
         #: `{process: join key value}` of the replacements already healed.
         self._joins: dict[int, str] = {}
+        #: While the mesh lacks a process, rounds wait for its members only until all
+        #: saw a join key (written by a replacement reaching its first round).
+        self._admit = False
         #: Steps completed through this object.
         self.position = 0
         #: How many times the set of replicas changed after the first mesh.
@@ -90,7 +91,8 @@ class LiveStep:
             with attempt:
                 with multihost_utils.live_devices(self._devices) as live:
                     self._form(live)
-                    placed = self._place_state(state)
+                    host = jax.tree.map(_layout.host_value, state)
+                    placed = _layout.place_copies(state, host, self._parallel.sharding)
                     if joining:
                         self._new_joins(live)
                         placed = self._relayout(placed, lambda x: x, holds=False)
@@ -109,14 +111,16 @@ class LiveStep:
           RuntimeError: After `max_retries` failed attempts at one step.
         """
         for tries, attempt in enumerate(self._attempts()):
-            healed = False
+            healed, admit = False, self._admit
             with attempt:
-                with multihost_utils.live_devices(self._devices) as live:
+                with multihost_utils.live_devices(self._barrier()) as live:
                     # (A failure while re-forming leaves `state` on the old mesh.)
-                    on = _mesh_ids(state)
-                    changed = _ids(live) != _ids(sorted(self.devices, key=_id)) or (
-                        on not in ("", _ids(self.devices))
-                    )
+                    leaves = jax.tree.leaves(state)
+                    first = next((x for x in leaves if isinstance(x, jax.Array)), None)
+                    mesh = getattr(getattr(first, "sharding", None), "mesh", None)
+                    on = "" if mesh is None else _ids(mesh.devices.flat)
+                    mine = _ids(sorted(self.devices, key=lambda d: d.id))
+                    changed = _ids(live) != mine or on not in ("", _ids(self.devices))
                     # A replacement shows as a failed round (its incarnation is
                     # new) or as a new device: only then is the store read.
                     joined = (tries > 0 or changed) and self._new_joins(live)
@@ -128,7 +132,9 @@ class LiveStep:
                     else:
                         out = self._parallel(state, self._place(batch))
                         jax.block_until_ready(out)
+                        admit = admit or self._joiner_seen_by_all()
             if attempt.ok and not healed:
+                self._admit = admit
                 self.position += 1
                 if self.position == 1:
                     self._store.put(f"{_KEYS}running", "1")
@@ -159,14 +165,36 @@ class LiveStep:
         Only processes in `live` count: the barrier released every process of
         the round after they had written their keys, so all read the same.
         """
-        prefix = f"{_KEYS}join/"
-        joins = _coordination.by_number(self._store.entries(prefix), prefix)
-        processes = {d.process_index for d in live}
-        found = {
-            p: v for p, v in joins.items() if p in processes and self._joins.get(p) != v
-        }
+        found = self._joins_new(live)
         self._joins.update(found)
         return bool(found)
+
+    def _joins_new(self, devices: Sequence[jax.Device]) -> dict[int, str]:
+        """`{process: join key value}` of `devices`' processes not healed since."""
+        processes = {d.process_index for d in devices}
+        prefix = f"{_KEYS}join/"
+        joins = _coordination.by_number(self._store.entries(prefix), prefix)
+        return {
+            p: v for p, v in joins.items() if p in processes and self._joins.get(p) != v
+        }
+
+    def _barrier(self) -> list[jax.Device]:
+        """The devices whose processes a round waits for (see `_admit`)."""
+        if self._parallel is None or self._admit:
+            return self._devices
+        members = {d.process_index for d in self.devices}
+        return [d for d in self._devices if d.process_index in members]
+
+    def _joiner_seen_by_all(self) -> bool:
+        """While the mesh lacks a process: whether every member saw a join key.
+
+        (A key may appear between two reads; the sum over the mesh is the same.)
+        """
+        if len(self.devices) == len(self._devices):
+            return False
+        seen = bool(self._joins_new(set(self._devices) - set(self.devices)))
+        total = self._on_mesh(_sum_replicas, {}, int(seen))[1]["sum"]
+        return int(total) == self.num_replicas
 
     def _heal(self, state: PyTree) -> PyTree:
         """Every replica behind the most advanced one gets its whole state.
@@ -203,13 +231,14 @@ class LiveStep:
         are kept in the coordination service's store, which a replacement reads.
         """
         used = set(self._store.entries(f"{_KEYS}used/").values())
-        ordered = sorted(live, key=_id)
+        ordered = sorted(live, key=lambda d: d.id)
         order = next(
             (o for o in itertools.permutations(ordered) if _ids(o) not in used),
             ordered,
         )
         if self._parallel is not None:
             self.membership_changes += 1
+        self._admit = False
         devices = list(order)
         self._parallel = parallelize(
             _metrics_last(self._train_step), devices=devices, donate_state=False
@@ -253,11 +282,6 @@ class LiveStep:
             return rewrap(x)
 
         return jax.tree.map(one, state, is_leaf=_layout.is_custom)
-
-    def _place_state(self, state: PyTree) -> PyTree:
-        """This process's logical `state` on its devices of the current mesh."""
-        host = jax.tree.map(_layout.host_value, state)
-        return _layout.place_copies(state, host, self._parallel.sharding)
 
     def _place(self, batch: PyTree) -> PyTree:
         """This process's replicas' rows of the global `batch`, placed."""
@@ -315,9 +339,8 @@ def _heal_replicas(state: PyTree, position: jax.Array) -> tuple[PyTree, dict]:
     return _layout.map_agreed(heal, state), {"position": everyone[source]}
 
 
-def _sum_replicas(tree: PyTree, unused: jax.Array) -> tuple[PyTree, dict]:
-    del unused
-    return lax.psum(tree, _collectives.resolve_axis(None)), {}
+def _sum_replicas(tree: PyTree, value: jax.Array) -> tuple[PyTree, dict]:
+    return lax.psum((tree, {"sum": value[0]}), _collectives.resolve_axis(None))
 
 
 class _Attempt:
@@ -331,8 +354,7 @@ class _Attempt:
         return self
 
     def __exit__(self, kind, error, tb):
-        step = self._step
-        step._mark_used()
+        self._step._mark_used()
         if error is None:
             self.ok = True
             return False
@@ -350,17 +372,6 @@ class _Attempt:
             self._failures[-1][:200],
         )
         return True
-
-
-def _id(device: jax.Device) -> int:
-    return device.id
-
-
-def _mesh_ids(state: PyTree) -> str:
-    """The device order of the mesh `state`'s arrays are on ("": no arrays)."""
-    arrays = (x for x in jax.tree.leaves(state) if isinstance(x, jax.Array))
-    mesh = getattr(getattr(next(arrays, None), "sharding", None), "mesh", None)
-    return "" if mesh is None else _ids(mesh.devices.flat)
 
 
 def live(

@@ -12,11 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jdp import _collectives, _jax_compat, _sync
+from jdp._tree import PyTree
 from jdp.sparse._gather import all_gather_rows, combine_rows
 from jdp.sparse._lookup import is_rows, path_name, split_rows, value_and_grad
 from jdp.sparse._optim import SparseTransformation, apply_sparse
-
-PyTree = Any
 
 
 class IdsOutOfRangeError(ValueError):

@@ -1,16 +1,18 @@
 """One process of a live job: trains through `jdp.distributed.live`.
 
 argv: PROCESS_ID NUM_PROCESSES PORT OUT_DIR DIE_PROCESS DIE_AT CONFIGS [STEPS
-PAUSE_S REPLACEMENT]. CONFIGS names the models, comma-separated (`all_reduce`,
-`partition`, `int8_ef`, `zero`, `bmuf`, `streaming`): one live step trains them side by
-side, on the same batches and meshes. Process DIE_PROCESS SIGKILLs itself a
-few milliseconds into step DIE_AT (-1: nobody dies) unless it is a REPLACEMENT
-(1), which joins the others where they are. While fewer replicas than processes
-train, each step completed writes OUT_DIR/shrunk (the driver starts the
-replacement then), the step halfway waits until the replacement has started, and
-from then on each step waits PAUSE_S seconds first (time for it to join).
-Each process that finishes writes its final params and loss history per model,
-and its replica count per step, to OUT_DIR.
+PAUSE_S REPLACEMENT BOOT_S]. CONFIGS names the models, comma-separated
+(`all_reduce`, `partition`, `int8_ef`, `zero`, `bmuf`, `streaming`): one live step
+trains them side by side, on the same batches and meshes. Process DIE_PROCESS
+SIGKILLs itself a few milliseconds into step DIE_AT (-1: nobody dies) unless it
+is a REPLACEMENT (1), which joins the others where they are after a start-up of
+BOOT_S seconds once connected (as a real one builds its model and data). While
+fewer replicas than processes train, each step completed writes OUT_DIR/shrunk
+(the driver starts the replacement then), the step halfway waits until the
+replacement has connected, and from then on each step waits PAUSE_S seconds
+first (time for it to join). Each process that finishes writes its final params
+and loss history per model, its replica count and end time per step, and a
+replacement the times it connected and called `step.replicate`, to OUT_DIR.
 """
 
 import os
@@ -26,12 +28,13 @@ os.environ["XLA_FLAGS"] = (
 )
 pid, num, port, out_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 die_process, die_at, configs = int(sys.argv[5]), int(sys.argv[6]), sys.argv[7]
-steps, pause_s, replacement = 12, 0.0, False
+steps, pause_s, replacement, boot_s = 12, 0.0, False, 0.0
 if len(sys.argv) > 8:
-    steps, pause_s, replacement = (
+    steps, pause_s, replacement, boot_s = (
         int(sys.argv[8]),
         float(sys.argv[9]),
         sys.argv[10] == "1",
+        float(sys.argv[11]),
     )
 
 import jax  # noqa: E402
@@ -47,6 +50,10 @@ jdp.distributed.initialize(
     heartbeat_timeout_s=5,
     fail_fast=False,
 )
+boot = [time.time()]  # a replacement: connected, then `step.replicate` called
+if replacement:
+    (Path(out_dir) / f"replacement-{pid}-connected").touch()
+    time.sleep(boot_s)
 
 import optax  # noqa: E402
 
@@ -99,12 +106,11 @@ state = {
     c: jdp.TrainState.create(params=params, tx=tx, sync=sync)
     for c, (tx, sync) in models.items()
 }
-if replacement:
-    (Path(out_dir) / f"replacement-{pid}-started").touch()
+boot.append(time.time())
 state = step.replicate(state)
-losses, replicas = {c: [] for c in models}, []
+losses, replicas, times = {c: [] for c in models}, [], []
 batches = make_batches(steps, GLOBAL_BATCH)
-started = Path(out_dir) / f"replacement-{die_process}-started"
+connected = Path(out_dir) / f"replacement-{die_process}-connected"
 while step.position < steps:  # a replacement starts where the others are
     i = step.position
     if pid == die_process and i == die_at and not replacement:
@@ -112,12 +118,12 @@ while step.position < steps:  # a replacement starts where the others are
         # failure is: the others' collectives must fail, not abort them.
         threading.Timer(0.003, os.kill, (os.getpid(), signal.SIGKILL)).start()
     if pause_s and step.num_replicas < num and i >= steps // 2:
-        # Halfway, wait for the replacement to reach `step.replicate` (however
-        # slow the machine), so that it joins before the others finish.
+        # Halfway, wait for the replacement to connect (however slow the
+        # machine), so that it joins before the others finish.
         deadline = time.monotonic() + 120
-        while i == steps // 2 and not started.exists():
+        while i == steps // 2 and not connected.exists():
             if time.monotonic() > deadline:
-                raise SystemExit(f"[{pid}] the replacement did not start in 120 s")
+                raise SystemExit(f"[{pid}] the replacement did not connect in 120 s")
             time.sleep(0.1)
         time.sleep(pause_s)
     state, metrics = step(state, batches[i])
@@ -126,6 +132,7 @@ while step.position < steps:  # a replacement starts where the others are
     for c in models:
         losses[c].append(float(metrics[c]))
     replicas.append(step.num_replicas)
+    times.append(time.time())
 one = jax.tree.map(
     lambda x: x.addressable_shards[0].data[0] if isinstance(x, jax.Array) else x,
     state,
@@ -138,6 +145,8 @@ with open(Path(out_dir) / f"{pid}.pkl", "wb") as f:
             "replicas": replicas,
             "changes": step.membership_changes,
             "first": steps - len(replicas),
+            "times": times,
+            "boot": boot,
         },
         f,
     )

@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
 WORKER = Path(__file__).with_name("live_worker.py")
 NUM, DIE_PROCESS, DIE_AT, STEPS, GLOBAL_BATCH = 3, 2, 5, 12, 12
-REJOIN_STEPS = 40
+REJOIN_STEPS, BOOT_S = 60, 3.0
 CONFIGS = "all_reduce,partition,bmuf,streaming,int8_ef,zero"
 
 
@@ -49,11 +49,12 @@ def run_job(tmp_path, configs, *, timeout=150, replace=False, num=NUM,
     port = free_port()
     args = [str(num), str(port), str(tmp_path), str(die_process), str(DIE_AT), configs]
     slow = [str(REJOIN_STEPS), "0.2"] if replace else []
+    boot = [str(BOOT_S)] if replace else []
 
     def start(p, replacement="0"):
         return subprocess.Popen(
             [sys.executable, str(WORKER), str(p), *args]
-            + (slow + [replacement] if slow else []),
+            + (slow + [replacement] + boot if slow else []),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -257,6 +258,19 @@ def test_a_replacement_rejoins_and_every_replica_ends_identical(rejoined_job):
         assert_trees_close(results[0]["params"][config], expected, rtol=1e-5, atol=1e-6)
 
 
+def test_the_survivors_train_on_while_a_replacement_starts_up(rejoined_job):
+    """A replacement is connected to the job BOOT_S seconds before it calls
+    `step.replicate` (a real one loads its data and builds its model then): the
+    others do not wait for it, they train on and take it in once it is ready."""
+    results, outputs = rejoined_job
+    check_rejoined(results, outputs)
+    connected, ready = results[2]["boot"]
+    assert ready - connected >= BOOT_S
+    for p in (0, 1):
+        during = [t for t in results[p]["times"] if connected < t < ready]
+        assert len(during) >= 3, (p, connected, ready, results[p]["times"])
+
+
 @pytest.mark.parametrize("config", ["bmuf", "streaming", "int8_ef", "zero"])
 def test_per_replica_state_survives_a_kill_and_a_rejoin(rejoined_job, config):
     """BMUF's and Streaming DiLoCo's local models, the error-feedback buffers and
@@ -284,7 +298,7 @@ def test_a_replacement_rejoins_a_job_of_four_processes(tmp_path):
     reduces its metrics after the gradients, so that nothing it then receives
     is larger than the buffer it left posted (which would abort it, and with it
     the coordination service)."""
-    steps, num = 40, 4
+    steps, num = REJOIN_STEPS, 4
     results, outputs = run_job(
         tmp_path, "all_reduce", replace=True, num=num, die_process=num - 1
     )
