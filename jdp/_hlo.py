@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from jdp._tree import PyTree
+PyTree = Any
 
 #: The kinds of collective reported; their opcodes may end in "-start" (async) or
 #: begin with "ragged-".

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 import jax
 
-from jdp._tree import PyTree
+PyTree = Any
 
 
 class _Declaration(NamedTuple):

@@ -186,10 +186,7 @@ class LiveStep:
         return [d for d in self._devices if d.process_index in members]
 
     def _joiner_seen_by_all(self) -> bool:
-        """While the mesh lacks a process: whether every member saw a join key.
-
-        (A key may appear between two reads; the sum over the mesh is the same.)
-        """
+        """Whether all members saw a join key (a sum over the mesh: all agree)."""
         if len(self.devices) == len(self._devices):
             return False
         seen = bool(self._joins_new(set(self._devices) - set(self.devices)))
