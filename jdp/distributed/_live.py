@@ -110,29 +110,30 @@ class LiveStep:
         Raises:
           RuntimeError: After `max_retries` failed attempts at one step.
         """
-        for tries, attempt in enumerate(self._attempts()):
-            healed, admit = False, self._admit
+        failed = False
+        for attempt in self._attempts():
+            healed, admit, found = False, self._admit, {}
             with attempt:
                 with multihost_utils.live_devices(self._barrier()) as live:
-                    # (A failure while re-forming leaves `state` on the old mesh.)
-                    leaves = jax.tree.leaves(state)
-                    first = next((x for x in leaves if isinstance(x, jax.Array)), None)
-                    mesh = getattr(getattr(first, "sharding", None), "mesh", None)
-                    on = "" if mesh is None else _ids(mesh.devices.flat)
+                    # After a failed round every process re-forms, on a new device
+                    # order even for the same devices (a timed-out collective's
+                    # connections stay broken), and heals a join not healed yet.
                     mine = _ids(sorted(self.devices, key=lambda d: d.id))
-                    changed = _ids(live) != mine or on not in ("", _ids(self.devices))
+                    changed = failed or _ids(live) != mine
                     # A replacement shows as a failed round (its incarnation is
                     # new) or as a new device: only then is the store read.
-                    joined = (tries > 0 or changed) and self._new_joins(live)
-                    if joined or changed:
+                    found = self._joins_new(live) if changed else {}
+                    if changed:
                         state = self._reform(live, state)
-                    if joined:  # a round of its own: every process heals
+                    if found:  # a round of its own: every process heals
                         state = jax.block_until_ready(self._heal(state))
                         healed = True
                     else:
                         out = self._parallel(state, self._place(batch))
                         jax.block_until_ready(out)
                         admit = admit or self._joiner_seen_by_all()
+            failed = not attempt.ok
+            self._joins.update(found if attempt.ok else {})
             if attempt.ok and not healed:
                 self._admit = admit
                 self.position += 1

@@ -13,6 +13,8 @@ replacement has connected, and from then on each step waits PAUSE_S seconds
 first (time for it to join). Each process that finishes writes its final params
 and loss history per model, its replica count and end time per step, and a
 replacement the times it connected and called `step.replicate`, to OUT_DIR.
+Environment: LIVE_COLLECTIVE_TIMEOUT (seconds, default 10); LIVE_STALL
+"PROCESS:STEP:SECONDS" pauses that live process before that step.
 """
 
 import os
@@ -23,9 +25,13 @@ import threading
 import time
 from pathlib import Path
 
+TIMEOUT_S = os.environ.get("LIVE_COLLECTIVE_TIMEOUT", "10")
 os.environ["XLA_FLAGS"] = (
-    "--xla_force_host_platform_device_count=1 --xla_cpu_collective_timeout_seconds=10"
+    "--xla_force_host_platform_device_count=1 "
+    f"--xla_cpu_collective_timeout_seconds={TIMEOUT_S}"
 )
+# "PROCESS:STEP:SECONDS": that process pauses before that step, alive (a GC pause).
+STALL = [float(v) for v in os.environ.get("LIVE_STALL", "-1:-1:0").split(":")]
 pid, num, port, out_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 die_process, die_at, configs = int(sys.argv[5]), int(sys.argv[6]), sys.argv[7]
 steps, pause_s, replacement, boot_s = 12, 0.0, False, 0.0
@@ -113,6 +119,8 @@ batches = make_batches(steps, GLOBAL_BATCH)
 connected = Path(out_dir) / f"replacement-{die_process}-connected"
 while step.position < steps:  # a replacement starts where the others are
     i = step.position
+    if (pid, i) == (STALL[0], STALL[1]):
+        time.sleep(STALL[2])
     if pid == die_process and i == die_at and not replacement:
         # Killed a few milliseconds into the step, mid-collective as a real
         # failure is: the others' collectives must fail, not abort them.

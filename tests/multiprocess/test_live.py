@@ -13,6 +13,7 @@ collectives to time out cost seconds); the tests read its parts.
 
 import fcntl
 import itertools
+import os
 import pickle
 import subprocess
 import sys
@@ -37,7 +38,7 @@ CONFIGS = "all_reduce,partition,bmuf,streaming,int8_ef,zero"
 
 
 def run_job(tmp_path, configs, *, timeout=150, replace=False, num=NUM,
-            die_process=DIE_PROCESS):  # fmt: skip
+            die_process=DIE_PROCESS, env=None):  # fmt: skip
     """Starts the processes; returns each survivor's results and the outputs.
 
     `configs`: the models the job trains side by side, comma-separated.
@@ -58,6 +59,7 @@ def run_job(tmp_path, configs, *, timeout=150, replace=False, num=NUM,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
+            env={**os.environ, **(env or {})},
         )
 
     procs = [start(p) for p in range(num)]
@@ -287,6 +289,27 @@ def test_per_replica_state_survives_a_kill_and_a_rejoin(rejoined_job, config):
     tolerance = dict(atol=2e-3) if config == "int8_ef" else dict(rtol=1e-5, atol=1e-6)
     for p, r in ((0, 0), (2, 1), (1, 2)):  # mesh order then: processes 0, 2, 1
         assert_trees_close(results[p]["params"][config], expected[r], **tolerance)
+
+
+def test_a_collective_that_times_out_among_live_processes_is_survived(tmp_path):
+    """Process 1 pauses for longer than the collective timeout before step 5 (alive,
+    as in a long GC pause): the others' all-reduce times out, which leaves that
+    mesh's connections broken. Every process re-forms on a new device order and
+    runs the step again; the job ends as one device would have trained."""
+    env = {"LIVE_COLLECTIVE_TIMEOUT": "2", "LIVE_STALL": "1:5:4"}
+    results, outputs = run_job(tmp_path, "all_reduce", die_process=-1, env=env)
+    assert set(results) == {0, 1, 2}, "\n".join(o[-3000:] for o in outputs)
+    assert "the step failed on every live process" in outputs[0], outputs[0][-3000:]
+    for p in range(3):
+        assert results[p]["replicas"] == [3] * STEPS
+        assert results[p]["changes"] >= 1  # re-formed over the same three devices
+        assert_trees_close(
+            results[p]["params"]["all_reduce"], results[0]["params"]["all_reduce"],
+            rtol=0, atol=0,
+        )  # fmt: skip
+    assert_trees_close(
+        results[0]["params"]["all_reduce"], one_device(STEPS), rtol=1e-5, atol=1e-6
+    )
 
 
 def test_a_replacement_rejoins_a_job_of_four_processes(tmp_path):
