@@ -94,7 +94,7 @@ class LiveStep:
                     host = jax.tree.map(_layout.host_value, state)
                     placed = _layout.place_copies(state, host, self._parallel.sharding)
                     if joining:
-                        self._new_joins(live)
+                        self._joins.update(self._joins_new(live))
                         placed = self._relayout(placed, lambda x: x, holds=False)
                         placed = self._heal(placed)
             if attempt.ok:
@@ -160,18 +160,12 @@ class LiveStep:
         except Exception:  # noqa: BLE001 - the store raises for a missing key
             return None
 
-    def _new_joins(self, live: Sequence[jax.Device]) -> bool:
-        """Whether a live process joined (as a replacement) since the last round.
-
-        Only processes in `live` count: the barrier released every process of
-        the round after they had written their keys, so all read the same.
-        """
-        found = self._joins_new(live)
-        self._joins.update(found)
-        return bool(found)
-
     def _joins_new(self, devices: Sequence[jax.Device]) -> dict[int, str]:
-        """`{process: join key value}` of `devices`' processes not healed since."""
+        """`{process: join key value}` of `devices`' processes not healed since.
+
+        Read for a round's live devices, all processes read the same: the barrier
+        released every process of the round after they had written their keys.
+        """
         processes = {d.process_index for d in devices}
         prefix = f"{_KEYS}join/"
         joins = _coordination.by_number(self._store.entries(prefix), prefix)
