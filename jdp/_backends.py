@@ -237,8 +237,7 @@ class _Pmap(Backend):
             # takes each process's own replicas.
             if jax.process_count() > 1:
                 state, batch = _with_leading((state, batch), num_local)
-            out = jax.eval_shape(train, state, batch)[0]
-            return _with_leading(out, self.mesh.size)
+            return _with_leading(jax.eval_shape(train, state, batch)[0], self.mesh.size)
 
         return Step(
             _TreeStep(train, self._global), _TreeStep(forward, self._global),
@@ -272,13 +271,11 @@ class _ShardMap(Backend):
             new_state, metrics = body(jax.tree.map(block_in, state), batch)
             return jax.tree.map(block_out, new_state), metrics
 
+        spec = P(self.axis_name)
         return jax.shard_map(
-            block_body,
-            mesh=self.mesh,
-            in_specs=(P(self.axis_name), P(self.axis_name)),
-            out_specs=(P(self.axis_name), P()),
+            block_body, mesh=self.mesh, in_specs=(spec, spec), out_specs=(spec, P()),
             check_vma=False,
-        )
+        )  # fmt: skip
 
     def build_step(self, body: Body, *, donate: bool) -> Step:
         stacked = _flat_step(self._map_step(body, _squeeze, _expand), donate=False)

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 import threading
 import weakref
@@ -124,8 +125,7 @@ def padded_size(size: int, num_local: int) -> int:
 
 def shard(batch: PyTree, *, pad: bool, pad_to: int | None, backend):
     """`Parallel.shard` on `backend` (a `_backends.Backend`)."""
-    num_local = len(backend.mesh.local_devices)
-    num_replicas = backend.mesh.size
+    num_local, num_replicas = len(backend.mesh.local_devices), backend.mesh.size
     flat, treedef = jax.tree_util.tree_flatten_with_path(batch)
     several = jax.process_count() > 1
     try:
@@ -292,11 +292,9 @@ def prefetch(iterable, *, size: int, place: Callable[[Any], Any]):
     def put(item) -> bool:
         """Puts `item` once there is room; False if the consumer stopped first."""
         while not stop.is_set():
-            try:
+            with contextlib.suppress(Full):
                 queue.put(item, timeout=0.1)
                 return True
-            except Full:
-                continue
         return False
 
     def fill():

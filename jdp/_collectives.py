@@ -57,8 +57,7 @@ def bound_axis(axis_name: AxisName, devices: tuple | None = None) -> Iterator[di
 
 def traced_devices() -> tuple[Any, ...] | None:
     """The devices of the step `jdp.parallelize` is tracing, or None outside one."""
-    bound = _BOUND_AXIS.get()
-    return None if bound is None else bound.devices
+    return getattr(_BOUND_AXIS.get(), "devices", None)
 
 
 def record_total(mean: Any, total: Any) -> None:
@@ -95,9 +94,8 @@ def last(metrics: PyTree, state: PyTree) -> PyTree:
 
 
 def _orders(x) -> bool:
-    return (
-        isinstance(x, jax.Array) and x.size > 0 and jnp.issubdtype(x.dtype, jnp.number)
-    )
+    numeric = isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.number)
+    return numeric and x.size > 0
 
 
 #: The optax `**extra_args` key that, set to False, tells jdp's transforms to issue
@@ -109,8 +107,7 @@ def resolve_axis(axis_name: AxisName | None) -> AxisName:
     """`axis_name`, or the replica axis of the enclosing step (else `"data"`)."""
     if axis_name is not None:
         return axis_name
-    bound = _BOUND_AXIS.get()
-    return "data" if bound is None else bound.axis_name
+    return getattr(_BOUND_AXIS.get(), "axis_name", "data")
 
 
 def check_bucket_bytes(bucket_bytes: int | None) -> None:
@@ -238,11 +235,9 @@ def bucketed(op: BucketedOp, arrays: list[jax.Array], *, axis_name: AxisName,
     ]
     plan = _buckets.plan_buckets(
         [(max(rows_in, rows_out), w) for w in widths],
-        [np.dtype(x.dtype) for x in arrays],
-        bucket_bytes=bucket_bytes,
-        reverse=reverse,
-        alone_bytes=ALONE_BYTES if flatten else None,
-    )
+        [np.dtype(x.dtype) for x in arrays], bucket_bytes=bucket_bytes,
+        reverse=reverse, alone_bytes=ALONE_BYTES if flatten else None,
+    )  # fmt: skip
     sent = []  # per bucket: its indices, widths and collectives' results
     for bucket in plan:
         sizes = [widths[i] for i in bucket.indices]

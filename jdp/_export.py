@@ -88,8 +88,7 @@ def _one_copy(params: PyTree, replicated: bool | None) -> PyTree:
             "for one plain copy (e.g. `step.unreplicate(state.params)`), or the "
             "replicated state as the step returned it."
         )
-    if replicated:
-        params = logical_copy(params)
+    params = logical_copy(params) if replicated else params
     return jax.tree.map(lambda x: np.asarray(jax.device_get(x)), params)
 
 
@@ -105,15 +104,13 @@ def _input_specs(inputs: tuple, batch_polymorphic: bool) -> tuple:
     if not batch_polymorphic:
         specs = [jax.ShapeDtypeStruct(s, d) for _, s, d in shapes]
         return jax.tree_util.tree_unflatten(treedef, specs)
-    scalars = [f"args{keystr(p)}" for p, s, _ in shapes if len(s) == 0]
-    if scalars:
+    if scalars := [f"args{keystr(p)}" for p, s, _ in shapes if len(s) == 0]:
         raise ValueError(
             "`jdp.export_predictor(batch_polymorphic=True)` makes every input's "
             f"leading axis the batch axis; these are scalars: {', '.join(scalars)}. "
             "Give them a batch axis or pass `batch_polymorphic=False`."
         )
-    sizes = {s[0] for _, s, _ in shapes}
-    if len(sizes) != 1:
+    if len({s[0] for _, s, _ in shapes}) != 1:
         listed = ", ".join(f"args{keystr(p)}: {s}" for p, s, _ in shapes)
         raise ValueError(
             "`jdp.export_predictor(batch_polymorphic=True)`: every input's leading "
@@ -132,8 +129,7 @@ def _dtype(x: Any) -> np.dtype:
 
 def _platforms(platforms: Sequence[str]) -> tuple[str, ...]:
     """`platforms` checked, without repeats, with "gpu" read as "cuda"."""
-    if isinstance(platforms, str):
-        platforms = (platforms,)
+    platforms = (platforms,) if isinstance(platforms, str) else platforms
     out = []
     for p in platforms:
         p = {"gpu": "cuda"}.get(str(p).lower(), str(p).lower())
@@ -321,15 +317,14 @@ def _parse_metadata(raw: bytes, prefix: str) -> dict:
             f"{where}: expected a JSON object, got a JSON {_JSON_NAMES[type(meta)]}. "
             f"{fix}"
         )
-    probs = [
+    if probs := [
         f"{key!r}: missing"
         if key not in meta
         else f"{key!r}: expected a JSON {_JSON_NAMES[kind]}, got a JSON "
         f"{_JSON_NAMES[type(meta[key])]}"
         for key, kind in _METADATA_KEYS.items()
         if not isinstance(meta.get(key), kind)
-    ]
-    if probs:
+    ]:
         raise ValueError(f"{where}:{format_problems(probs)}\n{fix}")
     return meta
 

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 
 
 def backends_started() -> bool:
@@ -285,3 +286,63 @@ def devices() -> list[Any]:
         return jax.devices()
     except AssertionError as e:
         raise RuntimeError(no_backend_message(_requested_platforms())) from e
+
+
+def _host_cpu() -> str:
+    """This machine's architecture, and on Linux its CPU's model and features."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            first = f.read().split("\n\n", 1)[0]  # the first processor's block
+    except OSError:  # pragma: no cover - not Linux
+        first = ""
+    names = ("model name", "flags", "Features", "CPU part")
+    kept = [x for x in first.splitlines() if x.split(":")[0].strip() in names]
+    return "\n".join([platform.machine(), *kept])
+
+
+def share_cpu_cache_entries() -> bool:
+    """Persistent-cache keys of CPU programs alike in every process and device order.
+
+    JAX 0.10's `jax._src.cache_key.get` drops the device assignment from keys on
+    GPU only, and hashes the devices' topology, which on CPU differs per process:
+    a CPU program written by process 0 (the only writer) is never read by another
+    process, nor for another order of the same devices. A CPU executable is given
+    its device assignment when it is loaded, as on GPU, so this drops it from CPU
+    keys and hashes the number of devices and this machine's CPU (model and
+    features: an entry is not read on another kind of CPU) instead of the
+    topology. Installed once, for the process; False where JAX moved these.
+    """
+    try:
+        import copy
+
+        from jax._src import cache_key
+        from jax._src.lib import xla_client
+    except ImportError:  # pragma: no cover - JAX moved them
+        return False
+    get, config = cache_key.get, cache_key._hash_accelerator_config
+    if getattr(get, "_jdp_shared", False):
+        return True
+    host = _host_cpu()
+
+    def shared_get(module, devices, options, backend, *args, **kwargs):
+        if backend.platform == "cpu" and options.device_assignment is not None:
+            shape = (
+                options.device_assignment.replica_count(),
+                options.device_assignment.computation_count(),
+            )
+            options = copy.deepcopy(options)
+            ids = np.arange(shape[0] * shape[1]).reshape(shape)
+            options.device_assignment = xla_client.DeviceAssignment.create(ids)
+        return get(module, devices, options, backend, *args, **kwargs)
+
+    def shared_config(hash_obj, devices):
+        if all(d.platform == "cpu" for d in devices.flat):
+            hash_obj.update(f"cpu x {devices.size}\n{host}".encode())
+        else:
+            config(hash_obj, devices)
+
+    shared_get._jdp_shared = True
+    cache_key.get, cache_key._hash_accelerator_config = shared_get, shared_config
+    return True

@@ -58,8 +58,7 @@ def _rng_hint(signature: inspect.Signature, always: bool = False) -> str:
     """A sentence for a loss whose PRNG key parameter is not named `rng`."""
     words = ("rng", "key", "seed")
     keys = [n for n in signature.parameters if any(w in n.lower() for w in words)]
-    keys = [n for n in keys if n not in LOSS_KEYWORDS]
-    if keys:
+    if keys := [n for n in keys if n not in LOSS_KEYWORDS]:
         return (
             f" If `{keys[0]}` is a PRNG key (for dropout), name it `rng`: the step "
             "hands this replica's key only to a parameter named `rng` (drawn from "
@@ -148,12 +147,11 @@ def gradients(
     if microbatches == 1:
         return run(state, batch, None)
     k = microbatches
-    bad = [
+    if bad := [
         f"{keystr(p)}: {np.shape(x)[0] if np.ndim(x) else 'a scalar'}"
         for p, x in jax.tree_util.tree_flatten_with_path(batch)[0]
         if np.ndim(x) == 0 or np.shape(x)[0] % k
-    ]
-    if bad:
+    ]:
         raise ValueError(
             f"`make_train_step(..., microbatches={k})` splits every batch leaf "
             f"into {k} parts along its leading axis, but these leaves' sizes per "
@@ -231,9 +229,7 @@ def _combine_parts(aux: PyTree, k: int) -> PyTree:
                 "weight)`, or reduce it to a scalar (averaged)."
             )
         total = _summable(x).sum(0)
-        if not is_float(x):
-            x = x.astype(jnp.result_type(float))
-        mean = x.mean(0)
+        mean = (x if is_float(x) else x.astype(jnp.result_type(float))).mean(0)
         _collectives.record_total(mean, total)  # a `jdp.metrics.sum` around it
         return mean
 

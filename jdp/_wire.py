@@ -77,18 +77,13 @@ def _max_abs(a: jax.Array, b: jax.Array) -> jax.Array:
 
 
 def _block_amax(blocks: jax.Array) -> jax.Array:
-    """`jnp.max(jnp.abs(blocks), axis=1)`, as a loop XLA fuses with its input.
+    """`jnp.max(jnp.abs(blocks), axis=1)` (NaN rows give NaN), fused with its input.
 
-    XLA:CPU hands `max(abs(.))` over rows to a library call (YNNPACK) that reads
-    its input from memory and writes the magnitudes to a buffer of its own (as
-    large as the input, allocated at every call) before reducing them. A reducer
-    XLA does not recognise keeps the reduction in a loop of XLA's own, which reads
-    the values where they are made (the gradient plus its error, the decoded
-    mean). XLA splits a reduction over more than 32 values into a windowed one
-    that reads a written-out input, so a row is reduced over `gcd(block, 32)`
-    values first and then over the rest, with two reducers that XLA does not
-    merge back into one. The values are those of `max(abs(.))`: each row's
-    largest magnitude, NaN if the row holds one.
+    XLA:CPU hands `max(abs(.))` to a library call (YNNPACK) that writes the
+    magnitudes to a buffer first; reducers XLA does not recognise stay in its own
+    loop, which reads the values where they are made. Over more than 32 values XLA
+    windows the reduction (reading a written-out input), so rows reduce over
+    `gcd(block, 32)` values, then the rest, with two reducers XLA does not merge.
     """
     mags = jnp.abs(blocks)  # the reducers take magnitudes too: no library call
     block = blocks.shape[1]
@@ -263,12 +258,10 @@ def mean(grads: PyTree, *, wire: Wire, axis_name: Any, error: WireState | None =
     own_q, own_scale, server = _average(got, got_scale, wire, server)
     new_error = None if error is None else WireState(tuple(workers), server)
     # Every owner's average to every replica, decoded leaf by leaf.
-    packed = _pack(own_q[None], own_scale, 1)
-    gathered = lax.all_gather(packed, outer).reshape(num, -1)
+    gathered = lax.all_gather(_pack(own_q[None], own_scale, 1), outer).reshape(num, -1)
     gathered, own_scale = _unpack(gathered, wire, chunk)
     gathered = gathered.reshape(-1)
-    if own_scale is not None:
-        own_scale = own_scale.reshape(-1)
+    own_scale = None if own_scale is None else own_scale.reshape(-1)
     values, offset = [], 0
     for n, p in zip(sizes, padded, strict=True):
         sc = None
@@ -305,8 +298,7 @@ def _average(got, got_scale, wire: Wire, server):
     """The owner's float32 average of its chunk, quantised again.
 
     `got`: the chunk from every replica (one payload row each, with its scales);
-    `server`: the owner's error buffer or None. Returns the payload, its scales,
-    and the new error buffer (or None).
+    `server`: its error buffer or None. Returns the payload, scales, new `server`.
     """
     num, chunk = got.shape
     own = sum(

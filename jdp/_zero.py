@@ -228,8 +228,7 @@ def place(
             raise ValueError(
                 f"{PLACING}a leaf has shape {x.shape}, expected {tuple(shape)}."
             )
-        rows = np.pad(x.reshape(-1), (0, math.prod(ref.shape) - x.size))
-        rows = rows.reshape(ref.shape)
+        rows = np.pad(x.ravel(), (0, math.prod(ref.shape) - x.size)).reshape(ref.shape)
         out.append(
             jax.make_array_from_callback(ref.shape, ref.sharding, rows.__getitem__)
         )
@@ -243,19 +242,13 @@ def _refuse(what: str, fix: str) -> ValueError:
     return ValueError(f"`{API}`: the optimizer {what}. {ELEMENTWISE_HINT} Fix: {fix}")
 
 
-_FIX_GENERIC = "use an element-wise optimizer, or no `jdp.zero`."
-
-
 def _check_params(params: PyTree) -> list[tuple[Any, jax.ShapeDtypeStruct]]:
-    flat = [
-        (p, abstract(x)) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]
-    ]
-    bad = [
+    flat = jax.tree_util.tree_flatten_with_path(jax.tree.map(abstract, params))[0]
+    if bad := [
         f"{keystr(p)}: {x.dtype}"
         for p, x in flat
         if not jnp.issubdtype(x.dtype, jnp.inexact)
-    ]
-    if bad:
+    ]:
         raise ValueError(
             f"`{API}` shards floating-point parameters only; these leaves are not:"
             f"{format_problems(bad)}\nFix: keep integer state outside `params` "
@@ -267,13 +260,9 @@ def _check_params(params: PyTree) -> list[tuple[Any, jax.ShapeDtypeStruct]]:
 def _leaf_shapes(tx, opt_state: PyTree, params: PyTree) -> tuple:
     """Per leaf of `opt_state`: its parameter's shape, or None (from probe shapes)."""
     flat_params = _check_params(params)
-    probe_params = jax.tree.unflatten(
-        jax.tree.structure(params),
-        [
-            jax.ShapeDtypeStruct((_SENTINEL + i,), x.dtype)
-            for i, (_, x) in enumerate(flat_params)
-        ],
-    )
+    sentinels = enumerate(x for _, x in flat_params)
+    probes = [jax.ShapeDtypeStruct((_SENTINEL + i,), x.dtype) for i, x in sentinels]
+    probe_params = jax.tree.unflatten(jax.tree.structure(params), probes)
     probe_leaves, probe_def = jax.tree.flatten(jax.eval_shape(tx.init, probe_params))
     full, state_def = jax.tree_util.tree_flatten_with_path(opt_state)
     if probe_def != state_def:
@@ -293,7 +282,7 @@ def _leaf_shapes(tx, opt_state: PyTree, params: PyTree) -> tuple:
             raise _refuse(
                 f"keeps state leaf {keystr(path)} of shape {leaf.shape}, which is "
                 "not one value per parameter element (e.g. factored statistics)",
-                _FIX_GENERIC,
+                "use an element-wise optimizer, or no `jdp.zero`.",
             )
         else:
             shapes.append(None)
@@ -304,10 +293,8 @@ def _fills(tx, params: PyTree, shapes: tuple) -> tuple:
     """Per state leaf: the initial value of a sliced one if it is a constant."""
     probes = []
     with jax.ensure_compile_time_eval():  # concrete even where `init` is traced
-        for value in (0, 1):
-            one = jax.tree.map(
-                lambda p, v=value: jnp.full(1, v, abstract(p).dtype), params
-            )
+        for v in (0, 1):
+            one = jax.tree.map(lambda p, v=v: jnp.full(1, v, abstract(p).dtype), params)
             probes.append([np.asarray(x) for x in jax.tree.leaves(tx.init(one))])
     return tuple(
         a.reshape(-1)[0].item() if shape is not None and np.array_equal(a, b) else None
@@ -372,8 +359,7 @@ def check_elementwise(tx, slices, opt_slices, params, opt_state) -> None:
 def _padded_rows(x: jax.Array, num: int, size: int) -> jax.Array:
     """`x` flattened, zero-padded to `num * size` elements, as `(num, size)` rows."""
     flat = jnp.ravel(x)
-    pad = num * size - flat.shape[0]
-    if pad:
+    if pad := num * size - flat.shape[0]:
         flat = jnp.concatenate([flat, jnp.zeros((pad,), flat.dtype)])
     return flat.reshape(num, size)
 

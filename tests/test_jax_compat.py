@@ -165,6 +165,93 @@ def test_coordination_client_of_a_job_serves_the_key_value_store():
     assert found == ["1", [["jdp_test/a", "1"]], [], None]
 
 
+SHARED_CACHE_WORKER = """
+import json, os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+import jax, numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jdp import _jax_compat
+address, rank, cache = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.config.update("jax_compilation_cache_dir", cache)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+hits = []
+jax.monitoring.register_event_listener(
+    lambda name, **kw: hits.append(name) if name.endswith("/cache_hits") else None
+)
+installed = _jax_compat.share_cpu_cache_entries()
+jax.distributed.initialize(address, 2, rank)
+found = {"installed": installed}
+for name, order in (("first", jax.devices()), ("reversed", jax.devices()[::-1])):
+    mesh = Mesh(np.array(order), ("r",))
+    x = jax.make_array_from_process_local_data(
+        NamedSharding(mesh, P("r")), np.full((1,), rank + 1.0, np.float32)
+    )
+    gather = lambda a: jax.lax.all_gather(
+        a + 10 * jax.lax.axis_index("r"), "r", tiled=True
+    )
+    f = jax.jit(jax.shard_map(gather, mesh=mesh, in_specs=P("r"), out_specs=P("r")))
+    for writer in (0, 1):  # process 0 compiles (and writes) first
+        if rank == writer:
+            before = len(hits)
+            compiled = f.lower(x).compile()
+            found[name + "_hit"] = len(hits) > before
+        multihost_utils.sync_global_devices(f"{name}-{writer}")
+    found[name] = np.asarray(compiled(x).addressable_data(0)).tolist()
+jax.distributed.shutdown()
+print(json.dumps(found))
+"""
+
+
+def test_share_cpu_cache_entries_lets_every_process_read_any_device_orders_entry(
+    tmp_path,
+):
+    # JAX writes entries from process 0 only; with the shared keys process 1
+    # reads them, and both read an entry compiled for another device order,
+    # which then runs on the order it was loaded for.
+    address = f"127.0.0.1:{free_port()}"
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                SHARED_CACHE_WORKER,
+                address,
+                str(rank),
+                str(tmp_path),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-3000:]
+    first, second = (json.loads(out.strip().splitlines()[-1]) for out, _ in outs)
+    assert first["installed"] and second["installed"]
+    assert first["first_hit"] is False  # nothing written yet
+    assert second["first_hit"] is True  # process 0's entry
+    assert first["reversed_hit"] is True and second["reversed_hit"] is True
+    # Each replica adds 10 x its position in the mesh's order.
+    assert first["first"] == second["first"] == [1.0, 12.0]
+    assert first["reversed"] == second["reversed"] == [2.0, 11.0]
+
+
+def test_share_cpu_cache_entries_keeps_the_cpu_model_in_the_key():
+    # An entry is never read on another kind of CPU (it is compiled for this one).
+    host = _jax_compat._host_cpu()
+    assert os.uname().machine in host
+    if os.path.exists("/proc/cpuinfo") and os.uname().machine == "x86_64":
+        assert "flags" in host and "sse2" in host
+
+
 # -- JAX's errors ------------------------------------------------------------------
 
 

@@ -232,11 +232,9 @@ class DirectoryLock:
     def _locked_message(self, owner: dict[str, Any] | None) -> str:
         other_host = owner is not None and owner.get("host") != socket.gethostname()
         return LOCKED_MSG.format(
-            directory=self.directory,
-            owner=describe_owner(owner),
-            lock=self.path,
+            directory=self.directory, owner=describe_owner(owner), lock=self.path,
             stale_hint=OTHER_HOST_HINT.format(lock=self.path) if other_host else "",
-        )
+        )  # fmt: skip
 
     def release(self) -> None:
         """Removes the lock file if this object still holds it; never raises."""

@@ -196,8 +196,7 @@ class CheckpointManager:
 
     def latest_step(self) -> int | None:
         """The newest complete step, or None if there is none."""
-        steps = self.all_steps()
-        return steps[-1] if steps else None
+        return (self.all_steps() or [None])[-1]
 
     def metadata(self, step: int | None = None) -> dict[str, Any]:
         """The JSON record saved with a step (the newest complete one by default).

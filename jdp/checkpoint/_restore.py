@@ -16,18 +16,11 @@ from etils import epath
 
 from jdp._layout import abstract, is_custom, is_key, logical_like, place_like
 from jdp._tree import PyTree, format_problems, keystr
-from jdp.checkpoint import _per_replica
+from jdp.checkpoint import _format, _per_replica
 from jdp.checkpoint._common import check_step_number, error_text, short_list
 from jdp.checkpoint._damage import DAMAGED_SUFFIX, corrupt, reading
 from jdp.checkpoint._extra import decode_extra
-from jdp.checkpoint._format import (
-    STATE_ITEM,
-    as_key_data,
-    dtype_name,
-    key_impl_name,
-    param_name,
-    read_arrays,
-)
+from jdp.checkpoint._format import STATE_ITEM, as_key_data, dtype_name, key_impl_name
 from jdp.checkpoint._integrity import check_leaves
 from jdp.checkpoint._store import NO_CHECKPOINT_MSG, StepStore
 
@@ -191,8 +184,8 @@ def _read_state(
     _check_matches(store.directory, step, meta, flat_logical, hint=hint)
     records = meta["leaves"]
     with reading(store.directory, step, "reading its arrays failed"):
-        names = [param_name(path) for path, _, _ in flat_logical]
-        leaves = read_arrays(
+        names = [_format.param_name(path) for path, _, _ in flat_logical]
+        leaves = _format.read_arrays(
             store.directory, step, STATE_ITEM, names, [r["dtype"] for r in records]
         )
     check_leaves(store.directory, step, records, leaves)

@@ -65,12 +65,11 @@ def _first_problem(path: str) -> tuple[type[OSError], str, str, str] | None:
         except FileNotFoundError:
             if link:
                 return (
-                    OSError,
-                    current,
+                    OSError, current,
                     f"is a symbolic link to {target}, which does not exist",
                     f"create {target} (`mkdir -p`), point {current} at an "
                     "existing directory, or pass another path.",
-                )
+                )  # fmt: skip
         except NotADirectoryError:
             pass  # a file above it: found further up
         except OSError as e:
@@ -78,23 +77,20 @@ def _first_problem(path: str) -> tuple[type[OSError], str, str, str] | None:
                 return None  # unreadable: the caller's own error says so
             if link:
                 return (
-                    OSError,
-                    current,
+                    OSError, current,
                     f"is a symbolic link to {target} that loops (following the "
                     "links never reaches a directory)",
                     f"point {current} at a real directory (or remove it), or "
                     "pass another path.",
-                )
+                )  # fmt: skip
         else:
             if stat.S_ISDIR(info.st_mode):
                 return None
             what = f"a symbolic link to {target}, which is " if link else ""
             return (
-                NotADirectoryError,
-                current,
-                f"is {what}a file, not a directory",
+                NotADirectoryError, current, f"is {what}a file, not a directory",
                 f"check the path for a typo, or move {current} away.",
-            )
+            )  # fmt: skip
         parent = os.path.dirname(current)
         if parent == current:
             return None

@@ -151,8 +151,7 @@ class _Checkpoints:
                     f"--{key.replace('_', '-')} {saved[key]}, not {config[key]}; "
                     "use the same value or another --checkpoint-dir."
                 )
-        state = self.manager.restore(like, step=self.last_saved)
-        return self.last_saved, state, record
+        return self.last_saved, self.manager.restore(like, step=self.last_saved), record
 
 
 class _Run:
@@ -218,8 +217,7 @@ class _Run:
 
     def step_communication(self) -> dict:
         """What a step communicates (`communication`)."""
-        batch = self.batch(self.i)
-        period = self.algo.sync_period
+        batch, period = self.batch(self.i), self.algo.sync_period
         return communication(self.step, self.state, batch, sync_period=period)
 
     def record(self) -> dict:

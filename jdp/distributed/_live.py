@@ -18,7 +18,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import multihost_utils
 
-from jdp import _collectives, _coordination, _layout
+from jdp import _collectives, _coordination, _jax_compat, _layout
 from jdp._parallel import Parallel, parallelize
 from jdp._train_step import TrainStep
 from jdp._tree import PyTree
@@ -388,6 +388,9 @@ def live(
     a short `heartbeat_timeout_s` and, on CPU,
     `XLA_FLAGS=--xla_cpu_collective_timeout_seconds=N`. The Live recovery guide
     (docs/guides/live.md) gives what each setting costs and what is tested.
+    With JAX's persistent compilation cache on, it makes the keys of CPU
+    programs the same in every process and device order (as on GPU), so that a
+    re-formed mesh's step is a cache read.
 
     Args:
       train_step: A per-replica step, e.g. from `jdp.make_train_step`. Under
@@ -416,6 +419,7 @@ def live(
             '`jax.config.update("jax_enable_recoverability", True)` before '
             "`jdp.distributed.initialize(..., fail_fast=False)`."
         )
+    _jax_compat.share_cpu_cache_entries()
     return LiveStep(
         train_step, jax.devices() if devices is None else devices, max_retries
     )

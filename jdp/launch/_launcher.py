@@ -46,8 +46,7 @@ def _exit_status(pid: int) -> tuple[bool, int | None]:
         return True, None
     if info is None:
         return False, None
-    code = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
-    return True, code
+    return True, info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
 
 
 def _start_thread(target, *args) -> threading.Thread:
@@ -71,15 +70,10 @@ class Job:
         announces it). Only while process 0 runs. None: one fails, all stop.
     """
 
-    def __init__(
-        self,
-        commands: Sequence[Sequence[str]],
-        envs: Sequence[Mapping[str, str]],
-        *,
-        echo: bool = True,
-        stall: _stall.StallMonitor | None = None,
-        restart_one: Callable[[int, int], bool] | None = None,
-    ):
+    def __init__(self, commands: Sequence[Sequence[str]],
+                 envs: Sequence[Mapping[str, str]], *, echo: bool = True,
+                 stall: _stall.StallMonitor | None = None,
+                 restart_one: Callable[[int, int], bool] | None = None):  # fmt: skip
         self.commands = [list(c) for c in commands]
         self.envs = [dict(e) for e in envs]
         self.echo = echo
@@ -117,13 +111,9 @@ class Job:
 
     def _spawn(self, rank: int) -> None:
         proc = subprocess.Popen(
-            self.commands[rank],
-            env=self.envs[rank],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
-        )
+            self.commands[rank], env=self.envs[rank], stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+        )  # fmt: skip
         if rank < len(self.procs):
             self.procs[rank] = proc
         else:
@@ -345,8 +335,7 @@ class Job:
     def _finished_first_message(self) -> str | None:
         """The failure, told from the process that finished just before it.
 
-        None without one, or if its count is final and no failing process went
-        past it.
+        None without one, or if its count is final and no failing one went past it.
         """
         if self.finished_first is None or self.failure is None:
             return None

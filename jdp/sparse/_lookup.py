@@ -64,8 +64,7 @@ def locate_tables(
     """Flattens `params`; returns `(leaves, treedef, {table name: leaf index})`."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
     names = {path_name(p): i for i, (p, _) in enumerate(flat)}
-    missing = [t for t in tables if t not in names]
-    if missing:
+    if missing := [t for t in tables if t not in names]:
         listed = format_problems(sorted(names))
         raise ValueError(
             f"`{api}`: no parameter leaf at table path(s) {missing}. Name a table "

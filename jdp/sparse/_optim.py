@@ -11,15 +11,9 @@ import optax
 
 from jdp import _validate
 from jdp._tree import PyTree
+from jdp.sparse import _lookup
 from jdp.sparse._gather import combine_rows
-from jdp.sparse._lookup import (
-    IndexedRows,
-    TablePath,
-    is_rows,
-    locate_tables,
-    normalize_path,
-    row_index,
-)
+from jdp.sparse._lookup import IndexedRows, TablePath, is_rows, locate_tables
 
 
 class RowOptimizer(NamedTuple):
@@ -53,7 +47,7 @@ def _update(grads: IndexedRows | jax.Array, table: jax.Array,
             f"(n,) and rows (n,) + {table.shape[1:]}."
         )
     ids, rows = combine_rows(*grads) if states else grads
-    index = row_index(ids, table.shape[0])
+    index = _lookup.row_index(ids, table.shape[0])
     gathered = (s.at[index].get(mode="fill", fill_value=0) for s in states)
     delta, *new = step(rows, *gathered)
     table = table.at[index].add(delta.astype(table.dtype), mode="drop")
@@ -186,8 +180,7 @@ def momentum(
 
     def step(g, m):
         m = g + decay * m
-        direction = g + decay * m if nesterov else m
-        return -lr * direction, m
+        return -lr * (g + decay * m if nesterov else m), m
 
     zeros = lambda table: MomentumRowState(jnp.zeros_like(table))  # noqa: E731
     return _row_optimizer(zeros, step, "jdp.sparse.momentum")
@@ -311,7 +304,7 @@ def optimizer(
       True
     """
     api = "jdp.sparse.optimizer"
-    named = tuple((normalize_path(p), opt) for p, opt in tables.items())
+    named = tuple((_lookup.normalize_path(p), opt) for p, opt in tables.items())
     if not named:
         raise ValueError("`jdp.sparse.optimizer`: `tables` is empty.")
     for path, opt in named:
