@@ -18,7 +18,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import multihost_utils
 
-from jdp import _collectives, _coordination, _jax_compat, _layout
+from jdp import _collectives, _coordination, _jax_compat, _layout, _metrics
 from jdp._parallel import Parallel, parallelize
 from jdp._train_step import TrainStep
 from jdp._tree import PyTree
@@ -29,6 +29,8 @@ API = "jdp.distributed.live"
 
 
 _KEYS = "jdp/live/"
+#: How often a process whose mesh lacks a process reads the join keys, at most.
+_READ_S = 0.2
 
 
 def _ids(devices: Sequence[jax.Device]) -> str:
@@ -57,6 +59,8 @@ class LiveStep:
         #: While the mesh lacks a process, rounds wait for its members only until all
         #: saw a join key (written by a replacement reaching its first round).
         self._admit = False
+        #: Whether this process saw one since the mesh formed, and when it reads next.
+        self._seen, self._next_read = False, 0.0
         #: Steps completed through this object.
         self.position = 0
         #: How many times the set of replicas changed after the first mesh.
@@ -129,9 +133,10 @@ class LiveStep:
                         state = jax.block_until_ready(self._heal(state))
                         healed = True
                     else:
-                        out = self._parallel(state, self._place(batch))
-                        jax.block_until_ready(out)
-                        admit = admit or self._joiner_seen_by_all()
+                        inputs = (self._place(batch), self._replicas(self._saw_join()))
+                        state_out, (metrics, seen) = self._parallel(state, inputs)
+                        out = jax.block_until_ready((state_out, metrics))
+                        admit = admit or int(seen) == self.num_replicas
             failed = not attempt.ok
             self._joins.update(found if attempt.ok else {})
             if attempt.ok and not healed:
@@ -180,13 +185,18 @@ class LiveStep:
         members = {d.process_index for d in self.devices}
         return [d for d in self._devices if d.process_index in members]
 
-    def _joiner_seen_by_all(self) -> bool:
-        """Whether all members saw a join key (a sum over the mesh: all agree)."""
-        if len(self.devices) == len(self._devices):
-            return False
-        seen = bool(self._joins_new(set(self._devices) - set(self.devices)))
-        total = self._on_mesh(_sum_replicas, {}, int(seen))[1]["sum"]
-        return int(total) == self.num_replicas
+    def _saw_join(self) -> bool:
+        """Whether this process saw a join key of a process the mesh lacks.
+
+        Read at most every `_READ_S` seconds, and kept once seen: the step sums
+        it over the replicas with its metrics, and all agree to admit the
+        replacement when the sum is the replica count.
+        """
+        missing = set(self._devices) - set(self.devices)
+        if missing and not self._seen and time.monotonic() >= self._next_read:
+            self._next_read = time.monotonic() + _READ_S
+            self._seen = bool(self._joins_new(missing))
+        return self._seen
 
     def _heal(self, state: PyTree) -> PyTree:
         """Every replica behind the most advanced one gets its whole state.
@@ -208,12 +218,15 @@ class LiveStep:
         if step is None or step.devices != self._parallel.devices:
             step = parallelize(fn, devices=self.devices, donate_state=False)
             self._helpers[fn] = step
-        values = jax.make_array_from_callback(
+        return step(tree, self._replicas(value))
+
+    def _replicas(self, value: int) -> jax.Array:
+        """`value` on every replica of the current mesh, an int32 per replica."""
+        return jax.make_array_from_callback(
             (self.num_replicas,),
             self._parallel.sharding,
             lambda index: np.full((1,), value, np.int32),
         )
-        return step(tree, values)
 
     def _form(self, live: Sequence[jax.Device]) -> None:
         """A mesh over `live`, in a device order no earlier mesh of the job used.
@@ -230,7 +243,7 @@ class LiveStep:
         )
         if self._parallel is not None:
             self.membership_changes += 1
-        self._admit = False
+        self._admit, self._seen = False, False
         devices = list(order)
         self._parallel = parallelize(
             _metrics_last(self._train_step), devices=devices, donate_state=False
@@ -296,17 +309,17 @@ class LiveStep:
 
 
 def _metrics_last(train_step):
-    """`train_step` with its metrics reduced after every other collective.
+    """`train_step` on `(batch, seen)`, its metrics reduced after every collective.
 
     See `_collectives.last`: without it a process whose peer died mid-step can
-    abort (process 0 with the coordination service, from 4 processes on).
+    abort (process 0 with the coordination service, from 4 processes on). The
+    metrics become `(metrics, the sum of seen over the replicas)`.
     """
 
-    def step(state, batch):
-        out = train_step(state, batch)
-        if not (isinstance(out, tuple) and len(out) == 2):
-            return out
-        return out[0], _collectives.last(out[1], out[0])
+    def step(state, inputs):
+        batch, seen = inputs
+        new_state, metrics = train_step(state, batch)
+        return new_state, _collectives.last((metrics, _metrics.sum(seen[0])), new_state)
 
     if isinstance(train_step, TrainStep):
         return dataclasses.replace(train_step, step_fn=step)
