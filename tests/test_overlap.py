@@ -101,18 +101,20 @@ def gradient_computations(instrs, layer):
     }
 
 
-def compiled_step(backend, sync=None, step_fn=None):
+def compiled_step(backend, sync=None, step_fn=None, live=False):
     tx = optax.sgd(0.1)
     train_step = step_fn or jdp.make_train_step(loss_fn, tx, sync=sync)
     step = jdp.parallelize(train_step, backend=backend, devices=jax.devices()[:2])
     state = step.replicate(jdp.TrainState.create(params=init(), tx=tx))
     rng = np.random.default_rng(0)
-    batch = step.shard(
-        {
-            "x": rng.normal(size=(2 * ROWS, SIZES[0])).astype(np.float32),
-            "y": rng.normal(size=(2 * ROWS, SIZES[-1])).astype(np.float32),
-        }
-    )
+    batch = {
+        "x": rng.normal(size=(2 * ROWS, SIZES[0])).astype(np.float32),
+        "y": rng.normal(size=(2 * ROWS, SIZES[-1])).astype(np.float32),
+    }
+    batch = step.shard(batch)
+    if live:  # a live step's input: the batch and a flag per replica
+        flag = lambda index: np.zeros((1,), np.int32)  # noqa: E731
+        batch = (batch, jax.make_array_from_callback((2,), step.sharding, flag))
     return step.lower(state, batch).compile().as_text()
 
 
@@ -172,7 +174,7 @@ def test_a_live_step_reduces_its_metrics_after_the_gradients(backend):
         loss_fn, optax.sgd(0.1), sync=CASES["train_step"]["sync"]
     )
     instrs = entry_instructions(
-        compiled_step(backend, step_fn=_live._metrics_last(train_step))
+        compiled_step(backend, step_fn=_live._metrics_last(train_step), live=True)
     )
     grads = set(gradient_all_reduces(instrs).values())
     metrics = [

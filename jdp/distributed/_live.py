@@ -319,7 +319,8 @@ def _metrics_last(train_step):
     def step(state, inputs):
         batch, seen = inputs
         new_state, metrics = train_step(state, batch)
-        return new_state, _collectives.last((metrics, _metrics.sum(seen[0])), new_state)
+        seen = _metrics.sum(jnp.sum(seen))  # shape (1,) per replica
+        return new_state, _collectives.last((metrics, seen), new_state)
 
     if isinstance(train_step, TrainStep):
         return dataclasses.replace(train_step, step_fn=step)
