@@ -192,8 +192,9 @@ class LiveStep:
         it over the replicas with its metrics, and all agree to admit the
         replacement when the sum is the replica count.
         """
-        missing = set(self._devices) - set(self.devices)
-        if missing and not self._seen and time.monotonic() >= self._next_read:
+        if self._seen or time.monotonic() < self._next_read:
+            return self._seen
+        if missing := set(self._devices) - set(self.devices):
             self._next_read = time.monotonic() + _READ_S
             self._seen = bool(self._joins_new(missing))
         return self._seen
@@ -345,8 +346,9 @@ def _heal_replicas(state: PyTree, position: jax.Array) -> tuple[PyTree, dict]:
     return _layout.map_agreed(heal, state), {"position": everyone[source]}
 
 
-def _sum_replicas(tree: PyTree, value: jax.Array) -> tuple[PyTree, dict]:
-    return lax.psum((tree, {"sum": value[0]}), _collectives.resolve_axis(None))
+def _sum_replicas(tree: PyTree, unused: jax.Array) -> tuple[PyTree, dict]:
+    del unused
+    return lax.psum(tree, _collectives.resolve_axis(None)), {}
 
 
 class _Attempt:
