@@ -14,7 +14,10 @@ initial weights in both frameworks). Rows, in pairs (torch / jdp):
   `jdp.all_reduce(wire=jdp.wire.int8(), error_feedback=True)`;
 - PowerSGD rank 4: DDP with `powerSGD_hook` / `jdp.powersgd(rank=4)`, in two forms
   on the DDP side: one bucket (`bucket_cap_mb` above the model's size), and DDP's
-  default buckets with a wrapper that waits for the hook's future before returning.
+  default buckets with a wrapper that waits for the hook's future before returning;
+- transport alone: `torch.distributed.all_reduce` / a `jax.lax.psum` of a flat
+  float32 buffer of the model's size (no model, no step): what each framework's
+  gloo all-reduce costs by itself.
 
 Two of DDP's hooks need help on gloo, and both helps are used here:
 
@@ -38,10 +41,11 @@ The rows are set up once (compiled, `--warmup` steps each), then timed in
 `--rounds` rounds, the row order shuffled each round (the same order in both
 processes), `--steps` timed steps per row per round; a row's figure is the median of
 all its timed steps. "sync ms" is a row's step minus its own framework's local
-step; "jdp / DDP" is the ratio of the paired rows. After the timed steps, every DDP
-model's parameters are hashed on each rank and compared across ranks, so a hook that
-silently lets the replicas drift apart is caught; the final loss (mean over ranks)
-is printed beside each row.
+step; "jdp / DDP" is the ratio of the paired rows; "CPU ms" the process's CPU time
+per step (all its threads), which shows whether a row is bound by its core. After
+the timed steps, every DDP model's parameters are hashed on each rank and compared
+across ranks, so a hook that silently lets the replicas drift apart is caught; the
+final loss (mean over ranks) is printed beside each row.
 
     pip install torch        # not a dependency of jdp; the default wheel
     python benchmarks/ddp_hooks.py [--sizes 1M 8.9M 39M] [--rounds 6] [--steps 6]
@@ -58,7 +62,7 @@ import statistics
 import sys
 import time
 
-from _common import mlp_loss, pin_to_core
+from _common import mlp_loss, pin_to_core, raw_psum
 from multihost import LR, MOMENTUM, WIDTHS, _data, num_params, torch_mlp, torch_sgd_step
 
 #: Row pairs: (label, torch row, jdp row).
@@ -69,8 +73,11 @@ PAIRS = [
     ("fp16 hook / int8+EF", "DDP fp16_compress_hook", "jdp int8+EF"),
     ("PowerSGD r4", "DDP powerSGD_hook r4, one bucket", "jdp PowerSGD r4"),
     ("PowerSGD r4", "DDP powerSGD_hook r4, waiting wrapper", "jdp PowerSGD r4"),
+    ("transport alone", "torch all_reduce (raw)", "JAX psum (raw)"),
 ]
 TORCH_LOCAL, JDP_LOCAL = "torch local", "jdp local"
+#: One all-reduce of the gradient's bytes, no model: each framework's transport.
+RAW = ("torch all_reduce (raw)", "JAX psum (raw)")
 INSTALL = (
     "benchmarks/ddp_hooks.py needs PyTorch, which is not a dependency of jdp: "
     "install it with `pip install torch` (the default wheel; a CPU-only build works "
@@ -165,6 +172,8 @@ def _torch_rows(width: int, rank: int, world: int):
             return box["mean loss"], same, buckets
 
         rows[name] = (one, final)
+    flat = torch.ones(num_params(width))
+    rows[RAW[0]] = (lambda: dist.all_reduce(flat), lambda: (None, None, None))
     return rows
 
 
@@ -206,6 +215,7 @@ def _jdp_rows(width: int):
             return box["loss"], None, None
 
         rows[name] = (one, final)
+    rows[RAW[1]] = (raw_psum(num_params(width)), lambda: (None, None, None))
     return rows
 
 
@@ -235,20 +245,23 @@ def job(width: int, rounds: int, steps: int, warmup: int, seed: int):
             for _ in range(warmup):
                 one()
         times = {name: [] for name in rows}
+        cpu = {name: [] for name in rows}
         order = list(rows)
         for r in range(rounds):
             random.Random(seed * 1000 + r).shuffle(order)  # same order on each rank
             for name in order:
                 one = rows[name][0]
                 for _ in range(steps):
-                    start = time.perf_counter()
+                    start, start_cpu = time.perf_counter(), time.process_time()
                     one()
+                    cpu[name].append(time.process_time() - start_cpu)
                     times[name].append(time.perf_counter() - start)
         out = {}
         for name, (_, final) in rows.items():
             loss, same, buckets = final()
             out[name] = {
                 "ms": 1e3 * statistics.median(times[name]),
+                "cpu ms": 1e3 * statistics.median(cpu[name]),
                 "loss": loss,
                 "same": same,
                 "buckets": buckets,
@@ -280,28 +293,35 @@ def print_table(results: dict, args) -> None:
         f"x {args.steps} steps per row (after {args.warmup} warm-up steps).\n"
     )
     print(
-        "| model | pair | DDP row | DDP step ms | DDP sync ms | jdp row | jdp step ms "
-        "| jdp sync ms | jdp / DDP step | jdp / DDP sync |"
+        "| model | pair | DDP row | DDP step ms | DDP sync ms | DDP CPU ms | jdp row "
+        "| jdp step ms | jdp sync ms | jdp CPU ms | jdp / DDP step | jdp / DDP sync |"
     )
-    print("|---|---|---|---:|---:|---|---:|---:|---:|---:|")
+    print("|---|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|")
     for size, res in results.items():
         tl, jl = res[TORCH_LOCAL]["ms"], res[JDP_LOCAL]["ms"]
         for label, t, j in PAIRS:
             tm, jm = res[t]["ms"], res[j]["ms"]
             ts, js = tm - tl, jm - jl
-            sync_ratio = "" if t == TORCH_LOCAL or ts <= 0 else f"{js / ts:.2f}"
-            tsync = "" if t == TORCH_LOCAL else f"{ts:.1f}"
-            jsync = "" if j == JDP_LOCAL else f"{js:.1f}"
+            no_sync = t in (TORCH_LOCAL, RAW[0])
+            sync_ratio = "" if no_sync or ts <= 0 else f"{js / ts:.2f}"
+            tsync = "" if no_sync else f"{ts:.1f}"
+            jsync = "" if no_sync else f"{js:.1f}"
+            tcpu, jcpu = res[t]["cpu ms"], res[j]["cpu ms"]
             print(
-                f"| {size} | {label} | {t} | {tm:.1f} | {tsync} | {j} | {jm:.1f} "
-                f"| {jsync} | {jm / tm:.2f} | {sync_ratio} |"
+                f"| {size} | {label} | {t} | {tm:.1f} | {tsync} | {tcpu:.1f} | {j} "
+                f"| {jm:.1f} | {jsync} | {jcpu:.1f} | {jm / tm:.2f} | {sync_ratio} |"
             )
+    print(
+        "\nCPU ms: the process's CPU time per step (every thread of it, on its one "
+        "core),\nmedian; a row whose CPU time is near its step time is bound by its "
+        "core, not by\nwaiting for the other process.\n"
+    )
     print("\nChecks after the timed steps (final loss: mean over the 2 ranks):\n")
     print("| model | row | final loss | params identical on both ranks | buckets |")
     print("|---|---|---:|---|---:|")
     for size, res in results.items():
         for name, r in res.items():
-            if name == "versions":
+            if name == "versions" or name in RAW:
                 continue
             same = {None: "", True: "yes", False: "**NO**"}[r["same"]]
             buckets = "" if r["buckets"] is None else r["buckets"]

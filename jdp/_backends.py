@@ -421,8 +421,7 @@ class _ShardMapStep:
         """
         leaves, treedef = flat if flat is not None else jax.tree.flatten(state)
         leaves = list(leaves)
-        picked = self._picked if returned else None
-        if picked:
+        if picked := self._picked if returned else None:
             view_idx, unview_idx, empty_idx = picked
         else:
             view_idx = [i for i, x in enumerate(leaves) if self._viewed(x)]

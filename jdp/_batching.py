@@ -306,8 +306,7 @@ def prefetch(iterable, *, size: int, place: Callable[[Any], Any]):
         except BaseException as e:  # handed to the consumer, raised there
             put(e)
 
-    thread = threading.Thread(target=fill, name="jdp-prefetch", daemon=True)
-    thread.start()
+    threading.Thread(target=fill, name="jdp-prefetch", daemon=True).start()
     try:
         while (item := queue.get()) is not _DONE:
             if isinstance(item, BaseException):

@@ -26,9 +26,7 @@ class Store:
     @classmethod
     def of(cls, client: Any) -> Store | None:
         """`client` as a `Store` (None stays None, a `Store` stays itself)."""
-        if client is None or isinstance(client, Store):
-            return client
-        return cls(client)
+        return client if client is None or isinstance(client, Store) else cls(client)
 
     def put(self, key: str, value: str, *, overwrite: bool = True) -> None:
         """Writes `value` at `key`; with `overwrite=False`, raises if it is set."""

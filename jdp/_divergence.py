@@ -233,20 +233,14 @@ class Guard:
         me = jax.process_index()
         nth = _ordinal(self._number + 1)
         values = _coordination.exchange(
-            f"jdp/check_sync/{self._devices}/{self._number}",
-            repr(self._requested),
-            process=me,
-            processes=processes,
-            timeout_s=AGREE_TIMEOUT_S,
-            client=client,
-        )
-        missing = [p for p in processes if p not in values]
-        if missing:
+            f"jdp/check_sync/{self._devices}/{self._number}", repr(self._requested),
+            process=me, processes=processes, timeout_s=AGREE_TIMEOUT_S, client=client,
+        )  # fmt: skip
+        if missing := [p for p in processes if p not in values]:
             who = _progress.process_list(missing)
-            message = MISSING_CHECK_SYNC_MSG.format(
+            raise TimeoutError(MISSING_CHECK_SYNC_MSG.format(
                 me=me, timeout=AGREE_TIMEOUT_S, who=who, nth=nth
-            )
-            raise TimeoutError(message)
+            ))  # fmt: skip
         if len(set(values.values())) > 1:
             listed = ", ".join(f"process {p}: {values[p]}" for p in processes)
             self._error = DIFFERENT_CHECK_SYNC_MSG.format(values=listed, nth=nth)

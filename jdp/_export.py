@@ -523,8 +523,7 @@ def load_predictor(
             f"{jax.__version__} could not deserialize it (written with jax "
             f"{meta.get('jax')}): {type(e).__name__}: {e}"
         ) from e
-    here = jax_export.default_export_platform()
-    if here not in exported.platforms:
+    if (here := jax_export.default_export_platform()) not in exported.platforms:
         raise ValueError(
             f"`jdp.load_predictor`: {source} was exported for platforms "
             f"{tuple(exported.platforms)}, but this process runs on {here!r}. "

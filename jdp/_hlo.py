@@ -96,11 +96,9 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def _groups(text: str) -> tuple[tuple[int, ...], ...]:
-    m = _GROUPS_EXPLICIT.search(text) or _PAIRS.search(text)
-    if m:
+    if m := _GROUPS_EXPLICIT.search(text) or _PAIRS.search(text):
         return tuple(_ints(g) for g in re.findall(r"\{([0-9,]*)\}", m.group(1)))
-    m = _GROUPS_IOTA.search(text)
-    if not m:
+    if not (m := _GROUPS_IOTA.search(text)):
         return ()
     out_shape, reshape = _ints(m.group(1)), _ints(m.group(2))
     ids = np.arange(int(np.prod(reshape))).reshape(reshape)
@@ -164,8 +162,7 @@ def parse_collectives(hlo_text: str) -> list[Collective]:
         if name not in comps or name in stack:
             return
         for line in comps[name]:
-            m = _INSTR.match(line)
-            if not m:
+            if not (m := _INSTR.match(line)):
                 continue
             inst, rest = m.groups()
             typ, rest = _split_type(rest)
@@ -298,8 +295,7 @@ class Introspection:
           >>> mem.argument_bytes >= 256 * 4, mem.alias_bytes == 256 * 4
           (True, True)
         """
-        stats = self.lower(state, batch).compile().memory_analysis()
-        if stats is None:
+        if (stats := self.lower(state, batch).compile().memory_analysis()) is None:
             raise RuntimeError(
                 "`step.memory_analysis`: XLA reports no memory analysis for this "
                 f"platform ({self.devices[0].platform})."

@@ -7,9 +7,11 @@ Where JAX moved something, the answer is a safe default or "not recognised".
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import re
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -345,4 +347,63 @@ def share_cpu_cache_entries() -> bool:
 
     shared_get._jdp_shared = True
     cache_key.get, cache_key._hash_accelerator_config = shared_get, shared_config
+    return True
+
+
+#: Linux's numbers of `epoll_wait` / `epoll_pwait`, by machine.
+_EPOLL_WAITS = {"x86_64": ("232", "281"), "aarch64": ("22",)}
+
+
+def _waits_as_gloo_loop(tid: str) -> bool:
+    """Whether thread `tid` waits as gloo's TCP loop: `epoll_wait(fd, ev, 64, 10)`."""
+    import platform
+
+    try:
+        with open(f"/proc/self/task/{tid}/syscall") as f:
+            call = f.read().split()
+    except OSError:
+        return False
+    waits = _EPOLL_WAITS.get(platform.machine(), ())
+    return len(call) > 4 and call[0] in waits and call[3:5] == ["0x40", "0xa"]
+
+
+def idle_gloo_loop() -> bool:
+    """Runs gloo's TCP loop thread, started by JAX's CPU backend, at `SCHED_IDLE`.
+
+    The gloo of jaxlib 0.10 spins in `epoll_wait` while a peer's data waits for a
+    receive not yet posted, and keeps the core the thread that would post it was
+    woken on: on a process bound to one core each all-reduce waited for the
+    scheduler's tick (4 ms for 4 KiB, against 0.2 ms). A thread at `SCHED_IDLE` is
+    preempted by any other. Wraps JAX 0.10's CPU backend factory
+    (`jax._src.xla_bridge._backend_factories["cpu"]`, no public hook runs before
+    a backend starts) to find the thread among those it starts. Installed once,
+    before the backends start; False where not on Linux or JAX moved the factory.
+    """
+    if not hasattr(os, "SCHED_IDLE") or not os.path.isdir("/proc/self/task"):
+        return False
+    try:
+        from jax._src import xla_bridge
+
+        registration = xla_bridge._backend_factories["cpu"]
+    except (ImportError, AttributeError, KeyError):  # pragma: no cover - moved
+        return False
+    make = registration.factory
+    if getattr(make, "_jdp_idle_loop", False):
+        return True
+
+    def make_cpu_client(*args, **kwargs):
+        before = set(os.listdir("/proc/self/task"))
+        client = make(*args, **kwargs)
+        new = set(os.listdir("/proc/self/task")) - before
+        for _ in range(50):  # started, the loop thread waits in `epoll_wait`
+            if loops := [int(t) for t in new if _waits_as_gloo_loop(t)]:
+                for tid in loops:
+                    with contextlib.suppress(OSError):  # the thread ended
+                        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+                break
+            time.sleep(0.002)
+        return client
+
+    make_cpu_client._jdp_idle_loop = True
+    registration.factory = make_cpu_client
     return True

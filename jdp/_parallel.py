@@ -115,8 +115,7 @@ class Parallel(_hlo.Introspection):
         """
         # The state the last call returned needs no placement checks.
         flat = jax.tree.flatten(state)
-        returned = self._returned.holds(flat[0])
-        if not returned:
+        if not (returned := self._returned.holds(flat[0])):
             self._check_state(state)
         self._check_batch(batch)
         _progress.beat()  # progress, for the stall check of `python -m jdp.launch`

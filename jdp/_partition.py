@@ -73,8 +73,7 @@ def partition(
 
     def groups(grads, params):
         """`(key, piece, part of grads, part of params)` of every label group."""
-        tree = _labels_of(labels, params)
-        leaf_labels = _leaf_labels(tree, params, pieces)
+        leaf_labels = _leaf_labels(_labels_of(labels, params), params, pieces)
         params_flat, treedef = jax.tree_util.tree_flatten(params)
         flat = treedef.flatten_up_to(grads)  # a table's sparse rows: one leaf
         out = []
@@ -272,8 +271,7 @@ def _agreed(labels, pieces) -> Callable[[PyTree], PyTree]:
     def must_agree(state):
         if not hasattr(state, "replace"):
             return None
-        tree = _labels_of(labels, state.params)
-        full = jax.tree.broadcast(tree, state.params)
+        full = jax.tree.broadcast(_labels_of(labels, state.params), state.params)
         params = jax.tree.map(
             lambda lbl, p: None if lbl in differ else p, full, state.params
         )

@@ -125,8 +125,7 @@ def _check_state(state: Any, leaves: list[Any], plan: list[_Matrix], api: str):
             f"{type(state).__name__}. {fix}"
         )
     want = [(mat.m, mat.rank) for mat in plan]
-    got = [tuple(jnp.shape(q)) for q in state.q]
-    if got != want:
+    if (got := [tuple(jnp.shape(q)) for q in state.q]) != want:
         raise ValueError(
             f"`{api}`: the state holds Q factors of shapes {got}, but these "
             f"gradients compress {len(plan)} matrices whose Q have shapes {want} "

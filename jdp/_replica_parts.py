@@ -118,8 +118,7 @@ def find(tree: PyTree) -> list[Any]:
     """
     found = []
     for x in jax.tree.leaves(tree, is_leaf=_is_declared):
-        d = _declaration(x)
-        if d is None:
+        if (d := _declaration(x)) is None:
             continue
         if not isinstance(x, d.cls):
             x = d.cls(**{f: x.get(f) for f in d.fields})

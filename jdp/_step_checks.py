@@ -150,14 +150,13 @@ def check_known_fields(state: PyTree, api: str) -> None:
     """Refuses a dataclass state's field (with arrays) that the step never updates."""
     if not dataclasses.is_dataclass(state):
         return
-    unknown = [
+    if unknown := [
         f.name
         for f in dataclasses.fields(state)
         if f.metadata.get("pytree_node", True)
         and f.name not in KNOWN_FIELDS
         and jax.tree.leaves(getattr(state, f.name))
-    ]
-    if unknown:
+    ]:
         name = unknown[0]
         raise ValueError(
             f"`{api}` updates a state's {', '.join(f'`{k}`' for k in KNOWN_FIELDS)}; "
@@ -212,12 +211,11 @@ def _kind(tree: jax.tree_util.PyTreeDef) -> str:
 
 def check_trainable(params: PyTree, api: str) -> None:
     """Gradients need floating-point params: name the leaves that are not."""
-    bad = [
+    if bad := [
         f"{keystr(path)}: {jax.numpy.result_type(x)}"
         for path, x in jax.tree_util.tree_flatten_with_path(params)[0]
         if not is_float(x)
-    ]
-    if bad:
+    ]:
         raise TypeError(
             f"`{api}`: the state's params must be floating-point (they are "
             f"differentiated), but these leaves are not:{format_problems(bad)}\n"

@@ -123,8 +123,7 @@ def make_train_step(
     rows = isinstance(sync, _sync.TakesRows)
 
     def train_step(state, batch):
-        optimizer = state.tx if tx is None else tx
-        if optimizer is None:
+        if (optimizer := state.tx if tx is None else tx) is None:
             raise ValueError(
                 f"`{api}` got no optimizer: pass `tx` or use a state that "
                 "carries one (`jdp.TrainState.create(params=..., tx=...)`)."
@@ -138,8 +137,7 @@ def make_train_step(
         value_and_grad = (
             _sparse.differentiate(optimizer) if rows else jax.value_and_grad
         )
-        scale = getattr(state, "dynamic_scale", None)
-        if scale is not None:
+        if (scale := getattr(state, "dynamic_scale", None)) is not None:
             _loss.check_loss_scaling(rows, microbatches)
             value_and_grad = _loss.scaled(scale)
         out = _loss.gradients(

@@ -50,7 +50,6 @@ def map_label_states(opt_state: Any, fn) -> Any:
     def one(x):
         if not is_partition(x):
             return x
-        inner = {k: fn(k, v) for k, v in x.inner_states.items()}
-        return x._replace(inner_states=inner)
+        return x._replace(inner_states={k: fn(k, v) for k, v in x.inner_states.items()})
 
     return jax.tree.map(one, opt_state, is_leaf=is_partition)

@@ -232,8 +232,7 @@ def mean(grads: PyTree, *, wire: Wire, axis_name: Any, error: WireState | None =
     """
     outer, *inner = (axis_name,) if isinstance(axis_name, str) else axis_name
     leaves, treedef = jax.tree_util.tree_flatten(grads)
-    idx = [i for i, x in enumerate(leaves) if is_float(x)]
-    if not idx:
+    if not (idx := [i for i, x in enumerate(leaves) if is_float(x)]):
         return grads, error
     block = wire.block_size
     sizes = [int(np.prod(leaves[i].shape)) for i in idx]
@@ -285,8 +284,7 @@ def _quantise(values, sizes, padded, wire: Wire, error, num: int):
         if error is not None:
             workers.append(x - wire.decode(q, sc))
     total = sum(padded)
-    chunk = _padded(-(-total // num), wire.block_size)
-    extra = chunk * num - total
+    extra = _padded(-(-total // num), wire.block_size) * num - total
     payload = jnp.pad(jnp.concatenate(payloads), (0, extra))
     scale = None
     if wire.qmax is not None:

@@ -128,10 +128,7 @@ def _words(dtype) -> np.dtype:
 
 
 def _held(x, shape, mine, sharding, holds) -> tuple[jax.Array, jax.Array]:
-    """Per replica: the whole leaf's bits where it holds a slice, and which those are.
-
-    Zero elsewhere; as arrays with a leading replica axis over `sharding`.
-    """
+    """`(bits, owned)` per replica: the leaf's bits where it holds a slice, else 0."""
     size, words = math.prod(shape), _words(x.dtype)
     per = np.dtype(x.dtype).itemsize // words.itemsize
     order = list(x.sharding.mesh.devices.flat)
@@ -232,8 +229,7 @@ def place(
         out.append(
             jax.make_array_from_callback(ref.shape, ref.sharding, rows.__getitem__)
         )
-    norm = like.grad_norm
-    if norm is not None:
+    if (norm := like.grad_norm) is not None:
         norm = place_whole(host.grad_norm, norm)
     return like.replace(chunks=jax.tree.unflatten(treedef, out), grad_norm=norm)
 
@@ -303,10 +299,8 @@ def _fills(tx, params: PyTree, shapes: tuple) -> tuple:
 
 
 def _update_eqns(tx, grads, opt_state, params) -> list:
-    closed = jax.make_jaxpr(lambda g, s, p: tx.update(g, s, p))(
-        grads, opt_state, params
-    )
-    return _jax_compat.equations(closed)
+    trace = jax.make_jaxpr(lambda g, s, p: tx.update(g, s, p))
+    return _jax_compat.equations(trace(grads, opt_state, params))
 
 
 def check_elementwise(tx, slices, opt_slices, params, opt_state) -> None:

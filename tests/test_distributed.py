@@ -59,6 +59,7 @@ def no_job_env(monkeypatch):
         "JDP_NUM_PROCESSES",
         "JDP_PROCESS_ID",
         "JDP_FAIL_FAST",
+        "JDP_GLOO_LOOP_IDLE",
         "JAX_COORDINATOR_ADDRESS",
         "JDP_STALL_TIMEOUT_S",
     ):
@@ -162,6 +163,29 @@ def test_initialize_names_a_malformed_environment_variable(no_job_env, monkeypat
         ValueError, match=r"\$JDP_FAIL_FAST must be '1' \(fail fast\) or '0', got 'yes'"
     ):
         jdp.distributed.initialize()
+    monkeypatch.delenv("JDP_FAIL_FAST")
+    monkeypatch.setenv("JDP_GLOO_LOOP_IDLE", "on")
+    with pytest.raises(
+        ValueError,
+        match=r"\$JDP_GLOO_LOOP_IDLE must be '1' \(gloo's TCP loop thread at "
+        r"SCHED_IDLE\), '0' .* or unset .*; got 'on'",
+    ):
+        jdp.distributed.initialize()
+
+
+@pytest.mark.parametrize(
+    ("env", "cores", "online", "expected"),
+    [
+        (None, 1, 4, True),  # bound to one core of several: its threads share it
+        (None, 2, 4, False),  # several cores: others may use them
+        (None, 1, 1, False),  # the machine's one core: other processes share it
+        ("0", 1, 2, False),
+        ("1", 2, 2, True),
+    ],
+)
+def test_gloo_loop_idle_where_bound_or_asked(env, cores, online, expected):
+    environ = {} if env is None else {"JDP_GLOO_LOOP_IDLE": env}
+    assert _config._gloo_loop_idle(environ, cores, online) is expected
 
 
 @pytest.mark.parametrize(

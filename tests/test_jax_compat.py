@@ -252,6 +252,64 @@ def test_share_cpu_cache_entries_keeps_the_cpu_model_in_the_key():
         assert "flags" in host and "sse2" in host
 
 
+IDLE_LOOP_WORKER = """
+import json, os, sys, time
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+import jax, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jdp import _jax_compat
+address, rank = sys.argv[1], int(sys.argv[2])
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+installed = rank == 0 and _jax_compat.idle_gloo_loop()  # process 1: a control
+jax.distributed.initialize(address, 2, rank)
+mesh = Mesh(np.array(jax.devices()), ("r",))
+x = jax.make_array_from_process_local_data(
+    NamedSharding(mesh, P("r")), np.full((4,), rank + 1.0, np.float32)
+)
+f = jax.jit(jax.shard_map(
+    lambda a: jax.lax.psum(a, "r"), mesh=mesh, in_specs=P("r"), out_specs=P("r")
+))
+total = np.asarray(f(x).addressable_data(0)).tolist()
+idle = [t for t in os.listdir("/proc/self/task")
+        if os.sched_getscheduler(int(t)) == os.SCHED_IDLE]
+for _ in range(100):  # until the loop thread is back in its wait
+    tasks = os.listdir("/proc/self/task")
+    if loops := [t for t in tasks if _jax_compat._waits_as_gloo_loop(t)]:
+        break
+    time.sleep(0.01)
+jax.distributed.shutdown()
+print(json.dumps({"installed": installed, "idle": idle, "loops": loops, "sum": total}))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux's SCHED_IDLE")
+def test_idle_gloo_loop_lowers_only_the_thread_of_jaxs_gloo_loop():
+    # Process 0 installs it, process 1 does not; their all-reduce still runs.
+    address = f"127.0.0.1:{free_port()}"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", IDLE_LOOP_WORKER, address, str(rank)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-3000:]
+    first, second = (json.loads(out.strip().splitlines()[-1]) for out, _ in outs)
+    assert first["installed"] is True
+    assert first["sum"] == second["sum"] == [3.0] * 4
+    # One thread at SCHED_IDLE, and it is the one that waits as gloo's loop does.
+    assert len(first["idle"]) == 1 and first["idle"] == first["loops"]
+    assert second["idle"] == [] and len(second["loops"]) == 1
+
+
 # -- JAX's errors ------------------------------------------------------------------
 
 

@@ -32,8 +32,7 @@ def mesh_for(devices: Any, axis_name: Any) -> Mesh:
     two names of `axis_name`.
     """
     grid = None if devices is None else _device_grid(devices)
-    flat = list(_jax_compat.devices() if grid is None else grid.flat)
-    if not flat:
+    if not (flat := list(_jax_compat.devices() if grid is None else grid.flat)):
         raise ValueError("`devices` is empty; pass at least one device (or None).")
     if len(set(flat)) != len(flat):
         raise ValueError(f"`devices` lists a device twice: {flat}.")
@@ -70,8 +69,7 @@ def _device_grid(devices: Any) -> np.ndarray:
             f"{grid.shape} ({grid.ndim}-D). Reshape it, e.g. "
             "`np.array(devices).reshape(hosts, -1)`."
         )
-    bad = [d for d in grid.flat if not isinstance(d, jax.Device)]
-    if bad:
+    if bad := [d for d in grid.flat if not isinstance(d, jax.Device)]:
         raise TypeError(
             f"`devices` must hold `jax.Device`s (e.g. from `jax.devices()`); got "
             f"{describe_value(bad[0])}."

@@ -86,9 +86,7 @@ def place_like(host_tree: PyTree, like: PyTree) -> PyTree:
     """
 
     def place(ref, x):
-        if is_custom(ref):
-            return ref.place(x, _place_leaf)
-        return _place_leaf(x, ref)
+        return ref.place(x, _place_leaf) if is_custom(ref) else _place_leaf(x, ref)
 
     return jax.tree.map(place, like, host_tree, is_leaf=is_custom)
 
@@ -97,8 +95,7 @@ def replicate(tree: PyTree, mesh: Mesh) -> PyTree:
     """Gives every replica of `mesh` a copy of `tree` (process 0's, over processes)."""
     nnx = sys.modules.get("flax.nnx")  # no NNX objects unless it was imported
     variable = () if nnx is None else nnx.Variable
-    shared = repeated_paths(tree, is_leaf=lambda x: isinstance(x, variable))
-    if shared:
+    if shared := repeated_paths(tree, is_leaf=lambda x: isinstance(x, variable)):
         raise ValueError(SHARED_VARIABLE_MSG.format(*shared[0]))
     arrays = [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)]
     if arrays and all(x.ndim >= 1 and is_replicated(x) for x in arrays):

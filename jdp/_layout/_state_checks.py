@@ -76,8 +76,7 @@ def check_replicated(
 ) -> None:
     """Refuses a state not laid out by `replicate` for `sharding` (or deleted)."""
     num = sharding.mesh.size
-    probs = misplaced(state, sharding, leading=num)
-    if not probs:
+    if not (probs := misplaced(state, sharding, leading=num)):
         return
     if gone := deleted(state):
         raise ValueError(DONATED_MSG.format(what="state", probs=format_problems(gone)))
@@ -164,12 +163,11 @@ def _first_change(old, new, path: str) -> str | None:
         return None
     if len(old.children()) != len(new.children()) or od[1] != nd[1]:
         static = _static_attributes(od[1]), _static_attributes(nd[1])
-        changed = [
+        if changed := [
             f"`{path}.{k}`: {static[0][k]!r} -> {static[1].get(k)!r}"
             for k in static[0]
             if static[0][k] != static[1].get(k)
-        ]
-        if changed:
+        ]:
             return (
                 f"a Python attribute of a {od[0].__name__} changed in the step, "
                 f"{', '.join(changed)} (jdp returns the arrays a step computes, not "
@@ -202,8 +200,7 @@ def _static_attributes(aux: Any) -> dict[str, Any]:
 
 def changes(before: PyTree, after: PyTree) -> list[str]:
     """How replicated `after` differs from `before` in structure, shapes or dtypes."""
-    structure = _structure_change(before, after)
-    if structure:
+    if structure := _structure_change(before, after):
         return structure
 
     def kind(x):

@@ -91,18 +91,13 @@ def make_metadata(
     num_replicas = int(first.shape[0]) if parallel is None else parallel.num_replicas
     cls = type(state)
     return {
-        "format": FORMAT,
-        "step": step,
-        "jdp_version": __version__,
-        "jax_version": jax.__version__,
-        "python_version": sys.version.split()[0],
-        "num_replicas": num_replicas,
-        "backend": getattr(parallel, "backend", None),
+        "format": FORMAT, "step": step, "jdp_version": __version__,
+        "jax_version": jax.__version__, "python_version": sys.version.split()[0],
+        "num_replicas": num_replicas, "backend": getattr(parallel, "backend", None),
         "axis_name": getattr(parallel, "axis_name", None),
         "process_count": jax.process_count(),
-        "state_type": f"{cls.__module__}.{cls.__qualname__}",
-        "leaves": leaves,
-    }
+        "state_type": f"{cls.__module__}.{cls.__qualname__}", "leaves": leaves,
+    }  # fmt: skip
 
 
 def read_metadata(

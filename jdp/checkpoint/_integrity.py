@@ -54,7 +54,6 @@ def verify_arrays(directory: epath.Path, step: int, meta: dict[str, Any]) -> str
         if not is_damage(e):
             raise not_damage(directory, step, e, caller="save") from e
         return f"reading its arrays failed ({error_text(e)})"
-    bad = sum((want - have).values())
-    if bad:
+    if bad := sum((want - have).values()):
         return f"{bad} of its arrays do not match the CRC-32 recorded at save"
     return None

@@ -135,8 +135,7 @@ def _restore_replicated(
     flat, treedef = jax.tree_util.tree_flatten_with_path(logical_like(like))
     flat_logical = [(path, as_key_data(x), key_impl_name(x)) for path, x in flat]
     host = treedef.unflatten(_read_state(store, step, meta, flat_logical))
-    per = _per_replica.records_of(meta["leaves"])
-    if not per:
+    if not (per := _per_replica.records_of(meta["leaves"])):
         return place_like(host, like)
     like_by_path = _per_replica.leaves_by_path(like)
     refs = [like_by_path.get(r["path"]) for r in per.values()]

@@ -155,8 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     """
     parser = build_parser()
     args = parser.parse_args(argv)
-    problem = check_args(args)
-    if problem:
+    if problem := check_args(args):
         parser.error(problem)
     stop = _StopRequest()
     previous = signal.signal(signal.SIGINT, stop)

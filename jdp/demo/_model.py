@@ -36,11 +36,9 @@ def init_variables(seed: int, example_x) -> dict:
 def loss_fn(params, batch_stats, batch):
     """Cross-entropy on one replica's slice: `(loss, new_batch_stats)`."""
     logits, updates = MODEL.apply(
-        {"params": params, "batch_stats": batch_stats},
-        batch["x"],
-        train=True,
+        {"params": params, "batch_stats": batch_stats}, batch["x"], train=True,
         mutable=["batch_stats"],
-    )
+    )  # fmt: skip
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
     return loss, updates["batch_stats"]
 

@@ -42,16 +42,14 @@ def table_row(metrics: dict[str, Any]) -> list[str]:
     loss = metrics["final_train_loss"]
     acc = metrics["test_accuracy"]
     return [
-        metrics["config"]["algo"],
-        metrics["config"]["backend"],
-        f"{metrics['num_devices']} {metrics['platform']}",
-        str(metrics["steps"]),
+        metrics["config"]["algo"], metrics["config"]["backend"],
+        f"{metrics['num_devices']} {metrics['platform']}", str(metrics["steps"]),
         "-" if loss is None else f"{loss:.4f}",
         "-" if acc is None else f"{100 * acc:.1f}%",
         "-" if eps is None else f"{eps:,.0f}",
         format_bytes(metrics["communication"]["bytes_per_step"]),
         _ratio(metrics["communication"]),
-    ]
+    ]  # fmt: skip
 
 
 def format_table(rows: list[list[str]]) -> str:

@@ -323,24 +323,18 @@ class _Run:
         comm["reduction_vs_sync"] = comm["sync_bytes_per_step"] / sent if sent else None
         tail = self.history["loss"][-LOG_EVERY:]
         return {
-            "config": self.config,
-            "jax_version": jax.__version__,
-            "jdp_version": jdp.__version__,
-            "platform": self.devices[0].platform,
-            "device_kind": self.devices[0].device_kind,
-            "num_devices": self.num,
-            "start_step": self.start,
-            "steps": self.i,
+            "config": self.config, "jax_version": jax.__version__,
+            "jdp_version": jdp.__version__, "platform": self.devices[0].platform,
+            "device_kind": self.devices[0].device_kind, "num_devices": self.num,
+            "start_step": self.start, "steps": self.i,
             "interrupted": self.i < args.steps,
             "final_train_loss": float(np.mean(tail)) if tail else None,
             "test_accuracy": self.evals["test_accuracy"][-1],
             "examples_per_second": self.examples_per_second(),
             "train_seconds": self.train_seconds,
             "wall_seconds": time.perf_counter() - self.t_begin,
-            "communication": comm,
-            "history": self.history,
-            "eval": self.evals,
-        }
+            "communication": comm, "history": self.history, "eval": self.evals,
+        }  # fmt: skip
 
 
 def run(args: argparse.Namespace, *, stop_requested: Callable[[], bool]) -> bool:

@@ -131,8 +131,7 @@ class _ProcessCheck:
         self.waits = 0  # calls that compared (each sends a message)
 
     def _client(self):
-        client = self._given_client or _coordination.client()
-        if client is None:
+        if (client := self._given_client or _coordination.client()) is None:
             raise RuntimeError(
                 "`step.shard` across processes compares the processes' batches "
                 "through JAX's coordination service, which is not running: call "
@@ -183,8 +182,7 @@ class _ProcessCheck:
         checksum = zlib.crc32(layout.encode()) & 0x7FFFFFFF
         mine = (min(rows), max(rows), checksum, int(pad), num_local, pad_to or 0)
         need_sizes = pad and pad_to is None
-        found = self.check(mine, need_sizes=need_sizes)
-        if found is None:
+        if (found := self.check(mine, need_sizes=need_sizes)) is None:
             return None
         late = found.call < self.calls - 1  # reported by another process
         try:
@@ -217,8 +215,7 @@ class _ProcessCheck:
             if self.reached < self.calls - 1:
                 self._publish(client, self.calls - 1)
             reports = _coordination.by_number(client.entries(_ERROR_KEY), _ERROR_KEY)
-            newer = {c: v for c, v in reports.items() if c > self.reported}
-            if newer:
+            if newer := {c: v for c, v in reports.items() if c > self.reported}:
                 first = min(newer)
                 self.pending = Found(first, dict(_decode(newer[first])), {})
                 self.reported = max(newer)

@@ -49,8 +49,7 @@ _K8S_NO_PACKAGE_FIX = (
 
 def env_int(environ: Mapping[str, str], name: str) -> int | None:
     """`environ[name]` as an int; None if unset or empty; raises if malformed."""
-    value = environ.get(name, "").strip()
-    if not value:
+    if not (value := environ.get(name, "").strip()):
         return None
     try:
         return int(value)
@@ -154,8 +153,7 @@ def _local_rank_and_size(
         if rank is not None:
             return "Open MPI", rank, size, _show(environ, *names)
     if "SLURM_LOCALID" in environ:
-        rank = env_int(environ, "SLURM_LOCALID")
-        if rank is None:
+        if (rank := env_int(environ, "SLURM_LOCALID")) is None:
             return None
         for name in TASKS_PER_NODE:
             if name in environ:
@@ -180,8 +178,7 @@ def _visible_gpus(
         if listed == ["-1"] or listed == ["NoDevFiles"]:
             listed = []
         said = _show(environ, visible)
-        own = node_count is not None and len(listed) < node_count
-        if own:
+        if own := node_count is not None and len(listed) < node_count:
             said += f" of {node_count} ({node_said}), renumbered from 0"
         return len(listed), said, own
     return node_count, (node_said if node_count is not None else ""), False
@@ -201,8 +198,7 @@ def plan_local_devices(
     local rank; GPUs bound per task: all it sees. Raises a `ValueError` if the
     variables contradict each other or the GPUs cannot be shared evenly.
     """
-    found = _local_rank_and_size(environ)
-    if found is None:
+    if (found := _local_rank_and_size(environ)) is None:
         return None
     scheduler, rank, size, tasks = found
     gpus, visible, own = _visible_gpus(environ, node_gpus)

@@ -20,6 +20,8 @@ ENV_PROCESS_ID = "JDP_PROCESS_ID"
 ENV_FAIL_FAST = "JDP_FAIL_FAST"
 #: "1": the job trains with `jdp.distributed.live` (`python -m jdp.launch --live`).
 ENV_LIVE = "JDP_LIVE"
+#: "1": gloo's TCP loop thread at `SCHED_IDLE`; "0": not; unset: if bound to one core.
+ENV_GLOO_LOOP_IDLE = "JDP_GLOO_LOOP_IDLE"
 
 CPU_COLLECTIVES = ("gloo", "mpi", None)
 
@@ -85,6 +87,22 @@ def _fail_fast(fail_fast: bool | None) -> bool:
             f"{_validate.describe(fail_fast)}."
         )
     return fail_fast
+
+
+def _gloo_loop_idle(environ, cores: int | None = None, online: int | None = None):
+    """Whether gloo's loop thread runs at `SCHED_IDLE`: the variable, else 1 core."""
+    value = environ.get(ENV_GLOO_LOOP_IDLE, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(
+            f"Environment variable ${ENV_GLOO_LOOP_IDLE} must be '1' (gloo's TCP "
+            "loop thread at SCHED_IDLE), '0' (at the default priority) or unset "
+            f"(SCHED_IDLE where the process is bound to one core); got {value!r}."
+        )
+    if value:
+        return value == "1"
+    if cores is None and hasattr(os, "sched_getaffinity"):
+        cores = len(os.sched_getaffinity(0))
+    return cores == 1 < (online or os.cpu_count() or 1)
 
 
 def _requested_config(

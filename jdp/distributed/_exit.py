@@ -21,8 +21,7 @@ def _exit_on_uncaught(previous):
             previous(exc_type, exc, tb)
         except Exception:  # pragma: no cover - a broken hook must not block the exit
             traceback.print_exception(exc_type, exc, tb)
-        code = 130 if issubclass(exc_type, KeyboardInterrupt) else 1
-        flush_and_exit(code)
+        flush_and_exit(130 if issubclass(exc_type, KeyboardInterrupt) else 1)
 
     hook.jdp_fail_fast = True
     return hook

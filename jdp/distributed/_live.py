@@ -151,8 +151,7 @@ class LiveStep:
         """Context managers, one per try, until the caller stops or too many fail."""
         failures: list[str] = []
         while True:
-            attempt = _Attempt(self, failures)
-            yield attempt
+            yield _Attempt(self, failures)
             if len(failures) > self._max_retries:
                 raise RuntimeError(
                     f"`{API}`: the step failed {len(failures)} times in a row; the "
@@ -245,9 +244,8 @@ class LiveStep:
         if self._parallel is not None:
             self.membership_changes += 1
         self._admit, self._seen = False, False
-        devices = list(order)
         self._parallel = parallelize(
-            _metrics_last(self._train_step), devices=devices, donate_state=False
+            _metrics_last(self._train_step), devices=list(order), donate_state=False
         )
         _log.info("%s: %d replicas, devices %s", API, len(order), _ids(order))
 
@@ -272,9 +270,8 @@ class LiveStep:
             if not isinstance(x, jax.Array):
                 return x
             held = {s.device: s.data for s in x.addressable_shards}
-            shape = (self.num_replicas,) + x.shape[1:]
             return jax.make_array_from_single_device_arrays(
-                shape, sharding, [held[d] for d in mine]
+                (self.num_replicas,) + x.shape[1:], sharding, [held[d] for d in mine]
             )
 
         return self._relayout(state, rewrap, holds=True)

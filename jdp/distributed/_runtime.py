@@ -68,8 +68,10 @@ def initialize(
     Kubernetes or Cloud TPU. With none, the program runs as one process, unless
     the environment says that the job has several. Under SLURM or Open MPI, each
     process gets the GPUs that are its own. Calling it again with the same (or
-    no) arguments does nothing. See the Many hosts guide (docs/guides/multihost.md)
-    and the Clusters guide (docs/guides/clusters.md).
+    no) arguments does nothing. On a process bound to one core, the thread of gloo's
+    TCP loop runs at `SCHED_IDLE` (`$JDP_GLOO_LOOP_IDLE`: docs/guides/performance.md).
+    See the Many hosts guide (docs/guides/multihost.md) and the Clusters guide
+    (docs/guides/clusters.md).
 
     Args:
       coordinator_address: `"host:port"` of process 0, which hosts JAX's
@@ -127,6 +129,7 @@ def initialize(
         heartbeat_timeout_s = LIVE_HEARTBEAT_S if live else 100
     _config._check_options(cpu_collectives, timeout_s, heartbeat_timeout_s)
     fail_fast = _config._fail_fast(fail_fast)
+    idle_loop = _config._gloo_loop_idle(os.environ)
     stall_timeout_s = _watchdog.timeout_from(stall_timeout_s, os.environ)
     requested = _config._requested_config(
         coordinator_address, num_processes, process_id
@@ -158,6 +161,9 @@ def initialize(
     if not _join(detected, args, timeout_s=timeout_s, where=where):
         return
     _this.config = _config._joined_config(detected)
+    gloo = jax.config.jax_cpu_collectives_implementation == "gloo"
+    if idle_loop and gloo and _this.config["num_processes"] > 1:
+        _jax_compat.idle_gloo_loop()  # see "gloo's loop thread" in performance.md
     _this.shutdown_timeout_s = timeout_s
     if requested["num_processes"] is None and _this.config["num_processes"] == 1:
         _leave_alone_job()

@@ -219,8 +219,7 @@ class Watchdog:
         if _VERDICT in entries:
             return Verdict.from_json(entries[_VERDICT])
         self.tracker.update(reports, time.monotonic())
-        found = self.tracker.verdict(time.monotonic())
-        if found is None:
+        if (found := self.tracker.verdict(time.monotonic())) is None:
             return None
         # The first process to write it wins: every process acts on one.
         with contextlib.suppress(Exception):

@@ -54,8 +54,7 @@ def launch_command(
     current: list[Job] = []
 
     def restart_one(rank: int, code: int) -> bool:
-        line = policy.restart_one(rank, code)
-        if line is not None:
+        if (line := policy.restart_one(rank, code)) is not None:
             _say(line)
         return line is not None
 

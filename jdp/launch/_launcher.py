@@ -76,9 +76,7 @@ class Job:
                  restart_one: Callable[[int, int], bool] | None = None):  # fmt: skip
         self.commands = [list(c) for c in commands]
         self.envs = [dict(e) for e in envs]
-        self.echo = echo
-        self.stall = stall
-        self.restart_one = restart_one
+        self.echo, self.stall, self.restart_one = echo, stall, restart_one
         self.procs: list[subprocess.Popen] = []
         self.tails = [collections.deque(maxlen=TAIL_LINES) for _ in self.commands]
         self._pumps: dict[int, list[threading.Thread]] = {}
@@ -321,8 +319,7 @@ class Job:
             return ""
         rank, code = self.failure
         others = "process" if self.stopped == 1 else f"{self.stopped} processes"
-        msg = self._finished_first_message()
-        if msg is not None:
+        if (msg := self._finished_first_message()) is not None:
             msg += f" Stopped the other {others}." if self.stopped else ""
         else:
             msg = process_list([rank], self.pids, len(self.procs))

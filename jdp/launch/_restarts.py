@@ -42,11 +42,9 @@ class Restarts:
         _validate.positive_int("num_processes", num_processes)
         _validate.non_negative_int("max_restarts", max_restarts, note="0: never")
         _validate.positive_int(
-            "min_processes",
-            min_processes,
-            allow_none=True,
+            "min_processes", min_processes, allow_none=True,
             note="or None for `num_processes`",
-        )
+        )  # fmt: skip
         min_processes = num_processes if min_processes is None else min_processes
         if min_processes > num_processes:
             raise ValueError(

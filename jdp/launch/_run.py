@@ -119,15 +119,10 @@ def run(
                 for r in range(n)
             ]
             return new_job(
-                commands,
-                base,
-                folder,
-                policy,
-                devices_per_process=devices_per_process,
-                stall_timeout_s=stall_timeout_s,
+                commands, base, folder, policy, devices_per_process=devices_per_process,
+                stall_timeout_s=stall_timeout_s, echo=not quiet,
                 stall_hint="raise `stall_timeout_s` (0 or None turns the check off)",
-                echo=not quiet,
-            )
+            )  # fmt: skip
 
         job, error = run_attempts(make_job, policy, tmp, timeout_s, _say)
         if error is not None:

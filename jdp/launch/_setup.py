@@ -134,17 +134,12 @@ def new_job(
     port = port or free_port()
     envs = [
         process_env(
-            base,
-            process_id=r,
-            num_processes=len(commands),
-            port=port,
-            devices_per_process=devices_per_process,
-            restart_count=policy.restarts,
-            max_restarts=policy.max_restarts,
-            live=policy.live,
+            base, process_id=r, num_processes=len(commands), port=port,
+            devices_per_process=devices_per_process, restart_count=policy.restarts,
+            max_restarts=policy.max_restarts, live=policy.live,
         )
         for r in range(len(commands))
-    ]
+    ]  # fmt: skip
     stall = _progress_setup(envs, folder, stall_timeout_s, stall_hint)
     return Job(commands, envs, echo=echo, stall=stall, restart_one=restart_one)
 
@@ -155,11 +150,9 @@ def _check_arguments(
     """Checks the arguments shared by `run` and `launch_command`, before any start."""
     _validate.positive_int("num_processes", num_processes)
     _validate.positive_int(
-        "devices_per_process",
-        devices_per_process,
-        allow_none=True,
+        "devices_per_process", devices_per_process, allow_none=True,
         note="or None to keep the environment's device count",
-    )
+    )  # fmt: skip
     _check_seconds(
         "timeout_s", timeout_s, "a number of seconds > 0 (or None to wait forever)"
     )
