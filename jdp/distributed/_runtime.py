@@ -198,13 +198,10 @@ def _start_stall_watch(timeout_s: float) -> None:
         "stops the job.",
         timeout_s,
     )
-    _run_at_exit(_finished)  # a process at its exit is not stuck
-
-
-def _finished() -> None:
-    """Tells the other processes' stall checks that this one made its last step."""
-    if _this.stall_watch is not None:
-        _this.stall_watch.mark_finished()
+    # At the exit: finished (not stuck), watching the others until JAX's shutdown
+    # ends, and the check's thread ended before the interpreter is (a thread still
+    # inside a call of JAX's client then aborts the process).
+    _run_at_exit(_shutdown_at_exit)
 
 
 def _check_same_job(requested: dict) -> None:
@@ -290,7 +287,7 @@ def shutdown() -> None:
         _leave(config["process_id"], config["num_processes"], _this.shutdown_timeout_s)
     finally:
         if watch is not None:
-            watch.stop()
+            watch.stop(wait_s=_watchdog.STOP_WAIT_S)
             _this.stall_watch = None
 
 

@@ -37,6 +37,8 @@ ACK_WAIT_S = 3.0
 #: How long process 0 (the coordination service's host) outlives the others:
 #: JAX aborts a process whose service goes away before it exits.
 COORDINATOR_LAST_S = 2.0
+#: How long leaving the job waits for the check's thread (its period is at most 2 s).
+STOP_WAIT_S = 5.0
 
 _PREFIX = "jdp/stall/"
 _PROGRESS = _PREFIX + "p/"
@@ -164,6 +166,7 @@ class Watchdog:
         self.period_s = min(max(timeout_s / 10, 0.1), 2.0)
         self.tracker = Tracker(num_processes, timeout_s)
         self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
         self._finished = False
         self._published: tuple[int, bool] | None = None
         #: The status this process exits with, once a verdict stops the job.
@@ -173,11 +176,18 @@ class Watchdog:
 
     def start(self) -> Watchdog:
         self._publish()
-        threading.Thread(target=self._run, name="jdp-stall-watch", daemon=True).start()
+        self._thread = threading.Thread(
+            target=self._run, name="jdp-stall-watch", daemon=True
+        )
+        self._thread.start()
         return self
 
-    def stop(self) -> None:
+    def stop(self, wait_s: float = 0.0) -> None:
+        """Ends the check, waiting up to `wait_s` for its thread to end."""
         self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(wait_s)
 
     def mark_finished(self) -> None:
         """Says that this process makes no more steps (its program has finished)."""
