@@ -39,6 +39,29 @@ def run_fresh(code, *args, env=None):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def run_pair(worker, *args):
+    """Runs `worker` as processes 0 and 1 of a job on 127.0.0.1 (argv: the
+    coordinator's address, the process id, `args`); their last lines, as JSON."""
+    address = f"127.0.0.1:{free_port()}"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", worker, address, str(rank), *map(str, args)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-3000:]
+    return [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+
+
 # -- private JAX ------------------------------------------------------------------
 
 
@@ -210,31 +233,7 @@ def test_share_cpu_cache_entries_lets_every_process_read_any_device_orders_entry
     # JAX writes entries from process 0 only; with the shared keys process 1
     # reads them, and both read an entry compiled for another device order,
     # which then runs on the order it was loaded for.
-    address = f"127.0.0.1:{free_port()}"
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                SHARED_CACHE_WORKER,
-                address,
-                str(rank),
-                str(tmp_path),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in (0, 1)
-    ]
-    try:
-        outs = [p.communicate(timeout=120) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    for p, (_, err) in zip(procs, outs, strict=True):
-        assert p.returncode == 0, err[-3000:]
-    first, second = (json.loads(out.strip().splitlines()[-1]) for out, _ in outs)
+    first, second = run_pair(SHARED_CACHE_WORKER, tmp_path)
     assert first["installed"] and second["installed"]
     assert first["first_hit"] is False  # nothing written yet
     assert second["first_hit"] is True  # process 0's entry
@@ -285,24 +284,7 @@ print(json.dumps({"installed": installed, "idle": idle, "loops": loops, "sum": t
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux's SCHED_IDLE")
 def test_idle_gloo_loop_lowers_only_the_thread_of_jaxs_gloo_loop():
     # Process 0 installs it, process 1 does not; their all-reduce still runs.
-    address = f"127.0.0.1:{free_port()}"
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", IDLE_LOOP_WORKER, address, str(rank)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in (0, 1)
-    ]
-    try:
-        outs = [p.communicate(timeout=120) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    for p, (_, err) in zip(procs, outs, strict=True):
-        assert p.returncode == 0, err[-3000:]
-    first, second = (json.loads(out.strip().splitlines()[-1]) for out, _ in outs)
+    first, second = run_pair(IDLE_LOOP_WORKER)
     assert first["installed"] is True
     assert first["sum"] == second["sum"] == [3.0] * 4
     # One thread at SCHED_IDLE, and it is the one that waits as gloo's loop does.
