@@ -65,6 +65,8 @@ import time
 from _common import mlp_loss, pin_to_core, raw_psum
 from multihost import LR, MOMENTUM, WIDTHS, _data, num_params, torch_mlp, torch_sgd_step
 
+#: One all-reduce of the gradient's bytes, no model: each framework's transport.
+RAW = ("torch all_reduce (raw)", "JAX psum (raw)")
 #: Row pairs: (label, torch row, jdp row).
 PAIRS = [
     ("local (no communication)", "torch local", "jdp local"),
@@ -73,11 +75,9 @@ PAIRS = [
     ("fp16 hook / int8+EF", "DDP fp16_compress_hook", "jdp int8+EF"),
     ("PowerSGD r4", "DDP powerSGD_hook r4, one bucket", "jdp PowerSGD r4"),
     ("PowerSGD r4", "DDP powerSGD_hook r4, waiting wrapper", "jdp PowerSGD r4"),
-    ("transport alone", "torch all_reduce (raw)", "JAX psum (raw)"),
+    ("transport alone", *RAW),
 ]
 TORCH_LOCAL, JDP_LOCAL = "torch local", "jdp local"
-#: One all-reduce of the gradient's bytes, no model: each framework's transport.
-RAW = ("torch all_reduce (raw)", "JAX psum (raw)")
 INSTALL = (
     "benchmarks/ddp_hooks.py needs PyTorch, which is not a dependency of jdp: "
     "install it with `pip install torch` (the default wheel; a CPU-only build works "

@@ -168,7 +168,8 @@ def test_initialize_names_a_malformed_environment_variable(no_job_env, monkeypat
     with pytest.raises(
         ValueError,
         match=r"\$JDP_GLOO_LOOP_IDLE must be '1' \(gloo's TCP loop thread at "
-        r"SCHED_IDLE\), '0' .* or unset .*; got 'on'",
+        r"SCHED_IDLE\) or '0' \(default priority\), got 'on'\. Unset, it is "
+        r"SCHED_IDLE where the process is bound to one core\.",
     ):
         jdp.distributed.initialize()
 

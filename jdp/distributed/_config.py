@@ -70,17 +70,21 @@ def _check_options(
     _validate.positive_int("heartbeat_timeout_s", heartbeat_timeout_s, note="seconds")
 
 
+def _env_flag(environ, name: str, choices: str, fix: str) -> bool | None:
+    """`environ[name]`, "1" or "0", as a bool; None if unset or empty."""
+    if (value := environ.get(name, "")) not in ("", "0", "1"):
+        raise ValueError(
+            f"Environment variable ${name} must be {choices}, got {value!r}. {fix}"
+        )
+    return None if value == "" else value == "1"
+
+
 def _fail_fast(fail_fast: bool | None) -> bool:
     """`initialize`'s `fail_fast`, checked; None: from `$JDP_FAIL_FAST`."""
     if fail_fast is None:
-        value = os.environ.get(ENV_FAIL_FAST, "")
-        if value not in ("", "0", "1"):
-            raise ValueError(
-                f"Environment variable ${ENV_FAIL_FAST} must be '1' (fail fast) or "
-                f"'0', got {value!r}. Set it to one of these, or pass `fail_fast` "
-                "to `jdp.distributed.initialize`."
-            )
-        return value == "1"
+        fix = "Set it to one of these, or pass `fail_fast` to "
+        fix += "`jdp.distributed.initialize`."
+        return bool(_env_flag(os.environ, ENV_FAIL_FAST, "'1' (fail fast) or '0'", fix))
     if not isinstance(fail_fast, bool):
         raise TypeError(
             f"`fail_fast` must be a bool, or None to read ${ENV_FAIL_FAST}; got "
@@ -91,15 +95,10 @@ def _fail_fast(fail_fast: bool | None) -> bool:
 
 def _gloo_loop_idle(environ, cores: int | None = None, online: int | None = None):
     """Whether gloo's loop thread runs at `SCHED_IDLE`: the variable, else 1 core."""
-    value = environ.get(ENV_GLOO_LOOP_IDLE, "")
-    if value not in ("", "0", "1"):
-        raise ValueError(
-            f"Environment variable ${ENV_GLOO_LOOP_IDLE} must be '1' (gloo's TCP "
-            "loop thread at SCHED_IDLE), '0' (at the default priority) or unset "
-            f"(SCHED_IDLE where the process is bound to one core); got {value!r}."
-        )
-    if value:
-        return value == "1"
+    choices = "'1' (gloo's TCP loop thread at SCHED_IDLE) or '0' (default priority)"
+    fix = "Unset, it is SCHED_IDLE where the process is bound to one core."
+    if (flag := _env_flag(environ, ENV_GLOO_LOOP_IDLE, choices, fix)) is not None:
+        return flag
     if cores is None and hasattr(os, "sched_getaffinity"):
         cores = len(os.sched_getaffinity(0))
     return cores == 1 < (online or os.cpu_count() or 1)
