@@ -9,13 +9,16 @@ the allocator thresholds of jdp's entry points (`jdp._allocator.tune()`):
   floor every row is compared with;
 - `encode`: `wire.encode(x)`: the block scales and the payload;
 - `decode`: `wire.decode(q, scales)`: back to float32;
-- `encode+EF`: the sending side of an exchange with error feedback, as
-  `jdp.all_reduce(wire=..., error_feedback=True)` runs it (`_wire._quantise`):
-  the vector plus last step's error, scales, payload and the new error; the
-  error buffer is donated and carried from call to call, as in a train step;
-- `average+EF`: the receiving side, as the owner of a chunk of N values runs it
-  among 2 replicas (`_wire._average`): decode the 2 payloads it received, their
-  mean plus its error, encoded again, and its new error (donated and carried).
+- `encode+EF`: the sending side of an exchange among 2 replicas with error
+  feedback, as `jdp.all_reduce(wire=..., error_feedback=True)` runs it on the
+  leaves of `multihost.py`'s MLP of that size (`_wire._quantise` and `_pack`):
+  each leaf plus last step's error, scales, payload, new error, and the buffer
+  the all-to-all sends; the error buffers are donated and carried from call to
+  call, as in a train step;
+- `average+EF`: the receiving side, as the owner of one of the 2 chunks runs it
+  (`_wire._unpack`, `_average`, `_pack`): its chunk from both replicas decoded
+  from that buffer, their mean plus its error, encoded again with its new error
+  (donated and carried), packed for the all-gather.
 
 Between the two sides run the all-to-all and all-gather of the payloads, and
 after them one more `decode` per leaf; `compression.py time` times the whole
@@ -43,7 +46,9 @@ import statistics
 import subprocess
 import sys
 
-SIZES = {"1M": 1_054_730, "8.9M": 8_939_530, "39M": 38_922_250}
+from multihost import WIDTHS, num_params, sizes_of
+
+SIZES = {k: num_params(WIDTHS[k]) for k in ("1M", "8.9M", "39M")}
 ROWS = ("copy", "encode", "decode", "encode+EF", "average+EF")
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -67,37 +72,49 @@ def child(sizes: list[str], wires: list[str], reps: int, warmup: int) -> dict:
         host = rng.normal(size=(2, n)).astype(np.float32)
         host *= np.linspace(0.01, 10, n, dtype=np.float32)  # uneven magnitudes
         x = jax.device_put(host[0], jax.devices()[0])
+        leaves, at = [], 0
+        for k in leaf_sizes(size):
+            leaves.append(jax.device_put(host[0, at : at + k], jax.devices()[0]))
+            at += k
         for name in wires:
             wire = {"int8": jdp.wire.int8(), "fp8": jdp.wire.fp8()}[name]
             p = -(-n // wire.block_size) * wire.block_size
             xp = jnp.pad(x, (0, p - n))  # `encode` takes whole blocks
             q, s = jax.jit(wire.encode)(xp)
-            box = {"error": jnp.zeros(p, jnp.float32)}
+            sizes = [int(v.size) for v in leaves]
+            padded = [-(-k // wire.block_size) * wire.block_size for k in sizes]
+            box = {"error": tuple(jnp.zeros(k, jnp.float32) for k in padded)}
 
-            def send(v, e, wire=wire, n=n, p=p):
+            def send(vs, errors, wire=wire, sizes=sizes, padded=padded):
+                state = _wire.WireState(errors, errors[0])
                 workers, payload, scale = _wire._quantise(
-                    [v], [n], [p], wire, _wire.WireState((e,), e), 1
+                    vs, sizes, padded, wire, state, 2
                 )
-                return workers[0], payload, scale
+                return tuple(workers), _wire._pack(payload.reshape(2, -1), scale, 2)
 
             send = jax.jit(send, donate_argnums=1)
+            _, rows = send(leaves, tuple(jnp.zeros(k, jnp.float32) for k in padded))
+            chunk = rows.shape[1] - (rows.shape[1] // (wire.block_size + 4)) * 4
 
-            average = jax.jit(_average_of(_wire), static_argnums=2, donate_argnums=3)
-            q1, s1 = jax.jit(wire.encode)(jnp.pad(host[1], (0, p - n)))
-            rows, scales = jnp.stack([q, q1]), jnp.stack([s, s1])
-            box["server"] = jnp.zeros(p, jnp.float32)
+            def average(rows, server, wire=wire, chunk=chunk):
+                got, got_scale = _wire._unpack(rows, wire, chunk)
+                own_q, own_scale, server = _wire._average(got, got_scale, wire, server)
+                return _wire._pack(own_q[None], own_scale, 1), server
+
+            average = jax.jit(average, donate_argnums=1)
+            box["server"] = jnp.zeros(sum(padded), jnp.float32)
             copy, enc, dec = (
                 jax.jit(jnp.copy),
                 jax.jit(wire.encode),
                 jax.jit(wire.decode),
             )
 
-            def run_send(box=box, send=send, x=x):
-                box["error"], *rest = send(x, box["error"])
-                return rest
+            def run_send(box=box, send=send, leaves=leaves):
+                box["error"], rows = send(leaves, box["error"])
+                return rows
 
-            def run_average(box=box, f=average, rows=rows, scales=scales, wire=wire):
-                *out, box["server"] = f(rows, scales, wire, box["server"])
+            def run_average(box=box, f=average, rows=rows):
+                out, box["server"] = f(rows, box["server"])
                 return out
 
             calls = {
@@ -125,22 +142,10 @@ def child(sizes: list[str], wires: list[str], reps: int, warmup: int) -> dict:
     return out
 
 
-def _average_of(_wire):
-    """`_wire._average`, or the same steps for a jdp that has them inline in `mean`."""
-    if hasattr(_wire, "_average"):
-        return _wire._average
-    import numpy as np
-    from jax import lax
-
-    def average(got, got_scale, wire, server):
-        num, chunk = got.shape
-        own = sum(wire.decode(got[i], got_scale[i]) for i in range(num))
-        own = own / np.float32(num) + server[:chunk]
-        own_q, own_scale = wire.encode(own)
-        dropped = own - wire.decode(own_q, own_scale)
-        return own_q, own_scale, lax.dynamic_update_slice(server, dropped, (0,))
-
-    return average
+def leaf_sizes(size: str) -> list[int]:
+    """The sizes of the leaves (weights, biases) of `multihost.py`'s MLP."""
+    s = sizes_of(WIDTHS[size])
+    return [k for a, b in zip(s[:-1], s[1:], strict=True) for k in (a * b, b)]
 
 
 def run_child(tree: str, args, core: int) -> dict:

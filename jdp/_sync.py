@@ -152,7 +152,7 @@ def all_reduce(
       >>> params = {"w": jnp.zeros((512, 1))}
       >>> state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
       >>> batch = step.shard({"x": jnp.ones((8, 512)), "y": jnp.ones((8, 1))})
-      >>> sorted(c.kind for c in step.collectives(state, batch) if c.dtype == "u8")
+      >>> sorted(c.kind for c in step.collectives(state, batch) if c.dtype == "s8")
       ['all-gather', 'all-to-all']
     """
     _collectives.check_bucket_bytes(bucket_bytes)

@@ -169,7 +169,7 @@ def test_int8_exchange_across_processes_matches_one_process(job):
         assert r["in_sync"] and r["errors_differ"]
         assert_trees_close(r["params"], expected, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(r["losses"], losses, rtol=1e-5)
-        assert {k for k, dtype, _ in r["collectives"] if dtype == "u8"} == {
+        assert {k for k, dtype, _ in r["collectives"] if dtype == "s8"} == {
             "all-to-all",
             "all-gather",
         }
@@ -182,7 +182,7 @@ def test_int8_exchange_on_a_host_mesh_compresses_across_hosts_only(job, oracle_a
         # int8 with error feedback trains as float32 does, to within a few %.
         np.testing.assert_allclose(r["losses"][-5:], fp32_losses[-5:], rtol=0.05)
         across = ((0, 2), (1, 3))
-        narrow = [(k, g) for k, dtype, g in r["collectives"] if dtype == "u8"]
+        narrow = [(k, g) for k, dtype, g in r["collectives"] if dtype == "s8"]
         assert narrow and all(tuple(map(tuple, g)) == across for _, g in narrow)
         within = ((0, 1), (2, 3))
         assert any(tuple(map(tuple, g)) == within for _, _, g in r["collectives"])
