@@ -345,10 +345,12 @@ def _unpack(rows: jax.Array, wire: Wire, chunk: int):
     """`_pack`'s inverse: `(payload rows, scale rows or None)`.
 
     XLA:CPU fuses a bitcast into the loops reading it and does not vectorise them
-    (2.7x slower); the scales' max with 0 (themselves) is a reduction, left unfused.
+    (2.7x slower); the scales' max with 0 (themselves) is a reduction, left unfused,
+    in XLA's loop (`_max_abs`: a library's max would turn a NaN scale into 0).
     """
     payload = lax.bitcast_convert_type(rows[:, :chunk], wire.dtype)
     if wire.qmax is None:
         return payload, None
     s = lax.bitcast_convert_type(rows[:, chunk:].reshape(len(rows), -1, 4), jnp.float32)
-    return payload, jnp.max(jnp.stack([s, jnp.zeros_like(s)]), 0)
+    s = jnp.stack([s, jnp.zeros_like(s)])
+    return payload, lax.reduce(s, np.float32(0), _max_abs, (0,))

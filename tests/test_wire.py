@@ -240,6 +240,21 @@ def test_the_int8_exchange_loads_no_value_through_a_bitcast():
     assert loops
 
 
+def test_the_scales_leave_the_exchange_buffer_exactly():
+    # 1024 blocks a row, where XLA:CPU hands a max reduction to a library that turns
+    # a NaN into infinity: the scales' own loop must keep them bit for bit.
+    wire, n = jdp.wire.int8(), 2 * 1024 * 256
+    x = np.ones(n, np.float32)
+    x[[3, 600, n - 300, n - 1]] = [np.nan, 1e-30, np.inf, -7.0]
+    q, scale = wire.encode(jnp.asarray(x))
+    rows = _wire._pack(q.reshape(2, -1), scale, 2)
+    got = jax.jit(_wire._unpack, static_argnums=(1, 2))(rows, wire, n // 2)[1]
+    np.testing.assert_array_equal(
+        np.asarray(got).view(np.uint32),
+        np.asarray(scale).reshape(2, -1).view(np.uint32),
+    )
+
+
 def test_bytes_per_value_counts_the_scales():
     assert jdp.wire.bf16().bytes_per_value == 2.0
     assert jdp.wire.int8(block_size=128).bytes_per_value == 1.0 + 4 / 128
@@ -526,6 +541,32 @@ def test_wire_must_be_a_format():
         jdp.wire.int8(block_size=0)
     with pytest.raises(TypeError, match=r"`block_size` must be an int >= 1"):
         jdp.wire.fp8(block_size=2.5)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_a_non_finite_value_of_a_large_gradient_reaches_the_synced_result(bad):
+    # 1024 blocks a chunk: where XLA:CPU hands a max reduction to a library, which
+    # turns a NaN into a number. The owner's scales must stay NaN (or inf), so the
+    # step sees the bad block and skips.
+    sync, tx = jdp.all_reduce(wire=jdp.wire.int8(), error_feedback=True), optax.sgd(1.0)
+
+    def loss_fn(params, batch):
+        return jnp.sum(params["w"] * batch[0])  # the gradient is the batch
+
+    step = jdp.parallelize(
+        jdp.make_train_step(loss_fn, tx, sync=sync, skip_nonfinite=True),
+        devices=jax.devices()[:2],
+    )
+    params = {"w": jnp.zeros((1024, 512))}
+    state = step.replicate(jdp.TrainState.create(params=params, tx=tx, sync=sync))
+    grads = np.ones((2, 1024, 512), np.float32)
+    grads[1, 700, 300] = bad
+    state, metrics = step(state, step.shard(grads))
+    assert int(metrics["skipped"]) == 1
+    np.testing.assert_array_equal(step.unreplicate(state).params["w"], 0.0)
+    state, metrics = step(state, step.shard(np.ones((2, 1024, 512), np.float32)))
+    assert int(metrics["skipped"]) == 0
+    np.testing.assert_allclose(step.unreplicate(state).params["w"], -1.0, rtol=1e-2)
 
 
 def test_a_wire_compresses_under_loss_scaling_and_skips_with_it():
