@@ -344,9 +344,8 @@ def _pack(payload: jax.Array, scale: jax.Array | None, rows: int) -> jax.Array:
 def _unpack(rows: jax.Array, wire: Wire, chunk: int):
     """`_pack`'s inverse: `(payload rows, scale rows or None)`.
 
-    XLA:CPU fuses a bitcast into the loops reading it and does not vectorise them
-    (2.7x slower); the scales' max with 0 (themselves) is a reduction, left unfused,
-    in XLA's loop (`_max_abs`: a library's max would turn a NaN scale into 0).
+    XLA:CPU fuses a bitcast into its readers' loops, unvectorised (2.7x slower): the
+    scales' max with 0 (themselves) is a reduction, unfused (XLA's, keeping NaN).
     """
     payload = lax.bitcast_convert_type(rows[:, :chunk], wire.dtype)
     if wire.qmax is None:
