@@ -9,10 +9,12 @@ is a REPLACEMENT (1), which joins the others where they are after a start-up of
 BOOT_S seconds once connected (as a real one builds its model and data). While
 fewer replicas than processes train, each step completed writes OUT_DIR/shrunk
 (the driver starts the replacement then), the step halfway waits until the
-replacement has connected, and from then on each step waits PAUSE_S seconds
-first (time for it to join). Each process that finishes writes its final params
-and loss history per model, its replica count and end time per step, and a
-replacement the times it connected and called `step.replicate`, to OUT_DIR.
+replacement has connected, the step 5 before the last until it has built its
+state and calls `step.replicate` (however slow the machine), and from halfway on
+each step waits PAUSE_S seconds first (time for it to join). Each process that
+finishes writes its final params and loss history per model, its replica count
+and end time per step, and a replacement the times it connected and called
+`step.replicate`, to OUT_DIR.
 Environment: LIVE_COLLECTIVE_TIMEOUT (seconds, default 10); LIVE_STALL
 "PROCESS:STEP:SECONDS" pauses that live process before that step.
 """
@@ -113,10 +115,13 @@ state = {
     for c, (tx, sync) in models.items()
 }
 boot.append(time.time())
+if replacement:  # built: `replicate` joins the others at their next step
+    (Path(out_dir) / f"replacement-{pid}-ready").touch()
 state = step.replicate(state)
 losses, replicas, times = {c: [] for c in models}, [], []
 batches = make_batches(steps, GLOBAL_BATCH)
 connected = Path(out_dir) / f"replacement-{die_process}-connected"
+ready = Path(out_dir) / f"replacement-{die_process}-ready"
 while step.position < steps:  # a replacement starts where the others are
     i = step.position
     if (pid, i) == (STALL[0], STALL[1]):
@@ -128,10 +133,13 @@ while step.position < steps:  # a replacement starts where the others are
     if pause_s and step.num_replicas < num and i >= steps // 2:
         # Halfway, wait for the replacement to connect (however slow the
         # machine), so that it joins before the others finish.
+        # Then, 5 steps before the end, until it has built its state and calls
+        # `step.replicate`, which joins it to the others at their next step.
         deadline = time.monotonic() + 120
-        while i == steps // 2 and not connected.exists():
+        wait = {steps // 2: connected, steps - 5: ready}.get(i)
+        while wait is not None and not wait.exists():
             if time.monotonic() > deadline:
-                raise SystemExit(f"[{pid}] the replacement did not connect in 120 s")
+                raise SystemExit(f"[{pid}] no {wait.name} in 120 s")
             time.sleep(0.1)
         time.sleep(pause_s)
     state, metrics = step(state, batches[i])
