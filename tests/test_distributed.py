@@ -151,26 +151,34 @@ def test_initialize_rejects_arguments_of_the_wrong_type(
     assert not jdp.distributed.is_initialized()
 
 
-def test_initialize_names_a_malformed_environment_variable(no_job_env, monkeypatch):
-    monkeypatch.setenv("JDP_NUM_PROCESSES", "two")
-    with pytest.raises(
-        ValueError, match=r"\$JDP_NUM_PROCESSES must be an integer, got 'two'"
-    ):
-        jdp.distributed.initialize()
-    monkeypatch.delenv("JDP_NUM_PROCESSES")
-    monkeypatch.setenv("JDP_FAIL_FAST", "yes")
-    with pytest.raises(
-        ValueError, match=r"\$JDP_FAIL_FAST must be '1' \(fail fast\) or '0', got 'yes'"
-    ):
-        jdp.distributed.initialize()
-    monkeypatch.delenv("JDP_FAIL_FAST")
-    monkeypatch.setenv("JDP_GLOO_LOOP_IDLE", "on")
-    with pytest.raises(
-        ValueError,
-        match=r"\$JDP_GLOO_LOOP_IDLE must be '1' \(gloo's TCP loop thread at "
-        r"SCHED_IDLE\) or '0' \(default priority\), got 'on'\. Unset, it is "
-        r"SCHED_IDLE where the process is bound to one core\.",
-    ):
+@pytest.mark.parametrize(
+    ("name", "value", "message"),
+    [
+        (
+            "JDP_NUM_PROCESSES",
+            "two",
+            r"\$JDP_NUM_PROCESSES must be an integer, got 'two'",
+        ),
+        (
+            "JDP_FAIL_FAST",
+            "yes",
+            r"\$JDP_FAIL_FAST must be '1' \(fail fast\) or '0', got 'yes'",
+        ),
+        (
+            "JDP_GLOO_LOOP_IDLE",
+            "on",
+            r"\$JDP_GLOO_LOOP_IDLE must be '1' \(gloo's TCP loop thread at "
+            r"SCHED_IDLE\) or '0' \(default priority\), got 'on'\. Unset, it is "
+            r"SCHED_IDLE where the process is bound to one core\.",
+        ),
+    ],
+    ids=["num-processes", "fail-fast", "gloo-loop-idle"],
+)
+def test_initialize_names_a_malformed_environment_variable(
+    no_job_env, monkeypatch, name, value, message
+):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=message):
         jdp.distributed.initialize()
 
 
