@@ -94,7 +94,8 @@ def child(sizes: list[str], wires: list[str], reps: int, warmup: int) -> dict:
 
             send = jax.jit(send, donate_argnums=1)
             _, rows = send(leaves, tuple(jnp.zeros(k, jnp.float32) for k in padded))
-            chunk = rows.shape[1] * wire.block_size // (wire.block_size + 4)  # 4 bytes a block
+            # A row: the chunk, then its scales' bytes (4 a block).
+            chunk = rows.shape[1] * wire.block_size // (wire.block_size + 4)
 
             def average(rows, server, wire=wire, chunk=chunk):
                 got, got_scale = _wire._unpack(rows, wire, chunk)
