@@ -11,7 +11,9 @@ initial weights in both frameworks). Rows, in pairs (torch / jdp):
 - float32: DDP / `jdp.all_reduce()`;
 - bf16: DDP with `bf16_compress_hook` / `jdp.all_reduce(wire=jdp.wire.bf16())`;
 - fp16 vs int8: DDP with `fp16_compress_hook` /
-  `jdp.all_reduce(wire=jdp.wire.int8(), error_feedback=True)`;
+  `jdp.all_reduce(wire=jdp.wire.int8(), error_feedback=True)`, and the same DDP row
+  against `jdp.all_reduce(wire=jdp.wire.int8())` (no error feedback: what the error
+  buffers' reads and writes cost);
 - PowerSGD rank 4: DDP with `powerSGD_hook` / `jdp.powersgd(rank=4)`, in two forms
   on the DDP side: one bucket (`bucket_cap_mb` above the model's size), and DDP's
   default buckets with a wrapper that waits for the hook's future before returning;
@@ -73,6 +75,7 @@ PAIRS = [
     ("float32", "DDP fp32", "jdp f32"),
     ("bf16", "DDP bf16_compress_hook (renamed wrapper)", "jdp bf16"),
     ("fp16 hook / int8+EF", "DDP fp16_compress_hook", "jdp int8+EF"),
+    ("fp16 hook / int8", "DDP fp16_compress_hook", "jdp int8"),
     ("PowerSGD r4", "DDP powerSGD_hook r4, one bucket", "jdp PowerSGD r4"),
     ("PowerSGD r4", "DDP powerSGD_hook r4, waiting wrapper", "jdp PowerSGD r4"),
     ("transport alone", *RAW),
@@ -193,6 +196,7 @@ def _jdp_rows(width: int):
         "jdp f32": jdp.all_reduce(),
         "jdp bf16": jdp.all_reduce(wire=jdp.wire.bf16()),
         "jdp int8+EF": jdp.all_reduce(wire=jdp.wire.int8(), error_feedback=True),
+        "jdp int8": jdp.all_reduce(wire=jdp.wire.int8()),
         "jdp PowerSGD r4": jdp.powersgd(rank=4),
     }
     rows = {}
