@@ -13,9 +13,11 @@ Three measurements, each printed as a Markdown table (`benchmarks/README.md`):
 - `time`: 2 processes x 1 CPU device over gloo (127.0.0.1, `jdp.launch.run`),
   the MLP sweep of `multihost.py`: the local step (no communication), jdp's
   float32 step, bf16, int8 + error feedback, PowerSGD rank 4; a breakdown of the
-  int8 step (quantise + dequantise alone, the int8 collectives alone, the whole
-  exchange alone); and, in two more processes if torch imports, PyTorch DDP in
-  float32, with `powerSGD_hook` (rank 4) and with `bf16_compress_hook`.
+  int8 step (quantise + dequantise alone, the int8 and the bf16 exchanges'
+  collectives alone, the whole int8 exchange alone, without and with error
+  feedback, its buffers carried from call to call); and, in two more processes
+  if torch imports, PyTorch DDP in float32, with `powerSGD_hook` (rank 4) and
+  with `bf16_compress_hook`.
 - `quality`: 8 simulated devices, deterministic per seed: a synthetic-teacher
   MLP regression and the scikit-learn digits classifier, float32 against every
   compressed variant (and ablations without error feedback / warm start), final
@@ -172,7 +174,6 @@ def jax_job(width: int, steps: int, warmup: int):
 def breakdown_job(width: int, steps: int, warmup: int):
     """Runs in both processes (a job of its own): the int8 exchange in parts."""
     import jax
-    import jax.numpy as jnp
     import numpy as np
     from jax import lax
     from jax.sharding import NamedSharding
@@ -202,27 +203,45 @@ def breakdown_job(width: int, steps: int, warmup: int):
         q, s = wire.encode(v)
         return wire.decode(q, s)
 
-    # What the exchange sends: int8 values and their scales, one buffer each way.
-    per_device = int(size * wire.bytes_per_value) // num * num
-    q_all = jax.device_put(
-        np.zeros(num * per_device, np.uint8), NamedSharding(mesh, P("data"))
-    )
+    # What the exchanges send, nothing else: int8 values and their scales, one
+    # buffer each way; bf16's 2 bytes a value the same way.
+    def sent(dtype, nbytes):
+        per_device = nbytes // (num * 2) * num * 2 // np.dtype(dtype).itemsize
+        host = np.zeros(num * per_device, dtype)
+        return jax.device_put(host, NamedSharding(mesh, P("data")))
 
-    def collectives_only(q):  # what the int8 exchange sends, nothing else
+    def collectives_only(q):
         got = lax.all_to_all(q.reshape(num, -1), "data", 0, 0, tiled=False)
-        own = got.sum(axis=0, dtype=jnp.uint8)
+        own = got.sum(axis=0, dtype=q.dtype)
         return lax.all_gather(own, "data").reshape(-1)
 
-    error = _wire.init_state(np.zeros(size, np.float32), wire)
+    def exchange(v):  # without error feedback
+        return _wire.mean(v, wire=wire, axis_name="data")[0]
 
-    def exchange(v):
-        mean, _ = _wire.mean(v, wire=wire, axis_name="data", error=error)
+    def exchange_ef(v, error):  # the error buffers carried from call to call
+        return _wire.mean(v, wire=wire, axis_name="data", error=error)
+
+    error = jax.device_put(
+        _wire.init_state(np.zeros(num * size, np.float32), wire),
+        NamedSharding(mesh, P("data")),
+    )
+    ef = jax.jit(
+        jax.shard_map(exchange_ef, mesh=mesh, in_specs=P("data"), out_specs=P("data")),
+        donate_argnums=1,
+    )
+    box = {"error": error}
+
+    def run_ef(v):
+        mean, box["error"] = ef(v, box["error"])
         return mean
 
+    int8_sent = sent(np.int8, int(size * wire.bytes_per_value))
     for name, fn, arg in [
         ("quantise+dequantise", shard(codec), vec),
-        ("int8 collectives alone", shard(collectives_only), q_all),
+        ("int8 collectives alone", shard(collectives_only), int8_sent),
+        ("bf16 collectives alone", shard(collectives_only), sent(np.uint16, 2 * size)),
         ("int8 exchange alone", shard(exchange), vec),
+        ("int8+EF exchange alone", run_ef, vec),
     ]:
         out[name] = {
             "ms": median_ms(
