@@ -12,7 +12,6 @@ import optax
 from jax import lax
 
 from jdp import _bmuf, _collectives, _layout, _replica_parts, _transforms, _wire
-from jdp._buckets import all_computed
 from jdp._tree import PyTree, finite, float_map
 
 BatchStatsMode = Literal["mean", "broadcast"]
@@ -78,7 +77,6 @@ def check_batch_stats(batch_stats: Any) -> None:
 def apply_tx(grads, state, tx) -> tuple[PyTree, PyTree, dict[str, jax.Array]]:
     """`tx` applied to `grads`: `(params, opt_state, {})`; a `jdp.bmuf` merges after."""
     merges: list = []
-    grads = all_computed(grads)  # no copies of the params (see there)
     updates, opt_state = _transforms.update(
         tx, grads, state.opt_state, state.params, **{_bmuf.MERGES_ARG: merges}
     )

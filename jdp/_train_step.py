@@ -13,6 +13,7 @@ import optax
 from jax import lax
 
 from jdp import _collectives, _loss, _replica_parts, _step_checks, _sync, _validate
+from jdp._buckets import all_computed
 from jdp._tree import PyTree
 from jdp.sparse import _train_step as _sparse
 
@@ -182,6 +183,8 @@ def _update(sync, grads, state, tx, axis, skip, *, counted, rows):
     held = getattr(state, "sync_state", None)
     piece_state = sync.initial_state(state.params) if held is None else held
     checked, new_state, extra = sync.update(grads, piece_state, state.params, axis)
+    if not sync.averages or lax.axis_size(axis) == 1:  # no collective orders them
+        checked = all_computed(checked)
     apply = _sparse.apply if rows else _sync.apply_tx
     run = lambda: apply(checked, state, tx)  # noqa: E731
     if not skip:
