@@ -10,8 +10,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jdp._tree import is_float
-
 
 @dataclasses.dataclass(frozen=True)
 class Bucket:
@@ -132,8 +130,9 @@ def all_computed(grads):
     inner steps have none.
     """
     leaves, treedef = jax.tree.flatten(grads)
-    floats = [x for x in leaves if is_float(x) and x.size]
-    big = [i for i, x in enumerate(leaves) if is_float(x) and x.nbytes >= HELD_BYTES]
+    inexact = [jnp.issubdtype(jnp.result_type(x), jnp.inexact) for x in leaves]
+    floats = [x for x, f in zip(leaves, inexact, strict=True) if f and x.size]
+    big = [i for i, x in enumerate(leaves) if inexact[i] and x.nbytes >= HELD_BYTES]
     for i, x in zip(big, after([leaves[i] for i in big], floats), strict=True):
         leaves[i] = x
     return jax.tree.unflatten(treedef, leaves)
