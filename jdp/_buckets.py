@@ -115,24 +115,3 @@ def after(arrays: list[jax.Array], previous: list[jax.Array], *,
         smallest = min(range(len(arrays)), key=lambda i: arrays[i].size)
         return [held(x) if i == smallest else x for i, x in enumerate(arrays)]
     return [held(x) for x in arrays]
-
-
-#: Gradients of this many bytes or more wait for all the others (`all_computed`).
-HELD_BYTES = 1 << 16
-
-
-def all_computed(grads):
-    """`grads`, bit for bit, those of `HELD_BYTES` or more held until all are made.
-
-    Else XLA may update a parameter while the backward pass still reads it, and copy
-    it first (the 39M MLP's step on one CPU device took 1.2x the time). A collective
-    of all the gradients orders them too; `jdp.local()`, one replica and `jdp.bmuf`'s
-    inner steps have none.
-    """
-    leaves, treedef = jax.tree.flatten(grads)
-    inexact = [jnp.issubdtype(jnp.result_type(x), jnp.inexact) for x in leaves]
-    floats = [x for x, f in zip(leaves, inexact, strict=True) if f and x.size]
-    big = [i for i, x in enumerate(leaves) if inexact[i] and x.nbytes >= HELD_BYTES]
-    for i, x in zip(big, after([leaves[i] for i in big], floats), strict=True):
-        leaves[i] = x
-    return jax.tree.unflatten(treedef, leaves)
