@@ -206,7 +206,7 @@ def breakdown_job(width: int, steps: int, warmup: int):
     # What the exchanges send, nothing else: int8 values and their scales, one
     # buffer each way; bf16's 2 bytes a value the same way.
     def sent(dtype, nbytes):
-        per_device = nbytes // (num * 2) * num * 2 // np.dtype(dtype).itemsize
+        per_device = nbytes // np.dtype(dtype).itemsize // num * num
         host = np.zeros(num * per_device, dtype)
         return jax.device_put(host, NamedSharding(mesh, P("data")))
 
