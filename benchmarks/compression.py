@@ -11,13 +11,15 @@ Three measurements, each printed as a Markdown table (`benchmarks/README.md`):
   bytes": an all-reduce sends 2(n-1)/n of its buffer, an all-gather, all-to-all
   or reduce-scatter (n-1)/n), which is what compression saves on a link.
 - `time`: 2 processes x 1 CPU device over gloo (127.0.0.1, `jdp.launch.run`),
-  the MLP sweep of `multihost.py`: the local step (no communication), jdp's
-  float32 step, bf16, int8 + error feedback, PowerSGD rank 4; a breakdown of the
-  int8 step (quantise + dequantise alone, the int8 and the bf16 exchanges'
-  collectives alone, the whole int8 exchange alone, without and with error
-  feedback, its buffers carried from call to call); and, in two more processes
-  if torch imports, PyTorch DDP in float32, with `powerSGD_hook` (rank 4) and
-  with `bf16_compress_hook`.
+  each pinned to its own core before JAX starts (XLA sizes its CPU thread pool
+  from the affinity mask; torch runs 1 thread), the MLP sweep of
+  `multihost.py`: the local step (no communication), jdp's float32 step, bf16,
+  int8 + error feedback, PowerSGD rank 4; a breakdown of the int8 step
+  (quantise + dequantise alone, the int8 and the bf16 exchanges' collectives
+  alone, the whole int8 exchange alone, without and with error feedback, its
+  buffers carried from call to call); and, in two more processes if torch
+  imports, PyTorch DDP in float32, with `powerSGD_hook` (rank 4) and with
+  `bf16_compress_hook`.
 - `quality`: 8 simulated devices, deterministic per seed: a synthetic-teacher
   MLP regression and the scikit-learn digits classifier, float32 against every
   compressed variant (and ablations without error feedback / warm start), final
@@ -36,7 +38,7 @@ import os
 import statistics
 import sys
 
-from _common import median_ms, mlp_loss, normal_mlp, set_devices
+from _common import median_ms, mlp_loss, normal_mlp, pin_to_core, set_devices
 
 # The models, data and optimizer of multihost.py's sweep, so the rows compare.
 from multihost import (
@@ -139,12 +141,14 @@ TIME_ROWS = ["local", "f32", "bf16", "int8+EF", "PowerSGD r4"]
 
 def jax_job(width: int, steps: int, warmup: int):
     """Runs in both processes: median step time of each row, and the breakdown."""
+    pin_to_core(True)  # before JAX starts: XLA sizes its pool from the mask
     import jax
     import numpy as np
     import optax
 
     import jdp
 
+    jdp.distributed.initialize()
     weights, x, y = _data(width, jax.process_index())
     params = [{"w": w, "b": np.zeros(w.shape[1], np.float32)} for w in weights]
     local = {"x": x, "y": y}
@@ -173,6 +177,7 @@ def jax_job(width: int, steps: int, warmup: int):
 
 def breakdown_job(width: int, steps: int, warmup: int):
     """Runs in both processes (a job of its own): the int8 exchange in parts."""
+    pin_to_core(True)
     import jax
     import numpy as np
     from jax import lax
@@ -182,6 +187,7 @@ def breakdown_job(width: int, steps: int, warmup: int):
     import jdp
     from jdp import _wire
 
+    jdp.distributed.initialize()
     out = {}
     # The int8 step in parts, on a gradient-sized float32 vector.
     n = num_params(width)
@@ -271,6 +277,7 @@ def torch_job(width: int, steps: int, warmup: int, variants=TORCH_VARIANTS):
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
     from torch.nn.parallel import DistributedDataParallel
 
+    pin_to_core(True)
     torch.set_num_threads(1)
     rank = int(os.environ["JDP_PROCESS_ID"])
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -345,14 +352,16 @@ def measure_time(
         for size in sizes:
             width = WIDTHS[size]
             rows = results.setdefault(size, {})
+            # Each job pins its process to its own core, then starts JAX.
             got = jdp.launch.run(
                 jax_job, 2, args=(width, steps, warmup), devices_per_process=1,
-                quiet=True, timeout_s=1200,
+                initialize=False, quiet=True, timeout_s=1200,
             )  # fmt: skip
             got[0].update(
                 jdp.launch.run(
                     breakdown_job, 2, args=(width, steps, warmup),
-                    devices_per_process=1, quiet=True, timeout_s=1200,
+                    devices_per_process=1, initialize=False, quiet=True,
+                    timeout_s=1200,
                 )[0]
             )  # fmt: skip
             for name, value in got[0].items():

@@ -393,17 +393,10 @@ def untaken_branch_copies(hlo_text):
         {"streaming": jdp.Streaming(fragments=4, delay=1)},
         {"streaming": jdp.Streaming(fragments=4, delay=4)},
         {"streaming": jdp.Streaming(fragments=4, delay=2, mix=0.5)},
-        pytest.param(
-            {
-                "streaming": jdp.Streaming(fragments=4, delay=2),
-                "outer": jdp.block_momentum(nesterov=True),
-            },
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="with jdp.block_momentum(nesterov=True) XLA still copies "
-                "one leaf in the untaken branch of each fragment's global update",
-            ),
-        ),
+        {
+            "streaming": jdp.Streaming(fragments=4, delay=2),
+            "outer": jdp.block_momentum(nesterov=True),
+        },
         {
             "streaming": jdp.Streaming(fragments=4, delay=2),
             "outer": optax.sgd(0.7, momentum=0.9),

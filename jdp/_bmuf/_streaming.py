@@ -13,6 +13,7 @@ from jdp._bmuf._average import params_mean
 from jdp._bmuf._fragments import plan as make_plan
 from jdp._bmuf._fragments import put, take
 from jdp._bmuf._state import block_start, cast_like, float_map
+from jdp._buckets import after
 
 
 def merge(params, old_state, state, *, inner, axis, options):
@@ -143,9 +144,13 @@ def _sync_fragments(dues, plan, leaves, velocity, inner_state, tree, *,
             (local, g, start), (v,) = written, read
             s_f = None if start is None else take(start, pieces)
             g_f, s_f = _update.advance(take(g, pieces), s_f, take(v, pieces), eta)
-            g = put(g, pieces, g_f)
             if start is not None:
+                # The new start reads the old `g`: written first, with `g`'s update
+                # held until it is, so that XLA updates `g` in place (else it
+                # copies the leaf, in this branch and in the one that does nothing).
                 start = put(start, pieces, s_f)
+                g_f = after(g_f, [start[p.leaf] for p in pieces])
+            g = put(g, pieces, g_f)
             local, inner_state = adopt(
                 pieces, local, block_start(g, start), inner_state
             )
