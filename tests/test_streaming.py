@@ -371,9 +371,10 @@ def test_per_step_bytes_from_the_program(backend, delay):
         assert max(branch) <= 1.1 * param_bytes / sync_period
 
 
-def untaken_branch_copies(hlo_text):
-    """`{conditional: copies}` of the branches that a step without a sync runs
-    (a `lax.cond`'s false branch, index 0) of every `jdp.bmuf` conditional."""
+def branch_copies(hlo_text, branch):
+    """`{conditional: [shapes copied]}` in branch `branch` of every `jdp.bmuf`
+    conditional: 0, the `lax.cond`'s false branch (what a step without a sync
+    runs), or 1, the branch of the sync."""
     comps, _ = _hlo._parse_computations(hlo_text)
     found = {}
     for lines in comps.values():
@@ -381,9 +382,18 @@ def untaken_branch_copies(hlo_text):
             if " conditional(" not in line or "bmuf" not in line:
                 continue
             name = line.split("=", 1)[0].strip()
-            false_branch = re.search(r"branch_computations=\{%([^,}]+)", line)[1]
-            found[name] = sum(" copy(" in x for x in comps[false_branch])
+            branches = re.search(r"branch_computations=\{%([^,}]+), %([^,}]+)\}", line)
+            found[name] = [
+                re.search(r"= (\w+\[[\d,]*\])", x)[1]
+                for x in comps[branches[branch + 1]]
+                if " copy(" in x
+            ]
     return found
+
+
+def untaken_branch_copies(hlo_text):
+    """`{conditional: copies}` of the branches that a step without a sync runs."""
+    return {k: len(v) for k, v in branch_copies(hlo_text, 0).items()}
 
 
 @pytest.mark.parametrize(
@@ -424,6 +434,54 @@ def test_a_step_without_a_sync_copies_nothing(kw):
     fragments, delay = kw["streaming"].fragments, kw["streaming"].delay
     assert len(copies) >= 2 * fragments + fragments * delay
     assert not any(copies.values()), copies
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"streaming": jdp.Streaming(fragments=4, delay=1)},
+        {
+            "streaming": jdp.Streaming(fragments=4, delay=2, mix=0.5),
+            "outer": optax.sgd(0.7, momentum=0.9, nesterov=True),
+        },
+        {
+            "streaming": jdp.Streaming(fragments=4, delay=2),
+            "outer": jdp.block_momentum(nesterov=True),
+        },
+        {
+            "streaming": jdp.Streaming(fragments=4, delay=1),
+            "outer": optax.sgd(0.7, momentum=0.9),
+            "average": jdp.BlockAverage(wire=jdp.wire.bf16()),
+        },
+    ],
+    ids=["d1", "diloco-mix", "nesterov", "outer-wire"],
+)
+def test_a_sync_writes_the_rows_of_a_split_leaf_in_place(kw):
+    """A fragment's sync writes its rows of a leaf it splits into the global model
+    and into the params, each in place: the params read the new global rows only
+    once they are written, or the global update waits for the new block start that
+    reads the old rows. (With `outer=`, XLA copied every split leaf twice on each
+    sync.) A leaf a fragment holds whole is one new value in two buffers: a copy."""
+    tx = jdp.bmuf(optax.sgd(0.1), sync_period=16, **kw)
+    step = jdp.parallelize(
+        jdp.make_train_step(wide_loss, tx, sync=jdp.local()),
+        devices=jax.devices()[:4],
+    )
+    params = wide_params()
+    state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
+    text = step.lower(state, step.shard(wide_batch())).compile().as_text()
+    leaves = jax.tree.leaves(params)
+    plan = _bmuf._plan(params, 4, kw["streaming"].delay)
+    pieces = [p for fragment in plan.fragments for p in fragment]
+    split = {
+        "f32[{}]".format(",".join(map(str, leaves[p.leaf].shape)))
+        for p in pieces
+        if not p.whole
+    }
+    assert split == {"f32[32,64]", "f32[64,32]"}  # the weights, cut into rows
+    copies = branch_copies(text, 1)
+    assert len(copies) >= 2 * 4
+    assert not [c for cs in copies.values() for c in cs if c in split], copies
 
 
 def depends_on_inputs(jaxpr, tainted):

@@ -120,8 +120,12 @@ def _sync_fragments(dues, plan, leaves, velocity, inner_state, tree, *,
                 g_f, _, state_f = _update.block_update(
                     g_f, None, state_f, avg, eta, 1.0, outer
                 )
-                g = put(g, pieces, g_f)
-                local, inner_state = adopt(pieces, local, g, inner_state)
+                local, inner_state = adopt(
+                    pieces, local, put(g, pieces, g_f), inner_state
+                )
+                # `local` reads the new `g`: written first, with `g`'s update held
+                # until it is (XLA updates both in place; else it copies `g` twice).
+                g = put(g, pieces, after(g_f, [local[p.leaf] for p in pieces]))
                 return [local, g], (state_f, inner_state)
 
             (p_leaves, g_leaves), (v_f, inner_state) = _when(
