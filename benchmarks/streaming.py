@@ -21,10 +21,11 @@ Part 3 (`--time-rig`), step times across processes: 2 processes x 1 CPU device
 joined over gloo by `jdp.launch.run` (127.0.0.1), each pinned to one core, train
 the part-1 MLP (8 examples per process per step, inner SGD) with the local step
 (no communication, the floor), the synchronous step (`jdp.all_reduce()`), BMUF,
-DiLoCo (outer Nesterov SGD), F=4 with delay 0, 1 and 4 (H=16), one
-cycle of 16 steps each in turn, in a shuffled order, every step timed on its own
-(waiting for its loss). Reported: p50, p99 and the largest step time over the
-timed cycles (the first cycle, which compiles, is not timed), and the mean.
+DiLoCo (outer Nesterov SGD), F=4 with delay 0, 1 and 4 (H=16), Streaming
+DiLoCo (F=4, delay 1, outer Nesterov SGD), one cycle of 16 steps each in turn,
+in a shuffled order, every step timed on its own (waiting for its loss).
+Reported: p50, p99 and the largest step time over the timed cycles (the first
+cycle, which compiles, is not timed), and the mean.
 
     python benchmarks/streaming.py [--devices 8] [--steps 2048] [--quick]
         [--time-rig] [--rig-cycles 20] [--rig-only]
@@ -51,6 +52,7 @@ RIG_CONFIGS = {
     "F=4 delay=0": {"streaming": (F, 0)},
     "F=4 delay=1": {"streaming": (F, 1)},
     "F=4 delay=4": {"streaming": (F, H // F)},
+    "DiLoCo F=4 d=1": {"streaming": (F, 1), "outer": "nesterov"},  # Streaming
 }
 
 
