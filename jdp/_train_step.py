@@ -183,7 +183,8 @@ def _update(sync, grads, state, tx, axis, skip, *, counted, rows):
     held = getattr(state, "sync_state", None)
     piece_state = sync.initial_state(state.params) if held is None else held
     checked, new_state, extra = sync.update(grads, piece_state, state.params, axis)
-    if not sync.averages or _collectives.axis_size(axis, "jdp.make_train_step") == 1:
+    ordered = sync.averages and _collectives.axis_size(axis, "jdp.make_train_step") > 1
+    if not ordered and not _sync.syncs_gradients(state.opt_state):  # `jdp.zero`'s do
         checked = all_computed(checked)  # no collective orders them
     apply = _sparse.apply if rows else _sync.apply_tx
     run = lambda: apply(checked, state, tx)  # noqa: E731
@@ -214,6 +215,13 @@ def all_computed(grads):
     leaves, treedef = jax.tree.flatten(grads)
     floats = [x for x in leaves if is_float(x) and x.size]
     big = [i for i, x in enumerate(leaves) if is_float(x) and x.nbytes >= HELD_BYTES]
-    for i, x in zip(big, after([leaves[i] for i in big], floats), strict=True):
+    if not big:
+        return grads
+    # Held on one array made from every gradient by an operation XLA does not fuse
+    # into its users (a sort), computed once: a held gradient that read another
+    # directly could not be updated in place (XLA copied both).
+    firsts = jnp.stack([x.reshape(-1)[0].real.astype(jnp.float32) for x in floats])
+    made = lax.sort(firsts)
+    for i, x in zip(big, after([leaves[i] for i in big], [made]), strict=True):
         leaves[i] = x
     return jax.tree.unflatten(treedef, leaves)

@@ -15,7 +15,7 @@ from helpers import (
 )
 
 import jdp
-from jdp import _train_step
+from jdp import _hlo, _train_step
 
 
 class BNNet(nn.Module):
@@ -622,3 +622,41 @@ def test_a_local_step_on_one_device_updates_its_weights_without_copying_them():
     new, _ = step(state, batch)
     oracle, _ = single_device_train(mlp_loss, params, tx, [host_batch])
     assert_trees_close(step.unreplicate(new).params, oracle, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: (jdp.local(), optax.adam(1e-3)),
+        lambda: (jdp.local(), jdp.bmuf(optax.adam(1e-3), 8)),
+        lambda: (
+            jdp.local(),
+            jdp.bmuf(
+                optax.adam(1e-3),
+                8,
+                streaming=jdp.Streaming(2, delay=1),
+                outer=optax.sgd(0.7, momentum=0.9, nesterov=True),
+            ),
+        ),
+        lambda: (
+            jdp.local(),
+            optax.chain(jdp.sync_gradients(jdp.all_reduce()), optax.adam(1e-3)),
+        ),
+        lambda: (jdp.local(), jdp.zero(optax.adam(1e-3))),
+    ],
+    ids=["local", "bmuf", "streaming-diloco", "sync_gradients", "zero"],
+)
+def test_a_step_without_a_collective_of_the_gradients_copies_none_of_them(make):
+    # Held gradients wait for one value made from all of them: each read another
+    # directly before, and XLA copied every one of 64 KiB or more, every step.
+    sync, tx = make()
+    params = init_mlp(jax.random.key(0), sizes=(16, 128, 256, 128))  # 2 of 128 KiB
+    step = jdp.parallelize(
+        jdp.make_train_step(mlp_loss, tx, sync=sync), devices=jax.devices()[:4]
+    )
+    state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
+    batch = step.shard(make_batches(1, 16, in_dim=16, out_dim=128)[0])
+    text = step.lower(state, batch).compile().as_text()
+    comps, entry = _hlo._parse_computations(text)
+    copied = [line for line in comps[entry] if " copy(" in line]
+    assert not [x for x in copied if "[128,256]" in x or "[256,128]" in x], copied
