@@ -183,15 +183,16 @@ def _update(sync, grads, state, tx, axis, skip, *, counted, rows):
     held = getattr(state, "sync_state", None)
     piece_state = sync.initial_state(state.params) if held is None else held
     checked, new_state, extra = sync.update(grads, piece_state, state.params, axis)
+    finite = _sync.finite(checked) if skip else None
     ordered = sync.averages and _collectives.axis_size(axis, "jdp.make_train_step") > 1
     if not ordered and not _sync.syncs_gradients(state.opt_state):  # `jdp.zero`'s do
-        checked = all_computed(checked)  # no collective orders them
+        checked = all_computed(checked, finite)  # no collective orders them
     apply = _sparse.apply if rows else _sync.apply_tx
     run = lambda: apply(checked, state, tx)  # noqa: E731
     if not skip:
         params, opt_state, more = run()
     else:  # a step skipped keeps the piece's state too
-        ok = lax.pmin(_sync.finite(checked).astype(np.int32), axis) > 0
+        ok = lax.pmin(finite.astype(np.int32), axis) > 0
         params, opt_state, more = _sync.unless_nonfinite(
             ok, run, state, counted=counted
         )
@@ -204,24 +205,27 @@ def _update(sync, grads, state, tx, axis, skip, *, counted, rows):
 HELD_BYTES = 1 << 16
 
 
-def all_computed(grads):
+def all_computed(grads, made=None):
     """`grads`, bit for bit, those of `HELD_BYTES` or more held until all are made.
 
     Else XLA may update a parameter while the backward pass still reads it, and copy
     it first (the 39M MLP's step on one CPU device took 1.2x the time). A collective
     of all the gradients orders them too; `jdp.local()`, one replica and `jdp.bmuf`'s
-    inner steps have none.
+    inner steps have none. `made`: an array computed from every gradient by an
+    operation XLA does not fuse into its users (a reduction such as `_tree.finite`),
+    or None for a sort of their first elements. (A held gradient that read the
+    others directly, or through a computation XLA repeats in each user, could not be
+    updated in place: XLA copied every one.)
     """
     leaves, treedef = jax.tree.flatten(grads)
     floats = [x for x in leaves if is_float(x) and x.size]
     big = [i for i, x in enumerate(leaves) if is_float(x) and x.nbytes >= HELD_BYTES]
     if not big:
         return grads
-    # Held on one array made from every gradient by an operation XLA does not fuse
-    # into its users (a sort), computed once: a held gradient that read another
-    # directly could not be updated in place (XLA copied both).
-    firsts = jnp.stack([x.reshape(-1)[0].real.astype(jnp.float32) for x in floats])
-    made = lax.sort(firsts)
+    if made is None:
+        made = lax.sort(
+            jnp.stack([x.reshape(-1)[0].real.astype(jnp.float32) for x in floats])
+        )
     for i, x in zip(big, after([leaves[i] for i in big], [made]), strict=True):
         leaves[i] = x
     return jax.tree.unflatten(treedef, leaves)

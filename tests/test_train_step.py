@@ -643,16 +643,19 @@ def test_a_local_step_on_one_device_updates_its_weights_without_copying_them():
             optax.chain(jdp.sync_gradients(jdp.all_reduce()), optax.adam(1e-3)),
         ),
         lambda: (jdp.local(), jdp.zero(optax.adam(1e-3))),
+        lambda: (jdp.local(), optax.adam(1e-3), {"skip_nonfinite": True}),
     ],
-    ids=["local", "bmuf", "streaming-diloco", "sync_gradients", "zero"],
+    ids=["local", "bmuf", "streaming-diloco", "sync_gradients", "zero", "skip"],
 )
 def test_a_step_without_a_collective_of_the_gradients_copies_none_of_them(make):
-    # Held gradients wait for one value made from all of them: each read another
-    # directly before, and XLA copied every one of 64 KiB or more, every step.
-    sync, tx = make()
+    # Held gradients wait for one value made from all of them (with
+    # `skip_nonfinite`, their finiteness): each read another directly before, and
+    # XLA copied every one of 64 KiB or more, every step.
+    sync, tx, *options = make()
     params = init_mlp(jax.random.key(0), sizes=(16, 128, 256, 128))  # 2 of 128 KiB
     step = jdp.parallelize(
-        jdp.make_train_step(mlp_loss, tx, sync=sync), devices=jax.devices()[:4]
+        jdp.make_train_step(mlp_loss, tx, sync=sync, **(options or [{}])[0]),
+        devices=jax.devices()[:4],
     )
     state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
     batch = step.shard(make_batches(1, 16, in_dim=16, out_dim=128)[0])
