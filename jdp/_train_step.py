@@ -15,6 +15,7 @@ from jax import lax
 from jdp import _collectives, _loss, _replica_parts, _step_checks, _sync, _validate
 from jdp._buckets import after
 from jdp._tree import PyTree, is_float
+from jdp.sparse import _lookup
 from jdp.sparse import _train_step as _sparse
 
 #: `jdp.all_reduce()`, the default piece (made once: a `Sync` is immutable).
@@ -184,9 +185,11 @@ def _update(sync, grads, state, tx, axis, skip, *, counted, rows):
     piece_state = sync.initial_state(state.params) if held is None else held
     checked, new_state, extra = sync.update(grads, piece_state, state.params, axis)
     finite = _sync.finite(checked) if skip else None
+    # One collective of all the gradients orders them; rows travel apart from the
+    # dense gradients, and `jdp.zero`'s collective is in the optimizer.
     ordered = sync.averages and _collectives.axis_size(axis, "jdp.make_train_step") > 1
-    if not ordered and not _sync.syncs_gradients(state.opt_state):  # `jdp.zero`'s do
-        checked = all_computed(checked, finite)  # no collective orders them
+    if (rows or not ordered) and not _sync.syncs_gradients(state.opt_state):
+        checked = all_computed(checked, finite)
     apply = _sparse.apply if rows else _sync.apply_tx
     run = lambda: apply(checked, state, tx)  # noqa: E731
     if not skip:
@@ -217,8 +220,9 @@ def all_computed(grads, made=None):
     others directly, or through a computation XLA repeats in each user, could not be
     updated in place: XLA copied every one.)
     """
-    leaves, treedef = jax.tree.flatten(grads)
-    floats = [x for x in leaves if is_float(x) and x.size]
+    # A table's rows (`jdp.sparse.rows`) are waited for, not held.
+    leaves, treedef = jax.tree.flatten(grads, is_leaf=_lookup.is_rows)
+    floats = [x for x in jax.tree.leaves(leaves) if is_float(x) and x.size]
     big = [i for i, x in enumerate(leaves) if is_float(x) and x.nbytes >= HELD_BYTES]
     if not big:
         return grads

@@ -663,3 +663,33 @@ def test_a_step_without_a_collective_of_the_gradients_copies_none_of_them(make):
     comps, entry = _hlo._parse_computations(text)
     copied = [line for line in comps[entry] if " copy(" in line]
     assert not [x for x in copied if "[128,256]" in x or "[256,128]" in x], copied
+
+
+def test_a_sparse_rows_step_updates_the_weight_after_the_rows_are_made():
+    # The rows of `jdp.sparse.rows` travel apart from the dense all-reduce, and the
+    # gradient of the looked-up rows reads `w`: held until the rows are made, `w`'s
+    # update waits for that read (XLA copied `w` every step before).
+    def loss_fn(params, batch):
+        x = jdp.sparse.lookup(params["embed"], batch["ids"])
+        return jnp.mean((jnp.tanh(x @ params["w"]) @ params["out"] - batch["y"]) ** 2)
+
+    rng = np.random.default_rng(0)
+    params = {
+        "embed": 0.1 * rng.normal(size=(1000, 64)).astype(np.float32),
+        "w": 0.1 * rng.normal(size=(64, 512)).astype(np.float32),  # 128 KiB
+        "out": 0.1 * rng.normal(size=(512, 1)).astype(np.float32),
+    }
+    batch = {
+        "ids": rng.integers(0, 1000, (64,)),
+        "y": rng.normal(size=(64, 1)).astype(np.float32),
+    }
+    tx = jdp.sparse.optimizer(optax.adam(1e-3), {"embed": jdp.sparse.sgd(0.1)})
+    step = jdp.parallelize(
+        jdp.make_train_step(loss_fn, tx, sync=jdp.sparse.rows()),
+        devices=jax.devices()[:4],
+    )
+    state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
+    text = step.lower(state, step.shard(batch)).compile().as_text()
+    comps, entry = _hlo._parse_computations(text)
+    copied = [line for line in comps[entry] if " copy(" in line]
+    assert not [x for x in copied if "[64,512]" in x], copied
