@@ -624,6 +624,7 @@ def test_a_local_step_on_one_device_updates_its_weights_without_copying_them():
     assert_trees_close(step.unreplicate(new).params, oracle, rtol=1e-6)
 
 
+@pytest.mark.filterwarnings("ignore:The sync piece leaves each replica its own")
 @pytest.mark.parametrize(
     "make",
     [
