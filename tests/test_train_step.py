@@ -645,20 +645,31 @@ def test_a_local_step_on_one_device_updates_its_weights_without_copying_them():
         ),
         lambda: (jdp.local(), jdp.zero(optax.adam(1e-3))),
         lambda: (jdp.local(), optax.adam(1e-3), {"skip_nonfinite": True}),
+        lambda: (jdp.powersgd(rank=2), optax.adam(1e-3), {}, 1),
     ],
-    ids=["local", "bmuf", "streaming-diloco", "sync_gradients", "zero", "skip"],
+    ids=[
+        "local",
+        "bmuf",
+        "streaming-diloco",
+        "sync_gradients",
+        "zero",
+        "skip",
+        "powersgd-one-device",
+    ],  # fmt: skip
 )
 def test_a_step_without_a_collective_of_the_gradients_copies_none_of_them(make):
     # Held gradients wait for one value made from all of them (with
     # `skip_nonfinite`, their finiteness): each read another directly before, and
     # XLA copied every one of 64 KiB or more, every step.
-    sync, tx, *options = make()
+    sync, tx, *rest = make()
+    options = rest[0] if rest else {}
+    devices = rest[1] if len(rest) > 1 else 4
     params = init_mlp(jax.random.key(0), sizes=(16, 128, 256, 128))  # 2 of 128 KiB
     step = jdp.parallelize(
-        jdp.make_train_step(mlp_loss, tx, sync=sync, **(options or [{}])[0]),
-        devices=jax.devices()[:4],
+        jdp.make_train_step(mlp_loss, tx, sync=sync, **options),
+        devices=jax.devices()[:devices],
     )
-    state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
+    state = step.replicate(jdp.TrainState.create(params=params, tx=tx, sync=sync))
     batch = step.shard(make_batches(1, 16, in_dim=16, out_dim=128)[0])
     text = step.lower(state, batch).compile().as_text()
     comps, entry = _hlo._parse_computations(text)
