@@ -35,7 +35,8 @@ MIN_BYTES = 1 << 16
 
 
 def configurations(jdp, optax):
-    """name -> (sync piece, optimizer, `make_train_step` options, loss kind)."""
+    """name -> (sync piece, optimizer, `make_train_step` options, loss kind[,
+    number of devices: all 8 if absent])."""
     sgd, adam = optax.sgd(0.01, momentum=0.9), optax.adam(1e-3)
     diloco = optax.sgd(0.7, momentum=0.9, nesterov=True)
     dense, embed = {"w": "dense", "b": "dense"}, {"w": "embed", "b": "embed"}
@@ -98,6 +99,8 @@ def configurations(jdp, optax):
             jdp.sparse.optimizer(adam, {"embed": jdp.sparse.adagrad(0.1)}),
             {}, "sparse",
         ),
+        "one device: all_reduce, adam": (jdp.all_reduce(), adam, {}, "mlp", 1),
+        "one device: powersgd rank 4": (jdp.powersgd(rank=4), adam, {}, "mlp", 1),
     }  # fmt: skip
 
 
@@ -202,11 +205,12 @@ def main(argv=None) -> None:
         return ", ".join(f"{n} x {c}" for c, n in counts.items())
 
     for backend in args.backends:
-        for name, (sync, tx, options, kind) in configurations(jdp, optax).items():
+        for name, (sync, tx, options, kind, *n) in configurations(jdp, optax).items():
             loss, params, batch = model(kind)
             step = jdp.parallelize(
-                jdp.make_train_step(loss, tx, sync=sync, **options), backend=backend
-            )
+                jdp.make_train_step(loss, tx, sync=sync, **options),
+                backend=backend, devices=jax.devices()[: n[0] if n else None],
+            )  # fmt: skip
             state = step.replicate(
                 jdp.TrainState.create(params=params, tx=tx, sync=sync)
             )
