@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs the overhead, memory, BMUF, demo and dispatch benchmarks on this machine's
+# Runs the overhead, memory, BMUF, demo, copies and dispatch benchmarks on this machine's
 # CUDA GPU(s) and writes their tables to a folder. Installs nothing: it needs a Python that already
 # has jax with CUDA, flax, optax, orbax-checkpoint, scikit-learn, tqdm and
 # matplotlib; jdp itself is used from this checkout (PYTHONPATH), installed or not.
@@ -10,8 +10,8 @@
 #   benchmarks/gpu.sh --cpu-dry-run OUTDIR   # the same steps, quick, on CPU
 #
 # OUTDIR receives machine.txt (GPUs, driver, versions), overhead.txt, memory.txt, bmuf.txt,
-# demo.txt (the demo's summary table for sync, bmuf and zero), dispatch.txt and gpu.log
-# (all output). Exit status: 0 if every step passed, 1 otherwise, 2 for bad usage or no GPU.
+# demo.txt (the demo's summary table for sync, bmuf and zero), copies.txt, dispatch.txt
+# and gpu.log (all output). Exit status: 0 if every step passed, 1 otherwise, 2 for bad usage or no GPU.
 set -u
 
 dry_run=0
@@ -133,6 +133,8 @@ for algo in "${algos[@]}"; do
         --out "$demo_out/$algo" ${demo_args[@]+"${demo_args[@]}"}
 done
 rm -rf "$demo_out"
+# Which copies XLA leaves in each compiled step (in-place updates on this backend).
+run copies 90 "$PYTHON" benchmarks/copies.py --quick
 # Last, so that it cannot take the demo's time: the host's cost per call.
 if [ $dry_run = 1 ]; then
     run dispatch 60 "$PYTHON" benchmarks/dispatch.py --devices 2 --rounds 1 --calls 3 \

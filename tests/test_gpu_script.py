@@ -1,7 +1,7 @@
 """`benchmarks/gpu.sh --cpu-dry-run` walks through every step of the GPU run on CPU.
 
 The GPU run itself needs a CUDA machine; the dry run keeps its steps (overhead with
-the GSPMD row, memory, BMUF, the demo) from rotting where no GPU is around.
+the GSPMD row, memory, BMUF, the demo, the copies) from rotting where no GPU is around.
 """
 
 import pathlib
@@ -35,6 +35,7 @@ def test_gpu_script_dry_run_writes_every_table(tmp_path):
         "memory.txt",
         "bmuf.txt",
         "demo.txt",
+        "copies.txt",
         "dispatch.txt",
         "gpu.log",
     }
@@ -43,6 +44,7 @@ def test_gpu_script_dry_run_writes_every_table(tmp_path):
     assert "BMUF k=16" in tables["bmuf.txt"]
     assert "NNX modules, 300 leaves" in tables["dispatch.txt"]
     assert "| sync " in tables["demo.txt"]
+    assert "| all_reduce, sgd | shard_map | none |" in tables["copies.txt"]
     assert "FAILED" not in tables["gpu.log"]
 
 
