@@ -146,17 +146,32 @@ def model(kind: str):
 
 
 def where_copies(hlo_text: str) -> dict[str, list[str]]:
-    """Copies of `MIN_BYTES` or more, by where they run: `step`, `untaken`, `sync`."""
+    """Copies of `MIN_BYTES` or more, by where they run: `step`, `untaken`, `sync`.
+
+    Computations are followed from the entry (loop bodies, calls, branches), each
+    taking its caller's role, but for the branches of a `jdp.bmuf` conditional
+    (named `bmuf_...`): `untaken` (nothing due) and `sync`. Another conditional's
+    branches (`skip_nonfinite`'s, a warmup's) keep their caller's role, a rarely
+    taken one included: a copy there is counted, not hidden.
+    """
     from jdp import _hlo
 
     comps, entry = _hlo._parse_computations(hlo_text)
-    role = {entry: "step"}
-    for lines in comps.values():
-        for line in lines:
+    role, todo = {entry: "step"}, [entry]
+    while todo:
+        caller = todo.pop()
+        for line in comps[caller]:
             m = re.search(r"branch_computations=\{%([^,}]+), %([^,}]+)\}", line)
-            if m and " conditional(" in line:
-                role.setdefault(m[1], "untaken")
-                role.setdefault(m[2], "sync")
+            if m and "/bmuf_" in line:
+                callees = {m[1]: "untaken", m[2]: "sync"}
+            else:
+                calls = r"(?:body|condition|calls|to_apply)=%([\w.-]+)"
+                names = m.groups() if m else re.findall(calls, line)
+                callees = dict.fromkeys(names, role[caller])
+            for name, r in callees.items():
+                if name in comps and name not in role:
+                    role[name] = r
+                    todo.append(name)
     found: dict[str, list[str]] = {"step": [], "untaken": [], "sync": []}
     for name, lines in comps.items():
         for line in lines:

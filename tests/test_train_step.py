@@ -624,6 +624,12 @@ def test_a_local_step_on_one_device_updates_its_weights_without_copying_them():
     assert_trees_close(step.unreplicate(new).params, oracle, rtol=1e-6)
 
 
+def step_copies(hlo_text):
+    """The `copy` lines of a compiled step's entry computation (run every step)."""
+    comps, entry = _hlo._parse_computations(hlo_text)
+    return [line for line in comps[entry] if " copy(" in line]
+
+
 @pytest.mark.filterwarnings("ignore:The sync piece leaves each replica its own")
 @pytest.mark.parametrize(
     "make",
@@ -672,8 +678,7 @@ def test_a_step_without_a_collective_of_the_gradients_copies_none_of_them(make):
     state = step.replicate(jdp.TrainState.create(params=params, tx=tx, sync=sync))
     batch = step.shard(make_batches(1, 16, in_dim=16, out_dim=128)[0])
     text = step.lower(state, batch).compile().as_text()
-    comps, entry = _hlo._parse_computations(text)
-    copied = [line for line in comps[entry] if " copy(" in line]
+    copied = step_copies(text)
     assert not [x for x in copied if "[128,256]" in x or "[256,128]" in x], copied
 
 
@@ -702,6 +707,5 @@ def test_a_sparse_rows_step_updates_the_weight_after_the_rows_are_made():
     )
     state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
     text = step.lower(state, step.shard(batch)).compile().as_text()
-    comps, entry = _hlo._parse_computations(text)
-    copied = [line for line in comps[entry] if " copy(" in line]
+    copied = step_copies(text)
     assert not [x for x in copied if "[64,512]" in x], copied
