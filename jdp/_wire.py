@@ -194,7 +194,7 @@ class WireState(NamedTuple):
         vector per float gradient leaf, padded with zeros to whole blocks.
       server: What its re-quantisation of the chunk it owns dropped: the chunk
         first, zeros after (as long as all worker buffers, whatever the
-        replica count).
+        replica count; zero with two replicas, whose exchange quantises once).
     """
 
     worker: tuple[jax.Array, ...]
@@ -245,27 +245,52 @@ def mean(grads: PyTree, *, wire: Wire, axis_name: Any, error: WireState | None =
     num = lax.axis_size(outer)
     if num == 1:
         return grads if not inner else _unflatten(leaves, treedef, idx, values), error
-    workers, payload, scale = _quantise(values, sizes, padded, wire, error, num)
-    # Chunk j to replica j: row i of what arrives is replica i's chunk. The
-    # scales travel in the same buffer (two collectives could run in different
-    # orders on different processes).
-    chunk = payload.shape[0] // num
-    rows = _pack(payload.reshape(num, chunk), scale, num)
-    got = lax.all_to_all(rows, outer, 0, 0, tiled=False).reshape(rows.shape)
-    got, got_scale = _unpack(got, wire, chunk)
     server = None if error is None else error.server
-    own_q, own_scale, server = _average(got, got_scale, wire, server)
+    if num == 2:
+        # Each replica sends its whole quantised vector once either way: gathering
+        # it leaves out the owners' decode, average and second rounding.
+        workers, payload, scale = _quantise(values, sizes, padded, wire, error, 1)
+        rows = _pack(payload[None], scale, 1)
+        got = lax.all_gather(rows, outer).reshape(num, -1)
+        got, got_scale = _unpack(got, wire, payload.shape[0])
+        values = _decoded(got, got_scale, wire, sizes, padded, np.float32(num))
+    else:
+        workers, payload, scale = _quantise(values, sizes, padded, wire, error, num)
+        # Chunk j to replica j: row i of what arrives is replica i's chunk. The
+        # scales travel in the same buffer (two collectives could run in different
+        # orders on different processes).
+        chunk = payload.shape[0] // num
+        rows = _pack(payload.reshape(num, chunk), scale, num)
+        got = lax.all_to_all(rows, outer, 0, 0, tiled=False).reshape(rows.shape)
+        got, got_scale = _unpack(got, wire, chunk)
+        own_q, own_scale, server = _average(got, got_scale, wire, server)
+        # Every owner's average to every replica, decoded leaf by leaf.
+        rows = _pack(own_q[None], own_scale, 1)
+        got = lax.all_gather(rows, outer).reshape(num, -1)
+        got, got_scale = _unpack(got, wire, chunk)
+        got = got.reshape(1, -1)
+        got_scale = None if got_scale is None else got_scale.reshape(1, -1)
+        values = _decoded(got, got_scale, wire, sizes, padded, None)
     new_error = None if error is None else WireState(tuple(workers), server)
-    # Every owner's average to every replica, decoded leaf by leaf.
-    gathered = lax.all_gather(_pack(own_q[None], own_scale, 1), outer).reshape(num, -1)
-    gathered, own_scale = _unpack(gathered, wire, chunk)
-    gathered, values, offset = gathered.reshape(-1), [], 0
-    own_scale = None if own_scale is None else own_scale.reshape(-1)
-    for n, p in zip(sizes, padded, strict=True):
-        sc = None if own_scale is None else own_scale[offset // block :][: p // block]
-        values.append(wire.decode(gathered[offset : offset + p], sc)[:n])
-        offset += p
     return _unflatten(leaves, treedef, idx, values), new_error
+
+
+def _decoded(rows, scales, wire: Wire, sizes, padded, divisor):
+    """Each leaf's values: the sum of the rows' decoded values, over `divisor`.
+
+    `rows`: payloads (each the leaves padded to whole blocks, side by side);
+    `scales`: their scales' rows, or None.
+    """
+    out, offset, block = [], 0, wire.block_size
+    for n, p in zip(sizes, padded, strict=True):
+        total = None
+        for i in range(rows.shape[0]):
+            sc = None if scales is None else scales[i, offset // block :][: p // block]
+            value = wire.decode(rows[i, offset : offset + p], sc)[:n]
+            total = value if total is None else total + value
+        out.append(total if divisor is None else total / divisor)
+        offset += p
+    return out
 
 
 def _quantise(values, sizes, padded, wire: Wire, error, num: int):
