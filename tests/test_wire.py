@@ -463,9 +463,11 @@ def test_compiled_program_sends_the_narrow_bytes(num):
     # One all-to-all and one all-gather of int8 (values and scales together, fp8
     # as its bits); with two replicas the all-gather alone, of the same bytes.
     # bfloat16 travels as its bits, not widened to float32.
-    kinds = [("all-gather", "s8"), ("all-to-all", "s8")] if num > 2 else [
-        ("all-gather", "s8")
-    ]
+    kinds = (
+        [("all-gather", "s8"), ("all-to-all", "s8")]
+        if num > 2
+        else [("all-gather", "s8")]
+    )
     for name in ("int8", "fp8"):
         assert sorted((c.kind, c.dtype) for c in out[name][1]) == kinds
     assert {c.dtype for c in out["bf16"][1]} == {"u16"}
