@@ -322,6 +322,10 @@ def test_exchange_matches_numpy_reference_over_steps(
         mean, worker, server = np_exchange(flat[t], name, 32, worker, server)
         w = w - mean[pb : pb + size]
         np.testing.assert_allclose(seen[t]["w"], w, rtol=2e-6, atol=2e-6)
+    # Every replica ends with the same bits.
+    shards = [np.asarray(x.data) for x in state.params["w"].addressable_shards]
+    assert len(shards) == num
+    assert all(np.array_equal(shards[0], x) for x in shards[1:])
     if not error_feedback:
         assert state.sync_state is None
         return
