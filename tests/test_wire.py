@@ -561,11 +561,13 @@ def test_wire_must_be_a_format():
         jdp.wire.fp8(block_size=2.5)
 
 
+@pytest.mark.parametrize("num", [2, 4])
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
-def test_a_non_finite_value_of_a_large_gradient_reaches_the_synced_result(bad):
+def test_a_non_finite_value_of_a_large_gradient_reaches_the_synced_result(bad, num):
     # 1024 blocks a chunk: where XLA:CPU hands a max reduction to a library, which
-    # turns a NaN into a number. The owner's scales must stay NaN (or inf), so the
-    # step sees the bad block and skips.
+    # turns a NaN into a number. The scales received (and, with more than two
+    # replicas, the owner's) must stay NaN (or inf), so the step sees the bad block
+    # and skips.
     sync, tx = jdp.all_reduce(wire=jdp.wire.int8(), error_feedback=True), optax.sgd(1.0)
 
     def loss_fn(params, batch):
@@ -573,16 +575,16 @@ def test_a_non_finite_value_of_a_large_gradient_reaches_the_synced_result(bad):
 
     step = jdp.parallelize(
         jdp.make_train_step(loss_fn, tx, sync=sync, skip_nonfinite=True),
-        devices=jax.devices()[:2],
+        devices=jax.devices()[:num],
     )
     params = {"w": jnp.zeros((1024, 512))}
     state = step.replicate(jdp.TrainState.create(params=params, tx=tx, sync=sync))
-    grads = np.ones((2, 1024, 512), np.float32)
+    grads = np.ones((num, 1024, 512), np.float32)
     grads[1, 700, 300] = bad
     state, metrics = step(state, step.shard(grads))
     assert int(metrics["skipped"]) == 1
     np.testing.assert_array_equal(step.unreplicate(state).params["w"], 0.0)
-    state, metrics = step(state, step.shard(np.ones((2, 1024, 512), np.float32)))
+    state, metrics = step(state, step.shard(np.ones((num, 1024, 512), np.float32)))
     assert int(metrics["skipped"]) == 0
     np.testing.assert_allclose(step.unreplicate(state).params["w"], -1.0, rtol=1e-2)
 
