@@ -184,6 +184,8 @@ def test_int8_exchange_on_a_host_mesh_compresses_across_hosts_only(job, oracle_a
         across = ((0, 2), (1, 3))
         narrow = [(k, g) for k, dtype, g in r["collectives"] if dtype == "s8"]
         assert narrow and all(tuple(map(tuple, g)) == across for _, g in narrow)
+        # Two hosts: one all-gather of each host's quantised vector.
+        assert [k for k, _ in narrow] == ["all-gather"]
         within = ((0, 1), (2, 3))
         assert any(tuple(map(tuple, g)) == within for _, _, g in r["collectives"])
 
