@@ -99,6 +99,9 @@ def configurations(jdp, optax):
             jdp.sparse.optimizer(adam, {"embed": jdp.sparse.adagrad(0.1)}),
             {}, "sparse",
         ),
+        "two devices: int8 + error feedback": (
+            jdp.all_reduce(wire=jdp.wire.int8(), error_feedback=True), sgd, {}, "mlp", 2
+        ),
         "one device: all_reduce, adam": (jdp.all_reduce(), adam, {}, "mlp", 1),
         "one device: powersgd rank 4": (jdp.powersgd(rank=4), adam, {}, "mlp", 1),
     }  # fmt: skip
