@@ -183,14 +183,16 @@ def _update(sync, grads, state, tx, axis, skip, *, counted, rows):
     """The piece's gradients, then `tx`: `(params, opt_state, metrics, sync_state)`."""
     held = getattr(state, "sync_state", None)
     piece_state = sync.initial_state(state.params) if held is None else held
-    checked, new_state, extra = sync.update(grads, piece_state, state.params, axis)
-    finite = _sync.finite(checked) if skip else None
     # One collective of all the gradients orders them; rows travel apart from the
     # dense gradients, and `jdp.zero`'s collective is in the optimizer. A piece
-    # with state (error feedback) reads its own result beside the hold's update.
+    # with state (error feedback) reads its own result: it gets held gradients.
     ordered = sync.averages and _collectives.axis_size(axis, "jdp.make_train_step") > 1
-    hold = (rows or not ordered) and held is None
-    if hold and not _sync.syncs_gradients(state.opt_state):
+    hold = (rows or not ordered) and not _sync.syncs_gradients(state.opt_state)
+    if hold and held is not None:
+        grads = all_computed(grads)
+    checked, new_state, extra = sync.update(grads, piece_state, state.params, axis)
+    finite = _sync.finite(checked) if skip else None
+    if hold and held is None:
         checked = all_computed(checked, finite)
     apply = _sparse.apply if rows else _sync.apply_tx
     run = lambda: apply(checked, state, tx)  # noqa: E731

@@ -652,6 +652,12 @@ def step_copies(hlo_text):
         lambda: (jdp.local(), jdp.zero(optax.adam(1e-3))),
         lambda: (jdp.local(), optax.adam(1e-3), {"skip_nonfinite": True}),
         lambda: (jdp.powersgd(rank=2), optax.adam(1e-3), {}, 1),
+        lambda: (
+            jdp.all_reduce(wire=jdp.wire.int8(), error_feedback=True),
+            optax.adam(1e-3),
+            {},
+            1,
+        ),
     ],
     ids=[
         "local",
@@ -661,6 +667,7 @@ def step_copies(hlo_text):
         "zero",
         "skip",
         "powersgd-one-device",
+        "int8-error-feedback-one-device",
     ],  # fmt: skip
 )
 def test_a_step_without_a_collective_of_the_gradients_copies_none_of_them(make):
