@@ -379,8 +379,9 @@ def test_error_buffers_differ_per_replica_and_the_guard_ignores_them():
     assert not np.array_equal(rows[0], rows[1])
 
 
-def test_transform_form_equals_the_sync_piece(backend):
-    num, size = 4, 300
+@pytest.mark.parametrize("num", [2, 4])
+def test_transform_form_equals_the_sync_piece(backend, num):
+    size = 300
     grads = np.random.default_rng(2).normal(size=(3, num, size)).astype(np.float32)
     wire = jdp.wire.int8(32)
     piece = run(jdp.all_reduce(wire=wire, error_feedback=True), grads, backend, num)
