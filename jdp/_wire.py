@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jdp import _replica_parts, _validate
+from jdp import _buckets, _replica_parts, _validate
 from jdp._tree import PyTree, is_float
 
 
@@ -250,9 +250,7 @@ def mean(grads: PyTree, *, wire: Wire, axis_name: Any, error: WireState | None =
         # Each replica sends its whole quantised vector once either way: gathering
         # it leaves out the owners' decode, average and second rounding.
         workers, payload, scale = _quantise(values, sizes, padded, wire, error, 1)
-        rows = _pack(payload[None], scale, 1)
-        got = lax.all_gather(rows, outer).reshape(num, -1)
-        got, got_scale = _unpack(got, wire, payload.shape[0])
+        got, got_scale = _gathered(payload, scale, wire, outer, num)
         values = _decoded(got, got_scale, wire, sizes, padded, np.float32(num))
     else:
         workers, payload, scale = _quantise(values, sizes, padded, wire, error, num)
@@ -273,6 +271,24 @@ def mean(grads: PyTree, *, wire: Wire, axis_name: Any, error: WireState | None =
         values = _decoded(got, got_scale, wire, sizes, padded, None)
     new_error = None if error is None else WireState(tuple(workers), server)
     return _unflatten(leaves, treedef, idx, values), new_error
+
+
+def _gathered(payload, scale, wire: Wire, axis_name, num: int):
+    """Every replica's payload and scales, one row each.
+
+    The payload travels as integers (XLA:CPU widens bf16 and fp8), the scales in an
+    all-gather of their own that reads the payload's result, so that every process
+    runs the two in the same order: XLA writes the payload where it is sent, where
+    one buffer of both (`_pack`) copies it.
+    """
+    kind = jnp.uint16 if scale is None else jnp.int8
+    bits = payload if payload.dtype == kind else lax.bitcast_convert_type(payload, kind)
+    got = lax.all_gather(bits[None], axis_name).reshape(num, -1)
+    got = lax.bitcast_convert_type(got, wire.dtype)
+    if scale is None:
+        return got, None
+    (scale,) = _buckets.after([scale], [got])
+    return got, lax.all_gather(scale[None], axis_name).reshape(num, -1)
 
 
 def _decoded(rows, scales, wire: Wire, sizes, padded, divisor):

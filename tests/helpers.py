@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+
+from jdp import _hlo
 
 
 def assert_trees_close(actual, expected, *, rtol=1e-5, atol=1e-6):
@@ -167,3 +171,34 @@ def teacher_batches(num_steps, batch_size, in_dim, out_dim, seed=1):
         y = x @ w_true + 0.3 * rng.normal(size=(batch_size, out_dim))
         out.append({"x": x.astype(np.float32), "y": y.astype(np.float32)})
     return out
+
+
+def entry_instructions(hlo_text):
+    """`{name: (opcode, element counts of its results, operand names)}` of ENTRY."""
+    comps, entry = _hlo._parse_computations(hlo_text)
+    out = {}
+    for line in comps[entry]:
+        m = re.match(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*)$", line)
+        if not m:
+            continue
+        typ, rest = _hlo._split_type(m.group(2))
+        opcode = rest.split("(", 1)[0].strip()
+        counts = [
+            int(np.prod([int(d) for d in dims.split(",") if d], dtype=np.int64))
+            for _, dims in re.findall(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]", typ)
+        ]
+        out[m.group(1)] = (opcode, counts, re.findall(r"%([\w.\-]+)", rest))
+    for name, (opcode, counts, operands) in out.items():  # drop computations' names
+        out[name] = (opcode, counts, [o for o in operands if o in out])
+    return out
+
+
+def ancestors(instrs, name):
+    """Every instruction `name` depends on, through operands (and control edges)."""
+    seen, todo = set(), list(instrs[name][2])
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo.extend(instrs[n][2])
+    return seen

@@ -7,16 +7,14 @@ are computed (what PyTorch DDP does with its buckets). These tests read XLA's
 compiled HLO, after its combiners, which merge independent all-reduces into one.
 """
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import ancestors, entry_instructions
 
 import jdp
-from jdp import _hlo
 
 #: Layer i is a SIZES[i] x SIZES[i + 1] matrix; no two layers, and no activation
 #: (3 rows a replica), have the same number of elements, so sizes name layers.
@@ -43,37 +41,6 @@ def init():
         jax.random.normal(k, (a, b)) / np.sqrt(a)
         for k, a, b in zip(keys, SIZES[:-1], SIZES[1:], strict=True)
     ]
-
-
-def entry_instructions(hlo_text):
-    """`{name: (opcode, element counts of its results, operand names)}` of ENTRY."""
-    comps, entry = _hlo._parse_computations(hlo_text)
-    out = {}
-    for line in comps[entry]:
-        m = re.match(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*)$", line)
-        if not m:
-            continue
-        typ, rest = _hlo._split_type(m.group(2))
-        opcode = rest.split("(", 1)[0].strip()
-        counts = [
-            int(np.prod([int(d) for d in dims.split(",") if d], dtype=np.int64))
-            for _, dims in re.findall(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]", typ)
-        ]
-        out[m.group(1)] = (opcode, counts, re.findall(r"%([\w.\-]+)", rest))
-    for name, (opcode, counts, operands) in out.items():  # drop computations' names
-        out[name] = (opcode, counts, [o for o in operands if o in out])
-    return out
-
-
-def ancestors(instrs, name):
-    """Every instruction `name` depends on, through operands (and control edges)."""
-    seen, todo = set(), list(instrs[name][2])
-    while todo:
-        n = todo.pop()
-        if n not in seen:
-            seen.add(n)
-            todo.extend(instrs[n][2])
-    return seen
 
 
 def layers_of(counts):

@@ -16,6 +16,7 @@ import ml_dtypes
 import numpy as np
 import optax
 import pytest
+from helpers import ancestors, entry_instructions
 
 import jdp
 from jdp import _hlo, _wire
@@ -466,16 +467,41 @@ def test_compiled_program_sends_the_narrow_bytes(num):
     assert out["int8"][0] <= 0.27 * f32
     assert out["fp8"][0] <= 0.27 * f32
     # One all-to-all and one all-gather of int8 (values and scales together, fp8
-    # as its bits); with two replicas the all-gather alone, of the same bytes.
-    # bfloat16 travels as its bits, not widened to float32.
+    # as its bits); with two replicas all-gathers alone, of the values and of the
+    # scales. bfloat16 travels as its bits, not widened to float32.
     kinds = (
         [("all-gather", "s8"), ("all-to-all", "s8")]
         if num > 2
-        else [("all-gather", "s8")]
+        else [("all-gather", "f32"), ("all-gather", "s8")]
     )
     for name in ("int8", "fp8"):
         assert sorted((c.kind, c.dtype) for c in out[name][1]) == kinds
     assert {c.dtype for c in out["bf16"][1]} == {"u16"}
+
+
+def test_two_replicas_gather_the_scales_after_the_values():
+    # Two collectives could run in different orders on different processes: the
+    # scales' all-gather reads the values' result, so every process runs them in
+    # that order. The values are written where they are sent: no copy of them.
+    sync = jdp.all_reduce(wire=jdp.wire.int8(), error_feedback=True)
+    tx = optax.sgd(0.1)
+    step = jdp.parallelize(
+        jdp.make_train_step(mlp_loss, tx, sync=sync), devices=jax.devices()[:2]
+    )
+    params = mlp_params((64, 300, 300, 11))
+    state = step.replicate(jdp.TrainState.create(params=params, tx=tx, sync=sync))
+    batch = step.shard({"x": jnp.ones((4, 64)), "y": jnp.zeros((4, 11))})
+    instrs = entry_instructions(step.lower(state, batch).compile().as_text())
+    gathers = {
+        n: v for n, v in instrs.items() if v[0] in ("all-gather", "all-gather-start")
+    }
+    sizes = {n: v[1][0] for n, v in gathers.items()}
+    values = max(sizes, key=sizes.get)
+    scales = min(sizes, key=sizes.get)
+    assert len(gathers) == 2 and values in ancestors(instrs, scales)
+    total = sum(-(-x.size // 256) * 256 for x in jax.tree.leaves(params))
+    copies = [n for n, v in instrs.items() if v[0] == "copy" and v[1][0] >= total]
+    assert sizes[values] == 2 * total and not copies, copies
 
 
 # -- checkpoints --------------------------------------------------------------------
