@@ -104,7 +104,8 @@ def configurations(jdp, optax):
         ),
         "one device: all_reduce, adam": (jdp.all_reduce(), adam, {}, "mlp", 1),
         "one device: int8 + error feedback, adam": (
-            jdp.all_reduce(wire=jdp.wire.int8(), error_feedback=True), adam, {}, "mlp", 1
+            jdp.all_reduce(wire=jdp.wire.int8(), error_feedback=True),
+            adam, {}, "mlp", 1,
         ),
         "one device: powersgd rank 4": (jdp.powersgd(rank=4), adam, {}, "mlp", 1),
     }  # fmt: skip
