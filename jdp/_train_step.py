@@ -183,16 +183,22 @@ def _update(sync, grads, state, tx, axis, skip, *, counted, rows):
     """The piece's gradients, then `tx`: `(params, opt_state, metrics, sync_state)`."""
     held = getattr(state, "sync_state", None)
     piece_state = sync.initial_state(state.params) if held is None else held
-    # One collective of all the gradients orders them; rows travel apart from the
-    # dense gradients, and `jdp.zero`'s collective is in the optimizer. A piece
-    # with state (error feedback) reads its own result: it gets held gradients.
-    ordered = sync.averages and _collectives.axis_size(axis, "jdp.make_train_step") > 1
-    hold = (rows or not ordered) and not _sync.syncs_gradients(state.opt_state)
-    if hold and held is not None:
+
+    def hold() -> bool:  # asked after the piece's update where it can be (its errors)
+        # One collective of all the gradients orders them; rows travel apart from
+        # the dense gradients, and `jdp.zero`'s collective is in the optimizer.
+        if _sync.syncs_gradients(state.opt_state):
+            return False
+        api = "jdp.make_train_step"
+        return rows or not sync.averages or _collectives.axis_size(axis, api) == 1
+
+    # A piece with state (error feedback) reads its own result: it gets held
+    # gradients, where a piece without state hands on a held result.
+    if held is not None and hold():
         grads = all_computed(grads)
     checked, new_state, extra = sync.update(grads, piece_state, state.params, axis)
     finite = _sync.finite(checked) if skip else None
-    if hold and held is None:
+    if held is None and hold():
         checked = all_computed(checked, finite)
     apply = _sparse.apply if rows else _sync.apply_tx
     run = lambda: apply(checked, state, tx)  # noqa: E731
