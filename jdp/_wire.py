@@ -246,49 +246,54 @@ def mean(grads: PyTree, *, wire: Wire, axis_name: Any, error: WireState | None =
     if num == 1:
         return grads if not inner else _unflatten(leaves, treedef, idx, values), error
     server = None if error is None else error.server
+
+    def gather(x):
+        return lax.all_gather(x, outer).reshape(num, -1)
+
+    def scatter(x):
+        return lax.all_to_all(x, outer, 0, 0, tiled=False).reshape(x.shape)
+
     if num == 2:
         # Each replica sends its whole quantised vector once either way: gathering
         # it leaves out the owners' decode, average and second rounding.
         workers, payload, scale = _quantise(values, sizes, padded, wire, error, 1)
-        got, got_scale = _gathered(payload, scale, wire, outer, num)
+        got, got_scale = _sent(payload[None], _row(scale), wire, gather)
         values = _decoded(got, got_scale, wire, sizes, padded, np.float32(num))
     else:
         workers, payload, scale = _quantise(values, sizes, padded, wire, error, num)
-        # Chunk j to replica j: row i of what arrives is replica i's chunk. The
-        # scales travel in the same buffer (two collectives could run in different
-        # orders on different processes).
-        chunk = payload.shape[0] // num
-        rows = _pack(payload.reshape(num, chunk), scale, num)
-        got = lax.all_to_all(rows, outer, 0, 0, tiled=False).reshape(rows.shape)
-        got, got_scale = _unpack(got, wire, chunk)
+        # Chunk j to replica j: row i of what arrives is replica i's chunk.
+        rows = payload.reshape(num, -1)
+        scales = None if scale is None else scale.reshape(num, -1)
+        got, got_scale = _sent(rows, scales, wire, scatter)
         own_q, own_scale, server = _average(got, got_scale, wire, server)
         # Every owner's average to every replica, decoded leaf by leaf.
-        rows = _pack(own_q[None], own_scale, 1)
-        got = lax.all_gather(rows, outer).reshape(num, -1)
-        got, got_scale = _unpack(got, wire, chunk)
-        got = got.reshape(1, -1)
-        got_scale = None if got_scale is None else got_scale.reshape(1, -1)
+        got, got_scale = _sent(own_q[None], _row(own_scale), wire, gather)
+        got, got_scale = got.reshape(1, -1), _row(got_scale, flat=True)
         values = _decoded(got, got_scale, wire, sizes, padded, None)
     new_error = None if error is None else WireState(tuple(workers), server)
     return _unflatten(leaves, treedef, idx, values), new_error
 
 
-def _gathered(payload, scale, wire: Wire, axis_name, num: int):
-    """Every replica's payload and scales, one row each.
+def _sent(payload, scale, wire: Wire, move):
+    """`move` (a collective of rows) of the payload's rows, then of the scales'.
 
-    The payload travels as integers (XLA:CPU widens bf16 and fp8), the scales in an
-    all-gather of their own that reads the payload's result, so that every process
-    runs the two in the same order: XLA writes the payload where it is sent, where
-    one buffer of both (`_pack`) copies it.
+    The payload travels as integers (XLA:CPU widens bf16 and fp8). The scales'
+    collective reads the payload's result, so that every process runs the two in
+    the same order; apart, XLA writes the payload where it is sent (one buffer of
+    both copied it).
     """
     kind = jnp.uint16 if scale is None else jnp.int8
     bits = payload if payload.dtype == kind else lax.bitcast_convert_type(payload, kind)
-    got = lax.all_gather(bits[None], axis_name).reshape(num, -1)
-    got = lax.bitcast_convert_type(got, wire.dtype)
+    got = lax.bitcast_convert_type(move(bits), wire.dtype)
     if scale is None:
         return got, None
     (scale,) = _buckets.after([scale], [got])
-    return got, lax.all_gather(scale[None], axis_name).reshape(num, -1)
+    return got, move(scale)
+
+
+def _row(scale, flat: bool = False):
+    """Scales as one row (`flat`: all rows as one), or None."""
+    return None if scale is None else scale.reshape(1, -1) if flat else scale[None]
 
 
 def _decoded(rows, scales, wire: Wire, sizes, padded, divisor):
@@ -371,26 +376,3 @@ def _check_error(error: WireState, padded: list[int], api: str) -> None:
             "again with `jdp.TrainState.create(params=..., tx=..., sync=sync)` "
             "for these params and this sync piece."
         )
-
-
-def _pack(payload: jax.Array, scale: jax.Array | None, rows: int) -> jax.Array:
-    """`rows` rows of ints (XLA:CPU widens bf16 and fp8): payload, scales' bytes."""
-    if scale is None:
-        return lax.bitcast_convert_type(payload, jnp.uint16).reshape(rows, -1)
-    raw = lax.bitcast_convert_type(payload, jnp.int8).reshape(rows, -1)
-    scale_bytes = lax.bitcast_convert_type(scale, jnp.int8).reshape(rows, -1)
-    return jnp.concatenate([raw, scale_bytes], axis=1)
-
-
-def _unpack(rows: jax.Array, wire: Wire, chunk: int):
-    """`_pack`'s inverse: `(payload rows, scale rows or None)`.
-
-    XLA:CPU fuses a bitcast into its readers' loops, unvectorised (2.7x slower): the
-    scales' max with 0 (themselves) is a reduction, unfused (XLA's, keeping NaN).
-    """
-    payload = lax.bitcast_convert_type(rows[:, :chunk], wire.dtype)
-    if wire.qmax is None:
-        return payload, None
-    s = lax.bitcast_convert_type(rows[:, chunk:].reshape(len(rows), -1, 4), jnp.float32)
-    s = jnp.stack([s, jnp.zeros_like(s)])
-    return payload, lax.reduce(s, np.float32(0), _max_abs, (0,))
