@@ -268,7 +268,8 @@ def mean(grads: PyTree, *, wire: Wire, axis_name: Any, error: WireState | None =
         own_q, own_scale, server = _average(got, got_scale, wire, server)
         # Every owner's average to every replica, decoded leaf by leaf.
         got, got_scale = _sent(own_q[None], _row(own_scale), wire, gather)
-        got, got_scale = got.reshape(1, -1), _row(got_scale, flat=True)
+        got = got.reshape(1, -1)
+        got_scale = None if got_scale is None else got_scale.reshape(1, -1)
         values = _decoded(got, got_scale, wire, sizes, padded, None)
     new_error = None if error is None else WireState(tuple(workers), server)
     return _unflatten(leaves, treedef, idx, values), new_error
@@ -291,9 +292,9 @@ def _sent(payload, scale, wire: Wire, move):
     return got, move(scale)
 
 
-def _row(scale, flat: bool = False):
-    """Scales as one row (`flat`: all rows as one), or None."""
-    return None if scale is None else scale.reshape(1, -1) if flat else scale[None]
+def _row(scale):
+    """Scales as one row, or None."""
+    return None if scale is None else scale[None]
 
 
 def _decoded(rows, scales, wire: Wire, sizes, padded, divisor):
