@@ -30,7 +30,8 @@ from pathlib import Path
 TIMEOUT_S = os.environ.get("LIVE_COLLECTIVE_TIMEOUT", "10")
 os.environ["XLA_FLAGS"] = (
     "--xla_force_host_platform_device_count=1 "
-    f"--xla_cpu_collective_timeout_seconds={TIMEOUT_S}"
+    f"--xla_cpu_collective_timeout_seconds={TIMEOUT_S} "
+    "--xla_cpu_use_fusion_emitters=false"
 )
 # "PROCESS:STEP:SECONDS": that process pauses before that step, alive (a GC pause).
 STALL = [float(v) for v in os.environ.get("LIVE_STALL", "-1:-1:0").split(":")]
