@@ -13,7 +13,7 @@ import numpy as np
 from jax import lax
 
 from jdp import _buckets, _validate
-from jdp._tree import PyTree, is_float
+from jdp._tree import PyTree, as_real, from_real, is_float
 
 AxisName = str | tuple[str, ...]
 
@@ -117,6 +117,22 @@ def check_bucket_bytes(bucket_bytes: int | None) -> None:
     )
 
 
+def check_reduce_dtype(reduce_dtype: Any) -> None:
+    """A clear error unless `reduce_dtype` is None or a real floating-point dtype."""
+    if reduce_dtype is None:
+        return
+    try:
+        dtype = jnp.dtype(reduce_dtype)
+    except TypeError:
+        dtype = None
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(
+            "`reduce_dtype` is the floating-point type the gradients travel in, "
+            f"e.g. `jnp.bfloat16`, or None; got {reduce_dtype!r}. (A complex "
+            "leaf travels as its real and imaginary parts in that type.)"
+        )
+
+
 def axis_size(axis_name: AxisName | None, api: str) -> int:
     """Number of replicas along `axis_name`; a clear `RuntimeError` if it is unbound."""
     axis_name = resolve_axis(axis_name)
@@ -150,7 +166,8 @@ def all_reduce_gradients(
         per dtype. A larger leaf travels alone.
       reverse: Pack leaves last-first (default) rather than in pytree order.
       reduce_dtype: Optional wire dtype, e.g. `jnp.bfloat16`; results keep each
-        leaf's dtype (the division by the replica count comes first).
+        leaf's dtype (the division by the replica count comes first). A complex
+        leaf travels as its real and imaginary parts.
       flatten: Send a bucket's leaves under 8 MiB as one flat buffer (True) or
         as a tuple for XLA's combiner (False); None (default): flat across CPU
         processes only.
@@ -160,7 +177,8 @@ def all_reduce_gradients(
 
     Raises:
       RuntimeError: If `axis_name` is not bound (called outside `jdp.parallelize`).
-      ValueError: If `bucket_bytes` is not positive.
+      ValueError: If `bucket_bytes` is not positive, or `reduce_dtype` is not a
+        real floating-point type.
 
     Example:
       >>> import jax, jax.numpy as jnp, jdp
@@ -182,6 +200,7 @@ def all_reduce(grads, *, axis_name, api, bucket_bytes=DEFAULT_BUCKET_BYTES,
                reduce_dtype=None, reverse=True, flatten=None):  # fmt: skip
     """`jdp.all_reduce_gradients` under the public name `api` (for its errors)."""
     check_bucket_bytes(bucket_bytes)
+    check_reduce_dtype(reduce_dtype)
     axis_name = resolve_axis(axis_name)
     num = axis_size(axis_name, api)
     leaves, treedef = jax.tree_util.tree_flatten(grads)
@@ -192,8 +211,10 @@ def all_reduce(grads, *, axis_name, api, bucket_bytes=DEFAULT_BUCKET_BYTES,
     # Divide first where the sum could overflow: a narrow wire type, or float16
     # leaves (8 replicas of 12000 sum past float16's 65504).
     first = [reduce_dtype is not None or leaves[i].dtype == jnp.float16 for i in floats]
-    wire = [
-        (leaves[i] / num).astype(reduce_dtype or leaves[i].dtype) if d else leaves[i]
+    wire = [  # a complex leaf in a real wire type: its real and imaginary parts
+        as_real(leaves[i] / num).astype(reduce_dtype or leaves[i].dtype)
+        if d
+        else leaves[i]
         for i, d in zip(floats, first, strict=True)
     ]
     summed = bucketed(
@@ -202,8 +223,10 @@ def all_reduce(grads, *, axis_name, api, bucket_bytes=DEFAULT_BUCKET_BYTES,
     )  # fmt: skip
     out = list(leaves)
     for i, total, divided in zip(floats, summed, first, strict=True):
-        value = total.reshape(leaves[i].shape).astype(leaves[i].dtype)
-        out[i] = value if divided else value / num
+        if divided:
+            out[i] = from_real(total, leaves[i].shape, leaves[i].dtype)
+        else:
+            out[i] = total.reshape(leaves[i].shape).astype(leaves[i].dtype) / num
     return jax.tree_util.tree_unflatten(treedef, out)
 
 

@@ -134,6 +134,8 @@ def _bits(x: jax.Array) -> jax.Array:
         x = jax.random.key_data(x)
     if x.dtype == jnp.bool_:
         return x.astype(jnp.uint32)
+    if jnp.issubdtype(x.dtype, jnp.complexfloating):
+        x = jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1)
     # 64-bit and complex leaves become pairs of 32-bit words (a trailing axis).
     unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
     return lax.bitcast_convert_type(x, unsigned[min(jnp.dtype(x.dtype).itemsize, 4)])

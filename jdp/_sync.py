@@ -137,8 +137,9 @@ def all_reduce(
       A `jdp.Sync`.
 
     Raises:
-      ValueError: If `bucket_bytes` or `on_bad_replica` is invalid,
-        `error_feedback` lacks a `wire`, or `wire` is combined with
+      ValueError: If `bucket_bytes`, `reduce_dtype` (not a real floating-point
+        type) or `on_bad_replica` is invalid, `error_feedback` lacks a
+        `wire`, or `wire` is combined with
         `reduce_dtype` or `on_bad_replica`.
       TypeError: If `wire` is not a wire format.
 
@@ -156,6 +157,7 @@ def all_reduce(
       ['all-gather', 'all-to-all']
     """
     _collectives.check_bucket_bytes(bucket_bytes)
+    _collectives.check_reduce_dtype(reduce_dtype)
     _wire.check_options(wire, error_feedback, reduce_dtype, "jdp.all_reduce")
     _check_on_bad_replica(on_bad_replica, wire)
     if on_bad_replica is not None:

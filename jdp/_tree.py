@@ -43,6 +43,28 @@ def is_float(x: Any) -> bool:
     return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
 
 
+def is_complex(x: Any) -> bool:
+    """True for complex leaves."""
+    return jnp.issubdtype(jnp.result_type(x), jnp.complexfloating)
+
+
+def as_real(x: jax.Array) -> jax.Array:
+    """`x` as real numbers: a complex array's (real, imaginary) pairs on a last axis.
+
+    For an exchange in a real format (a wire dtype, a compressed wire), which
+    would otherwise drop the imaginary part; `from_real` undoes it.
+    """
+    return jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1) if is_complex(x) else x
+
+
+def from_real(v: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
+    """`v` (the values of `as_real` of an array of `shape`, `dtype`) as that array."""
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        v = v.reshape(*shape, 2).astype(jnp.finfo(dtype).dtype)
+        return jax.lax.complex(v[..., 0], v[..., 1])
+    return v.reshape(shape).astype(dtype)
+
+
 def float_map(fn, tree, *rest):
     """Applies `fn` to floating leaves; other leaves keep `tree`'s value."""
     return jax.tree.map(lambda x, *r: fn(x, *r) if is_float(x) else x, tree, *rest)

@@ -14,7 +14,7 @@ import numpy as np
 from jax import lax
 
 from jdp import _buckets, _replica_parts, _validate
-from jdp._tree import PyTree, is_float
+from jdp._tree import PyTree, as_real, from_real, is_complex, is_float
 
 
 class Wire(NamedTuple):
@@ -211,6 +211,11 @@ class WireState(NamedTuple):
         return jax.tree.map(np.zeros_like, self)
 
 
+def _real_size(x) -> int:
+    """How many real numbers `x` holds (two per complex element)."""
+    return int(np.prod(np.shape(x))) * (2 if is_complex(x) else 1)
+
+
 def _padded(size: int, block: int) -> int:
     return -(-size // block) * block
 
@@ -218,7 +223,7 @@ def _padded(size: int, block: int) -> int:
 def init_state(params: PyTree, wire: Wire) -> WireState:
     """Zero error buffers for gradients shaped like `params`."""
     floats = [x for x in jax.tree.leaves(params) if is_float(x)]
-    sizes = [_padded(int(np.prod(np.shape(x))), wire.block_size) for x in floats]
+    sizes = [_padded(_real_size(x), wire.block_size) for x in floats]
     worker = tuple(jnp.zeros((n,), jnp.float32) for n in sizes)
     return WireState(worker, server=jnp.zeros((sum(sizes),), jnp.float32))
 
@@ -235,11 +240,12 @@ def mean(grads: PyTree, *, wire: Wire, axis_name: Any, error: WireState | None =
     if not (idx := [i for i, x in enumerate(leaves) if is_float(x)]):
         return grads, error
     block = wire.block_size
-    sizes = [int(np.prod(leaves[i].shape)) for i in idx]
+    sizes = [_real_size(leaves[i]) for i in idx]
     padded = [_padded(n, block) for n in sizes]
     if error is not None:
         _check_error(error, padded, api)
-    values = [leaves[i].astype(jnp.float32).reshape(-1) for i in idx]
+    # A complex leaf travels as its real and imaginary parts.
+    values = [as_real(leaves[i]).astype(jnp.float32).reshape(-1) for i in idx]
     if inner:
         values = lax.pmean(values, tuple(inner))
     num = lax.axis_size(outer)
@@ -361,7 +367,7 @@ def _average(got, got_scale, wire: Wire, server):
 def _unflatten(leaves, treedef, idx, values):
     out = list(leaves)
     for i, v in zip(idx, values, strict=True):
-        out[i] = v.reshape(leaves[i].shape).astype(leaves[i].dtype)
+        out[i] = from_real(v, leaves[i].shape, leaves[i].dtype)
     return jax.tree_util.tree_unflatten(treedef, out)
 
 

@@ -15,7 +15,7 @@ from jax import lax
 
 from jdp import _collectives, _jax_compat, _validate
 from jdp._layout import CustomLayout, abstract, logical_copy
-from jdp._tree import PyTree, format_problems, keystr
+from jdp._tree import PyTree, as_real, format_problems, from_real, keystr
 
 API = "jdp.zero"
 PLACING = "Placing a ZeRO optimizer state (`step.replicate`, a checkpoint restore): "
@@ -360,17 +360,24 @@ def _padded_rows(x: jax.Array, num: int, size: int) -> jax.Array:
 
 def _reduce_scatter(grads, sizes, num, axis_name, bucket_bytes, dtype):
     """This replica's slices of the mean of `grads` (bucketed reduce-scatters)."""
-    rows = [  # a wire dtype divides first, so that a narrow type cannot overflow
-        _padded_rows(g, num, s) if dtype is None else _padded_rows(g / num, num, s)
+    if dtype is None:
+        rows = [_padded_rows(g, num, s) for g, s in zip(grads, sizes, strict=True)]
+        mine = _collectives.bucketed(
+            "psum_scatter", rows, axis_name=axis_name, bucket_bytes=bucket_bytes
+        )
+        return [(m[0] / num).astype(g.dtype) for m, g in zip(mine, grads, strict=True)]
+    # A wire dtype divides first, so that a narrow type cannot overflow; a complex
+    # leaf travels as its real and imaginary parts.
+    rows = [
+        as_real(_padded_rows(g / num, num, s)).reshape(num, -1).astype(dtype)
         for g, s in zip(grads, sizes, strict=True)
     ]
-    rows = rows if dtype is None else [r.astype(dtype) for r in rows]
     mine = _collectives.bucketed(
         "psum_scatter", rows, axis_name=axis_name, bucket_bytes=bucket_bytes
     )
     return [
-        (m[0] if dtype is not None else m[0] / num).astype(g.dtype)
-        for m, g in zip(mine, grads, strict=True)
+        from_real(m[0], (s,), g.dtype)
+        for m, g, s in zip(mine, grads, sizes, strict=True)
     ]
 
 
@@ -423,6 +430,7 @@ def zero(
             "it was the piece `sync=jdp.zero()`.)"
         )
     _collectives.check_bucket_bytes(bucket_bytes)
+    _collectives.check_reduce_dtype(reduce_dtype)
     if clip_grad_norm is not None:
         _validate.finite_number(
             "clip_grad_norm", clip_grad_norm, above=0, note="a global norm, or None"

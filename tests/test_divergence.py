@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from helpers import init_mlp, make_batches, mlp_loss
@@ -200,6 +201,24 @@ def test_drifts_a_plain_bit_sum_would_miss_are_caught(drift):
     batch = step.shard(make_batches(1, 2)[0])
     with pytest.raises(jdp.ReplicaDivergenceError, match=r"\['w'\] differs"):
         step(state, batch)
+
+
+def test_complex_leaves_are_compared_and_a_drift_of_the_imaginary_part_caught():
+    values = jnp.array([1.0 + 2.0j, 3.0 - 4.0j], jnp.complex64)
+
+    def step_fn(state, batch):
+        w = jnp.where(lax.axis_index("data") == 1, jnp.conj(state["w"]), state["w"])
+        return {"w": w, "same": state["same"]}, {}
+
+    step = jdp.parallelize(step_fn, devices=jax.devices()[:2], check_sync=1)
+    state = step.replicate({"w": values, "same": values})
+    batch = step.shard(make_batches(1, 2)[0])
+    with pytest.raises(jdp.ReplicaDivergenceError, match=r"\['w'\] differs"):
+        step(state, batch)
+    agreed = jdp.parallelize(lambda s, b: (s, {}), devices=jax.devices()[:2],
+                             check_sync=1)  # fmt: skip
+    state, _ = agreed(agreed.replicate({"w": values}), batch)
+    np.testing.assert_array_equal(agreed.unreplicate(state)["w"], values)
 
 
 def test_own_bmuf_step_still_checks_batch_statistics():

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from jdp._bmuf._average import Mean, divided, masked, mean
-from jdp._tree import PyTree, finite, is_float
+from jdp._tree import PyTree, as_real, finite, is_float
 
 
 def valid_mean(local: PyTree, ref: PyTree, axis_name, max_norm) -> Mean:
@@ -27,6 +27,6 @@ def _replica_valid(params, ref, max_norm) -> jax.Array:
     squares = jnp.zeros((), jnp.float32)
     for x, r in zip(jax.tree.leaves(params), jax.tree.leaves(ref), strict=True):
         if is_float(x):
-            d = x.astype(jnp.float32) - jnp.asarray(r).astype(jnp.float32)
-            squares += jnp.sum(d * d)
+            d = [as_real(jnp.asarray(a)).astype(jnp.float32) for a in (x, r)]
+            squares += jnp.sum((d[0] - d[1]) ** 2)
     return finite(params) & (jnp.sqrt(squares) <= max_norm)

@@ -92,7 +92,8 @@ def rows(
       A `jdp.Sync` that takes tables' gradients as `jdp.sparse.IndexedRows`.
 
     Raises:
-      ValueError: If `bucket_bytes` is out of range.
+      ValueError: If `bucket_bytes` is out of range or `reduce_dtype` is not a
+        real floating-point type.
       TypeError: At trace time, if the optimizer is not a `jdp.sparse.optimizer`.
 
     Example:
@@ -110,6 +111,7 @@ def rows(
       Array([-0.1,  0. , -0.2,  0. , -0.3,  0. , -0.2], dtype=float32)
     """
     _collectives.check_bucket_bytes(bucket_bytes)
+    _collectives.check_reduce_dtype(reduce_dtype)
     if check_ids:
         _install_filter()
     api = "jdp.sparse.rows"
