@@ -85,11 +85,14 @@ def _matmul(a: jax.Array, b: jax.Array) -> jax.Array:
 
 
 def _orthogonalize(p: jax.Array, epsilon: float) -> jax.Array:
-    """The columns of `p` made orthonormal by modified Gram-Schmidt, as PyTorch."""
+    """The columns of `p` made orthonormal by modified Gram-Schmidt, as PyTorch.
+
+    Complex columns are orthonormal in the Hermitian inner product.
+    """
     r = p.shape[1]
     for i in range(r):
         col = p[:, i]
-        norm = jnp.sqrt(jnp.sum(col * col))
+        norm = jnp.sqrt(jnp.sum(jnp.real(col * jnp.conj(col))))
         if epsilon:
             col = col / (norm + epsilon)
         else:
@@ -97,7 +100,8 @@ def _orthogonalize(p: jax.Array, epsilon: float) -> jax.Array:
         p = p.at[:, i].set(col)
         if i + 1 < r:
             rest = p[:, i + 1 :]
-            p = p.at[:, i + 1 :].set(rest - _matmul(col, rest)[None, :] * col[:, None])
+            dots = _matmul(jnp.conj(col), rest)
+            p = p.at[:, i + 1 :].set(rest - dots[None, :] * col[:, None])
     return p
 
 
@@ -106,11 +110,16 @@ _CPU_COLUMNS_UP_TO = 8
 
 
 def _transposed_matmul(m: jax.Array, p: jax.Array) -> jax.Array:
-    """M^T P, `(m, r)`: on XLA:CPU, which contracts a first axis slowly, by column."""
+    """M^H P, `(m, r)`: on XLA:CPU, which contracts a first axis slowly, by column.
+
+    (M^T P for real matrices; for complex ones the conjugate transpose, so that
+    `P (M^H P)^H = P P^H M` projects M onto P's columns.)
+    """
     r = p.shape[1]
     if jax.default_backend() == "cpu" and r <= _CPU_COLUMNS_UP_TO:
-        return jnp.stack([_matmul(p[:, j], m) for j in range(r)], axis=1)
-    return _matmul(m.T, p)
+        columns = [_matmul(jnp.conj(p[:, j]), m) for j in range(r)]
+        return jnp.conj(jnp.stack(columns, axis=1))
+    return _matmul(jnp.conj(m).T, p)
 
 
 def _check_state(state: Any, leaves: list[Any], plan: list[_Matrix], api: str):
@@ -195,7 +204,7 @@ def _average(
         ps = [_orthogonalize(p, eps) for p in ps]
         qs = [_transposed_matmul(m, p) for m, p in zip(ms, ps, strict=True)]
         qs = [q / num for q in _psum_all(qs, axis_name, options.bucket_bytes)]
-        approx = [_matmul(p, q.T) for p, q in zip(ps, qs, strict=True)]
+        approx = [_matmul(p, jnp.conj(q).T) for p, q in zip(ps, qs, strict=True)]
         for mat, a in zip(plan, approx, strict=True):
             g = leaves[mat.index]
             out[mat.index] = a.reshape(g.shape).astype(g.dtype)

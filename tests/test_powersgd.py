@@ -223,6 +223,44 @@ def test_initial_q_is_a_fixed_draw_per_leaf():
     assert not any(np.any(e) for e in state.sync_state.error)
 
 
+def np_orthogonalize_hermitian(p):
+    """Modified Gram-Schmidt in the Hermitian inner product (complex columns)."""
+    p = np.array(p, np.complex128)
+    for i in range(p.shape[1]):
+        p[:, i] /= np.linalg.norm(p[:, i])
+        p[:, i + 1 :] -= np.outer(p[:, i], p[:, i].conj() @ p[:, i + 1 :])
+    return p
+
+
+def test_complex_matrices_are_compressed_with_conjugate_transposes():
+    """One step on complex gradients is the paper's algorithm with M^H for M^T:
+    the average is P P^H M, a projection, so no replica's error outgrows its
+    gradient. (With plain transposes it was an oblique projection.)"""
+    num, shape = 4, (12, 10)
+    rng = np.random.default_rng(3)
+    grads = rng.normal(size=(num, *shape)) + 1j * rng.normal(size=(num, *shape))
+    tx = jdp.sync_gradients(powersgd(rank=2, min_compression_rate=0))
+    params = {"w": jnp.zeros(shape, jnp.complex64)}
+
+    def step_fn(state, batch):
+        updates, opt = tx.update({"w": batch[0]}, state["opt"], params)
+        return {"opt": opt, "avg": updates["w"]}, {}
+
+    step = jdp.parallelize(step_fn, devices=jax.devices()[:num])
+    init = {"opt": tx.init(params), "avg": params["w"]}
+    state, _ = step(step.replicate(init), step.shard(grads.astype(np.complex64)))
+    q = np_orthogonalize_hermitian(init["opt"].q[0])
+    p = np_orthogonalize_hermitian(sum(g @ q for g in grads))
+    q = sum(g.conj().T @ p for g in grads) / num
+    want = p @ q.conj().T
+    np.testing.assert_allclose(step.unreplicate(state)["avg"], want, atol=1e-4)
+    errors = np.asarray(state["opt"].error[0])  # (num, *shape)
+    for g, e in zip(grads, errors, strict=True):
+        np.testing.assert_allclose(e, g - want, atol=1e-4)
+    mean = grads.mean(0)
+    assert np.linalg.norm(mean - want) < np.linalg.norm(mean)
+
+
 def test_rank_is_capped_by_the_matrix():
     params = {"w": jnp.ones((3, 40))}
     sync = powersgd(rank=8, min_compression_rate=0)
