@@ -178,6 +178,7 @@ class Parallel(_hlo.Introspection):
           The pytree without its replica axis, on one device (non-array leaves
           as they are).
         """
+        _layout.check_not_deleted(tree, "step.unreplicate")
         return _layout.logical_copy(tree)
 
     def shard(self, batch: PyTree, *, pad: bool = False, pad_to: int | None = None):

@@ -427,6 +427,10 @@ def test_reusing_a_donated_state_is_an_error_not_a_crash(backend):
         ValueError, match=r"(?s)donated to an earlier step.*\.params\['w'\].*returned"
     ):
         step(state, batch)
+    with pytest.raises(
+        ValueError, match=r"(?s)^`step\.unreplicate`: .*donated.*\.params\['w'\]"
+    ):
+        step.unreplicate(state)  # JAX's own error named neither leaf nor cause
     new, _ = step(new, batch)  # the returned state goes on
     assert np.isfinite(float(step.unreplicate(new).params["w"][0, 0]))
 

@@ -22,7 +22,7 @@ NOT_REPLICATED_MSG = (
 )
 
 DONATED_MSG = (
-    "`step`: the {what} passed in was donated to an earlier step, which deleted "
+    "`{api}`: the {what} passed in was donated to an earlier step, which deleted "
     "its buffers (`donate_state=True`). Deleted leaves:{probs}\nFix: continue "
     "with the state that step returned (`state, metrics = step(state, batch)`), "
     "or pass `donate_state=False` to `jdp.parallelize` to keep the old one."
@@ -79,7 +79,9 @@ def check_replicated(
     if not (probs := misplaced(state, sharding, leading=num)):
         return
     if gone := deleted(state):
-        raise ValueError(DONATED_MSG.format(what="state", probs=format_problems(gone)))
+        raise ValueError(
+            DONATED_MSG.format(api="step", what="state", probs=format_problems(gone))
+        )
     raise ValueError(
         NOT_REPLICATED_MSG.format(num=num, axis=axis_name, probs=format_problems(probs))
     )
@@ -111,6 +113,17 @@ def _low_precision_hint(probs: list[str]) -> str:
             "learning_rate, mu_dtype=jnp.float16)` (`optax.adamw` too)."
         )
     return hint
+
+
+def check_not_deleted(tree: PyTree, api: str) -> None:
+    """Refuses a pytree with donated (deleted) array leaves, naming them."""
+    leaves = jax.tree.leaves(tree)
+    if not any(isinstance(x, jax.Array) and x.is_deleted() for x in leaves):
+        return
+    if gone := deleted(tree):
+        raise ValueError(
+            DONATED_MSG.format(api=api, what="pytree", probs=format_problems(gone))
+        )
 
 
 def deleted(tree: PyTree) -> list[str]:
