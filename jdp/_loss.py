@@ -257,16 +257,20 @@ def normalise(out: Gradients, axis_name) -> tuple[jax.Array, PyTree]:
     if out.weight is None:
         return out.loss, out.grads
     _collectives.axis_size(axis_name, "jdp.weighted")
-    weight = out.weight.astype(out.loss.dtype)
-    valid = _sync.finite(out.grads).astype(out.loss.dtype)
+    # Summed in float32 at least: in a bfloat16 loss's dtype, 8 replicas' 1001
+    # tokens each came to 8000.
+    dtype = _metrics.sum_dtype(out.loss.dtype)
+    weight = out.weight.astype(dtype)
+    valid = _sync.finite(out.grads).astype(dtype)
     total, weight, kept_weight, kept = lax.psum(
-        (out.loss, weight, valid * weight, valid), axis_name
+        (out.loss.astype(dtype), weight, valid * weight, valid), axis_name
     )
     scale = _metrics.ratio(kept, kept_weight)
     grads = jax.tree.map(
         lambda g: g * scale.astype(g.dtype) if is_float(g) else g, out.grads
     )
-    return _metrics.ratio(total, jnp.where(kept_weight > 0, weight, 0)), grads
+    loss = _metrics.ratio(total, jnp.where(kept_weight > 0, weight, 0))
+    return loss.astype(out.loss.dtype), grads
 
 
 def kept_loss(out: Gradients, loss: jax.Array, extra: dict, axis_name):
@@ -279,9 +283,10 @@ def kept_loss(out: Gradients, loss: jax.Array, extra: dict, axis_name):
     if out.weight is None:
         kept_loss = jnp.where(kept, loss * share.astype(loss.dtype), 0)
         return kept_loss.astype(loss.dtype), extra
-    both = (out.loss, out.weight.astype(out.loss.dtype))
+    dtype = _metrics.sum_dtype(out.loss.dtype)
+    both = (out.loss.astype(dtype), out.weight.astype(dtype))
     total, weight = lax.psum([jnp.where(kept, x, 0) for x in both], axis_name)
-    return _metrics.ratio(total, weight), extra
+    return _metrics.ratio(total, weight).astype(out.loss.dtype), extra
 
 
 #: A loss scale below this no longer scales anything up: flax's `DynamicScale`
@@ -339,6 +344,47 @@ def next_scale(scale, finite: jax.Array):
     return scale.value_and_grad(lambda x: x * c)(jnp.float32(0.0))[0]
 
 
+def _described(x: Any) -> str:
+    if isinstance(x, (tuple, list, dict)):
+        return f"a {type(x).__name__} of {len(x)}"
+    return f"a value of shape {jnp.shape(x)}"
+
+
+def _check_loss(loss: Any, has_aux: bool) -> None:
+    """A clear error unless `loss` is one floating-point number."""
+    want = "one floating-point number: the mean loss over this replica's examples"
+    if isinstance(loss, (tuple, list, dict)):
+        hint = (
+            " If it returns `(loss, aux)`, pass `has_aux=True` to "
+            "`jdp.make_train_step`."
+            if not has_aux and isinstance(loss, (tuple, list))
+            else " Return the loss first and the rest as `aux` (`has_aux=True`)."
+        )
+        raise TypeError(
+            f"`loss_fn` must return {want}; it returned a {type(loss).__name__} "
+            f"of {len(loss)}.{hint}"
+        )
+    shape, dtype = jnp.shape(loss), jnp.result_type(loss)
+    if shape:
+        raise TypeError(
+            f"`loss_fn` must return {want}; it returned an array of shape "
+            f"{shape}. A per-example loss (PyTorch's `reduction='none'`): reduce "
+            "it with `jnp.mean(...)`, or with `jdp.weighted(losses.sum(), "
+            "num_examples)` where replicas count their examples unequally."
+        )
+    if not jnp.issubdtype(dtype, jnp.floating):
+        fix = (
+            "A complex loss has no direction of descent: return a real one, e.g. "
+            "`jnp.mean(jnp.abs(err) ** 2)`."
+            if jnp.issubdtype(dtype, jnp.complexfloating)
+            else "Compute it in floating point, e.g. `x.astype(jnp.float32)`."
+        )
+        raise TypeError(
+            f"`loss_fn` must return {want}; it returned a value of dtype {dtype}. "
+            + fix
+        )
+
+
 def loss_and_grads(
     value_and_grad, loss_fn, state, batch, *, has_aux, kwargs
 ) -> Gradients:
@@ -353,10 +399,16 @@ def loss_and_grads(
             loss, rest = out
             new_stats, aux = rest if has_aux else (rest, None)
         else:
+            if has_aux and not (isinstance(out, (tuple, list)) and len(out) == 2):
+                raise TypeError(
+                    "`jdp.make_train_step(..., has_aux=True)`: `loss_fn` must "
+                    f"return `(loss, aux)`; it returned {_described(out)}."
+                )
             (loss, aux), new_stats = (out if has_aux else (out, None)), None
         weight = None
         if isinstance(loss, _metrics.Weighted):
             loss, weight = loss.total, lax.stop_gradient(loss.weight)
+        _check_loss(loss, has_aux)
         return loss, (weight, aux, new_stats)
 
     args = (state.batch_stats, batch) if with_stats else (batch,)

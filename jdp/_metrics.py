@@ -149,7 +149,11 @@ def reduce_metrics(metrics: PyTree, axis_name: AxisName, totals: dict | None = N
     def combine(path, m):
         if isinstance(m, Weighted):
             total, weight = (_as_array(path, x, m) for x in m)
-            return ratio(*lax.psum((total, weight.astype(total.dtype)), axis_name))
+            dtype = sum_dtype(total.dtype)
+            both = lax.psum((total.astype(dtype), weight.astype(dtype)), axis_name)
+            mean = ratio(*both)  # an integer total's mean stays a float
+            floating = jnp.issubdtype(total.dtype, jnp.inexact)
+            return mean.astype(total.dtype) if floating else mean
         how, marker = "mean", None
         if isinstance(m, Reduced):
             marker, m, how = m, m.value, m.how
@@ -175,6 +179,13 @@ def reduce_metrics(metrics: PyTree, axis_name: AxisName, totals: dict | None = N
     return jax.tree_util.tree_map_with_path(combine, metrics, is_leaf=is_marker)
 
 
+def sum_dtype(dtype: Any) -> Any:
+    """The type a weighted total and its weight are summed in: float32 at least."""
+    if not jnp.issubdtype(dtype, jnp.inexact):
+        return jnp.result_type(float)
+    return jnp.promote_types(dtype, jnp.float32)
+
+
 def ratio(total: jax.Array, weight: jax.Array) -> jax.Array:
     """`total / weight`, 0 where `weight` is not positive."""
     some = weight > 0
@@ -196,7 +207,7 @@ def _mean(m: jax.Array, axis_name: AxisName) -> jax.Array:
     total, first = lax.psum((m, first), axis_name)
     num = lax.axis_size(axis_name)
     mean = total / num
-    ulp = jnp.finfo(dtype).eps * jnp.abs(first)
+    ulp = float(jnp.finfo(dtype).eps) * jnp.abs(first)  # (float8 does not promote)
     return jnp.where(jnp.abs(mean - first) <= num * ulp, first, mean).astype(dtype)
 
 
@@ -230,7 +241,10 @@ def _as_array(path, m, marker) -> jax.Array:
             "numbers or numeric arrays. Return `jax.random.key_data(key)` if you "
             "need its bits, or keep the key in the state."
         )
-    bad_kind = getattr(dtype, "kind", "") in ("U", "S", "O", "V")
+    kind = getattr(dtype, "kind", "")  # bfloat16 and the float8s are "V" too
+    bad_kind = kind in ("U", "S", "O") or (
+        kind == "V" and not jnp.issubdtype(dtype, jnp.number)
+    )
     if bad_kind or (dtype is None and not isinstance(m, (bool, int, float, complex))):
         raise TypeError(
             f"The step's metric {keystr(path)} is a {type(m).__name__} "

@@ -326,3 +326,46 @@ def test_sums_of_narrow_integers_do_not_wrap(backend):
     step = jdp.parallelize(eval_step, backend=backend, devices=jax.devices()[:8])
     out = step(step.replicate({}), step.shard(np.full(16, 100, np.uint8)))
     assert int(out["n"]) == 1600 and out["n"].dtype == jnp.int32
+
+
+def test_low_precision_metrics_are_averaged_in_their_dtype(backend):
+    """bfloat16 and float8 values (NumPy kind "V", as structured types) were
+    refused as "not numeric": a loss computed in bfloat16 stopped the step."""
+
+    def step_fn(state, batch):
+        return {
+            "bf16": jnp.mean(batch).astype(jnp.bfloat16),
+            "fp8": jnp.mean(batch).astype(jnp.float8_e4m3fn),
+            "rows": batch.astype(jnp.bfloat16),
+        }
+
+    step = jdp.parallelize(step_fn, backend=backend, devices=jax.devices()[:4])
+    out = step(step.replicate({}), step.shard(np.arange(4, dtype=np.float32)))
+    assert out["bf16"].dtype == jnp.bfloat16 and float(out["bf16"]) == 1.5
+    assert out["fp8"].dtype == jnp.float8_e4m3fn and float(out["fp8"]) == 1.5
+    assert out["rows"].dtype == jnp.bfloat16 and float(out["rows"][0]) == 1.5
+
+
+def test_a_bfloat16_loss_trains_and_is_reported():
+    def loss_fn(params, batch):
+        pred = batch["x"].astype(jnp.bfloat16) @ params["w"]
+        return jnp.mean((pred - batch["y"].astype(jnp.bfloat16)) ** 2)
+
+    tx = optax.sgd(0.1)
+    step = jdp.parallelize(jdp.make_train_step(loss_fn, tx), devices=jax.devices()[:4])
+    params = {"w": jnp.ones((3,), jnp.bfloat16)}
+    state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
+    batch = {"x": np.ones((8, 3), np.float32), "y": np.ones((8,), np.float32)}
+    state, metrics = step(state, step.shard(batch))
+    assert metrics["loss"].dtype == jnp.bfloat16 and float(metrics["loss"]) == 4.0
+    # d/dw_i mean((x . w - y)^2) = 2 (3 - 1) x_i = 4 at w = 1: w = 1 - 0.1 * 4
+    np.testing.assert_allclose(
+        np.float32(step.unreplicate(state).params["w"]), 0.6, atol=1e-2
+    )
+
+
+def test_a_structured_array_is_still_refused_as_a_metric():
+    record = np.zeros(2, dtype=[("a", np.float32), ("b", np.int32)])
+    step = jdp.parallelize(lambda s, b: {"r": record}, devices=jax.devices()[:2])
+    with pytest.raises(TypeError, match=r"metric \['r'\] is a ndarray"):
+        step(step.replicate({}), step.shard(jnp.ones(2)))

@@ -211,6 +211,44 @@ def test_params_that_cannot_be_differentiated_are_named(leaf, shown):
         step(state, step.shard(np.ones(2, np.float32)))
 
 
+@pytest.mark.parametrize(
+    "loss_fn, has_aux, match",
+    [
+        (lambda p, b: b * p["w"], False, r"an array of shape \(1,\)\. A per-example"),
+        (
+            lambda p, b: (jnp.mean(b * p["w"]), {"n": 1.0}),
+            False,
+            r"a tuple of 2\. If it returns `\(loss, aux\)`, pass `has_aux=True`",
+        ),
+        (lambda p, b: {"loss": jnp.mean(b)}, False, r"a dict of 1\. Return the loss"),
+        (lambda p, b: jnp.int32(1), False, r"dtype int32\. Compute it in floating"),
+        (
+            lambda p, b: jnp.mean(b * p["w"]) * 1j,
+            False,
+            r"dtype complex64\. A complex loss",
+        ),
+        (
+            lambda p, b: jnp.mean(b * p["w"]),
+            True,
+            r"has_aux=True\)`: `loss_fn` must return `\(loss, aux\)`; it returned a "
+            r"value of shape \(\)",
+        ),
+    ],
+    ids=["per-example", "tuple", "dict", "int", "complex", "no-aux"],
+)
+def test_a_loss_that_is_not_one_number_is_named(loss_fn, has_aux, match):
+    """JAX said "Gradient only defined for scalar-output functions", naming
+    neither the loss nor the fix."""
+    tx = optax.sgd(0.1)
+    step = jdp.parallelize(
+        jdp.make_train_step(loss_fn, tx, has_aux=has_aux), devices=jax.devices()[:2]
+    )
+    state = step.replicate(jdp.TrainState.create(params={"w": jnp.ones(())}, tx=tx))
+    with pytest.raises(TypeError, match=match) as caught:
+        step(state, step.shard(np.ones(2, np.float32)))
+    assert str(caught.value).startswith(("`loss_fn`", "`jdp.make_train_step"))
+
+
 def test_a_string_metric_names_the_metric():
     step = jdp.parallelize(
         lambda s, b: (s, {"note": "hello"}), devices=jax.devices()[:2]

@@ -253,3 +253,32 @@ def test_grad_of_a_weighted_loss_outside_a_step_says_how_to_get_the_scalar():
     p = jnp.arange(3.0)
     got = jax.grad(lambda p: (lambda w: w.total / w.weight)(loss(p)))(p)
     np.testing.assert_allclose(got, jax.grad(lambda p: jnp.sum(p**2) / 4.0)(p))
+
+
+def test_a_bfloat16_total_is_normalised_by_the_exact_token_count():
+    """The weights are summed in float32: cast to a bfloat16 loss's dtype, 257
+    tokens per replica counted as 256, and the gradient came out 257/256 too big."""
+
+    def loss_fn(params, batch):
+        total = params["w"].astype(jnp.bfloat16) * jnp.bfloat16(256)  # d/dw: 256
+        return jdp.weighted(total, jnp.sum(batch))  # 257 tokens on each replica
+
+    tx = optax.sgd(1.0)
+    step = jdp.parallelize(jdp.make_train_step(loss_fn, tx), devices=jax.devices()[:8])
+    state = step.replicate(jdp.TrainState.create(params={"w": jnp.ones(())}, tx=tx))
+    state, metrics = step(state, step.shard(np.ones((8, 257), np.float32)))
+    # Each replica's gradient is 256 over the mean count of 257 tokens.
+    np.testing.assert_allclose(
+        float(step.unreplicate(state).params["w"]), 1 - 256 / 257, rtol=1e-5
+    )
+    assert metrics["loss"].dtype == jnp.bfloat16
+    assert float(metrics["loss"]) == float(jnp.bfloat16(256 / 257))
+
+
+def test_an_integer_weighted_metric_is_a_float_mean():
+    def eval_step(state, batch):
+        return {"acc": jdp.weighted(jnp.sum(batch > 1), jnp.int32(batch.size))}
+
+    step = jdp.parallelize(eval_step, devices=jax.devices()[:4])
+    out = step(step.replicate({}), step.shard(np.arange(8, dtype=np.float32)))
+    assert out["acc"].dtype == jnp.float32 and float(out["acc"]) == 6 / 8
