@@ -179,6 +179,7 @@ class Parallel(_hlo.Introspection):
           as they are).
         """
         _layout.check_not_deleted(tree, "step.unreplicate")
+        _layout.check_unreplicable(tree)
         return _layout.logical_copy(tree)
 
     def shard(self, batch: PyTree, *, pad: bool = False, pad_to: int | None = None):

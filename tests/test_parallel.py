@@ -435,6 +435,22 @@ def test_reusing_a_donated_state_is_an_error_not_a_crash(backend):
     assert np.isfinite(float(step.unreplicate(new).params["w"][0, 0]))
 
 
+def test_unreplicating_twice_is_refused_naming_the_leaves(backend):
+    """The second call cut each leaf's first shard (the whole array) to its
+    first axis: "cannot reshape", or for a leading size of 1 a silent squeeze."""
+    step, state, _ = sgd_step(backend)
+    one = step.unreplicate(state)
+    assert one.params["w"].shape == (3, 1)
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)^`step\.unreplicate` takes a pytree the step replicated.*"
+        r"\.params\['w'\]: shape \(3, 1\)",
+    ):
+        step.unreplicate(one)
+    # Leaves without a replica axis to take (scalars, non-arrays) pass through.
+    assert step.unreplicate({"n": 3, "s": jnp.ones(())}) == {"n": 3, "s": 1.0}
+
+
 def test_a_returned_state_donated_by_another_step_is_still_refused(backend):
     """The state a step returned skips the placement checks on its next call,
     unless something deleted it since: another step donating it, say."""

@@ -23,12 +23,14 @@ from jdp._layout._state_checks import (
     check_replicated,
     check_same_structure,
     check_unchanged,
+    check_unreplicable,
     misplaced,
 )
 
 __all__ = [
     "AxisName", "CustomLayout", "abstract", "check_not_deleted", "check_replicated",
-    "check_same_structure", "compare_replicas", "check_unchanged", "host_value",
+    "check_unreplicable", "check_same_structure", "compare_replicas",
+    "check_unchanged", "host_value",
     "is_custom", "is_key", "is_replicated", "key_impl", "logical_copy", "logical_like",
     "make_mesh", "map_agreed", "mesh_axis", "mesh_for", "misplaced", "place_copies",
     "place_like", "replica_sharding", "replicate",

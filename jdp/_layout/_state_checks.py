@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
+from jdp._layout._custom import is_custom
 from jdp._layout._mesh import AxisName
 from jdp._tree import PyTree, format_problems, keystr
 
@@ -124,6 +125,32 @@ def check_not_deleted(tree: PyTree, api: str) -> None:
         raise ValueError(
             DONATED_MSG.format(api=api, what="pytree", probs=format_problems(gone))
         )
+
+
+NOT_A_REPLICATED_TREE_MSG = (
+    "`step.unreplicate` takes a pytree the step replicated (every array with a "
+    "leading replica axis, split over the devices), e.g. the state it returned; "
+    "these leaves are whole arrays on one device, not replicated (already "
+    "unreplicated?):{probs}\nFix: use them as they are, or replicate them first "
+    "with `step.replicate(tree)`."
+)
+
+
+def check_unreplicable(tree: PyTree) -> None:
+    """Refuses array leaves that hold no replica axis to take one copy from.
+
+    Such a leaf's first shard is the whole array; one of leading size 1 cannot be
+    told from a one-device mesh's and is let through.
+    """
+
+    def whole(x):
+        if not isinstance(x, jax.Array) or x.ndim == 0 or x.shape[0] == 1:
+            return False
+        return x.addressable_shards[0].data.shape == x.shape
+
+    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_custom)[0]
+    if probs := [f"{keystr(path)}: shape {x.shape}" for path, x in leaves if whole(x)]:
+        raise ValueError(NOT_A_REPLICATED_TREE_MSG.format(probs=format_problems(probs)))
 
 
 def deleted(tree: PyTree) -> list[str]:
