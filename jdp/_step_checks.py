@@ -146,6 +146,22 @@ KNOWN_FIELDS = (
 )  # fmt: skip
 
 
+def check_train_state(state: PyTree, api: str) -> None:
+    """Refuses what is not a train state (`params`, `opt_state`, `step`, `replace`)."""
+    needed = ("params", "opt_state", "step", "replace")
+    if all(hasattr(state, name) for name in needed):
+        return
+    if isinstance(state, dict):
+        got = f"a dict with keys {sorted(map(str, state))}"
+    else:
+        got = f"a {type(state).__name__}"
+    raise TypeError(
+        f"The step of `{api}` takes a train state (`params`, `opt_state`, `step`): "
+        f"a `jdp.TrainState`, or flax's `TrainState`; got {got}. Fix: `state = "
+        "step.replicate(jdp.TrainState.create(params=params, tx=tx))`."
+    )
+
+
 def check_known_fields(state: PyTree, api: str) -> None:
     """Refuses a dataclass state's field (with arrays) that the step never updates."""
     if not dataclasses.is_dataclass(state):

@@ -125,7 +125,8 @@ def make_train_step(
     rows = isinstance(sync, _sync.TakesRows)
 
     def train_step(state, batch):
-        if (optimizer := state.tx if tx is None else tx) is None:
+        _step_checks.check_train_state(state, api)
+        if (optimizer := getattr(state, "tx", None) if tx is None else tx) is None:
             raise ValueError(
                 f"`{api}` got no optimizer: pass `tx` or use a state that "
                 "carries one (`jdp.TrainState.create(params=..., tx=...)`)."

@@ -249,6 +249,21 @@ def test_a_loss_that_is_not_one_number_is_named(loss_fn, has_aux, match):
     assert str(caught.value).startswith(("`loss_fn`", "`jdp.make_train_step"))
 
 
+def test_a_state_that_is_not_a_train_state_is_named():
+    """A params dict passed as the state raised "'dict' object has no attribute
+    'params'" from inside the traced step."""
+    tx = optax.sgd(0.1)
+    step = jdp.parallelize(
+        jdp.make_train_step(lambda p, b: jnp.mean(b * p["w"]), tx),
+        devices=jax.devices()[:2],
+    )
+    state = step.replicate({"w": jnp.ones(())})
+    with pytest.raises(
+        TypeError, match=r"takes a train state.*got a dict with keys \['w'\].*Fix"
+    ):
+        step(state, step.shard(np.ones(2, np.float32)))
+
+
 def test_a_string_metric_names_the_metric():
     step = jdp.parallelize(
         lambda s, b: (s, {"note": "hello"}), devices=jax.devices()[:2]
