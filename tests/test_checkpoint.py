@@ -1329,6 +1329,47 @@ def test_save_rejects_what_it_cannot_restore(tmp_path):
         assert manager.all_steps() == [4]
 
 
+def test_save_refuses_an_unreplicated_or_donated_state(tmp_path):
+    """An unreplicated state failed inside the copy ("cannot reshape array"); a
+    state an earlier step donated crashed the process (or raised JAX's "Array has
+    been deleted")."""
+    step = make_parallel(num_devices=2)
+    state = step.replicate(init_state())
+    batch = step.shard(make_batches(1, 32, seed=1)[0])
+    with CheckpointManager(tmp_path) as manager:
+        manager.save(0, state)
+        unreplicated = r"not a replicated state(.|\n)*\['w'\]: shape \(8, 16\)"
+        with pytest.raises(ValueError, match=unreplicated):
+            manager.save(1, step.unreplicate(state).params)
+        step(state, batch)  # donates `state`
+        for parallel in (None, step):
+            with pytest.raises(ValueError, match=r"was donated(.|\n)*\.params\["):
+                manager.save(1, state, parallel=parallel)
+        assert manager.all_steps() == [0]
+
+
+@pytest.mark.parametrize(
+    "dtype", [jnp.bfloat16, jnp.float8_e4m3fn, jnp.int4], ids=lambda d: d.__name__
+)
+def test_narrow_and_empty_leaves_round_trip(tmp_path, dtype):
+    """A bfloat16, float8 or int4 leaf stopped `save` ("cannot include dtype 'E'
+    in a buffer"), a zero-size one too ("cannot cast view with zeros in shape")."""
+    step = jdp.parallelize(lambda s, b: (s, {}), devices=jax.devices()[:2])
+    one = {
+        "narrow": jnp.arange(-4, 4).astype(dtype),
+        "empty": jnp.zeros((0, 3), dtype),
+        "w": jnp.arange(3.0),
+    }
+    with CheckpointManager(tmp_path) as manager:
+        manager.save(0, step.replicate(one))
+        back = manager.restore(step.replicate(jax.tree.map(jnp.zeros_like, one)))
+        assert_bitwise_equal(step.unreplicate(back), one)
+        assert_bitwise_equal(manager.restore(jax.tree.map(jnp.zeros_like, one)), one)
+        # Its arrays check out as intact: step 0 is not taken for a damaged one.
+        with pytest.raises(ValueError, match="step 0 already has a checkpoint"):
+            manager.save(0, step.replicate(one))
+
+
 def test_prng_keys_resume_bit_for_bit(tmp_path, backend):
     """Typed PRNG keys in the state are saved as key data and rebuilt on restore."""
 

@@ -25,6 +25,7 @@ from jdp._layout._state_checks import (
     check_unchanged,
     check_unreplicable,
     misplaced,
+    whole_arrays,
 )
 
 __all__ = [
@@ -33,5 +34,5 @@ __all__ = [
     "check_unchanged", "host_value",
     "is_custom", "is_key", "is_replicated", "key_impl", "logical_copy", "logical_like",
     "make_mesh", "map_agreed", "mesh_axis", "mesh_for", "misplaced", "place_copies",
-    "place_like", "replica_sharding", "replicate",
+    "place_like", "replica_sharding", "replicate", "whole_arrays",
 ]  # fmt: skip

@@ -137,7 +137,13 @@ NOT_A_REPLICATED_TREE_MSG = (
 
 
 def check_unreplicable(tree: PyTree) -> None:
-    """Refuses array leaves that hold no replica axis to take one copy from.
+    """Refuses array leaves that hold no replica axis to take one copy from."""
+    if probs := whole_arrays(tree):
+        raise ValueError(NOT_A_REPLICATED_TREE_MSG.format(probs=format_problems(probs)))
+
+
+def whole_arrays(tree: PyTree) -> list[str]:
+    """`"path: shape ..."` of the array leaves that hold no replica axis.
 
     Such a leaf's first shard is the whole array; one of leading size 1 cannot be
     told from a one-device mesh's and is let through.
@@ -149,8 +155,7 @@ def check_unreplicable(tree: PyTree) -> None:
         return x.addressable_shards[0].data.shape == x.shape
 
     leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_custom)[0]
-    if probs := [f"{keystr(path)}: shape {x.shape}" for path, x in leaves if whole(x)]:
-        raise ValueError(NOT_A_REPLICATED_TREE_MSG.format(probs=format_problems(probs)))
+    return [f"{keystr(path)}: shape {x.shape}" for path, x in leaves if whole(x)]
 
 
 def deleted(tree: PyTree) -> list[str]:

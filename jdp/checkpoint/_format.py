@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import math
 import sys
 import zlib
 from collections.abc import Coroutine, Sequence
@@ -41,7 +42,9 @@ def dtype_name(dtype: Any) -> str:
 
 def crc32(x: np.ndarray) -> int:
     """The CRC-32 of an array's bytes in C order."""
-    return zlib.crc32(memoryview(np.ascontiguousarray(x)).cast("B"))
+    # As bytes: a memoryview refuses bfloat16, float8 and int4 (not buffer
+    # formats) and a view with a zero in its shape.
+    return zlib.crc32(np.ascontiguousarray(x).reshape(-1).view(np.uint8))
 
 
 def key_impl_name(x: Any) -> str | None:
@@ -70,6 +73,19 @@ def host_copy(x: Any) -> Any:
     return np.array(x, copy=True)
 
 
+def is_empty(shape: Sequence[int]) -> bool:
+    """Whether a leaf of this shape holds no values (orbax writes none of those)."""
+    return math.prod(shape) == 0
+
+
+def written(host: PyTree) -> PyTree:
+    """What orbax writes of `host`: its zero-size leaves (which it refuses) as None.
+
+    Their shape and dtype are in the step's record; restoring makes them anew.
+    """
+    return jax.tree.map(lambda x: None if is_empty(np.shape(x)) else x, host)
+
+
 def make_metadata(
     step: int, state: PyTree, logical: PyTree, host: PyTree, replicas: dict[str, Any],
     parallel: Any,
@@ -79,7 +95,10 @@ def make_metadata(
     for (path, x), one in zip(paths, jax.tree.leaves(logical), strict=True):
         record = {
             "path": keystr(path), "shape": list(x.shape), "dtype": dtype_name(x.dtype),
-            "crc32": crc32(x) if isinstance(x, np.ndarray) else None,
+            "crc32": (
+                crc32(x) if isinstance(x, np.ndarray) and not is_empty(x.shape)
+                else None
+            ),
         }  # fmt: skip
         if is_key(one):  # saved as its key data
             record["key_impl"] = key_impl(one)

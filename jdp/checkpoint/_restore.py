@@ -182,11 +182,19 @@ def _read_state(
     """`_check_matches`, then the saved copy's leaves as NumPy arrays (checked)."""
     _check_matches(store.directory, step, meta, flat_logical, hint=hint)
     records = meta["leaves"]
+    # Zero-size leaves were not written: their record gives shape and dtype.
+    full = [not _format.is_empty(r["shape"]) for r in records]
     with reading(store.directory, step, "reading its arrays failed"):
-        names = [_format.param_name(path) for path, _, _ in flat_logical]
-        leaves = _format.read_arrays(
-            store.directory, step, STATE_ITEM, names, [r["dtype"] for r in records]
+        paths = [path for path, _, _ in flat_logical]
+        names = [_format.param_name(p) for p, f in zip(paths, full, strict=True) if f]
+        dtypes = [r["dtype"] for r, f in zip(records, full, strict=True) if f]
+        read = iter(
+            _format.read_arrays(store.directory, step, STATE_ITEM, names, dtypes)
         )
+        leaves = [
+            next(read) if f else np.zeros(r["shape"], np.dtype(r["dtype"]))
+            for r, f in zip(records, full, strict=True)
+        ]
     check_leaves(store.directory, step, records, leaves)
     return leaves
 

@@ -9,6 +9,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jdp import _layout
 from jdp._layout import logical_copy
 from jdp._tree import PyTree, format_problems, keystr
 from jdp.checkpoint import _format
@@ -36,6 +37,9 @@ def check_replicated(
             kind = "0-d jax.Array" if isinstance(x, jax.Array) else type(x).__name__
             probs.append(f"{keystr(path)}: a {kind} of shape {np.shape(x)}")
     if probs:
+        raise ValueError(NOT_REPLICATED_MSG.format(probs=format_problems(probs)))
+    _layout.check_not_deleted(state, "CheckpointManager.save")
+    if probs := _layout.whole_arrays(state):
         raise ValueError(NOT_REPLICATED_MSG.format(probs=format_problems(probs)))
     if parallel is not None:
         parallel._check_state(state)
@@ -76,7 +80,7 @@ def save_items(step: int, state: PyTree, flat: Sequence[tuple[Any, Any]],
     if extra is not None:
         meta["extra"] = encode_extra(extra)
     items = {
-        _format.STATE_ITEM: ocp.args.PyTreeSave(host),
+        _format.STATE_ITEM: ocp.args.PyTreeSave(_format.written(host)),
         _format.METADATA_ITEM: ocp.args.JsonSave(meta),
     }
     if replicas:
