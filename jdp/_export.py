@@ -81,12 +81,15 @@ def _one_copy(params: PyTree, replicated: bool | None) -> PyTree:
                 "replicas (their leading axis is then kept)."
             )
         replicated = bool(marks) and all(marks)
-    if replicated and not all(is_replicated(x) for _, x in flat):
+    # Python and NumPy scalars beside the arrays are the same on every replica.
+    arrays = [(p, x) for p, x in flat if np.ndim(x) > 0 or isinstance(x, jax.Array)]
+    if replicated and not all(is_replicated(x) for _, x in arrays):
         raise ValueError(
-            "`jdp.export_predictor(replicated=True)`: every leaf must be laid out by "
-            f"`step.replicate`; these are not:{others(flat)}\nPass `replicated=False` "
-            "for one plain copy (e.g. `step.unreplicate(state.params)`), or the "
-            "replicated state as the step returned it."
+            "`jdp.export_predictor(replicated=True)`: every array leaf must be laid "
+            f"out by `step.replicate`; these are not:{others(arrays)}\nPass "
+            "`replicated=False` for one plain copy (e.g. "
+            "`step.unreplicate(state.params)`), or the replicated state as the step "
+            "returned it."
         )
     params = logical_copy(params) if replicated else params
     return jax.tree.map(lambda x: np.asarray(jax.device_get(x)), params)
@@ -249,11 +252,20 @@ def save_predictor(
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+        # mkstemp's file is private (0600): give it a new file's mode, as `open`.
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def _umask() -> int:
+    """The process's umask (read by setting it, then set back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _pack(meta: bytes, payload: bytes) -> bytes:

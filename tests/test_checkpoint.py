@@ -457,6 +457,23 @@ def test_zero_slices_are_not_saved_per_replica(tmp_path):
     assert_bitwise_equal(two.unreplicate(restored), step.unreplicate(state))
 
 
+def test_zero_slices_shaped_as_their_parameter_restore(tmp_path):
+    """A (4, 16) kernel's Adam slices on 4 replicas are (4, 16) too: restore took
+    them for one copy and refused the state as "mixed"."""
+    tx = jdp.zero(optax.adam(1e-2))
+    step = jdp.parallelize(
+        jdp.make_train_step(mlp_loss, tx, sync=jdp.local()),
+        devices=jax.devices()[:4],
+    )
+    init = init_state(tx=tx, sizes=(4, 16, 4))
+    state = run_steps(step, step.replicate(init), make_batches(2, 32, in_dim=4))
+    assert state.opt_state.chunks[0].mu["layer0"]["w"].shape == (4, 16)
+    with CheckpointManager(tmp_path) as manager:
+        manager.save(2, state)
+        restored = manager.restore(step.replicate(init))
+    assert_bitwise_equal(step.unreplicate(restored), step.unreplicate(state))
+
+
 # -- a save killed midway -------------------------------------------------------------
 
 
@@ -971,6 +988,15 @@ def test_ambiguous_or_wrong_one_copy_like_is_refused(saved):
             r"float32, `like` has shape \(32,\).*`like` is read as one copy",
         ):
             manager.restore(other)
+        # Arrays on one device are one copy: a leading axis is no replica axis
+        # (each leaf came back as copies of the saved one).
+        stacked = jax.tree.map(lambda x: jnp.stack([x] * 2), copy)
+        with pytest.raises(
+            ValueError,
+            match=r"(?s)\.step: the checkpoint has shape \(\) int32, `like` has "
+            r"shape \(2,\).*`like` is read as one copy",
+        ):
+            manager.restore(stacked)
         # A replica axis without a sharding cannot be placed.
         sds = jax.tree.map(lambda x: jax.ShapeDtypeStruct((2, *x.shape), x.dtype), copy)
         with pytest.raises(TypeError, match=r"\.step of `like` is a ShapeDtypeStruct"):
@@ -1320,6 +1346,12 @@ def test_save_rejects_what_it_cannot_restore(tmp_path):
             manager.save(1, {"n": jnp.ones(())})
         with pytest.raises(ValueError, match="was not replicated by this step"):
             manager.save(1, state, parallel=make_parallel(num_devices=4))
+        with pytest.raises(
+            ValueError, match=r"\['a'\]\['b'\] and \['a\.b'\] would both be written"
+        ):  # it saved both under one name: the step read back as damaged
+            manager.save(
+                1, step.replicate({"a.b": jnp.ones(2), "a": {"b": jnp.ones(3)}})
+            )
         with pytest.raises(TypeError, match="must be an integer step number"):
             manager.save(1.5, state)
         with pytest.raises(ValueError, match="`step` must be a non-negative integer"):

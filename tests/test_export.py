@@ -157,7 +157,8 @@ def test_mixed_replicated_and_plain_params_is_an_error(trained):
 
 
 def test_replicated_true_needs_a_replica_axis():
-    with pytest.raises(ValueError, match=r"(?s)replicated=True.*\['b'\]"):
+    # The array is named; the scalar beside it is the same on every replica.
+    with pytest.raises(ValueError, match=r"(?s)replicated=True.*\['a'\]: float32"):
         jdp.export_predictor(
             lambda p, x: x, {"a": jnp.ones(2), "b": 1.0}, (np.ones(2),), replicated=True
         )
@@ -371,6 +372,40 @@ def test_replicated_true_on_replicated_params_takes_replica_0():
     )
     x = np.ones((4, 3), np.float32)
     np.testing.assert_allclose(jdp.load_predictor(blob)(x), x @ w)
+
+
+def test_scalars_beside_replicated_params_are_taken_as_they_are():
+    """A Python or NumPy scalar beside replicated params was refused: "every leaf
+    must be laid out by `step.replicate`", for `replicated=True` not passed."""
+    mesh = _layout.make_mesh(jax.devices(), "data")
+    w = np.arange(6.0, dtype=np.float32).reshape(3, 2)
+    params = {"w": _layout.replicate({"w": w}, mesh)["w"], "t": 0.5, "s": np.int32(2)}
+    blob = jdp.export_predictor(
+        lambda p, x: x @ p["w"] * p["t"] * p["s"],
+        params,
+        (np.ones((1, 3), np.float32),),
+    )
+    x = np.ones((4, 3), np.float32)
+    np.testing.assert_allclose(jdp.load_predictor(blob)(x), x @ w)
+
+
+def test_a_saved_predictor_has_a_new_files_mode(tmp_path):
+    """It was written 0600 (a temporary file's mode): another user's serving
+    process could not read it."""
+    mask = os.umask(0o027)
+    try:
+        jdp.save_predictor(
+            tmp_path / "p.jdppred",
+            lambda p, x: x @ p["w"],
+            {"w": np.ones((3, 2), np.float32)},
+            (np.ones((1, 3), np.float32),),
+        )
+        with open(tmp_path / "plain", "wb"):
+            pass
+    finally:
+        os.umask(mask)
+    assert (tmp_path / "p.jdppred").stat().st_mode & 0o777 == 0o640
+    assert (tmp_path / "plain").stat().st_mode & 0o777 == 0o640
 
 
 @pytest.mark.parametrize(

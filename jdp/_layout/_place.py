@@ -124,8 +124,8 @@ def place_copies(tree: PyTree, host: PyTree, sharding: NamedSharding) -> PyTree:
 
 
 def is_replicated(x: Any) -> bool:
-    """Whether a leaf has the layout `replicate` gives (on a 1-D or a 2-D mesh)."""
-    if not isinstance(x, jax.Array) or x.ndim < 1:
+    """Whether a leaf or `jax.ShapeDtypeStruct` has `replicate`'s layout (1-D/2-D)."""
+    if not isinstance(x, jax.Array | jax.ShapeDtypeStruct) or x.ndim < 1:
         return False
     sharding = x.sharding
     if not isinstance(sharding, NamedSharding):

@@ -13,8 +13,16 @@ from typing import Any
 import jax
 import numpy as np
 from etils import epath
+from jax.sharding import SingleDeviceSharding
 
-from jdp._layout import abstract, is_custom, is_key, logical_like, place_like
+from jdp._layout import (
+    abstract,
+    is_custom,
+    is_key,
+    is_replicated,
+    logical_like,
+    place_like,
+)
 from jdp._tree import PyTree, format_problems, keystr
 from jdp.checkpoint import _format, _per_replica
 from jdp.checkpoint._common import check_step_number, error_text, short_list
@@ -33,8 +41,8 @@ MISMATCH_MSG = (
 )
 
 ONE_COPY_HINT = (
-    "\n`like` is read as one copy (no replica axis: its shapes are the saved "
-    "shapes), which must match the saved leaves exactly. To restore into every "
+    "\n`like` is read as one copy (no leaf laid out by `step.replicate`), whose "
+    "shapes must match the saved leaves exactly. To restore into every "
     "replica instead, pass a state replicated by the `jdp.Parallel` that will run "
     "it: `manager.restore(step.replicate(init_state))`."
 )
@@ -115,7 +123,13 @@ def _is_one_copy(
         name, shape = keystr(path), _data_shape(x)
         if name not in saved or shape is None:
             continue
-        if shape == saved[name]:
+        # The layout decides where it tells: a ZeRO slice can have the saved
+        # shape, and an array on one device is never replicated.
+        if is_replicated(x):
+            rep.append(f"{name} {shape}")
+        elif isinstance(getattr(x, "sharding", None), SingleDeviceSharding):
+            one.append(f"{name} {shape}")
+        elif shape == saved[name]:
             one.append(f"{name} {shape}")
         elif len(shape) >= 1 and shape[1:] == saved[name]:
             rep.append(f"{name} {shape}")

@@ -39,10 +39,25 @@ def check_replicated(
     if probs:
         raise ValueError(NOT_REPLICATED_MSG.format(probs=format_problems(probs)))
     _layout.check_not_deleted(state, "CheckpointManager.save")
+    check_unique_names(flat)
     if probs := _layout.whole_arrays(state):
         raise ValueError(NOT_REPLICATED_MSG.format(probs=format_problems(probs)))
     if parallel is not None:
         parallel._check_state(state)
+
+
+def check_unique_names(flat: Sequence[tuple[Any, Any]]) -> None:
+    """Raises if two leaves would be written under one name (keys with dots)."""
+    seen: dict[str, str] = {}
+    for path, _ in flat:
+        name = _format.param_name(path)
+        if (other := seen.setdefault(name, keystr(path))) != keystr(path):
+            raise ValueError(
+                f"`CheckpointManager.save`: leaves {other} and {keystr(path)} would "
+                f"both be written as {name!r} (a leaf is named by its keys joined "
+                "with '.'), and one would be lost. Fix: rename a key so that no "
+                "key holds a '.' that another path spells out."
+            )
 
 
 def check_not_overwriting(store: StepStore, step: int) -> dict[int, str]:
