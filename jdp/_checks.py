@@ -4,21 +4,40 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from jdp import _layout
 from jdp._tree import PyTree, format_problems
 
 
+def _same(x, ref):
+    """Where floats `x` and `ref` are the same number: same bits, both NaN or zero.
+
+    Not `x == ref`: CPUs may read subnormal numbers as zero.
+    """
+    if jnp.issubdtype(x.dtype, jnp.complexfloating):
+        return _same(x.real, ref.real) & _same(x.imag, ref.imag)
+    bits = jnp.dtype(f"uint{8 * x.dtype.itemsize}")
+    xb, rb = lax.bitcast_convert_type(x, bits), lax.bitcast_convert_type(ref, bits)
+    magnitude = ~np.array(1 << (8 * x.dtype.itemsize - 1), bits)  # all but the sign
+    zeros = ((xb & magnitude) == 0) & ((rb & magnitude) == 0)
+    return (xb == rb) | zeros | (jnp.isnan(x) & jnp.isnan(ref))
+
+
 def _replica_differences(leaves):
-    """Per leaf and replica r, the largest |x[r] - x[0]| (inf where NaNs disagree)."""
+    """Per leaf and replica r, the largest |x[r] - x[0]|.
+
+    Inf where a NaN or an infinity differs; where the bits differ, at least
+    float32's smallest normal number.
+    """
     out = []
     for x in leaves:
         ref = x[:1]
         if jnp.issubdtype(x.dtype, jnp.inexact):
             diff = jnp.abs(x - ref).astype(jnp.float32)
-            both_nan = jnp.isnan(x) & jnp.isnan(ref)
-            one_nan = jnp.isnan(x) ^ jnp.isnan(ref)
-            diff = jnp.where(both_nan, 0.0, jnp.where(one_nan, jnp.inf, diff))
+            tiny = np.finfo(np.float32).tiny  # a difference flushed to zero
+            diff = jnp.where(jnp.isnan(diff), jnp.inf, jnp.maximum(diff, tiny))
+            diff = jnp.where(_same(x, ref), 0.0, diff)
         else:
             diff = jnp.where(x != ref, jnp.inf, 0.0).astype(jnp.float32)
         out.append(diff.reshape(x.shape[0], -1).max(axis=1, initial=0.0))

@@ -57,8 +57,8 @@ def check_equivalence(
 
     Args:
       step: A `jdp.parallelize`d step made by `jdp.make_train_step`.
-      state: The replicated state, as passed to `step`, whose replicas agree
-        (before training, or right after a `jdp.bmuf` sync).
+      state: The replicated state, as passed to `step`; replica 0's is used
+        (also between the syncs of `jdp.bmuf`, where replicas differ).
       batch: A batch placed by `step.shard`.
       on_mismatch: `"warn"` (default): a `RuntimeWarning`; `"raise"`: a
         `ValueError`. Either names the leaves, their gaps and the likely causes.
@@ -112,7 +112,8 @@ def check_equivalence(
     # Only what the loss reads: no optimizer state (ZeRO lays it out its own way).
     fields = ("opt_state", "sync_state", "dynamic_scale")
     unset = {f: None for f in fields if getattr(state, f, None) is not None}
-    bare = state.replace(**unset)
+    # Every replica from replica 0's state (between `jdp.bmuf` syncs they differ).
+    bare = step.broadcast(state.replace(**unset))
     replicas = _parallel.Parallel(
         # A forward-only step: its metrics, averaged over replicas, are the result.
         functools.partial(_loss_and_grads, spec, microbatches=spec.microbatches),

@@ -498,6 +498,34 @@ def test_reset_zeroes_accumulators_and_keeps_counters():
     assert all(np.any(x != 0) for x in jax.tree.leaves(state.opt_state.inner_state))
 
 
+@pytest.mark.parametrize("mode", ["reset", "average"])
+def test_hyperparameters_held_in_the_state_survive_a_sync(mode):
+    """A learning rate set in `optax.inject_hyperparams`' state went back to its
+    initial value at every sync with `inner_state_at_sync="reset"`."""
+    inner = optax.inject_hyperparams(optax.adam)(learning_rate=1e-2)
+    tx = jdp.bmuf(inner, sync_period=3, inner_state_at_sync=mode)
+    step = jdp.parallelize(
+        jdp.make_train_step(linear_loss, tx, sync=jdp.local()),
+        devices=jax.devices()[:4],
+    )
+    state = jdp.TrainState.create(params=linear_params(), tx=tx)
+    injected = state.opt_state.inner_state
+    hyperparams = dict(injected.hyperparams, learning_rate=jnp.float32(0.5))
+    state = state.replace(
+        opt_state=state.opt_state._replace(
+            inner_state=injected._replace(hyperparams=hyperparams)
+        )
+    )
+    state = step.replicate(state)
+    for batch in linear_batches(3, 16):
+        state, _ = step(state, step.shard(batch))
+    injected = jax.device_get(state.opt_state.inner_state)
+    np.testing.assert_array_equal(injected.hyperparams["learning_rate"], 0.5)
+    if mode == "reset":  # the moments were reset all the same
+        adam = injected.inner_state[0]
+        assert all(np.all(x == 0) for x in jax.tree.leaves((adam.mu, adam.nu)))
+
+
 # -- communication -------------------------------------------------------------
 
 

@@ -44,6 +44,31 @@ def test_integer_and_nan_divergence(step):
         jdp.assert_replicas_in_sync(state)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16, np.complex64])
+def test_infinities_zeros_and_subnormals(step, dtype):
+    """A leaf holding an infinity on replica 0 was in sync whatever its other
+    values (inf - inf is NaN, which hid the differences); so were subnormal
+    values, whose difference the CPU flushes to zero."""
+    real = np.float32 if dtype is np.complex64 else dtype
+    inf, tiny = np.inf, float(jnp.finfo(real).smallest_subnormal)
+    rows = {
+        "same": [[inf, -0.0, np.nan, tiny]] * 3 + [[inf, 0.0, np.nan, tiny]],
+        "finite": [[inf, 1.0]] * 3 + [[inf, 2.0]],
+        "sign": [[inf]] * 2 + [[-inf]] + [[inf]],
+        "subnormal": [[tiny]] * 3 + [[3 * tiny]],
+    }
+    tree = {k: np.array(v, dtype) for k, v in rows.items()}
+    assert tree["subnormal"][3, 0] != tree["subnormal"][0, 0] != 0
+    with pytest.raises(AssertionError, match=r"out of sync in 3 leaves") as caught:
+        jdp.assert_replicas_in_sync(replicated(step, tree))
+    message = str(caught.value)
+    assert "['finite']: replica 3 differs from replica 0 by up to 1\n" in message
+    assert "['sign']: replica 2 differs from replica 0 by up to inf" in message
+    assert "['subnormal']: replica 3" in message and "['same']" not in message
+    assert not jdp.replicas_in_sync(replicated(step, {"f": tree["finite"]}))
+    assert jdp.replicas_in_sync(replicated(step, {"s": tree["same"]}))
+
+
 def test_lists_at_most_five_leaves(step):
     tree = {f"l{i}": np.arange(4, dtype=np.float32) for i in range(7)}
     with pytest.raises(AssertionError, match=r"7 leaves.*\n(.*\n){5}.*and 2 more"):

@@ -10,7 +10,7 @@ import numpy as np
 import optax
 
 from jdp import _replica_parts
-from jdp._tree import PyTree, float_map
+from jdp._tree import PyTree, float_map, is_float
 
 
 @_replica_parts.declare(
@@ -105,6 +105,25 @@ def cast_like(tree, like):
     )
 
 
+def _holds_hyperparams(x) -> bool:
+    """Whether `x` is the state of `optax.inject_hyperparams(...)`."""
+    return isinstance(
+        x, optax.InjectHyperparamsState | optax.InjectStatefulHyperparamsState
+    )
+
+
 def reset(state, initial):
-    """Floating leaves from `initial` (accumulators), integer leaves kept (counters)."""
-    return float_map(lambda cur, x: jnp.asarray(x).astype(cur.dtype), state, initial)
+    """Floating leaves from `initial` (accumulators), integer leaves kept (counters).
+
+    Hyperparameters that `optax.inject_hyperparams` holds in the state are not
+    accumulators: they are kept (a learning rate set in the state stays set).
+    """
+
+    def one(cur, x):
+        if _holds_hyperparams(cur):
+            return cur._replace(inner_state=reset(cur.inner_state, x.inner_state))
+        if is_float(cur):
+            return jnp.asarray(x).astype(cur.dtype)
+        return cur
+
+    return jax.tree.map(one, state, initial, is_leaf=_holds_hyperparams)
