@@ -192,7 +192,7 @@ def equations(closed_jaxpr: Any) -> list[Any]:
             for sub in jex_core.jaxprs_in_params(eqn.params):
                 visit(sub)
 
-    visit(closed_jaxpr.jaxpr)
+    visit(getattr(closed_jaxpr, "jaxpr", closed_jaxpr))  # or an open jaxpr
     return out
 
 
@@ -205,6 +205,78 @@ def collective_axes(eqn: Any) -> tuple[Any, ...]:
     if axes is None:
         return ()
     return tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
+
+
+#: Collectives whose result is the same on every replica of the axes they span
+#: (JAX 0.10's primitive names; a name JAX adds is "not recognised": its result
+#: counts as differing, which can only make `collectives_under_local_branches`
+#: report more).
+_AGREEING = frozenset(
+    {"psum", "pmax", "pmin", "all_gather", "psum_invariant", "pbroadcast"}
+)
+_COMMUNICATING = COLLECTIVE_PRIMITIVES - {"axis_index"}
+
+
+def collectives_under_local_branches(
+    closed_jaxpr: Any, local_inputs: list[bool], axes: set[str]
+) -> list[str]:
+    """Where a `cond` on replica-local values holds a collective over `axes`.
+
+    Such a branch is taken by some replicas and not by others, which then wait
+    in the collective forever (XLA aborts the process after its rendezvous
+    timeout). `local_inputs`: per input of `closed_jaxpr`, whether its value
+    differs between replicas. A value is local when it depends on a local one,
+    or on `axis_index`, except through a collective of `_AGREEING` over all of
+    `axes`. Returns the primitive names of the offending collectives.
+
+    Walks the jaxpr's equations (JAX 0.10: `cond`'s `branches`, one-jaxpr calls
+    such as `pjit` mapped input for input; other nested jaxprs taken as local
+    wherever an input is). No public API follows values through a jaxpr.
+    """
+    from jax.extend import core as jex_core
+
+    found: list[str] = []
+
+    def communicates(jaxpr) -> list[str]:
+        return [
+            e.primitive.name
+            for e in equations(jaxpr)
+            if e.primitive.name in _COMMUNICATING and set(collective_axes(e)) & axes
+        ]
+
+    def walk(jaxpr, local_in) -> list[bool]:
+        local = {v for v, loc in zip(jaxpr.invars, local_in, strict=True) if loc}
+
+        def is_local(v):
+            return not isinstance(v, jex_core.Literal) and v in local
+
+        for eqn in jaxpr.eqns:
+            ins = [is_local(v) for v in eqn.invars]
+            subs = list(jex_core.jaxprs_in_params(eqn.params))
+            name = eqn.primitive.name
+            if name == "axis_index":
+                outs = [True] * len(eqn.outvars)
+            elif name in _AGREEING and axes <= set(collective_axes(eqn)):
+                outs = [False] * len(eqn.outvars)
+            elif name == "cond":
+                branches = [b.jaxpr for b in eqn.params["branches"]]
+                if ins[0]:
+                    found.extend(c for b in branches for c in communicates(b))
+                per = [walk(b, ins[1:]) for b in branches]
+                outs = [ins[0] or any(col) for col in zip(*per, strict=True)]
+            elif (
+                len(subs) == 1
+                and len(subs[0].invars) == len(eqn.invars)
+                and len(subs[0].outvars) == len(eqn.outvars)
+            ):
+                outs = walk(subs[0], ins)
+            else:
+                outs = [any(ins)] * len(eqn.outvars)
+            local.update(v for v, loc in zip(eqn.outvars, outs, strict=True) if loc)
+        return [is_local(v) for v in jaxpr.outvars]
+
+    walk(closed_jaxpr.jaxpr, local_inputs)
+    return found
 
 
 def key_impl_name(dtype: Any) -> str:

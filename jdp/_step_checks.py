@@ -27,6 +27,38 @@ def check_piece(sync, tx, state, axis, api) -> None:
         _check_axes(sync, tx, state, axis, api)
     else:
         _warn_if_never_synced(tx, state, axis)
+        _check_no_collective_under_local_branch(tx, state, axis, api)
+
+
+LOCAL_BRANCH_MSG = (
+    "`{api}`: the optimizer decides on each replica's own gradients whether to run "
+    "a part that communicates ({found}), as `optax.apply_if_finite` around "
+    "`jdp.sync_gradients()`, `jdp.bmuf` or `jdp.zero` does: a replica whose "
+    "gradients are not finite would skip the collective the others wait in, and "
+    "the job would hang until XLA aborts it. Decide after the sync, e.g. "
+    "`optax.chain(jdp.sync_gradients(), optax.apply_if_finite(tx, ...))` or "
+    "`jdp.bmuf(optax.apply_if_finite(inner, ...), ...)`; or pass "
+    "`skip_nonfinite=True` to `jdp.make_train_step`, which skips such a step on "
+    "every replica at once."
+)
+
+
+def _check_no_collective_under_local_branch(tx, state, axis, api) -> None:
+    """Refuses an optimizer that branches on local gradients around a collective."""
+    axes = _axes(axis)
+    if not axes:
+        return
+    grads = jax.tree.map(lambda p: p if is_float(p) else None, state.params)
+    args = (grads, state.opt_state, state.params)
+    closed = jax.make_jaxpr(lambda g, s, p: _transforms.update(tx, g, s, p))(*args)
+    # The gradients differ between replicas; so do the params where they train
+    # locally (`jdp.bmuf`). The optimizer state is taken as agreed.
+    counts = [len(jax.tree.leaves(x)) for x in args]
+    local_params = _replica_parts.trains_locally(state.opt_state)
+    local = [True] * counts[0] + [False] * counts[1] + [local_params] * counts[2]
+    found = _jax_compat.collectives_under_local_branches(closed, local, axes)
+    if found:
+        raise ValueError(LOCAL_BRANCH_MSG.format(api=api, found=", ".join(found)))
 
 
 def _warn_if_never_synced(tx, state, axis) -> None:

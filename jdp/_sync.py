@@ -341,7 +341,9 @@ def agreed_locally(state: PyTree) -> PyTree:
     if not hasattr(state, "replace"):
         return None
     if syncs_gradients(state.opt_state):  # `jdp.zero`: replicas hold equal params
-        return _replica_parts.must_agree(state)
+        # but what `optax.MultiSteps` accumulates before it are their own gradients.
+        agree = _replica_parts.must_agree(state)
+        return _transforms.without_accumulated(agree, stop_at=_layout.is_custom)
     return state.replace(params=None, opt_state=_replica_parts.agreed(state.opt_state))
 
 

@@ -33,6 +33,24 @@ def update(tx: optax.GradientTransformation, grads, opt_state, params, **extra_a
     )
 
 
+def without_accumulated(tree: Any, stop_at) -> Any:
+    """`tree` with what `optax.MultiSteps` accumulated (`acc_grads`) set to None.
+
+    Nodes for which `stop_at(node)` holds are left whole.
+    """
+
+    def is_leaf(x):
+        return isinstance(x, optax.MultiStepsState) or stop_at(x)
+
+    def one(x):
+        if not isinstance(x, optax.MultiStepsState):
+            return x
+        inner = without_accumulated(x.inner_opt_state, stop_at)
+        return x._replace(acc_grads=None, inner_opt_state=inner)
+
+    return jax.tree.map(one, tree, is_leaf=is_leaf)
+
+
 def is_masked(x: Any) -> bool:
     """Whether `x` is a leaf `optax.masked` / `optax.multi_transform` left out."""
     return isinstance(x, optax.MaskedNode)

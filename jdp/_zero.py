@@ -88,8 +88,10 @@ class ZeroState(struct.PyTreeNode, CustomLayout):
 
     def agreed(self) -> ZeroState:
         """This node with its slices (which differ between replicas) set to None."""
-        kept = self._map(lambda v, s: v if s is None else None, lambda x: x is None)
-        return self.replace(chunks=kept)
+        if len(jax.tree.leaves(self.chunks)) != len(self.shapes):
+            return self  # agreed already: its slices are None
+        # Not None-aware: a None leaf of the state (a None parameter's) has no shape.
+        return self.replace(chunks=self._map(lambda v, s: v if s is None else None))
 
     def with_agreed(self, agreed: ZeroState) -> ZeroState:
         """This node with its whole leaves taken from `agreed`."""

@@ -501,6 +501,62 @@ def test_collective_axes_names_the_axes_of_each_collective(fn, axes):
     assert found == [axes]
 
 
+def _local(x):
+    return x.sum() > 0
+
+
+def _if(pred, then, y):
+    return lax.cond(pred, then, lambda: y)
+
+
+@pytest.mark.parametrize(
+    ("fn", "local", "found"),
+    [
+        # A branch on a local value around a collective: reported.
+        (lambda x, y: _if(_local(x), lambda: lax.psum(y, "i"), y), 1, ["psum"]),
+        # Through a jit and arithmetic; a reduce-scatter does not agree.
+        (
+            lambda x, y: _if(
+                jax.jit(_local)(lax.psum_scatter(x * 2, "i", tiled=True)),
+                lambda: lax.pmin(y, "i"),
+                y,
+            ),
+            1,
+            ["pmin"],
+        ),
+        # The replica index is local too.
+        (
+            lambda x, y: _if(lax.axis_index("i") == 0, lambda: lax.pmax(y, "i"), y),
+            0,
+            ["pmax"],
+        ),
+        # Agreed first (a psum over the axis): fine.
+        (
+            lambda x, y: _if(_local(lax.psum(x, "i")), lambda: lax.psum(y, "i"), y),
+            1,
+            [],
+        ),
+        # A local branch that does not communicate, or an agreed one that does.
+        (lambda x, y: _if(_local(x), lambda: y * 2, y), 1, []),
+        (lambda x, y: _if(y > 0, lambda: lax.psum(y, "i"), y), 1, []),
+        (lambda x, y: _if(_local(x), lambda: lax.axis_index("i") + y, y), 1, []),
+    ],
+    ids=[
+        "cond",
+        "jit-scatter",
+        "axis_index",
+        "agreed",
+        "quiet",
+        "agreed-pred",
+        "index",
+    ],
+)
+def test_collectives_under_local_branches(fn, local, found):
+    closed = jax.make_jaxpr(fn, axis_env=[("i", 2)])(jnp.ones(4), jnp.ones(()))
+    flags = [bool(local), False]
+    assert _jax_compat.collectives_under_local_branches(closed, flags, {"i"}) == found
+
+
 def test_collective_axes_of_an_element_wise_equation_is_empty():
     closed = jax.make_jaxpr(lambda x: jnp.sin(x) * 2)(jnp.ones(3))
     eqns = _jax_compat.equations(closed)

@@ -86,6 +86,66 @@ def test_local_with_sync_gradients_in_tx_is_the_all_reduce_piece(backend):
     chex.assert_trees_all_equal(jax.device_get(a.params), jax.device_get(b.params))
 
 
+def _aif(tx):
+    return optax.apply_if_finite(tx, max_consecutive_errors=3)
+
+
+@pytest.mark.parametrize(
+    ("make_tx", "collective"),
+    [
+        (lambda: _aif(optax.chain(jdp.sync_gradients(), optax.adam(1e-2))), "psum"),
+        (lambda: _aif(jdp.bmuf(optax.adam(1e-2), sync_period=2)), "psum"),
+        (lambda: _aif(jdp.zero(optax.adam(1e-2))), "reduce_scatter"),
+    ],
+    ids=["sync_gradients", "bmuf", "zero"],
+)
+def test_a_branch_on_local_gradients_around_a_collective_is_refused(
+    backend, make_tx, collective
+):
+    """A replica with a NaN gradient skipped the all-reduce the others waited in:
+    the process hung, then XLA aborted it (no Python error)."""
+    tx = make_tx()
+    step = jdp.parallelize(
+        jdp.make_train_step(mlp_loss, tx, sync=jdp.local()),
+        backend=backend,
+        devices=jax.devices()[:4],
+    )
+    state = step.replicate(
+        jdp.TrainState.create(params=init_mlp(jax.random.key(0)), tx=tx)
+    )
+    with pytest.raises(
+        ValueError,
+        match=rf"decides on each replica's own gradients.*\({collective}.*"
+        r"optax.chain\(jdp.sync_gradients\(\), optax.apply_if_finite",
+    ):
+        step(state, step.shard(make_batches(1, 32)[0]))
+
+
+@pytest.mark.parametrize(
+    "make_tx",
+    [
+        lambda: optax.chain(jdp.sync_gradients(), _aif(optax.adam(1e-2))),
+        lambda: jdp.bmuf(_aif(optax.adam(1e-2)), sync_period=1),
+    ],
+    ids=["sync_then_check", "bmuf_of_checked"],
+)
+def test_deciding_after_the_sync_skips_a_nan_on_every_replica(make_tx):
+    tx = make_tx()
+    step = jdp.parallelize(
+        jdp.make_train_step(mlp_loss, tx, sync=jdp.local()), devices=jax.devices()[:4]
+    )
+    params = init_mlp(jax.random.key(0))
+    state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
+    batch = make_batches(1, 32)[0]
+    batch["x"][3, 0] = np.nan  # on replica 0 only
+    state, _ = step(state, step.shard(batch))
+    jdp.assert_replicas_in_sync(state.params)
+    # sync_gradients averages the NaN into every replica's gradient, which all
+    # skip; bmuf's inner step skips on replica 0 and the sync averages it in.
+    got = step.unreplicate(state).params
+    assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(got))
+
+
 def test_a_piece_of_ones_own_plugs_in():
     """A `jdp.Sync` written by a user: sum the gradients instead of averaging."""
 

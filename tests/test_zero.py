@@ -329,6 +329,47 @@ def test_logical_copy_restores_into_another_replica_count():
         assert_trees_close(opt, expected_opt, rtol=1e-5)
 
 
+def test_a_none_parameter(tmp_path):
+    """A None in the params (a layer without bias) stopped the first step inside
+    the replica check: "zip() argument 2 is shorter than argument 1"."""
+
+    def loss(params, batch):
+        return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
+
+    params = {"w": jnp.ones((8, 4)) / 8, "b": None}
+    tx = optax.adam(1e-2)
+    batches = make_batches(3, 16, seed=4)
+    step = jdp.parallelize(jdp.make_train_step(loss, jdp.zero(tx), sync=jdp.local()))
+    state, _ = run_steps(step, step.replicate(zero_init(tx, params)), batches)
+    expected, expected_opt = single_device_train(loss, params, tx, batches)
+    got = step.unreplicate(state)
+    assert_trees_close(got.params, expected, rtol=1e-5)
+    assert_trees_close(got.opt_state.chunks, expected_opt, rtol=1e-5)
+    jdp.assert_replicas_in_sync(step.broadcast(state))
+    with jdp.checkpoint.CheckpointManager(tmp_path) as manager:
+        manager.save(3, state)
+        restored = step.unreplicate(manager.restore(state))
+    assert_trees_close(restored.params, got.params)
+    assert_trees_close(restored.opt_state.chunks, got.opt_state.chunks)
+
+
+def test_multi_steps_around_it_accumulates_each_replicas_gradients():
+    """`optax.MultiSteps(jdp.zero(tx))`: the accumulated gradients differ between
+    replicas by design, and the replica check raised a ReplicaDivergenceError on
+    them at the first step."""
+    tx = optax.adam(1e-2)
+    multi = optax.MultiSteps(jdp.zero(tx), every_k_schedule=2)
+    step = jdp.parallelize(
+        jdp.make_train_step(mlp_loss, multi, sync=jdp.local()), check_sync=1
+    )
+    state = step.replicate(jdp.TrainState.create(params=params0(), tx=multi))
+    batches = make_batches(4, GLOBAL_BATCH, seed=2)
+    state, _ = run_steps(step, state, batches)
+    oracle = optax.MultiSteps(tx, every_k_schedule=2)
+    expected, _ = single_device_train(mlp_loss, params0(), oracle, batches)
+    assert_trees_close(step.unreplicate(state).params, expected, rtol=1e-5)
+
+
 def test_checkpoint_manager_roundtrip_into_another_replica_count(tmp_path):
     tx = optax.adam(1e-2)
     init = zero_init(tx)
