@@ -84,15 +84,36 @@ def _matmul(a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.matmul(a, b, precision=lax.Precision.HIGHEST)
 
 
+def _norm(col: jax.Array) -> jax.Array:
+    return jnp.sqrt(jnp.sum(jnp.real(col * jnp.conj(col))))
+
+
+#: A column that kept less than this fraction of its norm through Gram-Schmidt is
+#: orthogonalised once more (Daniel, Gragg, Kaufman and Stewart's criterion).
+_REORTHOGONALISE_BELOW = float(1 / np.sqrt(2))
+
+
 def _orthogonalize(p: jax.Array, epsilon: float) -> jax.Array:
     """The columns of `p` made orthonormal by modified Gram-Schmidt, as PyTorch.
 
-    Complex columns are orthonormal in the Hermitian inner product.
+    Complex columns are orthonormal in the Hermitian inner product. A column that
+    lost most of its norm (one in the span of those before it: P where the
+    gradient's rank is below the rank asked for) is orthogonalised twice: once,
+    what is left is rounding error, which normalising would turn into a unit
+    column far from orthogonal to the others (PyTorch's Gram-Schmidt does; its
+    QR does not), and P Pᵀ M would add a spurious term as large as M.
     """
     r = p.shape[1]
+    start = [_norm(p[:, i]) for i in range(r)]
     for i in range(r):
         col = p[:, i]
-        norm = jnp.sqrt(jnp.sum(jnp.real(col * jnp.conj(col))))
+        norm = _norm(col)
+        if i:
+            prev = p[:, :i]
+            again = col - _matmul(prev, _matmul(jnp.conj(prev).T, col))
+            twice = norm < _REORTHOGONALISE_BELOW * start[i]
+            col = jnp.where(twice, again, col)
+            norm = jnp.where(twice, _norm(again), norm)
         if epsilon:
             col = col / (norm + epsilon)
         else:

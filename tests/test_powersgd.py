@@ -268,6 +268,35 @@ def test_rank_is_capped_by_the_matrix():
     assert state.sync_state.q[0].shape == (40, 3)
 
 
+@pytest.mark.parametrize("rank", [4, 6, 8])
+def test_a_rank_at_or_above_the_gradients_rank_is_exact(rank):
+    """One example per replica of 4 gives a rank-4 (32, 8) gradient: at rank 6 or
+    8 Gram-Schmidt normalised the rounding error left of P's extra columns into
+    columns far from orthogonal, and P Pᵀ M missed M by half its norm."""
+    rng = np.random.default_rng(3)
+    params = {"w": jnp.asarray(rng.normal(size=(32, 8)) / 6, jnp.float32)}
+    batch = {
+        "x": rng.normal(size=(4, 32)).astype(np.float32),
+        "y": rng.normal(size=(4, 8)).astype(np.float32),
+    }
+
+    def loss(p, b):
+        return jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
+
+    sync = powersgd(rank=rank, min_compression_rate=0, error_feedback=False)
+    tx = optax.sgd(1.0)
+    step = jdp.parallelize(
+        jdp.make_train_step(loss, tx, sync=sync), devices=jax.devices()[:4]
+    )
+    state = step.replicate(jdp.TrainState.create(params=params, tx=tx, sync=sync))
+    state, _ = step(state, step.shard(batch))
+    applied = params["w"] - step.unreplicate(state).params["w"]
+    exact = jax.grad(loss)(params, batch)["w"]
+    assert np.linalg.matrix_rank(np.asarray(exact)) == 4
+    gap = float(jnp.linalg.norm(applied - exact) / jnp.linalg.norm(exact))
+    assert gap < 1e-4, gap
+
+
 def test_start_step_runs_the_plain_all_reduce_first():
     batches = make_batches(3)
     sync = powersgd(rank=1, start_step=2)
