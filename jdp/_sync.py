@@ -13,6 +13,7 @@ from jax import lax
 
 from jdp import _bmuf, _collectives, _layout, _replica_parts, _transforms, _wire
 from jdp._tree import PyTree, finite, float_map
+from jdp.sparse._lookup import densify, is_rows
 
 BatchStatsMode = Literal["mean", "broadcast"]
 OnBadReplica = Literal["drop"]
@@ -166,6 +167,7 @@ def all_reduce(
         return _compressed(wire, error_feedback, axis_name)
 
     def update(grads, state, params, step_axis):
+        grads = _dense(grads, params)
         del params
         # One replica: the mean is the gradient itself, bit for bit, and
         # XLA:CPU would still copy every gradient through a collective.
@@ -205,10 +207,32 @@ def _check_on_bad_replica(on_bad_replica, wire) -> None:
 KEPT = "_jdp_kept_share"
 
 
+def _dense(grads: PyTree, params: PyTree) -> PyTree:
+    """Tables' sparse rows (`jdp.sparse.value_and_grad`) as dense gradients.
+
+    Each replica's rows hold its own ids: averaged element by element, they would
+    mix rows of different ids.
+    """
+    if not any(map(is_rows, jax.tree.leaves(grads, is_leaf=is_rows))):
+        return grads
+    if params is None:
+        raise ValueError(
+            "`jdp.all_reduce`: the gradients hold a table's sparse rows "
+            "(`jdp.sparse.value_and_grad`), which it averages as dense gradients, "
+            "but got no params to size the table. Pass them: `tx.update(grads, "
+            "opt_state, params)`; or sync the rows as rows: "
+            "`jdp.sync_gradients(jdp.sparse.rows())`."
+        )
+    return jax.tree.map(
+        lambda g, p: densify(g, p) if is_rows(g) else g, grads, params, is_leaf=is_rows
+    )
+
+
 def _dropping(bucket_bytes, reduce_dtype, axis_name) -> Sync:
     """`jdp.all_reduce(on_bad_replica="drop")`: the mean of the valid replicas."""
 
     def update(grads, state, params, step_axis):
+        grads = _dense(grads, params)
         del params
         axis = step_axis if axis_name is None else axis_name
         num = _collectives.axis_size(axis, "jdp.all_reduce")
@@ -235,6 +259,7 @@ def _compressed(wire, error_feedback, axis_name) -> Sync:
     """`jdp.all_reduce(wire=...)`: the compressed exchange."""
 
     def update(grads, state, params, step_axis):
+        grads = _dense(grads, params)
         del params
         axis = step_axis if axis_name is None else axis_name
         _collectives.axis_size(axis, "jdp.all_reduce")  # bound here?

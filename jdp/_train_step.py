@@ -234,7 +234,11 @@ def all_computed(grads, made=None):
     # A table's rows (`jdp.sparse.rows`) are waited for, not held.
     leaves, treedef = jax.tree.flatten(grads, is_leaf=_lookup.is_rows)
     floats = [x for x in jax.tree.leaves(leaves) if is_float(x) and x.size]
-    big = [i for i, x in enumerate(leaves) if is_float(x) and x.nbytes >= HELD_BYTES]
+    big = [
+        i
+        for i, x in enumerate(leaves)
+        if not _lookup.is_rows(x) and is_float(x) and x.nbytes >= HELD_BYTES
+    ]
     if not big:
         return grads
     if made is None:

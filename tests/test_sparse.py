@@ -733,6 +733,103 @@ def test_lazy_optimizers_combine_duplicates_and_skip_invalid_ids(kind):
     np.testing.assert_array_equal(new_table[others], table[others])
 
 
+@pytest.mark.parametrize("kind", ["momentum", "adam"])
+def test_unsigned_ids_pad_with_no_real_row(kind):
+    """uint8 ids padded with -1, which wrapped to 255: the last row of a
+    256-row table moved on a step that never touched it."""
+    opt = LAZY[kind][0]()
+    table = jnp.full((256, 1), -0.1, jnp.float32)
+    state = opt.init(table)
+    grads = jdp.sparse.IndexedRows(jnp.array([3, 3], jnp.uint8), jnp.ones((2, 1)))
+    combined = jdp.sparse.combine_rows(*grads)
+    np.testing.assert_array_equal(combined.ids, [3, -1])
+    for _ in range(2):
+        new_table, state = jax.jit(opt.update)(grads, state, table)
+    assert new_table[3, 0] != table[3, 0]
+    np.testing.assert_array_equal(np.delete(new_table, 3, 0), np.delete(table, 3, 0))
+
+
+@pytest.mark.parametrize(
+    ("table_dtype", "ids_dtype"),
+    [(jnp.bfloat16, np.int32), (jnp.float32, np.uint8), (jnp.float32, np.int16)],
+)
+def test_rows_of_a_bfloat16_table_or_narrow_ids_train(table_dtype, ids_dtype):
+    """The step stopped on numpy's "mismatch in size of old and new
+    data-descriptor" when the ids and the rows had different item sizes."""
+    params = jax.tree.map(jnp.asarray, init_params(3, SMALL_ROWS, SMALL_DIM))
+    params["embed"] = params["embed"].astype(table_dtype)
+    batches = make_batches(2, 16, SMALL_ROWS, seed=3)
+    for b in batches:
+        b["ids"] = b["ids"].astype(ids_dtype)
+    step, state = train(
+        jdp.make_train_step(loss_fn, _row_tx(), sync=jdp.sparse.rows()),
+        params,
+        _row_tx(),
+        batches,
+        devices=jax.devices()[:4],
+    )
+    got = step.unreplicate(state).params["embed"]
+    assert got.dtype == table_dtype
+    assert not np.array_equal(got, params["embed"])
+
+
+def test_a_step_that_looks_up_no_ids():
+    """Empty bags with `skip_nonfinite=True`, and `all_gather_rows` of no ids,
+    failed to compile: "all_gather_dim cannot be zero"."""
+
+    def bags(params, batch):
+        emb = jdp.sparse.lookup(params["embed"], batch["ids"])  # (B, 0, dim)
+        return jnp.mean((emb.sum(axis=(1, 2)) + params["b"] - batch["y"]) ** 2)
+
+    params = {"embed": jnp.ones((5, 2)), "b": jnp.zeros(())}
+    tx = jdp.sparse.optimizer(optax.sgd(0.1), {"embed": jdp.sparse.sgd(0.1)})
+    batches = [{"ids": np.zeros((8, 0), np.int32), "y": np.ones(8, np.float32)}]
+    step, state = train(
+        jdp.make_train_step(bags, tx, sync=jdp.sparse.rows(), skip_nonfinite=True),
+        params,
+        tx,
+        batches,
+        devices=jax.devices()[:4],
+    )
+    got = step.unreplicate(state).params
+    np.testing.assert_array_equal(got["embed"], params["embed"])
+    assert float(got["b"]) > 0
+    gathered = jdp.parallelize(gather_step(combine=True), devices=jax.devices()[:4])
+    empty = {"ids": np.zeros((4, 0), np.int32), "rows": np.zeros((4, 0, 2))}
+    _, out = gathered(gathered.replicate({}), gathered.shard(empty))
+    assert out["ids"].shape == (0,) and out["rows"].shape == (0, 2)
+
+
+def test_a_tables_rows_through_an_averaging_piece_are_densified():
+    """`jdp.sync_gradients(jdp.all_reduce())` averaged the rows of different ids
+    element by element in a hand-written step: a wrong table, or a divergence
+    error that pointed back to `jdp.sync_gradients`."""
+    tx = _row_tx()
+    params, batches, expected = _small_run(jdp.sparse.rows(), tx)
+    grad_fn = jdp.sparse.value_and_grad(loss_fn, ["embed"])
+
+    def hand_written(state, batch):
+        loss, grads = grad_fn(state.params, batch)
+        return state.apply_gradients(grads=grads), {"loss": loss}
+
+    for piece in (jdp.all_reduce(), jdp.all_reduce(wire=jdp.wire.bf16())):
+        chained = optax.chain(jdp.sync_gradients(piece), tx)
+        step, state = train(
+            hand_written, params, chained, batches, devices=jax.devices()[:4]
+        )
+        got = step.unreplicate(state).params
+        assert_trees_close(got, expected, rtol=1e-2, atol=1e-3)
+    sync = jdp.sync_gradients(jdp.all_reduce())
+
+    def no_params(state, batch):
+        rows = jdp.sparse.IndexedRows(batch, jnp.ones(batch.shape + (3,)))
+        return state, sync.update({"e": rows}, sync.init({"e": jnp.ones(3)}))[0]
+
+    no_params = jdp.parallelize(no_params, devices=jax.devices()[:2])
+    with pytest.raises(ValueError, match=r"sparse rows.*no params to size the table"):
+        no_params(no_params.replicate({}), no_params.shard(np.arange(4)))
+
+
 @pytest.mark.parametrize("kind", ["momentum", "nesterov", "adam"])
 def test_lazy_optimizers_on_a_dense_gradient_are_dense_optax(kind):
     make_rows, make_optax = LAZY[kind]

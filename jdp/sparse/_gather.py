@@ -34,7 +34,8 @@ def combine_rows(ids: Any, rows: Any) -> IndexedRows:
 
     Returns:
       `IndexedRows` of the same shapes: each distinct id once, in increasing
-      order, with the sum of its rows, then `-1` padding slots with zero rows.
+      order, with the sum of its rows, then `-1` padding slots with zero rows
+      (unsigned ids come back as int32, where -1 is no row).
 
     Example:
       >>> import jax.numpy as jnp, jdp
@@ -43,6 +44,9 @@ def combine_rows(ids: Any, rows: Any) -> IndexedRows:
       (Array([ 1,  4, -1], dtype=int32), Array([1., 2., 0.], dtype=float32))
     """
     ids, rows = _flat(ids, rows, "jdp.sparse.combine_rows")
+    if jnp.issubdtype(ids.dtype, jnp.unsignedinteger):
+        # The -1 padding would wrap to a real row (255 for uint8 ids).
+        ids = ids.astype(jnp.int64 if ids.dtype.itemsize == 8 else jnp.int32)
     n = ids.shape[0]
     if n == 0:
         return IndexedRows(ids, rows)
@@ -90,5 +94,8 @@ def all_gather_rows(
     api = "jdp.sparse.all_gather_rows"
     axis_name = resolve_axis(axis_name)
     axis_size(axis_name, api)
-    gathered = lax.all_gather(_flat(ids, rows, api), axis_name, tiled=True)
+    ids, rows = _flat(ids, rows, api)
+    if ids.shape[0] == 0:  # XLA refuses to gather nothing; every replica has none
+        return combine_rows(ids, rows) if combine else IndexedRows(ids, rows)
+    gathered = IndexedRows(*lax.all_gather((ids, rows), axis_name, tiled=True))
     return combine_rows(*gathered) if combine else gathered
