@@ -15,6 +15,7 @@ from queue import Full, Queue
 from typing import Any, Protocol
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jdp import _validate
@@ -164,7 +165,17 @@ def shard(batch: PyTree, *, pad: bool, pad_to: int | None, backend):
 def _host_leaf(path, x, num_replicas: int) -> np.ndarray:
     """A batch leaf as the NumPy array JAX would place; no strings, no wrap-around."""
     raw = x if isinstance(x, jax.Array) else np.asarray(x)
-    if raw.dtype.kind in "USOV":
+    if jnp.issubdtype(raw.dtype, jax.dtypes.prng_key):
+        raise TypeError(
+            f"`step.shard`: batch leaf {keystr(path)} holds PRNG keys, which are "
+            "not split over replicas as values. Pass their bits, "
+            "`jax.random.key_data(keys)`, and rebuild them in the step with "
+            "`jax.random.wrap_key_data(bits)`; or draw per-replica keys in the "
+            "step with `jdp.replica_key`."
+        )
+    # bfloat16 and the float8 types are kind "V" (NumPy's structured kind) too.
+    kind = raw.dtype.kind
+    if kind in "USO" or (kind == "V" and not jnp.issubdtype(raw.dtype, jnp.number)):
         raise TypeError(
             f"`step.shard`: batch leaf {keystr(path)} holds {raw.dtype} values "
             "(strings or Python objects); only numeric arrays can be placed on "

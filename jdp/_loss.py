@@ -228,6 +228,7 @@ def _combine_parts(aux: PyTree, k: int) -> PyTree:
                 "order), counts `jdp.metrics.sum(x)`, ratios `jdp.weighted(total, "
                 "weight)`, or reduce it to a scalar (averaged)."
             )
+        x = _metrics.as_array(path, x)  # a PRNG key or text named, as a metric
         total = _summable(x).sum(0)
         mean = (x if is_float(x) else x.astype(jnp.result_type(float))).mean(0)
         _collectives.record_total(mean, total)  # a `jdp.metrics.sum` around it
@@ -385,6 +386,51 @@ def _check_loss(loss: Any, has_aux: bool) -> None:
         )
 
 
+def _with_stats(out: Any, has_aux: bool, old: PyTree) -> tuple[Any, PyTree, Any]:
+    """`(loss, new batch_stats, aux)` of a `loss_fn(params, batch_stats, batch)`.
+
+    The new statistics take the state's containers where their paths agree (a
+    flax `FrozenDict` state and the plain dict `model.apply` returns).
+    """
+    form = (
+        "`(loss, (new_batch_stats, aux))`" if has_aux else "`(loss, new_batch_stats)`"
+    )
+    start = f"`loss_fn(params, batch_stats, batch)` must return {form}"
+    if not (isinstance(out, (tuple, list)) and len(out) == 2):
+        raise TypeError(f"{start}; it returned {_described(out)}.")
+    loss, rest = out
+    if has_aux and not (isinstance(rest, (tuple, list)) and len(rest) == 2):
+        raise TypeError(
+            f"{start} (`has_aux=True`); its second item is {_described(rest)}, not "
+            "`(new_batch_stats, aux)`."
+        )
+    new, aux = rest if has_aux else (rest, None)
+    if jax.tree.structure(new) == jax.tree.structure(old):
+        return loss, new, aux
+    paths = [[keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(t)[0]]
+             for t in (old, new)]  # fmt: skip
+    if paths[0] == paths[1]:
+        return (
+            loss,
+            jax.tree.unflatten(jax.tree.structure(old), jax.tree.leaves(new)),
+            aux,
+        )
+    missing = [p for p in paths[0] if p not in paths[1]]
+    extra = [p for p in paths[1] if p not in paths[0]]
+    hint = (
+        " it returns `(loss, (new_batch_stats, aux))`: pass `has_aux=True`; or"
+        if not has_aux and isinstance(new, (tuple, list)) and len(new) == 2
+        else ""
+    )
+    raise TypeError(
+        f"{start}, the new statistics shaped as the state's `batch_stats`. In "
+        f"the state, not returned:{format_problems(missing) or ' none'}\n"
+        f"Returned, not in the state:{format_problems(extra) or ' none'}\nFix:"
+        f"{hint} return `updates['batch_stats']` of `model.apply(..., "
+        "mutable=['batch_stats'])`."
+    )
+
+
 def loss_and_grads(
     value_and_grad, loss_fn, state, batch, *, has_aux, kwargs
 ) -> Gradients:
@@ -396,8 +442,7 @@ def loss_and_grads(
         # updates from another trace level.
         out = loss_fn(params, *jax.tree.map(lambda x: x, rest), **kwargs)
         if with_stats:
-            loss, rest = out
-            new_stats, aux = rest if has_aux else (rest, None)
+            loss, new_stats, aux = _with_stats(out, has_aux, state.batch_stats)
         else:
             if has_aux and not (isinstance(out, (tuple, list)) and len(out) == 2):
                 raise TypeError(

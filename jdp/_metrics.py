@@ -148,7 +148,7 @@ def reduce_metrics(metrics: PyTree, axis_name: AxisName, totals: dict | None = N
 
     def combine(path, m):
         if isinstance(m, Weighted):
-            total, weight = (_as_array(path, x, m) for x in m)
+            total, weight = (as_array(path, x, m) for x in m)
             dtype = sum_dtype(total.dtype)
             both = lax.psum((total.astype(dtype), weight.astype(dtype)), axis_name)
             mean = ratio(*both)  # an integer total's mean stays a float
@@ -160,7 +160,7 @@ def reduce_metrics(metrics: PyTree, axis_name: AxisName, totals: dict | None = N
             mean, total = totals.get(id(m), (None, None))
             if how == "sum" and mean is m:
                 m = total
-        m = _as_array(path, m, marker)
+        m = as_array(path, m, marker)
         if how == "sum":
             # Booleans and narrow integers (a uint8 mask's sum) count in int32,
             # so that a total over replicas cannot wrap around.
@@ -227,7 +227,7 @@ def _marker_name(m: Any) -> str:
     return "`jdp.weighted`" if isinstance(m, Weighted) else f"`jdp.metrics.{m.how}`"
 
 
-def _as_array(path, m, marker) -> jax.Array:
+def as_array(path, m, marker=None) -> jax.Array:
     """A metric's value as an array, refused if it is a marker inside `marker`."""
     if is_marker(m):
         raise TypeError(

@@ -72,6 +72,24 @@ def test_string_leaves_are_a_type_error_naming_the_leaf():
         step.shard({"x": np.zeros((4, 1)), "name": np.array(["alpha"] * 4)})
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
+@pytest.mark.parametrize("backend", ["shard_map", "pmap"])
+def test_bfloat16_and_float8_leaves_are_placed(backend, dtype):
+    """They were refused as "strings or Python objects" (NumPy's kind "V")."""
+    step = echo_step(backend)
+    x = np.arange(8, dtype=np.float32).reshape(4, 2).astype(dtype)
+    for batch in (step.shard({"x": x}), step.shard({"x": x}, pad=True)[0]):
+        assert batch["x"].dtype == dtype
+        np.testing.assert_array_equal(np.asarray(batch["x"]).reshape(4, 2), x)
+
+
+def test_prng_key_leaves_are_named_with_the_fix():
+    step = echo_step("shard_map")
+    keys = jax.random.split(jax.random.key(0), 4)
+    with pytest.raises(TypeError, match=r"\['k'\] holds PRNG keys.*key_data"):
+        step.shard({"x": np.zeros((4, 1)), "k": keys})
+
+
 def test_a_pmap_batch_is_refused_by_a_shard_map_step_and_back():
     pmap_step, smap_step = echo_step("pmap"), echo_step("shard_map")
     state = smap_step.replicate({})

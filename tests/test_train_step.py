@@ -86,6 +86,101 @@ def test_batch_stats_mean_matches_global_batch_statistics():
     )
 
 
+def test_frozen_batch_stats_train():
+    """A state of flax `FrozenDict`s (older examples, restored states) was refused:
+    `model.apply` returns plain dicts, and the state check dumped two tree
+    structures without naming `batch_stats`."""
+    from flax.core import freeze, unfreeze
+
+    variables, loss_fn = bn_setup()
+    tx = optax.sgd(0.05)
+    step = jdp.parallelize(jdp.make_train_step(loss_fn, tx), devices=jax.devices()[:2])
+    plain = jdp.TrainState.create(
+        params=variables["params"], tx=tx, batch_stats=variables["batch_stats"]
+    )
+    frozen = plain.replace(
+        params=freeze(plain.params), batch_stats=freeze(plain.batch_stats)
+    )
+    batch = make_batches(1, 32)[0]
+    got, _ = step(step.replicate(frozen), step.shard(batch))
+    want, _ = step(step.replicate(plain), step.shard(batch))
+    assert type(got.batch_stats) is type(frozen.batch_stats)
+    assert_trees_close(unfreeze(got.batch_stats), want.batch_stats, rtol=0, atol=0)
+
+
+def _loss_only(loss_fn):
+    def loss_only(params, batch_stats, batch):
+        return loss_fn(params, batch_stats, batch)[0]
+
+    return loss_only
+
+
+def _stats_and_aux(loss_fn):
+    def with_aux(params, batch_stats, batch):
+        loss, stats = loss_fn(params, batch_stats, batch)
+        return loss, (stats, {"n": jnp.float32(1)})
+
+    return with_aux
+
+
+@pytest.mark.parametrize(
+    ("wrap", "has_aux", "match"),
+    [
+        (
+            _loss_only,
+            False,
+            r"must return `\(loss, new_batch_stats\)`; it returned a value of shape",
+        ),
+        (
+            lambda f: f,
+            True,
+            r"`\(loss, \(new_batch_stats, aux\)\)` \(`has_aux=True`\); its second "
+            r"item is a dict of 1",
+        ),
+        (
+            _stats_and_aux,
+            False,
+            r"(?s)In the state, not returned:.*\['BatchNorm_0'\]\['mean'\].*"
+            r"Returned, not in the state:.*\[1\]\['n'\].*pass `has_aux=True`",
+        ),
+    ],
+    ids=["loss-only", "no-aux", "aux-without-has_aux"],
+)
+def test_what_a_batch_stats_loss_returns_is_named(wrap, has_aux, match):
+    """Raw errors before: "iteration over a 0-d array", "data type 'BatchNorm_0'
+    not understood", or two tree structures dumped."""
+    variables, loss_fn = bn_setup()
+    tx = optax.sgd(0.05)
+    step = jdp.parallelize(
+        jdp.make_train_step(wrap(loss_fn), tx, has_aux=has_aux),
+        devices=jax.devices()[:2],
+    )
+    state = step.replicate(
+        jdp.TrainState.create(
+            params=variables["params"], tx=tx, batch_stats=variables["batch_stats"]
+        )
+    )
+    with pytest.raises(TypeError, match=match):
+        step(state, step.shard(make_batches(1, 32)[0]))
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_a_prng_key_in_aux_is_named_with_microbatches_too(microbatches):
+    """With microbatches, NumPy's "Cannot interpret 'key<fry>' as a data type"."""
+
+    def loss(params, batch):
+        return jnp.mean(batch * params["w"]), {"key": jax.random.key(0)}
+
+    tx = optax.sgd(0.1)
+    step = jdp.parallelize(
+        jdp.make_train_step(loss, tx, has_aux=True, microbatches=microbatches),
+        devices=jax.devices()[:2],
+    )
+    state = step.replicate(jdp.TrainState.create(params={"w": jnp.ones(())}, tx=tx))
+    with pytest.raises(TypeError, match=r"metric \['key'\] is a PRNG key"):
+        step(state, step.shard(np.ones(4, np.float32)))
+
+
 def test_flax_train_state_and_aux_metrics(backend):
     params = init_mlp(jax.random.key(0))
     tx = optax.adam(1e-2)
