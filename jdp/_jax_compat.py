@@ -222,12 +222,36 @@ def collectives_under_local_branches(
 ) -> list[str]:
     """Where a `cond` on replica-local values holds a collective over `axes`.
 
+    See `replica_locality`, which this returns the first part of.
+    """
+    return replica_locality(closed_jaxpr, local_inputs, axes)[0]
+
+
+def local_outputs(
+    closed_jaxpr: Any, local_inputs: list[bool], axes: set[str]
+) -> list[bool]:
+    """Per output of `closed_jaxpr`, whether it may differ between replicas.
+
+    See `replica_locality`, which this returns the second part of.
+    """
+    return replica_locality(closed_jaxpr, local_inputs, axes)[1]
+
+
+def replica_locality(
+    closed_jaxpr: Any, local_inputs: list[bool], axes: set[str]
+) -> tuple[list[str], list[bool]]:
+    """`(collectives under local branches, local outputs)` of a traced function.
+
+    The first part: where a `cond` on replica-local values holds a collective over
+    `axes`.
+
     Such a branch is taken by some replicas and not by others, which then wait
     in the collective forever (XLA aborts the process after its rendezvous
     timeout). `local_inputs`: per input of `closed_jaxpr`, whether its value
     differs between replicas. A value is local when it depends on a local one,
     or on `axis_index`, except through a collective of `_AGREEING` over all of
-    `axes`. Returns the primitive names of the offending collectives.
+    `axes`. Returns the primitive names of the offending collectives, and per
+    output of `closed_jaxpr` whether it is local.
 
     Walks the jaxpr's equations (JAX 0.10: `cond`'s `branches`, one-jaxpr calls
     such as `pjit` mapped input for input; other nested jaxprs taken as local
@@ -275,8 +299,8 @@ def collectives_under_local_branches(
             local.update(v for v, loc in zip(eqn.outvars, outs, strict=True) if loc)
         return [is_local(v) for v in jaxpr.outvars]
 
-    walk(closed_jaxpr.jaxpr, local_inputs)
-    return found
+    outputs = walk(closed_jaxpr.jaxpr, local_inputs)
+    return found, outputs
 
 
 def key_impl_name(dtype: Any) -> str:

@@ -26,7 +26,7 @@ def check_piece(sync, tx, state, axis, api) -> None:
     if sync.averages:
         _check_axes(sync, tx, state, axis, api)
     else:
-        _warn_if_never_synced(tx, state, axis)
+        _warn_if_never_synced(sync, tx, state, axis)
         _check_no_collective_under_local_branch(tx, state, axis, api)
 
 
@@ -61,10 +61,12 @@ def _check_no_collective_under_local_branch(tx, state, axis, api) -> None:
         raise ValueError(LOCAL_BRANCH_MSG.format(api=api, found=", ".join(found)))
 
 
-def _warn_if_never_synced(tx, state, axis) -> None:
+def _warn_if_never_synced(sync, tx, state, axis) -> None:
     """Warns when replicas train on their own gradients and nothing syncs them."""
     num = _collectives.axis_size(axis, "jdp.make_train_step")
     if num < 2 or _replica_parts.trains_locally(state.opt_state):
+        return
+    if _piece_syncs_every_leaf(sync, state, axis):  # a partition's unused label
         return
     if not _optimizer_axes(tx, state):
         warnings.warn(
@@ -78,6 +80,18 @@ def _warn_if_never_synced(tx, state, axis) -> None:
             UserWarning,
             stacklevel=3,
         )
+
+
+def _piece_syncs_every_leaf(sync, state, axis) -> bool:
+    """Whether every gradient the piece returns agrees across replicas (traced)."""
+    held = getattr(state, "sync_state", None)
+    piece_state = sync.initial_state(state.params) if held is None else held
+    grads = jax.tree.map(lambda p: p if is_float(p) else None, state.params)
+    closed = jax.make_jaxpr(
+        lambda g: sync.update(g, piece_state, state.params, axis)[0]
+    )(grads)
+    local = [True] * len(jax.tree.leaves(grads))
+    return not any(_jax_compat.local_outputs(closed, local, _axes(axis)))
 
 
 AVERAGES_WITH_BMUF_MSG = (

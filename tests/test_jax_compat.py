@@ -557,6 +557,16 @@ def test_collectives_under_local_branches(fn, local, found):
     assert _jax_compat.collectives_under_local_branches(closed, flags, {"i"}) == found
 
 
+def test_local_outputs_follow_values_through_collectives():
+    def fn(x, y):
+        scattered = lax.psum_scatter(x, "i", tiled=True)
+        return lax.psum(x, "i"), x * 2, y + lax.axis_index("i"), scattered, y
+
+    closed = jax.make_jaxpr(fn, axis_env=[("i", 2)])(jnp.ones(4), jnp.ones(()))
+    got = _jax_compat.local_outputs(closed, [True, False], {"i"})
+    assert got == [False, True, True, True, False]
+
+
 def test_collective_axes_of_an_element_wise_equation_is_empty():
     closed = jax.make_jaxpr(lambda x: jnp.sin(x) * 2)(jnp.ones(3))
     eqns = _jax_compat.equations(closed)

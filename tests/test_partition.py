@@ -231,6 +231,18 @@ def test_a_local_label_whose_optimizer_never_syncs_warns():
         run(jdp.make_train_step(linear_loss, tx, sync=sync), params, tx, batches)
 
 
+def test_a_local_label_no_leaf_carries_does_not_warn():
+    """Every leaf all-reduced: "the replicas train different models" was a false
+    warning, from a `jdp.local()` label that no leaf carries."""
+    params, batches = linear_params(), linear_batches(1)
+    tx = optax.sgd(LR)
+    labels = {k: "dense" for k in params}
+    sync = jdp.partition(labels, {"dense": jdp.all_reduce(), "bias": jdp.local()})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run(jdp.make_train_step(linear_loss, tx, sync=sync), params, tx, batches)
+
+
 def test_the_guard_still_catches_a_dense_label_that_diverges():
     # A hand-broken "dense" label: all-reduced over nothing (each replica's own).
     params, batches = linear_params(), linear_batches(1)
