@@ -124,7 +124,9 @@ def _check_axes(sync, tx, state, axis, api) -> None:
     rest = step_axes - piece
     if local:
         optimizer = _optimizer_axes(tx, state)
-        if piece and rest and rest <= optimizer:
+        # The optimizer syncs exactly the axes the piece leaves (not those too:
+        # its default block momentum would count the piece's replicas).
+        if piece and rest and rest <= optimizer and not optimizer & piece:
             return
         raise _beside_bmuf(api, piece, _names(optimizer))
     # A piece that moves nothing at all is left to the divergence guard.

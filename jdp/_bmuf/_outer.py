@@ -55,8 +55,9 @@ def block_momentum(
     Args:
       learning_rate: The block learning rate (a finite number > 0).
       momentum: The block momentum in [0, 1); None (default) means
-        `1 - 1 / num_replicas`, over every replica of every host. 0.0 is plain
-        model averaging.
+        `1 - 1 / n`, `n` the replicas `jdp.bmuf`'s axis spans (every replica of
+        every host by default; the hosts with `axis_name="host"`). 0.0 is
+        plain model averaging.
       nesterov: Start the next block from the look-ahead (the paper's NBM)
         instead of `g` (CBM, default).
 
