@@ -51,6 +51,14 @@ def _apply(leaves: list, idx: list[int], fn) -> None:
             leaves[i] = y
 
 
+def _layout_of(flat) -> tuple:
+    """A flattened pytree's structure and its leaves' shapes and dtypes."""
+    leaves, treedef = flat
+    return treedef, tuple(
+        (x.shape, x.dtype) if hasattr(x, "dtype") else type(x) for x in leaves
+    )
+
+
 def check_distinct(state: PyTree) -> None:
     """Refuses a state that holds one array in two leaves: donating it would crash."""
     leaves = jax.tree.leaves(state)
@@ -80,6 +88,24 @@ class Step:
         devices = list(mesh.devices.flat)
         self._throttle = len(devices) > 1 and all(d.platform == "cpu" for d in devices)
         self._in_flight: list[jax.Array] = []
+        # The (state, batch) layouts called with, checked; the last state's.
+        self._seen: set[tuple] = set()
+        self._state_layout: tuple | None = None
+        self.new_layout = True  # whether the last call's layouts were new
+
+    def _is_new(self, state, batch, returned: bool, flat) -> bool:
+        """Whether this call's state and batch layouts are new (then recorded).
+
+        A state the last call returned has that call's state layout (its layout
+        was checked unchanged).
+        """
+        if not (returned and self._state_layout is not None):
+            self._state_layout = _layout_of(flat if flat else jax.tree.flatten(state))
+        key = (self._state_layout, _layout_of(jax.tree.flatten(batch)))
+        if key in self._seen:
+            return False
+        self._seen.add(key)
+        return True
 
     def _pick(self, state, batch, *, returned: bool = False):
         if not self._donate:
@@ -102,8 +128,17 @@ class Step:
         """
         first = self.returns_state is None
         fn = self._pick(state, batch, returned=returned)
-        if before is not None and first and self.out_state is not None:
-            before(state, self.out_state)
+        self.new_layout = self._is_new(state, batch, returned, flat)
+        if (
+            before is not None
+            and self._donate
+            and fn is self._train
+            and self.new_layout
+        ):
+            # Traced for these layouts before anything is donated: a batch the
+            # step fails on, or a state it would change, leaves the state intact.
+            out = self.out_state if first else self._trace_out_state(state, batch)
+            before(state, out)
         if self._throttle:
             self._wait_for_previous_step()
         new_state, metrics, out_leaves = fn.run(

@@ -119,7 +119,6 @@ class Parallel(_hlo.Introspection):
             self._check_state(state)
         self._check_batch(batch)
         _progress.beat()  # progress, for the stall check of `python -m jdp.launch`
-        checked = self._step.returns_state is not None
         new_state, metrics, leaves = self._step(
             state, batch, before=_layout.check_unchanged, returned=returned, flat=flat
         )
@@ -127,7 +126,7 @@ class Parallel(_hlo.Introspection):
             if not returned:  # never donated: an evaluation loop passes it again
                 self._returned.remember(flat[0])
             return metrics
-        if not checked:
+        if self._step.new_layout:  # a new state or batch layout: checked once
             _layout.check_unchanged(state, new_state)
         self._returned.remember(leaves or jax.tree.leaves(new_state))
         self._calls += 1

@@ -516,6 +516,52 @@ def test_a_structure_change_on_a_later_shape_is_refused(backend, donate):
     assert not wide["w"].is_deleted()
 
 
+@pytest.mark.parametrize("donate", [True, False], ids=["donate", "keep"])
+def test_a_dtype_change_is_refused_for_a_later_state_or_batch_too(backend, donate):
+    """Only the first state a step saw was checked: a bfloat16 copy of the model,
+    or a float32 batch after bfloat16 ones, came back float32 without a word."""
+
+    def sgd(state, batch):
+        return {"w": state["w"] - jnp.float32(0.1) * jnp.mean(batch)}, {}
+
+    step = jdp.parallelize(sgd, backend=backend, donate_state=donate)
+    batch = step.shard(np.ones(8, np.float32))
+    step(step.replicate({"w": jnp.zeros(3)}), batch)
+    bf16 = step.replicate({"w": jnp.zeros(3, jnp.bfloat16)})
+    with pytest.raises(TypeError, match=r"\['w'\]: bfloat16\[3\] -> float32\[3\]"):
+        step(bf16, batch)
+    assert not bf16["w"].is_deleted()
+
+    def scaled(state, batch):
+        return {"w": state["w"] * jnp.mean(batch)}, {}
+
+    step = jdp.parallelize(scaled, backend=backend, donate_state=donate)
+    state = step.replicate({"w": jnp.ones(3, jnp.bfloat16)})
+    state, _ = step(state, step.shard(np.ones(8, jnp.bfloat16)))
+    with pytest.raises(TypeError, match=r"bfloat16\[3\] -> float32\[3\]"):
+        step(state, step.shard(np.ones(8, np.float32)))
+    assert not state["w"].is_deleted()
+
+
+def test_a_batch_the_step_fails_on_leaves_the_state_usable(backend):
+    """The shard_map backend donated the state before tracing the new batch
+    shape: after the error, the state was gone."""
+    tx = optax.sgd(0.1)
+    step = jdp.parallelize(
+        jdp.make_train_step(lambda p, b: jnp.mean((b @ p["w"]) ** 2), tx),
+        backend=backend,
+    )
+    params = {"w": jnp.zeros((128, 128))}  # above the view threshold
+    state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
+    good = step.shard(np.ones((16, 128), np.float32))
+    state, _ = step(state, good)
+    with pytest.raises(TypeError, match="dot_general"):
+        step(state, step.shard(np.ones((16, 64), np.float32)))
+    assert not state.params["w"].is_deleted()
+    state, metrics = step(state, good)
+    assert np.isfinite(float(metrics["loss"]))
+
+
 def test_an_unbound_axis_name_names_the_bound_one(backend):
     def step_fn(state, batch):
         return state, {"m": lax.pmean(batch.sum(), "batch")}
