@@ -245,7 +245,8 @@ class Parallel(_hlo.Introspection):
         """Gives every replica replica `root`'s value of a replicated pytree.
 
         The outside-a-step form of `jdp.broadcast`. Parts that differ between
-        replicas by design (ZeRO's slices) are left as they are.
+        replicas by design (ZeRO's slices, the fields a state declares per
+        replica, such as error-feedback buffers) are left as they are.
 
         Args:
           tree: A pytree replicated by this step.
@@ -260,7 +261,10 @@ class Parallel(_hlo.Introspection):
                 _collectives.broadcast, root=root, axis_name=self.axis_name
             )
             self._broadcasts[root] = self._backend.build_map(bcast)
-        return _layout.map_agreed(self._broadcasts[root], tree)
+        # Declared per-replica fields (error-feedback buffers) are each replica's.
+        shared = _replica_parts.without_local(tree)
+        out = _layout.map_agreed(self._broadcasts[root], shared)
+        return _replica_parts.with_local_of(out, tree)
 
     # -- introspection (`collectives` and `memory_analysis` come from `_hlo`) ----
 

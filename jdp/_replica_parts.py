@@ -156,6 +156,26 @@ def map_declared(
     return jax.tree_util.tree_map_with_path(one, tree, is_leaf=is_leaf)
 
 
+def without_local(tree: PyTree) -> PyTree:
+    """`tree` with its declared nodes' local fields set to None (or dropped)."""
+    return map_declared(tree, lambda path, x: x)
+
+
+def with_local_of(tree: PyTree, original: PyTree) -> PyTree:
+    """`without_local(...)`'s `tree` with the local fields of `original` put back."""
+
+    def one(new, old):
+        d = _declaration(old)
+        if d is None:
+            return new
+        if isinstance(old, d.cls):
+            return new._replace(**{f: getattr(old, f) for f in d.local})
+        merged = {**new, **{k: v for k, v in old.items() if k in d.local}}
+        return merged if type(old) is dict else type(old)(merged)
+
+    return jax.tree.map(one, tree, original, is_leaf=_is_declared)
+
+
 def agreed(tree: PyTree) -> PyTree | None:
     """`tree`'s declared nodes less their local fields, other leaves None.
 

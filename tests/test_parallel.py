@@ -579,6 +579,42 @@ def test_replicating_a_replicated_state_is_refused(backend):
         step.replicate(state)
 
 
+def test_replicating_a_partly_replicated_state_names_the_replicated_leaves(backend):
+    """A trained state with a fresh optimizer state (one copy) was replicated
+    again as a whole: params of shape (8, 8, ...) trained without a word."""
+    step, state, _ = sgd_step(backend)
+    mixed = {"trained": state, "fresh": jnp.zeros(3)}
+    with pytest.raises(ValueError, match=r"(?s)some array leaves.*\['trained'\]"):
+        step.replicate(mixed)
+
+
+def test_step_broadcast_keeps_fields_declared_per_replica():
+    """It gave every replica replica 0's error-feedback buffers: each replica then
+    added replica 0's leftover to its next gradient."""
+    tx = optax.sgd(0.1)
+    sync = jdp.all_reduce(wire=jdp.wire.int8(), error_feedback=True)
+    step = jdp.parallelize(
+        jdp.make_train_step(
+            lambda p, b: jnp.mean((b @ p["w"] - 1) ** 2), tx, sync=sync
+        ),
+        devices=jax.devices()[:4],
+    )
+    params = {"w": jnp.zeros((300, 1))}
+    state = step.replicate(jdp.TrainState.create(params=params, tx=tx, sync=sync))
+    x = np.random.default_rng(0).normal(size=(16, 300)).astype(np.float32)
+    for _ in range(2):
+        state, _ = step(state, step.shard(x))
+    worker = np.asarray(state.sync_state.worker[0])
+    assert not np.array_equal(worker[0], worker[1])
+    drifted = state.replace(
+        params={"w": state.params["w"] * jnp.arange(4.0)[:, None, None]}
+    )
+    out = step.broadcast(drifted)
+    np.testing.assert_array_equal(out.sync_state.worker[0], worker)
+    assert jdp.replicas_in_sync(out.params)
+    np.testing.assert_array_equal(out.params["w"][3], drifted.params["w"][0])
+
+
 def test_step_broadcast_handles_typed_prng_keys(backend):
     step = jdp.parallelize(
         lambda s, b: (s, {}), backend=backend, devices=jax.devices()[:4]

@@ -12,7 +12,7 @@ from jax.sharding import Mesh, NamedSharding
 from jdp._layout._custom import is_custom
 from jdp._layout._keys import abstract, host_value, is_key, key_impl
 from jdp._layout._mesh import replica_sharding
-from jdp._tree import PyTree, repeated_paths
+from jdp._tree import PyTree, format_problems, keystr, repeated_paths
 
 SHARED_VARIABLE_MSG = (
     "`step.replicate`: the state holds one flax NNX `Variable` at two paths, "
@@ -29,6 +29,16 @@ ALREADY_REPLICATED_MSG = (
     "leading replica axis sharded over a mesh of {0} devices); replicating it "
     "again would give every replica the whole stack. Pass it to the step as it "
     "is, or re-place one copy with `step.replicate(other_step.unreplicate(tree))`."
+)
+
+
+PARTLY_REPLICATED_MSG = (
+    "`step.replicate`: some array leaves of the tree are already replicated (a "
+    "leading replica axis sharded over the mesh), and replicating them again "
+    "would give every replica the whole stack:{probs}\nFix: replicate the new "
+    "parts alone and put them in, e.g. `state.replace(opt_state="
+    "step.replicate(tx.init(one_copy_of_params)))`, or unreplicate the rest first "
+    "(`step.replicate(step.unreplicate(state))`)."
 )
 
 
@@ -97,9 +107,15 @@ def replicate(tree: PyTree, mesh: Mesh) -> PyTree:
     variable = () if nnx is None else nnx.Variable
     if shared := repeated_paths(tree, is_leaf=lambda x: isinstance(x, variable)):
         raise ValueError(SHARED_VARIABLE_MSG.format(*shared[0]))
-    arrays = [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)]
-    if arrays and all(x.ndim >= 1 and is_replicated(x) for x in arrays):
-        raise ValueError(ALREADY_REPLICATED_MSG.format(arrays[0].sharding.mesh.size))
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    arrays = [(p, x) for p, x in flat if isinstance(x, jax.Array)]
+    if done := [(p, x) for p, x in arrays if is_replicated(x)]:
+        if len(done) == len(arrays):
+            raise ValueError(
+                ALREADY_REPLICATED_MSG.format(done[0][1].sharding.mesh.size)
+            )
+        probs = [f"{keystr(p)}: shape {x.shape}" for p, x in done]
+        raise ValueError(PARTLY_REPLICATED_MSG.format(probs=format_problems(probs)))
     host = jax.tree.map(host_value, tree)  # PRNG keys as their key data
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
