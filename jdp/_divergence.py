@@ -20,7 +20,7 @@ from jax import lax
 from jax.sharding import Mesh
 
 from jdp import _coordination, _progress, _replica_parts
-from jdp._layout import compare_replicas, mesh_axis
+from jdp._layout import compare_replicas, is_key, mesh_axis
 from jdp._tree import PyTree, keystr
 
 # The start and end every divergence message shares.
@@ -63,6 +63,15 @@ METRICS_MSG = (
     "that every replica counts the global batch; or keep them out of the state "
     "and update them on the host from what the step returns "
     "(`jdp.metrics.gather(logits)`)." + _RESET
+)
+
+KEYS_MSG = (
+    _DIVERGED + ", all of them PRNG keys). Each replica stored a key of its own "
+    "back into the state (`jdp.replica_key(state.rng)`, or a key folded with "
+    "`lax.axis_index`), so the state's key differs between replicas. Keep the "
+    "state's key the same on every replica and make per-replica keys for the draws "
+    "only: `rng, sub = jax.random.split(state.rng)`, store `rng`, draw with "
+    "`jdp.replica_key(sub)`." + _RESET
 )
 
 BATCH_STATS_MSG = (
@@ -174,6 +183,13 @@ def _all_of_kind(tree: PyTree, leaves: list[str], kind: str) -> bool:
     return all(any(p.startswith(m) for m in prefixes) for p in leaves)
 
 
+def _all_keys(tree: PyTree, leaves: list[str]) -> bool:
+    """Whether every diverging leaf is a typed PRNG key."""
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    keys = {keystr(path) for path, x in flat if is_key(x)}
+    return all(p in keys for p in leaves)
+
+
 def check(tree: PyTree, mesh: Mesh, *, state: PyTree, call: int) -> None:
     """Raises `ReplicaDivergenceError`, naming a likely cause, if replicas differ."""
     paths, prints = compare_replicas(_fingerprints, tree)
@@ -190,6 +206,8 @@ def check(tree: PyTree, mesh: Mesh, *, state: PyTree, call: int) -> None:
         template = METRICS_MSG
     elif _all_of_kind(tree, leaves, "batch_stat"):
         template = BATCH_STATS_MSG
+    elif _all_keys(tree, leaves):
+        template = KEYS_MSG
     elif _replica_parts.trains_locally(state):
         template = LOCAL_MSG
     else:

@@ -116,6 +116,7 @@ class Parallel(_hlo.Introspection):
         # The state the last call returned needs no placement checks.
         flat = jax.tree.flatten(state)
         if not (returned := self._returned.holds(flat[0])):
+            _check_not_traced(flat[0], jax.tree.leaves(batch))
             self._check_state(state)
         self._check_batch(batch)
         _progress.beat()  # progress, for the stall check of `python -m jdp.launch`
@@ -285,6 +286,20 @@ class Parallel(_hlo.Introspection):
             f"Parallel({getattr(self.train_step, '__name__', 'step')}, "
             f"backend={self.backend!r}, num_replicas={self.num_replicas}, "
             f"axis_name={self.axis_name!r})"
+        )
+
+
+def _check_not_traced(*trees: list) -> None:
+    """Refuses tracers: a step is called from Python, not inside `jax.jit`."""
+    if any(isinstance(x, jax.core.Tracer) for t in trees for x in t):
+        raise TypeError(
+            "A `jdp.Parallel` step was called inside a traced function (`jax.jit`, "
+            "`jax.lax.scan`, `jax.grad`, ...): it compiles and places its own "
+            "program across the devices, and runs from Python. Call it outside, "
+            "e.g. `for batch in batches: state, metrics = step(state, batch)`; to "
+            "run several steps in one program, loop inside the step function "
+            "(`jax.lax.scan` over microbatches, or `make_train_step(..., "
+            "microbatches=k)`)."
         )
 
 

@@ -70,6 +70,20 @@ def test_unsynced_batch_stats_are_named_as_the_cause():
         run(step, state, make_batches(1, 16))
 
 
+def test_a_per_replica_key_stored_in_the_state_is_named_as_the_cause(backend):
+    """The message said the step "most likely does not average its gradients"."""
+
+    def step_fn(state, batch):
+        return {"rng": jdp.replica_key(state["rng"]), "w": state["w"]}, {}
+
+    step = jdp.parallelize(step_fn, backend=backend, devices=jax.devices()[:2])
+    state = step.replicate({"rng": jax.random.key(0), "w": jnp.ones(3)})
+    with pytest.raises(
+        jdp.ReplicaDivergenceError, match=r"\['rng'\].*all of them PRNG keys.*split"
+    ):
+        step(state, step.shard(np.ones(4, np.float32)))
+
+
 def test_synchronous_steps_pass_the_check():
     tx = optax.adam(1e-2)
     params = init_mlp(jax.random.key(0))

@@ -562,6 +562,31 @@ def test_a_batch_the_step_fails_on_leaves_the_state_usable(backend):
     assert np.isfinite(float(metrics["loss"]))
 
 
+def test_replicating_text_names_the_leaf():
+    """A str leaf was read as a dtype name: "data type 'resnet50' not understood"."""
+    step = jdp.parallelize(lambda s, b: (s, {}), devices=jax.devices()[:2])
+    with pytest.raises(
+        TypeError, match=r"(?s)\['arch'\]: a str \('resnet50'\).*static"
+    ):
+        step.replicate({"w": jnp.ones(3), "arch": "resnet50"})
+
+
+def test_unreplicating_a_placed_batch_is_refused():
+    """It failed inside JAX: "cannot reshape array of shape (8, 3) into (3,)"."""
+    step = jdp.parallelize(lambda s, b: (s, {}))
+    batch = step.shard({"x": np.ones((64, 3), np.float32)})
+    with pytest.raises(ValueError, match=r"split by `step.shard`(.|\n)*\['x'\]"):
+        step.unreplicate(batch)
+
+
+def test_a_step_called_inside_jit_says_so(backend):
+    """JAX's "is_deleted() method was called on traced array" came out."""
+    step = jdp.parallelize(lambda s, b: (s, {"m": jnp.mean(b)}), backend=backend)
+    state, batch = step.replicate({"w": jnp.ones(3)}), step.shard(np.ones(8))
+    with pytest.raises(TypeError, match=r"inside a traced function.*Call it outside"):
+        jax.jit(step)(state, batch)
+
+
 def test_an_unbound_axis_name_names_the_bound_one(backend):
     def step_fn(state, batch):
         return state, {"m": lax.pmean(batch.sum(), "batch")}

@@ -42,6 +42,23 @@ PARTLY_REPLICATED_MSG = (
 )
 
 
+def _check_numeric(tree: PyTree) -> None:
+    """Refuses leaves that are not numbers or arrays of numbers, naming them."""
+    bad = []
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if isinstance(x, jax.Array) or is_key(x):
+            continue
+        if isinstance(x, str | bytes) or np.asarray(x).dtype.kind in "USO":
+            bad.append(f"{keystr(path)}: a {type(x).__name__} ({x!r:.40})")
+    if bad:
+        raise TypeError(
+            "`step.replicate`: these leaves are not numbers or arrays of numbers, "
+            f"which is what replicas hold:{format_problems(bad)}\nFix: keep them "
+            "out of the state, or make the field static (a flax "
+            "`struct.field(pytree_node=False)`, or NNX's `nnx.static`)."
+        )
+
+
 def logical_copy(tree: PyTree) -> PyTree:
     """One logical copy of a replicated pytree: replica 0's value of every leaf.
 
@@ -116,6 +133,7 @@ def replicate(tree: PyTree, mesh: Mesh) -> PyTree:
             )
         probs = [f"{keystr(p)}: shape {x.shape}" for p, x in done]
         raise ValueError(PARTLY_REPLICATED_MSG.format(probs=format_problems(probs)))
+    _check_numeric(tree)
     host = jax.tree.map(host_value, tree)  # PRNG keys as their key data
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils

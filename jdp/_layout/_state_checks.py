@@ -130,9 +130,9 @@ def check_not_deleted(tree: PyTree, api: str) -> None:
 NOT_A_REPLICATED_TREE_MSG = (
     "`step.unreplicate` takes a pytree the step replicated (every array with a "
     "leading replica axis, split over the devices), e.g. the state it returned; "
-    "these leaves are whole arrays on one device, not replicated (already "
-    "unreplicated?):{probs}\nFix: use them as they are, or replicate them first "
-    "with `step.replicate(tree)`."
+    "these leaves are not (whole arrays, already unreplicated? or a batch split "
+    "by `step.shard`, whose values are the batch itself):{probs}\nFix: use them "
+    "as they are, or replicate them first with `step.replicate(tree)`."
 )
 
 
@@ -145,14 +145,17 @@ def check_unreplicable(tree: PyTree) -> None:
 def whole_arrays(tree: PyTree) -> list[str]:
     """`"path: shape ..."` of the array leaves that hold no replica axis.
 
-    Such a leaf's first shard is the whole array; one of leading size 1 cannot be
-    told from a one-device mesh's and is let through.
+    Such a leaf's first shard holds more than one copy (the whole array, or a
+    batch's examples); one of leading size 1 cannot be told from a one-device
+    mesh's and is let through.
     """
 
     def whole(x):
         if not isinstance(x, jax.Array) or x.ndim == 0 or x.shape[0] == 1:
             return False
-        return x.addressable_shards[0].data.shape == x.shape
+        # A replica's shard holds one copy: a leading axis of 1. (A batch split by
+        # `step.shard` holds several examples.)
+        return x.addressable_shards[0].data.shape[0] != 1
 
     leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_custom)[0]
     return [f"{keystr(path)}: shape {x.shape}" for path, x in leaves if whole(x)]
