@@ -19,6 +19,7 @@ from jdp import (
     _metrics,
     _progress,
     _replica_parts,
+    _transforms,
     _validate,
 )
 from jdp._tree import PyTree
@@ -70,7 +71,7 @@ class Parallel(_hlo.Introspection):
         self._broadcasts: dict[int, Callable[[PyTree], PyTree]] = {}
         # What replicas must agree on: what the step declares, else all but the
         # parts the state's own nodes declare per-replica.
-        agreed = getattr(train_step, "must_agree", None) or _replica_parts.must_agree
+        agreed = getattr(train_step, "must_agree", None) or _own_step_agrees
         self._sync_check = _divergence.Guard(check_sync, agreed, self.mesh)
         self._returned = _backends.Returned()
         self._calls = 0
@@ -287,6 +288,17 @@ class Parallel(_hlo.Introspection):
             f"backend={self.backend!r}, num_replicas={self.num_replicas}, "
             f"axis_name={self.axis_name!r})"
         )
+
+
+def _own_step_agrees(state: PyTree) -> PyTree:
+    """What the replicas of a step of one's own must agree on.
+
+    All but the parts the state's nodes declare per replica, and what an
+    `optax.MultiSteps` accumulated: around `jdp.sync_gradients` (or `jdp.zero`)
+    those are each replica's own gradients until the micro-step that updates.
+    """
+    agree = _replica_parts.must_agree(state)
+    return _transforms.without_accumulated(agree, stop_at=_layout.is_custom)
 
 
 def _check_not_traced(*trees: list) -> None:

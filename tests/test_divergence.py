@@ -84,6 +84,37 @@ def test_a_per_replica_key_stored_in_the_state_is_named_as_the_cause(backend):
         step(state, step.shard(np.ones(4, np.float32)))
 
 
+@pytest.mark.parametrize("inner", ["sync_gradients", "zero"])
+def test_own_step_with_multi_steps_accumulates_each_replicas_gradients(inner):
+    """`optax.MultiSteps(optax.chain(jdp.sync_gradients(), adam))` in a step of
+    one's own (as `jdp.sync_gradients` documents it) failed the first check on
+    `acc_grads`, which hold each replica's own gradients until the update."""
+    adam = optax.adam(1e-2)
+    wrapped = (
+        optax.chain(jdp.sync_gradients(), adam) if inner != "zero" else jdp.zero(adam)
+    )
+    tx = optax.MultiSteps(wrapped, every_k_schedule=2)
+
+    def own_step(state, batch):
+        grads = jax.grad(mlp_loss)(state.params, batch)
+        return state.apply_gradients(grads=grads), {}
+
+    step = jdp.parallelize(own_step, devices=jax.devices()[:4])
+    params = init_mlp(jax.random.key(0))
+    state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
+    batches = make_batches(4, 32)
+    for batch in batches:
+        state, _ = step(state, step.shard(batch))
+    from helpers import single_device_train
+
+    expected, _ = single_device_train(
+        mlp_loss, params, optax.MultiSteps(adam, every_k_schedule=2), batches
+    )
+    got = step.unreplicate(state).params
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_synchronous_steps_pass_the_check():
     tx = optax.adam(1e-2)
     params = init_mlp(jax.random.key(0))
