@@ -374,6 +374,28 @@ def test_run_raises_with_the_failing_process_traceback():
     assert time.monotonic() - start < PROMPT_S
 
 
+def exit_quietly():
+    sys.exit(0)
+
+
+def test_run_of_a_function_that_exits_names_it():
+    """A `sys.exit(0)` in `fn` raised FileNotFoundError for an internal file."""
+    with pytest.raises(
+        RuntimeError, match=r"process\(es\) \[0, 1\] exited with status 0 without"
+    ):
+        jdp.launch.run(exit_quietly, 2, initialize=False, timeout_s=60)
+
+
+def test_cli_refuses_a_port_above_65535(tmp_path):
+    """It started every process, which failed on the address (exit status 1)."""
+    script = write(tmp_path, "initialize.py", INITIALIZE)
+    proc = launcher(["--num-processes", 2, "--port", 99999, script])
+    out, err = finish(proc)
+    assert proc.returncode == 2, err
+    assert "argument --port: expected an integer <= 65535, got 99999" in err
+    assert "initialized" not in out
+
+
 def sleep_long():
     time.sleep(300)
 

@@ -18,8 +18,8 @@ See docs/guides/multihost.md and docs/guides/restarts.md.
 """
 
 
-def _number(kind: type, minimum: int, *, strict: bool = False):
-    """An argparse type: an int or float >= `minimum` (> with `strict`)."""
+def _number(kind: type, minimum: int, *, strict: bool = False, maximum=None):
+    """An argparse type: a number >= `minimum` (> with `strict`), <= `maximum`."""
     noun = "an integer" if kind is int else "a number"
 
     def parse(text: str):
@@ -30,6 +30,10 @@ def _number(kind: type, minimum: int, *, strict: bool = False):
         if not (value > minimum if strict else value >= minimum):
             bound = f"{'>' if strict else '>='} {minimum}"
             raise argparse.ArgumentTypeError(f"expected {noun} {bound}, got {text}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(
+                f"expected {noun} <= {maximum}, got {text}"
+            )
         return value
 
     return parse
@@ -75,7 +79,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--port",
-        type=_number(int, 1),
+        type=_number(int, 1, maximum=65535),
         help="coordinator port on 127.0.0.1 (default: a free one); one in use "
         "is an error (exit status 2)",
     )

@@ -129,7 +129,14 @@ def run(
             raise TimeoutError(f"`jdp.launch.run`: {error}{job.last_output()}")
         if job.failure is not None:
             raise RuntimeError(f"`jdp.launch.run`: {job.failure_message()}")
-        return [pickle.loads(Path(c[-1]).read_bytes()) for c in job.commands]
+        results = [Path(c[-1]) for c in job.commands]
+        if missing := [i for i, path in enumerate(results) if not path.exists()]:
+            raise RuntimeError(
+                f"`jdp.launch.run`: process(es) {missing} exited with status 0 "
+                "without returning from `fn` (a `sys.exit(0)` in it?), so there is "
+                "no result to give back. Return from `fn` instead."
+            )
+        return [pickle.loads(path.read_bytes()) for path in results]
 
 
 def _say(line: str) -> None:
