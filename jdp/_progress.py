@@ -80,6 +80,10 @@ class Tracker:
         self.counts = [0] * num_processes
         self.changed_at: list[float | None] = [None] * num_processes
         self.finished_at: list[float | None] = [None] * num_processes
+        # Processes started again alone (`--live`): they joined the others part
+        # way, so their counts are not the others' and `finished_early` leaves
+        # them out.
+        self.rejoined: set[int] = set()
 
     def update(self, reports: Mapping[int, tuple[int, bool]], now: float) -> None:
         """Takes `{process: (count, finished)}`; a changed count restarts its clock."""
@@ -127,12 +131,16 @@ class Tracker:
         for `stalled`; `exited` maps the processes that exited with status 0
         to when they did.
         """
-        done = {r: t for r, t in enumerate(self.finished_at) if t is not None}
+        done = {
+            r: t
+            for r, t in enumerate(self.finished_at)
+            if t is not None and r not in self.rejoined
+        }
         for r, t in (exited or {}).items():
             if r in done:
                 done[r] = min(done[r], t)
         running = range(len(self.counts)) if running is None else running
-        waiting = [r for r in running if r not in done]
+        waiting = [r for r in running if r not in done and r not in self.rejoined]
         if not done or not waiting:
             return None
         first = min(done, key=lambda r: (self.counts[r], r))

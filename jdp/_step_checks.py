@@ -26,8 +26,9 @@ def check_piece(sync, tx, state, axis, api) -> None:
     if sync.averages:
         _check_axes(sync, tx, state, axis, api)
     else:
-        _warn_if_never_synced(sync, tx, state, axis)
-        _check_no_collective_under_local_branch(tx, state, axis, api)
+        optimizer = _optimizer_trace(tx, state)  # one trace for both checks
+        _warn_if_never_synced(sync, optimizer, state, axis)
+        _check_no_collective_under_local_branch(optimizer, axis, api)
 
 
 LOCAL_BRANCH_MSG = (
@@ -43,32 +44,29 @@ LOCAL_BRANCH_MSG = (
 )
 
 
-def _check_no_collective_under_local_branch(tx, state, axis, api) -> None:
-    """Refuses an optimizer that branches on local gradients around a collective."""
+def _check_no_collective_under_local_branch(optimizer, axis, api) -> None:
+    """Refuses an optimizer that branches on local gradients around a collective.
+
+    `optimizer`: `_optimizer_trace`'s, whose inputs are the (local) gradients;
+    the optimizer state and the params it closes over are taken as agreed.
+    """
     axes = _axes(axis)
     if not axes:
         return
-    grads = jax.tree.map(lambda p: p if is_float(p) else None, state.params)
-    args = (grads, state.opt_state, state.params)
-    closed = jax.make_jaxpr(lambda g, s, p: _transforms.update(tx, g, s, p))(*args)
-    # The gradients differ between replicas; so do the params where they train
-    # locally (`jdp.bmuf`). The optimizer state is taken as agreed.
-    counts = [len(jax.tree.leaves(x)) for x in args]
-    local_params = _replica_parts.trains_locally(state.opt_state)
-    local = [True] * counts[0] + [False] * counts[1] + [local_params] * counts[2]
-    found = _jax_compat.collectives_under_local_branches(closed, local, axes)
+    local = [True] * len(optimizer.jaxpr.invars)
+    found = _jax_compat.collectives_under_local_branches(optimizer, local, axes)
     if found:
         raise ValueError(LOCAL_BRANCH_MSG.format(api=api, found=", ".join(found)))
 
 
-def _warn_if_never_synced(sync, tx, state, axis) -> None:
+def _warn_if_never_synced(sync, optimizer, state, axis) -> None:
     """Warns when replicas train on their own gradients and nothing syncs them."""
     num = _collectives.axis_size(axis, "jdp.make_train_step")
     if num < 2 or _replica_parts.trains_locally(state.opt_state):
         return
-    if _piece_syncs_every_leaf(sync, state, axis):  # a partition's unused label
+    if _moving_axes_of(optimizer):
         return
-    if not _optimizer_axes(tx, state):
+    if not _piece_syncs_every_leaf(sync, state, axis):  # a partition's unused label
         warnings.warn(
             "The sync piece leaves each replica its own gradients (`jdp.local()`, "
             "or a `jdp.partition` label), and this optimizer never communicates "
@@ -149,6 +147,14 @@ def _beside_bmuf(api, piece, bmuf: str) -> ValueError:
     return ValueError(message)
 
 
+def _optimizer_trace(tx, state):
+    """The optimizer's update traced on gradients shaped like the params."""
+    grads = jax.tree.map(lambda p: p if is_float(p) else None, state.params)
+    return jax.make_jaxpr(
+        lambda g: _transforms.update(tx, g, state.opt_state, state.params)
+    )(grads)
+
+
 def _optimizer_axes(tx, state) -> set[str]:
     """The mesh axes over which optimizer `tx` moves values (traced only)."""
     return _moving_axes(
@@ -172,6 +178,11 @@ def _moving_axes(fn, params) -> set[str]:
     Scalar integers and booleans (an agreed verdict) do not count.
     """
     grads = jax.tree.map(lambda p: p if is_float(p) else None, params)
+    return _moving_axes_of(jax.make_jaxpr(fn)(grads))
+
+
+def _moving_axes_of(closed) -> set[str]:
+    """The mesh axes over which a traced function moves values."""
     found: set[str] = set()
 
     def values(v) -> bool:
@@ -180,7 +191,7 @@ def _moving_axes(fn, params) -> set[str]:
             return False
         return jax.numpy.issubdtype(dtype, jax.numpy.inexact) or v.aval.size > 1
 
-    for eqn in _jax_compat.equations(jax.make_jaxpr(fn)(grads)):
+    for eqn in _jax_compat.equations(closed):
         axes = _jax_compat.collective_axes(eqn)
         if axes and any(values(v) for v in eqn.outvars):
             found.update(_axes(axes))

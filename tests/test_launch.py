@@ -435,6 +435,17 @@ def write_progress(path, beats, where=None):
     path.write_text(json.dumps({"pid": 1, "beats": beats, "where": where}))
 
 
+def test_a_process_restarted_alone_is_not_taken_to_finish_early():
+    """Under `--live` a replacement joins part way and makes fewer step calls: it
+    finishing first while the others took a while after their loop was called
+    "finished early" and the job was stopped (status 124)."""
+    tracker = _progress.Tracker(3, timeout_s=60, finished_grace_s=4)
+    tracker.update({0: (40, False), 1: (34, True), 2: (40, False)}, now=0)
+    assert tracker.finished_early(now=30) == (1, [0, 2])  # a plain process would
+    tracker.rejoined.add(1)
+    assert tracker.finished_early(now=30) is None
+
+
 def test_stall_monitor_judges_from_the_first_report_on(tmp_path):
     paths = [tmp_path / f"progress-{r}.json" for r in range(3)]
     monitor = _stall.StallMonitor(

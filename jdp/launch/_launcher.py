@@ -131,6 +131,8 @@ class Job:
         with self._exits_lock:
             self.exits = [e for e in self.exits if e[1] != rank]
             self._closed[rank] = []
+        if self.stall is not None:  # it joins part way: its count starts again
+            self.stall.rejoined.add(rank)
         self._spawn(rank)
         return True
 
