@@ -252,36 +252,33 @@ def test_averaging_over_every_axis_with_bmuf_is_refused():
         step(state, step.shard(batches[0]))
 
 
-def test_bmuf_must_sync_the_axes_the_piece_leaves_out():
-    # Both over "device": the hosts would never sync.
-    tx = jdp.bmuf(optax.sgd(LR), sync_period=H, axis_name="device")
+@pytest.mark.parametrize(
+    ("bmuf_axis", "match"),
+    [
+        # Both over "device": the hosts would never sync.
+        (
+            "device",
+            r"piece averages over 'device'; the optimizer syncs over 'device'\)",
+        ),
+        # Over both (the step's axes, its default) beside a piece over "device":
+        # it was accepted, with a block all-reduce over every replica and a
+        # default momentum counting them (1 - 1/8, not 1 - 1/2 over the hosts).
+        (
+            None,
+            r"piece averages over 'device'; the optimizer syncs over 'device', "
+            r"'host'\).*axis_name='host'",
+        ),
+    ],
+    ids=["device", "both"],
+)
+def test_bmuf_must_sync_exactly_the_axes_the_piece_leaves_out(bmuf_axis, match):
+    tx = jdp.bmuf(optax.sgd(LR), sync_period=H, axis_name=bmuf_axis)
     params, batches = linear_params(), linear_batches(1)
     sync = jdp.all_reduce(axis_name="device")
     train_step = jdp.make_train_step(linear_loss, tx, sync=sync)
     step = jdp.parallelize(train_step, devices=grid(), axis_name=AXES)
     state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
-    with pytest.raises(
-        ValueError,
-        match=r"piece averages over 'device'; the optimizer syncs over 'device'\)",
-    ):
-        step(state, step.shard(batches[0]))
-
-
-def test_bmuf_over_the_pieces_axis_too_is_refused():
-    """`jdp.bmuf` over both axes beside a piece over "device" was accepted: its
-    block all-reduce spanned every replica and its default momentum counted them
-    (1 - 1/8, not 1 - 1/2 over the hosts), as the Sync guide says it refuses."""
-    tx = jdp.bmuf(optax.sgd(LR), sync_period=H)  # the step's axes: both
-    params, batches = linear_params(), linear_batches(1)
-    sync = jdp.all_reduce(axis_name="device")
-    train_step = jdp.make_train_step(linear_loss, tx, sync=sync)
-    step = jdp.parallelize(train_step, devices=grid(), axis_name=AXES)
-    state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
-    with pytest.raises(
-        ValueError,
-        match=r"piece averages over 'device'; the optimizer syncs over 'device', "
-        r"'host'\).*axis_name='host'",
-    ):
+    with pytest.raises(ValueError, match=match):
         step(state, step.shard(batches[0]))
 
 

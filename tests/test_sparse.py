@@ -142,21 +142,26 @@ def test_a_table_under_another_piece_of_a_partition_gets_its_dense_gradient():
     assert not np.allclose(mixed["embed"], params["embed"])
 
 
-def test_rows_through_sync_gradients_in_a_hand_written_step():
-    """`jdp.sparse.value_and_grad` + the adapter: the step `make_train_step` runs."""
-    tx = _row_tx()
-    params, batches, expected = _small_run(jdp.sparse.rows(), tx)
+def _hand_written_run(piece, params, batches):
+    """Params after a step of one's own: `jdp.sparse.value_and_grad`, then `piece`
+    through `jdp.sync_gradients` and the row optimizer."""
     grad_fn = jdp.sparse.value_and_grad(loss_fn, ["embed"])
 
     def hand_written(state, batch):
         loss, grads = grad_fn(state.params, batch)
         return state.apply_gradients(grads=grads), {"loss": loss}
 
-    chained = optax.chain(jdp.sync_gradients(jdp.sparse.rows()), tx)
+    chained = optax.chain(jdp.sync_gradients(piece), _row_tx())
     step, state = train(
         hand_written, params, chained, batches, devices=jax.devices()[:4]
     )
-    got = step.unreplicate(state).params
+    return step.unreplicate(state).params
+
+
+def test_rows_through_sync_gradients_in_a_hand_written_step():
+    """`jdp.sparse.value_and_grad` + the adapter: the step `make_train_step` runs."""
+    params, batches, expected = _small_run(jdp.sparse.rows(), _row_tx())
+    got = _hand_written_run(jdp.sparse.rows(), params, batches)
     assert_trees_close(got, expected, rtol=1e-6, atol=1e-7)
     assert not np.allclose(got["embed"], params["embed"])
 
@@ -804,20 +809,9 @@ def test_a_tables_rows_through_an_averaging_piece_are_densified():
     """`jdp.sync_gradients(jdp.all_reduce())` averaged the rows of different ids
     element by element in a hand-written step: a wrong table, or a divergence
     error that pointed back to `jdp.sync_gradients`."""
-    tx = _row_tx()
-    params, batches, expected = _small_run(jdp.sparse.rows(), tx)
-    grad_fn = jdp.sparse.value_and_grad(loss_fn, ["embed"])
-
-    def hand_written(state, batch):
-        loss, grads = grad_fn(state.params, batch)
-        return state.apply_gradients(grads=grads), {"loss": loss}
-
+    params, batches, expected = _small_run(jdp.sparse.rows(), _row_tx())
     for piece in (jdp.all_reduce(), jdp.all_reduce(wire=jdp.wire.bf16())):
-        chained = optax.chain(jdp.sync_gradients(piece), tx)
-        step, state = train(
-            hand_written, params, chained, batches, devices=jax.devices()[:4]
-        )
-        got = step.unreplicate(state).params
+        got = _hand_written_run(piece, params, batches)
         assert_trees_close(got, expected, rtol=1e-2, atol=1e-3)
     sync = jdp.sync_gradients(jdp.all_reduce())
 
