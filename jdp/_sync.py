@@ -238,12 +238,19 @@ def _dropping(bucket_bytes, reduce_dtype, axis_name) -> Sync:
         num = _collectives.axis_size(axis, "jdp.all_reduce")
         valid = finite(grads)
         masked = float_map(lambda g: jnp.where(valid, g, jnp.zeros_like(g)), grads)
-        # The bit is the last leaf: one more value in the same all-reduce.
-        total, share = _collectives.all_reduce(
-            (masked, valid.astype(jnp.float32)), axis_name=axis,
-            bucket_bytes=bucket_bytes, reduce_dtype=reduce_dtype, api="jdp.all_reduce",
-        )  # fmt: skip
-        count = jnp.round(share * num).astype(jnp.int32)
+        options = dict(bucket_bytes=bucket_bytes, reduce_dtype=reduce_dtype)
+        if reduce_dtype is None:
+            # The bit is the last leaf: one more value in the same all-reduce.
+            total, share = _collectives.all_reduce(
+                (masked, valid.astype(jnp.float32)), axis_name=axis,
+                api="jdp.all_reduce", **options,
+            )  # fmt: skip
+            count = jnp.round(share * num).astype(jnp.int32)
+        else:  # counted apart: 399/400 in bfloat16 rounds to 1
+            total = _collectives.all_reduce(
+                masked, axis_name=axis, api="jdp.all_reduce", **options
+            )
+            count = lax.psum(valid.astype(jnp.int32), axis)
         # No valid replica: a NaN average, which the step skips with
         # `skip_nonfinite=True` (a zero would still move momentum and decay).
         scale = jnp.where(count > 0, num / jnp.maximum(count, 1), jnp.nan)

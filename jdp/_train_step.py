@@ -172,7 +172,15 @@ def make_train_step(
             changes["batch_stats"] = new_stats
         metrics = {"loss": loss, **extra}
         if has_aux:
-            metrics.update(aux if isinstance(aux, dict) else {"aux": aux})
+            aux = aux if isinstance(aux, dict) else {"aux": aux}
+            if taken := sorted(set(aux) & set(metrics), key=str):
+                raise ValueError(
+                    f"`{api}`: `loss_fn`'s auxiliary metrics {taken} have the names of "
+                    f"the step's own metrics ({sorted(metrics, key=str)}), which they "
+                    "would replace (the step's `loss` is the global mean over every "
+                    "replica's examples). Rename them, e.g. `replica_loss`."
+                )
+            metrics.update(aux)
         return state.replace(**changes), metrics
 
     spec = LossSpec(loss_fn, has_aux, microbatches, keywords, axis_name)

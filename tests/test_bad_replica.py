@@ -2,6 +2,10 @@
 (`average=jdp.BlockAverage(on_bad_replica="drop")`) and in
 `jdp.all_reduce(on_bad_replica="drop")`."""
 
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -364,6 +368,38 @@ def test_a_dropped_replica_restarts_with_a_clean_inner_state(inner_state_at_sync
     assert np.all(np.asarray(state.opt_state.dropped) == 1)
     params = np.asarray(state.params["w"])
     np.testing.assert_array_equal(params, np.broadcast_to(params[0], params.shape))
+
+
+DROP_COUNT_CHILD = """
+import os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=300"
+import jax, jax.numpy as jnp, numpy as np, optax, jdp
+data = np.zeros((300, 1), np.float32)
+data[0], data[-1] = 150.0, np.nan  # one bad replica
+sync = jdp.all_reduce(on_bad_replica="drop", reduce_dtype=jnp.bfloat16)
+tx = optax.sgd(1.0)
+step = jdp.parallelize(
+    jdp.make_train_step(lambda p, b: jnp.mean(b) * p["w"][0], tx, sync=sync)
+)
+state = step.replicate(jdp.TrainState.create(params={"w": jnp.zeros(1)}, tx=tx))
+state, metrics = step(state, step.shard(data))
+print(float(metrics["dropped_replicas"]), float(step.unreplicate(state).params["w"][0]))
+"""
+
+
+def test_the_kept_replicas_are_counted_exactly_with_a_narrow_wire():
+    """With `reduce_dtype=jnp.bfloat16` the validity bits travelled as 1/N in
+    bfloat16: above 256 replicas a dropped one was not counted (299/300 rounds
+    to 1) and the mean was over all of them."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    out = subprocess.run(
+        [sys.executable, "-c", DROP_COUNT_CHILD],
+        env=env, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    dropped, w = map(float, out.stdout.split())
+    assert dropped == 1.0
+    np.testing.assert_allclose(w, -150.0 / 299, rtol=1e-6)
 
 
 def test_a_hand_written_step_drops_the_bad_replica_too():
