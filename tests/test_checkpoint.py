@@ -405,6 +405,37 @@ def test_bmuf_mid_block_into_another_count_starts_from_the_global_model(tmp_path
     assert_bitwise_equal(flat_leaves(restored["weights"]), flat_leaves(copy.params))
 
 
+def test_bmuf_under_one_label_starts_from_the_global_model_too(tmp_path):
+    """`jdp.bmuf` in one label of an `optax.multi_transform` (the Sync guide's
+    `jdp.partition` example): restored into another count, every replica went on
+    from replica 0's local params (its start is masked where the other labels
+    are), and `jdp.bmuf_global_params` gave `MaskedNode`s there."""
+    params = init_mlp(jax.random.key(0), (8, 16, 4))
+    labels = {"layer0": "local", "layer1": "dense"}
+    tx = optax.multi_transform(
+        {"dense": optax.sgd(0.1), "local": jdp.bmuf(optax.sgd(0.5), sync_period=4)},
+        labels,
+    )
+    sync = jdp.partition(labels, {"dense": jdp.all_reduce(), "local": jdp.local()})
+
+    def make(num):
+        train_step = jdp.make_train_step(mlp_loss, tx, sync=sync)
+        return jdp.parallelize(train_step, devices=jax.devices()[:num])
+
+    four, two = make(4), make(2)
+    init = jdp.TrainState.create(params=params, tx=tx)
+    state = run_steps(four, four.replicate(init), make_batches(2, 32))  # mid-block
+    copy = four.unreplicate(state)
+    global_params = jdp.bmuf_global_params(copy)
+    assert_bitwise_equal(global_params["layer1"], copy.params["layer1"])  # flat
+    assert not np.array_equal(global_params["layer0"]["w"], copy.params["layer0"]["w"])
+    with CheckpointManager(tmp_path) as manager:
+        manager.save(2, state)
+        with pytest.warns(RuntimeWarning, match="a new block starts from the global"):
+            restored = two.unreplicate(manager.restore(two.replicate(init)))
+    assert_bitwise_equal(flat_leaves(restored.params), flat_leaves(global_params))
+
+
 def test_each_replicas_own_prng_key_round_trips(tmp_path):
     step = make_parallel(num_devices=4)
     like = step.replicate({"key": jax.random.key(0), "w": jnp.zeros(2)})

@@ -15,7 +15,7 @@ from jdp._bmuf._average import mean
 from jdp._bmuf._deferred import MERGES_ARG
 from jdp._bmuf._fragments import plan, take
 from jdp._bmuf._options import BlockAverage, InnerStateAtSync, Streaming, check, record
-from jdp._bmuf._state import BMUFState, find_states, float_map
+from jdp._bmuf._state import BMUFState, fill_masked, find_states, float_map
 from jdp._tree import PyTree
 
 NO_PARAMS_MSG = (
@@ -169,7 +169,8 @@ def bmuf_global_params(state: PyTree) -> PyTree:
     Returns:
       `global_params` as stored: replicated if `state` is (take one copy with
       `step.unreplicate`); from an NNX state, an NNX state of the parameters
-      (`nnx.update(model, g)` loads it).
+      (`nnx.update(model, g)` loads it). Under `optax.multi_transform`, the
+      parameters of the other labels are the state's `params`.
 
     Raises:
       ValueError: If `state` holds no `jdp.BMUFState`, or more than one.
@@ -190,4 +191,9 @@ def bmuf_global_params(state: PyTree) -> PyTree:
             " Pass the training state or optimizer state whose optimizer contains "
             "one `jdp.bmuf`."
         )
-    return found[0].global_params
+    # Under `optax.multi_transform` (or `masked`) the other labels' params are
+    # the state's own: synchronous, equal on every replica.
+    params = state.get("params") if isinstance(state, dict) else None
+    params = getattr(state, "params", params)
+    g = found[0].global_params
+    return g if params is None else fill_masked(g, params)

@@ -18,6 +18,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from jdp import _replica_parts
+from jdp._bmuf._state import fill_masked
 from jdp._layout import compare_replicas, is_custom, place_like
 from jdp._tree import PyTree, keystr
 from jdp.checkpoint._common import short_list
@@ -61,6 +62,8 @@ def block_start_params(host: PyTree) -> tuple[PyTree, str]:
     (start,) = starts
     is_dict = isinstance(host, dict)
     params = host.get("params") if is_dict else getattr(host, "params", None)
+    if params is not None:  # a `jdp.bmuf` under one label: the others as they are
+        start = fill_masked(start, params)
     settable = is_dict or hasattr(host, "replace") or hasattr(host, "_replace")
     if params is None or not settable or tree_def(params) != tree_def(start):
         return host, (
