@@ -209,6 +209,31 @@ def test_hierarchical_checkpoint_between_syncs_resumes_exactly(tmp_path):
     )
 
 
+def test_a_checkpoint_restored_onto_another_mesh_of_as_many_replicas_regroups(
+    tmp_path,
+):
+    """Saved on 2 hosts of 4, restored onto 4 hosts of 2: the replicas' own
+    values went back by position, so the new hosts held replicas that disagree,
+    without a word, and the hosts' syncs never agreed again. Now as for another
+    count: a warning, and a new block from the global model."""
+    params, batches = linear_params(), linear_batches(2 * H)
+    train_step, tx = hierarchical_step()
+    init = jdp.TrainState.create(params=params, tx=tx)
+    wide = jdp.parallelize(train_step, devices=grid(2, 4), axis_name=AXES)
+    state = wide.replicate(init)
+    for batch in batches[: H + 1]:  # between syncs
+        state, _ = wide(state, wide.shard(batch))
+    narrow = jdp.parallelize(train_step, devices=grid(4, 2), axis_name=AXES)
+    with jdp.checkpoint.CheckpointManager(tmp_path) as manager:
+        manager.save(H + 1, state)
+        with pytest.warns(RuntimeWarning, match=r"laid out on a 4 x 2 mesh, not 2 x 4"):
+            restored = manager.restore(narrow.replicate(init))
+    jdp.assert_replicas_in_sync(restored)
+    for batch in batches[H + 1 :]:
+        restored, _ = narrow(restored, narrow.shard(batch))
+    jdp.assert_replicas_in_sync(jdp.bmuf_global_params(restored))
+
+
 # -- errors ------------------------------------------------------------------------
 
 

@@ -154,13 +154,23 @@ def _restore_replicated(
     like_by_path = _per_replica.leaves_by_path(like)
     refs = [like_by_path.get(r["path"]) for r in per.values()]
     counts = {None if x is None or is_custom(x) else x.shape[0] for x in refs}
-    if counts == {meta["num_replicas"]}:
+    # The same count on another mesh (a 4 x 2 host mesh for 2 x 4) groups the
+    # replicas otherwise: each one's own values no longer belong where they go.
+    meshes = {tuple(m) for x in refs if x is not None and (m := _format.mesh_shape(x))}
+    saved_mesh = meta.get("mesh_shape")  # None: written before it was recorded
+    same_mesh = saved_mesh is None or meshes <= {tuple(saved_mesh)}
+    if counts == {meta["num_replicas"]} and same_mesh:
         own = _per_replica.read_replicas(
             store.open(create=False), store.directory, step, meta, per, like_by_path
         )
         return _per_replica.place_with(host, like, own)
     count = next(iter(counts)) if len(counts) == 1 else None
-    why = f"`like` has {count} replicas" if count else "`like` lays them out"
+    if count == meta["num_replicas"] and not same_mesh:
+        shape = " x ".join(map(str, next(iter(meshes))))
+        saved = " x ".join(map(str, saved_mesh))
+        why = f"`like` is laid out on a {shape} mesh, not {saved}"
+    else:
+        why = f"`like` has {count} replicas" if count else "`like` lays them out"
     host = _per_replica.one_copy_of_differing(
         store.directory, step, meta, host, per, why
     )
