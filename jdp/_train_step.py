@@ -156,7 +156,12 @@ def make_train_step(
         if sync_state is not None:
             changes["sync_state"] = sync_state
         if scale is not None:
-            changes["dynamic_scale"] = _loss.next_scale(scale, extra["skipped"] == 0)
+            finite = extra["skipped"] == 0
+            if (dropped := extra.get("dropped_replicas")) is not None:
+                # A replica the piece left out overflowed (most likely at this
+                # scale): the scale backs off too, or it would be left out for good.
+                finite &= lax.pmax(dropped, axis) == 0
+            changes["dynamic_scale"] = _loss.next_scale(scale, finite)
             extra["loss_scale"] = scale.scale
             _loss.warn_if_collapsed(changes["dynamic_scale"].scale, axis)
         loss, extra = _loss.kept_loss(out, loss, extra, axis)

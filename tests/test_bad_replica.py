@@ -370,6 +370,36 @@ def test_a_dropped_replica_restarts_with_a_clean_inner_state(inner_state_at_sync
     np.testing.assert_array_equal(params, np.broadcast_to(params[0], params.shape))
 
 
+def test_loss_scaling_backs_off_for_a_dropped_replica_too():
+    """A replica whose float16 gradients overflow only at the loss scale was
+    dropped at every step: nothing was skipped, so the scale never backed off
+    and the replica's data never trained."""
+    from flax.training.dynamic_scale import DynamicScale
+
+    x = np.ones((8, 4), np.float32)
+    x[6:] *= 100.0  # replica 3 of 4: larger, float16-safe, activations
+
+    def loss(p, b):  # float16 compute, float32 params
+        y = b.astype(jnp.float16) @ p["w"].astype(jnp.float16)
+        return jnp.mean(y.astype(jnp.float32) ** 2)
+
+    tx = optax.sgd(1e-6)
+    sync = jdp.all_reduce(on_bad_replica="drop")
+    step = jdp.parallelize(
+        jdp.make_train_step(loss, tx, sync=sync), devices=jax.devices()[:4]
+    )
+    params = {"w": np.full((4, 1), 0.05, np.float32)}
+    state = step.replicate(
+        jdp.TrainState.create(params=params, tx=tx, dynamic_scale=DynamicScale())
+    )
+    dropped = []
+    for _ in range(16):
+        state, metrics = step(state, step.shard(x))
+        dropped.append(float(metrics["dropped_replicas"]))
+    assert dropped[0] == 1.0 and dropped[-1] == 0.0, dropped
+    assert float(step.unreplicate(state).dynamic_scale.scale) < 2.0**16
+
+
 DROP_COUNT_CHILD = """
 import os
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=300"
