@@ -178,12 +178,14 @@ def make_train_step(
         metrics = {"loss": loss, **extra}
         if has_aux:
             aux = aux if isinstance(aux, dict) else {"aux": aux}
-            if taken := sorted(set(aux) & set(metrics), key=str):
+            # An aux "loss" is the flax recipes' own loss metric (without the
+            # weight penalty, say): it replaces the step's. The step's other
+            # metrics report what it did, and stay.
+            if taken := sorted(set(aux) & (set(metrics) - {"loss"}), key=str):
                 raise ValueError(
                     f"`{api}`: `loss_fn`'s auxiliary metrics {taken} have the names of "
-                    f"the step's own metrics ({sorted(metrics, key=str)}), which they "
-                    "would replace (the step's `loss` is the global mean over every "
-                    "replica's examples). Rename them, e.g. `replica_loss`."
+                    "metrics the step reports about itself (skipped steps, the loss "
+                    "scale, dropped replicas), which they would hide. Rename them."
                 )
             metrics.update(aux)
         return state.replace(**changes), metrics

@@ -70,6 +70,23 @@ def float_map(fn, tree, *rest):
     return jax.tree.map(lambda x, *r: fn(x, *r) if is_float(x) else x, tree, *rest)
 
 
+def fill_empty(tree: PyTree, like: PyTree) -> PyTree:
+    """`tree` with each empty subtree (no leaves) taken from `like`.
+
+    Such as the parameters a mask (`optax.multi_transform`) left out of an
+    optimizer's params-shaped state; `tree` itself if it does not fit `like`.
+    """
+
+    def empty(x):
+        return not jax.tree.leaves(x)
+
+    try:
+        return jax.tree.map(lambda t, x: x if empty(t) else t, tree, like,
+                            is_leaf=empty)  # fmt: skip
+    except (ValueError, TypeError):  # `tree` is not a prefix of `like`
+        return tree
+
+
 def finite(tree: PyTree) -> jax.Array:
     """Whether every floating-point leaf of `tree` is finite (a bool scalar)."""
     ok = jnp.array(True)

@@ -15,8 +15,8 @@ from jdp._bmuf._average import mean
 from jdp._bmuf._deferred import MERGES_ARG
 from jdp._bmuf._fragments import plan, take
 from jdp._bmuf._options import BlockAverage, InnerStateAtSync, Streaming, check, record
-from jdp._bmuf._state import BMUFState, fill_masked, find_states, float_map
-from jdp._tree import PyTree
+from jdp._bmuf._state import BMUFState, find_states, float_map
+from jdp._tree import PyTree, fill_empty
 
 NO_PARAMS_MSG = (
     "`jdp.bmuf` needs the current parameters: call `tx.update(grads, opt_state, "
@@ -196,4 +196,4 @@ def bmuf_global_params(state: PyTree) -> PyTree:
     params = state.get("params") if isinstance(state, dict) else None
     params = getattr(state, "params", params)
     g = found[0].global_params
-    return g if params is None else fill_masked(g, params)
+    return g if params is None else fill_empty(g, params)

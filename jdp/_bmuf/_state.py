@@ -105,23 +105,6 @@ def cast_like(tree, like):
     )
 
 
-def fill_masked(tree: PyTree, params: PyTree) -> PyTree:
-    """`tree` with the parts a mask left out (`optax.MaskedNode`) from `params`.
-
-    `tree` is shaped like `params` but where `optax.multi_transform` or `masked`
-    left parts out; it comes back as it is if it does not fit `params`.
-    """
-
-    def masked(x):
-        return isinstance(x, optax.MaskedNode)
-
-    try:
-        return jax.tree.map(lambda t, p: p if masked(t) else t, tree, params,
-                            is_leaf=masked)  # fmt: skip
-    except (ValueError, TypeError):  # `tree` is not shaped like `params`
-        return tree
-
-
 def _holds_hyperparams(x) -> bool:
     """Whether `x` is the state of `optax.inject_hyperparams(...)`."""
     return isinstance(

@@ -114,12 +114,12 @@ def make_metadata(
         "jax_version": jax.__version__, "python_version": sys.version.split()[0],
         "num_replicas": num_replicas, "backend": getattr(parallel, "backend", None),
         "axis_name": getattr(parallel, "axis_name", None),
-        "process_count": jax.process_count(), "mesh_shape": mesh_shape(first),
+        "process_count": jax.process_count(), "mesh_grid": mesh_grid(first),
         "state_type": f"{cls.__module__}.{cls.__qualname__}", "leaves": leaves,
     }  # fmt: skip
 
 
-def mesh_shape(x: Any) -> list[int] | None:
+def mesh_grid(x: Any) -> list[int] | None:
     """The shape of the device mesh a replicated leaf is laid out on, or None.
 
     E.g. `[2, 4]` for a host mesh of 2 hosts of 4 devices, `[8]` for a flat one.

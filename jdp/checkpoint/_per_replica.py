@@ -18,9 +18,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from jdp import _replica_parts
-from jdp._bmuf._state import fill_masked
 from jdp._layout import compare_replicas, is_custom, place_like
-from jdp._tree import PyTree, keystr
+from jdp._tree import PyTree, fill_empty, keystr
 from jdp.checkpoint._common import short_list
 from jdp.checkpoint._damage import corrupt, reading
 from jdp.checkpoint._format import REPLICAS_ITEM, crc32, host_copy
@@ -63,7 +62,7 @@ def block_start_params(host: PyTree) -> tuple[PyTree, str]:
     is_dict = isinstance(host, dict)
     params = host.get("params") if is_dict else getattr(host, "params", None)
     if params is not None:  # a `jdp.bmuf` under one label: the others as they are
-        start = fill_masked(start, params)
+        start = fill_empty(start, params)
     settable = is_dict or hasattr(host, "replace") or hasattr(host, "_replace")
     if params is None or not settable or tree_def(params) != tree_def(start):
         return host, (

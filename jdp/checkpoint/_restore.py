@@ -156,8 +156,8 @@ def _restore_replicated(
     counts = {None if x is None or is_custom(x) else x.shape[0] for x in refs}
     # The same count on another mesh (a 4 x 2 host mesh for 2 x 4) groups the
     # replicas otherwise: each one's own values no longer belong where they go.
-    meshes = {tuple(m) for x in refs if x is not None and (m := _format.mesh_shape(x))}
-    saved_mesh = meta.get("mesh_shape")  # None: written before it was recorded
+    meshes = {tuple(m) for x in refs if x is not None and (m := _format.mesh_grid(x))}
+    saved_mesh = meta.get("mesh_grid")  # None: written before it was recorded
     same_mesh = saved_mesh is None or meshes <= {tuple(saved_mesh)}
     if counts == {meta["num_replicas"]} and same_mesh:
         own = _per_replica.read_replicas(
