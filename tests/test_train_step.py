@@ -164,38 +164,40 @@ def test_what_a_batch_stats_loss_returns_is_named(wrap, has_aux, match):
         step(state, step.shard(make_batches(1, 32)[0]))
 
 
-@pytest.mark.parametrize("microbatches", [1, 2])
-def test_a_prng_key_in_aux_is_named_with_microbatches_too(microbatches):
-    """With microbatches, NumPy's "Cannot interpret 'key<fry>' as a data type"."""
-
-    def loss(params, batch):
-        return jnp.mean(batch * params["w"]), {"key": jax.random.key(0)}
-
-    tx = optax.sgd(0.1)
-    step = jdp.parallelize(
-        jdp.make_train_step(loss, tx, has_aux=True, microbatches=microbatches),
-        devices=jax.devices()[:2],
-    )
-    state = step.replicate(jdp.TrainState.create(params={"w": jnp.ones(())}, tx=tx))
-    with pytest.raises(TypeError, match=r"metric \['key'\] is a PRNG key"):
-        step(state, step.shard(np.ones(4, np.float32)))
-
-
-def test_aux_metrics_named_like_the_steps_bookkeeping_are_refused():
-    """An aux "skipped" silently hid the step's count of skipped steps (an aux
-    "loss" replaces the step's: the flax recipes' own loss metric)."""
-    tx = optax.sgd(0.1)
-
+@pytest.mark.parametrize(
+    ("make_aux", "options", "error", "match"),
+    [
+        # With microbatches: NumPy's "Cannot interpret 'key<fry>' as a data type".
+        (lambda loss: {"key": jax.random.key(0)}, {}, TypeError, "is a PRNG key"),
+        (
+            lambda loss: {"key": jax.random.key(0)},
+            {"microbatches": 2},
+            TypeError,
+            "is a PRNG key",
+        ),
+        # An aux "skipped" silently hid the step's count of skipped steps (an aux
+        # "loss" replaces the step's: the flax recipes' own loss metric).
+        (
+            lambda loss: {"loss": 2 * loss, "skipped": 0},
+            {"skip_nonfinite": True},
+            ValueError,
+            r"auxiliary metrics \['skipped'\] have the names of metrics the step",
+        ),
+    ],
+    ids=["key", "key-microbatches", "bookkeeping-name"],
+)
+def test_an_aux_metric_the_step_cannot_report_is_named(make_aux, options, error, match):
     def loss_fn(params, batch):
         loss = jnp.mean(batch * params["w"])
-        return loss, {"loss": 2 * loss, "skipped": 0}
+        return loss, make_aux(loss)
 
+    tx = optax.sgd(0.1)
     step = jdp.parallelize(
-        jdp.make_train_step(loss_fn, tx, has_aux=True, skip_nonfinite=True),
+        jdp.make_train_step(loss_fn, tx, has_aux=True, **options),
         devices=jax.devices()[:2],
     )
     state = step.replicate(jdp.TrainState.create(params={"w": jnp.ones(())}, tx=tx))
-    with pytest.raises(ValueError, match=r"auxiliary metrics \['skipped'\] have the"):
+    with pytest.raises(error, match=match):
         step(state, step.shard(np.ones(4, np.float32)))
 
 
