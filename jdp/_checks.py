@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from jdp import _layout
-from jdp._tree import PyTree, format_problems
+from jdp._tree import PyTree, float_bits, format_problems
 
 
 def _same(x, ref):
@@ -17,9 +16,8 @@ def _same(x, ref):
     """
     if jnp.issubdtype(x.dtype, jnp.complexfloating):
         return _same(x.real, ref.real) & _same(x.imag, ref.imag)
-    bits = jnp.dtype(f"uint{8 * x.dtype.itemsize}")
-    xb, rb = lax.bitcast_convert_type(x, bits), lax.bitcast_convert_type(ref, bits)
-    magnitude = ~np.array(1 << (8 * x.dtype.itemsize - 1), bits)  # all but the sign
+    xb, rb = float_bits(x), float_bits(ref)
+    magnitude = ~np.array(1 << (8 * xb.dtype.itemsize - 1), xb.dtype)  # no sign
     zeros = ((xb & magnitude) == 0) & ((rb & magnitude) == 0)
     return (xb == rb) | zeros | (jnp.isnan(x) & jnp.isnan(ref))
 

@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 
 from jdp import _coordination, _progress, _replica_parts
 from jdp._layout import compare_replicas, is_key, mesh_axis
-from jdp._tree import PyTree, keystr
+from jdp._tree import PyTree, as_real, keystr
 
 # The start and end every divergence message shares.
 _DIVERGED = (
@@ -143,8 +143,7 @@ def _bits(x: jax.Array) -> jax.Array:
         x = jax.random.key_data(x)
     if x.dtype == jnp.bool_:
         return x.astype(jnp.uint32)
-    if jnp.issubdtype(x.dtype, jnp.complexfloating):
-        x = jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1)
+    x = as_real(x)
     # 64-bit and complex leaves become pairs of 32-bit words (a trailing axis).
     unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
     return lax.bitcast_convert_type(x, unsigned[min(jnp.dtype(x.dtype).itemsize, 4)])

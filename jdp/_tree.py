@@ -65,6 +65,18 @@ def from_real(v: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
     return v.reshape(shape).astype(dtype)
 
 
+_UNSIGNED = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
+
+
+def float_bits(x: jax.Array) -> jax.Array:
+    """A real floating-point array's bits, as unsigned integers of its width.
+
+    Compared as bits, -0.0 differs from 0.0, NaNs with their payloads, and
+    subnormal numbers that a CPU would read as zero keep their values.
+    """
+    return jax.lax.bitcast_convert_type(x, _UNSIGNED[jnp.dtype(x.dtype).itemsize])
+
+
 def float_map(fn, tree, *rest):
     """Applies `fn` to floating leaves; other leaves keep `tree`'s value."""
     return jax.tree.map(lambda x, *r: fn(x, *r) if is_float(x) else x, tree, *rest)

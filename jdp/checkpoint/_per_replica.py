@@ -19,7 +19,7 @@ from etils import epath
 
 from jdp import _replica_parts
 from jdp._layout import compare_replicas, is_custom, place_like
-from jdp._tree import PyTree, fill_empty, keystr
+from jdp._tree import PyTree, fill_empty, float_bits, keystr
 from jdp.checkpoint._common import short_list
 from jdp.checkpoint._damage import corrupt, reading
 from jdp.checkpoint._format import REPLICAS_ITEM, crc32, host_copy
@@ -32,15 +32,13 @@ DIFFERING_MSG = (
     "{saved} replicas to resume exactly).{note}"
 )
 
-_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
-
 
 def _bits(x: jax.Array) -> list[jax.Array]:
     """`x` as unsigned integers with the same bits (floats: -0.0 != 0.0, NaNs)."""
     if jnp.issubdtype(x.dtype, jnp.complexfloating):
         return _bits(jnp.real(x)) + _bits(jnp.imag(x))
     if jnp.issubdtype(x.dtype, jnp.floating):
-        return [jax.lax.bitcast_convert_type(x, _UINT[x.dtype.itemsize])]
+        return [float_bits(x)]
     return [x]
 
 
