@@ -64,7 +64,7 @@ def _warn_if_never_synced(sync, optimizer, state, axis) -> None:
     num = _collectives.axis_size(axis, "jdp.make_train_step")
     if num < 2 or _replica_parts.trains_locally(state.opt_state):
         return
-    if _moving_axes_of(optimizer):
+    if _moving_axes(optimizer):
         return
     if not _piece_syncs_every_leaf(sync, state, axis):  # a partition's unused label
         warnings.warn(
@@ -82,14 +82,17 @@ def _warn_if_never_synced(sync, optimizer, state, axis) -> None:
 
 def _piece_syncs_every_leaf(sync, state, axis) -> bool:
     """Whether every gradient the piece returns agrees across replicas (traced)."""
+    update = _piece_update(sync, state, axis)
+    closed = _traced(lambda g: update(g)[0], state.params)
+    local = [True] * len(closed.jaxpr.invars)
+    return not any(_jax_compat.local_outputs(closed, local, _axes(axis)))
+
+
+def _piece_update(sync, state, axis):
+    """`grads -> sync.update(grads, ...)` with the state's (or a new) piece state."""
     held = getattr(state, "sync_state", None)
     piece_state = sync.initial_state(state.params) if held is None else held
-    grads = jax.tree.map(lambda p: p if is_float(p) else None, state.params)
-    closed = jax.make_jaxpr(
-        lambda g: sync.update(g, piece_state, state.params, axis)[0]
-    )(grads)
-    local = [True] * len(jax.tree.leaves(grads))
-    return not any(_jax_compat.local_outputs(closed, local, _axes(axis)))
+    return lambda g: sync.update(g, piece_state, state.params, axis)
 
 
 AVERAGES_WITH_BMUF_MSG = (
@@ -114,11 +117,8 @@ def _check_axes(sync, tx, state, axis, api) -> None:
         if local:  # a flat mesh: no axis left for `jdp.bmuf`
             raise _beside_bmuf(api, step_axes, "the same axis")
         return
-    held = getattr(state, "sync_state", None)
-    piece_state = sync.initial_state(state.params) if held is None else held
-    piece = _moving_axes(
-        lambda g: sync.update(g, piece_state, state.params, axis)[:2], state.params
-    )
+    update = _piece_update(sync, state, axis)
+    piece = _moving_axes(_traced(lambda g: update(g)[:2], state.params))
     rest = step_axes - piece
     if local:
         optimizer = _optimizer_axes(tx, state)
@@ -147,19 +147,21 @@ def _beside_bmuf(api, piece, bmuf: str) -> ValueError:
     return ValueError(message)
 
 
+def _traced(fn, params):
+    """`fn` traced on gradients shaped like `params` (its floating leaves)."""
+    grads = jax.tree.map(lambda p: p if is_float(p) else None, params)
+    return jax.make_jaxpr(fn)(grads)
+
+
 def _optimizer_trace(tx, state):
     """The optimizer's update traced on gradients shaped like the params."""
-    grads = jax.tree.map(lambda p: p if is_float(p) else None, state.params)
-    return jax.make_jaxpr(
-        lambda g: _transforms.update(tx, g, state.opt_state, state.params)
-    )(grads)
+    update = lambda g: _transforms.update(tx, g, state.opt_state, state.params)  # noqa: E731
+    return _traced(update, state.params)
 
 
 def _optimizer_axes(tx, state) -> set[str]:
     """The mesh axes over which optimizer `tx` moves values (traced only)."""
-    return _moving_axes(
-        lambda g: _transforms.update(tx, g, state.opt_state, state.params), state.params
-    )
+    return _moving_axes(_optimizer_trace(tx, state))
 
 
 def _names(axes) -> str:
@@ -172,17 +174,11 @@ def _axes(axis) -> set[str]:
     return {a for a in axes if isinstance(a, str)}
 
 
-def _moving_axes(fn, params) -> set[str]:
-    """The mesh axes over which `fn(gradients like params)` moves values (traced).
+def _moving_axes(closed) -> set[str]:
+    """The mesh axes over which a traced function moves values.
 
     Scalar integers and booleans (an agreed verdict) do not count.
     """
-    grads = jax.tree.map(lambda p: p if is_float(p) else None, params)
-    return _moving_axes_of(jax.make_jaxpr(fn)(grads))
-
-
-def _moving_axes_of(closed) -> set[str]:
-    """The mesh axes over which a traced function moves values."""
     found: set[str] = set()
 
     def values(v) -> bool:
