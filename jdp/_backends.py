@@ -88,20 +88,27 @@ class Step:
         devices = list(mesh.devices.flat)
         self._throttle = len(devices) > 1 and all(d.platform == "cpu" for d in devices)
         self._in_flight: list[jax.Array] = []
-        # The (state, batch) layouts called with, checked; the last state's.
+        # The (state, batch) layouts called with, checked; the last call's.
         self._seen: set[tuple] = set()
         self._state_layout: tuple | None = None
+        self._batch_layout: tuple | None = None
         self.new_layout = True  # whether the last call's layouts were new
 
     def _is_new(self, state, batch, returned: bool, flat) -> bool:
         """Whether this call's state and batch layouts are new (then recorded).
 
         A state the last call returned has that call's state layout (its layout
-        was checked unchanged).
+        was checked unchanged): with the last call's batch layout too, nothing is
+        looked up (the state's layout, one entry a leaf, is not hashed a call).
         """
-        if not (returned and self._state_layout is not None):
+        batch_layout = _layout_of(jax.tree.flatten(batch))
+        if returned and self._state_layout is not None:
+            if batch_layout == self._batch_layout:
+                return False
+        else:
             self._state_layout = _layout_of(flat if flat else jax.tree.flatten(state))
-        key = (self._state_layout, _layout_of(jax.tree.flatten(batch)))
+        self._batch_layout = batch_layout
+        key = (self._state_layout, batch_layout)
         if key in self._seen:
             return False
         self._seen.add(key)
